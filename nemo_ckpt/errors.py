@@ -1,0 +1,99 @@
+"""Every error nemo-ckpt raises, one class per kind.
+
+Each message says what happened, where, and what to do. ``BackendUnavailableError`` is
+the only kind that ``RayEnvironmentCheckpoint.is_unavailable`` treats as retriable; a
+mismatch, bad input or a storage error never is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class NemoCkptError(Exception):
+    """Base class of every error nemo-ckpt raises on purpose."""
+
+
+# --- the cut check -------------------------------------------------------------------
+
+
+class SnapshotMismatchError(NemoCkptError):
+    """The backend's captured rollouts disagree with RL's ledger at the data-plane cut.
+
+    ``differences`` lists every offending episode and staging key, not only the first.
+    """
+
+    def __init__(self, differences: tuple[object, ...]) -> None:
+        self.differences = differences
+        lines = "\n".join(f"  - {d}" for d in differences)
+        super().__init__(
+            f"environment snapshot does not match the data-plane cut "
+            f"({len(differences)} difference(s)); this snapshot could not be restored, "
+            f"so it is not committed. Check that RL records each dispatch in its ledger "
+            f"before the environment opens the session, and that every staging row is "
+            f"written inside a turn:\n{lines}"
+        )
+
+
+class StaleCutError(NemoCkptError):
+    """A data-plane cut was used after its barrier section exited."""
+
+
+# --- reading a snapshot --------------------------------------------------------------
+
+
+class SnapshotReadError(NemoCkptError):
+    """Base class of every refusal to read a snapshot. A refused read changes nothing."""
+
+    def __init__(self, path: Path | str, message: str) -> None:
+        self.path = Path(path)
+        super().__init__(message)
+
+
+class SnapshotNotFoundError(SnapshotReadError):
+    """No committed snapshot (no manifest) exists at the path."""
+
+    def __init__(self, path: Path | str, detail: str = "") -> None:
+        extra = f" {detail}" if detail else ""
+        super().__init__(
+            path,
+            f"no environment snapshot at {path}: {Path(path) / 'manifest.json'} does not "
+            f"exist.{extra} A snapshot is committed only when its manifest is written; "
+            f"pass the checkpoint path that snapshot() was given, or restore an earlier "
+            f"checkpoint.",
+        )
+
+
+class CheckpointPathError(SnapshotReadError):
+    """The checkpoint path exists but cannot hold a snapshot (for example, it is a file)."""
+
+
+class UnsupportedFormatVersionError(SnapshotReadError):
+    """The manifest's format version is not one this nemo-ckpt can read."""
+
+
+class ManifestInvalidError(SnapshotReadError):
+    """The manifest does not parse as JSON or does not validate."""
+
+
+class TornSnapshotError(SnapshotReadError):
+    """A shard the manifest names is missing."""
+
+
+class ShardCorruptedError(SnapshotReadError):
+    """A shard's byte length or content hash differs from the manifest's, or it does not decode."""
+
+
+class UnsafeShardNameError(SnapshotReadError):
+    """A manifest names a shard file that is not a plain file name in its folder."""
+
+
+# --- writing a snapshot --------------------------------------------------------------
+
+
+class SnapshotWriteError(NemoCkptError):
+    """Writing a shard or the manifest failed (read-only, gone, out of space, ...)."""
+
+    def __init__(self, path: Path | str, message: str) -> None:
+        self.path = Path(path)
+        super().__init__(message)

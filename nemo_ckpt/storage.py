@@ -1,0 +1,398 @@
+"""Writing and reading snapshot files under ``<checkpoint_path>/environment/``.
+
+Every file is written the same durable way: to a temp file in the same folder,
+fsynced, renamed into place, then the folder fsynced. The content hash is computed
+while writing, never by reading the file back. The manifest is written last, so a
+folder without one holds no snapshot, whatever shards it has.
+
+Reading verifies before it returns: the manifest's version and schema, every shard
+name, every shard's length and hash. Each refusal has its own exception class (see
+``nemo_ckpt.errors``), and a refused read changes nothing on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import msgpack
+from pydantic import ValidationError
+
+from nemo_ckpt.errors import (
+    CheckpointPathError,
+    ManifestInvalidError,
+    ShardCorruptedError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+    TornSnapshotError,
+    UnsafeShardNameError,
+    UnsupportedFormatVersionError,
+)
+from nemo_ckpt.manifest import (
+    ENVIRONMENT_DIR,
+    MANIFEST_NAME,
+    SHARD_PREFIX,
+    SHARD_SUFFIX,
+    SUPPORTED_FORMAT_VERSIONS,
+    Manifest,
+    ShardEntry,
+    is_plain_file_name,
+)
+from nemo_ckpt.sessions import SessionRecord
+
+__all__ = [
+    "environment_dir",
+    "prepare_environment_dir",
+    "write_shard",
+    "write_manifest",
+    "read_manifest",
+    "read_shard",
+    "read_snapshot",
+    "remove_files",
+    "remove_unreferenced_files",
+    "LoadedSnapshot",
+]
+
+SHARD_MAGIC = "nemo-ckpt-shard"
+SHARD_VERSION = 1
+_TMP_MARK = ".tmp-"
+# Large enough that a write is one syscall per chunk at disk speed, small enough to
+# keep a holder's extra memory during persist to one buffer.
+_WRITE_CHUNK = 4 << 20
+
+
+def environment_dir(checkpoint_path: Path | str) -> Path:
+    """The folder that holds the environment's half of a checkpoint."""
+    return Path(checkpoint_path) / ENVIRONMENT_DIR
+
+
+# --- writing -------------------------------------------------------------------------
+
+
+class _HashingWriter:
+    """Buffers writes into large chunks and hashes every byte on its way to the file."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self._buf = bytearray()
+        self.hash = hashlib.sha256()
+        self.length = 0
+
+    def write(self, data: bytes) -> None:
+        self.hash.update(data)
+        self.length += len(data)
+        if len(data) >= _WRITE_CHUNK:
+            self._flush()
+            self._f.write(data)
+        else:
+            self._buf += data
+            if len(self._buf) >= _WRITE_CHUNK:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._buf:
+            self._f.write(self._buf)
+            self._buf.clear()
+
+    def close(self) -> None:
+        self._flush()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(directory: Path, name: str, fill: Any) -> tuple[int, str]:
+    """Write ``name`` in ``directory`` through ``fill(writer)``; return (length, sha256).
+
+    The file appears under its name only once complete and fsynced; on any failure
+    the temp file goes and ``SnapshotWriteError`` says where and why.
+    """
+    if not is_plain_file_name(name):
+        raise ValueError(f"{name!r} is not a plain file name")
+    tmp = directory / f".{name}{_TMP_MARK}{uuid.uuid4().hex}"
+    target = directory / name
+    try:
+        with open(tmp, "xb", buffering=0) as f:
+            writer = _HashingWriter(f)
+            fill(writer)
+            writer.close()
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(directory)
+    except BaseException as exc:
+        # Whatever failed (disk, or the caller's own iterator), no partial file stays.
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise SnapshotWriteError(target, _write_failure(target, exc)) from exc
+        raise
+    return writer.length, writer.hash.hexdigest()
+
+
+def _write_failure(target: Path, exc: OSError) -> str:
+    reason = {
+        errno.ENOSPC: "the filesystem is full; free space or point snapshots elsewhere",
+        errno.EDQUOT: "the disk quota is exhausted; free space or raise the quota",
+        errno.EROFS: "the filesystem is read-only; mount it read-write",
+        errno.EACCES: "permission denied; let the Ray workers' user write there",
+        errno.EPERM: "permission denied; let the Ray workers' user write there",
+        errno.ENOENT: "the checkpoint folder disappeared while writing; check what removes it",
+    }.get(exc.errno or 0, "check the filesystem and retry the snapshot")
+    return f"could not write {target}: {exc.strerror or exc} ({reason})"
+
+
+def prepare_environment_dir(checkpoint_path: Path | str) -> Path:
+    """Create ``<checkpoint_path>/environment`` if needed and return it."""
+    directory = environment_dir(checkpoint_path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SnapshotWriteError(directory, _write_failure(directory, exc)) from exc
+    return directory
+
+
+def write_shard(
+    directory: Path, name: str, instance_id: str, sessions: Iterable[SessionRecord]
+) -> ShardEntry:
+    """Write ``sessions`` of ``instance_id`` as shard ``name`` and return its manifest entry.
+
+    The shard is a stream of msgpack objects: a header map, then one map per session.
+    Sessions are packed one at a time, so peak extra memory is one session plus one
+    write buffer, not a second copy of the shard.
+    """
+    count = 0
+
+    def fill(w: _HashingWriter) -> None:
+        nonlocal count
+        packer = msgpack.Packer(use_bin_type=True)
+        w.write(packer.pack({"format": SHARD_MAGIC, "version": SHARD_VERSION,
+                             "instance_id": instance_id}))
+        for record in sessions:
+            if record.instance_id != instance_id:
+                raise ValueError(
+                    f"session {record.episode.capture_key} belongs to "
+                    f"{record.instance_id}, not to shard instance {instance_id}"
+                )
+            w.write(packer.pack(record.to_wire()))
+            count += 1
+
+    length, digest = _write_durably(directory, name, fill)
+    return ShardEntry(file=name, bytes=length, sha256=digest, instance_id=instance_id,
+                      sessions=count)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Commit the snapshot: write ``manifest.json`` durably. Call it after every shard."""
+    data = manifest.model_dump_json(indent=2).encode()
+    _write_durably(directory, MANIFEST_NAME, lambda w: w.write(data))
+
+
+def remove_files(directory: Path, names: Iterable[str]) -> None:
+    """Remove the named plain files from ``directory``; missing ones are fine."""
+    for name in names:
+        if is_plain_file_name(name):
+            (directory / name).unlink(missing_ok=True)
+
+
+def remove_unreferenced_files(directory: Path, manifest: Manifest) -> list[str]:
+    """After a commit, remove shards and temp files the committed manifest does not name.
+
+    They belong to an older snapshot this one replaced, or to an aborted one. Only
+    files whose names nemo-ckpt makes are touched. Returns the names removed.
+    """
+    keep = {s.file for s in manifest.shards}
+    removed = []
+    for entry in directory.iterdir():
+        name = entry.name
+        ours = (name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)) or (
+            name.startswith(".") and _TMP_MARK in name
+        )
+        if ours and name not in keep:
+            entry.unlink(missing_ok=True)
+            removed.append(name)
+    if removed:
+        _fsync_dir(directory)
+    return removed
+
+
+# --- reading -------------------------------------------------------------------------
+
+
+def read_manifest(checkpoint_path: Path | str) -> Manifest:
+    """Read and validate the manifest of the snapshot at ``checkpoint_path``.
+
+    Raises one of ``SnapshotNotFoundError``, ``CheckpointPathError``,
+    ``UnsupportedFormatVersionError``, ``ManifestInvalidError`` or
+    ``UnsafeShardNameError``. Shards are not read; see ``read_snapshot``.
+    """
+    root = Path(checkpoint_path)
+    directory = environment_dir(root)
+    for p in (root, directory):
+        if p.exists() and not p.is_dir():
+            raise CheckpointPathError(
+                p, f"checkpoint path {p} is a file, not a folder; pass the folder that "
+                   f"snapshot() was given (the one holding {ENVIRONMENT_DIR}/)"
+            )
+    path = directory / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        detail = ""
+        if directory.is_dir() and any(directory.glob(f"{SHARD_PREFIX}*")):
+            detail = ("Shards are present without a manifest: a snapshot was interrupted "
+                      "before it committed.")
+        raise SnapshotNotFoundError(directory, detail) from None
+    except OSError as exc:
+        raise CheckpointPathError(
+            path, f"cannot read {path}: {exc.strerror or exc}; check its permissions"
+        ) from exc
+
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestInvalidError(
+            path, f"{path} is not valid JSON ({exc}); the file is damaged: restore an "
+                  f"earlier checkpoint"
+        ) from exc
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) \
+            and version not in SUPPORTED_FORMAT_VERSIONS:
+        raise UnsupportedFormatVersionError(
+            path, f"{path} has format version {version}, but this nemo-ckpt reads only "
+                  f"{sorted(SUPPORTED_FORMAT_VERSIONS)}; restore with the nemo-ckpt "
+                  f"version that wrote it, or a newer one"
+        )
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise ManifestInvalidError(
+            path, f"{path} does not validate as a nemo-ckpt manifest: {exc}; the file is "
+                  f"damaged or not ours: restore an earlier checkpoint"
+        ) from exc
+    for shard in manifest.shards:
+        if not is_plain_file_name(shard.file):
+            raise UnsafeShardNameError(
+                path, f"{path} names shard {shard.file!r}, which is not a plain file name "
+                      f"in {directory}; refusing to read outside the snapshot folder. The "
+                      f"manifest was tampered with or damaged: restore an earlier checkpoint"
+            )
+    return manifest
+
+
+def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
+    """Read one shard, verifying its length and hash before decoding it."""
+    if not is_plain_file_name(entry.file):
+        raise UnsafeShardNameError(
+            directory, f"shard name {entry.file!r} is not a plain file name in {directory}"
+        )
+    path = directory / entry.file
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != entry.bytes:
+                raise ShardCorruptedError(
+                    path, f"shard {path} is {size} bytes, but the manifest says "
+                          f"{entry.bytes}: it was truncated or overwritten; restore an "
+                          f"earlier checkpoint"
+                )
+            data = f.read()
+    except FileNotFoundError:
+        raise TornSnapshotError(
+            path, f"shard {path}, named in the manifest, is missing: the snapshot is torn "
+                  f"(files were removed or not copied); restore an earlier checkpoint or "
+                  f"copy the whole {directory} again"
+        ) from None
+    except OSError as exc:
+        raise CheckpointPathError(
+            path, f"cannot read shard {path}: {exc.strerror or exc}; check its permissions"
+        ) from exc
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != entry.bytes or digest != entry.sha256:
+        raise ShardCorruptedError(
+            path, f"shard {path} has SHA-256 {digest}, but the manifest says "
+                  f"{entry.sha256}: its content changed after the snapshot; restore an "
+                  f"earlier checkpoint"
+        )
+    return _decode_shard(path, entry, data)
+
+
+def _decode_shard(path: Path, entry: ShardEntry, data: bytes) -> list[SessionRecord]:
+    def corrupt(why: str) -> ShardCorruptedError:
+        return ShardCorruptedError(
+            path, f"shard {path} matches its hash but does not decode ({why}); it was "
+                  f"written by a different tool: restore an earlier checkpoint"
+        )
+
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1 << 20))
+    unpacker.feed(data)
+    try:
+        objects = list(unpacker)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise corrupt(str(exc)) from exc
+    if unpacker.tell() != len(data):
+        raise corrupt(f"{len(data) - unpacker.tell()} trailing bytes do not decode")
+    if not objects or not isinstance(objects[0], dict) \
+            or objects[0].get("format") != SHARD_MAGIC:
+        raise corrupt("no nemo-ckpt shard header")
+    header = objects[0]
+    if header.get("version") != SHARD_VERSION or header.get("instance_id") != entry.instance_id:
+        raise corrupt(f"header {header!r} does not fit manifest entry for {entry.instance_id}")
+    records = []
+    for obj in objects[1:]:
+        try:
+            record = SessionRecord.from_wire(obj)
+        except ValueError as exc:
+            raise corrupt(str(exc)) from exc
+        if record.instance_id != entry.instance_id:
+            raise corrupt(f"session of {record.instance_id} in a shard of {entry.instance_id}")
+        records.append(record)
+    if len(records) != entry.sessions:
+        raise corrupt(f"{len(records)} sessions, manifest says {entry.sessions}")
+    return records
+
+
+@dataclass(frozen=True)
+class LoadedSnapshot:
+    """A snapshot read and fully verified: its manifest and every session, by instance."""
+
+    manifest: Manifest
+    sessions: dict[str, list[SessionRecord]]
+
+
+def read_snapshot(checkpoint_path: Path | str) -> LoadedSnapshot:
+    """Read and verify the whole snapshot at ``checkpoint_path``.
+
+    Every instance listed in the manifest appears in ``sessions``, holding nothing or
+    not. Raises a ``SnapshotReadError`` subclass on the first refusal.
+    """
+    manifest = read_manifest(checkpoint_path)
+    directory = environment_dir(checkpoint_path)
+    sessions: dict[str, list[SessionRecord]] = {i: [] for i in manifest.instances}
+    rollouts = {r.rollout_id: r for r in manifest.rollouts}
+    for shard in manifest.shards:
+        for record in read_shard(directory, shard):
+            entry = rollouts.get(record.episode.rollout_id)
+            if entry is None or entry.shard != shard.file \
+                    or entry.attempt != record.episode.attempt:
+                raise ShardCorruptedError(
+                    directory / shard.file,
+                    f"shard {directory / shard.file} holds {record.episode.capture_key}, "
+                    f"which its manifest does not list there; restore an earlier checkpoint",
+                )
+            sessions[shard.instance_id].append(record)
+    return LoadedSnapshot(manifest=manifest, sessions=sessions)

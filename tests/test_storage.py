@@ -1,0 +1,334 @@
+"""The on-disk format: durable writes, a manifest written last, and verified reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from nemo_ckpt.errors import (
+    CheckpointPathError,
+    ManifestInvalidError,
+    ShardCorruptedError,
+    SnapshotNotFoundError,
+    SnapshotReadError,
+    SnapshotWriteError,
+    TornSnapshotError,
+    UnsafeShardNameError,
+    UnsupportedFormatVersionError,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.manifest import Manifest, RolloutEntry, ShardEntry, is_plain_file_name, shard_file_name
+from nemo_ckpt.sessions import SessionRecord
+from nemo_ckpt.storage import (
+    environment_dir,
+    prepare_environment_dir,
+    read_manifest,
+    read_snapshot,
+    remove_unreferenced_files,
+    write_manifest,
+    write_shard,
+)
+
+
+def session(inst: str, rid: str, attempt: int = 0, state: bytes = b"s", turns: int = 2
+            ) -> SessionRecord:
+    return SessionRecord(
+        instance_id=inst,
+        episode=Ep(rid, attempt),
+        turns=tuple(f"{rid}:turn{t}".encode() for t in range(turns)),
+        state=state,
+        staging_keys=frozenset(f"{rid}/row{t}" for t in range(turns)),
+        earlier_capture_keys=tuple(Ep(rid, a).capture_key for a in range(attempt)),
+    )
+
+
+def write_snapshot(root: Path, by_instance: dict[str, list[SessionRecord]],
+                   snapshot_id: str = "snap-1", restarted: int = 0) -> Manifest:
+    """Write shards, then the manifest, the way the coordinator commits."""
+    directory = prepare_environment_dir(root)
+    shards, rollouts = [], []
+    for inst, records in by_instance.items():
+        if not records:
+            continue
+        entry = write_shard(directory, shard_file_name(snapshot_id, inst), inst, records)
+        shards.append(entry)
+        rollouts += [
+            RolloutEntry(instance_id=inst, rollout_id=r.episode.rollout_id,
+                         attempt=r.episode.attempt, turns=len(r.turns),
+                         staging_keys=sorted(r.staging_keys), shard=entry.file)
+            for r in records
+        ]
+    manifest = Manifest(
+        format_version=1, snapshot_id=snapshot_id, created_at=datetime.now(timezone.utc),
+        instances=sorted(by_instance), shards=shards, rollouts=rollouts,
+        restarted_rollouts=restarted, metrics={"paused_seconds": 0.01},
+    )
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def snapshot_root(tmp_path: Path) -> Path:
+    root = tmp_path / "ckpt"
+    write_snapshot(root, {"holder-0": [session("holder-0", "a"), session("holder-0", "b", 2)],
+                          "holder-1": [session("holder-1", "c", 1)],
+                          "holder-2": []}, restarted=3)
+    return root
+
+
+def shard_path(root: Path, instance: str = "holder-0") -> Path:
+    return environment_dir(root) / shard_file_name("snap-1", instance)
+
+
+def manifest_path(root: Path) -> Path:
+    return environment_dir(root) / "manifest.json"
+
+
+def edit_manifest(root: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    data = json.loads(manifest_path(root).read_text())
+    edit(data)
+    manifest_path(root).write_text(json.dumps(data))
+
+
+# --- round trips ---------------------------------------------------------------------
+
+
+def test_round_trip_keeps_every_session_by_instance(snapshot_root: Path) -> None:
+    loaded = read_snapshot(snapshot_root)
+    assert loaded.sessions == {
+        "holder-0": [session("holder-0", "a"), session("holder-0", "b", 2)],
+        "holder-1": [session("holder-1", "c", 1)],
+        "holder-2": [],
+    }
+    m = loaded.manifest
+    assert m.restarted_rollouts == 3 and m.format_version == 1
+    assert {(r.rollout_id, r.attempt, r.turns) for r in m.rollouts} == {
+        ("a", 0, 2), ("b", 2, 2), ("c", 1, 2)}
+    assert next(r for r in m.rollouts if r.rollout_id == "c").staging_keys == ["c/row0", "c/row1"]
+
+
+def test_round_trip_of_empty_and_large_state(tmp_path: Path) -> None:
+    big = os.urandom(9 << 20)  # >= 8 MiB, incompressible
+    records = [session("holder-0", "empty", state=b"", turns=0),
+               session("holder-0", "big", state=big)]
+    write_snapshot(tmp_path, {"holder-0": records})
+    loaded = read_snapshot(tmp_path)
+    assert loaded.sessions["holder-0"] == records
+    assert loaded.sessions["holder-0"][1].state == big
+
+
+def test_shard_entry_records_the_files_true_length_and_hash(snapshot_root: Path) -> None:
+    manifest = read_manifest(snapshot_root)
+    for entry in manifest.shards:
+        data = (environment_dir(snapshot_root) / entry.file).read_bytes()
+        assert entry.bytes == len(data)
+        assert entry.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_files_on_disk_are_json_and_msgpack_without_pickle(snapshot_root: Path) -> None:
+    files = tree(snapshot_root)
+    assert sorted(files) == sorted(
+        ["environment/manifest.json",
+         f"environment/{shard_file_name('snap-1', 'holder-0')}",
+         f"environment/{shard_file_name('snap-1', 'holder-1')}"])
+    json.loads(files["environment/manifest.json"])
+    for name, data in files.items():
+        assert b"\x80\x04\x95" not in data[:3] and b"\x80\x05" not in data[:2], name
+        if name.endswith(".msgpack"):
+            unpacker = msgpack.Unpacker(raw=False)
+            unpacker.feed(data)
+            objects = list(unpacker)
+            assert objects[0]["format"] == "nemo-ckpt-shard"
+
+
+def test_no_temp_files_are_left_after_writing(snapshot_root: Path) -> None:
+    assert not [n for n in tree(snapshot_root) if ".tmp-" in n]
+
+
+def test_a_failed_shard_write_leaves_no_file_and_names_the_path(tmp_path: Path) -> None:
+    directory = prepare_environment_dir(tmp_path)
+
+    def broken():  # type: ignore[no-untyped-def]
+        yield session("holder-0", "a")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(SnapshotWriteError, match="filesystem is full") as err:
+        write_shard(directory, "shard-x.msgpack", "holder-0", broken())
+    assert str(directory / "shard-x.msgpack") in str(err.value)
+    assert list(directory.iterdir()) == []
+
+
+def test_writing_into_a_read_only_folder_raises_snapshot_write_error(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        # root ignores permission bits; use a path under a file instead, which fails alike.
+        blocker = tmp_path / "file"
+        blocker.write_bytes(b"")
+        with pytest.raises(SnapshotWriteError, match="could not write"):
+            prepare_environment_dir(blocker / "ckpt")
+        return
+    directory = prepare_environment_dir(tmp_path)
+    directory.chmod(0o500)
+    try:
+        with pytest.raises(SnapshotWriteError, match="permission denied"):
+            write_shard(directory, "shard-x.msgpack", "holder-0", [session("holder-0", "a")])
+    finally:
+        directory.chmod(0o700)
+
+
+def test_a_session_of_another_instance_is_refused_in_a_shard(tmp_path: Path) -> None:
+    directory = prepare_environment_dir(tmp_path)
+    with pytest.raises(ValueError, match="belongs to holder-1"):
+        write_shard(directory, "shard-x.msgpack", "holder-0", [session("holder-1", "a")])
+    assert list(directory.iterdir()) == []
+
+
+def test_commit_removes_an_older_snapshots_shards_but_keeps_its_own(tmp_path: Path) -> None:
+    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="old")
+    manifest = write_snapshot(tmp_path, {"holder-0": [session("holder-0", "b")]},
+                              snapshot_id="new")
+    removed = remove_unreferenced_files(environment_dir(tmp_path), manifest)
+    assert removed == [shard_file_name("old", "holder-0")]
+    assert [r.episode.rollout_id for r in read_snapshot(tmp_path).sessions["holder-0"]] == ["b"]
+
+
+def test_shard_names_are_plain_file_names() -> None:
+    assert shard_file_name("a/b", "../holder") == "shard-a_b-.._holder-0000.msgpack"
+    assert is_plain_file_name(shard_file_name("a/b", "../holder"))
+    for bad in ("../x", "/etc/passwd", "a/b", "a\\b", "..", ".", "", "x\x00y", "C:\\x"):
+        assert not is_plain_file_name(bad), bad
+
+
+# --- refusals ------------------------------------------------------------------------
+
+
+def assert_refused(root: Path, error: type[SnapshotReadError], *needles: str) -> None:
+    before = tree(root) if root.is_dir() else None
+    with pytest.raises(error) as info:
+        read_snapshot(root)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message
+    if before is not None:
+        assert tree(root) == before, "a refused read changed files on disk"
+
+
+def test_no_snapshot_at_a_missing_path(tmp_path: Path) -> None:
+    assert_refused(tmp_path / "nope", SnapshotNotFoundError, str(tmp_path / "nope"),
+                   "no environment snapshot")
+
+
+def test_no_snapshot_in_an_empty_folder(tmp_path: Path) -> None:
+    assert_refused(tmp_path, SnapshotNotFoundError, "manifest.json")
+
+
+def test_shards_without_a_manifest_read_as_no_snapshot(snapshot_root: Path) -> None:
+    manifest_path(snapshot_root).unlink()
+    assert_refused(snapshot_root, SnapshotNotFoundError, "interrupted before it committed")
+
+
+def test_a_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "ckpt"
+    f.write_text("not a folder")
+    assert_refused(f, CheckpointPathError, str(f), "is a file")
+
+
+def test_a_future_format_version_is_refused(snapshot_root: Path) -> None:
+    edit_manifest(snapshot_root, lambda d: d.update(format_version=99))
+    assert_refused(snapshot_root, UnsupportedFormatVersionError, "format version 99",
+                   str(manifest_path(snapshot_root)))
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00\xff garbage", b"{not json", b"[1, 2]"])
+def test_a_manifest_that_does_not_parse_is_refused(snapshot_root: Path, garbage: bytes) -> None:
+    manifest_path(snapshot_root).write_bytes(garbage)
+    assert_refused(snapshot_root, ManifestInvalidError, str(manifest_path(snapshot_root)))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d.pop("shards"),
+    lambda d: d["shards"][0].update(bytes=-1),
+    lambda d: d["shards"][0].update(sha256="zz"),
+    lambda d: d["rollouts"][0].update(shard="shard-unknown.msgpack"),
+    lambda d: d["shards"][0].update(sessions=7),
+    lambda d: d.update(extra_field=1),
+], ids=["no-shards", "negative-length", "bad-hash", "unknown-shard", "wrong-count", "extra"])
+def test_a_manifest_that_does_not_validate_is_refused(snapshot_root: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    edit_manifest(snapshot_root, edit)
+    assert_refused(snapshot_root, ManifestInvalidError, "does not validate")
+
+
+def test_a_deleted_shard_is_a_torn_snapshot(snapshot_root: Path) -> None:
+    shard_path(snapshot_root, "holder-1").unlink()
+    assert_refused(snapshot_root, TornSnapshotError, str(shard_path(snapshot_root, "holder-1")),
+                   "torn")
+
+
+def test_a_flipped_byte_is_caught_by_the_hash(snapshot_root: Path) -> None:
+    p = shard_path(snapshot_root)
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+    assert_refused(snapshot_root, ShardCorruptedError, str(p), "SHA-256")
+
+
+def test_a_truncated_shard_is_caught_by_its_length(snapshot_root: Path) -> None:
+    p = shard_path(snapshot_root)
+    p.write_bytes(p.read_bytes()[:-5])
+    assert_refused(snapshot_root, ShardCorruptedError, str(p), "truncated")
+
+
+def test_a_shard_replaced_by_garbage_of_the_same_length_is_refused(snapshot_root: Path) -> None:
+    p = shard_path(snapshot_root)
+    p.write_bytes(os.urandom(p.stat().st_size))
+    assert_refused(snapshot_root, ShardCorruptedError, str(p))
+
+
+def test_a_shard_that_matches_its_hash_but_not_the_format_is_refused(snapshot_root: Path) -> None:
+    p = shard_path(snapshot_root)
+    garbage = msgpack.packb({"format": "something-else"})
+    p.write_bytes(garbage)
+    edit_manifest(snapshot_root, lambda d: d["shards"][0].update(
+        bytes=len(garbage), sha256=hashlib.sha256(garbage).hexdigest()))
+    assert_refused(snapshot_root, ShardCorruptedError, "does not decode")
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "sub/shard.msgpack", "..\\x", ".."])
+def test_a_shard_name_escaping_the_folder_is_refused(snapshot_root: Path, name: str) -> None:
+    def escape(d: dict) -> None:  # type: ignore[type-arg]
+        old = d["shards"][0]["file"]
+        d["shards"][0]["file"] = name
+        for r in d["rollouts"]:
+            if r["shard"] == old:
+                r["shard"] = name
+
+    edit_manifest(snapshot_root, escape)
+    assert_refused(snapshot_root, UnsafeShardNameError, repr(name), "not a plain file name")
+
+
+def test_every_refusal_is_a_snapshot_read_error_with_its_own_class() -> None:
+    kinds = [SnapshotNotFoundError, CheckpointPathError, UnsupportedFormatVersionError,
+             ManifestInvalidError, TornSnapshotError, ShardCorruptedError, UnsafeShardNameError]
+    assert len(set(kinds)) == len(kinds)
+    assert all(issubclass(k, SnapshotReadError) for k in kinds)
+
+
+def test_manifest_model_refuses_a_rollout_in_another_instances_shard() -> None:
+    shard = ShardEntry(file="s.msgpack", bytes=1, sha256="0" * 64, instance_id="holder-0",
+                       sessions=1)
+    with pytest.raises(ValueError, match="sits in shard"):
+        Manifest(format_version=1, snapshot_id="x", created_at=datetime.now(timezone.utc),
+                 instances=["holder-0", "holder-1"], shards=[shard],
+                 rollouts=[RolloutEntry(instance_id="holder-1", rollout_id="r", attempt=0,
+                                        turns=0, staging_keys=[], shard="s.msgpack")],
+                 restarted_rollouts=0, metrics={})
