@@ -8,10 +8,26 @@ mismatch, bad input or a storage error never is.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]
+             ) -> BaseException:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class NemoCkptError(Exception):
-    """Base class of every error nemo-ckpt raises on purpose."""
+    """Base class of every error nemo-ckpt raises on purpose.
+
+    Errors cross Ray actor boundaries, so each one pickles with its attributes even
+    when its constructor takes other arguments than its message.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 # --- the cut check -------------------------------------------------------------------
@@ -97,3 +113,69 @@ class SnapshotWriteError(NemoCkptError):
     def __init__(self, path: Path | str, message: str) -> None:
         self.path = Path(path)
         super().__init__(message)
+
+
+# --- the Ray runtime -----------------------------------------------------------------
+
+
+class BackendUnavailableError(NemoCkptError):
+    """A holder or the coordinator was unreachable, died, or missed a deadline.
+
+    Nothing RL holds has changed; the caller may retry the snapshot.
+    """
+
+
+class HolderStateError(NemoCkptError):
+    """A session holder refused a call that does not fit its state (running, paused
+    for a snapshot, restoring)."""
+
+
+class StaleSnapshotError(HolderStateError):
+    """A phase carried a snapshot or restore id that is not the holder's current one."""
+
+
+class LeaseExpiredError(NemoCkptError):
+    """A holder's pause lease lapsed before the snapshot committed, so the holder
+    resumed by itself and the snapshot cannot commit. Retry the snapshot."""
+
+
+class SnapshotInProgressError(NemoCkptError):
+    """A call that needs no open snapshot (a second snapshot, retire, forget, restore)
+    came while one is open."""
+
+
+class SessionError(NemoCkptError):
+    """Base class of refusals of an environment worker's session call."""
+
+
+class SessionNotFoundError(SessionError):
+    """No live session has that capture key on that holder."""
+
+
+class SessionExistsError(SessionError):
+    """A session for that rollout, or with that capture key, is already live."""
+
+
+class CaptureKeyCollisionError(SessionExistsError):
+    """Two different episodes would share a capture key (``r-a1`` at attempt 0 and
+    ``r`` at attempt 1)."""
+
+
+class RetiredAttemptError(SessionError):
+    """A turn or session for an attempt that RL retired."""
+
+
+class TurnInProgressError(SessionError):
+    """A session already has a turn in flight, or a turn token is unknown."""
+
+
+class StateTooLargeError(SessionError):
+    """A session's state or turn record exceeds the configured limit."""
+
+
+class RestoreConflictError(NemoCkptError):
+    """A restored rollout is already live on the holder it would be restored to."""
+
+
+class StartupCheckError(NemoCkptError):
+    """The deployment cannot recover as configured; the message lists every reason."""

@@ -7,12 +7,14 @@ environment serializes itself; nemo-ckpt never unpickles anything.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
 
-__all__ = ["SessionRecord"]
+__all__ = ["SessionRecord", "SessionClient", "Turn"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +93,137 @@ class SessionRecord:
             staging_keys=frozenset(keys),
             earlier_capture_keys=tuple(earlier),
         )
+
+
+class Turn:
+    """One turn in flight: read the session as it was, then ``complete`` it.
+
+    The turn commits when its ``async with`` block exits cleanly after ``complete``;
+    on an exception, or without ``complete``, it aborts and records nothing.
+    """
+
+    def __init__(self, session: SessionRecord) -> None:
+        self.session = session
+        self._result: tuple[bytes, bytes, frozenset[str]] | None = None
+
+    @property
+    def state(self) -> bytes:
+        """The environment state after the session's last committed turn."""
+        return self.session.state
+
+    @property
+    def turns(self) -> tuple[bytes, ...]:
+        """The session's committed turn records, oldest first."""
+        return self.session.turns
+
+    def complete(self, record: bytes, state: bytes, staging_keys: Iterable[str] = ()) -> None:
+        """Set what the turn commits: its record, the new state, the staging rows it wrote.
+
+        Write every staging row before the block exits: the row must exist in the data
+        plane before the turn that references it commits.
+        """
+        self._result = (record, state, frozenset(staging_keys))
+
+
+class SessionClient:
+    """What an environment worker uses to open, run and close sessions on its holder.
+
+    ``await SessionClient.connect()`` finds the holder on the worker's own node;
+    ``connect(instance_id=...)`` finds a named instance (after a restore onto fewer
+    nodes, a node may host several). A rollout continued after a restore goes back to
+    the instance that captured it (``RestoredEnvironmentRollouts.continued_attempts``).
+
+    Usage::
+
+        client = await SessionClient.connect()
+        await client.open(episode, state=initial_state)
+        async with client.turn(episode) as turn:
+            new_state, record, rows = run_tool_call(turn.state)
+            turn.complete(record, new_state, rows)     # commits when the block exits
+        final = await client.close(episode)
+    """
+
+    def __init__(self, holder: Any, instance_id: str) -> None:
+        self._holder = holder
+        self.instance_id = instance_id
+
+    @classmethod
+    async def connect(
+        cls, instance_id: str | None = None, namespace: str = "nemo_ckpt"
+    ) -> SessionClient:
+        """Find the holder of ``instance_id``, or the first holder on this node."""
+        import ray
+
+        from nemo_ckpt.config import HOLDER_NAME_PREFIX
+        from nemo_ckpt.errors import SessionNotFoundError
+
+        if instance_id is not None:
+            try:
+                handle = ray.get_actor(HOLDER_NAME_PREFIX + instance_id, namespace=namespace)
+            except ValueError:
+                raise SessionNotFoundError(
+                    f"no session holder {instance_id!r} in namespace {namespace!r}; it was "
+                    f"never created or its node died; RayEnvironmentCheckpoint."
+                    f"ensure_holders() creates holders") from None
+            return cls(handle, instance_id)
+        node = ray.get_runtime_context().get_node_id()
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a.get("namespace") == namespace
+                       and a["name"].startswith(HOLDER_NAME_PREFIX))
+        handles = {}
+        for name in names:
+            with contextlib.suppress(ValueError):
+                handles[name[len(HOLDER_NAME_PREFIX):]] = ray.get_actor(name, namespace=namespace)
+        infos = {}
+        for inst, handle in handles.items():
+            with contextlib.suppress(Exception):
+                infos[inst] = await handle.info.remote()
+        here = sorted((i for i, info in infos.items() if info.node_id == node),
+                      key=_instance_sort_key)
+        if not here:
+            raise SessionNotFoundError(
+                f"no session holder on node {node} in namespace {namespace!r}; call "
+                f"RayEnvironmentCheckpoint.check_startup() or ensure_holders() before "
+                f"starting environment workers")
+        return cls(handles[here[0]], here[0])
+
+    async def open(self, episode: EnvironmentEpisode, state: bytes = b"") -> SessionRecord:
+        """Open a session for ``episode`` with its initial state."""
+        return await self._holder.open_session.remote(episode, state)  # type: ignore[no-any-return]
+
+    async def get(self, episode: EnvironmentEpisode) -> SessionRecord:
+        """The live session of ``episode``."""
+        return await self._holder.get_session.remote(episode.capture_key)  # type: ignore[no-any-return]
+
+    @contextlib.asynccontextmanager
+    async def turn(self, episode: EnvironmentEpisode) -> AsyncIterator[Turn]:
+        """Run one turn of ``episode``'s session. Waits while the holder is paused."""
+        key = episode.capture_key
+        token, session = await self._holder.begin_turn.remote(key)
+        turn = Turn(session)
+        try:
+            yield turn
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._holder.abort_turn.remote(key, token)
+            raise
+        if turn._result is None:
+            await self._holder.abort_turn.remote(key, token)
+            raise ValueError(
+                f"turn of {key} exited without turn.complete(record, state, staging_keys); "
+                f"nothing was recorded")
+        record, state, keys = turn._result
+        turn.session = await self._holder.commit_turn.remote(key, token, record, state, keys)
+
+    async def close(self, episode: EnvironmentEpisode) -> SessionRecord:
+        """Close ``episode``'s finished session and return its final record."""
+        return await self._holder.close_session.remote(episode.capture_key)  # type: ignore[no-any-return]
+
+    async def sessions(self) -> list[SessionRecord]:
+        """Every live session of this instance."""
+        return await self._holder.sessions.remote()  # type: ignore[no-any-return]
+
+
+def _instance_sort_key(instance_id: str) -> tuple[int, str]:
+    head, _, tail = instance_id.rpartition("-")
+    return (int(tail), head) if tail.isdigit() else (1 << 30, instance_id)

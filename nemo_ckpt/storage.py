@@ -44,6 +44,7 @@ from nemo_ckpt.manifest import (
     Manifest,
     ShardEntry,
     is_plain_file_name,
+    shard_file_name,
 )
 from nemo_ckpt.sessions import SessionRecord
 
@@ -57,6 +58,7 @@ __all__ = [
     "read_snapshot",
     "remove_files",
     "remove_unreferenced_files",
+    "remove_snapshot_files",
     "LoadedSnapshot",
 ]
 
@@ -396,3 +398,17 @@ def read_snapshot(checkpoint_path: Path | str) -> LoadedSnapshot:
                 )
             sessions[shard.instance_id].append(record)
     return LoadedSnapshot(manifest=manifest, sessions=sessions)
+
+
+def remove_snapshot_files(directory: Path, snapshot_id: str) -> list[str]:
+    """Remove every shard and temp file of snapshot ``snapshot_id`` (an aborted one)."""
+    if not directory.is_dir():
+        return []
+    stem = shard_file_name(snapshot_id, "x").rsplit("-x-", 1)[0] + "-"
+    removed = []
+    for entry in directory.iterdir():
+        name = entry.name
+        if name.startswith(stem) or (name.startswith("." + stem) and _TMP_MARK in name):
+            entry.unlink(missing_ok=True)
+            removed.append(name)
+    return removed

@@ -1,0 +1,429 @@
+"""The checkpoint coordinator: one named actor that fans every phase out to the holders.
+
+It keeps no state between snapshots that a restart would lose: holders are found by
+name in the namespace, and a snapshot in progress when it dies is abandoned (the
+holders resume by their lease). Every fan-out runs concurrently, each call under a
+deadline; a holder that dies or misses its deadline surfaces as
+``BackendUnavailableError`` after every other holder has been resumed.
+
+Call order for a snapshot (driven by ``RayEnvironmentCheckpoint.snapshot``)::
+
+    begin_snapshot(id, path)   ensure holders; pause all; capture all; start persist
+    renew(id)                  every lease period while the caller's block runs
+    commit_snapshot(id, path)  wait for every shard; write manifest.json; resume all
+    abort_snapshot(id, path)   instead, on any failure: resume all; delete partial files
+
+and for a restore (driven by ``RayEnvironmentCheckpoint.restored``)::
+
+    prepare_restore(id, path)  read manifest; place instances; holders verify shards
+    renew(id)
+    commit_restore(id) | abort_restore(id)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.session_holder import SessionHolderActor
+from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    NemoCkptError,
+    RestoreConflictError,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.manifest import FORMAT_VERSION, Manifest, ShardEntry
+from nemo_ckpt.phases import CaptureReport, HolderInfo, PauseReport, PersistReport
+from nemo_ckpt.storage import (
+    environment_dir,
+    prepare_environment_dir,
+    read_manifest,
+    remove_snapshot_files,
+    remove_unreferenced_files,
+    write_manifest,
+)
+
+__all__ = ["CheckpointCoordinator", "CheckpointCoordinatorActor", "SnapshotBegun",
+           "SnapshotCommitted", "RestoreBegun"]
+
+log = logging.getLogger("nemo_ckpt.coordinator")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SnapshotBegun:
+    """The aggregate capture of every holder, handed to the driver at the yield."""
+
+    snapshot_id: str
+    instances: tuple[str, ...]
+    pauses: tuple[PauseReport, ...]
+    captures: tuple[CaptureReport, ...]
+    entry_seconds: float
+
+
+@dataclass(frozen=True)
+class SnapshotCommitted:
+    """What the commit wrote."""
+
+    manifest: Manifest
+    persists: tuple[PersistReport, ...]
+    removed_files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RestoreBegun:
+    """What a prepared restore will continue, and where each instance landed."""
+
+    restore_id: str
+    continued_attempts: frozenset[tuple[str, str, int]]
+    staging_keys: frozenset[str]
+    placement: dict[str, str]  # instance id -> node id
+    bytes_read: int
+
+
+class CheckpointCoordinator:
+    """Fans pause, snapshot and restore out to the session holders."""
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        self._config = config
+        self._holders: dict[str, Any] = {}  # instance id -> actor handle
+        self._ops: dict[str, list[str]] = {}  # snapshot/restore id -> instances taking part
+        self._placement_lock = asyncio.Lock()
+
+    # --- holders ---------------------------------------------------------------------
+
+    async def ensure_holders(self) -> list[HolderInfo]:
+        """Find every live holder, and create one on each alive node that has none."""
+        async with self._placement_lock:
+            infos = await self._discover()
+            hosted = {i.node_id for i in infos}
+            for node_id in self._alive_node_ids():
+                if node_id not in hosted:
+                    infos.append(await self._create_holder(self._free_instance_id(), node_id))
+            return sorted(infos, key=_instance_order)
+
+    async def holder_infos(self) -> list[HolderInfo]:
+        """Every live holder's info, without creating any."""
+        return sorted(await self._discover(), key=_instance_order)
+
+    async def probe_storage(self, root: str) -> dict[str, str]:
+        """Have every holder write a probe file under ``root``; returns instance -> path
+        or ``error: ...``."""
+        await self.ensure_holders()
+        results = await asyncio.gather(
+            *(self._call(inst, "probe_storage", h.probe_storage.remote(root))
+              for inst, h in self._holders.items()),
+            return_exceptions=True)
+        return {inst: (r if isinstance(r, str) else f"error: {r}")
+                for inst, r in zip(self._holders, results)}
+
+    # --- snapshot ---------------------------------------------------------------------
+
+    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
+        """Pause every holder, capture, and start persisting in the background."""
+        start = time.monotonic()
+        await self.ensure_holders()
+        instances = sorted(self._holders, key=_instance_key)
+        self._ops[snapshot_id] = instances
+        cfg = self._config
+        try:
+            directory = await asyncio.to_thread(prepare_environment_dir, checkpoint_path)
+            pauses = await self._fan(
+                instances, "pause",
+                lambda h: h.pause.remote(snapshot_id, cfg.drain_timeout_s, cfg.lease_s),
+                cfg.drain_timeout_s + cfg.phase_timeout_s)
+            captures = await self._fan(
+                instances, "capture", lambda h: h.capture.remote(snapshot_id),
+                cfg.phase_timeout_s)
+            await self._fan(
+                instances, "start_persist",
+                lambda h: h.start_persist.remote(snapshot_id, str(directory)),
+                cfg.phase_timeout_s)
+        except BaseException:
+            await self.abort_snapshot(snapshot_id, checkpoint_path)
+            raise
+        return SnapshotBegun(
+            snapshot_id=snapshot_id, instances=tuple(instances), pauses=tuple(pauses),
+            captures=tuple(captures), entry_seconds=time.monotonic() - start)
+
+    async def renew(self, operation_id: str) -> None:
+        """Renew the lease of every holder taking part in the operation."""
+        instances = self._ops.get(operation_id)
+        if instances is None:
+            raise BackendUnavailableError(
+                f"coordinator knows no operation {operation_id}; it was restarted, so the "
+                f"holders resume by their lease; retry")
+        await self._fan(instances, "renew_lease",
+                        lambda h: h.renew_lease.remote(operation_id, self._config.lease_s),
+                        self._config.phase_timeout_s)
+
+    async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                              metrics: dict[str, float], restarted: int) -> SnapshotCommitted:
+        """Wait for every shard, write the manifest last, then resume every holder."""
+        instances = self._require_op(snapshot_id)
+        directory = environment_dir(checkpoint_path)
+        try:
+            persists = await self._fan(
+                instances, "finish_persist", lambda h: h.finish_persist.remote(snapshot_id),
+                self._config.persist_timeout_s)
+            shards: list[ShardEntry] = [s for p in persists for s in p.shards]
+            all_metrics = dict(metrics)
+            all_metrics.update(
+                persist_seconds=max((p.persist_seconds for p in persists), default=0.0),
+                bytes_written=float(sum(p.bytes_written for p in persists)),
+            )
+            manifest = Manifest(
+                format_version=FORMAT_VERSION, snapshot_id=snapshot_id,
+                created_at=datetime.now(timezone.utc), instances=instances, shards=shards,
+                rollouts=[r for p in persists for r in p.rollouts],
+                restarted_rollouts=restarted, metrics=all_metrics)
+            await asyncio.to_thread(write_manifest, directory, manifest)
+        except BaseException:
+            await self.abort_snapshot(snapshot_id, checkpoint_path)
+            raise
+        # Committed. Older snapshots' files in this folder are garbage from here on.
+        removed = await asyncio.to_thread(remove_unreferenced_files, directory, manifest)
+        await self._resume_all(snapshot_id, instances)
+        return SnapshotCommitted(manifest=manifest, persists=tuple(persists),
+                                 removed_files=tuple(removed))
+
+    async def abort_snapshot(self, snapshot_id: str, checkpoint_path: str) -> list[str]:
+        """Resume every holder and delete this snapshot's files. Never raises for a
+        holder that is gone: it is not paused any more either."""
+        instances = self._ops.get(snapshot_id, sorted(self._holders, key=_instance_key))
+        await self._resume_all(snapshot_id, instances)
+        return await asyncio.to_thread(
+            remove_snapshot_files, environment_dir(checkpoint_path), snapshot_id)
+
+    # --- restore ----------------------------------------------------------------------
+
+    async def prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
+        """Verify the snapshot and have each instance's holder load it, nothing live yet."""
+        manifest = await asyncio.to_thread(read_manifest, checkpoint_path)
+        await self.ensure_holders()
+        async with self._placement_lock:
+            for inst in sorted(manifest.instances, key=_instance_key):
+                if inst not in self._holders:
+                    await self._create_holder(inst, await self._least_loaded_node())
+        instances = sorted(self._holders, key=_instance_key)
+        self._ops[restore_id] = instances
+        restored = {r.rollout_id for r in manifest.rollouts}
+        try:
+            live = await self._fan(instances, "live_rollout_ids",
+                                   lambda h: h.live_rollout_ids.remote(),
+                                   self._config.phase_timeout_s)
+            clash = sorted({(inst, rid) for inst, rids in zip(instances, live)
+                            for rid in rids if rid in restored})
+            if clash:
+                raise RestoreConflictError(
+                    f"cannot restore {checkpoint_path}: rollouts it holds are live now "
+                    f"({', '.join(f'{i}/{k}' for i, k in clash[:10])}"
+                    f"{' ...' if len(clash) > 10 else ''}); retire or close them first, or "
+                    f"restore into a fresh job")
+            directory = str(environment_dir(checkpoint_path))
+            shards_of: dict[str, list[ShardEntry]] = {i: [] for i in instances}
+            for shard in manifest.shards:
+                shards_of[shard.instance_id].append(shard)
+            prepared = await self._fan(
+                instances, "prepare_restore",
+                lambda h, inst: h.prepare_restore.remote(
+                    restore_id, directory, shards_of[inst], self._config.lease_s),
+                self._config.persist_timeout_s, with_instance=True)
+            infos = await self._discover()
+        except BaseException:
+            await self.abort_restore(restore_id)
+            raise
+        return RestoreBegun(
+            restore_id=restore_id,
+            continued_attempts=frozenset(
+                (p.instance_id, rid, attempt) for p in prepared for rid, attempt in p.continued),
+            staging_keys=frozenset().union(*(p.staging_keys for p in prepared)),
+            placement={i.instance_id: i.node_id for i in infos},
+            bytes_read=sum(p.bytes_read for p in prepared),
+        )
+
+    async def commit_restore(self, restore_id: str) -> int:
+        """Make every restored session live. Returns how many."""
+        instances = self._require_op(restore_id)
+        try:
+            counts = await self._fan(instances, "commit_restore",
+                                     lambda h: h.commit_restore.remote(restore_id),
+                                     self._config.phase_timeout_s)
+        except BaseException:
+            await self.abort_restore(restore_id)
+            raise
+        self._ops.pop(restore_id, None)
+        return sum(counts)
+
+    async def abort_restore(self, restore_id: str) -> None:
+        """Every holder drops what it restored and resumes."""
+        instances = self._ops.pop(restore_id, sorted(self._holders, key=_instance_key))
+        await self._fan(instances, "abort_restore",
+                        lambda h: h.abort_restore.remote(restore_id),
+                        self._config.phase_timeout_s, tolerate_failures=True)
+
+    # --- ledger operations --------------------------------------------------------------
+
+    async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]:
+        """Retire these attempts on every holder; returns the capture keys dropped."""
+        return await self._ledger_op("retire", episodes)
+
+    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
+        """Forget these attempts on every holder; returns the capture keys dropped."""
+        return await self._ledger_op("forget", episodes)
+
+    async def _ledger_op(self, op: str, episodes: list[EnvironmentEpisode]) -> list[str]:
+        await self.ensure_holders()
+        dropped = await self._fan(sorted(self._holders, key=_instance_key), op,
+                                  lambda h: getattr(h, op).remote(episodes),
+                                  self._config.phase_timeout_s)
+        return sorted(k for keys in dropped for k in keys)
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _require_op(self, op_id: str) -> list[str]:
+        instances = self._ops.get(op_id)
+        if instances is None:
+            raise BackendUnavailableError(
+                f"coordinator knows no operation {op_id}: it restarted since the operation "
+                f"began, and the holders resume by their lease; retry the operation")
+        return instances
+
+    async def _resume_all(self, snapshot_id: str, instances: list[str]) -> None:
+        self._ops.pop(snapshot_id, None)
+        await self._fan(instances, "resume", lambda h: h.resume.remote(snapshot_id),
+                        self._config.phase_timeout_s, tolerate_failures=True)
+
+    async def _fan(
+        self,
+        instances: Iterable[str],
+        what: str,
+        call: Callable[..., Awaitable[T]],
+        timeout: float,
+        tolerate_failures: bool = False,
+        with_instance: bool = False,
+    ) -> list[T]:
+        """Call every instance's holder concurrently; raise after all have answered."""
+        instances = list(instances)
+
+        async def one(inst: str) -> T:
+            handle = self._holders.get(inst)
+            if handle is None:
+                raise BackendUnavailableError(f"holder {inst} is gone (during {what})")
+            ref = call(handle, inst) if with_instance else call(handle)
+            return await self._call(inst, what, ref, timeout)
+
+        results = await asyncio.gather(*(one(i) for i in instances), return_exceptions=True)
+        errors = [(i, r) for i, r in zip(instances, results) if isinstance(r, BaseException)]
+        for inst, err in errors:
+            if isinstance(err, BackendUnavailableError):
+                self._holders.pop(inst, None)
+        if errors and not tolerate_failures:
+            # A real refusal says more than "unreachable": raise it first.
+            errors.sort(key=lambda e: isinstance(e[1], BackendUnavailableError))
+            first = errors[0][1]
+            if len(errors) > 1:
+                log.warning("%s failed on %d holders: %s", what, len(errors),
+                            "; ".join(f"{i}: {e}" for i, e in errors))
+            raise first
+        for inst, err in errors:
+            log.warning("%s on %s failed (tolerated): %s", what, inst, err)
+        return [r for r in results if not isinstance(r, BaseException)]  # type: ignore[misc]
+
+    async def _call(self, inst: str, what: str, ref: Any, timeout: float) -> Any:
+        try:
+            return await asyncio.wait_for(ref, timeout)
+        except asyncio.TimeoutError:
+            raise BackendUnavailableError(
+                f"holder {inst} did not finish {what} within {timeout:.1f}s; it is "
+                f"overloaded or its node is unreachable; retry") from None
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, BaseException):
+                raise cause from None
+            raise
+        except (RayActorError, GetTimeoutError) as exc:
+            raise BackendUnavailableError(
+                f"holder {inst} is unreachable during {what} ({type(exc).__name__}); its "
+                f"node or process died; its sessions are lost and their rollouts restart"
+            ) from exc
+
+    async def _discover(self) -> list[HolderInfo]:
+        ns = self._config.namespace
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == ns and a["name"].startswith(HOLDER_NAME_PREFIX)]
+        found: dict[str, Any] = {}
+        for name in names:
+            try:
+                found[name[len(HOLDER_NAME_PREFIX):]] = ray.get_actor(name, namespace=ns)
+            except ValueError:
+                continue  # died between the listing and the lookup
+        results = await asyncio.gather(
+            *(self._call(inst, "info", h.info.remote(), self._config.phase_timeout_s)
+              for inst, h in found.items()),
+            return_exceptions=True)
+        infos = []
+        self._holders = {}
+        for (inst, handle), res in zip(found.items(), results):
+            if isinstance(res, HolderInfo):
+                self._holders[inst] = handle
+                infos.append(res)
+            else:
+                log.warning("holder %s does not answer (%s); treating it as lost", inst, res)
+        return infos
+
+    def _alive_node_ids(self) -> list[str]:
+        return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+    def _free_instance_id(self) -> str:
+        k = 0
+        while f"holder-{k}" in self._holders:
+            k += 1
+        return f"holder-{k}"
+
+    async def _least_loaded_node(self) -> str:
+        infos = await self._discover()
+        load = {n: 0 for n in self._alive_node_ids()}
+        for info in infos:
+            if info.node_id in load:
+                load[info.node_id] += 1
+        if not load:
+            raise BackendUnavailableError("no alive Ray node to place a holder on")
+        return min(load, key=lambda n: (load[n], n))
+
+    async def _create_holder(self, instance_id: str, node_id: str) -> HolderInfo:
+        cfg = self._config
+        handle = SessionHolderActor.options(  # type: ignore[attr-defined]
+            name=HOLDER_NAME_PREFIX + instance_id, namespace=cfg.namespace,
+            lifetime="detached", get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(instance_id, cfg.max_state_bytes, cfg.turn_timeout_s)
+        info: HolderInfo = await self._call(instance_id, "start", handle.info.remote(),
+                                            cfg.phase_timeout_s)
+        self._holders[instance_id] = handle
+        log.info("created holder %s on node %s", instance_id, node_id)
+        return info
+
+
+def _instance_key(instance_id: str) -> tuple[int, str]:
+    head, _, tail = instance_id.rpartition("-")
+    return (int(tail), head) if tail.isdigit() else (1 << 30, instance_id)
+
+
+def _instance_order(info: HolderInfo) -> tuple[int, str]:
+    return _instance_key(info.instance_id)
+
+
+CheckpointCoordinatorActor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)(
+    CheckpointCoordinator)

@@ -1,0 +1,627 @@
+"""The session holder: one per node, holding the sessions of the rollouts run there.
+
+``SessionHolder`` is a plain asyncio class, so its state machine is tested without Ray;
+``SessionHolderActor`` is the same class as a Ray actor, pinned to its node.
+
+States (``HolderState``) and the calls each accepts:
+
+- RUNNING: session calls; ``pause`` (starts a snapshot); ``prepare_restore``;
+  ``retire`` / ``forget``.
+- PAUSED for snapshot X, under a lease: ``begin_turn`` and ``open_session`` wait at
+  the closed turn gate; a turn already in flight may still commit or abort. Phases
+  ``capture``, ``start_persist``, ``finish_persist``, ``renew_lease`` and ``resume``
+  for X only. A call for another id is refused with ``StaleSnapshotError``; a repeated
+  phase returns its first result. If the lease lapses, the holder resumes by itself
+  and X can no longer commit (``LeaseExpiredError``).
+- RESTORING for restore R, under a lease: the gate is closed;
+  ``commit_restore`` / ``abort_restore`` / ``renew_lease`` for R only. A lapsed lease
+  aborts the restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from nemo_ckpt.errors import (
+    CaptureKeyCollisionError,
+    HolderStateError,
+    LeaseExpiredError,
+    RestoreConflictError,
+    RetiredAttemptError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StaleSnapshotError,
+    StateTooLargeError,
+    TurnInProgressError,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.manifest import RolloutEntry, ShardEntry, shard_file_name
+from nemo_ckpt.phases import (
+    CaptureReport,
+    HolderInfo,
+    HolderState,
+    PauseReport,
+    PersistReport,
+    RestorePrepared,
+)
+from nemo_ckpt.sessions import SessionRecord
+from nemo_ckpt.storage import read_shard, remove_files, write_shard
+
+__all__ = ["SessionHolder", "SessionHolderActor"]
+
+log = logging.getLogger("nemo_ckpt.holder")
+
+# How often the watchdog looks at the lease and at turns past their timeout.
+_WATCH_PERIOD_S = 0.1
+
+
+@dataclass
+class _Snapshot:
+    snapshot_id: str
+    pause: PauseReport | None = None
+    capture: dict[str, SessionRecord] | None = None
+    capture_report: CaptureReport | None = None
+    persist: asyncio.Task[PersistReport] | None = None
+    directory: str = ""
+    reported: bool = False  # finish_persist answered: the shard may be in a manifest now
+
+
+@dataclass
+class _Restore:
+    restore_id: str
+    pending: list[SessionRecord] = field(default_factory=list)
+    prepared: RestorePrepared | None = None
+
+
+@dataclass
+class _Turn:
+    token: str
+    started: float
+
+
+class SessionHolder:
+    """Holds the sessions of one instance, and takes part in snapshots and restores."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        max_state_bytes: int = 64 << 20,
+        turn_timeout_s: float | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.node_id = node_id or ray.get_runtime_context().get_node_id()
+        self._max_state_bytes = max_state_bytes
+        self._turn_timeout_s = turn_timeout_s
+        self._sessions: dict[str, SessionRecord] = {}  # capture key -> session
+        self._live_rollouts: dict[str, str] = {}  # rollout id -> capture key
+        self._turns: dict[str, _Turn] = {}  # capture key -> turn in flight
+        self._retired: set[str] = set()  # capture keys whose late turns are refused
+        self._state = HolderState.RUNNING
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._turns_done = asyncio.Condition()
+        self._lease_deadline: float | None = None
+        self._snapshot: _Snapshot | None = None
+        self._restore: _Restore | None = None
+        # Ids whose lease lapsed, or that resumed: their phases are answered, not redone.
+        self._lapsed: set[str] = set()
+        self._finished: set[str] = set()
+        self._last_snapshot_id: str | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+
+    # --- introspection -------------------------------------------------------------
+
+    async def info(self) -> HolderInfo:
+        """The holder's identity, state and load."""
+        self._ensure_watchdog()
+        op = self._snapshot.snapshot_id if self._snapshot else (
+            self._restore.restore_id if self._restore else None)
+        expires = None if self._lease_deadline is None else max(
+            0.0, self._lease_deadline - time.monotonic())
+        return HolderInfo(
+            instance_id=self.instance_id, node_id=self.node_id, state=self._state,
+            operation_id=op, lease_expires_in_s=expires, sessions=len(self._sessions),
+            turns_in_flight=len(self._turns), last_snapshot_id=self._last_snapshot_id,
+        )
+
+    async def sessions(self) -> list[SessionRecord]:
+        """Every live session, sorted by capture key."""
+        return [self._sessions[k] for k in sorted(self._sessions)]
+
+    async def live_rollout_ids(self) -> list[str]:
+        """The rollout ids with a live session here."""
+        return sorted(self._live_rollouts)
+
+    async def probe_storage(self, root: str) -> str:
+        """Write a probe file under ``root`` and return its path (for check_startup)."""
+        def write() -> str:
+            directory = Path(root) / ".nemo_ckpt_probe"
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"{self.instance_id}-{uuid.uuid4().hex}"
+            path.write_text(f"{self.instance_id} {self.node_id}\n")
+            return str(path)
+
+        return await asyncio.to_thread(write)
+
+    # --- session calls (from environment workers) ------------------------------------
+
+    async def open_session(
+        self, episode: EnvironmentEpisode, state: bytes = b""
+    ) -> SessionRecord:
+        """Open a session for ``episode`` with its initial state. Waits while paused."""
+        self._check_episode(episode)
+        self._check_size("initial state", episode, state)
+        await self._wait_for_gate()
+        key = episode.capture_key
+        if key in self._retired:
+            raise RetiredAttemptError(
+                f"{self.instance_id}: attempt {key} was retired by RL; open the next "
+                f"attempt instead, or forget this one first")
+        if key in self._sessions:
+            live = self._sessions[key].episode
+            if live == episode:
+                raise SessionExistsError(
+                    f"{self.instance_id}: a session for {key} is already open")
+            raise CaptureKeyCollisionError(
+                f"{self.instance_id}: rollout {episode.rollout_id!r} attempt "
+                f"{episode.attempt} has capture key {key!r}, which live session "
+                f"{live.rollout_id!r} attempt {live.attempt} already uses; rename the "
+                f"rollout (ids ending in '-a<digits>' collide with later attempts)")
+        if episode.rollout_id in self._live_rollouts:
+            other = self._live_rollouts[episode.rollout_id]
+            raise SessionExistsError(
+                f"{self.instance_id}: rollout {episode.rollout_id!r} already has a live "
+                f"session ({other}); close or retire it before opening {key}")
+        record = SessionRecord(self.instance_id, episode, (), bytes(state))
+        self._add(record)
+        return record
+
+    async def get_session(self, capture_key: str) -> SessionRecord:
+        """The live session with ``capture_key``."""
+        return self._session(capture_key)
+
+    async def begin_turn(self, capture_key: str) -> tuple[str, SessionRecord]:
+        """Start a turn: wait while paused, then return a turn token and the session."""
+        self._ensure_watchdog()
+        self._refuse_retired(capture_key)
+        await self._wait_for_gate()
+        record = self._session(capture_key)
+        if capture_key in self._turns:
+            raise TurnInProgressError(
+                f"{self.instance_id}: session {capture_key} already has a turn in flight; "
+                f"a session runs one turn at a time")
+        token = uuid.uuid4().hex
+        self._turns[capture_key] = _Turn(token, time.monotonic())
+        return token, record
+
+    async def commit_turn(
+        self,
+        capture_key: str,
+        token: str,
+        record: bytes,
+        state: bytes,
+        staging_keys: Iterable[str] = (),
+    ) -> SessionRecord:
+        """Commit a turn: append its record, replace the state, add its staging keys."""
+        self._take_turn(capture_key, token)
+        try:
+            old = self._session(capture_key)
+            self._check_size("turn record", old.episode, record)
+            self._check_size("state", old.episode, state)
+            new = SessionRecord(
+                instance_id=old.instance_id,
+                episode=old.episode,
+                turns=(*old.turns, bytes(record)),
+                state=bytes(state),
+                staging_keys=old.staging_keys | frozenset(staging_keys),
+                earlier_capture_keys=old.earlier_capture_keys,
+            )
+            self._sessions[capture_key] = new
+            return new
+        finally:
+            await self._notify_turn_done()
+
+    async def abort_turn(self, capture_key: str, token: str) -> None:
+        """Abort a turn: nothing it did is recorded."""
+        self._take_turn(capture_key, token)
+        await self._notify_turn_done()
+
+    async def close_session(self, capture_key: str) -> SessionRecord:
+        """Close a finished session and return its final record. Waits while paused."""
+        await self._wait_for_gate()
+        if capture_key in self._turns:
+            raise TurnInProgressError(
+                f"{self.instance_id}: session {capture_key} has a turn in flight; finish "
+                f"the turn before closing the session")
+        record = self._session(capture_key)
+        self._drop(capture_key)
+        return record
+
+    # --- ledger operations (from RL, through the coordinator) ------------------------
+
+    async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]:
+        """Drop these attempts' sessions and refuse their late turns. Returns keys dropped."""
+        self._require_running("retire")
+        dropped = []
+        for ep in episodes:
+            key = ep.capture_key
+            self._retired.add(key)
+            if key in self._sessions and self._sessions[key].episode == ep:
+                self._turns.pop(key, None)
+                self._drop(key)
+                dropped.append(key)
+        await self._notify_turn_done()
+        return dropped
+
+    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
+        """Drop these attempts' sessions and their refusals. Returns keys dropped."""
+        self._require_running("forget")
+        dropped = []
+        for ep in episodes:
+            key = ep.capture_key
+            self._retired.discard(key)
+            if key in self._sessions and self._sessions[key].episode == ep:
+                self._turns.pop(key, None)
+                self._drop(key)
+                dropped.append(key)
+        await self._notify_turn_done()
+        return dropped
+
+    # --- snapshot phases (from the coordinator) ---------------------------------------
+
+    async def pause(self, snapshot_id: str, drain_timeout_s: float, lease_s: float
+                    ) -> PauseReport:
+        """Close the turn gate, drain turns in flight up to the deadline, take a lease."""
+        self._ensure_watchdog()
+        if self._snapshot and self._snapshot.snapshot_id == snapshot_id:
+            if self._snapshot.pause is not None:
+                return self._snapshot.pause
+        elif snapshot_id in self._lapsed or snapshot_id in self._finished:
+            raise self._gone(snapshot_id)
+        else:
+            self._require_running(f"pause for snapshot {snapshot_id}")
+            self._snapshot = _Snapshot(snapshot_id)
+            self._state = HolderState.PAUSED
+            self._gate.clear()
+            self._lease_deadline = time.monotonic() + lease_s
+        start = time.monotonic()
+        async with self._turns_done:
+            try:
+                await asyncio.wait_for(
+                    self._turns_done.wait_for(lambda: not self._turns), drain_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        snap = self._current_snapshot(snapshot_id)
+        if snap.pause is None:
+            snap.pause = PauseReport(self.instance_id, time.monotonic() - start,
+                                     len(self._turns))
+        return snap.pause
+
+    async def renew_lease(self, operation_id: str, lease_s: float) -> float:
+        """Extend the lease of the snapshot or restore in progress; returns seconds left."""
+        if operation_id in self._lapsed:
+            raise self._gone(operation_id)
+        self._current_operation(operation_id)
+        self._lease_deadline = time.monotonic() + lease_s
+        return lease_s
+
+    async def capture(self, snapshot_id: str) -> CaptureReport:
+        """Copy the idle sessions in memory; sessions mid-turn are reported restarting."""
+        snap = self._current_snapshot(snapshot_id)
+        if snap.capture_report is not None:
+            return snap.capture_report
+        start = time.monotonic()
+        # Records are immutable: a shallow copy is a consistent, cheap capture.
+        capture = {k: r for k, r in self._sessions.items() if k not in self._turns}
+        restarting = tuple(
+            (self._sessions[k].episode.rollout_id, self._sessions[k].episode.attempt)
+            for k in self._turns if k in self._sessions)
+        snap.capture = capture
+        snap.capture_report = CaptureReport(
+            instance_id=self.instance_id,
+            captured=tuple((r.episode.rollout_id, r.episode.attempt,
+                            tuple(r.staging_keys)) for r in capture.values()),
+            restarting=restarting,
+            capture_seconds=time.monotonic() - start,
+            state_bytes=sum(len(r.state) for r in capture.values()),
+        )
+        return snap.capture_report
+
+    async def start_persist(self, snapshot_id: str, directory: str) -> None:
+        """Start writing the captured sessions' shard in the background."""
+        snap = self._current_snapshot(snapshot_id)
+        if snap.capture is None:
+            raise HolderStateError(
+                f"{self.instance_id}: persist for snapshot {snapshot_id} before capture")
+        if snap.persist is None:
+            snap.directory = directory
+            snap.persist = asyncio.ensure_future(
+                self._persist(snapshot_id, Path(directory), list(snap.capture.values())))
+
+    async def finish_persist(self, snapshot_id: str) -> PersistReport:
+        """Wait for the shard to be durable. Refused once the lease has lapsed."""
+        snap = self._current_snapshot(snapshot_id)
+        if snap.persist is None:
+            raise HolderStateError(
+                f"{self.instance_id}: finish_persist for snapshot {snapshot_id}, which "
+                f"was never started")
+        report = await asyncio.shield(snap.persist)
+        self._current_snapshot(snapshot_id)  # the lease may have lapsed while writing
+        snap.reported = True
+        return report
+
+    async def resume(self, snapshot_id: str) -> None:
+        """Open the turn gate again. Repeating it, or after a lapsed lease, is a no-op."""
+        if snapshot_id in self._lapsed or snapshot_id in self._finished:
+            return
+        self._current_snapshot(snapshot_id)
+        self._finished.add(snapshot_id)
+        self._last_snapshot_id = snapshot_id
+        self._to_running()
+
+    # --- restore phases (from the coordinator) ----------------------------------------
+
+    async def prepare_restore(
+        self, restore_id: str, directory: str, shards: list[ShardEntry], lease_s: float
+    ) -> RestorePrepared:
+        """Read and verify this instance's shards; nothing goes live until commit."""
+        self._ensure_watchdog()
+        if self._restore and self._restore.restore_id == restore_id \
+                and self._restore.prepared is not None:
+            return self._restore.prepared
+        if restore_id in self._lapsed or restore_id in self._finished:
+            raise self._gone(restore_id)
+        self._require_running(f"restore {restore_id}")
+        self._restore = _Restore(restore_id)
+        self._state = HolderState.RESTORING
+        self._gate.clear()
+        self._lease_deadline = time.monotonic() + lease_s
+        try:
+            records: list[SessionRecord] = []
+            read = 0
+            for entry in shards:
+                if entry.instance_id != self.instance_id:
+                    raise HolderStateError(
+                        f"{self.instance_id}: asked to restore shard {entry.file} of "
+                        f"{entry.instance_id}")
+                records += await asyncio.to_thread(read_shard, Path(directory), entry)
+                read += entry.bytes
+            conflicts = sorted(r.episode.rollout_id for r in records
+                               if r.episode.rollout_id in self._live_rollouts)
+            if conflicts:
+                raise RestoreConflictError(
+                    f"{self.instance_id}: cannot restore rollouts {conflicts}: sessions of "
+                    f"them are live here; retire or close them first, or restore into a "
+                    f"fresh job")
+            pending = [r.continued() for r in records]
+            restore = self._current_restore(restore_id)
+            restore.pending = pending
+            restore.prepared = RestorePrepared(
+                instance_id=self.instance_id,
+                continued=tuple((r.episode.rollout_id, r.episode.attempt) for r in records),
+                staging_keys=frozenset().union(*(r.staging_keys for r in records)),
+                bytes_read=read,
+            )
+            return restore.prepared
+        except BaseException:
+            if self._restore and self._restore.restore_id == restore_id:
+                self._finished.add(restore_id)
+                self._restore = None
+                self._to_running()
+            raise
+
+    async def commit_restore(self, restore_id: str) -> int:
+        """Make the restored sessions live and resume. Returns how many went live."""
+        if restore_id in self._finished:
+            return 0
+        restore = self._current_restore(restore_id)
+        if restore.prepared is None:
+            raise HolderStateError(
+                f"{self.instance_id}: commit of restore {restore_id} before it was prepared")
+        for record in restore.pending:
+            if record.episode.rollout_id in self._live_rollouts:
+                raise RestoreConflictError(
+                    f"{self.instance_id}: rollout {record.episode.rollout_id!r} went live "
+                    f"during the restore")
+        for record in restore.pending:
+            self._add(record)
+        self._finished.add(restore_id)
+        self._restore = None
+        self._to_running()
+        return len(restore.pending)
+
+    async def abort_restore(self, restore_id: str) -> None:
+        """Drop what the restore prepared and resume. Idempotent."""
+        if self._restore is None or self._restore.restore_id != restore_id:
+            return
+        self._finished.add(restore_id)
+        self._restore = None
+        self._to_running()
+
+    # --- internals ------------------------------------------------------------------
+
+    def _add(self, record: SessionRecord) -> None:
+        key = record.episode.capture_key
+        self._sessions[key] = record
+        self._live_rollouts[record.episode.rollout_id] = key
+
+    def _drop(self, key: str) -> None:
+        record = self._sessions.pop(key)
+        self._live_rollouts.pop(record.episode.rollout_id, None)
+
+    def _session(self, capture_key: str) -> SessionRecord:
+        self._refuse_retired(capture_key)
+        try:
+            return self._sessions[capture_key]
+        except KeyError:
+            raise SessionNotFoundError(
+                f"{self.instance_id}: no live session {capture_key!r}; open it first, or "
+                f"connect to the instance that holds it") from None
+
+    def _refuse_retired(self, capture_key: str) -> None:
+        if capture_key in self._retired:
+            raise RetiredAttemptError(
+                f"{self.instance_id}: attempt {capture_key} was retired by RL; its late "
+                f"turns are refused")
+
+    def _take_turn(self, capture_key: str, token: str) -> None:
+        turn = self._turns.get(capture_key)
+        if turn is None or turn.token != token:
+            self._refuse_retired(capture_key)
+            raise TurnInProgressError(
+                f"{self.instance_id}: no turn in flight for {capture_key} with that token; "
+                f"it was aborted (turn timeout, retire or forget) or already finished")
+        del self._turns[capture_key]
+
+    async def _notify_turn_done(self) -> None:
+        async with self._turns_done:
+            self._turns_done.notify_all()
+
+    def _check_episode(self, episode: object) -> None:
+        if not isinstance(episode, EnvironmentEpisode):
+            raise TypeError(f"expected an EnvironmentEpisode, got {type(episode).__name__}")
+
+    def _check_size(self, what: str, episode: EnvironmentEpisode, data: bytes) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"{what} of {episode.capture_key} must be bytes, not "
+                            f"{type(data).__name__}; serialize it in the environment")
+        if len(data) > self._max_state_bytes:
+            raise StateTooLargeError(
+                f"{self.instance_id}: {what} of {episode.capture_key} is {len(data)} bytes, "
+                f"over the limit of {self._max_state_bytes}; keep large artefacts outside "
+                f"the session or raise CheckpointConfig.max_state_bytes")
+
+    async def _wait_for_gate(self) -> None:
+        self._ensure_watchdog()
+        await self._gate.wait()
+
+    def _require_running(self, what: str) -> None:
+        if self._state is not HolderState.RUNNING:
+            op = self._snapshot.snapshot_id if self._snapshot else (
+                self._restore.restore_id if self._restore else "?")
+            raise HolderStateError(
+                f"{self.instance_id} refuses {what}: it is {self._state.value} for {op}; "
+                f"wait until that snapshot or restore finishes (its lease lapses in at "
+                f"most {self._lease_left():.1f}s if its driver died)")
+
+    def _lease_left(self) -> float:
+        return 0.0 if self._lease_deadline is None else max(
+            0.0, self._lease_deadline - time.monotonic())
+
+    def _gone(self, op_id: str) -> Exception:
+        if op_id in self._lapsed:
+            return LeaseExpiredError(
+                f"{self.instance_id}: the lease of {op_id} lapsed, so the holder resumed "
+                f"by itself and {op_id} cannot commit; retry the snapshot (renewals stopped: "
+                f"was the driver or coordinator stalled or gone?)")
+        return StaleSnapshotError(f"{self.instance_id}: {op_id} is already finished")
+
+    def _current_operation(self, op_id: str) -> None:
+        current = self._snapshot.snapshot_id if self._snapshot else (
+            self._restore.restore_id if self._restore else None)
+        if current != op_id:
+            if op_id in self._lapsed or op_id in self._finished:
+                raise self._gone(op_id)
+            raise StaleSnapshotError(
+                f"{self.instance_id}: call for {op_id}, but the holder is "
+                f"{self._state.value}" + (f" for {current}" if current else ""))
+
+    def _current_snapshot(self, snapshot_id: str) -> _Snapshot:
+        self._current_operation(snapshot_id)
+        assert self._snapshot is not None
+        return self._snapshot
+
+    def _current_restore(self, restore_id: str) -> _Restore:
+        self._current_operation(restore_id)
+        assert self._restore is not None
+        return self._restore
+
+    def _to_running(self) -> None:
+        self._snapshot = None
+        self._restore = None
+        self._lease_deadline = None
+        self._state = HolderState.RUNNING
+        self._gate.set()
+
+    async def _persist(self, snapshot_id: str, directory: Path,
+                       records: list[SessionRecord]) -> PersistReport:
+        start = time.monotonic()
+        shards: tuple[ShardEntry, ...] = ()
+        rollouts: tuple[RolloutEntry, ...] = ()
+        if records:
+            name = shard_file_name(snapshot_id, self.instance_id)
+            entry = await asyncio.to_thread(
+                write_shard, directory, name, self.instance_id, records)
+            if self._snapshot is None or self._snapshot.snapshot_id != snapshot_id:
+                # Aborted or lapsed while the thread wrote: the file must not outlive it.
+                await asyncio.to_thread(remove_files, directory, [name])
+                raise self._gone(snapshot_id)
+            shards = (entry,)
+            rollouts = tuple(
+                RolloutEntry(instance_id=self.instance_id, rollout_id=r.episode.rollout_id,
+                             attempt=r.episode.attempt, turns=len(r.turns),
+                             staging_keys=sorted(r.staging_keys), shard=name)
+                for r in records)
+        return PersistReport(
+            instance_id=self.instance_id, shards=shards, rollouts=rollouts,
+            persist_seconds=time.monotonic() - start,
+            bytes_written=sum(s.bytes for s in shards),
+        )
+
+    async def _discard_unreported_shard(self, snap: _Snapshot) -> None:
+        """A lapsed snapshot's shard can never be committed, unless the coordinator
+        already has its report; remove it so it does not linger."""
+        task = snap.persist
+        if task is None or snap.reported or not task.done() or task.cancelled() \
+                or task.exception() is not None:
+            return  # still writing: _persist removes the file itself when it finishes
+        names = [e.file for e in task.result().shards]
+        if names:
+            await asyncio.to_thread(remove_files, Path(snap.directory), names)
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(_WATCH_PERIOD_S)
+            now = time.monotonic()
+            if self._lease_deadline is not None and now > self._lease_deadline:
+                op = self._snapshot.snapshot_id if self._snapshot else (
+                    self._restore.restore_id if self._restore else None)
+                log.warning("%s: lease of %s lapsed; resuming by itself",
+                            self.instance_id, op)
+                if op is not None:
+                    self._lapsed.add(op)
+                snap = self._snapshot
+                self._to_running()
+                if snap is not None:
+                    await self._discard_unreported_shard(snap)
+            if self._turn_timeout_s is not None:
+                stale = [k for k, t in self._turns.items()
+                         if now - t.started > self._turn_timeout_s]
+                for key in stale:
+                    log.warning("%s: turn of %s exceeded %.1fs; aborting it",
+                                self.instance_id, key, self._turn_timeout_s)
+                    del self._turns[key]
+                if stale:
+                    await self._notify_turn_done()
+
+
+def _actor_options() -> dict[str, Any]:
+    # No CPU reserved: a holder must fit on any node, beside the environment workers.
+    return {"num_cpus": 0, "max_concurrency": 10_000, "max_restarts": 0}
+
+
+SessionHolderActor = ray.remote(**_actor_options())(SessionHolder)

@@ -1,0 +1,74 @@
+"""Options of the Ray runtime: one pydantic model, validated at construction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX"]
+
+HOLDER_NAME_PREFIX = "nemo_ckpt_holder:"
+
+
+class CheckpointConfig(BaseModel):
+    """How ``RayEnvironmentCheckpoint`` finds its actors and how long each phase may take."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    namespace: str = Field(
+        "nemo_ckpt", min_length=1,
+        description="Ray namespace of the coordinator and the holders; one per job.")
+    coordinator_name: str = Field(
+        "nemo_ckpt_coordinator", min_length=1,
+        description="Name of the coordinator actor inside the namespace.")
+    checkpoint_root: Optional[Path] = Field(
+        None,
+        description="Folder under which checkpoint paths live; check_startup verifies "
+                    "every holder can write it and the driver can read it (shared).")
+    drain_timeout_s: float = Field(
+        5.0, gt=0,
+        description="How long a pause waits for turns in flight; sessions still mid-turn "
+                    "after it are not captured and restart after a crash.")
+    lease_s: float = Field(
+        30.0, gt=0,
+        description="A paused holder resumes by itself when its lease is not renewed "
+                    "within this many seconds (a driver or coordinator that died).")
+    lease_renew_interval_s: Optional[float] = Field(
+        None, gt=0,
+        description="How often the driver renews the lease while the snapshot context "
+                    "is open; defaults to a third of lease_s.")
+    phase_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Deadline of each control call to a holder (pause, capture, resume, "
+                    "restore steps) beyond the phase's own work.")
+    persist_timeout_s: float = Field(
+        600.0, gt=0,
+        description="Deadline for a holder to write its shards, counted from the end of "
+                    "the caller's block.")
+    turn_timeout_s: Optional[float] = Field(
+        None, gt=0,
+        description="A turn in flight longer than this is aborted by its holder (its "
+                    "worker is presumed dead); None lets turns run for ever.")
+    max_state_bytes: int = Field(
+        64 << 20, gt=0,
+        description="Largest environment state or turn record a session may hold; larger "
+                    "ones are refused with StateTooLargeError.")
+
+    @model_validator(mode="after")
+    def _deadlines_can_work(self) -> CheckpointConfig:
+        if self.drain_timeout_s >= self.lease_s:
+            raise ValueError(
+                f"drain_timeout_s ({self.drain_timeout_s}) must be shorter than lease_s "
+                f"({self.lease_s}), or every holder's lease lapses while it drains")
+        if self.renew_interval_s * 2 > self.lease_s:
+            raise ValueError(
+                f"lease_renew_interval_s ({self.renew_interval_s}) must be at most half "
+                f"of lease_s ({self.lease_s}), so one late renewal does not lapse a lease")
+        return self
+
+    @property
+    def renew_interval_s(self) -> float:
+        """The lease renewal period in effect."""
+        return self.lease_renew_interval_s or self.lease_s / 3

@@ -1,0 +1,107 @@
+"""What holders report to the coordinator, phase by phase: pure data, no Ray.
+
+A snapshot runs these phases, each carrying the snapshot id::
+
+    pause(id)  ->  PauseReport       turn gate closed, drained, lease taken
+    capture(id) -> CaptureReport     in-memory copy of the idle sessions
+    start_persist(id)                shards written in the background
+    finish_persist(id) -> PersistReport
+    resume(id)                       gate open again
+
+and a restore these, carrying the restore id::
+
+    prepare_restore(id) -> RestorePrepared   shards read and verified, nothing live yet
+    commit_restore(id) | abort_restore(id)
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from nemo_ckpt.manifest import RolloutEntry, ShardEntry
+
+__all__ = [
+    "HolderState",
+    "HolderInfo",
+    "PauseReport",
+    "CaptureReport",
+    "PersistReport",
+    "RestorePrepared",
+    "new_operation_id",
+]
+
+
+def new_operation_id(kind: str) -> str:
+    """A sortable, unique snapshot or restore id, such as ``snap-20261129T180000-1a2b3c4d``."""
+    return f"{kind}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
+class HolderState(str, enum.Enum):
+    """The states of a session holder. Each refuses the calls that do not fit it."""
+
+    RUNNING = "running"      # turns flow; snapshots and restores may start
+    PAUSED = "paused"        # for one snapshot id, under a lease; new turns wait
+    RESTORING = "restoring"  # for one restore id, under a lease; new turns wait
+
+
+@dataclass(frozen=True)
+class HolderInfo:
+    """A holder as ``status`` shows it."""
+
+    instance_id: str
+    node_id: str
+    state: HolderState
+    operation_id: str | None  # the snapshot or restore id it is paused or restoring for
+    lease_expires_in_s: float | None
+    sessions: int
+    turns_in_flight: int
+    last_snapshot_id: str | None
+
+
+@dataclass(frozen=True)
+class PauseReport:
+    """The pause phase of one holder."""
+
+    instance_id: str
+    drain_seconds: float
+    turns_in_flight: int  # still in flight at the drain deadline: they restart
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What one holder captured.
+
+    ``captured`` is ``(rollout_id, attempt, staging_keys)`` per captured session;
+    ``restarting`` is ``(rollout_id, attempt)`` per session mid-turn at the deadline.
+    Plain tuples keep the report cheap to ship for tens of thousands of sessions.
+    """
+
+    instance_id: str
+    captured: tuple[tuple[str, int, tuple[str, ...]], ...]
+    restarting: tuple[tuple[str, int], ...]
+    capture_seconds: float
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class PersistReport:
+    """What one holder wrote."""
+
+    instance_id: str
+    shards: tuple[ShardEntry, ...]
+    rollouts: tuple[RolloutEntry, ...]
+    persist_seconds: float
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class RestorePrepared:
+    """One holder's verified, not yet live, restore."""
+
+    instance_id: str
+    continued: tuple[tuple[str, int], ...]  # (rollout_id, captured attempt)
+    staging_keys: frozenset[str] = field(default_factory=frozenset)
+    bytes_read: int = 0

@@ -1,0 +1,386 @@
+"""``RayEnvironmentCheckpoint``: the ``EnvironmentCheckpoint`` contract over Ray actors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
+from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_capture_against_cut
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    NemoCkptError,
+    SnapshotInProgressError,
+    StartupCheckError,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
+from nemo_ckpt.phases import HolderInfo, HolderState, new_operation_id
+
+__all__ = ["RayEnvironmentCheckpoint", "RaySnapshot"]
+
+log = logging.getLogger("nemo_ckpt")
+
+
+class RaySnapshot:
+    """The backend's half of one snapshot, as aggregated over every holder.
+
+    Implements ``EnvironmentSnapshot``. Its figures grow as the snapshot proceeds:
+    persist seconds and bytes written are known once the context has exited.
+    """
+
+    def __init__(self, begun: Any) -> None:
+        self.snapshot_id: str = begun.snapshot_id
+        self._begun = begun
+        self.check_result: CutCheckResult | None = None
+        self._committed: dict[str, float] = {}
+
+    @property
+    def restarted_rollouts(self) -> int:
+        """Sessions mid-turn at the drain deadline: not captured, they restart after a crash."""
+        return sum(len(c.restarting) for c in self._begun.captures)
+
+    @property
+    def captured_rollouts(self) -> int:
+        """How many sessions the snapshot holds."""
+        return sum(len(c.captured) for c in self._begun.captures)
+
+    def captured(self) -> dict[str, dict[EnvironmentEpisode, frozenset[str]]]:
+        """Per instance, each captured episode and the staging keys it references."""
+        return {
+            c.instance_id: {EnvironmentEpisode(rid, att): frozenset(keys)
+                            for rid, att, keys in c.captured}
+            for c in self._begun.captures
+        }
+
+    def restarting(self) -> dict[str, frozenset[EnvironmentEpisode]]:
+        """Per instance, the episodes held mid-turn at the drain deadline."""
+        return {c.instance_id: frozenset(EnvironmentEpisode(r, a) for r, a in c.restarting)
+                for c in self._begun.captures}
+
+    async def check_against_cut(self, cut: DataPlaneMutationCut) -> None:
+        """Require the capture to match RL's ledger and staging rows at ``cut``.
+
+        Raises ``SnapshotMismatchError`` listing every difference; the snapshot then
+        does not commit. Expected rollouts the backend does not hold are counted in
+        ``metrics()["not_held_rollouts"]`` and logged as a warning: they restart.
+        """
+        result = check_capture_against_cut(cut, self.captured(), self.restarting())
+        self.check_result = result
+        if result.not_held:
+            shown = ", ".join(f"{i}/{ep.capture_key}" for i, ep in sorted(result.not_held)[:10])
+            log.warning(
+                "snapshot %s: %d rollout(s) RL expects are not held by the environment "
+                "(not opened yet, or lost with a node); they restart after a crash: %s%s",
+                self.snapshot_id, len(result.not_held), shown,
+                " ..." if len(result.not_held) > 10 else "")
+
+    def metrics(self, paused_seconds: float) -> dict[str, float]:
+        """Figures for this snapshot, in seconds, bytes and counts."""
+        b = self._begun
+        figures = {
+            "paused_seconds": float(paused_seconds),
+            "entry_seconds": b.entry_seconds,
+            "drain_seconds": max((p.drain_seconds for p in b.pauses), default=0.0),
+            "capture_seconds": max((c.capture_seconds for c in b.captures), default=0.0),
+            "persist_seconds": 0.0,
+            "bytes_written": 0.0,
+            "captured_rollouts": float(self.captured_rollouts),
+            "restarted_rollouts": float(self.restarted_rollouts),
+            "holders": float(len(b.instances)),
+            "state_bytes": float(sum(c.state_bytes for c in b.captures)),
+        }
+        if self.check_result is not None:
+            figures["not_held_rollouts"] = float(len(self.check_result.not_held))
+            figures["orphan_staging_rows"] = float(len(self.check_result.orphan_staging_keys))
+        figures.update(self._committed)
+        return figures
+
+    def _record_commit(self, manifest_metrics: dict[str, float]) -> None:
+        for key in ("persist_seconds", "bytes_written"):
+            self._committed[key] = manifest_metrics[key]
+
+
+class RayEnvironmentCheckpoint:
+    """Turn-level recovery for an environment backend whose sessions live in holders.
+
+    One ``CheckpointCoordinator`` actor (named, in ``config.namespace``) fans every
+    phase out to one ``SessionHolder`` per node. Environment workers reach their
+    node's holder through ``nemo_ckpt.SessionClient``.
+
+    Call order for a snapshot::
+
+        async with ckpt.snapshot(path) as snapshot:            # holders paused, captured
+            async with data_plane_barrier.checkpoint() as cut:  # RL's data plane frozen
+                if snapshot is not None:
+                    await snapshot.check_against_cut(cut)
+                ...                                              # RL saves; shards persist meanwhile
+        # clean exit: every shard durable, manifest.json written, holders resumed
+        # exception: holders resumed, this snapshot's files deleted, error re-raised
+
+    and for a restore::
+
+        async with ckpt.restored(path) as restored:   # verified and loaded, not yet live
+            ...                                        # RL restores its data plane
+        # clean exit: restored sessions live; exception: every holder drops them
+
+    Between the two, ``retire`` and ``forget`` serve RL's ledger; both are refused
+    while a snapshot or restore is open. Only one snapshot or restore is open at a time.
+    """
+
+    def __init__(self, config: CheckpointConfig | None = None) -> None:
+        self.config = config or CheckpointConfig()
+        self._coordinator: Any = None
+        self._open: str | None = None
+
+    # --- the contract --------------------------------------------------------------------
+
+    @property
+    def holds_rollout_state(self) -> bool:
+        """True: holders keep sessions between turns, so snapshots must capture them."""
+        return True
+
+    async def check_startup(self) -> None:
+        """Refuse a deployment that cannot recover; warn where recovery will be partial.
+
+        Checks that every alive node has a holder that answers, that every holder can
+        write under ``config.checkpoint_root`` and the driver can read what they wrote
+        (a shared filesystem), and that the deadlines can work.
+        """
+        problems: list[str] = []
+        warnings: list[str] = []
+        holders = await self._call(self._coord().ensure_holders.remote(), "check_startup")
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        hosted = {h.node_id for h in holders}
+        for node in sorted(alive - hosted):
+            problems.append(f"node {node} has no session holder that answers; its "
+                            f"environment workers' sessions could not be saved")
+        for h in holders:
+            if h.state is not HolderState.RUNNING:
+                warnings.append(f"{h.instance_id} is {h.state.value} for {h.operation_id}")
+        per_node: dict[str, list[str]] = {}
+        for h in holders:
+            per_node.setdefault(h.node_id, []).append(h.instance_id)
+        for node, insts in sorted(per_node.items()):
+            if len(insts) > 1:
+                warnings.append(f"node {node} hosts {len(insts)} instances ({insts}); "
+                                f"losing it loses all their rollouts at once")
+        root = self.config.checkpoint_root
+        if root is None:
+            warnings.append("config.checkpoint_root is not set, so nothing checked that "
+                            "every holder can write checkpoints where the driver reads them")
+        else:
+            probes = await self._call(self._coord().probe_storage.remote(str(root)),
+                                      "check_startup")
+            for inst, result in sorted(probes.items()):
+                if result.startswith("error: "):
+                    problems.append(f"{inst} cannot write under {root}: {result[7:]}")
+                    continue
+                path = Path(result)
+                try:
+                    content = path.read_text()
+                    path.unlink()
+                except OSError:
+                    problems.append(
+                        f"{inst} wrote {path} but the driver cannot read it: {root} is not "
+                        f"shared between the holders' nodes and the driver; use a shared "
+                        f"filesystem for checkpoints")
+                    continue
+                if not content.startswith(inst + " "):
+                    problems.append(f"{path} holds {content!r}, not {inst}'s probe")
+            with contextlib.suppress(OSError):
+                (Path(root) / ".nemo_ckpt_probe").rmdir()
+        cfg = self.config
+        if cfg.phase_timeout_s < cfg.renew_interval_s:
+            warnings.append(f"phase_timeout_s ({cfg.phase_timeout_s}) is shorter than the "
+                            f"lease renewal period ({cfg.renew_interval_s})")
+        for w in warnings:
+            log.warning("check_startup: %s", w)
+        if problems:
+            raise StartupCheckError(
+                "this deployment cannot recover as configured:\n"
+                + "\n".join(f"  - {p}" for p in problems))
+
+    @contextlib.asynccontextmanager
+    async def snapshot(self, checkpoint_path: Path) -> AsyncIterator[Optional[RaySnapshot]]:
+        """Pause every holder and save its sessions under ``checkpoint_path``.
+
+        Yields ``None`` when no holder has a session (an empty manifest still commits).
+        A snapshot into a path that holds an older one replaces it atomically: the new
+        manifest's rename is the commit point, and the older shards go only after it.
+        """
+        self._refuse_if_open("snapshot")
+        snapshot_id = new_operation_id("snap")
+        self._open = snapshot_id
+        path = str(Path(checkpoint_path))
+        started = time.monotonic()
+        try:
+            coord = self._coord()
+            begun = await self._call(coord.begin_snapshot.remote(snapshot_id, path),
+                                     "snapshot")
+            snap = RaySnapshot(begun)
+            async with self._renewing(snapshot_id):
+                try:
+                    yield snap if snap.captured_rollouts or snap.restarted_rollouts else None
+                except BaseException:
+                    await self._abort_quietly(coord.abort_snapshot.remote(snapshot_id, path))
+                    raise
+                # The manifest carries what is known at commit; paused time ends at resume.
+                metrics = snap.metrics(time.monotonic() - started)
+                try:
+                    committed = await self._call(
+                        coord.commit_snapshot.remote(snapshot_id, path, metrics,
+                                                     snap.restarted_rollouts),
+                        "snapshot commit")
+                except BaseException:
+                    # A coordinator that died mid-commit left holders paused: a fresh one
+                    # resumes them now instead of at lease expiry.
+                    await self._abort_quietly(
+                        self._coord().abort_snapshot.remote(snapshot_id, path))
+                    raise
+            snap._record_commit(committed.manifest.metrics)
+            log.info("snapshot %s committed: %d rollouts, %d restarted, %.0f bytes, "
+                     "paused %.3fs", snapshot_id, snap.captured_rollouts,
+                     snap.restarted_rollouts, committed.manifest.metrics["bytes_written"],
+                     time.monotonic() - started)
+        finally:
+            self._open = None
+
+    @contextlib.asynccontextmanager
+    async def restored(self, checkpoint_path: Path) -> AsyncIterator[RestoredEnvironmentRollouts]:
+        """Restore every instance's sessions from ``checkpoint_path`` as next attempts.
+
+        The snapshot is verified, every shard included, before any holder changes.
+        Sessions go live on a clean exit; on an exception every holder drops them.
+        """
+        self._refuse_if_open("restore")
+        restore_id = new_operation_id("restore")
+        self._open = restore_id
+        path = str(Path(checkpoint_path))
+        try:
+            coord = self._coord()
+            begun = await self._call(coord.prepare_restore.remote(restore_id, path), "restore")
+            async with self._renewing(restore_id):
+                try:
+                    yield RestoredEnvironmentRollouts(
+                        continued_attempts=begun.continued_attempts,
+                        staging_keys=begun.staging_keys)
+                except BaseException:
+                    await self._abort_quietly(coord.abort_restore.remote(restore_id))
+                    raise
+                live = await self._call(coord.commit_restore.remote(restore_id),
+                                        "restore commit")
+            log.info("restore %s from %s: %d sessions live", restore_id, path, live)
+        finally:
+            self._open = None
+
+    def is_unavailable(self, error: BaseException) -> bool:
+        """True only for a holder or the coordinator unreachable, dead or late."""
+        if isinstance(error, RayTaskError):
+            cause = error.cause
+            return isinstance(cause, BaseException) and cause is not error \
+                and self.is_unavailable(cause)
+        return isinstance(error, (BackendUnavailableError, RayActorError, GetTimeoutError))
+
+    # --- RL's ledger operations and introspection ----------------------------------------
+
+    async def retire(self, episodes: Iterable[EnvironmentEpisode]) -> list[str]:
+        """Drop these attempts' sessions and refuse their late turns (result consumed)."""
+        self._refuse_if_open("retire")
+        return await self._call(self._coord().retire.remote(list(episodes)), "retire")
+
+    async def forget(self, episodes: Iterable[EnvironmentEpisode]) -> list[str]:
+        """Drop these attempts' sessions and their refusals."""
+        self._refuse_if_open("forget")
+        return await self._call(self._coord().forget.remote(list(episodes)), "forget")
+
+    async def holders(self) -> list[HolderInfo]:
+        """Every live holder: instance, node, state, sessions, lease."""
+        return await self._call(self._coord().holder_infos.remote(), "status")
+
+    async def ensure_holders(self) -> list[HolderInfo]:
+        """Create the coordinator and a holder on every alive node that lacks one."""
+        return await self._call(self._coord().ensure_holders.remote(), "ensure_holders")
+
+    def shutdown(self) -> None:
+        """Kill the coordinator and every holder of this namespace (their sessions go)."""
+        ns = self.config.namespace
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a.get("namespace") != ns:
+                continue
+            if a["name"].startswith(HOLDER_NAME_PREFIX) or a["name"] == self.config.coordinator_name:
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(a["name"], namespace=ns))
+        self._coordinator = None
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _coord(self) -> Any:
+        from actors.coordinator import CheckpointCoordinatorActor
+
+        if not ray.is_initialized():
+            raise BackendUnavailableError(
+                "Ray is not initialized; call ray.init() (or ray.init(address=...)) before "
+                "using RayEnvironmentCheckpoint")
+        if self._coordinator is None:
+            node = ray.get_runtime_context().get_node_id()
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            # Beside the driver, so losing a worker node never takes the coordinator.
+            self._coordinator = CheckpointCoordinatorActor.options(  # type: ignore[attr-defined]
+                name=self.config.coordinator_name, namespace=self.config.namespace,
+                lifetime="detached", get_if_exists=True,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+            ).remote(self.config)
+        return self._coordinator
+
+    async def _call(self, ref: Any, what: str) -> Any:
+        try:
+            return await ref
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, NemoCkptError):
+                raise cause from None
+            raise
+        except (RayActorError, GetTimeoutError) as exc:
+            self._coordinator = None  # the next call finds or creates a new one
+            raise BackendUnavailableError(
+                f"the nemo-ckpt coordinator is unreachable during {what} "
+                f"({type(exc).__name__}); holders resume by their lease; retry") from exc
+
+    async def _abort_quietly(self, ref: Any) -> None:
+        try:
+            await self._call(ref, "abort")
+        except Exception as exc:  # the caller's own exception matters more
+            log.warning("abort after a failed snapshot/restore also failed: %s", exc)
+
+    def _refuse_if_open(self, what: str) -> None:
+        if self._open is not None:
+            raise SnapshotInProgressError(
+                f"cannot {what} while {self._open} is open; finish its `async with` block "
+                f"first")
+
+    @contextlib.asynccontextmanager
+    async def _renewing(self, op_id: str) -> AsyncIterator[None]:
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self.config.renew_interval_s)
+                try:
+                    await self._call(self._coord().renew.remote(op_id), "lease renewal")
+                except Exception as exc:
+                    log.warning("lease renewal of %s failed: %s", op_id, exc)
+
+        task = asyncio.ensure_future(renew())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,284 @@
+"""The session holder's state machine, driven directly (no Ray) for speed and precision."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from actors.session_holder import SessionHolder
+from nemo_ckpt.errors import (
+    CaptureKeyCollisionError,
+    HolderStateError,
+    LeaseExpiredError,
+    RestoreConflictError,
+    RetiredAttemptError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StaleSnapshotError,
+    StateTooLargeError,
+    TurnInProgressError,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.phases import HolderState
+from nemo_ckpt.storage import prepare_environment_dir, read_manifest
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def holder(**kw: object) -> SessionHolder:
+    return SessionHolder("holder-0", node_id="node-a", **kw)  # type: ignore[arg-type]
+
+
+async def run_turn(h: SessionHolder, ep: Ep, record: bytes, state: bytes,
+                   keys: tuple[str, ...] = ()) -> None:
+    token, _ = await h.begin_turn(ep.capture_key)
+    await h.commit_turn(ep.capture_key, token, record, state, keys)
+
+
+async def test_turns_append_records_replace_state_and_collect_staging_keys() -> None:
+    h = holder()
+    ep = Ep("r", 0)
+    await h.open_session(ep, b"s0")
+    await run_turn(h, ep, b"t0", b"s1", ("r/0",))
+    await run_turn(h, ep, b"t1", b"s2", ("r/1",))
+    s = await h.get_session("r")
+    assert (s.turns, s.state, s.staging_keys) == ((b"t0", b"t1"), b"s2", {"r/0", "r/1"})
+
+
+async def test_an_aborted_turn_records_nothing() -> None:
+    h = holder()
+    ep = Ep("r", 0)
+    await h.open_session(ep, b"s0")
+    token, _ = await h.begin_turn("r")
+    await h.abort_turn("r", token)
+    s = await h.get_session("r")
+    assert (s.turns, s.state, s.staging_keys) == ((), b"s0", frozenset())
+    with pytest.raises(TurnInProgressError, match="no turn in flight"):
+        await h.commit_turn("r", token, b"late", b"x")
+
+
+async def test_one_turn_at_a_time_per_session() -> None:
+    h = holder()
+    await h.open_session(Ep("r", 0))
+    await h.begin_turn("r")
+    with pytest.raises(TurnInProgressError, match="one turn at a time"):
+        await h.begin_turn("r")
+
+
+async def test_colliding_capture_keys_are_refused() -> None:
+    h = holder()
+    await h.open_session(Ep("r", 1))  # capture key "r-a1"
+    with pytest.raises(CaptureKeyCollisionError, match="'r-a1'"):
+        await h.open_session(Ep("r-a1", 0))
+    with pytest.raises(SessionExistsError, match="already open"):
+        await h.open_session(Ep("r", 1))
+    with pytest.raises(SessionExistsError, match="already has a live session"):
+        await h.open_session(Ep("r", 2))
+
+
+async def test_oversized_state_and_records_are_refused() -> None:
+    h = holder(max_state_bytes=10)
+    with pytest.raises(StateTooLargeError, match="11 bytes, over the limit of 10"):
+        await h.open_session(Ep("r", 0), b"x" * 11)
+    await h.open_session(Ep("r", 0), b"ok")
+    token, _ = await h.begin_turn("r")
+    with pytest.raises(StateTooLargeError):
+        await h.commit_turn("r", token, b"y" * 11, b"")
+    assert (await h.get_session("r")).turns == ()
+
+
+async def test_a_session_that_does_not_exist_is_named() -> None:
+    with pytest.raises(SessionNotFoundError, match="'nope'"):
+        await holder().begin_turn("nope")
+
+
+async def test_new_turns_wait_while_paused_and_run_after_resume() -> None:
+    h = holder()
+    await h.open_session(Ep("r", 0))
+    await h.pause("snap-1", drain_timeout_s=1, lease_s=10)
+    waiting = asyncio.ensure_future(h.begin_turn("r"))
+    await asyncio.sleep(0.2)
+    assert not waiting.done(), "a turn began while the holder was paused"
+    await h.resume("snap-1")
+    token, _ = await asyncio.wait_for(waiting, 2)
+    await h.commit_turn("r", token, b"t", b"s")
+
+
+async def test_pause_drains_turns_in_flight_before_capture() -> None:
+    h = holder()
+    ep = Ep("r", 0)
+    await h.open_session(ep)
+    token, _ = await h.begin_turn("r")
+
+    async def finish_soon() -> None:
+        await asyncio.sleep(0.2)
+        await h.commit_turn("r", token, b"t0", b"s1", ["r/0"])
+
+    finisher = asyncio.ensure_future(finish_soon())
+    report = await h.pause("snap-1", drain_timeout_s=5, lease_s=10)
+    await finisher
+    assert report.turns_in_flight == 0 and report.drain_seconds >= 0.15
+    capture = await h.capture("snap-1")
+    assert capture.captured == (("r", 0, ("r/0",)),) and capture.restarting == ()
+
+
+async def test_a_session_mid_turn_at_the_deadline_restarts_and_is_not_captured() -> None:
+    h = holder()
+    await h.open_session(Ep("busy", 0))
+    await h.open_session(Ep("idle", 0))
+    await h.begin_turn("busy")
+    report = await h.pause("snap-1", drain_timeout_s=0.1, lease_s=10)
+    assert report.turns_in_flight == 1
+    capture = await h.capture("snap-1")
+    assert [c[0] for c in capture.captured] == ["idle"]
+    assert capture.restarting == (("busy", 0),)
+
+
+async def test_repeated_phases_are_idempotent_and_stale_ids_refused(tmp_path: Path) -> None:
+    h = holder()
+    await h.open_session(Ep("r", 0), b"s")
+    p1 = await h.pause("snap-1", 1, 10)
+    assert await h.pause("snap-1", 1, 10) == p1
+    c1 = await h.capture("snap-1")
+    assert await h.capture("snap-1") == c1
+    with pytest.raises(StaleSnapshotError, match="call for snap-0, but the holder is paused for snap-1"):
+        await h.capture("snap-0")
+    with pytest.raises(HolderStateError, match="refuses pause for snapshot snap-2: it is paused for snap-1"):
+        await h.pause("snap-2", 1, 10)
+    directory = prepare_environment_dir(tmp_path)
+    await h.start_persist("snap-1", str(directory))
+    await h.start_persist("snap-1", str(directory))
+    r1 = await h.finish_persist("snap-1")
+    assert await h.finish_persist("snap-1") == r1
+    assert len(r1.shards) == 1 and r1.bytes_written == r1.shards[0].bytes
+    await h.resume("snap-1")
+    await h.resume("snap-1")
+    assert (await h.info()).state is HolderState.RUNNING
+    with pytest.raises(StaleSnapshotError, match="already finished"):
+        await h.capture("snap-1")
+
+
+async def test_a_lapsed_lease_resumes_the_holder_and_blocks_the_commit(tmp_path: Path) -> None:
+    h = holder()
+    await h.open_session(Ep("r", 0))
+    await h.pause("snap-1", 1, lease_s=0.3)
+    await h.capture("snap-1")
+    await h.start_persist("snap-1", str(prepare_environment_dir(tmp_path)))
+    await asyncio.sleep(0.6)
+    info = await h.info()
+    assert info.state is HolderState.RUNNING and info.operation_id is None
+    with pytest.raises(LeaseExpiredError, match="lease of snap-1 lapsed"):
+        await h.finish_persist("snap-1")
+    with pytest.raises(LeaseExpiredError):
+        await h.renew_lease("snap-1", 10)
+    await h.resume("snap-1")  # the coordinator's abort still succeeds
+    # The shard written for the lapsed snapshot is removed, and turns flow again.
+    await asyncio.sleep(0.2)
+    assert not list((tmp_path / "environment").glob("shard-*"))
+    token, _ = await asyncio.wait_for(h.begin_turn("r"), 1)
+
+
+async def test_renewing_the_lease_keeps_the_holder_paused() -> None:
+    h = holder()
+    await h.pause("snap-1", 1, lease_s=0.3)
+    for _ in range(4):
+        await asyncio.sleep(0.15)
+        await h.renew_lease("snap-1", 0.3)
+    assert (await h.info()).state is HolderState.PAUSED
+
+
+async def test_retire_drops_the_session_and_refuses_its_late_turns() -> None:
+    h = holder()
+    ep = Ep("r", 0)
+    await h.open_session(ep)
+    token, _ = await h.begin_turn("r")
+    assert await h.retire([ep]) == ["r"]
+    with pytest.raises(RetiredAttemptError, match="retired"):
+        await h.commit_turn("r", token, b"late", b"")
+    with pytest.raises(RetiredAttemptError):
+        await h.begin_turn("r")
+    with pytest.raises(RetiredAttemptError):
+        await h.open_session(ep)
+    assert await h.forget([ep]) == []
+    await h.open_session(ep)  # forgotten: the refusal is gone too
+    assert await h.forget([ep]) == ["r"]
+
+
+async def test_retire_and_forget_are_refused_while_paused() -> None:
+    h = holder()
+    await h.pause("snap-1", 1, 10)
+    for op in (h.retire, h.forget):
+        with pytest.raises(HolderStateError, match="paused for snap-1"):
+            await op([Ep("r", 0)])
+
+
+async def test_restore_installs_next_attempts_only_on_commit(tmp_path: Path) -> None:
+    src = holder()
+    ep = Ep("r", 0)
+    await src.open_session(ep, b"s0")
+    await run_turn(src, ep, b"t0", b"s1", ("r/0",))
+    await src.pause("snap-1", 1, 10)
+    await src.capture("snap-1")
+    directory = prepare_environment_dir(tmp_path)
+    await src.start_persist("snap-1", str(directory))
+    report = await src.finish_persist("snap-1")
+
+    dst = SessionHolder("holder-0", node_id="node-b")
+    prepared = await dst.prepare_restore("restore-1", str(directory), list(report.shards), 10)
+    assert prepared.continued == (("r", 0),) and prepared.staging_keys == {"r/0"}
+    assert (await dst.info()).state is HolderState.RESTORING
+    assert await dst.sessions() == []
+    assert await dst.commit_restore("restore-1") == 1
+    (s,) = await dst.sessions()
+    assert s.episode == Ep("r", 1) and s.turns == (b"t0",) and s.state == b"s1"
+    assert s.staging_keys == {"r/0"} and s.earlier_capture_keys == ("r",)
+    await run_turn(dst, Ep("r", 1), b"t1", b"s2")  # it continues as a live session
+
+
+async def test_an_aborted_restore_leaves_nothing_and_a_conflict_is_refused(tmp_path: Path) -> None:
+    src = holder()
+    await src.open_session(Ep("r", 0))
+    await src.pause("s", 1, 10)
+    await src.capture("s")
+    directory = prepare_environment_dir(tmp_path)
+    await src.start_persist("s", str(directory))
+    shards = list((await src.finish_persist("s")).shards)
+
+    dst = SessionHolder("holder-0", node_id="node-b")
+    await dst.prepare_restore("restore-1", str(directory), shards, 10)
+    await dst.abort_restore("restore-1")
+    assert await dst.sessions() == [] and (await dst.info()).state is HolderState.RUNNING
+
+    await dst.open_session(Ep("r", 5))
+    with pytest.raises(RestoreConflictError, match=r"\['r'\]"):
+        await dst.prepare_restore("restore-2", str(directory), shards, 10)
+    assert (await dst.info()).state is HolderState.RUNNING
+    assert [s.episode for s in await dst.sessions()] == [Ep("r", 5)]
+
+
+async def test_a_turn_past_its_timeout_is_aborted_by_the_holder() -> None:
+    h = holder(turn_timeout_s=0.2)
+    await h.open_session(Ep("r", 0))
+    token, _ = await h.begin_turn("r")
+    report = await h.pause("snap-1", drain_timeout_s=2, lease_s=10)
+    assert report.turns_in_flight == 0 and report.drain_seconds < 1.5
+    with pytest.raises(TurnInProgressError, match="aborted"):
+        await h.commit_turn("r", token, b"late", b"")
+
+
+async def test_persist_writes_a_shard_and_capture_ignores_later_turns(tmp_path: Path) -> None:
+    h = holder()
+    ep = Ep("r", 0)
+    await h.open_session(ep, b"s0")
+    await h.pause("snap-1", 1, 10)
+    await h.capture("snap-1")
+    directory = prepare_environment_dir(tmp_path)
+    await h.start_persist("snap-1", str(directory))
+    report = await h.finish_persist("snap-1")
+    await h.resume("snap-1")
+    await run_turn(h, ep, b"after", b"s1")
+    assert [r.turns for r in report.rollouts] == [0]
+    with pytest.raises(Exception):
+        read_manifest(tmp_path)  # shards alone are not a snapshot: the coordinator commits
