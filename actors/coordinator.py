@@ -122,7 +122,8 @@ class CheckpointCoordinator:
         or ``error: ...``."""
         await self.ensure_holders()
         results = await asyncio.gather(
-            *(self._call(inst, "probe_storage", h.probe_storage.remote(root))
+            *(self._call(inst, "probe_storage", h.probe_storage.remote(root),
+                         self._config.phase_timeout_s)
               for inst, h in self._holders.items()),
             return_exceptions=True)
         return {inst: (r if isinstance(r, str) else f"error: {r}")

@@ -1,0 +1,68 @@
+"""Shared fixtures: one real multi-node Ray cluster for the whole session.
+
+The cluster (head plus two worker nodes, each its own raylet) starts on first use and
+is shut down at the end of the session. Each test gets its own Ray namespace through
+``ckpt`` and kills its actors afterwards, so tests never see each other's holders.
+Tests that remove nodes add them back before they finish (``spare_node``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+WORKER_NODES = 2
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Any]:
+    """A local multi-node Ray cluster, connected as this process's driver."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": False},
+    )
+    for _ in range(WORKER_NODES):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def alive_node_ids() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A Ray namespace of this test's own."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def ckpt(cluster: Any, namespace: str, tmp_path: Any) -> AsyncIterator[Any]:
+    """A RayEnvironmentCheckpoint in a fresh namespace, with short deadlines."""
+    from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
+
+    config = CheckpointConfig(namespace=namespace, checkpoint_root=tmp_path,
+                              drain_timeout_s=1.0, lease_s=4.0, phase_timeout_s=10.0,
+                              persist_timeout_s=30.0)
+    checkpoint = RayEnvironmentCheckpoint(config)
+    await checkpoint.ensure_holders()
+    try:
+        yield checkpoint
+    finally:
+        checkpoint.shutdown()
