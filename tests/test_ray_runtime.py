@@ -457,3 +457,37 @@ async def test_holder_names_live_in_the_configured_namespace(ckpt: Any) -> None:
              if a["namespace"] == ckpt.config.namespace}
     assert names == {ckpt.config.coordinator_name,
                      *(f"{HOLDER_NAME_PREFIX}holder-{k}" for k in range(3))}
+
+
+async def test_a_block_longer_than_the_lease_still_commits_thanks_to_renewals(
+    cluster: Any, namespace: str, tmp_path: Path
+) -> None:
+    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(namespace=namespace, lease_s=1.0,
+                                                     drain_timeout_s=0.2))
+    try:
+        await ckpt.ensure_holders()
+        await play(await client(ckpt, "holder-0"), Ep("a", 0), 1)
+        async with ckpt.snapshot(tmp_path / "long") as snap:
+            await asyncio.sleep(2.5)  # RL's own save takes longer than one lease
+            assert set((await states(ckpt)).values()) == {HolderState.PAUSED}
+        assert snap is not None and snap.captured_rollouts == 1
+        assert [r.rollout_id for r in read_manifest(tmp_path / "long").rollouts] == ["a"]
+    finally:
+        ckpt.shutdown()
+
+
+async def test_a_corrupt_shard_refuses_the_restore_before_any_holder_changes(
+    ckpt: Any, tmp_path: Path
+) -> None:
+    from nemo_ckpt.errors import ShardCorruptedError
+
+    write_fake_snapshot(tmp_path / "c", ["holder-0", "holder-1"])
+    shard = environment_dir(tmp_path / "c") / shard_file_name("old", "holder-1")
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ShardCorruptedError, match="SHA-256"):
+        async with ckpt.restored(tmp_path / "c"):
+            pytest.fail("the block ran although a shard is corrupt")
+    assert {h.instance_id: (h.sessions, h.state) for h in await ckpt.holders()} == {
+        f"holder-{k}": (0, HolderState.RUNNING) for k in range(3)}
