@@ -110,7 +110,13 @@ class CheckpointCoordinator:
             hosted = {i.node_id for i in infos}
             for node_id in self._alive_node_ids():
                 if node_id not in hosted:
-                    infos.append(await self._create_holder(self._free_instance_id(), node_id))
+                    try:
+                        infos.append(await self._create_holder(self._free_instance_id(),
+                                                               node_id))
+                    except BackendUnavailableError as exc:
+                        # Typically a node that died but is not yet declared dead. A
+                        # node that stays without a holder fails check_startup.
+                        log.warning("no holder could start on node %s: %s", node_id, exc)
             return sorted(infos, key=_instance_order)
 
     async def holder_infos(self) -> list[HolderInfo]:
@@ -327,9 +333,6 @@ class CheckpointCoordinator:
 
         results = await asyncio.gather(*(one(i) for i in instances), return_exceptions=True)
         errors = [(i, r) for i, r in zip(instances, results) if isinstance(r, BaseException)]
-        for inst, err in errors:
-            if isinstance(err, BackendUnavailableError):
-                self._holders.pop(inst, None)
         if errors and not tolerate_failures:
             # A real refusal says more than "unreachable": raise it first.
             errors.sort(key=lambda e: isinstance(e[1], BackendUnavailableError))

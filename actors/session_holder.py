@@ -71,8 +71,6 @@ class _Snapshot:
     capture: dict[str, SessionRecord] | None = None
     capture_report: CaptureReport | None = None
     persist: asyncio.Task[PersistReport] | None = None
-    directory: str = ""
-    reported: bool = False  # finish_persist answered: the shard may be in a manifest now
 
 
 @dataclass
@@ -118,6 +116,7 @@ class SessionHolder:
         self._finished: set[str] = set()
         self._last_snapshot_id: str | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._injected_delays: dict[str, float] = {}
 
     # --- introspection -------------------------------------------------------------
 
@@ -152,6 +151,21 @@ class SessionHolder:
             return str(path)
 
         return await asyncio.to_thread(write)
+
+    async def inject_delay(self, phase: str, seconds: float) -> None:
+        """Fault-injection seam for tests and drills: make ``phase`` take ``seconds``
+        longer, so a fault can be aimed at it. Phases: pause, capture, persist,
+        finish_persist, prepare_restore, commit_restore. 0 removes the delay."""
+        known = {"pause", "capture", "persist", "finish_persist", "prepare_restore",
+                 "commit_restore"}
+        if phase not in known:
+            raise ValueError(f"unknown phase {phase!r}; one of {sorted(known)}")
+        self._injected_delays[phase] = seconds
+
+    async def _injected_delay(self, phase: str) -> None:
+        seconds = self._injected_delays.get(phase, 0.0)
+        if seconds > 0:
+            await asyncio.sleep(seconds)
 
     # --- session calls (from environment workers) ------------------------------------
 
@@ -295,6 +309,7 @@ class SessionHolder:
             self._gate.clear()
             self._lease_deadline = time.monotonic() + lease_s
         start = time.monotonic()
+        await self._injected_delay("pause")
         async with self._turns_done:
             try:
                 await asyncio.wait_for(
@@ -317,6 +332,10 @@ class SessionHolder:
 
     async def capture(self, snapshot_id: str) -> CaptureReport:
         """Copy the idle sessions in memory; sessions mid-turn are reported restarting."""
+        snap = self._current_snapshot(snapshot_id)
+        if snap.capture_report is not None:
+            return snap.capture_report
+        await self._injected_delay("capture")
         snap = self._current_snapshot(snapshot_id)
         if snap.capture_report is not None:
             return snap.capture_report
@@ -344,7 +363,6 @@ class SessionHolder:
             raise HolderStateError(
                 f"{self.instance_id}: persist for snapshot {snapshot_id} before capture")
         if snap.persist is None:
-            snap.directory = directory
             snap.persist = asyncio.ensure_future(
                 self._persist(snapshot_id, Path(directory), list(snap.capture.values())))
 
@@ -355,9 +373,9 @@ class SessionHolder:
             raise HolderStateError(
                 f"{self.instance_id}: finish_persist for snapshot {snapshot_id}, which "
                 f"was never started")
+        await self._injected_delay("finish_persist")
         report = await asyncio.shield(snap.persist)
         self._current_snapshot(snapshot_id)  # the lease may have lapsed while writing
-        snap.reported = True
         return report
 
     async def resume(self, snapshot_id: str) -> None:
@@ -387,6 +405,7 @@ class SessionHolder:
         self._gate.clear()
         self._lease_deadline = time.monotonic() + lease_s
         try:
+            await self._injected_delay("prepare_restore")
             records: list[SessionRecord] = []
             read = 0
             for entry in shards:
@@ -428,6 +447,8 @@ class SessionHolder:
         if restore.prepared is None:
             raise HolderStateError(
                 f"{self.instance_id}: commit of restore {restore_id} before it was prepared")
+        await self._injected_delay("commit_restore")
+        restore = self._current_restore(restore_id)
         for record in restore.pending:
             if record.episode.rollout_id in self._live_rollouts:
                 raise RestoreConflictError(
@@ -556,6 +577,7 @@ class SessionHolder:
     async def _persist(self, snapshot_id: str, directory: Path,
                        records: list[SessionRecord]) -> PersistReport:
         start = time.monotonic()
+        await self._injected_delay("persist")
         shards: tuple[ShardEntry, ...] = ()
         rollouts: tuple[RolloutEntry, ...] = ()
         if records:
@@ -578,17 +600,6 @@ class SessionHolder:
             bytes_written=sum(s.bytes for s in shards),
         )
 
-    async def _discard_unreported_shard(self, snap: _Snapshot) -> None:
-        """A lapsed snapshot's shard can never be committed, unless the coordinator
-        already has its report; remove it so it does not linger."""
-        task = snap.persist
-        if task is None or snap.reported or not task.done() or task.cancelled() \
-                or task.exception() is not None:
-            return  # still writing: _persist removes the file itself when it finishes
-        names = [e.file for e in task.result().shards]
-        if names:
-            await asyncio.to_thread(remove_files, Path(snap.directory), names)
-
     def _ensure_watchdog(self) -> None:
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.ensure_future(self._watch())
@@ -604,10 +615,9 @@ class SessionHolder:
                             self.instance_id, op)
                 if op is not None:
                     self._lapsed.add(op)
-                snap = self._snapshot
+                # Its shard stays: a coordinator may already hold its report and commit
+                # it. Unreferenced shards are removed by the next commit in that folder.
                 self._to_running()
-                if snap is not None:
-                    await self._discard_unreported_shard(snap)
             if self._turn_timeout_s is not None:
                 stale = [k for k, t in self._turns.items()
                          if now - t.started > self._turn_timeout_s]

@@ -333,11 +333,12 @@ class RayEnvironmentCheckpoint:
             node = ray.get_runtime_context().get_node_id()
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            # Beside the driver, so losing a worker node never takes the coordinator.
+            # Pinned beside the driver (hard affinity: soft affinity was seen to spill
+            # onto worker nodes), so losing a worker node never takes the coordinator.
             self._coordinator = CheckpointCoordinatorActor.options(  # type: ignore[attr-defined]
                 name=self.config.coordinator_name, namespace=self.config.namespace,
                 lifetime="detached", get_if_exists=True,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(self.config)
         return self._coordinator
 

@@ -27,7 +27,14 @@ def cluster() -> Iterator[Any]:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     c = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 2,
+            "include_dashboard": False,
+            # Detect a removed node in ~2 s instead of ~15 s.
+            "_system_config": {"health_check_period_ms": 500,
+                               "health_check_failure_threshold": 3,
+                               "health_check_timeout_ms": 500},
+        },
     )
     for _ in range(WORKER_NODES):
         c.add_node(num_cpus=1)

@@ -16,6 +16,7 @@ from nemo_ckpt.errors import (
     RetiredAttemptError,
     SessionExistsError,
     SessionNotFoundError,
+    SnapshotNotFoundError,
     StaleSnapshotError,
     StateTooLargeError,
     TurnInProgressError,
@@ -174,10 +175,24 @@ async def test_a_lapsed_lease_resumes_the_holder_and_blocks_the_commit(tmp_path:
     with pytest.raises(LeaseExpiredError):
         await h.renew_lease("snap-1", 10)
     await h.resume("snap-1")  # the coordinator's abort still succeeds
-    # The shard written for the lapsed snapshot is removed, and turns flow again.
-    await asyncio.sleep(0.2)
-    assert not list((tmp_path / "environment").glob("shard-*"))
+    # Without a manifest the written shard is no snapshot; turns flow again.
+    with pytest.raises(SnapshotNotFoundError, match="interrupted before it committed"):
+        read_manifest(tmp_path)
     token, _ = await asyncio.wait_for(h.begin_turn("r"), 1)
+
+
+async def test_a_shard_finished_after_its_snapshot_was_aborted_removes_itself(
+    tmp_path: Path,
+) -> None:
+    h = holder()
+    await h.open_session(Ep("r", 0))
+    await h.inject_delay("persist", 0.3)
+    await h.pause("snap-1", 1, 10)
+    await h.capture("snap-1")
+    await h.start_persist("snap-1", str(prepare_environment_dir(tmp_path)))
+    await h.resume("snap-1")  # aborted while the write is still pending
+    await asyncio.sleep(0.6)
+    assert list((tmp_path / "environment").iterdir()) == []
 
 
 async def test_renewing_the_lease_keeps_the_holder_paused() -> None:
