@@ -23,6 +23,7 @@ and for a restore (driven by ``RayEnvironmentCheckpoint.restored``)::
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -35,6 +36,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors import metrics
 from actors.session_holder import SessionHolderActor
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.errors import (
@@ -99,6 +101,7 @@ class CheckpointCoordinator:
         self._config = config
         self._holders: dict[str, Any] = {}  # instance id -> actor handle
         self._ops: dict[str, list[str]] = {}  # snapshot/restore id -> instances taking part
+        self._started: dict[str, float] = {}  # snapshot/restore id -> monotonic start
         self._placement_lock = asyncio.Lock()
 
     # --- holders ---------------------------------------------------------------------
@@ -140,6 +143,7 @@ class CheckpointCoordinator:
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
         """Pause every holder, capture, and start persisting in the background."""
         start = time.monotonic()
+        self._started[snapshot_id] = start
         await self.ensure_holders()
         instances = sorted(self._holders, key=_instance_key)
         self._ops[snapshot_id] = instances
@@ -149,15 +153,16 @@ class CheckpointCoordinator:
             pauses = await self._fan(
                 instances, "pause",
                 lambda h: h.pause.remote(snapshot_id, cfg.drain_timeout_s, cfg.lease_s),
-                cfg.drain_timeout_s + cfg.phase_timeout_s)
+                cfg.drain_timeout_s + cfg.phase_timeout_s, op_id=snapshot_id)
             captures = await self._fan(
                 instances, "capture", lambda h: h.capture.remote(snapshot_id),
-                cfg.phase_timeout_s)
+                cfg.phase_timeout_s, op_id=snapshot_id)
             await self._fan(
                 instances, "start_persist",
                 lambda h: h.start_persist.remote(snapshot_id, str(directory)),
-                cfg.phase_timeout_s)
-        except BaseException:
+                cfg.phase_timeout_s, op_id=snapshot_id)
+        except BaseException as exc:
+            self._count_failure("snapshot", exc)
             await self.abort_snapshot(snapshot_id, checkpoint_path)
             raise
         return SnapshotBegun(
@@ -183,7 +188,7 @@ class CheckpointCoordinator:
         try:
             persists = await self._fan(
                 instances, "finish_persist", lambda h: h.finish_persist.remote(snapshot_id),
-                self._config.persist_timeout_s)
+                self._config.persist_timeout_s, op_id=snapshot_id)
             shards: list[ShardEntry] = [s for p in persists for s in p.shards]
             all_metrics = dict(metrics)
             all_metrics.update(
@@ -196,12 +201,14 @@ class CheckpointCoordinator:
                 rollouts=[r for p in persists for r in p.rollouts],
                 restarted_rollouts=restarted, metrics=all_metrics)
             await asyncio.to_thread(write_manifest, directory, manifest)
-        except BaseException:
+        except BaseException as exc:
+            self._count_failure("snapshot", exc)
             await self.abort_snapshot(snapshot_id, checkpoint_path)
             raise
         # Committed. Older snapshots' files in this folder are garbage from here on.
         removed = await asyncio.to_thread(remove_unreferenced_files, directory, manifest)
         await self._resume_all(snapshot_id, instances)
+        self._record_commit(snapshot_id, manifest, restarted)
         return SnapshotCommitted(manifest=manifest, persists=tuple(persists),
                                  removed_files=tuple(removed))
 
@@ -209,6 +216,7 @@ class CheckpointCoordinator:
         """Resume every holder and delete this snapshot's files. Never raises for a
         holder that is gone: it is not paused any more either."""
         instances = self._ops.get(snapshot_id, sorted(self._holders, key=_instance_key))
+        self._started.pop(snapshot_id, None)
         await self._resume_all(snapshot_id, instances)
         return await asyncio.to_thread(
             remove_snapshot_files, environment_dir(checkpoint_path), snapshot_id)
@@ -217,6 +225,15 @@ class CheckpointCoordinator:
 
     async def prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
         """Verify the snapshot and have each instance's holder load it, nothing live yet."""
+        self._started[restore_id] = time.monotonic()
+        try:
+            return await self._prepare_restore(restore_id, checkpoint_path)
+        except BaseException as exc:
+            self._started.pop(restore_id, None)
+            self._count_failure("restore", exc)
+            raise
+
+    async def _prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
         manifest = await asyncio.to_thread(read_manifest, checkpoint_path)
         await self.ensure_holders()
         async with self._placement_lock:
@@ -246,7 +263,7 @@ class CheckpointCoordinator:
                 instances, "prepare_restore",
                 lambda h, inst: h.prepare_restore.remote(
                     restore_id, directory, shards_of[inst], self._config.lease_s),
-                self._config.persist_timeout_s, with_instance=True)
+                self._config.persist_timeout_s, with_instance=True, op_id=restore_id)
             infos = await self._discover()
         except BaseException:
             await self.abort_restore(restore_id)
@@ -266,16 +283,21 @@ class CheckpointCoordinator:
         try:
             counts = await self._fan(instances, "commit_restore",
                                      lambda h: h.commit_restore.remote(restore_id),
-                                     self._config.phase_timeout_s)
-        except BaseException:
+                                     self._config.phase_timeout_s, op_id=restore_id)
+        except BaseException as exc:
+            self._count_failure("restore", exc)
             await self.abort_restore(restore_id)
             raise
         self._ops.pop(restore_id, None)
+        started = self._started.pop(restore_id, None)
+        if started is not None:
+            metrics.observe("restore_duration", time.monotonic() - started)
         return sum(counts)
 
     async def abort_restore(self, restore_id: str) -> None:
         """Every holder drops what it restored and resumes."""
         instances = self._ops.pop(restore_id, sorted(self._holders, key=_instance_key))
+        self._started.pop(restore_id, None)
         await self._fan(instances, "abort_restore",
                         lambda h: h.abort_restore.remote(restore_id),
                         self._config.phase_timeout_s, tolerate_failures=True)
@@ -320,19 +342,32 @@ class CheckpointCoordinator:
         timeout: float,
         tolerate_failures: bool = False,
         with_instance: bool = False,
+        op_id: str | None = None,
     ) -> list[T]:
-        """Call every instance's holder concurrently; raise after all have answered."""
+        """Call every instance's holder concurrently; raise after all have answered.
+
+        With ``op_id``, logs one structured line: the phase, its per-holder seconds and
+        the slowest holder, so that a slow pause names its cause.
+        """
         instances = list(instances)
+        seconds: dict[str, float] = {}
+        start = time.monotonic()
 
         async def one(inst: str) -> T:
             handle = self._holders.get(inst)
             if handle is None:
                 raise BackendUnavailableError(f"holder {inst} is gone (during {what})")
             ref = call(handle, inst) if with_instance else call(handle)
-            return await self._call(inst, what, ref, timeout)
+            try:
+                return await self._call(inst, what, ref, timeout)
+            finally:
+                seconds[inst] = time.monotonic() - start
 
         results = await asyncio.gather(*(one(i) for i in instances), return_exceptions=True)
         errors = [(i, r) for i, r in zip(instances, results) if isinstance(r, BaseException)]
+        if op_id is not None:
+            _log_phase(op_id, what, time.monotonic() - start, seconds,
+                       {i: f"{type(e).__name__}: {e}" for i, e in errors})
         if errors and not tolerate_failures:
             # A real refusal says more than "unreachable": raise it first.
             errors.sort(key=lambda e: isinstance(e[1], BackendUnavailableError))
@@ -387,6 +422,21 @@ class CheckpointCoordinator:
                 log.warning("holder %s does not answer (%s); treating it as lost", inst, res)
         return infos
 
+    def _record_commit(self, snapshot_id: str, manifest: Manifest, restarted: int) -> None:
+        started = self._started.pop(snapshot_id, None)
+        if started is not None:
+            elapsed = time.monotonic() - started
+            metrics.observe("snapshot_duration", elapsed)
+            # Holders pause at the start of begin_snapshot and resume at the end of the
+            # commit, so the coordinator's span bounds their paused time.
+            metrics.observe("paused", elapsed)
+        metrics.inc("bytes_written", manifest.metrics.get("bytes_written", 0.0))
+        metrics.inc("captured", float(len(manifest.rollouts)))
+        metrics.inc("restarted", float(restarted))
+
+    def _count_failure(self, operation: str, exc: BaseException) -> None:
+        metrics.inc("failures", 1.0, tags={"operation": operation, "kind": type(exc).__name__})
+
     def _alive_node_ids(self) -> list[str]:
         return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
 
@@ -418,6 +468,19 @@ class CheckpointCoordinator:
         self._holders[instance_id] = handle
         log.info("created holder %s on node %s", instance_id, node_id)
         return info
+
+
+def _log_phase(op_id: str, phase: str, seconds: float, per_holder: dict[str, float],
+               errors: dict[str, str]) -> None:
+    slowest = max(per_holder, key=lambda i: per_holder[i], default=None)
+    line = {
+        "event": "phase", "operation": op_id, "phase": phase, "seconds": round(seconds, 6),
+        "holders": {i: round(t, 6) for i, t in sorted(per_holder.items())},
+        "slowest": slowest,
+    }
+    if errors:
+        line["errors"] = errors
+    log.log(logging.WARNING if errors else logging.INFO, "nemo_ckpt %s", json.dumps(line))
 
 
 def _instance_key(instance_id: str) -> tuple[int, str]:

@@ -31,6 +31,7 @@ from typing import Any
 
 import ray
 
+from actors import metrics
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     HolderStateError,
@@ -320,6 +321,9 @@ class SessionHolder:
         if snap.pause is None:
             snap.pause = PauseReport(self.instance_id, time.monotonic() - start,
                                      len(self._turns))
+            tags = {"instance": self.instance_id}
+            metrics.observe("drain", snap.pause.drain_seconds, tags)
+            metrics.set_gauge("sessions", float(len(self._sessions)), tags)
         return snap.pause
 
     async def renew_lease(self, operation_id: str, lease_s: float) -> float:
