@@ -29,7 +29,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, TypeVar
 
 import ray
@@ -41,7 +40,6 @@ from actors.session_holder import SessionHolderActor
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
-    NemoCkptError,
     RestoreConflictError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -136,7 +134,7 @@ class CheckpointCoordinator:
               for inst, h in self._holders.items()),
             return_exceptions=True)
         return {inst: (r if isinstance(r, str) else f"error: {r}")
-                for inst, r in zip(self._holders, results)}
+                for inst, r in zip(self._holders, results, strict=True)}
 
     # --- snapshot ---------------------------------------------------------------------
 
@@ -247,7 +245,7 @@ class CheckpointCoordinator:
             live = await self._fan(instances, "live_rollout_ids",
                                    lambda h: h.live_rollout_ids.remote(),
                                    self._config.phase_timeout_s)
-            clash = sorted({(inst, rid) for inst, rids in zip(instances, live)
+            clash = sorted({(inst, rid) for inst, rids in zip(instances, live, strict=True)
                             for rid in rids if rid in restored})
             if clash:
                 raise RestoreConflictError(
@@ -364,7 +362,8 @@ class CheckpointCoordinator:
                 seconds[inst] = time.monotonic() - start
 
         results = await asyncio.gather(*(one(i) for i in instances), return_exceptions=True)
-        errors = [(i, r) for i, r in zip(instances, results) if isinstance(r, BaseException)]
+        errors = [(i, r) for i, r in zip(instances, results, strict=True)
+                  if isinstance(r, BaseException)]
         if op_id is not None:
             _log_phase(op_id, what, time.monotonic() - start, seconds,
                        {i: f"{type(e).__name__}: {e}" for i, e in errors})
@@ -414,7 +413,7 @@ class CheckpointCoordinator:
             return_exceptions=True)
         infos = []
         self._holders = {}
-        for (inst, handle), res in zip(found.items(), results):
+        for (inst, handle), res in zip(found.items(), results, strict=True):
             if isinstance(res, HolderInfo):
                 self._holders[inst] = handle
                 infos.append(res)

@@ -13,7 +13,7 @@ from typing import Any
 _SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 120.0, 600.0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _metrics() -> dict[str, Any]:
     from ray.util.metrics import Counter, Gauge, Histogram
 

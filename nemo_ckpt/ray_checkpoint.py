@@ -121,7 +121,7 @@ class RayEnvironmentCheckpoint:
             async with data_plane_barrier.checkpoint() as cut:  # RL's data plane frozen
                 if snapshot is not None:
                     await snapshot.check_against_cut(cut)
-                ...                                              # RL saves; shards persist meanwhile
+                ...                                              # RL saves; shards persist
         # clean exit: every shard durable, manifest.json written, holders resumed
         # exception: holders resumed, this snapshot's files deleted, error re-raised
 
@@ -315,9 +315,10 @@ class RayEnvironmentCheckpoint:
         for a in ray.util.list_named_actors(all_namespaces=True):
             if a.get("namespace") != ns:
                 continue
-            if a["name"].startswith(HOLDER_NAME_PREFIX) or a["name"] == self.config.coordinator_name:
+            name = a["name"]
+            if name.startswith(HOLDER_NAME_PREFIX) or name == self.config.coordinator_name:
                 with contextlib.suppress(ValueError):
-                    ray.kill(ray.get_actor(a["name"], namespace=ns))
+                    ray.kill(ray.get_actor(name, namespace=ns))
         self._coordinator = None
 
     # --- internals ------------------------------------------------------------------------

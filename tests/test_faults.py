@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import ray
 
-from nemo_ckpt import CheckpointConfig, EnvironmentEpisode as Ep, RayEnvironmentCheckpoint
-from nemo_ckpt import SessionClient, SessionRecord
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient, SessionRecord
+from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -91,7 +91,8 @@ def tree(path: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
-async def sessions_of(ckpt: RayEnvironmentCheckpoint, instances: Any) -> dict[str, list[SessionRecord]]:
+async def sessions_of(ckpt: RayEnvironmentCheckpoint, instances: Any
+                      ) -> dict[str, list[SessionRecord]]:
     return {i: await (await client(ckpt, i)).sessions() for i in instances}
 
 
@@ -107,7 +108,8 @@ async def assert_recovered(ckpt: RayEnvironmentCheckpoint, path: Path, baseline:
     try:
         await wait_until(lambda: _async(tree(env) == baseline), 15, "partial files removed")
     except AssertionError:
-        raise AssertionError(f"files now {sorted(tree(env))}, committed {sorted(baseline)}")
+        raise AssertionError(
+            f"files now {sorted(tree(env))}, committed {sorted(baseline)}") from None
     read_snapshot(path)  # still restorable
     assert await sessions_of(ckpt, survivors) == survivors
     for inst, records in survivors.items():  # and they keep running turns

@@ -23,7 +23,13 @@ from nemo_ckpt.errors import (
     UnsupportedFormatVersionError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.manifest import Manifest, RolloutEntry, ShardEntry, is_plain_file_name, shard_file_name
+from nemo_ckpt.manifest import (
+    Manifest,
+    RolloutEntry,
+    ShardEntry,
+    is_plain_file_name,
+    shard_file_name,
+)
 from nemo_ckpt.sessions import SessionRecord
 from nemo_ckpt.storage import (
     environment_dir,
