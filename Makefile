@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 # Reinstall only when pyproject.toml changed since the last install.
 STAMP := $(VENV)/.installed
 CONTRACT_CHECK := ../shared/tools/check_contract.py
+# Extra options for the demo, e.g. `make demo DEMO_ARGS='--nodes 4 --json demo.json'`.
+DEMO_ARGS ?=
 
-.PHONY: test install
+.PHONY: test install demo
 
 install: $(STAMP)
 
@@ -20,3 +22,7 @@ $(STAMP): pyproject.toml | $(PY)
 test: $(STAMP)
 	@if [ -f $(CONTRACT_CHECK) ]; then $(PY) $(CONTRACT_CHECK); fi
 	$(PY) -m pytest
+
+# The end-to-end turn-level recovery run on an embedded local Ray cluster.
+demo: $(STAMP)
+	$(PY) examples/turn_level_recovery.py $(DEMO_ARGS)
