@@ -213,7 +213,12 @@ class CheckpointCoordinator:
     async def abort_snapshot(self, snapshot_id: str, checkpoint_path: str) -> list[str]:
         """Resume every holder and delete this snapshot's files. Never raises for a
         holder that is gone: it is not paused any more either."""
-        instances = self._ops.get(snapshot_id, sorted(self._holders, key=_instance_key))
+        instances = self._ops.get(snapshot_id)
+        if instances is None:
+            # A coordinator that did not begin this snapshot (its predecessor died):
+            # every holder may be paused for it.
+            await self._discover()
+            instances = sorted(self._holders, key=_instance_key)
         self._started.pop(snapshot_id, None)
         await self._resume_all(snapshot_id, instances)
         return await asyncio.to_thread(
@@ -294,7 +299,10 @@ class CheckpointCoordinator:
 
     async def abort_restore(self, restore_id: str) -> None:
         """Every holder drops what it restored and resumes."""
-        instances = self._ops.pop(restore_id, sorted(self._holders, key=_instance_key))
+        instances = self._ops.pop(restore_id, None)
+        if instances is None:
+            await self._discover()
+            instances = sorted(self._holders, key=_instance_key)
         self._started.pop(restore_id, None)
         await self._fan(instances, "abort_restore",
                         lambda h: h.abort_restore.remote(restore_id),
@@ -311,10 +319,19 @@ class CheckpointCoordinator:
         return await self._ledger_op("forget", episodes)
 
     async def _ledger_op(self, op: str, episodes: list[EnvironmentEpisode]) -> list[str]:
-        await self.ensure_holders()
-        dropped = await self._fan(sorted(self._holders, key=_instance_key), op,
-                                  lambda h: getattr(h, op).remote(episodes),
-                                  self._config.phase_timeout_s)
+        # RL retires an attempt per finished rollout: use the known holders, and pay for
+        # a rediscovery only when there are none or one of them has gone.
+        if not self._holders:
+            await self.ensure_holders()
+        try:
+            dropped = await self._fan(sorted(self._holders, key=_instance_key), op,
+                                      lambda h: getattr(h, op).remote(episodes),
+                                      self._config.phase_timeout_s)
+        except BackendUnavailableError:
+            await self.ensure_holders()
+            dropped = await self._fan(sorted(self._holders, key=_instance_key), op,
+                                      lambda h: getattr(h, op).remote(episodes),
+                                      self._config.phase_timeout_s)
         return sorted(k for keys in dropped for k in keys)
 
     # --- internals ----------------------------------------------------------------------

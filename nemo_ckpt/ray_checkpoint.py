@@ -27,6 +27,8 @@ from nemo_ckpt.phases import HolderInfo, HolderState, new_operation_id
 __all__ = ["RayEnvironmentCheckpoint", "RaySnapshot"]
 
 log = logging.getLogger("nemo_ckpt")
+# retire/forget are idempotent: a restarted coordinator or a lost holder is retried.
+_LEDGER_OP_TRIES = 4
 
 
 class RaySnapshot:
@@ -292,14 +294,28 @@ class RayEnvironmentCheckpoint:
     # --- RL's ledger operations and introspection ----------------------------------------
 
     async def retire(self, episodes: Iterable[EnvironmentEpisode]) -> list[str]:
-        """Drop these attempts' sessions and refuse their late turns (result consumed)."""
+        """Drop these attempts' sessions and refuse their late turns (result consumed).
+
+        Returns the capture keys dropped. Idempotent, so a coordinator or holder that is
+        briefly unavailable is retried here before ``BackendUnavailableError`` escapes.
+        """
         self._refuse_if_open("retire")
-        return await self._call(self._coord().retire.remote(list(episodes)), "retire")
+        return await self._ledger_op("retire", list(episodes))
 
     async def forget(self, episodes: Iterable[EnvironmentEpisode]) -> list[str]:
-        """Drop these attempts' sessions and their refusals."""
+        """Drop these attempts' sessions and their refusals. Retried like ``retire``."""
         self._refuse_if_open("forget")
-        return await self._call(self._coord().forget.remote(list(episodes)), "forget")
+        return await self._ledger_op("forget", list(episodes))
+
+    async def _ledger_op(self, op: str, episodes: list[EnvironmentEpisode]) -> list[str]:
+        for attempt in range(_LEDGER_OP_TRIES):
+            try:
+                return await self._call(getattr(self._coord(), op).remote(episodes), op)  # type: ignore[no-any-return]
+            except BackendUnavailableError:
+                if attempt == _LEDGER_OP_TRIES - 1:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     async def holders(self) -> list[HolderInfo]:
         """Every live holder: instance, node, state, sessions, lease."""
