@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml | $(PY)
 
 test: $(STAMP)
 	@if [ -f $(CONTRACT_CHECK) ]; then $(PY) $(CONTRACT_CHECK); fi
+	$(VENV)/bin/ruff check nemo_ckpt actors tests examples
+	$(VENV)/bin/mypy
 	$(PY) -m pytest
 
 # The end-to-end turn-level recovery run on an embedded local Ray cluster.

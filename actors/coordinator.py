@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -394,7 +394,7 @@ class CheckpointCoordinator:
             raise first
         for inst, err in errors:
             log.warning("%s on %s failed (tolerated): %s", what, inst, err)
-        return [r for r in results if not isinstance(r, BaseException)]  # type: ignore[misc]
+        return [r for r in results if not isinstance(r, BaseException)]
 
     async def _call(self, inst: str, what: str, ref: Any, timeout: float) -> Any:
         try:
@@ -474,7 +474,7 @@ class CheckpointCoordinator:
 
     async def _create_holder(self, instance_id: str, node_id: str) -> HolderInfo:
         cfg = self._config
-        handle = SessionHolderActor.options(  # type: ignore[attr-defined]
+        handle = SessionHolderActor.options(
             name=HOLDER_NAME_PREFIX + instance_id, namespace=cfg.namespace,
             lifetime="detached", get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
@@ -508,5 +508,6 @@ def _instance_order(info: HolderInfo) -> tuple[int, str]:
     return _instance_key(info.instance_id)
 
 
-CheckpointCoordinatorActor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)(
-    CheckpointCoordinator)
+# ray.remote's overloads do not type actor options; the handle is dynamic anyway.
+CheckpointCoordinatorActor: Any = cast(Any, ray.remote)(
+    num_cpus=0, max_concurrency=1000, max_restarts=0)(CheckpointCoordinator)

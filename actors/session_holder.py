@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -638,4 +638,4 @@ def _actor_options() -> dict[str, Any]:
     return {"num_cpus": 0, "max_concurrency": 10_000, "max_restarts": 0}
 
 
-SessionHolderActor = ray.remote(**_actor_options())(SessionHolder)
+SessionHolderActor: Any = cast(Any, ray.remote)(**_actor_options())(SessionHolder)

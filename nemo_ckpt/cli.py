@@ -82,7 +82,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str
     """Left-aligned columns, two spaces apart, no trailing blanks."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip()
+            for row in cells]
 
 
 def _read_error(command: str, path: Path, error: SnapshotReadError) -> str:
@@ -263,8 +264,8 @@ def verify_snapshot(checkpoint_path: Path | str) -> VerifyReport:
                 f"shard {directory / shard.file} lacks rollouts its manifest lists there: "
                 f"{', '.join(missing)}; restore an earlier checkpoint")
         report.shards[shard.file] = problems or None
-    for problems in report.shards.values():
-        report.problems += problems or []
+    for shard_problems in report.shards.values():
+        report.problems += shard_problems or []
     return report
 
 

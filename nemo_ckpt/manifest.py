@@ -31,7 +31,7 @@ __all__ = [
     "shard_file_name",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION: Literal[1] = 1
 SUPPORTED_FORMAT_VERSIONS = frozenset({1})
 ENVIRONMENT_DIR = "environment"
 MANIFEST_NAME = "manifest.json"

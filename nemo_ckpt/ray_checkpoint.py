@@ -310,7 +310,7 @@ class RayEnvironmentCheckpoint:
     async def _ledger_op(self, op: str, episodes: list[EnvironmentEpisode]) -> list[str]:
         for attempt in range(_LEDGER_OP_TRIES):
             try:
-                return await self._call(getattr(self._coord(), op).remote(episodes), op)  # type: ignore[no-any-return]
+                return await self._call(getattr(self._coord(), op).remote(episodes), op)
             except BackendUnavailableError:
                 if attempt == _LEDGER_OP_TRIES - 1:
                     raise
@@ -352,7 +352,7 @@ class RayEnvironmentCheckpoint:
 
             # Pinned beside the driver (hard affinity: soft affinity was seen to spill
             # onto worker nodes), so losing a worker node never takes the coordinator.
-            self._coordinator = CheckpointCoordinatorActor.options(  # type: ignore[attr-defined]
+            self._coordinator = CheckpointCoordinatorActor.options(
                 name=self.config.coordinator_name, namespace=self.config.namespace,
                 lifetime="detached", get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),

@@ -189,11 +189,11 @@ class SessionClient:
 
     async def open(self, episode: EnvironmentEpisode, state: bytes = b"") -> SessionRecord:
         """Open a session for ``episode`` with its initial state."""
-        return await self._holder.open_session.remote(episode, state)  # type: ignore[no-any-return]
+        return await self._holder.open_session.remote(episode, state)
 
     async def get(self, episode: EnvironmentEpisode) -> SessionRecord:
         """The live session of ``episode``."""
-        return await self._holder.get_session.remote(episode.capture_key)  # type: ignore[no-any-return]
+        return await self._holder.get_session.remote(episode.capture_key)
 
     @contextlib.asynccontextmanager
     async def turn(self, episode: EnvironmentEpisode) -> AsyncIterator[Turn]:
@@ -217,11 +217,11 @@ class SessionClient:
 
     async def close(self, episode: EnvironmentEpisode) -> SessionRecord:
         """Close ``episode``'s finished session and return its final record."""
-        return await self._holder.close_session.remote(episode.capture_key)  # type: ignore[no-any-return]
+        return await self._holder.close_session.remote(episode.capture_key)
 
     async def sessions(self) -> list[SessionRecord]:
         """Every live session of this instance."""
-        return await self._holder.sessions.remote()  # type: ignore[no-any-return]
+        return await self._holder.sessions.remote()
 
 
 def _instance_sort_key(instance_id: str) -> tuple[int, str]:

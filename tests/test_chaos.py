@@ -23,8 +23,13 @@ from typing import Any
 import pytest
 import ray
 
-from nemo_ckpt import CheckpointConfig, EnvironmentEpisode, RayEnvironmentCheckpoint
-from nemo_ckpt import SessionClient, SessionRecord
+from nemo_ckpt import (
+    CheckpointConfig,
+    EnvironmentEpisode,
+    RayEnvironmentCheckpoint,
+    SessionClient,
+    SessionRecord,
+)
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import read_manifest, read_snapshot

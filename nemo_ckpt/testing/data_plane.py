@@ -75,8 +75,8 @@ __all__ = [
 ]
 
 DATA_PLANE_FILE = "data_plane.json"
-_FORMAT = "nemo-ckpt-reference-data-plane"
-_VERSION = 1
+_FORMAT: Literal["nemo-ckpt-reference-data-plane"] = "nemo-ckpt-reference-data-plane"
+_VERSION: Literal[1] = 1
 
 
 # --- errors -------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import json
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.sessions import SessionClient, SessionRecord
@@ -318,7 +318,7 @@ def _make_actor() -> Any:
     import ray
 
     # No CPU reserved: the toy's work is sleeping; real workers would ask for CPUs.
-    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1000)(ToyEnvWorker)
+    return cast(Any, ray.remote)(num_cpus=0, max_restarts=0, max_concurrency=1000)(ToyEnvWorker)
 
 
 ToyEnvWorkerActor: Any = _make_actor()
