@@ -267,26 +267,24 @@ class SessionHolder:
     async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]:
         """Drop these attempts' sessions and refuse their late turns. Returns keys dropped."""
         self._require_running("retire")
-        dropped = []
-        for ep in episodes:
-            key = ep.capture_key
-            self._retired.add(key)
-            if key in self._sessions and self._sessions[key].episode == ep:
-                self._turns.pop(key, None)
-                self._drop(key)
-                dropped.append(key)
-        await self._notify_turn_done()
-        return dropped
+        return await self._drop_attempts(episodes, refuse_late_turns=True)
 
     async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
         """Drop these attempts' sessions and their refusals. Returns keys dropped."""
         self._require_running("forget")
+        return await self._drop_attempts(episodes, refuse_late_turns=False)
+
+    async def _drop_attempts(self, episodes: list[EnvironmentEpisode],
+                             refuse_late_turns: bool) -> list[str]:
         dropped = []
         for ep in episodes:
             key = ep.capture_key
-            self._retired.discard(key)
+            if refuse_late_turns:
+                self._retired.add(key)
+            else:
+                self._retired.discard(key)
             if key in self._sessions and self._sessions[key].episode == ep:
-                self._turns.pop(key, None)
+                self._turns.pop(key, None)  # its in-flight turn can no longer commit
                 self._drop(key)
                 dropped.append(key)
         await self._notify_turn_done()
