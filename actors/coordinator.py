@@ -210,9 +210,15 @@ class CheckpointCoordinator:
         return SnapshotCommitted(manifest=manifest, persists=tuple(persists),
                                  removed_files=tuple(removed))
 
-    async def abort_snapshot(self, snapshot_id: str, checkpoint_path: str) -> list[str]:
+    async def abort_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                             caller_error: str | None = None) -> list[str]:
         """Resume every holder and delete this snapshot's files. Never raises for a
-        holder that is gone: it is not paused any more either."""
+        holder that is gone: it is not paused any more either.
+
+        ``caller_error`` names the exception that ended the caller's block, counted in
+        the failure metric (the coordinator counts its own failures itself)."""
+        if caller_error is not None:
+            self._count_failure("snapshot", caller_error)
         instances = self._ops.get(snapshot_id)
         if instances is None:
             # A coordinator that did not begin this snapshot (its predecessor died):
@@ -297,8 +303,11 @@ class CheckpointCoordinator:
             metrics.observe("restore_duration", time.monotonic() - started)
         return sum(counts)
 
-    async def abort_restore(self, restore_id: str) -> None:
-        """Every holder drops what it restored and resumes."""
+    async def abort_restore(self, restore_id: str, caller_error: str | None = None) -> None:
+        """Every holder drops what it restored and resumes. ``caller_error`` as in
+        ``abort_snapshot``."""
+        if caller_error is not None:
+            self._count_failure("restore", caller_error)
         instances = self._ops.pop(restore_id, None)
         if instances is None:
             await self._discover()
@@ -450,8 +459,9 @@ class CheckpointCoordinator:
         metrics.inc("captured", float(len(manifest.rollouts)))
         metrics.inc("restarted", float(restarted))
 
-    def _count_failure(self, operation: str, exc: BaseException) -> None:
-        metrics.inc("failures", 1.0, tags={"operation": operation, "kind": type(exc).__name__})
+    def _count_failure(self, operation: str, error: BaseException | str) -> None:
+        kind = error if isinstance(error, str) else type(error).__name__
+        metrics.inc("failures", 1.0, tags={"operation": operation, "kind": kind})
 
     def _alive_node_ids(self) -> list[str]:
         return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]

@@ -231,8 +231,9 @@ class RayEnvironmentCheckpoint:
             async with self._renewing(snapshot_id):
                 try:
                     yield snap if snap.captured_rollouts or snap.restarted_rollouts else None
-                except BaseException:
-                    await self._abort_quietly(coord.abort_snapshot.remote(snapshot_id, path))
+                except BaseException as exc:
+                    await self._abort_quietly(coord.abort_snapshot.remote(
+                        snapshot_id, path, type(exc).__name__))
                     raise
                 # The manifest carries what is known at commit; paused time ends at resume.
                 metrics = snap.metrics(time.monotonic() - started)
@@ -274,8 +275,9 @@ class RayEnvironmentCheckpoint:
                     yield RestoredEnvironmentRollouts(
                         continued_attempts=begun.continued_attempts,
                         staging_keys=begun.staging_keys)
-                except BaseException:
-                    await self._abort_quietly(coord.abort_restore.remote(restore_id))
+                except BaseException as exc:
+                    await self._abort_quietly(coord.abort_restore.remote(
+                        restore_id, type(exc).__name__))
                     raise
                 live = await self._call(coord.commit_restore.remote(restore_id),
                                         "restore commit")
