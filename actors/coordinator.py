@@ -98,6 +98,7 @@ class CheckpointCoordinator:
     def __init__(self, config: CheckpointConfig) -> None:
         self._config = config
         self._holders: dict[str, Any] = {}  # instance id -> actor handle
+        self._holder_nodes: dict[str, str] = {}  # instance id -> node id
         self._ops: dict[str, list[str]] = {}  # snapshot/restore id -> instances taking part
         self._started: dict[str, float] = {}  # snapshot/restore id -> monotonic start
         self._placement_lock = asyncio.Lock()
@@ -139,33 +140,36 @@ class CheckpointCoordinator:
     # --- snapshot ---------------------------------------------------------------------
 
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
-        """Pause every holder, capture, and start persisting in the background."""
+        """Pause every holder, capture, and start persisting in the background.
+
+        This is the pause's hot path: the holder set is the one known since the last
+        discovery, re-discovered only when the alive nodes changed, and each holder
+        pauses, captures and starts its write in one call (``SessionHolder.begin``).
+        """
         start = time.monotonic()
         self._started[snapshot_id] = start
-        await self.ensure_holders()
+        if not self._holders or set(self._alive_node_ids()) != set(self._holder_nodes.values()):
+            await self.ensure_holders()
         instances = sorted(self._holders, key=_instance_key)
         self._ops[snapshot_id] = instances
         cfg = self._config
         try:
             directory = await asyncio.to_thread(prepare_environment_dir, checkpoint_path)
-            pauses = await self._fan(
-                instances, "pause",
-                lambda h: h.pause.remote(snapshot_id, cfg.drain_timeout_s, cfg.lease_s),
+            begun = await self._fan(
+                instances, "pause_capture",
+                lambda h: h.begin.remote(snapshot_id, cfg.drain_timeout_s, cfg.lease_s,
+                                         str(directory)),
                 cfg.drain_timeout_s + cfg.phase_timeout_s, op_id=snapshot_id)
-            captures = await self._fan(
-                instances, "capture", lambda h: h.capture.remote(snapshot_id),
-                cfg.phase_timeout_s, op_id=snapshot_id)
-            await self._fan(
-                instances, "start_persist",
-                lambda h: h.start_persist.remote(snapshot_id, str(directory)),
-                cfg.phase_timeout_s, op_id=snapshot_id)
         except BaseException as exc:
             self._count_failure("snapshot", exc)
+            if isinstance(exc, BackendUnavailableError):
+                self._holders = {}  # a holder is gone: the next snapshot re-discovers
             await self.abort_snapshot(snapshot_id, checkpoint_path)
             raise
         return SnapshotBegun(
-            snapshot_id=snapshot_id, instances=tuple(instances), pauses=tuple(pauses),
-            captures=tuple(captures), entry_seconds=time.monotonic() - start)
+            snapshot_id=snapshot_id, instances=tuple(instances),
+            pauses=tuple(p for p, _ in begun), captures=tuple(c for _, c in begun),
+            entry_seconds=time.monotonic() - start)
 
     async def renew(self, operation_id: str) -> None:
         """Renew the lease of every holder taking part in the operation."""
@@ -439,9 +443,11 @@ class CheckpointCoordinator:
             return_exceptions=True)
         infos = []
         self._holders = {}
+        self._holder_nodes = {}
         for (inst, handle), res in zip(found.items(), results, strict=True):
             if isinstance(res, HolderInfo):
                 self._holders[inst] = handle
+                self._holder_nodes[inst] = res.node_id
                 infos.append(res)
             else:
                 log.warning("holder %s does not answer (%s); treating it as lost", inst, res)
@@ -492,6 +498,7 @@ class CheckpointCoordinator:
         info: HolderInfo = await self._call(instance_id, "start", handle.info.remote(),
                                             cfg.phase_timeout_s)
         self._holders[instance_id] = handle
+        self._holder_nodes[instance_id] = info.node_id
         log.info("created holder %s on node %s", instance_id, node_id)
         return info
 
