@@ -65,9 +65,14 @@ __all__ = [
 SHARD_MAGIC = "nemo-ckpt-shard"
 SHARD_VERSION = 1
 _TMP_MARK = ".tmp-"
-# Large enough that a write is one syscall per chunk at disk speed, small enough to
-# keep a holder's extra memory during persist to one buffer.
-_WRITE_CHUNK = 4 << 20
+# Small pieces gather in a buffer of this size, so each write syscall moves a large
+# chunk; pieces at least _DIRECT_WRITE long (big states) go to the file without a copy.
+_WRITE_BUFFER = 1 << 20
+_DIRECT_WRITE = 64 << 10
+# A session whose payload is below this is packed whole by msgpack's C packer (fastest
+# for many small sessions); above it, its byte fields are written without a copy.
+_ZERO_COPY_PAYLOAD = 32 << 10
+_READ_CHUNK = 4 << 20
 
 
 def environment_dir(checkpoint_path: Path | str) -> Path:
@@ -79,7 +84,7 @@ def environment_dir(checkpoint_path: Path | str) -> Path:
 
 
 class _HashingWriter:
-    """Buffers writes into large chunks and hashes every byte on its way to the file."""
+    """Hashes every byte on its way to the file, gathering small writes in one buffer."""
 
     def __init__(self, f: IO[bytes]) -> None:
         self._f = f
@@ -87,24 +92,56 @@ class _HashingWriter:
         self.hash = hashlib.sha256()
         self.length = 0
 
-    def write(self, data: bytes) -> None:
-        self.hash.update(data)
+    def write(self, data: bytes | memoryview) -> None:
         self.length += len(data)
-        if len(data) >= _WRITE_CHUNK:
+        if len(data) >= _DIRECT_WRITE:
             self._flush()
+            self.hash.update(data)
             self._f.write(data)
         else:
             self._buf += data
-            if len(self._buf) >= _WRITE_CHUNK:
+            if len(self._buf) >= _WRITE_BUFFER:
                 self._flush()
 
     def _flush(self) -> None:
         if self._buf:
+            self.hash.update(self._buf)
             self._f.write(self._buf)
             self._buf.clear()
 
     def close(self) -> None:
         self._flush()
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a bin object of ``n`` bytes (bin 8, 16 or 32)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _write_session(w: _HashingWriter, packer: msgpack.Packer, record: SessionRecord) -> None:
+    """Write one session map; large byte fields go to the file without being copied."""
+    payload = len(record.state) + sum(len(t) for t in record.turns)
+    if payload < _ZERO_COPY_PAYLOAD:
+        w.write(packer.pack(record.to_wire()))
+        return
+    wire = record.to_wire()
+    w.write(packer.pack_map_header(len(wire)))
+    for key, value in wire.items():
+        w.write(packer.pack(key))
+        if key == "turns":
+            w.write(packer.pack_array_header(len(value)))
+            for turn in value:
+                w.write(_bin_header(len(turn)))
+                w.write(turn)
+        elif key == "state":
+            w.write(_bin_header(len(value)))
+            w.write(value)
+        else:
+            w.write(packer.pack(value))
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -190,7 +227,7 @@ def write_shard(
                     f"session {record.episode.capture_key} belongs to "
                     f"{record.instance_id}, not to shard instance {instance_id}"
                 )
-            w.write(packer.pack(record.to_wire()))
+            _write_session(w, packer, record)
             count += 1
 
     length, digest = _write_durably(directory, name, fill)
@@ -297,14 +334,24 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
 
 
 def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
-    """Read one shard, verifying its length and hash before decoding it."""
+    """Read one shard, verifying its length and hash before any session leaves here.
+
+    One pass: each chunk read is hashed and fed to the decoder, so the file is neither
+    held twice in memory nor read twice. Nothing decoded is returned unless the whole
+    file's hash matches.
+    """
     if not is_plain_file_name(entry.file):
         raise UnsafeShardNameError(
             directory, f"shard name {entry.file!r} is not a plain file name in {directory}"
         )
     path = directory / entry.file
+    digest = hashlib.sha256()
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(entry.bytes, 1 << 20))
+    objects: list[Any] = []
+    decode_error: str | None = None
+    read = 0
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size != entry.bytes:
                 raise ShardCorruptedError(
@@ -312,7 +359,15 @@ def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
                           f"{entry.bytes}: it was truncated or overwritten; restore an "
                           f"earlier checkpoint"
                 )
-            data = f.read()
+            while chunk := f.read(_READ_CHUNK):
+                read += len(chunk)
+                digest.update(chunk)
+                if decode_error is None:
+                    try:
+                        unpacker.feed(chunk)
+                        objects.extend(unpacker)
+                    except (ValueError, msgpack.UnpackException) as exc:
+                        decode_error = str(exc)  # reported only if the hash matches
     except FileNotFoundError:
         raise TornSnapshotError(
             path, f"shard {path}, named in the manifest, is missing: the snapshot is torn "
@@ -323,31 +378,27 @@ def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
         raise CheckpointPathError(
             path, f"cannot read shard {path}: {exc.strerror or exc}; check its permissions"
         ) from exc
-    digest = hashlib.sha256(data).hexdigest()
-    if len(data) != entry.bytes or digest != entry.sha256:
+    if read != entry.bytes or digest.hexdigest() != entry.sha256:
         raise ShardCorruptedError(
-            path, f"shard {path} has SHA-256 {digest}, but the manifest says "
+            path, f"shard {path} has SHA-256 {digest.hexdigest()}, but the manifest says "
                   f"{entry.sha256}: its content changed after the snapshot; restore an "
                   f"earlier checkpoint"
         )
-    return _decode_shard(path, entry, data)
+    if decode_error is None and unpacker.tell() != read:
+        decode_error = f"{read - unpacker.tell()} trailing bytes do not decode"
+    return _decode_shard(path, entry, objects, decode_error)
 
 
-def _decode_shard(path: Path, entry: ShardEntry, data: bytes) -> list[SessionRecord]:
+def _decode_shard(path: Path, entry: ShardEntry, objects: list[Any],
+                  decode_error: str | None) -> list[SessionRecord]:
     def corrupt(why: str) -> ShardCorruptedError:
         return ShardCorruptedError(
             path, f"shard {path} matches its hash but does not decode ({why}); it was "
                   f"written by a different tool: restore an earlier checkpoint"
         )
 
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1 << 20))
-    unpacker.feed(data)
-    try:
-        objects = list(unpacker)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise corrupt(str(exc)) from exc
-    if unpacker.tell() != len(data):
-        raise corrupt(f"{len(data) - unpacker.tell()} trailing bytes do not decode")
+    if decode_error is not None:
+        raise corrupt(decode_error)
     if not objects or not isinstance(objects[0], dict) \
             or objects[0].get("format") != SHARD_MAGIC:
         raise corrupt("no nemo-ckpt shard header")

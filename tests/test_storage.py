@@ -338,3 +338,22 @@ def test_manifest_model_refuses_a_rollout_in_another_instances_shard() -> None:
                  rollouts=[RolloutEntry(instance_id="holder-1", rollout_id="r", attempt=0,
                                         turns=0, staging_keys=[], shard="s.msgpack")],
                  restarted_rollouts=0, metrics={})
+
+
+def test_large_sessions_are_written_byte_for_byte_as_msgpack_packs_them(tmp_path: Path) -> None:
+    # Sessions above the zero-copy threshold bypass msgpack's packer; the bytes on disk
+    # must be exactly what the packer would have written.
+    records = [
+        SessionRecord("holder-0", Ep("big-turns", 1), tuple(os.urandom(40 << 10) for _ in range(3)),
+                      b"", frozenset({"k1", "k2"}), ("big-turns",)),
+        SessionRecord("holder-0", Ep("big-state", 0), (b"t",), os.urandom(70000)),
+        SessionRecord("holder-0", Ep("mid-state", 0), (), os.urandom(300)),
+    ]
+    directory = prepare_environment_dir(tmp_path)
+    entry = write_shard(directory, "shard-x.msgpack", "holder-0", records)
+    packer = msgpack.Packer(use_bin_type=True)
+    expected = packer.pack({"format": "nemo-ckpt-shard", "version": 1,
+                            "instance_id": "holder-0"})
+    expected += b"".join(packer.pack(r.to_wire()) for r in records)
+    assert (directory / "shard-x.msgpack").read_bytes() == expected
+    assert entry.sha256 == hashlib.sha256(expected).hexdigest()
