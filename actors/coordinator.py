@@ -121,6 +121,14 @@ class CheckpointCoordinator:
                         log.warning("no holder could start on node %s: %s", node_id, exc)
             return sorted(infos, key=_instance_order)
 
+    async def _known_holders(self) -> list[str]:
+        """The holders to fan out to, re-discovered (and created on new nodes) only when
+        none are known or the alive nodes changed: discovery costs a GCS round trip per
+        holder, which the pause must not pay every time."""
+        if not self._holders or set(self._alive_node_ids()) != set(self._holder_nodes.values()):
+            await self.ensure_holders()
+        return sorted(self._holders, key=_instance_key)
+
     async def holder_infos(self) -> list[HolderInfo]:
         """Every live holder's info, without creating any."""
         return sorted(await self._discover(), key=_instance_order)
@@ -148,9 +156,7 @@ class CheckpointCoordinator:
         """
         start = time.monotonic()
         self._started[snapshot_id] = start
-        if not self._holders or set(self._alive_node_ids()) != set(self._holder_nodes.values()):
-            await self.ensure_holders()
-        instances = sorted(self._holders, key=_instance_key)
+        instances = await self._known_holders()
         self._ops[snapshot_id] = instances
         cfg = self._config
         try:
@@ -248,7 +254,7 @@ class CheckpointCoordinator:
 
     async def _prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
         manifest = await asyncio.to_thread(read_manifest, checkpoint_path)
-        await self.ensure_holders()
+        await self._known_holders()
         async with self._placement_lock:
             for inst in sorted(manifest.instances, key=_instance_key):
                 if inst not in self._holders:
@@ -257,17 +263,6 @@ class CheckpointCoordinator:
         self._ops[restore_id] = instances
         restored = {r.rollout_id for r in manifest.rollouts}
         try:
-            live = await self._fan(instances, "live_rollout_ids",
-                                   lambda h: h.live_rollout_ids.remote(),
-                                   self._config.phase_timeout_s)
-            clash = sorted({(inst, rid) for inst, rids in zip(instances, live, strict=True)
-                            for rid in rids if rid in restored})
-            if clash:
-                raise RestoreConflictError(
-                    f"cannot restore {checkpoint_path}: rollouts it holds are live now "
-                    f"({', '.join(f'{i}/{k}' for i, k in clash[:10])}"
-                    f"{' ...' if len(clash) > 10 else ''}); retire or close them first, or "
-                    f"restore into a fresh job")
             directory = str(environment_dir(checkpoint_path))
             shards_of: dict[str, list[ShardEntry]] = {i: [] for i in instances}
             for shard in manifest.shards:
@@ -277,7 +272,15 @@ class CheckpointCoordinator:
                 lambda h, inst: h.prepare_restore.remote(
                     restore_id, directory, shards_of[inst], self._config.lease_s),
                 self._config.persist_timeout_s, with_instance=True, op_id=restore_id)
-            infos = await self._discover()
+            # Nothing is live yet: a rollout live on any holder refuses the whole restore.
+            clash = sorted({(p.instance_id, rid) for p in prepared
+                            for rid in p.live_rollouts if rid in restored})
+            if clash:
+                raise RestoreConflictError(
+                    f"cannot restore {checkpoint_path}: rollouts it holds are live now "
+                    f"({', '.join(f'{i}/{k}' for i, k in clash[:10])}"
+                    f"{' ...' if len(clash) > 10 else ''}); retire or close them first, or "
+                    f"restore into a fresh job")
         except BaseException:
             await self.abort_restore(restore_id)
             raise
@@ -286,7 +289,7 @@ class CheckpointCoordinator:
             continued_attempts=frozenset(
                 (p.instance_id, rid, attempt) for p in prepared for rid, attempt in p.continued),
             staging_keys=frozenset().union(*(p.staging_keys for p in prepared)),
-            placement={i.instance_id: i.node_id for i in infos},
+            placement={i: self._holder_nodes[i] for i in instances},
             bytes_read=sum(p.bytes_read for p in prepared),
         )
 

@@ -138,10 +138,6 @@ class SessionHolder:
         """Every live session, sorted by capture key."""
         return [self._sessions[k] for k in sorted(self._sessions)]
 
-    async def live_rollout_ids(self) -> list[str]:
-        """The rollout ids with a live session here."""
-        return sorted(self._live_rollouts)
-
     async def probe_storage(self, root: str) -> str:
         """Write a probe file under ``root`` and return its path (for check_startup)."""
         def write() -> str:
@@ -441,6 +437,7 @@ class SessionHolder:
                 continued=tuple((r.episode.rollout_id, r.episode.attempt) for r in records),
                 staging_keys=frozenset().union(*(r.staging_keys for r in records)),
                 bytes_read=read,
+                live_rollouts=tuple(sorted(self._live_rollouts)),
             )
             return restore.prepared
         except BaseException:

@@ -105,3 +105,4 @@ class RestorePrepared:
     continued: tuple[tuple[str, int], ...]  # (rollout_id, captured attempt)
     staging_keys: frozenset[str] = field(default_factory=frozenset)
     bytes_read: int = 0
+    live_rollouts: tuple[str, ...] = ()  # rollouts live on the holder, for conflicts
