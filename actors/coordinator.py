@@ -43,7 +43,7 @@ from nemo_ckpt.errors import (
     RestoreConflictError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.manifest import FORMAT_VERSION, Manifest, ShardEntry
+from nemo_ckpt.manifest import FORMAT_VERSION, Manifest, RolloutEntry, ShardEntry
 from nemo_ckpt.phases import CaptureReport, HolderInfo, PauseReport, PersistReport
 from nemo_ckpt.storage import (
     environment_dir,
@@ -74,10 +74,11 @@ class SnapshotBegun:
 
 @dataclass(frozen=True)
 class SnapshotCommitted:
-    """What the commit wrote."""
+    """What the commit wrote, in brief: the driver needs no per-session data back."""
 
-    manifest: Manifest
-    persists: tuple[PersistReport, ...]
+    metrics: dict[str, float]
+    rollouts: int
+    shards: int
     removed_files: tuple[str, ...]
 
 
@@ -101,6 +102,7 @@ class CheckpointCoordinator:
         self._holder_nodes: dict[str, str] = {}  # instance id -> node id
         self._ops: dict[str, list[str]] = {}  # snapshot/restore id -> instances taking part
         self._started: dict[str, float] = {}  # snapshot/restore id -> monotonic start
+        self._captures: dict[str, tuple[CaptureReport, ...]] = {}  # snapshot id -> captures
         self._placement_lock = asyncio.Lock()
 
     # --- holders ---------------------------------------------------------------------
@@ -172,9 +174,11 @@ class CheckpointCoordinator:
                 self._holders = {}  # a holder is gone: the next snapshot re-discovers
             await self.abort_snapshot(snapshot_id, checkpoint_path)
             raise
+        captures = tuple(c for _, c in begun)
+        self._captures[snapshot_id] = captures
         return SnapshotBegun(
             snapshot_id=snapshot_id, instances=tuple(instances),
-            pauses=tuple(p for p, _ in begun), captures=tuple(c for _, c in begun),
+            pauses=tuple(p for p, _ in begun), captures=captures,
             entry_seconds=time.monotonic() - start)
 
     async def renew(self, operation_id: str) -> None:
@@ -206,19 +210,20 @@ class CheckpointCoordinator:
             manifest = Manifest(
                 format_version=FORMAT_VERSION, snapshot_id=snapshot_id,
                 created_at=datetime.now(timezone.utc), instances=instances, shards=shards,
-                rollouts=[r for p in persists for r in p.rollouts],
+                rollouts=_rollout_entries(self._captures.get(snapshot_id, ()), persists),
                 restarted_rollouts=restarted, metrics=all_metrics)
             await asyncio.to_thread(write_manifest, directory, manifest)
         except BaseException as exc:
             self._count_failure("snapshot", exc)
             await self.abort_snapshot(snapshot_id, checkpoint_path)
             raise
-        # Committed. Older snapshots' files in this folder are garbage from here on.
-        removed = await asyncio.to_thread(remove_unreferenced_files, directory, manifest)
+        # Committed: resume first; the older snapshots' files are garbage from here on
+        # and their removal must not lengthen the pause.
         await self._resume_all(snapshot_id, instances)
+        removed = await asyncio.to_thread(remove_unreferenced_files, directory, manifest)
         self._record_commit(snapshot_id, manifest, restarted)
-        return SnapshotCommitted(manifest=manifest, persists=tuple(persists),
-                                 removed_files=tuple(removed))
+        return SnapshotCommitted(metrics=all_metrics, rollouts=len(manifest.rollouts),
+                                 shards=len(shards), removed_files=tuple(removed))
 
     async def abort_snapshot(self, snapshot_id: str, checkpoint_path: str,
                              caller_error: str | None = None) -> list[str]:
@@ -362,6 +367,7 @@ class CheckpointCoordinator:
 
     async def _resume_all(self, snapshot_id: str, instances: list[str]) -> None:
         self._ops.pop(snapshot_id, None)
+        self._captures.pop(snapshot_id, None)
         await self._fan(instances, "resume", lambda h: h.resume.remote(snapshot_id),
                         self._config.phase_timeout_s, tolerate_failures=True)
 
@@ -504,6 +510,21 @@ class CheckpointCoordinator:
         self._holder_nodes[instance_id] = info.node_id
         log.info("created holder %s on node %s", instance_id, node_id)
         return info
+
+
+def _rollout_entries(captures: tuple[CaptureReport, ...],
+                     persists: list[PersistReport]) -> list[RolloutEntry]:
+    """The manifest's rollouts, from what each holder captured and the shard it wrote.
+
+    Built here rather than by the holders: shipping a validated model per session from
+    every holder cost more than writing the shards (benchmarks/README.md)."""
+    shard_of = {p.instance_id: p.shards[0].file for p in persists if p.shards}
+    return [
+        RolloutEntry.model_construct(  # fields come from validated episodes and records
+            instance_id=c.instance_id, rollout_id=rollout_id, attempt=attempt, turns=turns,
+            staging_keys=sorted(keys), shard=shard_of[c.instance_id])
+        for c in captures for rollout_id, attempt, keys, turns in c.captured
+    ]
 
 
 def _log_phase(op_id: str, phase: str, seconds: float, per_holder: dict[str, float],

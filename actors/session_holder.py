@@ -45,7 +45,7 @@ from nemo_ckpt.errors import (
     TurnInProgressError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.manifest import RolloutEntry, ShardEntry, shard_file_name
+from nemo_ckpt.manifest import ShardEntry, shard_file_name
 from nemo_ckpt.phases import (
     CaptureReport,
     HolderInfo,
@@ -356,7 +356,7 @@ class SessionHolder:
         snap.capture_report = CaptureReport(
             instance_id=self.instance_id,
             captured=tuple((r.episode.rollout_id, r.episode.attempt,
-                            tuple(r.staging_keys)) for r in capture.values()),
+                            tuple(r.staging_keys), len(r.turns)) for r in capture.values()),
             restarting=restarting,
             capture_seconds=time.monotonic() - start,
             state_bytes=sum(len(r.state) for r in capture.values()),
@@ -587,7 +587,6 @@ class SessionHolder:
         start = time.monotonic()
         await self._injected_delay("persist")
         shards: tuple[ShardEntry, ...] = ()
-        rollouts: tuple[RolloutEntry, ...] = ()
         if records:
             name = shard_file_name(snapshot_id, self.instance_id)
             entry = await asyncio.to_thread(
@@ -597,13 +596,8 @@ class SessionHolder:
                 await asyncio.to_thread(remove_files, directory, [name])
                 raise self._gone(snapshot_id)
             shards = (entry,)
-            rollouts = tuple(
-                RolloutEntry(instance_id=self.instance_id, rollout_id=r.episode.rollout_id,
-                             attempt=r.episode.attempt, turns=len(r.turns),
-                             staging_keys=sorted(r.staging_keys), shard=name)
-                for r in records)
         return PersistReport(
-            instance_id=self.instance_id, shards=shards, rollouts=rollouts,
+            instance_id=self.instance_id, shards=shards,
             persist_seconds=time.monotonic() - start,
             bytes_written=sum(s.bytes for s in shards),
         )

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from nemo_ckpt.manifest import RolloutEntry, ShardEntry
+from nemo_ckpt.manifest import ShardEntry
 
 __all__ = [
     "HolderState",
@@ -74,13 +74,14 @@ class PauseReport:
 class CaptureReport:
     """What one holder captured.
 
-    ``captured`` is ``(rollout_id, attempt, staging_keys)`` per captured session;
+    ``captured`` is ``(rollout_id, attempt, staging_keys, turns)`` per captured session
+    (what the manifest lists; the coordinator builds the manifest's rollouts from it);
     ``restarting`` is ``(rollout_id, attempt)`` per session mid-turn at the deadline.
     Plain tuples keep the report cheap to ship for tens of thousands of sessions.
     """
 
     instance_id: str
-    captured: tuple[tuple[str, int, tuple[str, ...]], ...]
+    captured: tuple[tuple[str, int, tuple[str, ...], int], ...]
     restarting: tuple[tuple[str, int], ...]
     capture_seconds: float
     state_bytes: int
@@ -88,11 +89,10 @@ class CaptureReport:
 
 @dataclass(frozen=True)
 class PersistReport:
-    """What one holder wrote."""
+    """What one holder wrote. The rollouts in it are the holder's capture."""
 
     instance_id: str
     shards: tuple[ShardEntry, ...]
-    rollouts: tuple[RolloutEntry, ...]
     persist_seconds: float
     bytes_written: int
 

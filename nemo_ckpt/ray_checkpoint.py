@@ -58,7 +58,7 @@ class RaySnapshot:
         """Per instance, each captured episode and the staging keys it references."""
         return {
             c.instance_id: {EnvironmentEpisode(rid, att): frozenset(keys)
-                            for rid, att, keys in c.captured}
+                            for rid, att, keys, _turns in c.captured}
             for c in self._begun.captures
         }
 
@@ -248,10 +248,10 @@ class RayEnvironmentCheckpoint:
                     await self._abort_quietly(
                         self._coord().abort_snapshot.remote(snapshot_id, path))
                     raise
-            snap._record_commit(committed.manifest.metrics)
+            snap._record_commit(committed.metrics)
             log.info("snapshot %s committed: %d rollouts, %d restarted, %.0f bytes, "
                      "paused %.3fs", snapshot_id, snap.captured_rollouts,
-                     snap.restarted_rollouts, committed.manifest.metrics["bytes_written"],
+                     snap.restarted_rollouts, committed.metrics["bytes_written"],
                      time.monotonic() - started)
         finally:
             self._open = None

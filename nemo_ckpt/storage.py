@@ -237,7 +237,8 @@ def write_shard(
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Commit the snapshot: write ``manifest.json`` durably. Call it after every shard."""
-    data = manifest.model_dump_json(indent=2).encode()
+    # Compact: it is written while the holders are paused; `nemo-ckpt inspect` reads it.
+    data = manifest.model_dump_json().encode()
     _write_durably(directory, MANIFEST_NAME, lambda w: w.write(data))
 
 
@@ -302,23 +303,24 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
         ) from exc
 
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestInvalidError(
-            path, f"{path} is not valid JSON ({exc}); the file is damaged: restore an "
-                  f"earlier checkpoint"
-        ) from exc
-    version = data.get("format_version") if isinstance(data, dict) else None
-    if isinstance(version, int) and not isinstance(version, bool) \
-            and version not in SUPPORTED_FORMAT_VERSIONS:
-        raise UnsupportedFormatVersionError(
-            path, f"{path} has format version {version}, but this nemo-ckpt reads only "
-                  f"{sorted(SUPPORTED_FORMAT_VERSIONS)}; restore with the nemo-ckpt "
-                  f"version that wrote it, or a newer one"
-        )
-    try:
+        # The happy path parses once; only a refusal parses again, to say why.
         manifest = Manifest.model_validate_json(raw)
     except ValidationError as exc:
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as bad_json:
+            raise ManifestInvalidError(
+                path, f"{path} is not valid JSON ({bad_json}); the file is damaged: "
+                      f"restore an earlier checkpoint"
+            ) from exc
+        version = data.get("format_version") if isinstance(data, dict) else None
+        if isinstance(version, int) and not isinstance(version, bool) \
+                and version not in SUPPORTED_FORMAT_VERSIONS:
+            raise UnsupportedFormatVersionError(
+                path, f"{path} has format version {version}, but this nemo-ckpt reads only "
+                      f"{sorted(SUPPORTED_FORMAT_VERSIONS)}; restore with the nemo-ckpt "
+                      f"version that wrote it, or a newer one"
+            ) from exc
         raise ManifestInvalidError(
             path, f"{path} does not validate as a nemo-ckpt manifest: {exc}; the file is "
                   f"damaged or not ours: restore an earlier checkpoint"

@@ -54,6 +54,19 @@ def alive_node_ids() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
+def remove_node_and_wait(cluster: Any, node: Any, timeout_s: float = 30.0) -> None:
+    """Kill a node and wait until Ray declares it dead, so that the next test does not
+    schedule actors on a node that is gone but still listed alive."""
+    import time
+
+    cluster.remove_node(node, allow_graceful=False)
+    deadline = time.monotonic() + timeout_s
+    while node.node_id in alive_node_ids():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"node {node.node_id} still alive {timeout_s}s after removal")
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def namespace() -> str:
     """A Ray namespace of this test's own."""

@@ -42,6 +42,7 @@ from nemo_ckpt.testing.toy_env import (
     staging_key,
     step,
 )
+from tests.conftest import remove_node_and_wait
 
 SEED = 20261129
 IN_FLIGHT = 12  # rollouts running at once; new ones start until the faults are done
@@ -277,4 +278,4 @@ async def test_chaos_survives_every_fault_and_loses_nothing_committed(
     finally:
         ckpt.shutdown()
         for node in chaos.added_nodes:
-            cluster.remove_node(node, allow_graceful=False)
+            remove_node_and_wait(cluster, node)

@@ -39,7 +39,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot
 from nemo_ckpt.testing import StaticCut
-from tests.conftest import alive_node_ids
+from tests.conftest import alive_node_ids, remove_node_and_wait
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -209,7 +209,7 @@ def extra_node(cluster: Any) -> Iterator[Any]:
         yield node
     finally:
         if node in cluster.worker_nodes:
-            cluster.remove_node(node, allow_graceful=False)
+            remove_node_and_wait(cluster, node)
 
 
 async def instance_on(ckpt: RayEnvironmentCheckpoint, node_id: str) -> str:
@@ -266,7 +266,7 @@ async def test_a_node_removed_between_snapshots_is_reported_and_a_new_node_gets_
         await ckpt.check_startup()
         assert replacement.node_id in {h.node_id for h in await ckpt.holders()}
     finally:
-        cluster.remove_node(replacement, allow_graceful=False)
+        remove_node_and_wait(cluster, replacement)
 
 
 async def test_a_coordinator_killed_mid_snapshot_is_retriable_and_a_new_one_takes_over(

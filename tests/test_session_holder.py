@@ -23,7 +23,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.storage import prepare_environment_dir, read_manifest
+from nemo_ckpt.storage import prepare_environment_dir, read_manifest, read_shard
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -122,7 +122,7 @@ async def test_pause_drains_turns_in_flight_before_capture() -> None:
     await finisher
     assert report.turns_in_flight == 0 and report.drain_seconds >= 0.15
     capture = await h.capture("snap-1")
-    assert capture.captured == (("r", 0, ("r/0",)),) and capture.restarting == ()
+    assert capture.captured == (("r", 0, ("r/0",), 1),) and capture.restarting == ()
 
 
 async def test_a_session_mid_turn_at_the_deadline_restarts_and_is_not_captured() -> None:
@@ -296,6 +296,7 @@ async def test_persist_writes_a_shard_and_capture_ignores_later_turns(tmp_path: 
     report = await h.finish_persist("snap-1")
     await h.resume("snap-1")
     await run_turn(h, ep, b"after", b"s1")
-    assert [r.turns for r in report.rollouts] == [0]
+    (shard,) = report.shards
+    assert [r.turns for r in read_shard(directory, shard)] == [()]
     with pytest.raises(SnapshotNotFoundError):
         read_manifest(tmp_path)  # shards alone are not a snapshot: the coordinator commits
