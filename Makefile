@@ -28,3 +28,11 @@ test: $(STAMP)
 # The end-to-end turn-level recovery run on an embedded local Ray cluster.
 demo: $(STAMP)
 	$(PY) examples/turn_level_recovery.py $(DEMO_ARGS)
+
+# The snapshot benchmark (issue 6; benchmarks/README.md): the full grid, ~4-6 min on 2 cores.
+# Prints its tables and writes bench-results.json. `make bench BENCH_ARGS=--quick` runs
+# only its two quick points (~80 s).
+BENCH_ARGS ?=
+.PHONY: bench
+bench: $(STAMP)
+	$(PY) benchmarks/snapshot_bench.py $(BENCH_ARGS) --json bench-results.json

@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""Where a snapshot's and a restore's time goes, phase by phase (the evidence behind
+benchmarks/README.md's bottleneck analysis).
+
+It runs the coordinator's own code (``actors.coordinator.CheckpointCoordinator``, a plain
+asyncio class) inside this process instead of as an actor, wraps its phases with timers,
+and drives real holders on a local multi-node cluster. Ray's pickling of the values the
+coordinator actor would return to the driver is timed separately (the same
+``ray.cloudpickle`` round trip). A second part times a shard's write and read paths
+(``nemo_ckpt.storage``) piece by piece in this process, with no Ray at all.
+
+    python benchmarks/phase_breakdown.py --holders 4 --sessions 10000 --state-bytes 1024
+    python benchmarks/phase_breakdown.py --shard-only --sessions 2500 --state-bytes 65536
+
+It wraps private parts of the runtime (``CheckpointCoordinator._fan``), so it is a
+diagnostic, not a test: if the runtime's structure changes, some rows may disappear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import snapshot_bench as sb  # noqa: E402  (the benchmark's cluster and populate helpers)
+
+_timings: dict[str, list[float]] = {}
+
+
+def _record(key: str, seconds: float) -> None:
+    _timings.setdefault(key, []).append(seconds * 1e3)
+
+
+def _timed_sync(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            _record(name, time.perf_counter() - t)
+    return wrapper
+
+
+def _instrument() -> Any:
+    """Wrap the coordinator's phases with timers; returns the coordinator module."""
+    from actors import coordinator as C
+
+    fan = C.CheckpointCoordinator._fan
+
+    async def timed_fan(self: Any, instances: Any, what: str, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await fan(self, instances, what, *a, **k)
+        finally:
+            _record(f"  fan-out {what}", time.perf_counter() - t)
+
+    C.CheckpointCoordinator._fan = timed_fan  # type: ignore[method-assign]
+    ensure = C.CheckpointCoordinator.ensure_holders
+
+    async def timed_ensure(self: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await ensure(self)
+        finally:
+            _record("  ensure_holders (discovery)", time.perf_counter() - t)
+
+    C.CheckpointCoordinator.ensure_holders = timed_ensure  # type: ignore[method-assign]
+    for name in ("prepare_environment_dir", "write_manifest", "remove_unreferenced_files",
+                 "read_manifest"):
+        if hasattr(C, name):
+            setattr(C, name, _timed_sync(f"  {name}", getattr(C, name)))
+    if hasattr(C, "Manifest"):
+        C.__dict__["Manifest"] = _timed_sync("  Manifest(...) build + validation",
+                                             C.Manifest)
+    return C
+
+
+async def _cluster_part(args: argparse.Namespace) -> None:
+    import ray.cloudpickle as cp
+
+    from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
+    from nemo_ckpt.interfaces import EnvironmentEpisode
+    from nemo_ckpt.phases import new_operation_id
+
+    C = _instrument()
+    tag = uuid.uuid4().hex[:6]
+    cfg = CheckpointConfig(namespace=f"breakdown-{tag}", lease_s=120.0, phase_timeout_s=120.0)
+    cfg_r = CheckpointConfig(namespace=f"breakdown-{tag}-r", lease_s=120.0,
+                             phase_timeout_s=120.0)
+    ckpt = RayEnvironmentCheckpoint(cfg)
+    ckpt_r = RayEnvironmentCheckpoint(cfg_r)
+    work = Path(tempfile.mkdtemp(prefix="nemo-ckpt-breakdown-"))
+    try:
+        infos = await ckpt.ensure_holders()
+        await ckpt_r.ensure_holders()
+        instances = [i.instance_id for i in infos]
+        t = await sb.populate(cfg.namespace, instances, args.sessions, args.state_bytes, 0)
+        print(f"{len(instances)} holders, {args.sessions} sessions x {args.state_bytes} B "
+              f"(populated in {t:.1f} s)")
+        coord = C.CheckpointCoordinator(cfg)
+        coord_r = C.CheckpointCoordinator(cfg_r)
+        for r in range(args.repeats + 1):  # the first is a warm-up
+            if r == 1:
+                _timings.clear()
+            sid = new_operation_id("snap")
+            path = str(work / f"s{r % 2}")
+            t0 = time.perf_counter()
+            begun = await coord.begin_snapshot(sid, path)
+            t1 = time.perf_counter()
+            committed = await coord.commit_snapshot(sid, path, {"x": 0.0}, 0)
+            t2 = time.perf_counter()
+            _record("begin_snapshot (pause, capture, start persist)", t1 - t0)
+            _record("commit_snapshot (finish persist, manifest, resume)", t2 - t1)
+            _record("  holders' persist_seconds (max)", _persist_seconds(committed))
+            for what, value in (("SnapshotBegun", begun), ("SnapshotCommitted", committed)):
+                ta = time.perf_counter()
+                blob = cp.dumps(value)
+                tb = time.perf_counter()
+                cp.loads(blob)
+                tc = time.perf_counter()
+                _record(f"ray pickle {what} ({len(blob) / 1e6:.2f} MB)", tb - ta)
+                _record(f"ray unpickle {what} in the driver", tc - tb)
+            rid = new_operation_id("restore")
+            t0 = time.perf_counter()
+            prepared = await coord_r.prepare_restore(rid, path)
+            t1 = time.perf_counter()
+            await coord_r.commit_restore(rid)
+            t2 = time.perf_counter()
+            _record("prepare_restore (manifest, verify and load shards)", t1 - t0)
+            _record("commit_restore (sessions live)", t2 - t1)
+            await coord_r.forget([EnvironmentEpisode(rid_, att).next_attempt()
+                                  for _i, rid_, att in prepared.continued_attempts])
+        await _entry_split(cfg.namespace, instances, args.repeats, work)
+        print(f"median of {args.repeats} (ms), min-max:")
+        for key, vals in _timings.items():
+            print(f"  {key:<62} {statistics.median(vals):9.1f}   "
+                  f"({min(vals):.1f}-{max(vals):.1f})")
+    finally:
+        with contextlib.suppress(Exception):
+            ckpt.shutdown()
+        with contextlib.suppress(Exception):
+            ckpt_r.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def _entry_split(namespace: str, instances: list[str], repeats: int,
+                       work: Path) -> None:
+    """The holders' side of the pause, called directly (no coordinator): one ``begin``
+    call (pause, capture, start the write) against a pause round then a capture round
+    with the write started only afterwards. Alternating, same holders, same sessions."""
+    import ray
+
+    from nemo_ckpt.config import HOLDER_NAME_PREFIX
+    from nemo_ckpt.storage import prepare_environment_dir
+
+    handles = [ray.get_actor(HOLDER_NAME_PREFIX + i, namespace=namespace) for i in instances]
+    for r in range(2 * repeats):
+        directory = str(prepare_environment_dir(work / f"split-{r}"))
+        sid = f"snap-split-{uuid.uuid4().hex[:8]}"
+        t0 = time.perf_counter()
+        if r % 2 == 0:
+            await asyncio.gather(*(h.begin.remote(sid, 5.0, 120.0, directory)
+                                   for h in handles))
+            _record("direct: begin (pause + capture + start write, 1 call)",
+                    time.perf_counter() - t0)
+        else:
+            await asyncio.gather(*(h.pause.remote(sid, 5.0, 120.0) for h in handles))
+            t1 = time.perf_counter()
+            await asyncio.gather(*(h.capture.remote(sid) for h in handles))
+            t2 = time.perf_counter()
+            _record("direct: pause round, then capture round (no write yet)", t2 - t0)
+            _record("  direct: pause round", t1 - t0)
+            _record("  direct: capture round", t2 - t1)
+            await asyncio.gather(*(h.start_persist.remote(sid, directory) for h in handles))
+        await asyncio.gather(*(h.finish_persist.remote(sid) for h in handles))
+        await asyncio.gather(*(h.resume.remote(sid) for h in handles))
+        shutil.rmtree(work / f"split-{r}", ignore_errors=True)
+
+
+def _persist_seconds(committed: Any) -> float:
+    """The slowest holder's persist, from whichever shape the commit's answer has."""
+    metrics = getattr(committed, "metrics", None)
+    if isinstance(metrics, dict) and "persist_seconds" in metrics:
+        return float(metrics["persist_seconds"])
+    manifest = getattr(committed, "manifest", None)
+    if manifest is not None:
+        return float(manifest.metrics["persist_seconds"])
+    return float("nan")
+
+
+def _shard_part(args: argparse.Namespace) -> None:
+    """One holder's shard, written and read piece by piece, no Ray."""
+    from nemo_ckpt.interfaces import EnvironmentEpisode
+    from nemo_ckpt.manifest import RolloutEntry
+    from nemo_ckpt.sessions import SessionRecord
+    from nemo_ckpt.storage import read_shard, write_shard
+
+    n, size = args.sessions, args.state_bytes
+    blob = os.urandom(size + 4096)
+    records = [SessionRecord("holder-0", EnvironmentEpisode(f"rollout-{k:06d}", 0), (),
+                             blob[k % 4096:k % 4096 + size]) for k in range(n)]
+    work = Path(tempfile.mkdtemp(prefix="nemo-ckpt-shard-"))
+    rows: dict[str, list[float]] = {}
+
+    def rec(key: str, t: float) -> None:
+        rows.setdefault(key, []).append(t * 1e3)
+
+    try:
+        for r in range(args.repeats):
+            t = time.perf_counter()
+            entry = write_shard(work, f"shard-{r}.msgpack", "holder-0", records)
+            rec("write_shard (total)", time.perf_counter() - t)
+            t = time.perf_counter()
+            packer = msgpack.Packer(use_bin_type=True)
+            data = b"".join(packer.pack(x.to_wire()) for x in records)
+            rec("  msgpack pack of every record (+ join)", time.perf_counter() - t)
+            t = time.perf_counter()
+            hashlib.sha256(data).hexdigest()
+            rec("  sha256 of the shard", time.perf_counter() - t)
+            t = time.perf_counter()
+            with open(work / "raw", "wb", buffering=0) as f:
+                f.write(data)
+                os.fsync(f.fileno())
+            rec("  one write + fsync", time.perf_counter() - t)
+            t = time.perf_counter()
+            entries = [RolloutEntry(instance_id="holder-0", rollout_id=x.episode.rollout_id,
+                                    attempt=0, turns=0, staging_keys=[], shard=entry.file)
+                       for x in records]
+            rec("holder's RolloutEntry models (pydantic), build [no MB/s]",
+                time.perf_counter() - t)
+            import ray.cloudpickle as cp
+
+            t = time.perf_counter()
+            cp.loads(cp.dumps(entries))
+            rec("  ... their pickle round trip to the coordinator [no MB/s]",
+                time.perf_counter() - t)
+            t = time.perf_counter()
+            loaded = read_shard(work, entry)
+            rec("read_shard (total)", time.perf_counter() - t)
+            del loaded
+            t = time.perf_counter()
+            raw = (work / entry.file).read_bytes()
+            rec("  read (one read of the whole file)", time.perf_counter() - t)
+            t = time.perf_counter()
+            hashlib.sha256(raw).hexdigest()
+            rec("  sha256 of what was read", time.perf_counter() - t)
+            t = time.perf_counter()
+            _decode(raw)
+            rec("  msgpack decode + SessionRecord.from_wire of what was read",
+                time.perf_counter() - t)
+            del raw
+            for p in work.iterdir():
+                p.unlink()
+        mb = entry.bytes / 1e6
+        print(f"one shard: {n} sessions x {size} B = {mb:.1f} MB; median of {args.repeats} "
+              f"(ms) and MB/s:")
+        for key, vals in rows.items():
+            med = statistics.median(vals)
+            rate = "" if "[no MB/s]" in key else f"{mb / (med / 1e3):8.0f} MB/s"
+            print(f"  {key.replace(' [no MB/s]', ''):<64} {med:9.1f}   {rate}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _decode(data: bytes) -> list[Any]:
+    """Decode a shard's bytes: its msgpack objects, then a SessionRecord per session."""
+    from nemo_ckpt.sessions import SessionRecord
+
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1 << 20))
+    unpacker.feed(data)
+    return [SessionRecord.from_wire(o) for o in list(unpacker)[1:]]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--holders", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=10_000,
+                   help="total over the holders (with --shard-only: in the one shard)")
+    p.add_argument("--state-bytes", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shard-only", action="store_true",
+                   help="only the in-process shard write/read breakdown, no cluster")
+    args = p.parse_args()
+    if args.shard_only:
+        _shard_part(args)
+        return 0
+    import ray
+
+    cluster = sb.LocalCluster(2048 * sb.MiB)
+    try:
+        cluster.grow_to(args.holders)
+        asyncio.run(_cluster_part(args))
+    finally:
+        cluster.shutdown()
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
