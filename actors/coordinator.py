@@ -44,7 +44,13 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.manifest import FORMAT_VERSION, Manifest, RolloutEntry, ShardEntry
-from nemo_ckpt.phases import CaptureReport, HolderInfo, PauseReport, PersistReport
+from nemo_ckpt.phases import (
+    CaptureReport,
+    HolderInfo,
+    PauseReport,
+    PersistReport,
+    instance_sort_key,
+)
 from nemo_ckpt.storage import (
     environment_dir,
     prepare_environment_dir,
@@ -129,7 +135,7 @@ class CheckpointCoordinator:
         holder, which the pause must not pay every time."""
         if not self._holders or set(self._alive_node_ids()) != set(self._holder_nodes.values()):
             await self.ensure_holders()
-        return sorted(self._holders, key=_instance_key)
+        return sorted(self._holders, key=instance_sort_key)
 
     async def holder_infos(self) -> list[HolderInfo]:
         """Every live holder's info, without creating any."""
@@ -239,7 +245,7 @@ class CheckpointCoordinator:
             # A coordinator that did not begin this snapshot (its predecessor died):
             # every holder may be paused for it.
             await self._discover()
-            instances = sorted(self._holders, key=_instance_key)
+            instances = sorted(self._holders, key=instance_sort_key)
         self._started.pop(snapshot_id, None)
         await self._resume_all(snapshot_id, instances)
         return await asyncio.to_thread(
@@ -261,10 +267,10 @@ class CheckpointCoordinator:
         manifest = await asyncio.to_thread(read_manifest, checkpoint_path)
         await self._known_holders()
         async with self._placement_lock:
-            for inst in sorted(manifest.instances, key=_instance_key):
+            for inst in sorted(manifest.instances, key=instance_sort_key):
                 if inst not in self._holders:
                     await self._create_holder(inst, await self._least_loaded_node())
-        instances = sorted(self._holders, key=_instance_key)
+        instances = sorted(self._holders, key=instance_sort_key)
         self._ops[restore_id] = instances
         restored = {r.rollout_id for r in manifest.rollouts}
         try:
@@ -323,7 +329,7 @@ class CheckpointCoordinator:
         instances = self._ops.pop(restore_id, None)
         if instances is None:
             await self._discover()
-            instances = sorted(self._holders, key=_instance_key)
+            instances = sorted(self._holders, key=instance_sort_key)
         self._started.pop(restore_id, None)
         await self._fan(instances, "abort_restore",
                         lambda h: h.abort_restore.remote(restore_id),
@@ -345,12 +351,12 @@ class CheckpointCoordinator:
         if not self._holders:
             await self.ensure_holders()
         try:
-            dropped = await self._fan(sorted(self._holders, key=_instance_key), op,
+            dropped = await self._fan(sorted(self._holders, key=instance_sort_key), op,
                                       lambda h: getattr(h, op).remote(episodes),
                                       self._config.phase_timeout_s)
         except BackendUnavailableError:
             await self.ensure_holders()
-            dropped = await self._fan(sorted(self._holders, key=_instance_key), op,
+            dropped = await self._fan(sorted(self._holders, key=instance_sort_key), op,
                                       lambda h: getattr(h, op).remote(episodes),
                                       self._config.phase_timeout_s)
         return sorted(k for keys in dropped for k in keys)
@@ -540,13 +546,8 @@ def _log_phase(op_id: str, phase: str, seconds: float, per_holder: dict[str, flo
     log.log(logging.WARNING if errors else logging.INFO, "nemo_ckpt %s", json.dumps(line))
 
 
-def _instance_key(instance_id: str) -> tuple[int, str]:
-    head, _, tail = instance_id.rpartition("-")
-    return (int(tail), head) if tail.isdigit() else (1 << 30, instance_id)
-
-
 def _instance_order(info: HolderInfo) -> tuple[int, str]:
-    return _instance_key(info.instance_id)
+    return instance_sort_key(info.instance_id)
 
 
 # ray.remote's overloads do not type actor options; the handle is dynamic anyway.

@@ -31,7 +31,14 @@ __all__ = [
     "PersistReport",
     "RestorePrepared",
     "new_operation_id",
+    "instance_sort_key",
 ]
+
+
+def instance_sort_key(instance_id: str) -> tuple[int, str]:
+    """Orders ``holder-2`` before ``holder-10``; ids of another shape sort last."""
+    head, _, tail = instance_id.rpartition("-")
+    return (int(tail), head) if tail.isdigit() else (1 << 30, instance_id)
 
 
 def new_operation_id(kind: str) -> str:

@@ -156,6 +156,7 @@ class SessionClient:
 
         from nemo_ckpt.config import HOLDER_NAME_PREFIX
         from nemo_ckpt.errors import SessionNotFoundError
+        from nemo_ckpt.phases import instance_sort_key
 
         if instance_id is not None:
             try:
@@ -179,7 +180,7 @@ class SessionClient:
             with contextlib.suppress(Exception):
                 infos[inst] = await handle.info.remote()
         here = sorted((i for i, info in infos.items() if info.node_id == node),
-                      key=_instance_sort_key)
+                      key=instance_sort_key)
         if not here:
             raise SessionNotFoundError(
                 f"no session holder on node {node} in namespace {namespace!r}; call "
@@ -223,7 +224,3 @@ class SessionClient:
         """Every live session of this instance."""
         return await self._holder.sessions.remote()
 
-
-def _instance_sort_key(instance_id: str) -> tuple[int, str]:
-    head, _, tail = instance_id.rpartition("-")
-    return (int(tail), head) if tail.isdigit() else (1 << 30, instance_id)
