@@ -351,20 +351,14 @@ def _render_diff(diff: SnapshotDiff, path_a: Path, path_b: Path) -> list[str]:
         f"continued ({diff.turns_advanced:+d} turns), restarted "
         f"{a.restarted_rollouts} -> {b.restarted_rollouts}")
     lines.append("")
-    if diff.added:
-        lines += _table(("ADDED", "INSTANCE", "ATTEMPT", "TURNS"),
-                        [(r.rollout_id, r.instance_id, r.attempt, r.turns)
-                         for r in diff.added])
-    else:
-        lines.append("no rollouts added")
-    lines.append("")
-    if diff.finished:
-        lines += _table(("FINISHED", "INSTANCE", "ATTEMPT", "TURNS"),
-                        [(r.rollout_id, r.instance_id, r.attempt, r.turns)
-                         for r in diff.finished])
-    else:
-        lines.append("no rollouts finished")
-    lines.append("")
+    for title, rollouts in (("added", diff.added), ("finished", diff.finished)):
+        if rollouts:
+            lines += _table((title.upper(), "INSTANCE", "ATTEMPT", "TURNS"),
+                            [(r.rollout_id, r.instance_id, r.attempt, r.turns)
+                             for r in rollouts])
+        else:
+            lines.append(f"no rollouts {title}")
+        lines.append("")
     if diff.continued:
         rows = []
         for ra, rb in diff.continued:

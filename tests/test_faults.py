@@ -121,6 +121,13 @@ async def assert_recovered(ckpt: RayEnvironmentCheckpoint, path: Path, baseline:
             turn.complete(b"after", b"s", [])
 
 
+async def commit_baseline(ckpt: RayEnvironmentCheckpoint, path: Path) -> dict[str, bytes]:
+    """Commit a snapshot at ``path`` and return its files, to compare after a fault."""
+    async with ckpt.snapshot(path):
+        pass
+    return tree(environment_dir(path))
+
+
 async def _async(value: bool) -> bool:
     return value
 
@@ -142,9 +149,7 @@ async def test_a_holder_killed_in_a_snapshot_phase_fails_it_cleanly(
 ) -> None:
     live = await populate(ckpt)
     path = tmp_path / "ckpt"
-    async with ckpt.snapshot(path):
-        pass
-    baseline = tree(environment_dir(path))
+    baseline = await commit_baseline(ckpt, path)
     await holder(ckpt, "holder-1").inject_delay.remote(phase, 30)
     task = await snapshot_in_background(ckpt, path)
     await asyncio.sleep(1.5)
@@ -169,9 +174,7 @@ async def test_a_holder_killed_during_restore_leaves_nothing_and_the_snapshot_re
 ) -> None:
     await populate(ckpt)
     path = tmp_path / "ckpt"
-    async with ckpt.snapshot(path):
-        pass
-    baseline = tree(environment_dir(path))
+    baseline = await commit_baseline(ckpt, path)
     expected = {(i, f"{i}-r{k}", 0) for i in INSTANCES for k in range(2)}
     ckpt.shutdown()  # a new job restores
 
@@ -223,9 +226,7 @@ async def test_a_node_removed_during_a_snapshot_fails_it_and_the_next_reports_th
     victim = await instance_on(ckpt, extra_node.node_id)
     live = await populate(ckpt, (*INSTANCES, victim))
     path = tmp_path / "ckpt"
-    async with ckpt.snapshot(path):
-        pass
-    baseline = tree(environment_dir(path))
+    baseline = await commit_baseline(ckpt, path)
     await holder(ckpt, victim).inject_delay.remote("capture", 30)
     task = await snapshot_in_background(ckpt, path)
     await asyncio.sleep(1.5)
@@ -274,9 +275,7 @@ async def test_a_coordinator_killed_mid_snapshot_is_retriable_and_a_new_one_take
 ) -> None:
     await populate(ckpt)
     path = tmp_path / "ckpt"
-    async with ckpt.snapshot(path):
-        pass
-    baseline = tree(environment_dir(path))
+    baseline = await commit_baseline(ckpt, path)
     survivors = await sessions_of(ckpt, INSTANCES)
     with pytest.raises(BackendUnavailableError, match="coordinator") as err:
         async with ckpt.snapshot(path):
@@ -346,9 +345,7 @@ async def test_a_read_only_checkpoint_folder_is_a_write_error_and_keeps_the_old_
 ) -> None:
     await populate(ckpt)
     path = tmpfs() / "ckpt"
-    async with ckpt.snapshot(path):
-        pass
-    baseline = tree(environment_dir(path))
+    baseline = await commit_baseline(ckpt, path)
     survivors = await sessions_of(ckpt, INSTANCES)
     subprocess.run(["mount", "-o", "remount,ro", str(path.parent)], check=True)
     with pytest.raises(SnapshotWriteError, match="read-only") as err:
@@ -363,9 +360,7 @@ async def test_a_full_disk_is_a_write_error_and_leaves_no_partial_files(
 ) -> None:
     await populate(ckpt, ("holder-0",))
     path = tmpfs("1m") / "ckpt"
-    async with ckpt.snapshot(path):
-        pass
-    baseline = tree(environment_dir(path))
+    baseline = await commit_baseline(ckpt, path)
     c = await client(ckpt, "holder-1")
     for k in range(4):  # 4 x 400 KiB does not fit in what is left of 1 MiB
         await c.open(Ep(f"big{k}", 0), os.urandom(400 << 10))
@@ -380,9 +375,7 @@ async def test_a_full_disk_is_a_write_error_and_leaves_no_partial_files(
 async def test_a_folder_removed_mid_write_is_a_write_error(ckpt: Any, tmp_path: Path) -> None:
     await populate(ckpt)
     committed = tmp_path / "committed"
-    async with ckpt.snapshot(committed):
-        pass
-    baseline = tree(environment_dir(committed))
+    baseline = await commit_baseline(ckpt, committed)
     survivors = await sessions_of(ckpt, INSTANCES)
     await holder(ckpt, "holder-0").inject_delay.remote("persist", 1.0)
     doomed = tmp_path / "doomed"
