@@ -119,7 +119,7 @@ def snapshot_summary(checkpoint_path: Path | str, manifest: Manifest) -> dict[st
     for s in sorted(manifest.shards, key=lambda s: s.file):
         inst = by_instance[s.instance_id]
         inst["shards"].append({"file": s.file, "bytes": s.bytes, "sessions": s.sessions,
-                               "sha256": s.sha256})
+                               "content_hash": s.content_hash})
         inst["bytes"] += s.bytes
     return {
         "path": str(Path(checkpoint_path)),
@@ -163,8 +163,8 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
     lines += _table(("INSTANCE", "ROLLOUT", "ATTEMPT", "TURNS", "STAGING KEYS"), rows)
     lines.append("")
     if shards:
-        lines += _table(("INSTANCE", "SHARD", "BYTES", "SESSIONS", "SHA-256"),
-                        [(inst, s["file"], s["bytes"], s["sessions"], s["sha256"][:16])
+        lines += _table(("INSTANCE", "SHARD", "BYTES", "SESSIONS", "CONTENT HASH"),
+                        [(inst, s["file"], s["bytes"], s["sessions"], s["content_hash"][:25])
                          for inst, s in shards])
     else:
         lines.append("no shards (the backend held no rollouts)")
@@ -565,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="make every check a restore makes, without Ray",
                        description="Check the manifest (version, schema, shard names) and "
-                                   "every shard (length, SHA-256, decoding, contents). Exits "
+                                   "every shard (length, content hash, decoding, contents). Exits "
                                    "0 when intact, 1 listing every problem found.")
     p.add_argument("path", metavar="PATH", help=path_help)
     p.set_defaults(run=_cmd_verify)

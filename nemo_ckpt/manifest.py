@@ -6,7 +6,10 @@ On disk::
     <checkpoint_path>/environment/<shard files>   # msgpack, one or more per holder
 
 The manifest is JSON, validated by the pydantic models below. It carries each shard's
-byte length and SHA-256, so a restore verifies every byte before it installs anything.
+byte length and content hash, so a restore verifies every byte before it installs anything.
+
+Format versions: 2 (written) names each shard's hash with its algorithm, XXH3-128 by
+default; 1 (still read) carried a bare SHA-256 per shard, read as ``sha256:<hex>``.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import re
 from collections import Counter
 from datetime import datetime
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "FORMAT_VERSION",
+    "CONTENT_HASH_PATTERN",
     "SUPPORTED_FORMAT_VERSIONS",
     "ENVIRONMENT_DIR",
     "MANIFEST_NAME",
@@ -28,15 +32,19 @@ __all__ = [
     "RolloutEntry",
     "Manifest",
     "is_plain_file_name",
+    "upgrade_v1",
     "shard_file_name",
 ]
 
-FORMAT_VERSION: Literal[1] = 1
-SUPPORTED_FORMAT_VERSIONS = frozenset({1})
+FORMAT_VERSION: Literal[2] = 2
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
 ENVIRONMENT_DIR = "environment"
 MANIFEST_NAME = "manifest.json"
 SHARD_PREFIX = "shard-"
 SHARD_SUFFIX = ".msgpack"
+
+# "<algorithm>:<hex digest>"; storage.content_hasher knows each algorithm.
+CONTENT_HASH_PATTERN = r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$"
 
 _SAFE_PART = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -70,7 +78,9 @@ class ShardEntry(_Model):
 
     file: str = Field(description="Plain file name inside the environment folder.")
     bytes: int = Field(ge=0, description="Exact byte length of the file.")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the file's bytes.")
+    content_hash: str = Field(
+        pattern=CONTENT_HASH_PATTERN,
+        description="The file's hash as '<algorithm>:<hex digest>' (xxh3-128 or sha256).")
     instance_id: str = Field(min_length=1, description="The instance whose sessions it holds.")
     sessions: int = Field(ge=0, description="How many sessions it holds.")
 
@@ -89,7 +99,7 @@ class RolloutEntry(_Model):
 class Manifest(_Model):
     """A committed environment snapshot. Written last; its presence means complete."""
 
-    format_version: Literal[1] = Field(description="Version of this on-disk format.")
+    format_version: Literal[1, 2] = Field(description="Version of this on-disk format.")
     snapshot_id: str = Field(min_length=1, description="Id carried by every phase.")
     created_at: datetime = Field(description="When the snapshot was committed (UTC).")
     instances: list[str] = Field(
@@ -129,3 +139,19 @@ class Manifest(_Model):
         if missing := sorted({s.instance_id for s in self.shards} - set(self.instances)):
             raise ValueError(f"shards of instances not listed in instances: {missing}")
         return self
+
+
+def upgrade_v1(data: Any) -> Any:
+    """A version-1 manifest's JSON data in the version-2 shape (its version kept): v1
+    named each shard's SHA-256 ``sha256``; v2 says ``content_hash: "sha256:<hex>"``.
+    Anything else is returned as it is, for validation to refuse."""
+    if not (isinstance(data, dict) and data.get("format_version") == 1
+            and isinstance(data.get("shards"), list)):
+        return data
+    shards = []
+    for shard in data["shards"]:
+        if isinstance(shard, dict) and "sha256" in shard:
+            shard = dict(shard)
+            shard["content_hash"] = f"sha256:{shard.pop('sha256')}"
+        shards.append(shard)
+    return {**data, "shards": shards}

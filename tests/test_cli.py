@@ -4,7 +4,6 @@ against live holders on the session's Ray cluster."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import SessionClient
@@ -125,7 +125,7 @@ def test_inspect_shows_rollouts_by_instance_with_attempts_turns_shard_bytes_and_
     for inst, sessions in (("holder-0", "2"), ("holder-1", "1")):
         p = shard(snap_a, inst)
         assert [inst, p.name, str(p.stat().st_size), sessions,
-                hashlib.sha256(p.read_bytes()).hexdigest()[:16]] in lines
+                f"xxh3-128:{xxhash.xxh3_128(p.read_bytes()).hexdigest()}"[:25]] in lines
     assert ["paused_seconds", "0.01"] in lines
 
 
@@ -136,7 +136,7 @@ def test_inspect_json_carries_the_same_facts_as_fields(
     assert (code, err) == (0, "")
     data = json.loads(out)
     assert (data["snapshot_id"], data["format_version"], data["path"]) == (
-        "snap-1", 1, str(snap_a))
+        "snap-1", 2, str(snap_a))
     assert (data["captured_rollouts"], data["restarted_rollouts"]) == (3, 3)
     assert data["metrics"] == {"paused_seconds": 0.01}
     by_inst = {i["instance_id"]: i for i in data["instances"]}
@@ -149,8 +149,8 @@ def test_inspect_json_carries_the_same_facts_as_fields(
     for inst in ("holder-0", "holder-1"):
         (s,) = by_inst[inst]["shards"]
         p = shard(snap_a, inst)
-        assert (s["file"], s["bytes"], s["sha256"]) == (
-            p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+        assert (s["file"], s["bytes"], s["content_hash"]) == (
+            p.name, p.stat().st_size, f"xxh3-128:{xxhash.xxh3_128(p.read_bytes()).hexdigest()}")
         assert by_inst[inst]["bytes"] == p.stat().st_size
     assert data["bytes"] == sum(shard(snap_a, i).stat().st_size for i in ("holder-0", "holder-1"))
 
@@ -241,7 +241,7 @@ def test_verify_reports_every_damaged_shard_not_only_the_first(
                             "would be refused:")
     problems = err_lines[1:]
     assert len(problems) == 3
-    assert f"{shard(root, 'holder-0')} has SHA-256" in problems[0]
+    assert f"{shard(root, 'holder-0')} has xxh3-128" in problems[0]
     assert f"{shard(root, 'holder-1')}, named in the manifest, is missing" in problems[1]
     assert f"{shard(root, 'holder-3')} is " in problems[2] and "truncated" in problems[2]
 
@@ -256,7 +256,7 @@ def test_verify_refuses_a_shard_that_holds_other_rollouts_than_its_manifest_list
     data = shard(other, "holder-1").read_bytes()
     shard(snap_a, "holder-1").write_bytes(data)
     edit_manifest(snap_a, lambda d: d["shards"][1].update(
-        bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+        bytes=len(data), content_hash=f"xxh3-128:{xxhash.xxh3_128(data).hexdigest()}"))
     code, _, err = run(capsys, "verify", str(snap_a))
     assert code == 1
     assert "holds z-a1, which its manifest does not list there" in err
@@ -274,7 +274,7 @@ def test_verify_refuses_a_shard_that_holds_one_rollout_twice(
                         [session("holder-1", "c", 1), session("holder-1", "c", 1)])
 
     def list_x_too(d: dict[str, Any]) -> None:
-        d["shards"][1].update(bytes=entry.bytes, sha256=entry.sha256, sessions=2)
+        d["shards"][1].update(bytes=entry.bytes, content_hash=entry.content_hash, sessions=2)
         d["rollouts"].append({"instance_id": "holder-1", "rollout_id": "x", "attempt": 0,
                               "turns": 0, "staging_keys": [], "shard": name})
 
@@ -301,7 +301,7 @@ def test_verify_of_an_unreadable_manifest_is_one_line_on_stderr_and_exit_1(
     lambda root: flip_a_byte(shard(root, "holder-0")),
     lambda root: shard(root, "holder-1").unlink(),
     lambda root: shard(root, "holder-0").write_bytes(b""),
-    lambda root: edit_manifest(root, lambda d: d.update(format_version=2)),
+    lambda root: edit_manifest(root, lambda d: d.update(format_version=3)),
     lambda root: edit_manifest(root, escape_first_shard),
     lambda root: manifest_path(root).unlink(),
 ], ids=["intact", "flipped-byte", "missing-shard", "emptied-shard", "future-version",

@@ -439,7 +439,7 @@ BAD_SNAPSHOTS: dict[str, tuple[Callable[[Path], Any], type[SnapshotReadError], s
     "no-snapshot": (lambda p: shutil.rmtree(p), SnapshotNotFoundError, "no environment snapshot"),
     "torn": (lambda p: next(environment_dir(p).glob("shard-*")).unlink(), TornSnapshotError,
              "torn"),
-    "corrupt-shard": (_flip, ShardCorruptedError, "SHA-256"),
+    "corrupt-shard": (_flip, ShardCorruptedError, "xxh3-128"),
     "future-version": (lambda p: _edit_manifest(p, lambda d: d.update(format_version=7)),
                        UnsupportedFormatVersionError, "format version 7"),
     "garbage-manifest": (lambda p: (environment_dir(p) / "manifest.json").write_bytes(b"\x00{"),

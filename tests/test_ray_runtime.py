@@ -343,7 +343,7 @@ def write_fake_snapshot(path: Path, instances: list[str]) -> None:
         rollouts.append(RolloutEntry(instance_id=inst, rollout_id=f"r{n}", attempt=0,
                                      turns=1, staging_keys=[f"r{n}/row0"], shard=entry.file))
     write_manifest(directory, Manifest(
-        format_version=1, snapshot_id="old", created_at=datetime.now(timezone.utc),
+        format_version=2, snapshot_id="old", created_at=datetime.now(timezone.utc),
         instances=instances, shards=shards, rollouts=rollouts, restarted_rollouts=0,
         metrics={}))
 
@@ -488,7 +488,7 @@ async def test_a_corrupt_shard_refuses_the_restore_before_any_holder_changes(
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(ShardCorruptedError, match="SHA-256"):
+    with pytest.raises(ShardCorruptedError, match="xxh3-128"):
         async with ckpt.restored(tmp_path / "c"):
             pytest.fail("the block ran although a shard is corrupt")
     assert {h.instance_id: (h.sessions, h.state) for h in await ckpt.holders()} == {

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import xxhash
 
 from nemo_ckpt.errors import (
     CheckpointPathError,
@@ -71,7 +72,7 @@ def write_snapshot(root: Path, by_instance: dict[str, list[SessionRecord]],
             for r in records
         ]
     manifest = Manifest(
-        format_version=1, snapshot_id=snapshot_id, created_at=datetime.now(timezone.utc),
+        format_version=2, snapshot_id=snapshot_id, created_at=datetime.now(timezone.utc),
         instances=sorted(by_instance), shards=shards, rollouts=rollouts,
         restarted_rollouts=restarted, metrics={"paused_seconds": 0.01},
     )
@@ -118,7 +119,7 @@ def test_round_trip_keeps_every_session_by_instance(snapshot_root: Path) -> None
         "holder-2": [],
     }
     m = loaded.manifest
-    assert m.restarted_rollouts == 3 and m.format_version == 1
+    assert m.restarted_rollouts == 3 and m.format_version == 2
     assert {(r.rollout_id, r.attempt, r.turns) for r in m.rollouts} == {
         ("a", 0, 2), ("b", 2, 2), ("c", 1, 2)}
     assert next(r for r in m.rollouts if r.rollout_id == "c").staging_keys == ["c/row0", "c/row1"]
@@ -139,7 +140,40 @@ def test_shard_entry_records_the_files_true_length_and_hash(snapshot_root: Path)
     for entry in manifest.shards:
         data = (environment_dir(snapshot_root) / entry.file).read_bytes()
         assert entry.bytes == len(data)
-        assert entry.sha256 == hashlib.sha256(data).hexdigest()
+        assert entry.content_hash == f"xxh3-128:{xxhash.xxh3_128(data).hexdigest()}"
+
+
+def as_format_1(root: Path) -> None:
+    """Rewrite a snapshot's manifest as format 1 wrote it: a bare SHA-256 per shard."""
+    def downgrade(d: dict) -> None:  # type: ignore[type-arg]
+        d["format_version"] = 1
+        for s in d["shards"]:
+            del s["content_hash"]
+            s["sha256"] = hashlib.sha256(
+                (environment_dir(root) / s["file"]).read_bytes()).hexdigest()
+
+    edit_manifest(root, downgrade)
+
+
+def test_a_format_1_snapshot_with_sha256_hashes_is_still_read_and_verified(
+    snapshot_root: Path,
+) -> None:
+    as_format_1(snapshot_root)
+    loaded = read_snapshot(snapshot_root)
+    assert loaded.manifest.format_version == 1
+    assert loaded.sessions["holder-1"] == [session("holder-1", "c", 1)]
+    assert all(s.content_hash.startswith("sha256:") for s in loaded.manifest.shards)
+    p = shard_path(snapshot_root)
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+    assert_refused(snapshot_root, ShardCorruptedError, str(p), "sha256")
+
+
+def test_a_format_1_manifest_that_does_not_validate_is_refused(snapshot_root: Path) -> None:
+    as_format_1(snapshot_root)
+    edit_manifest(snapshot_root, lambda d: d["shards"][0].update(sha256="zz"))
+    assert_refused(snapshot_root, ManifestInvalidError, "does not validate")
 
 
 def test_files_on_disk_are_json_and_msgpack_without_pickle(snapshot_root: Path) -> None:
@@ -264,11 +298,13 @@ def test_a_manifest_that_does_not_parse_is_refused(snapshot_root: Path, garbage:
 @pytest.mark.parametrize("edit", [
     lambda d: d.pop("shards"),
     lambda d: d["shards"][0].update(bytes=-1),
-    lambda d: d["shards"][0].update(sha256="zz"),
+    lambda d: d["shards"][0].update(content_hash="xxh3-128:zz"),
+    lambda d: d["shards"][0].update(content_hash="md5:" + "0" * 32),
     lambda d: d["rollouts"][0].update(shard="shard-unknown.msgpack"),
     lambda d: d["shards"][0].update(sessions=7),
     lambda d: d.update(extra_field=1),
-], ids=["no-shards", "negative-length", "bad-hash", "unknown-shard", "wrong-count", "extra"])
+], ids=["no-shards", "negative-length", "bad-hash", "unknown-algorithm", "unknown-shard",
+        "wrong-count", "extra"])
 def test_a_manifest_that_does_not_validate_is_refused(snapshot_root: Path, edit) -> None:  # type: ignore[no-untyped-def]
     edit_manifest(snapshot_root, edit)
     assert_refused(snapshot_root, ManifestInvalidError, "does not validate")
@@ -285,7 +321,7 @@ def test_a_flipped_byte_is_caught_by_the_hash(snapshot_root: Path) -> None:
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0x01
     p.write_bytes(bytes(data))
-    assert_refused(snapshot_root, ShardCorruptedError, str(p), "SHA-256")
+    assert_refused(snapshot_root, ShardCorruptedError, str(p), "xxh3-128")
 
 
 def test_a_truncated_shard_is_caught_by_its_length(snapshot_root: Path) -> None:
@@ -305,7 +341,7 @@ def test_a_shard_that_matches_its_hash_but_not_the_format_is_refused(snapshot_ro
     garbage = msgpack.packb({"format": "something-else"})
     p.write_bytes(garbage)
     edit_manifest(snapshot_root, lambda d: d["shards"][0].update(
-        bytes=len(garbage), sha256=hashlib.sha256(garbage).hexdigest()))
+        bytes=len(garbage), content_hash=f"xxh3-128:{xxhash.xxh3_128(garbage).hexdigest()}"))
     assert_refused(snapshot_root, ShardCorruptedError, "does not decode")
 
 
@@ -330,10 +366,11 @@ def test_every_refusal_is_a_snapshot_read_error_with_its_own_class() -> None:
 
 
 def test_manifest_model_refuses_a_rollout_in_another_instances_shard() -> None:
-    shard = ShardEntry(file="s.msgpack", bytes=1, sha256="0" * 64, instance_id="holder-0",
+    shard = ShardEntry(file="s.msgpack", bytes=1, content_hash="xxh3-128:" + "0" * 32,
+                       instance_id="holder-0",
                        sessions=1)
     with pytest.raises(ValueError, match="sits in shard"):
-        Manifest(format_version=1, snapshot_id="x", created_at=datetime.now(timezone.utc),
+        Manifest(format_version=2, snapshot_id="x", created_at=datetime.now(timezone.utc),
                  instances=["holder-0", "holder-1"], shards=[shard],
                  rollouts=[RolloutEntry(instance_id="holder-1", rollout_id="r", attempt=0,
                                         turns=0, staging_keys=[], shard="s.msgpack")],
@@ -356,4 +393,4 @@ def test_large_sessions_are_written_byte_for_byte_as_msgpack_packs_them(tmp_path
                             "instance_id": "holder-0"})
     expected += b"".join(packer.pack(r.to_wire()) for r in records)
     assert (directory / "shard-x.msgpack").read_bytes() == expected
-    assert entry.sha256 == hashlib.sha256(expected).hexdigest()
+    assert entry.content_hash == f"xxh3-128:{xxhash.xxh3_128(expected).hexdigest()}"
