@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import msgpack
 import xxhash
@@ -69,10 +69,14 @@ __all__ = [
 SHARD_MAGIC = "nemo-ckpt-shard"
 SHARD_VERSION = 1
 _TMP_MARK = ".tmp-"
-# Small pieces gather in a buffer of this size, so each write syscall moves a large
-# chunk; pieces at least _DIRECT_WRITE long (big states) go to the file without a copy.
-_WRITE_BUFFER = 1 << 20
-_DIRECT_WRITE = 64 << 10
+# Pieces are written in batches of about _WRITE_BATCH bytes with one writev each: small
+# pieces are gathered into a buffer first, pieces at least _DIRECT_WRITE long (big
+# states) go to the kernel by reference, without a copy. Per-piece write syscalls cost
+# a third of the write's time at 64 KiB states.
+_WRITE_BATCH = 4 << 20
+_DIRECT_WRITE = 16 << 10
+_SMALL_PIECE_BUFFER = 256 << 10
+_MAX_IOV = 512  # well under every platform's IOV_MAX (1024 on Linux)
 # A session whose payload is below this is packed whole by msgpack's C packer (fastest
 # for many small sessions); above it, its byte fields are written without a copy.
 _ZERO_COPY_PAYLOAD = 32 << 10
@@ -107,33 +111,62 @@ def environment_dir(checkpoint_path: Path | str) -> Path:
 
 
 class _HashingWriter:
-    """Hashes every byte on its way to the file, gathering small writes in one buffer."""
+    """Hashes every byte on its way to the file, in the order written, and writes in
+    large ``writev`` batches (see ``_WRITE_BATCH``)."""
 
-    def __init__(self, f: IO[bytes]) -> None:
-        self._f = f
-        self._buf = bytearray()
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._small = bytearray()
+        self._batch: list[bytes | bytearray | memoryview] = []
+        self._batch_bytes = 0
         self.hash = content_hasher()
         self.length = 0
 
-    def write(self, data: bytes | memoryview) -> None:
-        self.length += len(data)
-        if len(data) >= _DIRECT_WRITE:
-            self._flush()
-            self.hash.update(data)
-            self._f.write(data)
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Queue ``data``; big pieces are kept by reference, so they must not change."""
+        n = len(data)
+        self.length += n
+        if n >= _DIRECT_WRITE:
+            self._seal_small()
+            self._batch.append(data)
+            self._batch_bytes += n
         else:
-            self._buf += data
-            if len(self._buf) >= _WRITE_BUFFER:
-                self._flush()
+            self._small += data
+            if len(self._small) >= _SMALL_PIECE_BUFFER:
+                self._seal_small()
+        if self._batch_bytes >= _WRITE_BATCH or len(self._batch) >= _MAX_IOV:
+            self._flush()
+
+    def _seal_small(self) -> None:
+        if self._small:
+            self._batch.append(self._small)
+            self._batch_bytes += len(self._small)
+            self._small = bytearray()
 
     def _flush(self) -> None:
-        if self._buf:
-            self.hash.update(self._buf)
-            self._f.write(self._buf)
-            self._buf.clear()
+        self._seal_small()
+        for piece in self._batch:
+            self.hash.update(piece)
+        _writev_all(self._fd, self._batch)
+        self._batch = []
+        self._batch_bytes = 0
 
     def close(self) -> None:
+        """Write what is still queued."""
         self._flush()
+
+
+def _writev_all(fd: int, pieces: list[bytes | bytearray | memoryview]) -> None:
+    """``os.writev`` every piece, resuming after short writes."""
+    views = [memoryview(p) for p in pieces]
+    i = 0
+    while i < len(views):
+        written = os.writev(fd, views[i:])
+        while i < len(views) and written >= len(views[i]):
+            written -= len(views[i])
+            i += 1
+        if written:
+            views[i] = views[i][written:]
 
 
 def _bin_header(n: int) -> bytes:
@@ -188,7 +221,7 @@ def _write_durably(directory: Path, name: str, fill: Any) -> tuple[int, str]:
     target = directory / name
     try:
         with open(tmp, "xb", buffering=0) as f:
-            writer = _HashingWriter(f)
+            writer = _HashingWriter(f.fileno())
             fill(writer)
             writer.close()
             f.flush()

@@ -394,3 +394,24 @@ def test_large_sessions_are_written_byte_for_byte_as_msgpack_packs_them(tmp_path
     expected += b"".join(packer.pack(r.to_wire()) for r in records)
     assert (directory / "shard-x.msgpack").read_bytes() == expected
     assert entry.content_hash == f"xxh3-128:{xxhash.xxh3_128(expected).hexdigest()}"
+
+
+def test_a_shard_written_through_short_writes_is_complete_and_verifies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Network filesystems may accept part of a writev; the writer must resume mid-piece.
+    real_writev = os.writev
+    calls = 0
+
+    def short_writev(fd: int, buffers: list[memoryview]) -> int:
+        nonlocal calls
+        calls += 1
+        head = bytes(memoryview(b"".join(bytes(b) for b in buffers))[:7777])
+        return real_writev(fd, [head])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    records = [session("holder-0", f"r{i}", state=os.urandom(20000 + i)) for i in range(40)]
+    write_snapshot(tmp_path, {"holder-0": records})
+    monkeypatch.undo()
+    assert calls > 40
+    assert read_snapshot(tmp_path).sessions["holder-0"] == records
