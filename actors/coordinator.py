@@ -8,7 +8,8 @@ deadline; a holder that dies or misses its deadline surfaces as
 
 Call order for a snapshot (driven by ``RayEnvironmentCheckpoint.snapshot``)::
 
-    begin_snapshot(id, path)   ensure holders; pause all; capture all; start persist
+    begin_snapshot(id, path)   ensure holders; pause and capture all (one call each);
+                               then start every write, without waiting
     renew(id)                  every lease period while the caller's block runs
     commit_snapshot(id, path)  wait for every shard; write manifest.json; resume all
     abort_snapshot(id, path)   instead, on any failure: resume all; delete partial files
@@ -43,7 +44,7 @@ from nemo_ckpt.errors import (
     RestoreConflictError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.manifest import FORMAT_VERSION, Manifest, RolloutEntry, ShardEntry
+from nemo_ckpt.manifest import RolloutRow, ShardEntry, encode_manifest
 from nemo_ckpt.phases import (
     CaptureReport,
     HolderInfo,
@@ -109,6 +110,7 @@ class CheckpointCoordinator:
         self._ops: dict[str, list[str]] = {}  # snapshot/restore id -> instances taking part
         self._started: dict[str, float] = {}  # snapshot/restore id -> monotonic start
         self._captures: dict[str, tuple[CaptureReport, ...]] = {}  # snapshot id -> captures
+        self._background: set[asyncio.Future[Any]] = set()  # kept so they are not collected
         self._placement_lock = asyncio.Lock()
 
     # --- holders ---------------------------------------------------------------------
@@ -160,7 +162,9 @@ class CheckpointCoordinator:
 
         This is the pause's hot path: the holder set is the one known since the last
         discovery, re-discovered only when the alive nodes changed, and each holder
-        pauses, captures and starts its write in one call (``SessionHolder.begin``).
+        pauses and captures in one call (``SessionHolder.begin``). The writes start once
+        every capture is in, so they do not compete with the replies; ``finish_persist``
+        starts any write whose start message has not arrived.
         """
         start = time.monotonic()
         self._started[snapshot_id] = start
@@ -180,12 +184,22 @@ class CheckpointCoordinator:
                 self._holders = {}  # a holder is gone: the next snapshot re-discovers
             await self.abort_snapshot(snapshot_id, checkpoint_path)
             raise
+        self._start_writes(snapshot_id, instances)
         captures = tuple(c for _, c in begun)
         self._captures[snapshot_id] = captures
         return SnapshotBegun(
             snapshot_id=snapshot_id, instances=tuple(instances),
             pauses=tuple(p for p, _ in begun), captures=captures,
             entry_seconds=time.monotonic() - start)
+
+    def _start_writes(self, snapshot_id: str, instances: list[str]) -> None:
+        refs = [self._holders[i].start_persist.remote(snapshot_id)
+                for i in instances if i in self._holders]
+        # Not awaited: the caller's block runs meanwhile. A failed start surfaces at
+        # finish_persist, which starts the write itself or reports why it cannot.
+        done = asyncio.ensure_future(asyncio.gather(*refs, return_exceptions=True))
+        self._background.add(done)
+        done.add_done_callback(self._background.discard)
 
     async def renew(self, operation_id: str) -> None:
         """Renew the lease of every holder taking part in the operation."""
@@ -213,12 +227,17 @@ class CheckpointCoordinator:
                 persist_seconds=max((p.persist_seconds for p in persists), default=0.0),
                 bytes_written=float(sum(p.bytes_written for p in persists)),
             )
-            manifest = Manifest(
-                format_version=FORMAT_VERSION, snapshot_id=snapshot_id,
-                created_at=datetime.now(timezone.utc), instances=instances, shards=shards,
-                rollouts=_rollout_entries(self._captures.get(snapshot_id, ()), persists),
-                restarted_rollouts=restarted, metrics=all_metrics)
-            await asyncio.to_thread(write_manifest, directory, manifest)
+            captures = self._captures.get(snapshot_id, ())
+
+            def encode_and_write() -> int:
+                rollouts = _rollout_rows(captures, persists)
+                write_manifest(directory, encode_manifest(
+                    snapshot_id=snapshot_id, created_at=datetime.now(timezone.utc),
+                    instances=instances, shards=shards, rollouts=rollouts,
+                    restarted_rollouts=restarted, metrics=all_metrics))
+                return len(rollouts)
+
+            captured = await asyncio.to_thread(encode_and_write)
         except BaseException as exc:
             self._count_failure("snapshot", exc)
             await self.abort_snapshot(snapshot_id, checkpoint_path)
@@ -226,9 +245,10 @@ class CheckpointCoordinator:
         # Committed: resume first; the older snapshots' files are garbage from here on
         # and their removal must not lengthen the pause.
         await self._resume_all(snapshot_id, instances)
-        removed = await asyncio.to_thread(remove_unreferenced_files, directory, manifest)
-        self._record_commit(snapshot_id, manifest, restarted)
-        return SnapshotCommitted(metrics=all_metrics, rollouts=len(manifest.rollouts),
+        removed = await asyncio.to_thread(remove_unreferenced_files, directory,
+                                          [s.file for s in shards])
+        self._record_commit(snapshot_id, all_metrics, captured, restarted)
+        return SnapshotCommitted(metrics=all_metrics, rollouts=captured,
                                  shards=len(shards), removed_files=tuple(removed))
 
     async def abort_snapshot(self, snapshot_id: str, checkpoint_path: str,
@@ -468,7 +488,8 @@ class CheckpointCoordinator:
                 log.warning("holder %s does not answer (%s); treating it as lost", inst, res)
         return infos
 
-    def _record_commit(self, snapshot_id: str, manifest: Manifest, restarted: int) -> None:
+    def _record_commit(self, snapshot_id: str, figures: dict[str, float], captured: int,
+                       restarted: int) -> None:
         started = self._started.pop(snapshot_id, None)
         if started is not None:
             elapsed = time.monotonic() - started
@@ -476,8 +497,8 @@ class CheckpointCoordinator:
             # Holders pause at the start of begin_snapshot and resume at the end of the
             # commit, so the coordinator's span bounds their paused time.
             metrics.observe("paused", elapsed)
-        metrics.inc("bytes_written", manifest.metrics.get("bytes_written", 0.0))
-        metrics.inc("captured", float(len(manifest.rollouts)))
+        metrics.inc("bytes_written", figures.get("bytes_written", 0.0))
+        metrics.inc("captured", float(captured))
         metrics.inc("restarted", float(restarted))
 
     def _count_failure(self, operation: str, error: BaseException | str) -> None:
@@ -518,18 +539,16 @@ class CheckpointCoordinator:
         return info
 
 
-def _rollout_entries(captures: tuple[CaptureReport, ...],
-                     persists: list[PersistReport]) -> list[RolloutEntry]:
+def _rollout_rows(captures: tuple[CaptureReport, ...],
+                  persists: list[PersistReport]) -> list[RolloutRow]:
     """The manifest's rollouts, from what each holder captured and the shard it wrote.
 
     Built here rather than by the holders: shipping a validated model per session from
     every holder cost more than writing the shards (benchmarks/README.md)."""
     shard_of = {p.instance_id: p.shards[0].file for p in persists if p.shards}
     return [
-        RolloutEntry.model_construct(  # fields come from validated episodes and records
-            instance_id=c.instance_id, rollout_id=rollout_id, attempt=attempt, turns=turns,
-            staging_keys=sorted(keys), shard=shard_of[c.instance_id])
-        for c in captures for rollout_id, attempt, keys, turns in c.captured
+        (c.instance_id, rollout_id, attempt, turns, sorted(keys), shard_of[c.instance_id])
+        for c in captures for rollout_id, attempt, keys, turns in c.captured()
     ]
 
 

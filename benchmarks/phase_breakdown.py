@@ -81,12 +81,11 @@ def _instrument() -> Any:
 
     C.CheckpointCoordinator.ensure_holders = timed_ensure  # type: ignore[method-assign]
     for name in ("prepare_environment_dir", "write_manifest", "remove_unreferenced_files",
-                 "read_manifest"):
+                 "read_manifest", "encode_manifest", "_rollout_rows"):
         if hasattr(C, name):
             setattr(C, name, _timed_sync(f"  {name}", getattr(C, name)))
-    if hasattr(C, "Manifest"):
-        C.__dict__["Manifest"] = _timed_sync("  Manifest(...) build + validation",
-                                             C.Manifest)
+    C.CheckpointCoordinator._alive_node_ids = _timed_sync(  # type: ignore[method-assign]
+        "  ray.nodes() (alive nodes)", C.CheckpointCoordinator._alive_node_ids)
     return C
 
 
@@ -124,7 +123,7 @@ async def _cluster_part(args: argparse.Namespace) -> None:
             t1 = time.perf_counter()
             committed = await coord.commit_snapshot(sid, path, {"x": 0.0}, 0)
             t2 = time.perf_counter()
-            _record("begin_snapshot (pause, capture, start persist)", t1 - t0)
+            _record("begin_snapshot (pause, capture; writes started)", t1 - t0)
             _record("commit_snapshot (finish persist, manifest, resume)", t2 - t1)
             _record("  holders' persist_seconds (max)", _persist_seconds(committed))
             for what, value in (("SnapshotBegun", begun), ("SnapshotCommitted", committed)):
@@ -161,8 +160,8 @@ async def _cluster_part(args: argparse.Namespace) -> None:
 async def _entry_split(namespace: str, instances: list[str], repeats: int,
                        work: Path) -> None:
     """The holders' side of the pause, called directly (no coordinator): one ``begin``
-    call (pause, capture, start the write) against a pause round then a capture round
-    with the write started only afterwards. Alternating, same holders, same sessions."""
+    round (pause and capture in one call each) against a pause round then a capture
+    round; the writes start afterwards in both. Alternating, same holders, sessions."""
     import ray
 
     from nemo_ckpt.config import HOLDER_NAME_PREFIX
@@ -176,17 +175,16 @@ async def _entry_split(namespace: str, instances: list[str], repeats: int,
         if r % 2 == 0:
             await asyncio.gather(*(h.begin.remote(sid, 5.0, 120.0, directory)
                                    for h in handles))
-            _record("direct: begin (pause + capture + start write, 1 call)",
-                    time.perf_counter() - t0)
+            _record("direct: begin round (pause + capture, 1 call)", time.perf_counter() - t0)
         else:
             await asyncio.gather(*(h.pause.remote(sid, 5.0, 120.0) for h in handles))
             t1 = time.perf_counter()
             await asyncio.gather(*(h.capture.remote(sid) for h in handles))
             t2 = time.perf_counter()
-            _record("direct: pause round, then capture round (no write yet)", t2 - t0)
+            _record("direct: pause round, then capture round", t2 - t0)
             _record("  direct: pause round", t1 - t0)
             _record("  direct: capture round", t2 - t1)
-            await asyncio.gather(*(h.start_persist.remote(sid, directory) for h in handles))
+        await asyncio.gather(*(h.start_persist.remote(sid, directory) for h in handles))
         await asyncio.gather(*(h.finish_persist.remote(sid) for h in handles))
         await asyncio.gather(*(h.resume.remote(sid) for h in handles))
         shutil.rmtree(work / f"split-{r}", ignore_errors=True)
@@ -206,9 +204,8 @@ def _persist_seconds(committed: Any) -> float:
 def _shard_part(args: argparse.Namespace) -> None:
     """One holder's shard, written and read piece by piece, no Ray."""
     from nemo_ckpt.interfaces import EnvironmentEpisode
-    from nemo_ckpt.manifest import RolloutEntry
     from nemo_ckpt.sessions import SessionRecord
-    from nemo_ckpt.storage import read_shard, write_shard
+    from nemo_ckpt.storage import CONTENT_HASH, content_hasher, read_shard, write_shard
 
     n, size = args.sessions, args.state_bytes
     blob = os.urandom(size + 4096)
@@ -230,25 +227,16 @@ def _shard_part(args: argparse.Namespace) -> None:
             data = b"".join(packer.pack(x.to_wire()) for x in records)
             rec("  msgpack pack of every record (+ join)", time.perf_counter() - t)
             t = time.perf_counter()
+            content_hasher().update(data)
+            rec(f"  {CONTENT_HASH} of the shard (the content hash)", time.perf_counter() - t)
+            t = time.perf_counter()
             hashlib.sha256(data).hexdigest()
-            rec("  sha256 of the shard", time.perf_counter() - t)
+            rec("  sha256 of the shard (format 1's hash)", time.perf_counter() - t)
             t = time.perf_counter()
             with open(work / "raw", "wb", buffering=0) as f:
                 f.write(data)
                 os.fsync(f.fileno())
             rec("  one write + fsync", time.perf_counter() - t)
-            t = time.perf_counter()
-            entries = [RolloutEntry(instance_id="holder-0", rollout_id=x.episode.rollout_id,
-                                    attempt=0, turns=0, staging_keys=[], shard=entry.file)
-                       for x in records]
-            rec("holder's RolloutEntry models (pydantic), build [no MB/s]",
-                time.perf_counter() - t)
-            import ray.cloudpickle as cp
-
-            t = time.perf_counter()
-            cp.loads(cp.dumps(entries))
-            rec("  ... their pickle round trip to the coordinator [no MB/s]",
-                time.perf_counter() - t)
             t = time.perf_counter()
             loaded = read_shard(work, entry)
             rec("read_shard (total)", time.perf_counter() - t)
@@ -257,8 +245,8 @@ def _shard_part(args: argparse.Namespace) -> None:
             raw = (work / entry.file).read_bytes()
             rec("  read (one read of the whole file)", time.perf_counter() - t)
             t = time.perf_counter()
-            hashlib.sha256(raw).hexdigest()
-            rec("  sha256 of what was read", time.perf_counter() - t)
+            content_hasher().update(raw)
+            rec(f"  {CONTENT_HASH} of what was read", time.perf_counter() - t)
             t = time.perf_counter()
             _decode(raw)
             rec("  msgpack decode + SessionRecord.from_wire of what was read",

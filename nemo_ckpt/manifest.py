@@ -14,8 +14,10 @@ default; 1 (still read) carried a bare SHA-256 per shard, read as ``sha256:<hex>
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, Literal
@@ -33,6 +35,9 @@ __all__ = [
     "Manifest",
     "is_plain_file_name",
     "upgrade_v1",
+    "check_consistency",
+    "encode_manifest",
+    "RolloutRow",
     "shard_file_name",
 ]
 
@@ -112,33 +117,77 @@ class Manifest(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
-        files = Counter(s.file for s in self.shards)
-        if dup := sorted(f for f, n in files.items() if n > 1):
-            raise ValueError(f"shard files listed twice: {dup}")
-        rollouts = Counter(r.rollout_id for r in self.rollouts)
-        if dup := sorted(r for r, n in rollouts.items() if n > 1):
-            raise ValueError(f"rollouts listed twice: {dup}")
-        shard_of = {s.file: s for s in self.shards}
-        per_shard: Counter[str] = Counter()
-        for r in self.rollouts:
-            shard = shard_of.get(r.shard)
-            if shard is None:
-                raise ValueError(f"rollout {r.rollout_id!r} names unknown shard {r.shard!r}")
-            if shard.instance_id != r.instance_id:
-                raise ValueError(
-                    f"rollout {r.rollout_id!r} of {r.instance_id} sits in shard {r.shard!r} "
-                    f"of {shard.instance_id}"
-                )
-            per_shard[r.shard] += 1
-        for s in self.shards:
-            if s.sessions != per_shard[s.file]:
-                raise ValueError(
-                    f"shard {s.file!r} says {s.sessions} sessions but {per_shard[s.file]} "
-                    f"rollouts name it"
-                )
-        if missing := sorted({s.instance_id for s in self.shards} - set(self.instances)):
-            raise ValueError(f"shards of instances not listed in instances: {missing}")
+        check_consistency(self.instances, self.shards,
+                          ((r.rollout_id, r.instance_id, r.shard) for r in self.rollouts))
         return self
+
+
+def check_consistency(instances: Iterable[str], shards: Iterable[ShardEntry],
+                      rollouts: Iterable[tuple[str, str, str]]) -> None:
+    """Raise ValueError unless shards and rollouts fit together: no shard or rollout
+    listed twice, every rollout ``(rollout_id, instance_id, shard)`` in a known shard of
+    its own instance, each shard's session count equal to the rollouts naming it, and
+    every shard's instance listed in ``instances``."""
+    shards = list(shards)
+    files = Counter(s.file for s in shards)
+    if dup := sorted(f for f, n in files.items() if n > 1):
+        raise ValueError(f"shard files listed twice: {dup}")
+    shard_of = {s.file: s for s in shards}
+    seen: set[str] = set()
+    twice: list[str] = []
+    per_shard: Counter[str] = Counter()
+    for rollout_id, instance_id, file in rollouts:
+        if rollout_id in seen:
+            twice.append(rollout_id)
+        seen.add(rollout_id)
+        shard = shard_of.get(file)
+        if shard is None:
+            raise ValueError(f"rollout {rollout_id!r} names unknown shard {file!r}")
+        if shard.instance_id != instance_id:
+            raise ValueError(
+                f"rollout {rollout_id!r} of {instance_id} sits in shard {file!r} "
+                f"of {shard.instance_id}"
+            )
+        per_shard[file] += 1
+    if twice:
+        raise ValueError(f"rollouts listed twice: {sorted(set(twice))}")
+    for s in shards:
+        if s.sessions != per_shard[s.file]:
+            raise ValueError(
+                f"shard {s.file!r} says {s.sessions} sessions but {per_shard[s.file]} "
+                f"rollouts name it"
+            )
+    if missing := sorted({s.instance_id for s in shards} - set(instances)):
+        raise ValueError(f"shards of instances not listed in instances: {missing}")
+
+
+# (instance_id, rollout_id, attempt, turns, sorted staging_keys, shard) of one rollout.
+RolloutRow = tuple[str, str, int, int, list[str], str]
+
+
+def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[str],
+                    shards: list[ShardEntry], rollouts: list[RolloutRow],
+                    restarted_rollouts: int, metrics: dict[str, float]) -> bytes:
+    """The JSON of a current-version ``Manifest``, built from plain rollout rows.
+
+    The commit's path: a pydantic model per rollout cost ~3-15 us each (30-150 ms at
+    10k rollouts, while every holder is paused); plain rows and ``json.dumps`` cost a
+    tenth. The rows come from validated captures; ``check_consistency`` runs as it does
+    for a ``Manifest``, and ``Manifest.model_validate_json`` reads the result (tested).
+    """
+    check_consistency(instances, shards, ((r[1], r[0], r[5]) for r in rollouts))
+    fields = tuple(RolloutEntry.model_fields)  # instance_id, rollout_id, ... , shard
+    data = {
+        "format_version": FORMAT_VERSION,
+        "snapshot_id": snapshot_id,
+        "created_at": created_at.isoformat(),
+        "instances": instances,
+        "shards": [s.model_dump() for s in shards],
+        "rollouts": [dict(zip(fields, row, strict=True)) for row in rollouts],
+        "restarted_rollouts": restarted_rollouts,
+        "metrics": metrics,
+    }
+    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
 
 
 def upgrade_v1(data: Any) -> Any:

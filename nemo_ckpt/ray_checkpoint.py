@@ -43,6 +43,7 @@ class RaySnapshot:
         self._begun = begun
         self.check_result: CutCheckResult | None = None
         self._committed: dict[str, float] = {}
+        self._captured: dict[str, dict[EnvironmentEpisode, frozenset[str]]] | None = None
 
     @property
     def restarted_rollouts(self) -> int:
@@ -52,15 +53,17 @@ class RaySnapshot:
     @property
     def captured_rollouts(self) -> int:
         """How many sessions the snapshot holds."""
-        return sum(len(c.captured) for c in self._begun.captures)
+        return sum(c.captured_count for c in self._begun.captures)
 
     def captured(self) -> dict[str, dict[EnvironmentEpisode, frozenset[str]]]:
         """Per instance, each captured episode and the staging keys it references."""
-        return {
-            c.instance_id: {EnvironmentEpisode(rid, att): frozenset(keys)
-                            for rid, att, keys, _turns in c.captured}
-            for c in self._begun.captures
-        }
+        if self._captured is None:  # decoded once, on first use, not on the pause's path
+            self._captured = {
+                c.instance_id: {EnvironmentEpisode(rid, att): frozenset(keys)
+                                for rid, att, keys, _turns in c.captured()}
+                for c in self._begun.captures
+            }
+        return {inst: dict(eps) for inst, eps in self._captured.items()}
 
     def restarting(self) -> dict[str, frozenset[EnvironmentEpisode]]:
         """Per instance, the episodes held mid-turn at the drain deadline."""

@@ -17,7 +17,9 @@ from nemo_ckpt.interfaces import EnvironmentEpisode
 __all__ = ["SessionRecord", "SessionClient", "Turn"]
 
 
-@dataclass(frozen=True)
+# slots: a holder keeps one record per live session; without a __dict__ a record is one
+# 64-byte object instead of an object plus a dict, which pickling (every reply) builds.
+@dataclass(frozen=True, slots=True)
 class SessionRecord:
     """One session: an episode, the turns it has run and the environment's state.
 

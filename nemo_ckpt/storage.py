@@ -292,10 +292,12 @@ def write_shard(
                       sessions=count)
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Commit the snapshot: write ``manifest.json`` durably. Call it after every shard."""
+def write_manifest(directory: Path, manifest: Manifest | bytes) -> None:
+    """Commit the snapshot: write ``manifest.json`` durably. Call it after every shard.
+
+    ``manifest`` is a ``Manifest`` or its JSON from ``encode_manifest``."""
     # Compact: it is written while the holders are paused; `nemo-ckpt inspect` reads it.
-    data = manifest.model_dump_json().encode()
+    data = manifest if isinstance(manifest, bytes) else manifest.model_dump_json().encode()
     _write_durably(directory, MANIFEST_NAME, lambda w: w.write(data))
 
 
@@ -306,13 +308,14 @@ def remove_files(directory: Path, names: Iterable[str]) -> None:
             (directory / name).unlink(missing_ok=True)
 
 
-def remove_unreferenced_files(directory: Path, manifest: Manifest) -> list[str]:
-    """After a commit, remove shards and temp files the committed manifest does not name.
+def remove_unreferenced_files(directory: Path, shard_files: Iterable[str]) -> list[str]:
+    """After a commit, remove shards and temp files other than the committed manifest's
+    ``shard_files``.
 
     They belong to an older snapshot this one replaced, or to an aborted one. Only
     files whose names nemo-ckpt makes are touched. Returns the names removed.
     """
-    keep = {s.file for s in manifest.shards}
+    keep = set(shard_files)
     removed = []
     for entry in directory.iterdir():
         name = entry.name

@@ -122,7 +122,8 @@ async def test_pause_drains_turns_in_flight_before_capture() -> None:
     await finisher
     assert report.turns_in_flight == 0 and report.drain_seconds >= 0.15
     capture = await h.capture("snap-1")
-    assert capture.captured == (("r", 0, ("r/0",), 1),) and capture.restarting == ()
+    assert capture.captured() == [("r", 0, ["r/0"], 1)] and capture.restarting == ()
+    assert capture.captured_count == 1
 
 
 async def test_a_session_mid_turn_at_the_deadline_restarts_and_is_not_captured() -> None:
@@ -133,7 +134,7 @@ async def test_a_session_mid_turn_at_the_deadline_restarts_and_is_not_captured()
     report = await h.pause("snap-1", drain_timeout_s=0.1, lease_s=10)
     assert report.turns_in_flight == 1
     capture = await h.capture("snap-1")
-    assert [c[0] for c in capture.captured] == ["idle"]
+    assert [c[0] for c in capture.captured()] == ["idle"]
     assert capture.restarting == (("busy", 0),)
 
 
@@ -161,6 +162,42 @@ async def test_repeated_phases_are_idempotent_and_stale_ids_refused(tmp_path: Pa
     assert (await h.info()).state is HolderState.RUNNING
     with pytest.raises(StaleSnapshotError, match="already finished"):
         await h.capture("snap-1")
+
+
+async def test_begin_pauses_and_captures_without_writing_until_asked(tmp_path: Path) -> None:
+    h = holder()
+    await h.open_session(Ep("r", 0), b"s")
+    directory = prepare_environment_dir(tmp_path)
+    pause, capture = await h.begin("snap-1", 1, 10, str(directory))
+    assert (pause.turns_in_flight, capture.captured_count) == (0, 1)
+    await asyncio.sleep(0.1)
+    assert list(directory.iterdir()) == []  # the write waits for start_persist
+    await h.start_persist("snap-1")  # into the folder begin named
+    report = await h.finish_persist("snap-1")
+    assert [p.name for p in directory.iterdir()] == [report.shards[0].file]
+    assert [r.episode for r in read_shard(directory, report.shards[0])] == [Ep("r", 0)]
+
+
+async def test_finish_persist_starts_a_write_whose_start_message_never_came(
+    tmp_path: Path,
+) -> None:
+    h = holder()
+    await h.open_session(Ep("r", 0), b"s")
+    directory = prepare_environment_dir(tmp_path)
+    await h.begin("snap-1", 1, 10, str(directory))
+    report = await h.finish_persist("snap-1")
+    assert report.bytes_written > 0 and (directory / report.shards[0].file).is_file()
+    await h.start_persist("snap-1")  # arriving late, it is a no-op
+    assert await h.finish_persist("snap-1") == report
+
+
+async def test_finish_persist_of_a_snapshot_never_begun_is_refused() -> None:
+    h = holder()
+    await h.open_session(Ep("r", 0), b"s")
+    await h.pause("snap-1", 1, 10)
+    with pytest.raises(HolderStateError, match="finish_persist for snapshot snap-1, which "
+                                               "was never begun"):
+        await h.finish_persist("snap-1")
 
 
 async def test_a_lapsed_lease_resumes_the_holder_and_blocks_the_commit(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from nemo_ckpt.manifest import (
     Manifest,
     RolloutEntry,
     ShardEntry,
+    encode_manifest,
     is_plain_file_name,
     shard_file_name,
 )
@@ -237,7 +238,8 @@ def test_commit_removes_an_older_snapshots_shards_but_keeps_its_own(tmp_path: Pa
     write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="old")
     manifest = write_snapshot(tmp_path, {"holder-0": [session("holder-0", "b")]},
                               snapshot_id="new")
-    removed = remove_unreferenced_files(environment_dir(tmp_path), manifest)
+    removed = remove_unreferenced_files(environment_dir(tmp_path),
+                                        [s.file for s in manifest.shards])
     assert removed == [shard_file_name("old", "holder-0")]
     assert [r.episode.rollout_id for r in read_snapshot(tmp_path).sessions["holder-0"]] == ["b"]
 
@@ -415,3 +417,33 @@ def test_a_shard_written_through_short_writes_is_complete_and_verifies(
     monkeypatch.undo()
     assert calls > 40
     assert read_snapshot(tmp_path).sessions["holder-0"] == records
+
+
+def test_a_manifest_encoded_from_plain_rows_reads_back_as_the_same_manifest(
+    snapshot_root: Path,
+) -> None:
+    model = read_manifest(snapshot_root)
+    raw = encode_manifest(
+        snapshot_id=model.snapshot_id, created_at=model.created_at,
+        instances=model.instances, shards=model.shards,
+        rollouts=[(r.instance_id, r.rollout_id, r.attempt, r.turns, r.staging_keys, r.shard)
+                  for r in model.rollouts],
+        restarted_rollouts=model.restarted_rollouts, metrics=model.metrics)
+    write_manifest(environment_dir(snapshot_root), raw)
+    assert read_manifest(snapshot_root) == model
+    assert read_snapshot(snapshot_root).sessions["holder-1"] == [session("holder-1", "c", 1)]
+
+
+def test_encoding_a_manifest_refuses_what_its_model_refuses(snapshot_root: Path) -> None:
+    model = read_manifest(snapshot_root)
+    rows = [(r.instance_id, r.rollout_id, r.attempt, r.turns, r.staging_keys, r.shard)
+            for r in model.rollouts]
+    a = next(r for r in rows if r[1] == "a")
+    c = next(r for r in rows if r[1] == "c")
+    twice = [r if r is not c else (c[0], "a", *c[2:]) for r in rows]
+    for bad_rows, message in ((twice, r"rollouts listed twice: \['a'\]"),
+                              ([r for r in rows if r is not a], "says 2 sessions but 1")):
+        with pytest.raises(ValueError, match=message):
+            encode_manifest(snapshot_id="s", created_at=model.created_at,
+                            instances=model.instances, shards=model.shards, rollouts=bad_rows,
+                            restarted_rollouts=0, metrics={})
