@@ -54,7 +54,8 @@ from nemo_ckpt.phases import (
     PauseReport,
     PersistReport,
     RestorePrepared,
-    encode_captured,
+    encode_captured_session,
+    join_captured,
 )
 from nemo_ckpt.sessions import SessionRecord
 from nemo_ckpt.storage import read_shard, remove_files, write_shard
@@ -105,6 +106,10 @@ class SessionHolder:
         self._max_state_bytes = max_state_bytes
         self._turn_timeout_s = turn_timeout_s
         self._sessions: dict[str, SessionRecord] = {}  # capture key -> session
+        # capture key -> its capture report entry, encoded when the session changes, so
+        # the capture (while every rollout waits) joins bytes instead of encoding.
+        self._capture_rows: dict[str, bytes] = {}
+        self._state_bytes = 0  # over self._sessions
         self._live_rollouts: dict[str, str] = {}  # rollout id -> capture key
         self._turns: dict[str, _Turn] = {}  # capture key -> turn in flight
         self._retired: set[str] = set()  # capture keys whose late turns are refused
@@ -246,7 +251,7 @@ class SessionHolder:
                 earlier_capture_keys=old.earlier_capture_keys,
             )
             self._heap.note(len(record) + len(state))
-            self._sessions[capture_key] = new
+            self._put(new)
             return new
         finally:
             await self._notify_turn_done()
@@ -364,20 +369,19 @@ class SessionHolder:
             return snap.capture_report
         start = time.monotonic()
         # Records are immutable: a shallow copy is a consistent, cheap capture.
-        capture = {k: r for k, r in self._sessions.items() if k not in self._turns}
-        restarting = tuple(
-            (self._sessions[k].episode.rollout_id, self._sessions[k].episode.attempt)
-            for k in self._turns if k in self._sessions)
+        if self._turns:
+            capture = {k: r for k, r in self._sessions.items() if k not in self._turns}
+        else:
+            capture = dict(self._sessions)
+        mid_turn = [self._sessions[k] for k in self._turns if k in self._sessions]
         snap.capture = capture
         snap.capture_report = CaptureReport(
             instance_id=self.instance_id,
-            captured_msgpack=encode_captured(
-                (r.episode.rollout_id, r.episode.attempt, list(r.staging_keys), len(r.turns))
-                for r in capture.values()),
+            captured_msgpack=join_captured([self._capture_rows[k] for k in capture]),
             captured_count=len(capture),
-            restarting=restarting,
+            restarting=tuple((r.episode.rollout_id, r.episode.attempt) for r in mid_turn),
             capture_seconds=time.monotonic() - start,
-            state_bytes=sum(len(r.state) for r in capture.values()),
+            state_bytes=self._state_bytes - sum(len(r.state) for r in mid_turn),
         )
         return snap.capture_report
 
@@ -508,12 +512,23 @@ class SessionHolder:
     # --- internals ------------------------------------------------------------------
 
     def _add(self, record: SessionRecord) -> None:
+        self._put(record)
+        self._live_rollouts[record.episode.rollout_id] = record.episode.capture_key
+
+    def _put(self, record: SessionRecord) -> None:
+        """Store a new or changed session, and its capture report entry."""
         key = record.episode.capture_key
+        old = self._sessions.get(key)
+        self._state_bytes += len(record.state) - (len(old.state) if old else 0)
         self._sessions[key] = record
-        self._live_rollouts[record.episode.rollout_id] = key
+        ep = record.episode
+        self._capture_rows[key] = encode_captured_session(
+            (ep.rollout_id, ep.attempt, sorted(record.staging_keys), len(record.turns)))
 
     def _drop(self, key: str) -> None:
         record = self._sessions.pop(key)
+        del self._capture_rows[key]
+        self._state_bytes -= len(record.state)
         self._live_rollouts.pop(record.episode.rollout_id, None)
 
     def _session(self, capture_key: str) -> SessionRecord:

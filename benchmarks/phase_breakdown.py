@@ -81,7 +81,7 @@ def _instrument() -> Any:
 
     C.CheckpointCoordinator.ensure_holders = timed_ensure  # type: ignore[method-assign]
     for name in ("prepare_environment_dir", "write_manifest", "remove_unreferenced_files",
-                 "read_manifest", "encode_manifest", "_rollout_rows"):
+                 "read_manifest", "encode_manifest", "_encode_rollouts"):
         if hasattr(C, name):
             setattr(C, name, _timed_sync(f"  {name}", getattr(C, name)))
     C.CheckpointCoordinator._alive_node_ids = _timed_sync(  # type: ignore[method-assign]
@@ -121,6 +121,7 @@ async def _cluster_part(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             begun = await coord.begin_snapshot(sid, path)
             t1 = time.perf_counter()
+            await coord.start_writes(sid)  # as the driver does at the yield
             committed = await coord.commit_snapshot(sid, path, {"x": 0.0}, 0)
             t2 = time.perf_counter()
             _record("begin_snapshot (pause, capture; writes started)", t1 - t0)

@@ -15,9 +15,11 @@ default; 1 (still read) carried a bare SHA-256 per shard, read as ``sha256:<hex>
 from __future__ import annotations
 
 import json
+import json.encoder
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, Literal
@@ -36,7 +38,10 @@ __all__ = [
     "is_plain_file_name",
     "upgrade_v1",
     "check_consistency",
+    "check_shards",
+    "encode_rollouts",
     "encode_manifest",
+    "EncodedRollouts",
     "RolloutRow",
     "shard_file_name",
 ]
@@ -124,70 +129,114 @@ class Manifest(_Model):
 
 def check_consistency(instances: Iterable[str], shards: Iterable[ShardEntry],
                       rollouts: Iterable[tuple[str, str, str]]) -> None:
-    """Raise ValueError unless shards and rollouts fit together: no shard or rollout
-    listed twice, every rollout ``(rollout_id, instance_id, shard)`` in a known shard of
-    its own instance, each shard's session count equal to the rollouts naming it, and
-    every shard's instance listed in ``instances``."""
+    """Raise ValueError unless shards and rollouts fit together: no rollout listed twice,
+    and what ``check_shards`` requires. Rollouts are ``(rollout_id, instance_id, shard)``."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+    per_shard: Counter[tuple[str, str]] = Counter()
+    for rollout_id, instance_id, file in rollouts:
+        if rollout_id in seen:
+            twice.add(rollout_id)
+        seen.add(rollout_id)
+        per_shard[(file, instance_id)] += 1
+    if twice:
+        raise ValueError(f"rollouts listed twice: {sorted(twice)}")
+    check_shards(instances, shards, per_shard)
+
+
+def check_shards(instances: Iterable[str], shards: Iterable[ShardEntry],
+                 per_shard: Mapping[tuple[str, str], int]) -> None:
+    """Raise ValueError unless the shards fit the rollouts that name them
+    (``per_shard``: rollouts per ``(shard file, instance_id)``): no shard listed twice,
+    every rollout in a known shard of its own instance, each shard's session count equal
+    to the rollouts naming it, and every shard's instance listed in ``instances``."""
     shards = list(shards)
     files = Counter(s.file for s in shards)
     if dup := sorted(f for f, n in files.items() if n > 1):
         raise ValueError(f"shard files listed twice: {dup}")
     shard_of = {s.file: s for s in shards}
-    seen: set[str] = set()
-    twice: list[str] = []
-    per_shard: Counter[str] = Counter()
-    for rollout_id, instance_id, file in rollouts:
-        if rollout_id in seen:
-            twice.append(rollout_id)
-        seen.add(rollout_id)
+    per_file: Counter[str] = Counter()
+    for (file, instance_id), n in sorted(per_shard.items()):
         shard = shard_of.get(file)
         if shard is None:
-            raise ValueError(f"rollout {rollout_id!r} names unknown shard {file!r}")
+            raise ValueError(f"{n} rollout(s) of {instance_id} name unknown shard {file!r}")
         if shard.instance_id != instance_id:
-            raise ValueError(
-                f"rollout {rollout_id!r} of {instance_id} sits in shard {file!r} "
-                f"of {shard.instance_id}"
-            )
-        per_shard[file] += 1
-    if twice:
-        raise ValueError(f"rollouts listed twice: {sorted(set(twice))}")
+            raise ValueError(f"{n} rollout(s) of {instance_id} sit in shard {file!r} "
+                             f"of {shard.instance_id}")
+        per_file[file] += n
     for s in shards:
-        if s.sessions != per_shard[s.file]:
-            raise ValueError(
-                f"shard {s.file!r} says {s.sessions} sessions but {per_shard[s.file]} "
-                f"rollouts name it"
-            )
+        if s.sessions != per_file[s.file]:
+            raise ValueError(f"shard {s.file!r} says {s.sessions} sessions but "
+                             f"{per_file[s.file]} rollouts name it")
     if missing := sorted({s.instance_id for s in shards} - set(instances)):
         raise ValueError(f"shards of instances not listed in instances: {missing}")
 
+
+_esc = json.encoder.encode_basestring_ascii  # a JSON string literal, escaped, in C
 
 # (instance_id, rollout_id, attempt, turns, sorted staging_keys, shard) of one rollout.
 RolloutRow = tuple[str, str, int, int, list[str], str]
 
 
-def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[str],
-                    shards: list[ShardEntry], rollouts: list[RolloutRow],
-                    restarted_rollouts: int, metrics: dict[str, float]) -> bytes:
-    """The JSON of a current-version ``Manifest``, built from plain rollout rows.
+@dataclass(frozen=True)
+class EncodedRollouts:
+    """A manifest's rollouts, JSON-encoded ahead of the commit (``encode_rollouts``)."""
 
-    The commit's path: a pydantic model per rollout cost ~3-15 us each (30-150 ms at
-    10k rollouts, while every holder is paused); plain rows and ``json.dumps`` cost a
-    tenth. The rows come from validated captures; ``check_consistency`` runs as it does
-    for a ``Manifest``, and ``Manifest.model_validate_json`` reads the result (tested).
+    json: bytes  # the JSON array of the rollout objects
+    count: int
+    per_shard: dict[tuple[str, str], int]  # (shard file, instance_id) -> rollouts
+
+
+def encode_rollouts(rollouts: list[RolloutRow]) -> EncodedRollouts:
+    """Encode the manifest's rollouts from plain rows; ValueError on a rollout listed
+    twice (captured by two instances).
+
+    The commit's slow part, done while the shards are still being written: a pydantic
+    model per rollout cost ~3-15 us each (30-150 ms at 10k rollouts, every holder
+    paused); plain rows and ``json.dumps`` cost a tenth, off the pause's critical path.
     """
-    check_consistency(instances, shards, ((r[1], r[0], r[5]) for r in rollouts))
-    fields = tuple(RolloutEntry.model_fields)  # instance_id, rollout_id, ... , shard
-    data = {
+    ids = [r[1] for r in rollouts]
+    if len(set(ids)) != len(ids):
+        twice = sorted(i for i, n in Counter(ids).items() if n > 1)
+        raise ValueError(
+            f"rollouts listed twice: {twice}: each was captured by more than one "
+            f"instance, so the same rollout runs on two holders; retire the extra "
+            f"attempt, and check snapshots against the data-plane cut, which names them")
+    # One f-string per row with C-escaped strings: a dict per row through json.dumps
+    # took 2-3x longer. The field names are RolloutEntry's (a round-trip test holds it).
+    text = ",".join([
+        f'{{"instance_id":{_esc(inst)},"rollout_id":{_esc(rid)},"attempt":{attempt:d},'
+        f'"turns":{turns:d},"staging_keys":[{",".join(map(_esc, keys))}],'
+        f'"shard":{_esc(shard)}}}'
+        for inst, rid, attempt, turns, keys, shard in rollouts])
+    return EncodedRollouts(
+        json=f"[{text}]".encode(), count=len(rollouts),
+        per_shard=dict(Counter((r[5], r[0]) for r in rollouts)))
+
+
+def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[str],
+                    shards: list[ShardEntry], rollouts: EncodedRollouts,
+                    restarted_rollouts: int, metrics: dict[str, float]) -> bytes:
+    """The JSON of a current-version ``Manifest`` around rollouts encoded beforehand.
+
+    ``check_shards`` runs as it does for a ``Manifest`` (the rows were checked for
+    duplicates when encoded), and ``Manifest.model_validate_json`` reads the result
+    (tested).
+    """
+    check_shards(instances, shards, rollouts.per_shard)
+    head = json.dumps({
         "format_version": FORMAT_VERSION,
         "snapshot_id": snapshot_id,
         "created_at": created_at.isoformat(),
         "instances": instances,
         "shards": [s.model_dump() for s in shards],
-        "rollouts": [dict(zip(fields, row, strict=True)) for row in rollouts],
         "restarted_rollouts": restarted_rollouts,
         "metrics": metrics,
-    }
-    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
+        "rollouts": None,
+    }, separators=(",", ":"), allow_nan=False).encode()
+    tail = b'"rollouts":null}'
+    assert head.endswith(tail)
+    return head[:-len(tail)] + b'"rollouts":' + rollouts.json + b"}"
 
 
 def upgrade_v1(data: Any) -> Any:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -34,7 +33,8 @@ __all__ = [
     "PauseReport",
     "CaptureReport",
     "CapturedSession",
-    "encode_captured",
+    "encode_captured_session",
+    "join_captured",
     "PersistReport",
     "RestorePrepared",
     "new_operation_id",
@@ -88,9 +88,15 @@ class PauseReport:
 CapturedSession = tuple[str, int, list[str], int]
 
 
-def encode_captured(sessions: Iterable[CapturedSession]) -> bytes:
-    """``CaptureReport.captured_msgpack`` of these sessions."""
-    return msgpack.packb(list(sessions), use_bin_type=True)
+def encode_captured_session(session: CapturedSession) -> bytes:
+    """One session's part of ``captured_msgpack``: holders keep it ready per session, so
+    that the capture, while paused, only joins bytes."""
+    return msgpack.packb(session, use_bin_type=True)
+
+
+def join_captured(encoded: list[bytes]) -> bytes:
+    """``captured_msgpack`` from sessions encoded by ``encode_captured_session``."""
+    return msgpack.Packer().pack_array_header(len(encoded)) + b"".join(encoded)
 
 
 @dataclass(frozen=True)

@@ -231,6 +231,8 @@ class RayEnvironmentCheckpoint:
             begun = await self._call(coord.begin_snapshot.remote(snapshot_id, path),
                                      "snapshot")
             snap = RaySnapshot(begun)
+            # Not awaited, and it never raises: the writes overlap the caller's block.
+            coord.start_writes.remote(snapshot_id)
             async with self._renewing(snapshot_id):
                 try:
                     yield snap if snap.captured_rollouts or snap.restarted_rollouts else None

@@ -239,6 +239,22 @@ async def test_a_mismatch_aborts_the_snapshot_and_keeps_the_previous_one(
     assert [s.episode.rollout_id for s in read_snapshot(path).sessions["holder-0"]] == ["a"]
 
 
+async def test_a_rollout_held_by_two_instances_never_commits_even_unchecked(
+    ckpt: Any, tmp_path: Path
+) -> None:
+    # Without check_against_cut nothing names the duplicate before the commit, but a
+    # manifest listing one rollout twice could never be restored: the commit refuses it.
+    await play(await client(ckpt, "holder-0"), Ep("twice", 0), 1)
+    await play(await client(ckpt, "holder-1"), Ep("twice", 0), 1)
+    path = tmp_path / "dup"
+    with pytest.raises(ValueError, match=r"rollouts listed twice: \['twice'\]: each was "
+                                         r"captured by more than one instance"):
+        async with ckpt.snapshot(path):
+            pass
+    assert set((await states(ckpt)).values()) == {HolderState.RUNNING}
+    assert list(environment_dir(path).iterdir()) == []
+
+
 async def test_a_snapshot_into_an_occupied_folder_replaces_it_atomically(
     ckpt: Any, tmp_path: Path
 ) -> None:

@@ -164,6 +164,24 @@ async def test_repeated_phases_are_idempotent_and_stale_ids_refused(tmp_path: Pa
         await h.capture("snap-1")
 
 
+async def test_the_capture_reports_each_sessions_latest_turns_keys_and_state() -> None:
+    h = holder()
+    await h.open_session(Ep("a", 0), b"12345")
+    await h.open_session(Ep("b", 1), b"1")
+    await h.open_session(Ep("gone", 0), b"x" * 100)
+    await run_turn(h, Ep("a", 0), b"t0", b"123", ("a/0",))
+    await run_turn(h, Ep("a", 0), b"t1", b"1234567", ("a/1", "a/0b"))
+    await h.retire([Ep("gone", 0)])
+    await h.open_session(Ep("busy", 0), b"y" * 50)
+    await h.begin_turn("busy")
+    await h.pause("snap-1", drain_timeout_s=0.05, lease_s=10)
+    capture = await h.capture("snap-1")
+    assert sorted(capture.captured()) == [("a", 0, ["a/0", "a/0b", "a/1"], 2),
+                                          ("b", 1, [], 0)]
+    assert (capture.captured_count, capture.state_bytes) == (2, 7 + 1)
+    assert capture.restarting == (("busy", 0),)
+
+
 async def test_begin_pauses_and_captures_without_writing_until_asked(tmp_path: Path) -> None:
     h = holder()
     await h.open_session(Ep("r", 0), b"s")

@@ -29,6 +29,7 @@ from nemo_ckpt.manifest import (
     RolloutEntry,
     ShardEntry,
     encode_manifest,
+    encode_rollouts,
     is_plain_file_name,
     shard_file_name,
 )
@@ -371,7 +372,7 @@ def test_manifest_model_refuses_a_rollout_in_another_instances_shard() -> None:
     shard = ShardEntry(file="s.msgpack", bytes=1, content_hash="xxh3-128:" + "0" * 32,
                        instance_id="holder-0",
                        sessions=1)
-    with pytest.raises(ValueError, match="sits in shard"):
+    with pytest.raises(ValueError, match="1 rollout.s. of holder-1 sit in shard"):
         Manifest(format_version=2, snapshot_id="x", created_at=datetime.now(timezone.utc),
                  instances=["holder-0", "holder-1"], shards=[shard],
                  rollouts=[RolloutEntry(instance_id="holder-1", rollout_id="r", attempt=0,
@@ -423,11 +424,12 @@ def test_a_manifest_encoded_from_plain_rows_reads_back_as_the_same_manifest(
     snapshot_root: Path,
 ) -> None:
     model = read_manifest(snapshot_root)
+    rollouts = encode_rollouts(
+        [(r.instance_id, r.rollout_id, r.attempt, r.turns, r.staging_keys, r.shard)
+         for r in model.rollouts])
     raw = encode_manifest(
         snapshot_id=model.snapshot_id, created_at=model.created_at,
-        instances=model.instances, shards=model.shards,
-        rollouts=[(r.instance_id, r.rollout_id, r.attempt, r.turns, r.staging_keys, r.shard)
-                  for r in model.rollouts],
+        instances=model.instances, shards=model.shards, rollouts=rollouts,
         restarted_rollouts=model.restarted_rollouts, metrics=model.metrics)
     write_manifest(environment_dir(snapshot_root), raw)
     assert read_manifest(snapshot_root) == model
@@ -440,10 +442,32 @@ def test_encoding_a_manifest_refuses_what_its_model_refuses(snapshot_root: Path)
             for r in model.rollouts]
     a = next(r for r in rows if r[1] == "a")
     c = next(r for r in rows if r[1] == "c")
-    twice = [r if r is not c else (c[0], "a", *c[2:]) for r in rows]
-    for bad_rows, message in ((twice, r"rollouts listed twice: \['a'\]"),
-                              ([r for r in rows if r is not a], "says 2 sessions but 1")):
+    with pytest.raises(ValueError, match=r"rollouts listed twice: \['a'\]: each was "
+                                         r"captured by more than one instance"):
+        encode_rollouts([r if r is not c else (c[0], "a", *c[2:]) for r in rows])
+    elsewhere = (c[0], c[1], c[2], c[3], c[4], a[5])  # holder-1's rollout in holder-0's shard
+    for bad_rows, message in (([r for r in rows if r is not a], "says 2 sessions but 1"),
+                              ([r if r is not c else elsewhere for r in rows],
+                               "rollout.s. of holder-1 sit in shard .* of holder-0")):
         with pytest.raises(ValueError, match=message):
             encode_manifest(snapshot_id="s", created_at=model.created_at,
-                            instances=model.instances, shards=model.shards, rollouts=bad_rows,
-                            restarted_rollouts=0, metrics={})
+                            instances=model.instances, shards=model.shards,
+                            rollouts=encode_rollouts(bad_rows), restarted_rollouts=0,
+                            metrics={})
+
+
+def test_encoded_rollouts_escape_every_string_as_json(tmp_path: Path) -> None:
+    odd = ['quo"te', "back\\slash", "new\nline", "ünï\u2028cødé", "tab\t/slash"]
+    records = [session("holder-0", rid, state=b"x") for rid in odd]
+    manifest = write_snapshot(tmp_path, {"holder-0": records})
+    rollouts = encode_rollouts(
+        [(r.instance_id, r.rollout_id, r.attempt, r.turns, r.staging_keys, r.shard)
+         for r in manifest.rollouts])
+    write_manifest(environment_dir(tmp_path), encode_manifest(
+        snapshot_id=manifest.snapshot_id, created_at=manifest.created_at,
+        instances=manifest.instances, shards=manifest.shards, rollouts=rollouts,
+        restarted_rollouts=0, metrics=manifest.metrics))
+    loaded = read_snapshot(tmp_path)
+    assert [r.rollout_id for r in loaded.manifest.rollouts] == odd
+    assert loaded.manifest.rollouts[0].staging_keys == ['quo"te/row0', 'quo"te/row1']
+    assert loaded.sessions["holder-0"] == records
