@@ -74,6 +74,10 @@ _TMP_MARK = ".tmp-"
 # states) go to the kernel by reference, without a copy. Per-piece write syscalls cost
 # a third of the write's time at 64 KiB states.
 _WRITE_BATCH = 4 << 20
+# ...but copies of small pieces are written once they reach this much: they are memory
+# the snapshot adds on top of the sessions (4 MiB of them was 1.6x the state of a holder
+# of 2,500 1 KiB sessions).
+_COPIED_BATCH = 256 << 10
 _DIRECT_WRITE = 16 << 10
 _SMALL_PIECE_BUFFER = 256 << 10
 _MAX_IOV = 512  # well under every platform's IOV_MAX (1024 on Linux)
@@ -119,6 +123,7 @@ class _HashingWriter:
         self._small = bytearray()
         self._batch: list[bytes | bytearray | memoryview] = []
         self._batch_bytes = 0
+        self._copied_bytes = 0  # of _batch, in copies of small pieces
         self.hash = content_hasher()
         self.length = 0
 
@@ -134,13 +139,15 @@ class _HashingWriter:
             self._small += data
             if len(self._small) >= _SMALL_PIECE_BUFFER:
                 self._seal_small()
-        if self._batch_bytes >= _WRITE_BATCH or len(self._batch) >= _MAX_IOV:
+        if self._batch_bytes >= _WRITE_BATCH or len(self._batch) >= _MAX_IOV \
+                or self._copied_bytes >= _COPIED_BATCH:
             self._flush()
 
     def _seal_small(self) -> None:
         if self._small:
             self._batch.append(self._small)
             self._batch_bytes += len(self._small)
+            self._copied_bytes += len(self._small)
             self._small = bytearray()
 
     def _flush(self) -> None:
@@ -150,6 +157,7 @@ class _HashingWriter:
         _writev_all(self._fd, self._batch)
         self._batch = []
         self._batch_bytes = 0
+        self._copied_bytes = 0
 
     def close(self) -> None:
         """Write what is still queued."""
