@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -146,6 +147,7 @@ async def _cluster_part(args: argparse.Namespace) -> None:
             await coord_r.forget([EnvironmentEpisode(rid_, att).next_attempt()
                                   for _i, rid_, att in prepared.continued_attempts])
         await _entry_split(cfg.namespace, instances, args.repeats, work)
+        await _restore_split(cfg, work / f"s{args.repeats % 2}", args.repeats)
         print(f"median of {args.repeats} (ms), min-max:")
         for key, vals in _timings.items():
             print(f"  {key:<62} {statistics.median(vals):9.1f}   "
@@ -189,6 +191,66 @@ async def _entry_split(namespace: str, instances: list[str], repeats: int,
         await asyncio.gather(*(h.finish_persist.remote(sid) for h in handles))
         await asyncio.gather(*(h.resume.remote(sid) for h in handles))
         shutil.rmtree(work / f"split-{r}", ignore_errors=True)
+
+
+async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
+    """A restore's read against the disk: the holders' ``prepare_restore`` called
+    directly (no coordinator), with the shards evicted from the page cache or warm, into
+    fresh holders or ones that restored before; and the same shards read by one process
+    each at once, bare or through ``read_shard``, without Ray."""
+    import ray
+
+    from nemo_ckpt import RayEnvironmentCheckpoint
+    from nemo_ckpt.config import HOLDER_NAME_PREFIX
+    from nemo_ckpt.phases import new_operation_id
+    from nemo_ckpt.storage import environment_dir, read_manifest
+
+    manifest = read_manifest(path)
+    directory = environment_dir(path)
+    shards = [directory / s.file for s in manifest.shards]
+    for r in range(repeats):
+        ckpt = RayEnvironmentCheckpoint(
+            cfg.model_copy(update={"namespace": f"{cfg.namespace}-split-{r}"}))
+        try:
+            handles = {i.instance_id: ray.get_actor(HOLDER_NAME_PREFIX + i.instance_id,
+                                                    namespace=ckpt.config.namespace)
+                       for i in await ckpt.ensure_holders()}
+            for k, warm in enumerate((False, False, True)):
+                if not warm:
+                    sb.evict_from_page_cache(shards)
+                rid = new_operation_id("restore")
+                t0 = time.perf_counter()
+                await asyncio.gather(*(h.prepare_restore.remote(
+                    rid, str(directory), [s for s in manifest.shards if s.instance_id == i],
+                    120.0) for i, h in handles.items()))
+                label = "fresh holders" if k == 0 else "same holders"
+                _record(f"direct: holders' prepare_restore, {label}, "
+                        f"{'warm' if warm else 'evicted'}", time.perf_counter() - t0)
+                await asyncio.gather(*(h.abort_restore.remote(rid) for h in handles.values()))
+        finally:
+            ckpt.shutdown()
+        with concurrent.futures.ProcessPoolExecutor(len(shards)) as pool:
+            list(pool.map(_read_in_process, [("nothing", "", None)] * len(shards)))
+            for how in ("bare read", "read_shard"):
+                sb.evict_from_page_cache(shards)
+                t0 = time.perf_counter()
+                list(pool.map(_read_in_process, [(how, str(directory), e)
+                                                 for e in manifest.shards]))
+                _record(f"no Ray: one process per shard, {how}, evicted",
+                        time.perf_counter() - t0)
+
+
+def _read_in_process(job: tuple[str, str, Any]) -> None:
+    how, directory, entry = job
+    from nemo_ckpt.storage import read_shard
+
+    if how == "nothing":  # starts the pool's processes before the clock
+        return
+    if how == "bare read":
+        with open(Path(directory) / entry.file, "rb") as f:
+            f.read()
+    else:
+        read_shard(Path(directory), entry)
 
 
 def _persist_seconds(committed: Any) -> float:
