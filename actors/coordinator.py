@@ -246,8 +246,11 @@ class CheckpointCoordinator:
                 bytes_written=float(sum(p.bytes_written for p in persists)),
             )
             encoding = self._rollouts.get(snapshot_id)
-            rollouts = await (encoding if encoding is not None else asyncio.to_thread(
-                _encode_rollouts, snapshot_id, self._captures.get(snapshot_id, ())))
+            if encoding is None:  # start_writes has not arrived (and now changes nothing)
+                encoding = self._rollouts[snapshot_id] = asyncio.ensure_future(
+                    asyncio.to_thread(_encode_rollouts, snapshot_id,
+                                      self._captures.get(snapshot_id, ())))
+            rollouts = await encoding
             await asyncio.to_thread(write_manifest, directory, encode_manifest(
                 snapshot_id=snapshot_id, created_at=datetime.now(timezone.utc),
                 instances=instances, shards=shards, rollouts=rollouts,
