@@ -38,6 +38,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors import metrics
+from actors.heap import freeze_startup_objects
 from actors.session_holder import SessionHolderActor
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.errors import (
@@ -112,6 +113,8 @@ class CheckpointCoordinator:
 
     def __init__(self, config: CheckpointConfig) -> None:
         self._config = config
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            freeze_startup_objects()  # in its own actor process only, not in a driver
         self._holders: dict[str, Any] = {}  # instance id -> actor handle
         self._holder_nodes: dict[str, str] = {}  # instance id -> node id
         self._ops: dict[str, list[str]] = {}  # snapshot/restore id -> instances taking part

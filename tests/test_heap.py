@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import pickle
 from typing import Any
 
@@ -212,3 +213,31 @@ async def test_session_records_travel_through_ray_calls(ckpt: Any, namespace: st
     assert (opened.state, got.turns, got.state, got.staging_keys) == (
         b"s0", (b"t0",), b"s1", frozenset({"slotted/0"}))
     assert turn.session == got
+
+
+# --- the coordinator's process: startup objects out of the collector's scans ---------------
+
+
+def test_freezing_startup_objects_takes_them_out_of_every_collection() -> None:
+    import subprocess
+    import sys
+
+    code = ("import gc, json; from actors.heap import freeze_startup_objects; "
+            "before = gc.get_freeze_count(); freeze_startup_objects(); "
+            "print(json.dumps([before, gc.get_freeze_count(), gc.get_count()[2]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    before, after, gen2 = json.loads(out)
+    assert before == 0 and after > 1000 and gen2 == 0
+
+
+async def test_a_coordinator_in_a_driver_process_leaves_the_drivers_objects_alone(
+    ckpt: Any,
+) -> None:
+    import gc
+
+    from actors.coordinator import CheckpointCoordinator
+
+    before = gc.get_freeze_count()
+    CheckpointCoordinator(ckpt.config)
+    assert gc.get_freeze_count() == before
