@@ -22,7 +22,13 @@ from nemo_ckpt.manifest import shard_file_name
 from nemo_ckpt.storage import environment_dir, read_snapshot, write_shard
 from nemo_ckpt.testing import StaticCut
 from tests.conftest import alive_node_ids
-from tests.test_storage import edit_manifest, manifest_path, session, write_snapshot
+from tests.test_storage import (
+    edit_manifest,
+    flip_middle_byte,
+    manifest_path,
+    session,
+    write_snapshot,
+)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -38,12 +44,6 @@ def words(text: str) -> list[list[str]]:
 
 def shard(root: Path, instance: str, snapshot_id: str = "snap-1") -> Path:
     return environment_dir(root) / shard_file_name(snapshot_id, instance)
-
-
-def flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def escape_first_shard(data: dict[str, Any]) -> None:
@@ -168,7 +168,7 @@ def test_inspect_of_an_empty_snapshot_says_it_has_no_shards(
 def test_inspect_reads_only_the_manifest_so_a_damaged_snapshot_can_still_be_inspected(
     snap_a: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    flip_a_byte(shard(snap_a, "holder-0"))
+    flip_middle_byte(shard(snap_a, "holder-0"))
     shard(snap_a, "holder-1").unlink()
     code, out, _ = run(capsys, "inspect", str(snap_a))
     assert code == 0
@@ -225,7 +225,7 @@ def test_verify_reports_every_damaged_shard_not_only_the_first(
 ) -> None:
     root = tmp_path / "ckpt"
     write_snapshot(root, {f"holder-{i}": [session(f"holder-{i}", f"r{i}")] for i in range(4)})
-    flip_a_byte(shard(root, "holder-0"))
+    flip_middle_byte(shard(root, "holder-0"))
     shard(root, "holder-1").unlink()
     truncated = shard(root, "holder-3")
     truncated.write_bytes(truncated.read_bytes()[:-3])
@@ -298,7 +298,7 @@ def test_verify_of_an_unreadable_manifest_is_one_line_on_stderr_and_exit_1(
 
 @pytest.mark.parametrize("damage", [
     lambda root: None,
-    lambda root: flip_a_byte(shard(root, "holder-0")),
+    lambda root: flip_middle_byte(shard(root, "holder-0")),
     lambda root: shard(root, "holder-1").unlink(),
     lambda root: shard(root, "holder-0").write_bytes(b""),
     lambda root: edit_manifest(root, lambda d: d.update(format_version=3)),
@@ -404,7 +404,7 @@ def test_the_installed_console_script_and_python_m_run_the_cli(
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["snapshot_id"] == "snap-1"
 
-    flip_a_byte(shard(snap_a, "holder-1"))
+    flip_middle_byte(shard(snap_a, "holder-1"))
     done = subprocess.run([sys.executable, "-m", "nemo_ckpt", "verify", str(snap_a)],
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 1

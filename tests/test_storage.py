@@ -145,6 +145,13 @@ def test_shard_entry_records_the_files_true_length_and_hash(snapshot_root: Path)
         assert entry.content_hash == f"xxh3-128:{xxhash.xxh3_128(data).hexdigest()}"
 
 
+def flip_middle_byte(p: Path) -> Path:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+    return p
+
+
 def as_format_1(root: Path) -> None:
     """Rewrite a snapshot's manifest as format 1 wrote it: a bare SHA-256 per shard."""
     def downgrade(d: dict) -> None:  # type: ignore[type-arg]
@@ -165,10 +172,7 @@ def test_a_format_1_snapshot_with_sha256_hashes_is_still_read_and_verified(
     assert loaded.manifest.format_version == 1
     assert loaded.sessions["holder-1"] == [session("holder-1", "c", 1)]
     assert all(s.content_hash.startswith("sha256:") for s in loaded.manifest.shards)
-    p = shard_path(snapshot_root)
-    data = bytearray(p.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    p.write_bytes(bytes(data))
+    p = flip_middle_byte(shard_path(snapshot_root))
     assert_refused(snapshot_root, ShardCorruptedError, str(p), "sha256")
 
 
@@ -320,10 +324,7 @@ def test_a_deleted_shard_is_a_torn_snapshot(snapshot_root: Path) -> None:
 
 
 def test_a_flipped_byte_is_caught_by_the_hash(snapshot_root: Path) -> None:
-    p = shard_path(snapshot_root)
-    data = bytearray(p.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    p.write_bytes(bytes(data))
+    p = flip_middle_byte(shard_path(snapshot_root))
     assert_refused(snapshot_root, ShardCorruptedError, str(p), "xxh3-128")
 
 
