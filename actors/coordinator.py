@@ -216,11 +216,20 @@ class CheckpointCoordinator:
         done = asyncio.ensure_future(asyncio.gather(*refs, return_exceptions=True))
         self._background.add(done)
         done.add_done_callback(self._background.discard)
-        encoding = asyncio.ensure_future(asyncio.to_thread(
-            _encode_rollouts, snapshot_id, self._captures.get(snapshot_id, ())))
-        # Its error is raised by the commit's await; an aborted snapshot never awaits it.
-        encoding.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._rollouts[snapshot_id] = encoding
+        self._encoding(snapshot_id)
+
+    def _encoding(self, snapshot_id: str) -> asyncio.Future[EncodedRollouts]:
+        """The encoding of the snapshot's rollouts, started on first use: by
+        ``start_writes``, or by a commit that came first (then start_writes does
+        nothing)."""
+        encoding = self._rollouts.get(snapshot_id)
+        if encoding is None:
+            encoding = asyncio.ensure_future(asyncio.to_thread(
+                _encode_rollouts, snapshot_id, self._captures.get(snapshot_id, ())))
+            # Its error is raised by the commit's await; an aborted snapshot never awaits.
+            encoding.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._rollouts[snapshot_id] = encoding
+        return encoding
 
     async def renew(self, operation_id: str) -> None:
         """Renew the lease of every holder taking part in the operation."""
@@ -248,12 +257,7 @@ class CheckpointCoordinator:
                 persist_seconds=max((p.persist_seconds for p in persists), default=0.0),
                 bytes_written=float(sum(p.bytes_written for p in persists)),
             )
-            encoding = self._rollouts.get(snapshot_id)
-            if encoding is None:  # start_writes has not arrived (and now changes nothing)
-                encoding = self._rollouts[snapshot_id] = asyncio.ensure_future(
-                    asyncio.to_thread(_encode_rollouts, snapshot_id,
-                                      self._captures.get(snapshot_id, ())))
-            rollouts = await encoding
+            rollouts = await self._encoding(snapshot_id)
             await asyncio.to_thread(write_manifest, directory, encode_manifest(
                 snapshot_id=snapshot_id, created_at=datetime.now(timezone.utc),
                 instances=instances, shards=shards, rollouts=rollouts,
