@@ -1,6 +1,8 @@
 """The checkpoint coordinator: one named actor that fans every phase out to the holders.
 
-It keeps no state between snapshots that a restart would lose: holders are found by
+It reaches the holders only through its ``Transport`` (``nemo_ckpt.transport``), so
+the same code runs as a Ray actor (``actors.ray_transport``) and in the simulation. It
+keeps no state between snapshots that a restart would lose: holders are found by
 name in the namespace, and a snapshot in progress when it dies is abandoned (the
 holders resume by their lease). Every fan-out runs concurrently, each call under a
 deadline; a holder that dies or misses its deadline surfaces as
@@ -27,20 +29,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from actors import metrics
-from actors.heap import freeze_startup_objects
-from actors.session_holder import SessionHolderActor
-from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
+from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     RestoreConflictError,
@@ -68,9 +62,9 @@ from nemo_ckpt.storage import (
     remove_unreferenced_files,
     write_manifest,
 )
+from nemo_ckpt.transport import Actor, Transport
 
-__all__ = ["CheckpointCoordinator", "CheckpointCoordinatorActor", "SnapshotBegun",
-           "SnapshotCommitted", "RestoreBegun"]
+__all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "RestoreBegun"]
 
 log = logging.getLogger("nemo_ckpt.coordinator")
 T = TypeVar("T")
@@ -111,11 +105,13 @@ class RestoreBegun:
 class CheckpointCoordinator:
     """Fans pause, snapshot and restore out to the session holders."""
 
-    def __init__(self, config: CheckpointConfig) -> None:
+    def __init__(self, config: CheckpointConfig, transport: Transport) -> None:
         self._config = config
-        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-            freeze_startup_objects()  # in its own actor process only, not in a driver
-        self._holders: dict[str, Any] = {}  # instance id -> actor handle
+        self._transport = transport
+        self._runtime = transport.runtime
+        self._clock = transport.runtime.clock
+        self._metrics = transport.runtime.metrics
+        self._holders: dict[str, Actor] = {}  # instance id -> actor handle
         self._holder_nodes: dict[str, str] = {}  # instance id -> node id
         self._ops: dict[str, list[str]] = {}  # snapshot/restore id -> instances taking part
         self._started: dict[str, float] = {}  # snapshot/restore id -> monotonic start
@@ -160,9 +156,9 @@ class CheckpointCoordinator:
         or ``error: ...``."""
         await self.ensure_holders()
         results = await asyncio.gather(
-            *(self._call(inst, "probe_storage", h.probe_storage.remote(root),
-                         self._config.phase_timeout_s)
-              for inst, h in self._holders.items()),
+            *(self._transport.call(h, "probe_storage", root,
+                                   timeout=self._config.phase_timeout_s)
+              for h in self._holders.values()),
             return_exceptions=True)
         return {inst: (r if isinstance(r, str) else f"error: {r}")
                 for inst, r in zip(self._holders, results, strict=True)}
@@ -179,17 +175,18 @@ class CheckpointCoordinator:
         earlier, four writers on a shared machine slowed the answer by ~5 ms.
         ``finish_persist`` starts any write whose start message has not arrived.
         """
-        start = time.monotonic()
+        start = self._clock.monotonic()
         self._started[snapshot_id] = start
         instances = await self._known_holders()
         self._ops[snapshot_id] = instances
         cfg = self._config
         try:
-            directory = await asyncio.to_thread(prepare_environment_dir, checkpoint_path)
+            directory = await self._runtime.run_blocking(prepare_environment_dir, checkpoint_path)
             begun = await self._fan(
                 instances, "pause_capture",
-                lambda h: h.begin.remote(snapshot_id, cfg.drain_timeout_s, cfg.lease_s,
-                                         str(directory)),
+                lambda h: self._transport.call(
+                    h, "begin", snapshot_id, cfg.drain_timeout_s, cfg.lease_s, str(directory),
+                    timeout=cfg.drain_timeout_s + cfg.phase_timeout_s),
                 cfg.drain_timeout_s + cfg.phase_timeout_s, op_id=snapshot_id)
         except BaseException as exc:
             self._count_failure("snapshot", exc)
@@ -202,7 +199,7 @@ class CheckpointCoordinator:
         return SnapshotBegun(
             snapshot_id=snapshot_id, instances=tuple(instances),
             pauses=tuple(p for p, _ in begun), captures=captures,
-            entry_seconds=time.monotonic() - start)
+            entry_seconds=self._clock.monotonic() - start)
 
     async def start_writes(self, snapshot_id: str) -> None:
         """Start every holder's write of the snapshot, and encode the manifest's
@@ -211,7 +208,7 @@ class CheckpointCoordinator:
         instances = self._ops.get(snapshot_id)
         if instances is None or snapshot_id in self._rollouts:
             return
-        refs = [self._holders[i].start_persist.remote(snapshot_id)
+        refs = [self._transport.call(self._holders[i], "start_persist", snapshot_id)
                 for i in instances if i in self._holders]
         done = asyncio.ensure_future(asyncio.gather(*refs, return_exceptions=True))
         self._background.add(done)
@@ -224,7 +221,7 @@ class CheckpointCoordinator:
         nothing)."""
         encoding = self._rollouts.get(snapshot_id)
         if encoding is None:
-            encoding = asyncio.ensure_future(asyncio.to_thread(
+            encoding = asyncio.ensure_future(self._runtime.run_blocking(
                 _encode_rollouts, snapshot_id, self._captures.get(snapshot_id, ())))
             # Its error is raised by the commit's await; an aborted snapshot never awaits.
             encoding.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -239,7 +236,9 @@ class CheckpointCoordinator:
                 f"coordinator knows no operation {operation_id}; it was restarted, so the "
                 f"holders resume by their lease; retry")
         await self._fan(instances, "renew_lease",
-                        lambda h: h.renew_lease.remote(operation_id, self._config.lease_s),
+                        lambda h: self._transport.call(
+                            h, "renew_lease", operation_id, self._config.lease_s,
+                            timeout=self._config.phase_timeout_s),
                         self._config.phase_timeout_s)
 
     async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
@@ -249,7 +248,9 @@ class CheckpointCoordinator:
         directory = environment_dir(checkpoint_path)
         try:
             persists = await self._fan(
-                instances, "finish_persist", lambda h: h.finish_persist.remote(snapshot_id),
+                instances, "finish_persist",
+                lambda h: self._transport.call(h, "finish_persist", snapshot_id,
+                                               timeout=self._config.persist_timeout_s),
                 self._config.persist_timeout_s, op_id=snapshot_id)
             shards: list[ShardEntry] = [s for p in persists for s in p.shards]
             all_metrics = dict(metrics)
@@ -258,8 +259,9 @@ class CheckpointCoordinator:
                 bytes_written=float(sum(p.bytes_written for p in persists)),
             )
             rollouts = await self._encoding(snapshot_id)
-            await asyncio.to_thread(write_manifest, directory, encode_manifest(
-                snapshot_id=snapshot_id, created_at=datetime.now(timezone.utc),
+            await self._runtime.run_blocking(write_manifest, directory, encode_manifest(
+                snapshot_id=snapshot_id,
+                created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
                 instances=instances, shards=shards, rollouts=rollouts,
                 restarted_rollouts=restarted, metrics=all_metrics))
             captured = rollouts.count
@@ -270,7 +272,7 @@ class CheckpointCoordinator:
         # Committed: resume first; the older snapshots' files are garbage from here on
         # and their removal must not lengthen the pause.
         await self._resume_all(snapshot_id, instances)
-        removed = await asyncio.to_thread(remove_unreferenced_files, directory,
+        removed = await self._runtime.run_blocking(remove_unreferenced_files, directory,
                                           [s.file for s in shards])
         self._record_commit(snapshot_id, all_metrics, captured, restarted)
         return SnapshotCommitted(metrics=all_metrics, rollouts=captured,
@@ -293,14 +295,14 @@ class CheckpointCoordinator:
             instances = sorted(self._holders, key=instance_sort_key)
         self._started.pop(snapshot_id, None)
         await self._resume_all(snapshot_id, instances)
-        return await asyncio.to_thread(
+        return await self._runtime.run_blocking(
             remove_snapshot_files, environment_dir(checkpoint_path), snapshot_id)
 
     # --- restore ----------------------------------------------------------------------
 
     async def prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
         """Verify the snapshot and have each instance's holder load it, nothing live yet."""
-        self._started[restore_id] = time.monotonic()
+        self._started[restore_id] = self._clock.monotonic()
         try:
             return await self._prepare_restore(restore_id, checkpoint_path)
         except BaseException as exc:
@@ -309,7 +311,7 @@ class CheckpointCoordinator:
             raise
 
     async def _prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
-        manifest = await asyncio.to_thread(read_manifest, checkpoint_path)
+        manifest = await self._runtime.run_blocking(read_manifest, checkpoint_path)
         await self._known_holders()
         async with self._placement_lock:
             for inst in sorted(manifest.instances, key=instance_sort_key):
@@ -325,8 +327,9 @@ class CheckpointCoordinator:
                 shards_of[shard.instance_id].append(shard)
             prepared = await self._fan(
                 instances, "prepare_restore",
-                lambda h, inst: h.prepare_restore.remote(
-                    restore_id, directory, shards_of[inst], self._config.lease_s),
+                lambda h, inst: self._transport.call(
+                    h, "prepare_restore", restore_id, directory, shards_of[inst],
+                    self._config.lease_s, timeout=self._config.persist_timeout_s),
                 self._config.persist_timeout_s, with_instance=True, op_id=restore_id)
             # Nothing is live yet: a rollout live on any holder refuses the whole restore.
             clash = sorted({(p.instance_id, rid) for p in prepared
@@ -354,7 +357,9 @@ class CheckpointCoordinator:
         instances = self._require_op(restore_id)
         try:
             counts = await self._fan(instances, "commit_restore",
-                                     lambda h: h.commit_restore.remote(restore_id),
+                                     lambda h: self._transport.call(
+                                         h, "commit_restore", restore_id,
+                                         timeout=self._config.phase_timeout_s),
                                      self._config.phase_timeout_s, op_id=restore_id)
         except BaseException as exc:
             self._count_failure("restore", exc)
@@ -363,7 +368,7 @@ class CheckpointCoordinator:
         self._ops.pop(restore_id, None)
         started = self._started.pop(restore_id, None)
         if started is not None:
-            metrics.observe("restore_duration", time.monotonic() - started)
+            self._metrics.observe("restore_duration", self._clock.monotonic() - started)
         return sum(counts)
 
     async def abort_restore(self, restore_id: str, caller_error: str | None = None) -> None:
@@ -377,7 +382,8 @@ class CheckpointCoordinator:
             instances = sorted(self._holders, key=instance_sort_key)
         self._started.pop(restore_id, None)
         await self._fan(instances, "abort_restore",
-                        lambda h: h.abort_restore.remote(restore_id),
+                        lambda h: self._transport.call(h, "abort_restore", restore_id,
+                                                       timeout=self._config.phase_timeout_s),
                         self._config.phase_timeout_s, tolerate_failures=True)
 
     # --- ledger operations --------------------------------------------------------------
@@ -397,12 +403,16 @@ class CheckpointCoordinator:
             await self.ensure_holders()
         try:
             dropped = await self._fan(sorted(self._holders, key=instance_sort_key), op,
-                                      lambda h: getattr(h, op).remote(episodes),
+                                      lambda h: self._transport.call(
+                                          h, op, episodes,
+                                          timeout=self._config.phase_timeout_s),
                                       self._config.phase_timeout_s)
         except BackendUnavailableError:
             await self.ensure_holders()
             dropped = await self._fan(sorted(self._holders, key=instance_sort_key), op,
-                                      lambda h: getattr(h, op).remote(episodes),
+                                      lambda h: self._transport.call(
+                                          h, op, episodes,
+                                          timeout=self._config.phase_timeout_s),
                                       self._config.phase_timeout_s)
         return sorted(k for keys in dropped for k in keys)
 
@@ -420,7 +430,9 @@ class CheckpointCoordinator:
         self._ops.pop(snapshot_id, None)
         self._captures.pop(snapshot_id, None)
         self._rollouts.pop(snapshot_id, None)
-        await self._fan(instances, "resume", lambda h: h.resume.remote(snapshot_id),
+        await self._fan(instances, "resume",
+                        lambda h: self._transport.call(h, "resume", snapshot_id,
+                                                       timeout=self._config.phase_timeout_s),
                         self._config.phase_timeout_s, tolerate_failures=True)
 
     async def _fan(
@@ -440,23 +452,22 @@ class CheckpointCoordinator:
         """
         instances = list(instances)
         seconds: dict[str, float] = {}
-        start = time.monotonic()
+        start = self._clock.monotonic()
 
         async def one(inst: str) -> T:
             handle = self._holders.get(inst)
             if handle is None:
                 raise BackendUnavailableError(f"holder {inst} is gone (during {what})")
-            ref = call(handle, inst) if with_instance else call(handle)
             try:
-                return await self._call(inst, what, ref, timeout)
+                return await (call(handle, inst) if with_instance else call(handle))
             finally:
-                seconds[inst] = time.monotonic() - start
+                seconds[inst] = self._clock.monotonic() - start
 
         results = await asyncio.gather(*(one(i) for i in instances), return_exceptions=True)
         errors = [(i, r) for i, r in zip(instances, results, strict=True)
                   if isinstance(r, BaseException)]
         if op_id is not None:
-            _log_phase(op_id, what, time.monotonic() - start, seconds,
+            _log_phase(op_id, what, self._clock.monotonic() - start, seconds,
                        {i: f"{type(e).__name__}: {e}" for i, e in errors})
         if errors and not tolerate_failures:
             # A real refusal says more than "unreachable": raise it first.
@@ -470,37 +481,11 @@ class CheckpointCoordinator:
             log.warning("%s on %s failed (tolerated): %s", what, inst, err)
         return [r for r in results if not isinstance(r, BaseException)]
 
-    async def _call(self, inst: str, what: str, ref: Any, timeout: float) -> Any:
-        try:
-            return await asyncio.wait_for(ref, timeout)
-        except asyncio.TimeoutError:
-            raise BackendUnavailableError(
-                f"holder {inst} did not finish {what} within {timeout:.1f}s; it is "
-                f"overloaded or its node is unreachable; retry") from None
-        except RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, BaseException):
-                raise cause from None
-            raise
-        except (RayActorError, GetTimeoutError) as exc:
-            raise BackendUnavailableError(
-                f"holder {inst} is unreachable during {what} ({type(exc).__name__}); its "
-                f"node or process died; its sessions are lost and their rollouts restart"
-            ) from exc
-
     async def _discover(self) -> list[HolderInfo]:
-        ns = self._config.namespace
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a.get("namespace") == ns and a["name"].startswith(HOLDER_NAME_PREFIX)]
-        found: dict[str, Any] = {}
-        for name in names:
-            try:
-                found[name[len(HOLDER_NAME_PREFIX):]] = ray.get_actor(name, namespace=ns)
-            except ValueError:
-                continue  # died between the listing and the lookup
+        found = self._transport.holders()
         results = await asyncio.gather(
-            *(self._call(inst, "info", h.info.remote(), self._config.phase_timeout_s)
-              for inst, h in found.items()),
+            *(self._transport.call(h, "info", timeout=self._config.phase_timeout_s)
+              for h in found.values()),
             return_exceptions=True)
         infos = []
         self._holders = {}
@@ -518,21 +503,21 @@ class CheckpointCoordinator:
                        restarted: int) -> None:
         started = self._started.pop(snapshot_id, None)
         if started is not None:
-            elapsed = time.monotonic() - started
-            metrics.observe("snapshot_duration", elapsed)
+            elapsed = self._clock.monotonic() - started
+            self._metrics.observe("snapshot_duration", elapsed)
             # Holders pause at the start of begin_snapshot and resume at the end of the
             # commit, so the coordinator's span bounds their paused time.
-            metrics.observe("paused", elapsed)
-        metrics.inc("bytes_written", figures.get("bytes_written", 0.0))
-        metrics.inc("captured", float(captured))
-        metrics.inc("restarted", float(restarted))
+            self._metrics.observe("paused", elapsed)
+        self._metrics.inc("bytes_written", figures.get("bytes_written", 0.0))
+        self._metrics.inc("captured", float(captured))
+        self._metrics.inc("restarted", float(restarted))
 
     def _count_failure(self, operation: str, error: BaseException | str) -> None:
         kind = error if isinstance(error, str) else type(error).__name__
-        metrics.inc("failures", 1.0, tags={"operation": operation, "kind": kind})
+        self._metrics.inc("failures", 1.0, tags={"operation": operation, "kind": kind})
 
     def _alive_node_ids(self) -> list[str]:
-        return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        return self._transport.alive_nodes()
 
     def _free_instance_id(self) -> str:
         k = 0
@@ -552,18 +537,15 @@ class CheckpointCoordinator:
 
     async def _create_holder(self, instance_id: str, node_id: str) -> HolderInfo:
         cfg = self._config
-        handle = SessionHolderActor.options(
-            name=HOLDER_NAME_PREFIX + instance_id, namespace=cfg.namespace,
-            lifetime="detached", get_if_exists=True,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(instance_id, cfg.max_state_bytes, cfg.turn_timeout_s)
-        info: HolderInfo = await self._call(instance_id, "start", handle.info.remote(),
-                                            cfg.phase_timeout_s)
+        handle = self._transport.create_holder(
+            instance_id, node_id,
+            {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s})
+        info: HolderInfo = await self._transport.call(handle, "info",
+                                                      timeout=cfg.phase_timeout_s)
         self._holders[instance_id] = handle
         self._holder_nodes[instance_id] = info.node_id
         log.info("created holder %s on node %s", instance_id, node_id)
         return info
-
 
 def _encode_rollouts(snapshot_id: str, captures: tuple[CaptureReport, ...]
                      ) -> EncodedRollouts:
@@ -597,7 +579,3 @@ def _log_phase(op_id: str, phase: str, seconds: float, per_holder: dict[str, flo
 def _instance_order(info: HolderInfo) -> tuple[int, str]:
     return instance_sort_key(info.instance_id)
 
-
-# ray.remote's overloads do not type actor options; the handle is dynamic anyway.
-CheckpointCoordinatorActor: Any = cast(Any, ray.remote)(
-    num_cpus=0, max_concurrency=1000, max_restarts=0)(CheckpointCoordinator)

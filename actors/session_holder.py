@@ -1,7 +1,9 @@
 """The session holder: one per node, holding the sessions of the rollouts run there.
 
-``SessionHolder`` is a plain asyncio class, so its state machine is tested without Ray;
-``SessionHolderActor`` is the same class as a Ray actor, pinned to its node.
+``SessionHolder`` is a plain asyncio class with its clock, metrics and blocking-work
+runner injected (``nemo_ckpt.transport.Runtime``), so its state machine runs without
+Ray, in tests and in the simulation; ``actors.ray_transport.SessionHolderActor`` is the
+same class as a Ray actor, pinned to its node.
 
 States (``HolderState``) and the calls each accepts:
 
@@ -22,17 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Protocol
 
-import ray
-
-from actors import metrics
-from actors.heap import HeapTrimmer
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     HolderStateError,
@@ -59,8 +56,9 @@ from nemo_ckpt.phases import (
 )
 from nemo_ckpt.sessions import SessionRecord
 from nemo_ckpt.storage import read_shard, remove_files, write_shard
+from nemo_ckpt.transport import Runtime
 
-__all__ = ["SessionHolder", "SessionHolderActor"]
+__all__ = ["SessionHolder", "Trimmer"]
 
 log = logging.getLogger("nemo_ckpt.holder")
 
@@ -91,18 +89,44 @@ class _Turn:
     started: float
 
 
+class Trimmer(Protocol):
+    """Gives freed heap memory back to the OS (``actors.heap.HeapTrimmer`` under Ray)."""
+
+    def note(self, payload_bytes: int) -> None: ...
+
+    def request(self) -> None: ...
+
+    async def maybe_trim(self) -> bool: ...
+
+
+class _NoTrimmer:
+    def note(self, payload_bytes: int) -> None:
+        del payload_bytes
+
+    def request(self) -> None:
+        return None
+
+    async def maybe_trim(self) -> bool:
+        return False
+
+
 class SessionHolder:
     """Holds the sessions of one instance, and takes part in snapshots and restores."""
 
     def __init__(
         self,
         instance_id: str,
+        node_id: str,
         max_state_bytes: int = 64 << 20,
         turn_timeout_s: float | None = None,
-        node_id: str | None = None,
+        runtime: Runtime | None = None,
+        trimmer: Trimmer | None = None,
     ) -> None:
         self.instance_id = instance_id
-        self.node_id = node_id or ray.get_runtime_context().get_node_id()
+        self.node_id = node_id
+        self._runtime = runtime or Runtime()
+        self._clock = self._runtime.clock
+        self._metrics = self._runtime.metrics
         self._max_state_bytes = max_state_bytes
         self._turn_timeout_s = turn_timeout_s
         self._sessions: dict[str, SessionRecord] = {}  # capture key -> session
@@ -128,7 +152,7 @@ class SessionHolder:
         self._injected_delays: dict[str, float] = {}
         # Gives the heap the session calls' freed buffers back to the OS (actors/heap.py):
         # they are most of a holder's growth beyond its sessions. Driven by the watchdog.
-        self._heap = HeapTrimmer()
+        self._heap = trimmer or _NoTrimmer()
         self._heap_state_seen = HolderState.RUNNING  # the state at the watchdog's last look
 
     # --- introspection -------------------------------------------------------------
@@ -139,7 +163,7 @@ class SessionHolder:
         op = self._snapshot.snapshot_id if self._snapshot else (
             self._restore.restore_id if self._restore else None)
         expires = None if self._lease_deadline is None else max(
-            0.0, self._lease_deadline - time.monotonic())
+            0.0, self._lease_deadline - self._clock.monotonic())
         return HolderInfo(
             instance_id=self.instance_id, node_id=self.node_id, state=self._state,
             operation_id=op, lease_expires_in_s=expires, sessions=len(self._sessions),
@@ -159,7 +183,7 @@ class SessionHolder:
             path.write_text(f"{self.instance_id} {self.node_id}\n")
             return str(path)
 
-        return await asyncio.to_thread(write)
+        return await self._runtime.run_blocking(write)
 
     async def inject_delay(self, phase: str, seconds: float) -> None:
         """Fault-injection seam for tests and drills: make ``phase`` take ``seconds``
@@ -224,8 +248,8 @@ class SessionHolder:
             raise TurnInProgressError(
                 f"{self.instance_id}: session {capture_key} already has a turn in flight; "
                 f"a session runs one turn at a time")
-        token = uuid.uuid4().hex
-        self._turns[capture_key] = _Turn(token, time.monotonic())
+        token = self._runtime.token()
+        self._turns[capture_key] = _Turn(token, self._clock.monotonic())
         return token, record
 
     async def commit_turn(
@@ -316,8 +340,8 @@ class SessionHolder:
             self._snapshot = _Snapshot(snapshot_id)
             self._state = HolderState.PAUSED
             self._gate.clear()
-            self._lease_deadline = time.monotonic() + lease_s
-        start = time.monotonic()
+            self._lease_deadline = self._clock.monotonic() + lease_s
+        start = self._clock.monotonic()
         await self._injected_delay("pause")
         async with self._turns_done:
             try:
@@ -327,11 +351,11 @@ class SessionHolder:
                 pass
         snap = self._current_snapshot(snapshot_id)
         if snap.pause is None:
-            snap.pause = PauseReport(self.instance_id, time.monotonic() - start,
+            snap.pause = PauseReport(self.instance_id, self._clock.monotonic() - start,
                                      len(self._turns))
             tags = {"instance": self.instance_id}
-            metrics.observe("drain", snap.pause.drain_seconds, tags)
-            metrics.set_gauge("sessions", float(len(self._sessions)), tags)
+            self._metrics.observe("drain", snap.pause.drain_seconds, tags)
+            self._metrics.set_gauge("sessions", float(len(self._sessions)), tags)
         return snap.pause
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
@@ -355,7 +379,7 @@ class SessionHolder:
         if operation_id in self._lapsed:
             raise self._gone(operation_id)
         self._current_operation(operation_id)
-        self._lease_deadline = time.monotonic() + lease_s
+        self._lease_deadline = self._clock.monotonic() + lease_s
         return lease_s
 
     async def capture(self, snapshot_id: str) -> CaptureReport:
@@ -367,7 +391,7 @@ class SessionHolder:
         snap = self._current_snapshot(snapshot_id)
         if snap.capture_report is not None:
             return snap.capture_report
-        start = time.monotonic()
+        start = self._clock.monotonic()
         # Records are immutable: a shallow copy is a consistent, cheap capture.
         if self._turns:
             capture = {k: r for k, r in self._sessions.items() if k not in self._turns}
@@ -380,7 +404,7 @@ class SessionHolder:
             captured_msgpack=join_captured([self._capture_rows[k] for k in capture]),
             captured_count=len(capture),
             restarting=tuple((r.episode.rollout_id, r.episode.attempt) for r in mid_turn),
-            capture_seconds=time.monotonic() - start,
+            capture_seconds=self._clock.monotonic() - start,
             state_bytes=self._state_bytes - sum(len(r.state) for r in mid_turn),
         )
         return snap.capture_report
@@ -442,7 +466,7 @@ class SessionHolder:
         self._restore = _Restore(restore_id)
         self._state = HolderState.RESTORING
         self._gate.clear()
-        self._lease_deadline = time.monotonic() + lease_s
+        self._lease_deadline = self._clock.monotonic() + lease_s
         try:
             await self._injected_delay("prepare_restore")
             records: list[SessionRecord] = []
@@ -452,7 +476,7 @@ class SessionHolder:
                     raise HolderStateError(
                         f"{self.instance_id}: asked to restore shard {entry.file} of "
                         f"{entry.instance_id}")
-                records += await asyncio.to_thread(read_shard, Path(directory), entry)
+                records += await self._runtime.run_blocking(read_shard, Path(directory), entry)
                 read += entry.bytes
             conflicts = sorted(r.episode.rollout_id for r in records
                                if r.episode.rollout_id in self._live_rollouts)
@@ -588,7 +612,7 @@ class SessionHolder:
 
     def _lease_left(self) -> float:
         return 0.0 if self._lease_deadline is None else max(
-            0.0, self._lease_deadline - time.monotonic())
+            0.0, self._lease_deadline - self._clock.monotonic())
 
     def _gone(self, op_id: str) -> Exception:
         if op_id in self._lapsed:
@@ -627,21 +651,21 @@ class SessionHolder:
 
     async def _persist(self, snapshot_id: str, directory: Path,
                        records: list[SessionRecord]) -> PersistReport:
-        start = time.monotonic()
+        start = self._clock.monotonic()
         await self._injected_delay("persist")
         shards: tuple[ShardEntry, ...] = ()
         if records:
             name = shard_file_name(snapshot_id, self.instance_id)
-            entry = await asyncio.to_thread(
+            entry = await self._runtime.run_blocking(
                 write_shard, directory, name, self.instance_id, records)
             if self._snapshot is None or self._snapshot.snapshot_id != snapshot_id:
                 # Aborted or lapsed while the thread wrote: the file must not outlive it.
-                await asyncio.to_thread(remove_files, directory, [name])
+                await self._runtime.run_blocking(remove_files, directory, [name])
                 raise self._gone(snapshot_id)
             shards = (entry,)
         return PersistReport(
             instance_id=self.instance_id, shards=shards,
-            persist_seconds=time.monotonic() - start,
+            persist_seconds=self._clock.monotonic() - start,
             bytes_written=sum(s.bytes for s in shards),
         )
 
@@ -652,7 +676,7 @@ class SessionHolder:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(_WATCH_PERIOD_S)
-            now = time.monotonic()
+            now = self._clock.monotonic()
             if self._lease_deadline is not None and now > self._lease_deadline:
                 op = self._snapshot.snapshot_id if self._snapshot else (
                     self._restore.restore_id if self._restore else None)
@@ -680,10 +704,3 @@ class SessionHolder:
                 await self._heap.maybe_trim()
             self._heap_state_seen = self._state
 
-
-def _actor_options() -> dict[str, Any]:
-    # No CPU reserved: a holder must fit on any node, beside the environment workers.
-    return {"num_cpus": 0, "max_concurrency": 10_000, "max_restarts": 0}
-
-
-SessionHolderActor: Any = cast(Any, ray.remote)(**_actor_options())(SessionHolder)

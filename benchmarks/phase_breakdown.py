@@ -93,6 +93,7 @@ def _instrument() -> Any:
 async def _cluster_part(args: argparse.Namespace) -> None:
     import ray.cloudpickle as cp
 
+    from actors.ray_transport import RayTransport
     from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
     from nemo_ckpt.interfaces import EnvironmentEpisode
     from nemo_ckpt.phases import new_operation_id
@@ -112,8 +113,8 @@ async def _cluster_part(args: argparse.Namespace) -> None:
         t = await sb.populate(cfg.namespace, instances, args.sessions, args.state_bytes, 0)
         print(f"{len(instances)} holders, {args.sessions} sessions x {args.state_bytes} B "
               f"(populated in {t:.1f} s)")
-        coord = C.CheckpointCoordinator(cfg)
-        coord_r = C.CheckpointCoordinator(cfg_r)
+        coord = C.CheckpointCoordinator(cfg, RayTransport(cfg))
+        coord_r = C.CheckpointCoordinator(cfg_r, RayTransport(cfg_r))
         for r in range(args.repeats + 1):  # the first is a warm-up
             if r == 1:
                 _timings.clear()

@@ -48,9 +48,12 @@ def instance_sort_key(instance_id: str) -> tuple[int, str]:
     return (int(tail), head) if tail.isdigit() else (1 << 30, instance_id)
 
 
-def new_operation_id(kind: str) -> str:
-    """A sortable, unique snapshot or restore id, such as ``snap-20261129T180000-1a2b3c4d``."""
-    return f"{kind}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+def new_operation_id(kind: str, wall: float | None = None, token: str | None = None) -> str:
+    """A sortable, unique snapshot or restore id, such as ``snap-20261129T180000-1a2b3c4d``,
+    from the wall clock (now by default) and a random hex token (fresh by default)."""
+    when = datetime.now(timezone.utc) if wall is None else datetime.fromtimestamp(
+        wall, timezone.utc)
+    return f"{kind}-{when:%Y%m%dT%H%M%S}-{(token or uuid.uuid4().hex)[:8]}"
 
 
 class HolderState(str, enum.Enum):

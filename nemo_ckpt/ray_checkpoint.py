@@ -5,24 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+import sys
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any, Optional
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
+from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_capture_against_cut
 from nemo_ckpt.errors import (
     BackendUnavailableError,
-    NemoCkptError,
     SnapshotInProgressError,
     StartupCheckError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.phases import HolderInfo, HolderState, new_operation_id
+from nemo_ckpt.transport import Transport
 
 __all__ = ["RayEnvironmentCheckpoint", "RaySnapshot"]
 
@@ -140,10 +137,18 @@ class RayEnvironmentCheckpoint:
     while a snapshot or restore is open. Only one snapshot or restore is open at a time.
     """
 
-    def __init__(self, config: CheckpointConfig | None = None) -> None:
+    def __init__(self, config: CheckpointConfig | None = None,
+                 transport: Transport | None = None) -> None:
+        """``transport`` defaults to Ray's (``actors.ray_transport.RayTransport``), made
+        on first use; the simulation passes its own."""
         self.config = config or CheckpointConfig()
-        self._coordinator: Any = None
+        self._transport_ = transport
         self._open: str | None = None
+
+    @property
+    def open_operation(self) -> str | None:
+        """The id of the snapshot or restore open now, if any (for logs and tests)."""
+        return self._open
 
     # --- the contract --------------------------------------------------------------------
 
@@ -161,8 +166,8 @@ class RayEnvironmentCheckpoint:
         """
         problems: list[str] = []
         warnings: list[str] = []
-        holders = await self._call(self._coord().ensure_holders.remote(), "check_startup")
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        holders = await self._call("ensure_holders")
+        alive = set(self._transport.alive_nodes())
         hosted = {h.node_id for h in holders}
         for node in sorted(alive - hosted):
             problems.append(f"node {node} has no session holder that answers; its "
@@ -182,8 +187,7 @@ class RayEnvironmentCheckpoint:
             warnings.append("config.checkpoint_root is not set, so nothing checked that "
                             "every holder can write checkpoints where the driver reads them")
         else:
-            probes = await self._call(self._coord().probe_storage.remote(str(root)),
-                                      "check_startup")
+            probes = await self._call("probe_storage", str(root))
             for inst, result in sorted(probes.items()):
                 if result.startswith("error: "):
                     problems.append(f"{inst} cannot write under {root}: {result[7:]}")
@@ -222,42 +226,39 @@ class RayEnvironmentCheckpoint:
         manifest's rename is the commit point, and the older shards go only after it.
         """
         self._refuse_if_open("snapshot")
-        snapshot_id = new_operation_id("snap")
+        clock = self._transport.runtime.clock
+        snapshot_id = new_operation_id("snap", clock.wall(), self._transport.runtime.token())
         self._open = snapshot_id
         path = str(Path(checkpoint_path))
-        started = time.monotonic()
+        started = clock.monotonic()
         try:
-            coord = self._coord()
-            begun = await self._call(coord.begin_snapshot.remote(snapshot_id, path),
-                                     "snapshot")
+            begun = await self._call("begin_snapshot", snapshot_id, path)
             snap = RaySnapshot(begun)
             # Not awaited, and it never raises: the writes overlap the caller's block.
-            coord.start_writes.remote(snapshot_id)
+            self._transport.send(self._transport.coordinator(), "start_writes", snapshot_id)
             async with self._renewing(snapshot_id):
                 try:
                     yield snap if snap.captured_rollouts or snap.restarted_rollouts else None
                 except BaseException as exc:
-                    await self._abort_quietly(coord.abort_snapshot.remote(
-                        snapshot_id, path, type(exc).__name__))
+                    await self._abort_quietly("abort_snapshot", snapshot_id, path,
+                                              type(exc).__name__)
                     raise
                 # The manifest carries what is known at commit; paused time ends at resume.
-                metrics = snap.metrics(time.monotonic() - started)
+                metrics = snap.metrics(clock.monotonic() - started)
                 try:
                     committed = await self._call(
-                        coord.commit_snapshot.remote(snapshot_id, path, metrics,
-                                                     snap.restarted_rollouts),
-                        "snapshot commit")
+                        "commit_snapshot", snapshot_id, path, metrics,
+                        snap.restarted_rollouts)
                 except BaseException:
                     # A coordinator that died mid-commit left holders paused: a fresh one
                     # resumes them now instead of at lease expiry.
-                    await self._abort_quietly(
-                        self._coord().abort_snapshot.remote(snapshot_id, path))
+                    await self._abort_quietly("abort_snapshot", snapshot_id, path)
                     raise
             snap._record_commit(committed.metrics)
             log.info("snapshot %s committed: %d rollouts, %d restarted, %.0f bytes, "
                      "paused %.3fs", snapshot_id, snap.captured_rollouts,
                      snap.restarted_rollouts, committed.metrics["bytes_written"],
-                     time.monotonic() - started)
+                     clock.monotonic() - started)
         finally:
             self._open = None
 
@@ -269,34 +270,39 @@ class RayEnvironmentCheckpoint:
         Sessions go live on a clean exit; on an exception every holder drops them.
         """
         self._refuse_if_open("restore")
-        restore_id = new_operation_id("restore")
+        runtime = self._transport.runtime
+        restore_id = new_operation_id("restore", runtime.clock.wall(), runtime.token())
         self._open = restore_id
         path = str(Path(checkpoint_path))
         try:
-            coord = self._coord()
-            begun = await self._call(coord.prepare_restore.remote(restore_id, path), "restore")
+            begun = await self._call("prepare_restore", restore_id, path)
             async with self._renewing(restore_id):
                 try:
                     yield RestoredEnvironmentRollouts(
                         continued_attempts=begun.continued_attempts,
                         staging_keys=begun.staging_keys)
                 except BaseException as exc:
-                    await self._abort_quietly(coord.abort_restore.remote(
-                        restore_id, type(exc).__name__))
+                    await self._abort_quietly("abort_restore", restore_id,
+                                              type(exc).__name__)
                     raise
-                live = await self._call(coord.commit_restore.remote(restore_id),
-                                        "restore commit")
+                live = await self._call("commit_restore", restore_id)
             log.info("restore %s from %s: %d sessions live", restore_id, path, live)
         finally:
             self._open = None
 
     def is_unavailable(self, error: BaseException) -> bool:
         """True only for a holder or the coordinator unreachable, dead or late."""
+        if isinstance(error, BackendUnavailableError):
+            return True
+        if "ray" not in sys.modules:  # only Ray's own errors are left to look at
+            return False
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
         if isinstance(error, RayTaskError):
             cause = error.cause
             return isinstance(cause, BaseException) and cause is not error \
                 and self.is_unavailable(cause)
-        return isinstance(error, (BackendUnavailableError, RayActorError, GetTimeoutError))
+        return isinstance(error, (RayActorError, GetTimeoutError))
 
     # --- RL's ledger operations and introspection ----------------------------------------
 
@@ -317,7 +323,7 @@ class RayEnvironmentCheckpoint:
     async def _ledger_op(self, op: str, episodes: list[EnvironmentEpisode]) -> list[str]:
         for attempt in range(_LEDGER_OP_TRIES):
             try:
-                return await self._call(getattr(self._coord(), op).remote(episodes), op)
+                return await self._call(op, episodes)
             except BackendUnavailableError:
                 if attempt == _LEDGER_OP_TRIES - 1:
                     raise
@@ -326,63 +332,34 @@ class RayEnvironmentCheckpoint:
 
     async def holders(self) -> list[HolderInfo]:
         """Every live holder: instance, node, state, sessions, lease."""
-        return await self._call(self._coord().holder_infos.remote(), "status")
+        return await self._call("holder_infos")
 
     async def ensure_holders(self) -> list[HolderInfo]:
         """Create the coordinator and a holder on every alive node that lacks one."""
-        return await self._call(self._coord().ensure_holders.remote(), "ensure_holders")
+        return await self._call("ensure_holders")
 
     def shutdown(self) -> None:
         """Kill the coordinator and every holder of this namespace (their sessions go)."""
-        ns = self.config.namespace
-        for a in ray.util.list_named_actors(all_namespaces=True):
-            if a.get("namespace") != ns:
-                continue
-            name = a["name"]
-            if name.startswith(HOLDER_NAME_PREFIX) or name == self.config.coordinator_name:
-                with contextlib.suppress(ValueError):
-                    ray.kill(ray.get_actor(name, namespace=ns))
-        self._coordinator = None
+        self._transport.kill_namespace()
 
     # --- internals ------------------------------------------------------------------------
 
-    def _coord(self) -> Any:
-        from actors.coordinator import CheckpointCoordinatorActor
+    @property
+    def _transport(self) -> Transport:
+        if self._transport_ is None:
+            from actors.ray_transport import RayTransport
 
-        if not ray.is_initialized():
-            raise BackendUnavailableError(
-                "Ray is not initialized; call ray.init() (or ray.init(address=...)) before "
-                "using RayEnvironmentCheckpoint")
-        if self._coordinator is None:
-            node = ray.get_runtime_context().get_node_id()
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            self._transport_ = RayTransport(self.config)
+        return self._transport_
 
-            # Pinned beside the driver (hard affinity: soft affinity was seen to spill
-            # onto worker nodes), so losing a worker node never takes the coordinator.
-            self._coordinator = CheckpointCoordinatorActor.options(
-                name=self.config.coordinator_name, namespace=self.config.namespace,
-                lifetime="detached", get_if_exists=True,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(self.config)
-        return self._coordinator
+    async def _call(self, method: str, *args: Any) -> Any:
+        """Call the coordinator (errors as ``Transport.call`` raises them)."""
+        transport = self._transport
+        return await transport.call(transport.coordinator(), method, *args)
 
-    async def _call(self, ref: Any, what: str) -> Any:
+    async def _abort_quietly(self, method: str, *args: Any) -> None:
         try:
-            return await ref
-        except RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, NemoCkptError):
-                raise cause from None
-            raise
-        except (RayActorError, GetTimeoutError) as exc:
-            self._coordinator = None  # the next call finds or creates a new one
-            raise BackendUnavailableError(
-                f"the nemo-ckpt coordinator is unreachable during {what} "
-                f"({type(exc).__name__}); holders resume by their lease; retry") from exc
-
-    async def _abort_quietly(self, ref: Any) -> None:
-        try:
-            await self._call(ref, "abort")
+            await self._call(method, *args)
         except Exception as exc:  # the caller's own exception matters more
             log.warning("abort after a failed snapshot/restore also failed: %s", exc)
 
@@ -398,7 +375,7 @@ class RayEnvironmentCheckpoint:
             while True:
                 await asyncio.sleep(self.config.renew_interval_s)
                 try:
-                    await self._call(self._coord().renew.remote(op_id), "lease renewal")
+                    await self._call("renew", op_id)
                 except Exception as exc:
                     log.warning("lease renewal of %s failed: %s", op_id, exc)
 

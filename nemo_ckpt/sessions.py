@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["SessionRecord", "SessionClient", "Turn"]
 
@@ -145,42 +146,42 @@ class SessionClient:
         final = await client.close(episode)
     """
 
-    def __init__(self, holder: Any, instance_id: str) -> None:
+    def __init__(self, holder: Actor, transport: Transport) -> None:
         self._holder = holder
-        self.instance_id = instance_id
+        self._transport = transport
+        self.instance_id = holder.name
 
     @classmethod
     async def connect(
-        cls, instance_id: str | None = None, namespace: str = "nemo_ckpt"
+        cls, instance_id: str | None = None, namespace: str = "nemo_ckpt",
+        transport: Transport | None = None,
     ) -> SessionClient:
-        """Find the holder of ``instance_id``, or the first holder on this node."""
-        import ray
+        """Find the holder of ``instance_id``, or the first holder on this node.
 
-        from nemo_ckpt.config import HOLDER_NAME_PREFIX
+        ``transport`` defaults to Ray's, for ``namespace``."""
         from nemo_ckpt.errors import SessionNotFoundError
         from nemo_ckpt.phases import instance_sort_key
 
+        if transport is None:
+            from actors.ray_transport import RayTransport
+            from nemo_ckpt.config import CheckpointConfig
+
+            transport = RayTransport(CheckpointConfig(namespace=namespace))
+        namespace = transport.namespace
         if instance_id is not None:
-            try:
-                handle = ray.get_actor(HOLDER_NAME_PREFIX + instance_id, namespace=namespace)
-            except ValueError:
+            handle = transport.holder(instance_id)
+            if handle is None:
                 raise SessionNotFoundError(
                     f"no session holder {instance_id!r} in namespace {namespace!r}; it was "
                     f"never created or its node died; RayEnvironmentCheckpoint."
-                    f"ensure_holders() creates holders") from None
-            return cls(handle, instance_id)
-        node = ray.get_runtime_context().get_node_id()
-        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a.get("namespace") == namespace
-                       and a["name"].startswith(HOLDER_NAME_PREFIX))
-        handles = {}
-        for name in names:
-            with contextlib.suppress(ValueError):
-                handles[name[len(HOLDER_NAME_PREFIX):]] = ray.get_actor(name, namespace=namespace)
+                    f"ensure_holders() creates holders")
+            return cls(handle, transport)
+        node = transport.local_node()
+        handles = transport.holders()
         infos = {}
         for inst, handle in handles.items():
             with contextlib.suppress(Exception):
-                infos[inst] = await handle.info.remote()
+                infos[inst] = await transport.call(handle, "info")
         here = sorted((i for i, info in infos.items() if info.node_id == node),
                       key=instance_sort_key)
         if not here:
@@ -188,41 +189,43 @@ class SessionClient:
                 f"no session holder on node {node} in namespace {namespace!r}; call "
                 f"RayEnvironmentCheckpoint.check_startup() or ensure_holders() before "
                 f"starting environment workers")
-        return cls(handles[here[0]], here[0])
+        return cls(handles[here[0]], transport)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._transport.call(self._holder, method, *args)
 
     async def open(self, episode: EnvironmentEpisode, state: bytes = b"") -> SessionRecord:
         """Open a session for ``episode`` with its initial state."""
-        return await self._holder.open_session.remote(episode, state)
+        return await self._call("open_session", episode, state)
 
     async def get(self, episode: EnvironmentEpisode) -> SessionRecord:
         """The live session of ``episode``."""
-        return await self._holder.get_session.remote(episode.capture_key)
+        return await self._call("get_session", episode.capture_key)
 
     @contextlib.asynccontextmanager
     async def turn(self, episode: EnvironmentEpisode) -> AsyncIterator[Turn]:
         """Run one turn of ``episode``'s session. Waits while the holder is paused."""
         key = episode.capture_key
-        token, session = await self._holder.begin_turn.remote(key)
+        token, session = await self._call("begin_turn", key)
         turn = Turn(session)
         try:
             yield turn
         except BaseException:
             with contextlib.suppress(Exception):
-                await self._holder.abort_turn.remote(key, token)
+                await self._call("abort_turn", key, token)
             raise
         if turn._result is None:
-            await self._holder.abort_turn.remote(key, token)
+            await self._call("abort_turn", key, token)
             raise ValueError(
                 f"turn of {key} exited without turn.complete(record, state, staging_keys); "
                 f"nothing was recorded")
         record, state, keys = turn._result
-        turn.session = await self._holder.commit_turn.remote(key, token, record, state, keys)
+        turn.session = await self._call("commit_turn", key, token, record, state, keys)
 
     async def close(self, episode: EnvironmentEpisode) -> SessionRecord:
         """Close ``episode``'s finished session and return its final record."""
-        return await self._holder.close_session.remote(episode.capture_key)
+        return await self._call("close_session", episode.capture_key)
 
     async def sessions(self) -> list[SessionRecord]:
         """Every live session of this instance."""
-        return await self._holder.sessions.remote()
-
+        return await self._call("sessions")

@@ -237,7 +237,8 @@ async def test_a_coordinator_in_a_driver_process_leaves_the_drivers_objects_alon
     import gc
 
     from actors.coordinator import CheckpointCoordinator
+    from actors.ray_transport import RayTransport
 
     before = gc.get_freeze_count()
-    CheckpointCoordinator(ckpt.config)
+    CheckpointCoordinator(ckpt.config, RayTransport(ckpt.config))
     assert gc.get_freeze_count() == before

@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from actors.coordinator import CheckpointCoordinator
+from actors.ray_transport import RayTransport
 from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import SessionClient
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
@@ -31,7 +32,7 @@ async def test_each_phase_logs_its_holder_timings_and_names_the_slowest(
     slow = ray.get_actor(HOLDER_NAME_PREFIX + "holder-2", namespace=ckpt.config.namespace)
     await slow.inject_delay.remote("capture", 0.4)
     # The coordinator's logic, run in this process so its log lines reach caplog.
-    coordinator = CheckpointCoordinator(ckpt.config)
+    coordinator = CheckpointCoordinator(ckpt.config, RayTransport(ckpt.config))
     caplog.set_level(logging.INFO, logger="nemo_ckpt.coordinator")
     begun = await coordinator.begin_snapshot("snap-log", str(tmp_path / "c"))
     await coordinator.commit_snapshot("snap-log", str(tmp_path / "c"), {}, 0)

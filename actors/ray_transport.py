@@ -1,0 +1,195 @@
+"""The runtime over Ray: the one module that names Ray's actor API.
+
+``RayTransport`` finds holders by name prefix in the job's namespace, lists alive nodes,
+creates holders pinned to their node and the coordinator pinned beside the driver, calls
+them, and turns Ray's errors into the transport's contract (``nemo_ckpt.transport``).
+``SessionHolderActor`` and ``CheckpointCoordinatorActor`` are the plain classes as Ray
+actors, wired to this process's clock, metrics and threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, cast
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors import metrics
+from actors.coordinator import CheckpointCoordinator
+from actors.heap import HeapTrimmer, freeze_startup_objects
+from actors.session_holder import SessionHolder
+from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
+from nemo_ckpt.errors import BackendUnavailableError
+from nemo_ckpt.transport import COORDINATOR, HOLDER, Actor, Runtime, unavailable_error
+
+__all__ = [
+    "CheckpointCoordinatorActor",
+    "RayMetrics",
+    "RayTransport",
+    "SessionHolderActor",
+    "is_ray_unavailable",
+]
+
+
+class RayMetrics:
+    """Prometheus metrics through ``ray.util.metrics`` (``actors.metrics``)."""
+
+    def observe(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        metrics.observe(name, value, tags)
+
+    def inc(self, name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        metrics.inc(name, value, tags)
+
+    def set_gauge(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        metrics.set_gauge(name, value, tags)
+
+
+def is_ray_unavailable(error: BaseException) -> bool:
+    """Whether ``error`` is Ray saying an actor died, is unreachable, or timed out."""
+    return isinstance(error, (RayActorError, GetTimeoutError))
+
+
+class RayTransport:
+    """The actors of one namespace, reached through Ray (``nemo_ckpt.transport.Transport``)."""
+
+    def __init__(self, config: CheckpointConfig, runtime: Runtime | None = None) -> None:
+        self._config = config
+        self._runtime = runtime or Runtime(metrics=RayMetrics())
+        self._coordinator: Actor | None = None
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
+
+    @property
+    def namespace(self) -> str:
+        return self._config.namespace
+
+    def _require_ray(self) -> None:
+        if not ray.is_initialized():
+            raise BackendUnavailableError(
+                "Ray is not initialized; call ray.init() (or ray.init(address=...)) before "
+                "using nemo-ckpt")
+
+    def local_node(self) -> str:
+        self._require_ray()
+        return cast(str, ray.get_runtime_context().get_node_id())
+
+    def alive_nodes(self) -> list[str]:
+        self._require_ray()
+        return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+    def coordinator(self) -> Actor:
+        if self._coordinator is None:
+            self._require_ray()
+            # Pinned beside the driver (hard affinity: soft affinity was seen to spill
+            # onto worker nodes), so losing a worker node never takes the coordinator.
+            ref = CheckpointCoordinatorActor.options(
+                name=self._config.coordinator_name, namespace=self.namespace,
+                lifetime="detached", get_if_exists=True,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self.local_node(),
+                                                                   soft=False),
+            ).remote(self._config)
+            self._coordinator = Actor(COORDINATOR, COORDINATOR, ref)
+        return self._coordinator
+
+    def _names(self) -> list[str]:
+        self._require_ray()
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a.get("namespace") == self.namespace]
+
+    def holders(self) -> dict[str, Actor]:
+        found: dict[str, Actor] = {}
+        for name in self._names():
+            if name.startswith(HOLDER_NAME_PREFIX):
+                instance_id = name[len(HOLDER_NAME_PREFIX):]
+                with contextlib.suppress(ValueError):  # died between listing and lookup
+                    found[instance_id] = Actor(
+                        HOLDER, instance_id, ray.get_actor(name, namespace=self.namespace))
+        return found
+
+    def holder(self, instance_id: str) -> Actor | None:
+        self._require_ray()
+        try:
+            return Actor(HOLDER, instance_id, ray.get_actor(HOLDER_NAME_PREFIX + instance_id,
+                                                            namespace=self.namespace))
+        except ValueError:
+            return None
+
+    def create_holder(self, instance_id: str, node_id: str, options: dict[str, Any]) -> Actor:
+        self._require_ray()
+        ref = SessionHolderActor.options(
+            name=HOLDER_NAME_PREFIX + instance_id, namespace=self.namespace,
+            lifetime="detached", get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(instance_id, **options)
+        return Actor(HOLDER, instance_id, ref)
+
+    def call(self, actor: Actor, method: str, *args: Any,
+             timeout: float | None = None) -> Any:
+        ref = getattr(actor.ref, method).remote(*args)  # sent now, awaited or not
+        return self._result(actor, method, ref, timeout)
+
+    async def _result(self, actor: Actor, method: str, ref: Any, timeout: float | None) -> Any:
+        try:
+            if timeout is None:
+                return await ref
+            return await asyncio.wait_for(ref, timeout)
+        except asyncio.TimeoutError:
+            raise unavailable_error(actor, method, timeout=timeout) from None
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, BaseException):
+                raise cause from None
+            raise
+        except (RayActorError, GetTimeoutError) as exc:
+            if actor.kind == COORDINATOR:
+                self._coordinator = None  # the next call finds or creates a new one
+            raise unavailable_error(actor, method, cause=exc) from exc
+
+    def send(self, actor: Actor, method: str, *args: Any) -> None:
+        getattr(actor.ref, method).remote(*args)
+
+    def kill(self, actor: Actor) -> None:
+        with contextlib.suppress(ValueError):
+            ray.kill(actor.ref, no_restart=True)
+        if actor.kind == COORDINATOR:
+            self._coordinator = None
+
+    def kill_namespace(self) -> None:
+        for name in self._names():
+            if name.startswith(HOLDER_NAME_PREFIX) or name == self._config.coordinator_name:
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(name, namespace=self.namespace))
+        self._coordinator = None
+
+
+class _RaySessionHolder(SessionHolder):
+    """A holder in its own Ray actor process, on the node it was pinned to."""
+
+    def __init__(self, instance_id: str, **options: Any) -> None:
+        super().__init__(instance_id, node_id=ray.get_runtime_context().get_node_id(),
+                         runtime=Runtime(metrics=RayMetrics()), trimmer=HeapTrimmer(),
+                         **options)
+
+
+class _RayCheckpointCoordinator(CheckpointCoordinator):
+    """The coordinator in its own Ray actor process."""
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        super().__init__(config, RayTransport(config))
+        freeze_startup_objects()
+
+
+def _holder_options() -> dict[str, Any]:
+    # No CPU reserved: a holder must fit on any node, beside the environment workers.
+    return {"num_cpus": 0, "max_concurrency": 10_000, "max_restarts": 0}
+
+
+# ray.remote's overloads do not type actor options; the handles are dynamic anyway.
+SessionHolderActor: Any = cast(Any, ray.remote)(**_holder_options())(_RaySessionHolder)
+CheckpointCoordinatorActor: Any = cast(Any, ray.remote)(
+    num_cpus=0, max_concurrency=1000, max_restarts=0)(_RayCheckpointCoordinator)

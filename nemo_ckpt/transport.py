@@ -1,0 +1,201 @@
+"""The runtime's seams: how the driver, the coordinator and the holders reach each other,
+what time it is, and where blocking work runs. Protocols and small values only; no Ray.
+
+The driver (``RayEnvironmentCheckpoint``), the coordinator and the session holders never
+call Ray themselves. They find, create, call and kill actors through a ``Transport``,
+read time from a ``Clock``, and run blocking file work through ``Runtime.run_blocking``.
+``actors.ray_transport.RayTransport`` is the real transport; ``nemo_ckpt.testing.sim``
+runs the same driver, coordinator and holder code in one process, under a virtual clock
+and a seeded transport (the deterministic simulation).
+
+A transport's ``call`` has one error contract, whatever carries the call:
+
+- the callee raised: the same exception is raised here (a ``NemoCkptError`` keeps its
+  class and attributes);
+- the callee died, is unreachable, or missed ``timeout``: ``BackendUnavailableError``,
+  naming the actor and the method.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+__all__ = [
+    "COORDINATOR",
+    "HOLDER",
+    "Actor",
+    "Clock",
+    "Metrics",
+    "NoMetrics",
+    "Runtime",
+    "SystemClock",
+    "Transport",
+    "unavailable_error",
+]
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    """Time as an actor sees it."""
+
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes back; deadlines and leases use it."""
+        ...
+
+    def wall(self) -> float:
+        """Seconds since the epoch; ids, markers and manifests carry it."""
+        ...
+
+
+class SystemClock:
+    """The process's own clocks."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+
+class Metrics(Protocol):
+    """Where the coordinator and the holders record their figures (Prometheus under Ray)."""
+
+    def observe(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        ...
+
+    def inc(self, name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        ...
+
+    def set_gauge(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        ...
+
+
+class NoMetrics:
+    """Records nothing."""
+
+    def observe(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        del name, value, tags
+
+    def inc(self, name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        del name, value, tags
+
+    def set_gauge(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        del name, value, tags
+
+
+async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.to_thread(fn, *args)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What an actor's code needs from the process it runs in.
+
+    ``run_blocking(fn, *args)`` runs file work off the event loop (a thread under Ray;
+    inline, at a simulated cost, in the simulation). ``token()`` returns a fresh unique
+    hex string (turn tokens, operation ids); seeded in the simulation, so that a seed
+    replays exactly.
+    """
+
+    clock: Clock = field(default_factory=SystemClock)
+    metrics: Metrics = field(default_factory=NoMetrics)
+    run_blocking: Callable[..., Awaitable[Any]] = _to_thread
+    token: Callable[[], str] = field(default=lambda: uuid.uuid4().hex)
+
+
+HOLDER = "holder"
+COORDINATOR = "coordinator"
+
+
+@dataclass(frozen=True)
+class Actor:
+    """A handle on one actor: its kind (``HOLDER`` or ``COORDINATOR``), its name in
+    messages (the instance id, or ``coordinator``), and whatever the transport needs to
+    reach it."""
+
+    kind: str
+    name: str
+    ref: Any = field(compare=False, repr=False)
+
+
+def unavailable_error(actor: Actor, method: str, *, timeout: float | None = None,
+                      cause: BaseException | None = None) -> Exception:
+    """The ``BackendUnavailableError`` for a call to ``actor`` that died, was
+    unreachable, or missed its ``timeout``: one wording for every transport."""
+    from nemo_ckpt.errors import BackendUnavailableError
+
+    coordinator = actor.kind == COORDINATOR
+    who = "the nemo-ckpt coordinator" if coordinator else f"holder {actor.name}"
+    if timeout is not None:
+        return BackendUnavailableError(
+            f"{who} did not finish {method} within {timeout:.1f}s; it is overloaded or its "
+            f"node is unreachable; retry")
+    what = f" ({type(cause).__name__})" if cause is not None else ""
+    consequence = ("holders resume by their lease; retry" if coordinator else
+                   "its node or process died; its sessions are lost and their rollouts "
+                   "restart")
+    return BackendUnavailableError(f"{who} is unreachable during {method}{what}; {consequence}")
+
+
+class Transport(Protocol):
+    """Finds, creates, calls and kills the actors of one namespace."""
+
+    @property
+    def runtime(self) -> Runtime:
+        """The clock, metrics and blocking-work runner of the process that holds this."""
+        ...
+
+    @property
+    def namespace(self) -> str:
+        ...
+
+    def local_node(self) -> str:
+        """The id of the node this process runs on."""
+        ...
+
+    def alive_nodes(self) -> list[str]:
+        """The ids of the nodes alive now."""
+        ...
+
+    def coordinator(self) -> Actor:
+        """The namespace's coordinator, created beside this process if there is none."""
+        ...
+
+    def holders(self) -> dict[str, Actor]:
+        """Every holder registered in the namespace, by instance id (dead ones may still
+        be listed briefly; calls to them fail as unavailable)."""
+        ...
+
+    def holder(self, instance_id: str) -> Actor | None:
+        """The holder of ``instance_id``, or None if there is none."""
+        ...
+
+    def create_holder(self, instance_id: str, node_id: str, options: dict[str, Any]) -> Actor:
+        """Start the holder of ``instance_id`` on ``node_id`` (or return the one that
+        exists). ``options`` are the ``SessionHolder`` keyword arguments."""
+        ...
+
+    def call(self, actor: Actor, method: str, *args: Any,
+             timeout: float | None = None) -> Awaitable[Any]:
+        """Send ``actor.method(*args)`` now and return its result's awaitable (see the
+        module's error contract). The call is sent even if the awaitable is never
+        awaited or its awaiting task is cancelled."""
+        ...
+
+    def send(self, actor: Actor, method: str, *args: Any) -> None:
+        """Send ``actor.method(*args)`` and forget it: its result and errors are dropped."""
+        ...
+
+    def kill(self, actor: Actor) -> None:
+        """Kill ``actor``; its state is lost."""
+        ...
+
+    def kill_namespace(self) -> None:
+        """Kill the coordinator and every holder of the namespace."""
+        ...
