@@ -1,0 +1,1055 @@
+"""The deterministic simulation: many seeded schedules of the real driver, coordinator and
+holders, with environment workers running turns, RL's ledger and barrier, retire, a
+crash and restore, a second driver, and faults at any await; invariants after each.
+
+Each schedule is a pure function of its seed (``nemo_ckpt.testing.sim``: virtual time, a
+seeded transport that delivers an actor's calls in a seeded order, pickled messages,
+real files in a temporary folder). Faults: actors killed (holders, the coordinator, the
+driver, workers, whole nodes), the driver's operation and workers' rollouts cancelled,
+clocks jumping past leases, shard and manifest writes failing or torn by a death
+mid-write, shard reads slower than a lease, cuts that do not match (caught inside the
+block or not), an exception inside ``restored()``.
+
+    .venv/bin/python -m tests.simulation                  # 10,000 schedules on 2 processes
+    .venv/bin/python -m tests.simulation --replay SEED    # one schedule, with its trace
+
+A violation prints its seed and the replay command. The run re-executes itself with
+``PYTHONHASHSEED=0``, so a replay iterates sets exactly as the failing run did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    LeaseExpiredError,
+    NemoCkptError,
+    SnapshotMismatchError,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.phases import HolderState
+from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
+from nemo_ckpt.sessions import SessionClient, SessionRecord
+from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot
+from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.testing.sim import SimActor, SimWorld
+from nemo_ckpt.transport import COORDINATOR, HOLDER
+
+CONFIG = CheckpointConfig(namespace="sim", drain_timeout_s=1.0, lease_s=6.0,
+                          phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=10.0)
+REPLAY = ".venv/bin/python -m tests.simulation --replay {seed}"
+
+
+class InjectedError(Exception):
+    """Raised by the simulation inside a block, as RL's own failure would be."""
+
+
+# Faults aimed at a phase boundary: kill the actor a call arrives at, kill an actor right
+# after a file operation returns, cancel the driver's operation as it sends a call.
+TRIGGERS = {
+    "kill_at": ["begin", "start_persist", "finish_persist", "resume", "renew_lease",
+                "prepare_restore", "commit_restore", "abort_restore", "abort",
+                "begin_snapshot", "start_writes", "commit_snapshot", "abort_snapshot",
+                "renew"],
+    "kill_after_io": ["write_shard", "write_manifest", "read_shard", "read_manifest",
+                      "remove_snapshot_files", "remove_unreferenced_files"],
+    "cancel_at": ["begin_snapshot", "start_writes", "commit_snapshot", "renew",
+                  "prepare_restore", "commit_restore"],
+}
+# How long after an operation ended a holder may still be paused for it (its abort or
+# resume in flight): well under a lease, so a stuck pause is seen before it lapses.
+GRACE_S = 1.0
+
+
+# --- the plan of one schedule ----------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    seed: int
+    nodes: int
+    rollouts_per_node: int
+    turns: int
+    ops: list[str]  # "snap:A", "snap:B", "restore"
+    faults: list[tuple[float, str]]  # (when, kind)
+    triggers: list[tuple[str, str, int]]  # (kind, method or function, at its n-th call)
+    second_driver: list[float]  # when a second driver in the namespace snapshots
+    io_fail: float
+    io_tear: float
+    slow_reads: bool
+    bad_cut: float
+    catch_mismatch: bool
+    raise_in_restore: bool
+
+    @classmethod
+    def make(cls, seed: int) -> Plan:
+        rng = random.Random(f"plan-{seed}")
+        ops = [rng.choice(["snap:A", "snap:A", "snap:B"]) for _ in range(rng.randint(2, 5))]
+        if rng.random() < 0.5:  # after two snapshots, so that one has likely committed
+            ops.insert(rng.randint(2, len(ops)), "restore")
+        kinds = ["kill_holder", "kill_coordinator", "cancel_op", "cancel_op", "kill_driver",
+                 "cancel_rollout", "cancel_rollout", "kill_worker", "clock_jump_holder",
+                 "clock_jump_coordinator", "kill_node"]
+        faults = sorted((round(rng.uniform(0.2, 9.0), 3), rng.choice(kinds))
+                        for _ in range(rng.choice([0, 1, 1, 2, 2, 3])))
+        triggers = []
+        for _ in range(rng.choice([0, 0, 1, 1, 2])):
+            kind = rng.choice(sorted(TRIGGERS))
+            triggers.append((kind, rng.choice(TRIGGERS[kind]), rng.randint(1, 3)))
+        return cls(
+            seed=seed, nodes=rng.choice([2, 3]), rollouts_per_node=rng.randint(1, 3),
+            turns=rng.randint(2, 5), ops=ops, faults=faults, triggers=triggers,
+            second_driver=sorted(round(rng.uniform(0.2, 6.0), 3)
+                                 for _ in range(rng.choice([0, 0, 0, 0, 1, 2]))),
+            io_fail=rng.choice([0.0, 0.0, 0.0, 0.15]),
+            io_tear=rng.choice([0.0, 0.0, 0.0, 0.0, 0.1]),
+            slow_reads=rng.random() < 0.15,
+            bad_cut=rng.choice([0.0, 0.0, 0.25]),
+            catch_mismatch=rng.random() < 0.5,
+            raise_in_restore=rng.random() < 0.15,
+        )
+
+
+# --- RL's side: ledger, staging rows, barrier, saves ------------------------------------
+
+
+@dataclass
+class Saved:
+    snapshot_id: str
+    expected: dict[str, frozenset[Ep]]
+    rows: frozenset[str]
+    finished: frozenset[str]
+
+
+class SimRL:
+    """RL's ledger and data plane, as the contract assumes them: a dispatch is recorded
+    before the session opens, rows are written inside turns, and the barrier freezes
+    both while a cut is live."""
+
+    def __init__(self) -> None:
+        self.expected: dict[str, set[Ep]] = defaultdict(set)
+        self.where: dict[str, tuple[str, Ep]] = {}  # rollout -> (instance, episode)
+        self.rows: set[str] = set()
+        self.finished: set[str] = set()
+        self.unfrozen = asyncio.Event()
+        self.unfrozen.set()
+        self.lock = asyncio.Lock()  # snapshots vs. finish + retire
+        self.saves: dict[str, Saved] = {}  # committed with the environment's snapshot
+
+    async def dispatch(self, instance: str, ep: Ep) -> None:
+        await self.unfrozen.wait()
+        self.expected[instance].add(ep)
+        self.where[ep.rollout_id] = (instance, ep)
+
+    async def write_row(self, key: str) -> None:
+        await self.unfrozen.wait()
+        self.rows.add(key)
+
+    def finish(self, rollout_id: str) -> None:
+        instance, ep = self.where.pop(rollout_id)
+        self.expected[instance].discard(ep)
+        self.finished.add(rollout_id)
+
+    @contextlib.asynccontextmanager
+    async def checkpoint(self) -> AsyncIterator[StaticCut]:
+        self.unfrozen.clear()
+        cut = StaticCut({i: set(eps) for i, eps in self.expected.items()}, set(self.rows))
+        try:
+            yield cut
+        finally:
+            cut.expire()
+            self.unfrozen.set()
+
+    def state(self, snapshot_id: str) -> Saved:
+        return Saved(snapshot_id, {i: frozenset(e) for i, e in self.expected.items()},
+                     frozenset(self.rows), frozenset(self.finished))
+
+
+# --- the schedule -------------------------------------------------------------------------
+
+
+@dataclass
+class OpRecord:
+    driver: str
+    kind: str
+    path: str
+    start: float
+    op_id: str | None = None
+    end: float | None = None
+    outcome: str = "running"
+    check_failed: bool = False
+
+
+@dataclass
+class Result:
+    seed: int
+    violations: list[str]
+    faults: int
+    trace: list[str] = field(default_factory=list)
+
+
+class Driver:
+    """One RL controller process: a pseudo-actor with its own RayEnvironmentCheckpoint."""
+
+    def __init__(self, sim: Schedule, name: str) -> None:
+        self.actor = sim.world.new_actor("driver", name, "node-0")
+        self.ckpt = RayEnvironmentCheckpoint(CONFIG, sim.world.transport(self.actor, CONFIG))
+        self.name = name
+        self.op_task: asyncio.Task[Any] | None = None
+        self.record: OpRecord | None = None  # the operation it runs now
+        sim.drivers[self.actor] = self
+
+
+class Schedule:
+    def __init__(self, seed: int, root: Path, tracing: bool = False) -> None:
+        self.seed = seed
+        self.plan = Plan.make(seed)
+        self.world = SimWorld(seed, self.plan.nodes)
+        self.root = root
+        self.rl = SimRL()
+        self.tracing = tracing
+        self.trace: list[str] = []
+        self.violations: list[str] = []
+        self.faults = 0
+        self.ops: list[OpRecord] = []
+        self.committed: dict[str, list[str]] = defaultdict(list)  # path -> ids seen committed
+        self.failed_checks: set[str] = set()
+        self.driver: Driver | None = None
+        self.workers: dict[str, SimActor] = {}  # instance -> worker pseudo-actor
+        self.rollout_tasks: dict[str, asyncio.Task[Any]] = {}  # capture key -> its task
+        self.rollout_worker: dict[str, SimActor] = {}  # capture key -> worker
+        self.stop = False
+        self.rng = random.Random(f"run-{seed}")
+        self.fired: list[tuple[float, str]] = []
+        self.drivers: dict[SimActor, Driver] = {}
+        self._restart: list[tuple[str, Ep]] = []
+        self.triggered: dict[tuple[str, str], int] = defaultdict(int)
+        self.paused_since: dict[tuple[int, str], float] = {}
+        self.paused_reported: set[tuple[int, str]] = set()
+        self.begin_delivered: dict[tuple[int, str], float] = {}
+        self.end_delivered: dict[tuple[int, str], float] = {}
+        self._install_io_faults()
+        self.world.on_send = self._on_send
+        self.world.on_deliver = self._on_deliver
+        self.world.after_io = self._after_io
+
+    def _trigger(self, kind: str, method: str) -> bool:
+        """Whether a planned trigger fires now (each fires once, at its n-th call)."""
+        for k, m, nth in self.plan.triggers:
+            if k == kind and m == method:
+                self.triggered[(k, m)] += 1
+                if self.triggered[(k, m)] == nth:
+                    self.faults += 1
+                    self.fired.append((self.now(), f"{kind}:{method}"))
+                    return True
+        return False
+
+    def _on_deliver(self, target: SimActor, method: str, args: tuple[Any, ...]) -> None:
+        if target.kind == HOLDER and args and isinstance(args[0], str):
+            if method in ("begin", "pause", "prepare_restore"):
+                self.begin_delivered.setdefault((target.serial, args[0]), self.now())
+            elif method in ("resume", "abort_restore", "abort", "finish"):
+                self.end_delivered.setdefault((target.serial, args[0]), self.now())
+        if self._trigger("kill_at", method):
+            self.log(f"fault: {target} is killed as {method} arrives")
+            self.world.kill(target)
+
+    def _after_io(self, actor: SimActor, name: str) -> None:
+        if actor.kind in (HOLDER, COORDINATOR) and self._trigger("kill_after_io", name):
+            self.log(f"fault: {actor} is killed right after {name}")
+            self.world.kill(actor)
+
+    def _on_send(self, caller: SimActor, callee: SimActor, method: str,
+                 args: tuple[Any, ...]) -> None:
+        """Learn each operation's id from the first message its driver sends."""
+        driver = self.drivers.get(caller)
+        if driver is None:
+            return
+        if driver.record is not None and driver.record.op_id is None \
+                and method in ("begin_snapshot", "prepare_restore") and args:
+            driver.record.op_id = args[0]
+            self.log(f"{driver.name} {driver.record.kind} {args[0]} "
+                     f"({Path(driver.record.path).name})")
+        task = driver.op_task
+        if task is not None and not task.done() and self._trigger("cancel_at", method):
+            self.log(f"fault: {driver.name}'s operation is cancelled as it sends {method}")
+            self.world.loop.call_later(self.rng.uniform(0.0, 0.02), task.cancel)
+
+    # --- bookkeeping -----------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self.world.loop.time()
+
+    def log(self, message: str) -> None:
+        if self.tracing:
+            self.trace.append(f"{self.now():9.4f}  {message}")
+
+    def violate(self, message: str) -> None:
+        self.violations.append(f"t={self.now():.4f}: {message}")
+        self.log(f"VIOLATION {message}")
+
+    def _install_io_faults(self) -> None:
+        plan = self.plan
+        rng = self.rng
+
+        def decide(name: str, args: tuple[Any, ...]) -> str | None:
+            if name == "write_shard":
+                if rng.random() < plan.io_fail:
+                    self.faults += 1
+                    self.log("fault: a shard write fails")
+                    return "fail"
+                if rng.random() < plan.io_tear:
+                    self.faults += 1
+                    self.log("fault: a holder dies in the middle of its shard write")
+                    return "tear"
+            if name == "write_manifest" and rng.random() < plan.io_fail / 2:
+                self.faults += 1
+                self.log("fault: the manifest write fails")
+                return "fail"
+            return None
+
+        def cost(name: str) -> float:
+            if name == "read_shard" and plan.slow_reads:
+                return CONFIG.lease_s * rng.uniform(1.2, 2.0)
+            if name == "write_shard":
+                return rng.uniform(0.002, 0.05)
+            return 0.001
+
+        self.world.io_faults = decide
+        self.world.io_cost = cost
+
+    def killed_since(self, start: float, kinds: Iterable[str]) -> bool:
+        kinds = set(kinds)
+        return any(t > start and a.kind in kinds for t, a in self.world.kills)
+
+    # --- inspection (in-process, not through the transport) ---------------------------------
+
+    async def _ask(self, actor: SimActor, method: str, *args: Any) -> Any:
+        """Call a holder's method in-process, as a task of the holder (whatever it
+        starts dies with it)."""
+        return await self.world.spawn(actor, getattr(actor.obj, method)(*args))
+
+    async def holder_infos(self) -> list[Any]:
+        return [await self._ask(a, "info") for a in self.world.live(HOLDER)]
+
+    async def live_sessions(self) -> dict[str, list[SessionRecord]]:
+        return {a.name: await self._ask(a, "sessions") for a in self.world.live(HOLDER)}
+
+    # --- the run -------------------------------------------------------------------------------
+
+    def run(self) -> Result:
+        loop = self.world.loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception as exc:  # a crash of the harness or the code under test
+            self.violate(f"the schedule crashed: {type(exc).__name__}: {exc}")
+        finally:
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(asyncio.sleep(0))
+            loop.close()
+        return Result(self.seed, self.violations, self.faults, self.trace)
+
+    async def _main(self) -> None:
+        self.driver = Driver(self, "driver-1")
+        await self.driver.ckpt.ensure_holders()
+        await self._start_workers(fresh=True)
+        injector = asyncio.ensure_future(self._inject_faults())
+        monitor = asyncio.ensure_future(self._monitor())
+        seconds = [asyncio.ensure_future(self._second_driver(t, k))
+                   for k, t in enumerate(self.plan.second_driver)]
+        await self._drive()
+        injector.cancel()
+        for task in seconds:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, CONFIG.lease_s * 3)
+        await self._stop_workers()
+        await self._check_settled()
+        monitor.cancel()
+        await asyncio.sleep(CONFIG.lease_s * 2 + (CONFIG.turn_timeout_s or 0) + 1)
+        await self._check_final()
+
+    # --- the driver's script ---------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        for op in self.plan.ops:
+            await asyncio.sleep(self.rng.uniform(0.3, 1.8))
+            driver = await self._current_driver()
+            if driver is None:
+                return
+            if op == "restore":
+                await self._crash_and_restore()
+                continue
+            path = str(self.root / op.split(":")[1])
+            task = self.world.spawn(driver.actor, self._snapshot(driver, path, checked=True))
+            driver.op_task = task
+            with contextlib.suppress(BaseException):
+                await task
+            driver.op_task = None
+
+    async def _current_driver(self) -> Driver | None:
+        """The live main driver; after a driver's death a successor starts (a restarted
+        controller of the same job)."""
+        if self.driver is not None and self.driver.actor.alive:
+            return self.driver
+        await asyncio.sleep(self.rng.uniform(0.1, 2.0))
+        self.driver = Driver(self, f"driver-{len(self.world.actors)}")
+        self.log(f"{self.driver.name} starts (successor)")
+        return self.driver
+
+    async def _snapshot(self, driver: Driver, path: str, checked: bool) -> None:
+        record = OpRecord(driver.name, "snapshot", path, self.now())
+        self.ops.append(record)
+        driver.record = record
+        ckpt = driver.ckpt
+        bad = checked and self.rng.random() < self.plan.bad_cut
+        saved = None
+        try:
+            async with self._maybe_lock(checked):
+                async with ckpt.snapshot(Path(path)) as snap:
+                    if checked:
+                        async with self.rl.checkpoint() as cut:
+                            if snap is not None:
+                                if bad:
+                                    cut = self._corrupt(cut)
+                                try:
+                                    await snap.check_against_cut(cut)
+                                except SnapshotMismatchError:
+                                    record.check_failed = True
+                                    assert record.op_id is not None
+                                    self.failed_checks.add(record.op_id)
+                                    self.log(f"check of {record.op_id} failed (caught: "
+                                             f"{self.plan.catch_mismatch and bad})")
+                                    if not (self.plan.catch_mismatch and bad):
+                                        raise
+                            saved = self.rl.state(record.op_id or "?")
+                    await asyncio.sleep(self.rng.uniform(0.0, 1.5))  # RL saves its half
+            record.outcome = "committed"
+            if saved is not None:
+                self.rl.saves[path] = saved
+            self.committed[path].append(record.op_id or "?")
+            self.log(f"{record.op_id} committed")
+            self._check_commit(record)
+        except BaseException as exc:
+            record.outcome = type(exc).__name__
+            self.log(f"{record.op_id} failed: {type(exc).__name__}: {_short(exc)}")
+            if not isinstance(exc, asyncio.CancelledError):
+                self._check_error_kind(exc, f"snapshot {record.op_id}")
+                await self._check_failed_snapshot(record, exc)
+            if not isinstance(exc, (Exception, asyncio.CancelledError)):
+                raise
+        finally:
+            record.end = self.now()
+            driver.record = None
+
+    @contextlib.asynccontextmanager
+    async def _maybe_lock(self, take: bool) -> AsyncIterator[None]:
+        if take:
+            async with self.rl.lock:
+                yield
+        else:
+            yield
+
+    def _corrupt(self, cut: StaticCut) -> StaticCut:
+        """A cut RL could not have taken with this capture: a row or an episode missing."""
+        self.faults += 1
+        expected = {i: set(e) for i, e in cut.expected_episodes().items()}
+        rows = set(cut.staging_keys())
+        if rows and self.rng.random() < 0.5:
+            rows.discard(sorted(rows)[self.rng.randrange(len(rows))])
+        else:
+            for eps in expected.values():
+                if eps:
+                    eps.discard(sorted(eps)[0])
+                    break
+            else:
+                rows.add("a-row-no-session-wrote")
+        self.log("fault: the cut does not match the capture")
+        return StaticCut(expected, rows)
+
+    async def _second_driver(self, at: float, k: int) -> None:
+        await asyncio.sleep(at)
+        driver = Driver(self, f"second-{k}")
+        self.log(f"{driver.name} starts")
+        task = self.world.spawn(driver.actor, self._snapshot(
+            driver, str(self.root / "C"), checked=False))
+        with contextlib.suppress(BaseException):
+            await task
+
+    # --- crash and restore -------------------------------------------------------------------
+
+    async def _crash_and_restore(self) -> None:
+        candidates = []
+        for path, saved in sorted(self.rl.saves.items()):
+            with contextlib.suppress(Exception):
+                if read_manifest(path).snapshot_id == saved.snapshot_id:
+                    candidates.append(path)
+        if not candidates:
+            return
+        path = self.rng.choice(candidates)
+        saved = self.rl.saves[path]
+        self.log(f"CRASH; restore from {Path(path).name} ({saved.snapshot_id})")
+        for worker in list(self.workers.values()):
+            self.world.kill(worker)
+        for actor in self.world.live(HOLDER) + self.world.live(COORDINATOR):
+            self.world.kill(actor)
+        if self.driver is not None:
+            self.world.kill(self.driver.actor)
+        self.rollout_tasks.clear()
+        loaded = read_snapshot(path)
+        # RL's half, restored inside restored(): every unfinished rollout of the cut either
+        # continues (captured) or starts over as its next attempt.
+        self.rl = SimRL()
+        driver = Driver(self, f"driver-{len(self.world.actors)}")
+        self.driver = driver
+        record = OpRecord(driver.name, "restore", path, self.now())
+        self.ops.append(record)
+        driver.record = record
+        raise_inside = self.plan.raise_in_restore and self.rng.random() < 0.5
+        task = self.world.spawn(driver.actor, self._restore(driver, path, raise_inside))
+        driver.op_task = task
+        try:
+            restored = await task
+        except BaseException as exc:
+            record.outcome = type(exc).__name__
+            self.log(f"restore {record.op_id} failed: {type(exc).__name__}: {_short(exc)}")
+            if not isinstance(exc, asyncio.CancelledError):
+                if not isinstance(exc, InjectedError):
+                    self._check_error_kind(exc, f"restore {record.op_id}")
+                await self._check_failed_restore(record, loaded)
+            if isinstance(exc, (BackendUnavailableError, InjectedError)) \
+                    and driver.actor.alive:
+                # Retry once, as RL does after an unavailable backend.
+                self.log("retrying the restore")
+                retry = self.world.spawn(driver.actor, self._restore(driver, path, False))
+                try:
+                    restored = await retry
+                except BaseException as again:
+                    self.log(f"retry failed: {type(again).__name__}: {_short(again)}")
+                    if isinstance(again, BackendUnavailableError) or \
+                            self.killed_since(record.start, (COORDINATOR, "driver", HOLDER)):
+                        return
+                    self.violate(f"the retry of a failed restore failed: "
+                                 f"{type(again).__name__}: {_short(again)}")
+                    return
+            else:
+                return
+        finally:
+            record.end = self.now()
+            driver.op_task = None
+            driver.record = None
+        record.outcome = "committed"
+        await self._check_restored(restored, loaded)
+        self._apply_restore(saved, restored)
+        await self._start_workers(fresh=False, restored=restored)
+
+    async def _restore(self, driver: Driver, path: str, raise_inside: bool) -> Any:
+        async with driver.ckpt.restored(Path(path)) as restored:
+            if raise_inside:
+                self.faults += 1
+                self.log("fault: RL's restore raises inside restored()")
+                raise InjectedError("RL's own restore failed")
+            return restored
+
+    def _apply_restore(self, saved: Saved, restored: Any) -> None:
+        continued = {(i, r): a for i, r, a in restored.continued_attempts}
+        for instance, eps in saved.expected.items():
+            for ep in eps:
+                nxt = ep.next_attempt()
+                self.rl.expected[instance].add(nxt)
+                self.rl.where[ep.rollout_id] = (instance, nxt)
+                if (instance, ep.rollout_id) not in continued:
+                    self.rl.expected[instance].discard(nxt)  # re-dispatched by its worker
+                    del self.rl.where[ep.rollout_id]
+                    self._restart.append((instance, nxt))
+        self.rl.rows = set(saved.rows & restored.staging_keys)
+        self.rl.finished = set(saved.finished)
+
+    # --- workers ------------------------------------------------------------------------------
+
+    async def _start_workers(self, fresh: bool, restored: Any = None) -> None:
+        driver = self.driver
+        assert driver is not None
+        infos = None
+        for _ in range(5):  # the coordinator may be dying: RL retries, as is_unavailable says
+            with contextlib.suppress(BackendUnavailableError):
+                infos = await driver.ckpt.holders()
+                break
+            await asyncio.sleep(1.0)
+        if infos is None:
+            return
+        self.workers = {}
+        for info in infos:
+            worker = self.world.new_actor("worker", f"worker-{info.instance_id}",
+                                          info.node_id)
+            self.workers[info.instance_id] = worker
+        if fresh:
+            self._restart = []
+            for info in infos:
+                for k in range(self.plan.rollouts_per_node):
+                    ep = Ep(f"{info.instance_id}-r{k}", 0)
+                    self._spawn_rollout(info.instance_id, ep, 0, True)
+            return
+        assert restored is not None
+        sessions = await self.live_sessions()
+        for instance, rollout_id, attempt in sorted(restored.continued_attempts):
+            ep = Ep(rollout_id, attempt + 1)
+            turns = next((len(s.turns) for s in sessions.get(instance, [])
+                          if s.episode == ep), 0)
+            self._spawn_rollout(instance, ep, turns, False)
+        for instance, ep in self._restart:
+            self._spawn_rollout(instance, ep, 0, True)
+        self._restart = []
+
+    def _spawn_rollout(self, instance: str, ep: Ep, start: int, fresh: bool) -> None:
+        worker = self.workers.get(instance)
+        if worker is None:
+            return
+        task = self.world.spawn(worker, self._rollout(worker, instance, ep, start, fresh))
+        self.rollout_tasks[ep.capture_key] = task
+        self.rollout_worker[ep.capture_key] = worker
+
+    async def _rollout(self, worker: SimActor, instance: str, ep: Ep, start: int,
+                       fresh: bool) -> None:
+        transport = self.world.transport(worker, CONFIG)
+        try:
+            await asyncio.sleep(self.rng.uniform(0.0, 0.5))
+            handle = transport.holder(instance)
+            if handle is None:
+                return
+            client = SessionClient(handle, transport)
+            if fresh:
+                await self.rl.dispatch(instance, ep)
+                await client.open(ep, f"{ep.rollout_id}:0".encode())
+            for t in range(start, self.plan.turns):
+                if self.stop:
+                    return
+                async with client.turn(ep) as turn:
+                    await asyncio.sleep(self.rng.uniform(0.05, 0.6))
+                    key = f"{ep.capture_key}/row{t}"
+                    await self.rl.write_row(key)
+                    turn.complete(f"t{t}".encode(), f"{ep.rollout_id}:{t + 1}".encode(), [key])
+                await asyncio.sleep(self.rng.uniform(0.0, 0.2))
+            await self._finish(instance, ep)
+        except Exception as exc:
+            self.log(f"rollout {ep.capture_key} gives up: {type(exc).__name__}: {_short(exc)}")
+            self._check_error_kind(exc, f"a session call of {ep.capture_key}")
+
+    async def _finish(self, instance: str, ep: Ep) -> None:
+        """RL records the result and retires the attempt, under the snapshots' lock."""
+        for _ in range(20):
+            driver = self.driver
+            if driver is not None and driver.actor.alive and driver.ckpt.open_operation is None:
+                async with self.rl.lock:
+                    if driver.ckpt.open_operation is None:
+                        try:
+                            await driver.ckpt.retire([ep])
+                        except NemoCkptError as exc:
+                            self.log(f"retire {ep.capture_key}: {type(exc).__name__}")
+                        else:
+                            if ep.rollout_id in self.rl.where:
+                                self.rl.finish(ep.rollout_id)
+                            return
+            await asyncio.sleep(self.rng.uniform(0.2, 1.0))
+
+    async def _stop_workers(self) -> None:
+        self.stop = True
+        tasks = [t for t in self.rollout_tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=CONFIG.lease_s + 5)
+        for key, task in self.rollout_tasks.items():
+            if not task.done():
+                self.log(f"stopping rollout {key} (cancelled)")
+                task.cancel()
+        await asyncio.sleep(CONFIG.phase_timeout_s)
+
+    # --- faults -------------------------------------------------------------------------------
+
+    async def _inject_faults(self) -> None:
+        start = self.now()
+        for at, kind in self.plan.faults:
+            await asyncio.sleep(max(0.0, start + at - self.now()))
+            if self._fault(kind):
+                self.faults += 1
+                self.fired.append((self.now(), kind))
+
+    def _fault(self, kind: str) -> bool:
+        world, rng = self.world, self.rng
+        if kind == "kill_holder" and world.live(HOLDER):
+            victim = rng.choice(world.live(HOLDER))
+        elif kind == "kill_coordinator" and world.live(COORDINATOR):
+            victim = world.live(COORDINATOR)[0]
+        elif kind == "kill_driver" and self.driver is not None and self.driver.actor.alive:
+            victim = self.driver.actor
+        elif kind == "kill_worker" and [w for w in self.workers.values() if w.alive]:
+            victim = rng.choice([w for w in self.workers.values() if w.alive])
+        elif kind == "kill_node":
+            nodes = [n for n in world.alive_nodes() if n != "node-0"]
+            if not nodes:
+                return False
+            node = rng.choice(nodes)
+            self.log(f"fault: node {node} dies")
+            world.kill_node(node)
+            return True
+        elif kind == "cancel_op":
+            driver = self.driver
+            if driver is None or driver.op_task is None or driver.op_task.done():
+                return False
+            self.log(f"fault: {driver.name}'s operation is cancelled")
+            driver.op_task.cancel()
+            return True
+        elif kind == "cancel_rollout":
+            running = sorted(k for k, t in self.rollout_tasks.items() if not t.done())
+            if not running:
+                return False
+            key = rng.choice(running)
+            self.log(f"fault: rollout {key} is cancelled")
+            self.rollout_tasks[key].cancel()
+            return True
+        elif kind in ("clock_jump_holder", "clock_jump_coordinator"):
+            actors = world.live(HOLDER if kind == "clock_jump_holder" else COORDINATOR)
+            if not actors:
+                return False
+            actor = rng.choice(actors)
+            jump = CONFIG.lease_s * rng.uniform(1.0, 1.5)
+            actor.clock_offset += jump
+            self.log(f"fault: {actor}'s clock jumps {jump:.1f}s")
+            return True
+        else:
+            return False
+        self.log(f"fault: {victim} is killed")
+        world.kill(victim)
+        return True
+
+    # --- invariants ---------------------------------------------------------------------------
+
+    def _check_commit(self, record: OpRecord) -> None:
+        """A snapshot the driver saw commit is the manifest at its path, complete."""
+        try:
+            loaded = read_snapshot(record.path)
+        except Exception as exc:
+            self.violate(f"{record.op_id} committed but its snapshot does not verify: "
+                         f"{type(exc).__name__}: {_short(exc)}")
+            return
+        if loaded.manifest.snapshot_id != record.op_id:
+            self.violate(f"{record.op_id} committed but {Path(record.path).name}'s manifest "
+                         f"names {loaded.manifest.snapshot_id}")
+        if record.check_failed:
+            self.violate(f"{record.op_id} committed although its check against the cut failed")
+
+    async def _check_failed_snapshot(self, record: OpRecord, exc: BaseException) -> None:
+        """A failed snapshot resumed every holder before its error reached the driver."""
+        if self.killed_since(record.start, (COORDINATOR, "driver")):
+            return
+        paused = []
+        for actor in self.world.live(HOLDER):
+            info = await self._ask(actor, "info")
+            if info.operation_id == record.op_id and info.state is not HolderState.RUNNING:
+                paused.append(info.instance_id)
+                self.paused_reported.add((actor.serial, info.operation_id))
+        if paused:
+            self.violate(f"{record.op_id} failed ({type(exc).__name__}) but left {paused} "
+                         f"paused for it")
+        if isinstance(exc, LeaseExpiredError) and not self._stalled(record):
+            self.violate(f"{record.op_id} lost its lease although nothing stalled its renewals")
+
+    def _stalled(self, record: OpRecord) -> bool:
+        """Whether a fault could have stopped the lease renewals of ``record``."""
+        end = record.end if record.end is not None else self.now()
+        return any(record.start <= at <= end and (
+            kind.startswith(("clock_jump", "cancel")) or kind in ("kill_coordinator",
+                                                                  "kill_driver"))
+            for at, kind in self.fired) \
+            or any(record.start - CONFIG.lease_s <= at <= end
+                   for at, _ in self.world.slow_links) \
+            or self.killed_since(record.start, (COORDINATOR, "driver"))
+
+    def _check_error_kind(self, exc: BaseException, what: str) -> None:
+        """Every failure the runtime reports is one of its own error classes."""
+        if not isinstance(exc, NemoCkptError):
+            self.violate(f"{what} raised {type(exc).__name__}, not a nemo-ckpt error: "
+                         f"{_short(exc)}")
+
+    async def _check_failed_restore(self, record: OpRecord, loaded: Any) -> None:
+        """A failed restore left nothing it restored live: all or nothing."""
+        if self.killed_since(record.start, ("driver",)):
+            return
+        restored = {r.continued().episode for recs in loaded.sessions.values() for r in recs}
+        live = [f"{i}/{s.episode.capture_key}" for i, ss in (await self.live_sessions()).items()
+                for s in ss if s.episode in restored]
+        if live:
+            self.violate(f"restore {record.op_id} failed but left {sorted(live)} live: not "
+                         f"all or nothing")
+        if self.plan.slow_reads and not self._stalled(record) and \
+                record.outcome in ("LeaseExpiredError", "StaleSnapshotError"):
+            self.violate(f"restore {record.op_id} lost its lease during a long read although "
+                         f"renewals kept coming")
+
+    async def _check_restored(self, restored: Any, loaded: Any) -> None:
+        """Restored sessions equal what was captured, each as its next attempt."""
+        sessions = await self.live_sessions()
+        for instance, records in loaded.sessions.items():
+            if instance not in sessions:
+                continue  # its holder died since (lost with its node)
+            live = {s.episode: s for s in sessions.get(instance, [])}
+            for record in records:
+                want = record.continued()
+                got = live.get(want.episode)
+                if got != want:
+                    self.violate(f"restored {instance}/{want.episode.capture_key} is {got}, "
+                                 f"captured {want}")
+        want_attempts = {(i, r.episode.rollout_id, r.episode.attempt)
+                         for i, recs in loaded.sessions.items() for r in recs}
+        if set(restored.continued_attempts) != want_attempts:
+            self.violate("restored.continued_attempts differs from the snapshot's sessions")
+        self._check_one_live_session_per_rollout(sessions)
+
+    def _check_one_live_session_per_rollout(self,
+                                            sessions: dict[str, list[SessionRecord]]) -> None:
+        where: dict[str, list[str]] = defaultdict(list)
+        for instance, records in sessions.items():
+            for s in records:
+                where[s.episode.rollout_id].append(f"{instance}/{s.episode.capture_key}")
+        for rollout_id, places in sorted(where.items()):
+            if len(places) > 1:
+                self.violate(f"rollout {rollout_id} is live {len(places)} times: {places}")
+
+    async def _monitor(self) -> None:
+        """All along: no holder stays paused or restoring for an operation that has
+        ended, beyond the time its abort or resume takes to land, unless the process
+        that would end it (its driver or the coordinator) died."""
+        while True:
+            await asyncio.sleep(0.25)
+            now = self.now()
+            for actor in self.world.live(HOLDER):
+                info = await self._ask(actor, "info")
+                op_id = info.operation_id
+                if info.state is HolderState.RUNNING or op_id is None:
+                    continue
+                record = next((r for r in self.ops if r.op_id == op_id), None)
+                key = (actor.serial, op_id)
+                if record is None or record.end is None or self._exempt(op_id) \
+                        or key in self.paused_reported:
+                    continue
+                since = max(self.paused_since.setdefault(key, now), record.end)
+                if now - since <= GRACE_S:
+                    continue
+                self.paused_reported.add(key)
+                arrived = self.begin_delivered.get(key)
+                ended = self.end_delivered.get(key)
+                if arrived is not None and ended is not None and arrived > ended:
+                    self.violate(f"{info.instance_id} is {info.state.value} for {op_id}: "
+                                 f"its begin arrived after its abort or resume, and a late "
+                                 f"call paused it again")
+                elif record.outcome == "CancelledError":
+                    self.violate(f"{info.instance_id} is still {info.state.value} for "
+                                 f"{op_id} after its driver was cancelled")
+                else:
+                    self.violate(f"{op_id} failed ({record.outcome}) but left "
+                                 f"['{info.instance_id}'] {info.state.value} for it")
+
+    def _exempt(self, op_id: str | None) -> bool:
+        """A holder may stay paused for an operation until its lease lapses only when the
+        process that would abort it (its driver or the coordinator) died."""
+        record = next((r for r in self.ops if r.op_id == op_id), None)
+        if record is None:
+            return True  # an id no driver here made (a dead driver's late message)
+        return self.killed_since(record.start, (COORDINATOR, "driver"))
+
+    async def _check_settled(self) -> None:
+        """The drivers stopped and messages landed, well within a lease: no holder waits
+        for an operation that a live driver and coordinator could have ended, and no turn
+        is in flight for a worker that is still alive."""
+        for actor in self.world.live(HOLDER):
+            holder = actor.obj
+            for key in sorted(getattr(holder, "_turns", {})):
+                worker = self.rollout_worker.get(key)
+                if worker is not None and worker.alive:
+                    self.violate(f"{holder.instance_id} holds a turn of {key} in flight "
+                                 f"although its worker went away alive")
+
+    async def _check_final(self) -> None:
+        """Past every lease and turn deadline."""
+        for info in await self.holder_infos():
+            if info.state is not HolderState.RUNNING:
+                self.violate(f"{info.instance_id} is {info.state.value} for "
+                             f"{info.operation_id} past its lease")
+            if info.turns_in_flight:
+                self.violate(f"{info.instance_id} has {info.turns_in_flight} turn(s) in "
+                             f"flight past the turn deadline")
+        self._check_one_live_session_per_rollout(await self.live_sessions())
+        for path in sorted({r.path for r in self.ops}):
+            env = environment_dir(path)
+            if not (env / "manifest.json").exists():
+                if self.committed.get(path):
+                    self.violate(f"{Path(path).name}: committed {self.committed[path][-1]} "
+                                 f"but no manifest is there now")
+                continue
+            try:
+                loaded = read_snapshot(path)
+            except Exception as exc:
+                self.violate(f"{Path(path).name}: the manifest does not verify: "
+                             f"{type(exc).__name__}: {_short(exc)}")
+                continue
+            sid = loaded.manifest.snapshot_id
+            if sid in self.failed_checks:
+                self.violate(f"{Path(path).name}: {sid} is committed although its check "
+                             f"failed")
+            seen = self.committed.get(path, [])
+            if seen and seen[-1] != sid:
+                last = next(r for r in self.ops if r.op_id == seen[-1])
+                later = {r.op_id for r in self.ops if r.path == path and r.start > last.start}
+                if sid not in later:
+                    self.violate(f"{Path(path).name}: {seen[-1]} was committed last, but "
+                                 f"the manifest names {sid}")
+        for _, _, name, args, _ in self.world.io_log:
+            if name == "write_manifest":
+                data = args[1]
+                sid = json.loads(data)["snapshot_id"] if isinstance(data, bytes) else \
+                    data.snapshot_id
+                if sid in self.failed_checks:
+                    self.violate(f"a manifest was written for {sid}, whose check failed")
+
+
+# Which reviewed case (issue 11) a violation shows, by its wording.
+CASES = [
+    ("1 committed snapshot lost", ("does not verify", "but no manifest is there",
+                                   "was committed last, but")),
+    ("2 holders left paused by a failed operation", ("paused for it", "restoring for it")),
+    ("3 holders left paused by a cancelled driver", ("after its driver was cancelled",)),
+    ("4 orphan turn of a cancelled worker", ("although its worker went away alive",)),
+    ("5 restore left half-live", ("not all or nothing", "the retry of a failed restore")),
+    ("6 restore lost its lease during a long read", ("during a long read",)),
+    ("7 late begin paused a holder after its abort", ("a late call paused it again",)),
+    ("10 refused snapshot committed", ("check against the cut failed", "whose check failed",
+                                       "although its check failed")),
+]
+
+
+def case_of(violation: str) -> str:
+    for name, marks in CASES:
+        if any(m in violation for m in marks):
+            return name
+    return "other"
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).replace("\n", " ")
+    return text if len(text) < 200 else text[:197] + "..."
+
+
+# --- running many -----------------------------------------------------------------------------
+
+
+def _scratch_root() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="nemo-ckpt-sim-",
+                                 dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+
+
+def run_one(seed: int, tracing: bool = False) -> Result:
+    root = _scratch_root()
+    try:
+        return Schedule(seed, root, tracing).run()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_range(args: tuple[int, int]) -> tuple[int, int, list[Result]]:
+    _quiet()
+    first, count = args
+    faults = 0
+    bad = []
+    for seed in range(first, first + count):
+        result = run_one(seed)
+        faults += result.faults
+        if result.violations:
+            bad.append(result)
+    return count, faults, bad
+
+
+def _quiet() -> None:
+    logging.getLogger("nemo_ckpt").setLevel(logging.CRITICAL + 1)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
+
+
+def run_many(first: int, count: int, jobs: int) -> tuple[int, int, list[Result]]:
+    chunks = [(first + k, 1) for k in range(count)]
+    size = max(1, count // (jobs * 20))
+    chunks = [(first + k, min(size, count - k)) for k in range(0, count, size)]
+    total = faults = 0
+    bad: list[Result] = []
+    if jobs <= 1:
+        results = map(_run_range, chunks)
+        for n, f, b in results:
+            total, faults, bad = total + n, faults + f, bad + b
+        return total, faults, bad
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        for n, f, b in pool.imap_unordered(_run_range, chunks):
+            total, faults, bad = total + n, faults + f, bad + b
+    return total, faults, sorted(bad, key=lambda r: r.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedules", type=int, default=10_000)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--replay", type=int, metavar="SEED",
+                        help="run one schedule and print its trace")
+    args = parser.parse_args(argv)
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        os.execve(sys.executable, [sys.executable, "-m", "tests.simulation", *sys.argv[1:]],
+                  env)
+    _quiet()
+    if args.replay is not None:
+        result = run_one(args.replay, tracing=True)
+        print(f"schedule {args.replay}: {Plan.make(args.replay)}")
+        print("\n".join(result.trace))
+        for v in result.violations:
+            print(f"VIOLATION {v}")
+        print(f"simulation: 1 schedules, {result.faults} faults injected, "
+              f"{len(result.violations)} invariant violations")
+        return 1 if result.violations else 0
+    start = time.monotonic()
+    total, faults, bad = run_many(args.first_seed, args.schedules, args.jobs)
+    first: dict[str, tuple[int, int]] = {}  # case -> (first seed, schedules showing it)
+    for result in bad:
+        for case in sorted({case_of(v) for v in result.violations}):
+            seed, n = first.get(case, (result.seed, 0))
+            first[case] = (min(seed, result.seed), n + 1)
+    for case, (seed, n) in sorted(first.items()):
+        example = next(v for r in bad if r.seed == seed for v in r.violations
+                       if case_of(v) == case)
+        print(f"case {case}: first at seed {seed} ({seed - args.first_seed + 1} schedules), "
+              f"in {n} schedules: {example}")
+        print(f"  replay: {REPLAY.format(seed=seed)}")
+    violations = sum(len(r.violations) for r in bad)
+    print(f"simulation: {total} schedules, {faults} faults injected, {violations} invariant "
+          f"violations ({time.monotonic() - start:.1f}s, seeds {args.first_seed}.."
+          f"{args.first_seed + total - 1})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
