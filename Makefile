@@ -8,6 +8,10 @@ CONTRACT_CHECK := ../shared/tools/check_contract.py
 # Extra options for the demo, e.g. `make demo DEMO_ARGS='--nodes 4 --json demo.json'`.
 DEMO_ARGS ?=
 
+# The deterministic simulation's schedules per run (tests/simulation.py); a violation
+# prints its seed and the command that replays it.
+SIM_SCHEDULES ?= 10000
+
 .PHONY: test install demo
 
 install: $(STAMP)
@@ -23,6 +27,7 @@ test: $(STAMP)
 	@if [ -f $(CONTRACT_CHECK) ]; then $(PY) $(CONTRACT_CHECK); fi
 	$(VENV)/bin/ruff check nemo_ckpt actors tests examples
 	$(VENV)/bin/mypy
+	$(PY) -m tests.simulation --schedules $(SIM_SCHEDULES)
 	$(PY) -m pytest
 
 # The end-to-end turn-level recovery run on an embedded local Ray cluster.

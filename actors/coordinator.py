@@ -1,43 +1,63 @@
 """The checkpoint coordinator: one named actor that fans every phase out to the holders.
 
 It reaches the holders only through its ``Transport`` (``nemo_ckpt.transport``), so
-the same code runs as a Ray actor (``actors.ray_transport``) and in the simulation. It
-keeps no state between snapshots that a restart would lose: holders are found by
-name in the namespace, and a snapshot in progress when it dies is abandoned (the
-holders resume by their lease). Every fan-out runs concurrently, each call under a
-deadline; a holder that dies or misses its deadline surfaces as
-``BackendUnavailableError`` after every other holder has been resumed.
+the same code runs as a Ray actor (``actors.ray_transport``) and in the simulation.
 
-Call order for a snapshot (driven by ``RayEnvironmentCheckpoint.snapshot``)::
+Each snapshot or restore is one ``_Operation`` record: its kind, path, the holders (and
+their handles) it involves, its lease, its captures, its outcome. The record is closed
+in one place (``_close``), with one outcome kept in a bounded history, so a late or
+repeated call is answered with that outcome or refused; an operation whose driver
+stopped renewing is reaped when its lease lapses. A failure that several holders
+report carries each holder's error (``nemo_ckpt.errors.aggregate``).
 
-    begin_snapshot(id, path)   ensure holders; pause and capture all (one call each)
-    start_writes(id)           at the yield: every holder starts its write; the manifest's
-                               rollouts are encoded meanwhile (neither is waited for)
-    renew(id)                  every lease period while the caller's block runs
-    commit_snapshot(id, path)  wait for every shard; write manifest.json; resume all
-    abort_snapshot(id, path)   instead, on any failure: resume all; delete partial files
+The call order of a snapshot (driven by ``RayEnvironmentCheckpoint.snapshot``):
 
-and for a restore (driven by ``RayEnvironmentCheckpoint.restored``)::
+    1) (driver) renew(id)                   every renewal period, from the start to the
+                                            end, whatever phase is running
+    2) (driver) begin_snapshot(id, path)    claim the path; every holder pauses and
+                                            captures (one call each)
+    3) (driver) start_writes(id)            at the yield: every holder starts writing;
+                                            the manifest's rollouts are encoded meanwhile
+    4) (driver) commit_snapshot(id, path, metrics, restarted)
+                                            every shard durable, manifest.json written
+                                            last (the commit point), holders resumed,
+                                            the files it replaced removed
+    or abort(id, path) instead of 3-4, on any failure or cancellation; it answers
+    with the operation's outcome, which is "committed" if the commit won.
 
-    prepare_restore(id, path)  read manifest; place instances; holders verify shards
-    renew(id)
-    commit_restore(id) | abort_restore(id)
+and of a restore (driven by ``RayEnvironmentCheckpoint.restored``):
+
+    1) (driver) renew(id)                   as above
+    2) (driver) prepare_restore(id, path)   read the manifest; place every instance;
+                                            holders read and verify their shards; what
+                                            they read is checked against the manifest
+    3) (driver) commit_restore(id)          every holder makes its sessions live
+    or abort(id) instead of 3, or after a 3 that failed on some holder: the holders
+    that went live drop the restored sessions again (all or nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
+    LeaseExpiredError,
+    NemoCkptError,
+    OperationAbortedError,
     RestoreConflictError,
+    ShardCorruptedError,
+    StaleSnapshotError,
+    aggregate,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.manifest import (
@@ -46,18 +66,26 @@ from nemo_ckpt.manifest import (
     ShardEntry,
     encode_manifest,
     encode_rollouts,
+    rollouts_by_shard,
     shard_file_name,
+    shard_problems,
 )
+from nemo_ckpt.operations import HISTORY_SIZE, OperationHistory, Outcome
 from nemo_ckpt.phases import (
     CaptureReport,
     HolderInfo,
     PauseReport,
+    RestorePrepared,
     instance_sort_key,
 )
 from nemo_ckpt.storage import (
+    claim_path,
     environment_dir,
+    live_claims,
     prepare_environment_dir,
+    read_claims,
     read_manifest,
+    release_claim,
     remove_snapshot_files,
     remove_unreferenced_files,
     write_manifest,
@@ -102,6 +130,23 @@ class RestoreBegun:
     bytes_read: int
 
 
+@dataclass(eq=False)
+class _Operation:
+    """One snapshot or restore, from its first call to its outcome."""
+
+    id: str
+    kind: str  # "snapshot" or "restore"
+    path: str
+    started: float
+    lease_deadline: float
+    holders: dict[str, Actor] = field(default_factory=dict)  # instance -> handle
+    captures: tuple[CaptureReport, ...] | None = None
+    encoding: asyncio.Future[EncodedRollouts] | None = None
+    committing: bool = False
+    outcome: Outcome | None = None
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class CheckpointCoordinator:
     """Fans pause, snapshot and restore out to the session holders."""
 
@@ -111,15 +156,16 @@ class CheckpointCoordinator:
         self._runtime = transport.runtime
         self._clock = transport.runtime.clock
         self._metrics = transport.runtime.metrics
+        self._owner = f"{config.namespace}@{transport.cluster_id}"
         self._holders: dict[str, Actor] = {}  # instance id -> actor handle
         self._holder_nodes: dict[str, str] = {}  # instance id -> node id
-        self._ops: dict[str, list[str]] = {}  # snapshot/restore id -> instances taking part
-        self._started: dict[str, float] = {}  # snapshot/restore id -> monotonic start
-        self._captures: dict[str, tuple[CaptureReport, ...]] = {}  # snapshot id -> captures
+        self._ops: dict[str, _Operation] = {}  # open operations
+        self._history = OperationHistory()
+        self._committed: OrderedDict[str, SnapshotCommitted] = OrderedDict()
         self._background: set[asyncio.Future[Any]] = set()  # kept so they are not collected
-        # snapshot id -> the manifest's rollouts, encoded while the shards are written
-        self._rollouts: dict[str, asyncio.Future[EncodedRollouts]] = {}
+        self._reaper: asyncio.Task[None] | None = None
         self._placement_lock = asyncio.Lock()
+        self._path_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # path -> lock, users
 
     # --- holders ---------------------------------------------------------------------
 
@@ -128,7 +174,7 @@ class CheckpointCoordinator:
         async with self._placement_lock:
             infos = await self._discover()
             hosted = {i.node_id for i in infos}
-            for node_id in self._alive_node_ids():
+            for node_id in self._transport.alive_nodes():
                 if node_id not in hosted:
                     try:
                         infos.append(await self._create_holder(self._free_instance_id(),
@@ -139,13 +185,14 @@ class CheckpointCoordinator:
                         log.warning("no holder could start on node %s: %s", node_id, exc)
             return sorted(infos, key=_instance_order)
 
-    async def _known_holders(self) -> list[str]:
+    async def _known_holders(self) -> dict[str, Actor]:
         """The holders to fan out to, re-discovered (and created on new nodes) only when
         none are known or the alive nodes changed: discovery costs a GCS round trip per
         holder, which the pause must not pay every time."""
-        if not self._holders or set(self._alive_node_ids()) != set(self._holder_nodes.values()):
+        alive = set(self._transport.alive_nodes())
+        if not self._holders or alive != set(self._holder_nodes.values()):
             await self.ensure_holders()
-        return sorted(self._holders, key=instance_sort_key)
+        return {i: self._holders[i] for i in sorted(self._holders, key=instance_sort_key)}
 
     async def holder_infos(self) -> list[HolderInfo]:
         """Every live holder's info, without creating any."""
@@ -163,10 +210,147 @@ class CheckpointCoordinator:
         return {inst: (r if isinstance(r, str) else f"error: {r}")
                 for inst, r in zip(self._holders, results, strict=True)}
 
+    # --- operations: open, close, refuse -----------------------------------------------
+
+    def _open(self, op_id: str, kind: str, path: str) -> _Operation:
+        """Record a new operation, or refuse an id that ended, is late, or is open."""
+        if op_id in self._ops:
+            raise StaleSnapshotError(f"{op_id} is already in progress; a repeated first "
+                                     f"call is refused")
+        if self._history.outcome(op_id) is not None or self._history.is_late(op_id):
+            raise self._refusal(op_id)
+        self._history.note(op_id)
+        now = self._clock.monotonic()
+        op = _Operation(op_id, kind, path, started=now,
+                        lease_deadline=now + self._config.lease_s)
+        self._ops[op_id] = op
+        self._ensure_reaper()
+        return op
+
+    def _close(self, op: _Operation, outcome: Outcome) -> None:
+        """End ``op`` with ``outcome``: the one place an operation closes."""
+        if op.outcome is not None:
+            return
+        op.outcome = self._history.record(op.id, outcome)
+        self._ops.pop(op.id, None)
+        op.captures = None  # every holder's capture bytes: freed now
+        if op.encoding is not None and not op.encoding.done():
+            op.encoding.cancel()
+        op.encoding = None
+        op.closed.set()
+
+    def _refusal(self, op_id: str) -> Exception:
+        """Why a call for ``op_id``, which is not open here, is refused."""
+        outcome = self._history.outcome(op_id)
+        if outcome is Outcome.LAPSED:
+            return LeaseExpiredError(
+                f"the lease of {op_id} lapsed (no renewal for {self._config.lease_s:g}s: the "
+                f"driver stalled or could not reach the coordinator), so it was aborted and "
+                f"the holders resumed; retry")
+        if outcome is Outcome.ABORTED:
+            return OperationAbortedError(f"{op_id} was aborted; retry the operation")
+        if outcome is Outcome.COMMITTED:
+            return StaleSnapshotError(f"{op_id} already committed")
+        if self._history.is_late(op_id):
+            return StaleSnapshotError(
+                f"{op_id} is late: its driver has started a newer operation since")
+        return BackendUnavailableError(
+            f"coordinator knows no operation {op_id}: it restarted since the operation "
+            f"began, and the holders resume by their lease; retry the operation")
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.ensure_future(self._reap())
+
+    async def _reap(self) -> None:
+        """Abort every operation whose lease lapsed: its driver stopped renewing."""
+        period = min(self._config.lease_s / 4, 1.0)
+        while self._ops:
+            await asyncio.sleep(period)
+            now = self._clock.monotonic()
+            for op in list(self._ops.values()):
+                if not op.committing and now > op.lease_deadline:
+                    log.warning("operation %s: no renewal for %.1fs; aborting it", op.id,
+                                self._config.lease_s)
+                    await self._abort(op, Outcome.LAPSED)
+
+    async def renew(self, operation_id: str) -> None:
+        """Renew the lease of the operation and of every holder taking part in it."""
+        op = self._ops.get(operation_id)
+        if op is None:
+            raise self._refusal(operation_id)
+        op.lease_deadline = self._clock.monotonic() + self._config.lease_s
+        if op.kind == "snapshot" and op.captures is not None:
+            await self._claim(op)
+        await self._fan(op.holders, "renew_lease",
+                        lambda inst, h: self._transport.call(
+                            h, "renew_lease", operation_id, self._config.lease_s,
+                            timeout=self._config.phase_timeout_s),
+                        tolerate_failures=True)
+
+    async def abort(self, operation_id: str, checkpoint_path: str | None = None,
+                    caller_error: str | None = None) -> str:
+        """End the operation without a trace and return its outcome.
+
+        The outcome is "committed" when its commit won (committed is final: nothing is
+        removed then), else "aborted" or "lapsed". Every holder it involved drops it,
+        and its files go. An operation this coordinator never saw (its predecessor
+        died, or this abort overtook the first call) is aborted on every holder and
+        remembered, so that its late first call is refused. ``caller_error`` names the
+        exception that ended the caller's block, for the failure metric.
+        """
+        kind = "restore" if operation_id.startswith("restore") else "snapshot"
+        if caller_error is not None:
+            self._count_failure(kind, caller_error)
+        op = self._ops.get(operation_id)
+        if op is not None:
+            if op.committing:  # commit and abort exclude each other: the commit decides
+                await op.closed.wait()
+            else:
+                await self._abort(op, Outcome.ABORTED)
+            assert op.outcome is not None
+            return op.outcome.value
+        known = self._history.outcome(operation_id)
+        if known is not None:
+            return known.value
+        self._history.record(operation_id, Outcome.ABORTED)
+        await self._discover()
+        await self._fan(self._holders, "abort",
+                        lambda inst, h: self._transport.call(
+                            h, "abort", operation_id, timeout=self._config.phase_timeout_s),
+                        tolerate_failures=True)
+        if checkpoint_path is not None and kind == "snapshot":
+            committed = await self._runtime.run_blocking(
+                remove_snapshot_files, environment_dir(checkpoint_path), operation_id)
+            if committed:  # its coordinator died after the manifest's rename
+                self._history.record(operation_id, Outcome.COMMITTED, replace=True)
+                return Outcome.COMMITTED.value
+        return Outcome.ABORTED.value
+
+    async def _abort(self, op: _Operation, outcome: Outcome) -> None:
+        """Close ``op`` and undo it everywhere: every holder it involved, its files."""
+        if op.outcome is not None:
+            await op.closed.wait()
+            return
+        self._close(op, outcome)
+        await self._fan(op.holders, "abort",
+                        lambda inst, h: self._transport.call(
+                            h, "abort", op.id, timeout=self._config.phase_timeout_s),
+                        tolerate_failures=True)
+        if op.kind == "snapshot":
+            try:
+                committed = await self._runtime.run_blocking(
+                    remove_snapshot_files, environment_dir(op.path), op.id)
+            except OSError as exc:
+                log.warning("could not remove the files of %s: %s", op.id, exc)
+                return
+            if committed:  # the manifest's rename happened before a later step failed
+                op.outcome = self._history.record(op.id, Outcome.COMMITTED, replace=True)
+
     # --- snapshot ---------------------------------------------------------------------
 
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
-        """Pause every holder, capture, and start persisting in the background.
+        """Claim the path, pause every holder and capture.
 
         This is the pause's hot path: the holder set is the one known since the last
         discovery, re-discovered only when the alive nodes changed, and each holder
@@ -175,216 +359,260 @@ class CheckpointCoordinator:
         earlier, four writers on a shared machine slowed the answer by ~5 ms.
         ``finish_persist`` starts any write whose start message has not arrived.
         """
-        start = self._clock.monotonic()
-        self._started[snapshot_id] = start
-        instances = await self._known_holders()
-        self._ops[snapshot_id] = instances
+        op = self._open(snapshot_id, "snapshot", checkpoint_path)
         cfg = self._config
         try:
-            directory = await self._runtime.run_blocking(prepare_environment_dir, checkpoint_path)
+            op.holders = await self._known_holders()
+            directory = await self._runtime.run_blocking(prepare_environment_dir,
+                                                         checkpoint_path)
+            await self._claim(op)
+            if op.outcome is not None:  # aborted before any holder was asked: ask none
+                raise self._refusal(snapshot_id)
             begun = await self._fan(
-                instances, "pause_capture",
-                lambda h: self._transport.call(
-                    h, "begin", snapshot_id, cfg.drain_timeout_s, cfg.lease_s, str(directory),
-                    timeout=cfg.drain_timeout_s + cfg.phase_timeout_s),
-                cfg.drain_timeout_s + cfg.phase_timeout_s, op_id=snapshot_id)
+                op.holders, "pause_capture",
+                lambda inst, h: self._transport.call(
+                    h, "begin", snapshot_id, cfg.drain_timeout_s, cfg.lease_s,
+                    str(directory), timeout=cfg.drain_timeout_s + cfg.phase_timeout_s),
+                op_id=snapshot_id)
+            if op.outcome is not None:  # aborted meanwhile: its abort reached every holder
+                raise self._refusal(snapshot_id)
         except BaseException as exc:
             self._count_failure("snapshot", exc)
-            if isinstance(exc, BackendUnavailableError):
-                self._holders = {}  # a holder is gone: the next snapshot re-discovers
-            await self.abort_snapshot(snapshot_id, checkpoint_path)
+            await self._abort(op, Outcome.ABORTED)
             raise
-        captures = tuple(c for _, c in begun)
-        self._captures[snapshot_id] = captures
+        op.captures = tuple(c for _, c in begun.values())
         return SnapshotBegun(
-            snapshot_id=snapshot_id, instances=tuple(instances),
-            pauses=tuple(p for p, _ in begun), captures=captures,
-            entry_seconds=self._clock.monotonic() - start)
+            snapshot_id=snapshot_id, instances=tuple(op.holders),
+            pauses=tuple(p for p, _ in begun.values()), captures=op.captures,
+            entry_seconds=self._clock.monotonic() - op.started)
+
+    async def _claim(self, op: _Operation) -> None:
+        """Claim (or renew the claim on) the operation's folder: refused while another
+        job's snapshot is in progress there."""
+        await self._runtime.run_blocking(
+            claim_path, environment_dir(op.path), op.id, self._owner, self._clock.wall(),
+            self._config.lease_s * 2)
 
     async def start_writes(self, snapshot_id: str) -> None:
         """Start every holder's write of the snapshot, and encode the manifest's
         rollouts meanwhile; waits for neither. Never raises: whatever fails here fails
         the commit (``finish_persist`` starts a write that did not start)."""
-        instances = self._ops.get(snapshot_id)
-        if instances is None or snapshot_id in self._rollouts:
+        op = self._ops.get(snapshot_id)
+        if op is None or op.captures is None or op.encoding is not None:
             return
-        refs = [self._transport.call(self._holders[i], "start_persist", snapshot_id)
-                for i in instances if i in self._holders]
-        done = asyncio.ensure_future(asyncio.gather(*refs, return_exceptions=True))
-        self._background.add(done)
-        done.add_done_callback(self._background.discard)
-        self._encoding(snapshot_id)
+        for handle in op.holders.values():
+            self._transport.send(handle, "start_persist", snapshot_id)
+        self._encoding(op)
 
-    def _encoding(self, snapshot_id: str) -> asyncio.Future[EncodedRollouts]:
+    def _encoding(self, op: _Operation) -> asyncio.Future[EncodedRollouts]:
         """The encoding of the snapshot's rollouts, started on first use: by
-        ``start_writes``, or by a commit that came first (then start_writes does
-        nothing)."""
-        encoding = self._rollouts.get(snapshot_id)
-        if encoding is None:
-            encoding = asyncio.ensure_future(self._runtime.run_blocking(
-                _encode_rollouts, snapshot_id, self._captures.get(snapshot_id, ())))
+        ``start_writes``, or by a commit that came first."""
+        if op.encoding is None:
+            op.encoding = asyncio.ensure_future(self._runtime.run_blocking(
+                _encode_rollouts, op.id, op.captures or ()))
             # Its error is raised by the commit's await; an aborted snapshot never awaits.
-            encoding.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._rollouts[snapshot_id] = encoding
-        return encoding
-
-    async def renew(self, operation_id: str) -> None:
-        """Renew the lease of every holder taking part in the operation."""
-        instances = self._ops.get(operation_id)
-        if instances is None:
-            raise BackendUnavailableError(
-                f"coordinator knows no operation {operation_id}; it was restarted, so the "
-                f"holders resume by their lease; retry")
-        await self._fan(instances, "renew_lease",
-                        lambda h: self._transport.call(
-                            h, "renew_lease", operation_id, self._config.lease_s,
-                            timeout=self._config.phase_timeout_s),
-                        self._config.phase_timeout_s)
+            op.encoding.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return op.encoding
 
     async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
                               metrics: dict[str, float], restarted: int) -> SnapshotCommitted:
-        """Wait for every shard, write the manifest last, then resume every holder."""
-        instances = self._require_op(snapshot_id)
+        """Wait for every shard, write the manifest last, then resume every holder.
+
+        A repeated commit gets the first one's answer; a commit of an operation that
+        was aborted (or lapsed) is refused with that outcome's error."""
+        op = self._ops.get(snapshot_id)
+        if op is None:
+            if snapshot_id in self._committed:
+                return self._committed[snapshot_id]
+            raise self._refusal(snapshot_id)
+        if op.committing:
+            await op.closed.wait()
+            return await self.commit_snapshot(snapshot_id, checkpoint_path, metrics,
+                                              restarted)
+        if op.captures is None:
+            raise StaleSnapshotError(f"commit of {snapshot_id} before its begin finished")
+        op.committing = True
         directory = environment_dir(checkpoint_path)
         try:
             persists = await self._fan(
-                instances, "finish_persist",
-                lambda h: self._transport.call(h, "finish_persist", snapshot_id,
-                                               timeout=self._config.persist_timeout_s),
-                self._config.persist_timeout_s, op_id=snapshot_id)
-            shards: list[ShardEntry] = [s for p in persists for s in p.shards]
+                op.holders, "finish_persist",
+                lambda inst, h: self._transport.call(
+                    h, "finish_persist", snapshot_id, timeout=self._config.persist_timeout_s),
+                op_id=snapshot_id)
+            shards: list[ShardEntry] = [s for p in persists.values() for s in p.shards]
             all_metrics = dict(metrics)
             all_metrics.update(
-                persist_seconds=max((p.persist_seconds for p in persists), default=0.0),
-                bytes_written=float(sum(p.bytes_written for p in persists)),
+                persist_seconds=max((p.persist_seconds for p in persists.values()),
+                                    default=0.0),
+                bytes_written=float(sum(p.bytes_written for p in persists.values())),
             )
-            rollouts = await self._encoding(snapshot_id)
-            await self._runtime.run_blocking(write_manifest, directory, encode_manifest(
+            rollouts = await self._encoding(op)
+            manifest = encode_manifest(
                 snapshot_id=snapshot_id,
                 created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
-                instances=instances, shards=shards, rollouts=rollouts,
-                restarted_rollouts=restarted, metrics=all_metrics))
-            captured = rollouts.count
+                instances=list(op.holders), shards=shards, rollouts=rollouts,
+                restarted_rollouts=restarted, metrics=all_metrics)
+            async with self._path_lock(checkpoint_path):
+                await self._runtime.run_blocking(write_manifest, directory, manifest)
         except BaseException as exc:
             self._count_failure("snapshot", exc)
-            await self.abort_snapshot(snapshot_id, checkpoint_path)
-            raise
+            op.committing = False
+            await self._abort(op, Outcome.ABORTED)
+            if op.outcome is not Outcome.COMMITTED:
+                raise
+            # Only the manifest's write can fail after its rename (the folder's fsync):
+            # the manifest names this snapshot, so it is committed, and final.
+            log.warning("commit of %s raised after its manifest was renamed into place "
+                        "(%s); it is committed", snapshot_id, exc)
+        self._close(op, Outcome.COMMITTED)
+        self._record_commit(op, all_metrics, rollouts.count, restarted)
         # Committed: resume first; the older snapshots' files are garbage from here on
         # and their removal must not lengthen the pause.
-        await self._resume_all(snapshot_id, instances)
-        removed = await self._runtime.run_blocking(remove_unreferenced_files, directory,
-                                          [s.file for s in shards])
-        self._record_commit(snapshot_id, all_metrics, captured, restarted)
-        return SnapshotCommitted(metrics=all_metrics, rollouts=captured,
-                                 shards=len(shards), removed_files=tuple(removed))
+        await self._fan(op.holders, "resume",
+                        lambda inst, h: self._transport.call(
+                            h, "resume", snapshot_id, timeout=self._config.phase_timeout_s),
+                        tolerate_failures=True)
+        removed = await self._clean_up(op)
+        result = SnapshotCommitted(metrics=all_metrics, rollouts=rollouts.count,
+                                   shards=len(shards), removed_files=tuple(removed))
+        self._committed[snapshot_id] = result
+        while len(self._committed) > HISTORY_SIZE:
+            self._committed.popitem(last=False)
+        return result
 
-    async def abort_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                             caller_error: str | None = None) -> list[str]:
-        """Resume every holder and delete this snapshot's files. Never raises for a
-        holder that is gone: it is not paused any more either.
+    async def _clean_up(self, op: _Operation) -> list[str]:
+        """After a commit: remove the files the manifest there no longer names, and
+        stale claims; never a file of an operation in progress (this job's or
+        another's). Under the path's lock, so no commit of this coordinator renames a
+        manifest into the folder meanwhile."""
+        directory = environment_dir(op.path)
+        ours = {o.id for o in self._ops.values()}
 
-        ``caller_error`` names the exception that ended the caller's block, counted in
-        the failure metric (the coordinator counts its own failures itself)."""
-        if caller_error is not None:
-            self._count_failure("snapshot", caller_error)
-        instances = self._ops.get(snapshot_id)
-        if instances is None:
-            # A coordinator that did not begin this snapshot (its predecessor died):
-            # every holder may be paused for it.
-            await self._discover()
-            instances = sorted(self._holders, key=instance_sort_key)
-        self._started.pop(snapshot_id, None)
-        await self._resume_all(snapshot_id, instances)
-        return await self._runtime.run_blocking(
-            remove_snapshot_files, environment_dir(checkpoint_path), snapshot_id)
+        def clean() -> list[str]:
+            protect = live_claims(directory, self._owner, self._clock.wall(), ours)
+            release_claim(directory, op.id)
+            for claim in read_claims(directory):
+                if claim.operation not in protect:
+                    release_claim(directory, claim.operation)
+            return remove_unreferenced_files(directory, protect)
+
+        try:
+            async with self._path_lock(op.path):
+                removed: list[str] = await self._runtime.run_blocking(clean)
+            return removed
+        except (OSError, NemoCkptError) as exc:
+            log.warning("clean-up after %s failed: %s", op.id, exc)
+            return []
+
+    @contextlib.asynccontextmanager
+    async def _path_lock(self, path: str) -> AsyncIterator[None]:
+        """Serializes manifest writes and clean-ups in one folder; forgotten once no
+        call holds or awaits it."""
+        lock, users = self._path_locks.get(path, (asyncio.Lock(), 0))
+        self._path_locks[path] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._path_locks[path]
+            if users == 1:
+                del self._path_locks[path]
+            else:
+                self._path_locks[path] = (lock, users - 1)
 
     # --- restore ----------------------------------------------------------------------
 
     async def prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
         """Verify the snapshot and have each instance's holder load it, nothing live yet."""
-        self._started[restore_id] = self._clock.monotonic()
+        op = self._open(restore_id, "restore", checkpoint_path)
         try:
-            return await self._prepare_restore(restore_id, checkpoint_path)
+            return await self._prepare_restore(op, checkpoint_path)
         except BaseException as exc:
-            self._started.pop(restore_id, None)
             self._count_failure("restore", exc)
+            await self._abort(op, Outcome.ABORTED)
             raise
 
-    async def _prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
+    async def _prepare_restore(self, op: _Operation, checkpoint_path: str) -> RestoreBegun:
         manifest = await self._runtime.run_blocking(read_manifest, checkpoint_path)
         await self._known_holders()
         async with self._placement_lock:
             for inst in sorted(manifest.instances, key=instance_sort_key):
                 if inst not in self._holders:
                     await self._create_holder(inst, await self._least_loaded_node())
-        instances = sorted(self._holders, key=instance_sort_key)
-        self._ops[restore_id] = instances
+        op.holders = {i: self._holders[i] for i in sorted(self._holders, key=instance_sort_key)}
+        placement = {i: self._holder_nodes[i] for i in op.holders}
+        if op.outcome is not None:
+            raise self._refusal(op.id)
+        directory = str(environment_dir(checkpoint_path))
+        shards_of: dict[str, list[ShardEntry]] = {i: [] for i in op.holders}
+        for shard in manifest.shards:
+            if shard.instance_id not in shards_of:
+                raise BackendUnavailableError(
+                    f"no holder could be placed for instance {shard.instance_id} of "
+                    f"{checkpoint_path}; retry once the cluster has a node for it")
+            shards_of[shard.instance_id].append(shard)
+        prepared: dict[str, RestorePrepared] = await self._fan(
+            op.holders, "prepare_restore",
+            lambda inst, h: self._transport.call(
+                h, "prepare_restore", op.id, directory, shards_of[inst],
+                self._config.lease_s, timeout=self._config.persist_timeout_s),
+            op_id=op.id)
+        if op.outcome is not None:
+            raise self._refusal(op.id)
+        # What the holders read must be what the manifest lists, shard by shard (the
+        # check `nemo-ckpt verify` makes), and no rollout may go live twice.
+        listed = rollouts_by_shard(manifest)
+        problems = [problem for p in prepared.values() for file, sessions in p.shard_sessions
+                    for problem in shard_problems(listed.get(file, {}), sessions,
+                                                  f"{directory}/{file}")]
+        if problems:
+            raise ShardCorruptedError(directory, "; ".join(problems))
         restored = {r.rollout_id for r in manifest.rollouts}
-        try:
-            directory = str(environment_dir(checkpoint_path))
-            shards_of: dict[str, list[ShardEntry]] = {i: [] for i in instances}
-            for shard in manifest.shards:
-                shards_of[shard.instance_id].append(shard)
-            prepared = await self._fan(
-                instances, "prepare_restore",
-                lambda h, inst: self._transport.call(
-                    h, "prepare_restore", restore_id, directory, shards_of[inst],
-                    self._config.lease_s, timeout=self._config.persist_timeout_s),
-                self._config.persist_timeout_s, with_instance=True, op_id=restore_id)
-            # Nothing is live yet: a rollout live on any holder refuses the whole restore.
-            clash = sorted({(p.instance_id, rid) for p in prepared
-                            for rid in p.live_rollouts if rid in restored})
-            if clash:
-                raise RestoreConflictError(
-                    f"cannot restore {checkpoint_path}: rollouts it holds are live now "
-                    f"({', '.join(f'{i}/{k}' for i, k in clash[:10])}"
-                    f"{' ...' if len(clash) > 10 else ''}); retire or close them first, or "
-                    f"restore into a fresh job")
-        except BaseException:
-            await self.abort_restore(restore_id)
-            raise
+        # Nothing is live yet: a rollout live on any holder refuses the whole restore.
+        clash = sorted({(p.instance_id, rid) for p in prepared.values()
+                        for rid in p.live_rollouts if rid in restored})
+        if clash:
+            raise RestoreConflictError(
+                f"cannot restore {checkpoint_path}: rollouts it holds are live now "
+                f"({', '.join(f'{i}/{k}' for i, k in clash[:10])}"
+                f"{' ...' if len(clash) > 10 else ''}); retire or close them first, or "
+                f"restore into a fresh job")
         return RestoreBegun(
-            restore_id=restore_id,
+            restore_id=op.id,
             continued_attempts=frozenset(
-                (p.instance_id, rid, attempt) for p in prepared for rid, attempt in p.continued),
-            staging_keys=frozenset().union(*(p.staging_keys for p in prepared)),
-            placement={i: self._holder_nodes[i] for i in instances},
-            bytes_read=sum(p.bytes_read for p in prepared),
+                (p.instance_id, rid, attempt) for p in prepared.values()
+                for rid, attempt in p.continued),
+            staging_keys=frozenset().union(*(p.staging_keys for p in prepared.values())),
+            placement=placement,
+            bytes_read=sum(p.bytes_read for p in prepared.values()),
         )
 
     async def commit_restore(self, restore_id: str) -> int:
-        """Make every restored session live. Returns how many."""
-        instances = self._require_op(restore_id)
+        """Make every restored session live. Returns how many. If any holder fails, the
+        ones that went live drop the restored sessions again (all or nothing)."""
+        op = self._ops.get(restore_id)
+        if op is None:
+            if self._history.outcome(restore_id) is Outcome.COMMITTED:
+                return 0
+            raise self._refusal(restore_id)
+        if op.committing:
+            await op.closed.wait()
+            return await self.commit_restore(restore_id)
+        op.committing = True
         try:
-            counts = await self._fan(instances, "commit_restore",
-                                     lambda h: self._transport.call(
-                                         h, "commit_restore", restore_id,
-                                         timeout=self._config.phase_timeout_s),
-                                     self._config.phase_timeout_s, op_id=restore_id)
+            counts = await self._fan(
+                op.holders, "commit_restore",
+                lambda inst, h: self._transport.call(
+                    h, "commit_restore", restore_id, timeout=self._config.phase_timeout_s),
+                op_id=restore_id)
         except BaseException as exc:
             self._count_failure("restore", exc)
-            await self.abort_restore(restore_id)
+            op.committing = False
+            await self._abort(op, Outcome.ABORTED)
             raise
-        self._ops.pop(restore_id, None)
-        started = self._started.pop(restore_id, None)
-        if started is not None:
-            self._metrics.observe("restore_duration", self._clock.monotonic() - started)
-        return sum(counts)
-
-    async def abort_restore(self, restore_id: str, caller_error: str | None = None) -> None:
-        """Every holder drops what it restored and resumes. ``caller_error`` as in
-        ``abort_snapshot``."""
-        if caller_error is not None:
-            self._count_failure("restore", caller_error)
-        instances = self._ops.pop(restore_id, None)
-        if instances is None:
-            await self._discover()
-            instances = sorted(self._holders, key=instance_sort_key)
-        self._started.pop(restore_id, None)
-        await self._fan(instances, "abort_restore",
-                        lambda h: self._transport.call(h, "abort_restore", restore_id,
-                                                       timeout=self._config.phase_timeout_s),
-                        self._config.phase_timeout_s, tolerate_failures=True)
+        self._close(op, Outcome.COMMITTED)
+        self._metrics.observe("restore_duration", self._clock.monotonic() - op.started)
+        return sum(counts.values())
 
     # --- ledger operations --------------------------------------------------------------
 
@@ -401,85 +629,61 @@ class CheckpointCoordinator:
         # a rediscovery only when there are none or one of them has gone.
         if not self._holders:
             await self.ensure_holders()
+
+        async def fan() -> dict[str, list[str]]:
+            return await self._fan(
+                dict(self._holders), op,
+                lambda inst, h: self._transport.call(
+                    h, op, episodes, timeout=self._config.phase_timeout_s))
+
         try:
-            dropped = await self._fan(sorted(self._holders, key=instance_sort_key), op,
-                                      lambda h: self._transport.call(
-                                          h, op, episodes,
-                                          timeout=self._config.phase_timeout_s),
-                                      self._config.phase_timeout_s)
+            dropped = await fan()
         except BackendUnavailableError:
             await self.ensure_holders()
-            dropped = await self._fan(sorted(self._holders, key=instance_sort_key), op,
-                                      lambda h: self._transport.call(
-                                          h, op, episodes,
-                                          timeout=self._config.phase_timeout_s),
-                                      self._config.phase_timeout_s)
-        return sorted(k for keys in dropped for k in keys)
+            dropped = await fan()
+        return sorted(k for keys in dropped.values() for k in keys)
 
     # --- internals ----------------------------------------------------------------------
 
-    def _require_op(self, op_id: str) -> list[str]:
-        instances = self._ops.get(op_id)
-        if instances is None:
-            raise BackendUnavailableError(
-                f"coordinator knows no operation {op_id}: it restarted since the operation "
-                f"began, and the holders resume by their lease; retry the operation")
-        return instances
-
-    async def _resume_all(self, snapshot_id: str, instances: list[str]) -> None:
-        self._ops.pop(snapshot_id, None)
-        self._captures.pop(snapshot_id, None)
-        self._rollouts.pop(snapshot_id, None)
-        await self._fan(instances, "resume",
-                        lambda h: self._transport.call(h, "resume", snapshot_id,
-                                                       timeout=self._config.phase_timeout_s),
-                        self._config.phase_timeout_s, tolerate_failures=True)
-
     async def _fan(
         self,
-        instances: Iterable[str],
+        holders: dict[str, Actor],
         what: str,
-        call: Callable[..., Awaitable[T]],
-        timeout: float,
+        call: Callable[[str, Actor], Awaitable[T]],
         tolerate_failures: bool = False,
-        with_instance: bool = False,
         op_id: str | None = None,
-    ) -> list[T]:
-        """Call every instance's holder concurrently; raise after all have answered.
+    ) -> dict[str, T]:
+        """Call every holder concurrently; after all have answered, raise one error that
+        carries every holder's failure (``aggregate``), unless ``tolerate_failures``.
 
         With ``op_id``, logs one structured line: the phase, its per-holder seconds and
         the slowest holder, so that a slow pause names its cause.
         """
-        instances = list(instances)
+        targets = dict(holders)
         seconds: dict[str, float] = {}
         start = self._clock.monotonic()
 
-        async def one(inst: str) -> T:
-            handle = self._holders.get(inst)
-            if handle is None:
-                raise BackendUnavailableError(f"holder {inst} is gone (during {what})")
+        async def one(inst: str, handle: Actor) -> T:
             try:
-                return await (call(handle, inst) if with_instance else call(handle))
+                return await call(inst, handle)
             finally:
                 seconds[inst] = self._clock.monotonic() - start
 
-        results = await asyncio.gather(*(one(i) for i in instances), return_exceptions=True)
-        errors = [(i, r) for i, r in zip(instances, results, strict=True)
-                  if isinstance(r, BaseException)]
+        results = await asyncio.gather(*(one(i, h) for i, h in targets.items()),
+                                       return_exceptions=True)
+        errors = {i: r for i, r in zip(targets, results, strict=True)
+                  if isinstance(r, BaseException)}
+        if any(isinstance(e, BackendUnavailableError) for e in errors.values()):
+            self._holders = {}  # a holder is gone or late: the next phase re-discovers
         if op_id is not None:
             _log_phase(op_id, what, self._clock.monotonic() - start, seconds,
-                       {i: f"{type(e).__name__}: {e}" for i, e in errors})
+                       {i: f"{type(e).__name__}: {e}" for i, e in errors.items()})
         if errors and not tolerate_failures:
-            # A real refusal says more than "unreachable": raise it first.
-            errors.sort(key=lambda e: isinstance(e[1], BackendUnavailableError))
-            first = errors[0][1]
-            if len(errors) > 1:
-                log.warning("%s failed on %d holders: %s", what, len(errors),
-                            "; ".join(f"{i}: {e}" for i, e in errors))
-            raise first
-        for inst, err in errors:
-            log.warning("%s on %s failed (tolerated): %s", what, inst, err)
-        return [r for r in results if not isinstance(r, BaseException)]
+            raise aggregate(what, errors)
+        for inst, err in errors.items():
+            log.info("%s on %s failed (tolerated): %s", what, inst, err)
+        return {i: r for i, r in zip(targets, results, strict=True)
+                if not isinstance(r, BaseException)}
 
     async def _discover(self) -> list[HolderInfo]:
         found = self._transport.holders()
@@ -499,15 +703,13 @@ class CheckpointCoordinator:
                 log.warning("holder %s does not answer (%s); treating it as lost", inst, res)
         return infos
 
-    def _record_commit(self, snapshot_id: str, figures: dict[str, float], captured: int,
+    def _record_commit(self, op: _Operation, figures: dict[str, float], captured: int,
                        restarted: int) -> None:
-        started = self._started.pop(snapshot_id, None)
-        if started is not None:
-            elapsed = self._clock.monotonic() - started
-            self._metrics.observe("snapshot_duration", elapsed)
-            # Holders pause at the start of begin_snapshot and resume at the end of the
-            # commit, so the coordinator's span bounds their paused time.
-            self._metrics.observe("paused", elapsed)
+        elapsed = self._clock.monotonic() - op.started
+        self._metrics.observe("snapshot_duration", elapsed)
+        # Holders pause at the start of begin_snapshot and resume at the end of the
+        # commit, so the coordinator's span bounds their paused time.
+        self._metrics.observe("paused", elapsed)
         self._metrics.inc("bytes_written", figures.get("bytes_written", 0.0))
         self._metrics.inc("captured", float(captured))
         self._metrics.inc("restarted", float(restarted))
@@ -515,9 +717,6 @@ class CheckpointCoordinator:
     def _count_failure(self, operation: str, error: BaseException | str) -> None:
         kind = error if isinstance(error, str) else type(error).__name__
         self._metrics.inc("failures", 1.0, tags={"operation": operation, "kind": kind})
-
-    def _alive_node_ids(self) -> list[str]:
-        return self._transport.alive_nodes()
 
     def _free_instance_id(self) -> str:
         k = 0
@@ -527,7 +726,7 @@ class CheckpointCoordinator:
 
     async def _least_loaded_node(self) -> str:
         infos = await self._discover()
-        load = {n: 0 for n in self._alive_node_ids()}
+        load = {n: 0 for n in self._transport.alive_nodes()}
         for info in infos:
             if info.node_id in load:
                 load[info.node_id] += 1
@@ -539,13 +738,15 @@ class CheckpointCoordinator:
         cfg = self._config
         handle = self._transport.create_holder(
             instance_id, node_id,
-            {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s})
+            {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s,
+             "max_retired_marks": cfg.max_retired_marks})
         info: HolderInfo = await self._transport.call(handle, "info",
                                                       timeout=cfg.phase_timeout_s)
         self._holders[instance_id] = handle
         self._holder_nodes[instance_id] = info.node_id
         log.info("created holder %s on node %s", instance_id, node_id)
         return info
+
 
 def _encode_rollouts(snapshot_id: str, captures: tuple[CaptureReport, ...]
                      ) -> EncodedRollouts:

@@ -68,6 +68,11 @@ class RayTransport:
     def namespace(self) -> str:
         return self._config.namespace
 
+    @property
+    def cluster_id(self) -> str:
+        self._require_ray()
+        return str(ray.get_runtime_context().gcs_address)
+
     def _require_ray(self) -> None:
         if not ray.is_initialized():
             raise BackendUnavailableError(

@@ -5,19 +5,32 @@ runner injected (``nemo_ckpt.transport.Runtime``), so its state machine runs wit
 Ray, in tests and in the simulation; ``actors.ray_transport.SessionHolderActor`` is the
 same class as a Ray actor, pinned to its node.
 
-States (``HolderState``) and the calls each accepts:
+A snapshot, as the coordinator drives it; every call carries the snapshot's id:
 
-- RUNNING: session calls; ``pause`` (starts a snapshot); ``prepare_restore``;
-  ``retire`` / ``forget``.
-- PAUSED for snapshot X, under a lease: ``begin_turn`` and ``open_session`` wait at
-  the closed turn gate; a turn already in flight may still commit or abort. Phases
-  ``capture``, ``start_persist``, ``finish_persist``, ``renew_lease`` and ``resume``
-  for X only. A call for another id is refused with ``StaleSnapshotError``; a repeated
-  phase returns its first result. If the lease lapses, the holder resumes by itself
-  and X can no longer commit (``LeaseExpiredError``).
-- RESTORING for restore R, under a lease: the gate is closed;
-  ``commit_restore`` / ``abort_restore`` / ``renew_lease`` for R only. A lapsed lease
-  aborts the restore.
+    1) begin(id, drain, lease, folder)  close the turn gate, wait up to ``drain`` for
+                                        turns in flight, take a lease, capture in memory
+    2) start_persist(id)                write the shard in the background (a
+                                        finish_persist that comes first starts it)
+    3) renew_lease(id, lease)           while the driver's block runs
+    4) finish_persist(id)               the shard is durable; its manifest entry
+    5) resume(id)                       the manifest is written: open the gate
+    or abort(id), at any point, instead of 2-5.
+
+A restore, carrying the restore's id:
+
+    1) prepare_restore(id, folder, shards, lease)   close the gate, read and verify the
+                                                    shards; nothing goes live yet
+    2) renew_lease(id, lease)
+    3) commit_restore(id)                           the sessions go live; open the gate
+    or abort(id) instead of 3, or after 3 while the restore is not yet in use: every
+    session it made live goes again (a restore is all or nothing across holders).
+
+States are values (``Running``, ``Paused`` for one snapshot, ``Restoring`` for one
+restore, each carrying its operation and lease), entered only through ``_set_state``,
+which alone opens and closes the turn gate. Each operation ends once, in
+``_end_operation``, with one outcome (committed, aborted, lapsed) kept in a bounded
+``OperationHistory``: a late or repeated call gets that outcome or a clear refusal, and
+a call for an operation its driver has moved past is refused without pausing anything.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,18 +46,22 @@ from typing import Protocol
 
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
+    HolderBusyError,
     HolderStateError,
     LeaseExpiredError,
+    OperationAbortedError,
     RestoreConflictError,
     RetiredAttemptError,
     SessionExistsError,
     SessionNotFoundError,
     StaleSnapshotError,
     StateTooLargeError,
+    TurnAbortedError,
     TurnInProgressError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.manifest import ShardEntry, shard_file_name
+from nemo_ckpt.operations import OperationHistory, Outcome
 from nemo_ckpt.phases import (
     CaptureReport,
     HolderInfo,
@@ -54,7 +72,7 @@ from nemo_ckpt.phases import (
     encode_captured_session,
     join_captured,
 )
-from nemo_ckpt.sessions import SessionRecord
+from nemo_ckpt.sessions import SessionRecord, check_staging_keys
 from nemo_ckpt.storage import read_shard, remove_files, write_shard
 from nemo_ckpt.transport import Runtime
 
@@ -62,31 +80,8 @@ __all__ = ["SessionHolder", "Trimmer"]
 
 log = logging.getLogger("nemo_ckpt.holder")
 
-# How often the watchdog looks at the lease and at turns past their timeout.
-_WATCH_PERIOD_S = 0.1
-
-
-@dataclass
-class _Snapshot:
-    snapshot_id: str
-    directory: Path | None = None  # where its shard goes, known from begin
-    pause: PauseReport | None = None
-    capture: dict[str, SessionRecord] | None = None
-    capture_report: CaptureReport | None = None
-    persist: asyncio.Task[PersistReport] | None = None
-
-
-@dataclass
-class _Restore:
-    restore_id: str
-    pending: list[SessionRecord] = field(default_factory=list)
-    prepared: RestorePrepared | None = None
-
-
-@dataclass
-class _Turn:
-    token: str
-    started: float
+# Turn tokens aborted before their begin_turn arrived, kept to refuse that late begin.
+_ABORTED_TOKENS = 4096
 
 
 class Trimmer(Protocol):
@@ -110,6 +105,64 @@ class _NoTrimmer:
         return False
 
 
+# --- operations and states --------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _SnapshotOp:
+    id: str
+    directory: Path
+    pause: PauseReport | None = None
+    capture: list[SessionRecord] | None = None
+    capture_report: CaptureReport | None = None
+    persist: asyncio.Task[PersistReport] | None = None
+
+
+@dataclass(eq=False)
+class _RestoreOp:
+    id: str
+    prepared: asyncio.Future[RestorePrepared] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    pending: list[SessionRecord] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Running:
+    """Turns flow; a snapshot or a restore may start."""
+
+    value = HolderState.RUNNING
+    gate_open = True
+
+
+@dataclass(eq=False)
+class Paused:
+    """Paused for one snapshot, under a lease; new turns wait at the gate."""
+
+    op: _SnapshotOp
+    lease_deadline: float
+    value = HolderState.PAUSED
+    gate_open = False
+
+
+@dataclass(eq=False)
+class Restoring:
+    """Loading one restore, under a lease; new turns wait at the gate."""
+
+    op: _RestoreOp
+    lease_deadline: float
+    value = HolderState.RESTORING
+    gate_open = False
+
+
+_State = Running | Paused | Restoring
+
+
+@dataclass
+class _Turn:
+    token: str
+    started: float
+
+
 class SessionHolder:
     """Holds the sessions of one instance, and takes part in snapshots and restores."""
 
@@ -119,8 +172,10 @@ class SessionHolder:
         node_id: str,
         max_state_bytes: int = 64 << 20,
         turn_timeout_s: float | None = None,
+        max_retired_marks: int = 100_000,
         runtime: Runtime | None = None,
         trimmer: Trimmer | None = None,
+        watch_period_s: float = 0.1,
     ) -> None:
         self.instance_id = instance_id
         self.node_id = node_id
@@ -129,6 +184,8 @@ class SessionHolder:
         self._metrics = self._runtime.metrics
         self._max_state_bytes = max_state_bytes
         self._turn_timeout_s = turn_timeout_s
+        self._max_retired_marks = max_retired_marks
+        self._watch_period_s = watch_period_s
         self._sessions: dict[str, SessionRecord] = {}  # capture key -> session
         # capture key -> its capture report entry, encoded when the session changes, so
         # the capture (while every rollout waits) joins bytes instead of encoding.
@@ -136,17 +193,18 @@ class SessionHolder:
         self._state_bytes = 0  # over self._sessions
         self._live_rollouts: dict[str, str] = {}  # rollout id -> capture key
         self._turns: dict[str, _Turn] = {}  # capture key -> turn in flight
-        self._retired: set[str] = set()  # capture keys whose late turns are refused
-        self._state = HolderState.RUNNING
+        self._aborted_tokens: OrderedDict[str, None] = OrderedDict()
+        # Retire marks, monotone as NeMo Gym's: rollout id -> the highest attempt retired;
+        # every attempt up to it is refused until RL forgets it.
+        self._retired: OrderedDict[str, int] = OrderedDict()
         self._gate = asyncio.Event()
         self._gate.set()
         self._turns_done = asyncio.Condition()
-        self._lease_deadline: float | None = None
-        self._snapshot: _Snapshot | None = None
-        self._restore: _Restore | None = None
-        # Ids whose lease lapsed, or that resumed: their phases are answered, not redone.
-        self._lapsed: set[str] = set()
-        self._finished: set[str] = set()
+        self._state: _State = Running()
+        self._history = OperationHistory()
+        # The last committed restore and the capture keys it made live, while it may
+        # still be undone by its abort: until a turn runs, or another restore starts.
+        self._undo: tuple[str, tuple[str, ...]] | None = None
         self._last_snapshot_id: str | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._injected_delays: dict[str, float] = {}
@@ -155,20 +213,136 @@ class SessionHolder:
         self._heap = trimmer or _NoTrimmer()
         self._heap_state_seen = HolderState.RUNNING  # the state at the watchdog's last look
 
+    # --- the one transition ------------------------------------------------------------
+
+    def _set_state(self, new: _State) -> None:
+        """Enter ``new``: the only place that opens or closes the turn gate."""
+        self._state = new
+        if new.gate_open:
+            self._gate.set()
+        else:
+            self._gate.clear()
+            self._ensure_watchdog()  # the lease must be watched from now on
+
+    def _end_operation(self, outcome: Outcome) -> None:
+        """End the current operation with ``outcome``: recorded once, holder running."""
+        state = self._state
+        if isinstance(state, Running):
+            return
+        self._history.record(state.op.id, outcome)
+        if isinstance(state, Paused) and outcome is Outcome.COMMITTED:
+            self._last_snapshot_id = state.op.id
+        if outcome is not Outcome.COMMITTED:
+            log.info("%s: %s %s", self.instance_id, state.op.id, outcome.value)
+        self._set_state(Running())
+
+    def _operation(self) -> _SnapshotOp | _RestoreOp | None:
+        state = self._state
+        return None if isinstance(state, Running) else state.op
+
+    def _refusal(self, op_id: str) -> Exception:
+        """Why a call for ``op_id``, which is not the current operation, is refused."""
+        outcome = self._history.outcome(op_id)
+        if outcome is Outcome.LAPSED:
+            return LeaseExpiredError(
+                f"{self.instance_id}: the lease of {op_id} lapsed, so the holder resumed "
+                f"by itself and {op_id} cannot commit; retry (renewals stopped: was the "
+                f"driver or coordinator stalled or gone?)")
+        if outcome is Outcome.ABORTED:
+            return OperationAbortedError(
+                f"{self.instance_id}: {op_id} was aborted; a late call for it changes "
+                f"nothing here")
+        if outcome is Outcome.COMMITTED:
+            return StaleSnapshotError(f"{self.instance_id}: {op_id} already committed")
+        if self._history.is_late(op_id):
+            return StaleSnapshotError(
+                f"{self.instance_id}: {op_id} is late: its driver has started a newer "
+                f"operation since, so it ended; refused without pausing anything")
+        current = self._operation()
+        if current is not None:
+            return HolderBusyError(self._busy_message(f"a call for {op_id}"))
+        return StaleSnapshotError(
+            f"{self.instance_id}: no operation {op_id} here (the holder is running)")
+
+    def _busy_message(self, what: str) -> str:
+        state = self._state
+        assert not isinstance(state, Running)
+        return (f"{self.instance_id} refuses {what}: it is {state.value.value} for "
+                f"{state.op.id}; wait until that operation finishes (its lease lapses in "
+                f"at most {self._lease_left():.1f}s if its driver died)")
+
+    def _admit(self, op_id: str, what: str, restore: bool = False) -> None:
+        """Let a new operation start, or refuse: one that already ended or that its
+        driver has moved past (a late call), or while another one runs.
+
+        A new restore supersedes the last one if it went live here but was never used
+        (no turn since): its sessions go first. That is how the retry of a restore that
+        failed elsewhere adopts this holder when the failed one's abort has not reached
+        it yet (a slow link): all or nothing, whichever message comes first."""
+        if self._history.outcome(op_id) is not None or self._history.is_late(op_id):
+            raise self._refusal(op_id)
+        if not isinstance(self._state, Running):
+            raise HolderBusyError(self._busy_message(what))
+        self._history.note(op_id)
+        if restore and self._undo is not None:
+            self._undo_restore()
+
+    def _undo_restore(self) -> None:
+        """Drop the sessions the last committed restore made live (see ``_undo``)."""
+        assert self._undo is not None
+        restore_id, keys = self._undo
+        self._undo = None
+        for key in keys:
+            if key in self._sessions:
+                self._drop(key)
+        self._history.record(restore_id, Outcome.ABORTED, replace=True)
+        log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
+                    "sessions were dropped again", self.instance_id, restore_id, len(keys))
+
+    def _current_snapshot(self, op_id: str) -> _SnapshotOp:
+        state = self._state
+        if isinstance(state, Paused) and state.op.id == op_id:
+            return state.op
+        raise self._refusal(op_id)
+
+    def _current_restore(self, op_id: str) -> _RestoreOp:
+        state = self._state
+        if isinstance(state, Restoring) and state.op.id == op_id:
+            return state.op
+        raise self._refusal(op_id)
+
+    def _lease_left(self) -> float:
+        state = self._state
+        if isinstance(state, Running):
+            return 0.0
+        return max(0.0, state.lease_deadline - self._clock.monotonic())
+
     # --- introspection -------------------------------------------------------------
 
     async def info(self) -> HolderInfo:
         """The holder's identity, state and load."""
         self._ensure_watchdog()
-        op = self._snapshot.snapshot_id if self._snapshot else (
-            self._restore.restore_id if self._restore else None)
-        expires = None if self._lease_deadline is None else max(
-            0.0, self._lease_deadline - self._clock.monotonic())
+        op = self._operation()
         return HolderInfo(
-            instance_id=self.instance_id, node_id=self.node_id, state=self._state,
-            operation_id=op, lease_expires_in_s=expires, sessions=len(self._sessions),
-            turns_in_flight=len(self._turns), last_snapshot_id=self._last_snapshot_id,
+            instance_id=self.instance_id, node_id=self.node_id, state=self._state.value,
+            operation_id=None if op is None else op.id,
+            lease_expires_in_s=None if op is None else self._lease_left(),
+            sessions=len(self._sessions), turns_in_flight=len(self._turns),
+            last_snapshot_id=self._last_snapshot_id,
         )
+
+    @property
+    def current(self) -> tuple[HolderState, str | None]:
+        """The state, and the operation it is for (None when running)."""
+        op = self._operation()
+        return self._state.value, None if op is None else op.id
+
+    def bounds(self) -> dict[str, int]:
+        """The sizes of what a holder remembers beyond its sessions (all bounded)."""
+        return {"history": len(self._history), "drivers": self._history.drivers,
+                "aborted_tokens": len(self._aborted_tokens),
+                "retire_marks": len(self._retired),
+                "undo": 0 if self._undo is None else len(self._undo[1])}
 
     async def sessions(self) -> list[SessionRecord]:
         """Every live session, sorted by capture key."""
@@ -209,11 +383,8 @@ class SessionHolder:
         self._check_episode(episode)
         self._check_size("initial state", episode, state)
         await self._wait_for_gate()
+        self._refuse_retired(episode)
         key = episode.capture_key
-        if key in self._retired:
-            raise RetiredAttemptError(
-                f"{self.instance_id}: attempt {key} was retired by RL; open the next "
-                f"attempt instead, or forget this one first")
         if key in self._sessions:
             live = self._sessions[key].episode
             if live == episode:
@@ -231,59 +402,76 @@ class SessionHolder:
                 f"session ({other}); close or retire it before opening {key}")
         record = SessionRecord(self.instance_id, episode, (), bytes(state))
         self._heap.note(len(state))
-        self._add(record)
+        self._put(record)
         return record
 
     async def get_session(self, capture_key: str) -> SessionRecord:
         """The live session with ``capture_key``."""
-        return self._session(capture_key)
+        return self._session_by_key(capture_key)
 
-    async def begin_turn(self, capture_key: str) -> tuple[str, SessionRecord]:
-        """Start a turn: wait while paused, then return a turn token and the session."""
-        self._ensure_watchdog()
-        self._refuse_retired(capture_key)
+    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionRecord:
+        """Start a turn whose token the caller made: wait while paused, then return the
+        session. A token its caller already aborted (it went away while this call
+        travelled or waited at the gate) is refused, so no turn stays open for ever."""
+        self._check_episode(episode)
+        if not isinstance(token, str) or not token:
+            raise TypeError("a turn token must be a non-empty string made by the caller")
+        self._refuse_aborted(episode, token)
         await self._wait_for_gate()
-        record = self._session(capture_key)
-        if capture_key in self._turns:
+        self._refuse_aborted(episode, token)
+        record = self._session(episode)
+        key = episode.capture_key
+        if key in self._turns:
             raise TurnInProgressError(
-                f"{self.instance_id}: session {capture_key} already has a turn in flight; "
+                f"{self.instance_id}: session {key} already has a turn in flight; "
                 f"a session runs one turn at a time")
-        token = self._runtime.token()
-        self._turns[capture_key] = _Turn(token, self._clock.monotonic())
-        return token, record
+        self._turns[key] = _Turn(token, self._clock.monotonic())
+        self._undo = None  # a restored session in use is not undone any more
+        return record
 
     async def commit_turn(
         self,
-        capture_key: str,
+        episode: EnvironmentEpisode,
         token: str,
         record: bytes,
         state: bytes,
         staging_keys: Iterable[str] = (),
     ) -> SessionRecord:
-        """Commit a turn: append its record, replace the state, add its staging keys."""
-        self._take_turn(capture_key, token)
+        """Commit a turn: append its record, replace the state, add its staging keys.
+        Invalid arguments abort the turn and change nothing."""
+        self._check_episode(episode)
+        self._take_turn(episode, token)
         try:
-            old = self._session(capture_key)
-            self._check_size("turn record", old.episode, record)
-            self._check_size("state", old.episode, state)
+            old = self._session(episode)
+            self._check_size("turn record", episode, record)
+            self._check_size("state", episode, state)
+            keys = check_staging_keys(staging_keys, episode.capture_key)
             new = SessionRecord(
                 instance_id=old.instance_id,
                 episode=old.episode,
                 turns=(*old.turns, bytes(record)),
                 state=bytes(state),
-                staging_keys=old.staging_keys | frozenset(staging_keys),
+                staging_keys=old.staging_keys | keys,
                 earlier_capture_keys=old.earlier_capture_keys,
             )
-            self._heap.note(len(record) + len(state))
             self._put(new)
+            self._heap.note(len(record) + len(state))
             return new
         finally:
             await self._notify_turn_done()
 
-    async def abort_turn(self, capture_key: str, token: str) -> None:
-        """Abort a turn: nothing it did is recorded."""
-        self._take_turn(capture_key, token)
-        await self._notify_turn_done()
+    async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None:
+        """Abort a turn: nothing it did is recorded. A token not in flight (its begin
+        still travelling, or already finished) is remembered and refused later."""
+        self._check_episode(episode)
+        turn = self._turns.get(episode.capture_key)
+        if turn is not None and turn.token == token:
+            del self._turns[episode.capture_key]
+            await self._notify_turn_done()
+            return
+        self._aborted_tokens[token] = None
+        while len(self._aborted_tokens) > _ABORTED_TOKENS:
+            self._aborted_tokens.popitem(last=False)
 
     async def close_session(self, capture_key: str) -> SessionRecord:
         """Close a finished session and return its final record. Waits while paused."""
@@ -292,33 +480,45 @@ class SessionHolder:
             raise TurnInProgressError(
                 f"{self.instance_id}: session {capture_key} has a turn in flight; finish "
                 f"the turn before closing the session")
-        record = self._session(capture_key)
+        record = self._session_by_key(capture_key)
         self._drop(capture_key)
         return record
 
     # --- ledger operations (from RL, through the coordinator) ------------------------
 
     async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]:
-        """Drop these attempts' sessions and refuse their late turns. Returns keys dropped."""
+        """Refuse every attempt up to each of these of its rollout, and drop their live
+        sessions (RL consumed the result). Returns the capture keys dropped."""
         self._require_running("retire")
-        return await self._drop_attempts(episodes, refuse_late_turns=True)
-
-    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
-        """Drop these attempts' sessions and their refusals. Returns keys dropped."""
-        self._require_running("forget")
-        return await self._drop_attempts(episodes, refuse_late_turns=False)
-
-    async def _drop_attempts(self, episodes: list[EnvironmentEpisode],
-                             refuse_late_turns: bool) -> list[str]:
         dropped = []
         for ep in episodes:
-            key = ep.capture_key
-            if refuse_late_turns:
-                self._retired.add(key)
-            else:
-                self._retired.discard(key)
-            if key in self._sessions and self._sessions[key].episode == ep:
+            self._check_episode(ep)
+            mark = max(ep.attempt, self._retired.pop(ep.rollout_id, -1))
+            self._retired[ep.rollout_id] = mark
+            key = self._live_rollouts.get(ep.rollout_id)
+            if key is not None and self._sessions[key].episode.attempt <= mark:
                 self._turns.pop(key, None)  # its in-flight turn can no longer commit
+                self._drop(key)
+                dropped.append(key)
+        while len(self._retired) > self._max_retired_marks:
+            rollout_id, _ = self._retired.popitem(last=False)
+            log.warning("%s: more than %d retire marks; forgetting the oldest (%s)",
+                        self.instance_id, self._max_retired_marks, rollout_id)
+        await self._notify_turn_done()
+        return dropped
+
+    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
+        """Drop these attempts' sessions, and the retire mark of their rollout when it
+        reaches no further than them. Returns the capture keys dropped."""
+        self._require_running("forget")
+        dropped = []
+        for ep in episodes:
+            self._check_episode(ep)
+            if self._retired.get(ep.rollout_id, -1) <= ep.attempt:
+                self._retired.pop(ep.rollout_id, None)
+            key = ep.capture_key
+            if key in self._sessions and self._sessions[key].episode == ep:
+                self._turns.pop(key, None)
                 self._drop(key)
                 dropped.append(key)
         await self._notify_turn_done()
@@ -326,21 +526,19 @@ class SessionHolder:
 
     # --- snapshot phases (from the coordinator) ---------------------------------------
 
-    async def pause(self, snapshot_id: str, drain_timeout_s: float, lease_s: float
-                    ) -> PauseReport:
-        """Close the turn gate, drain turns in flight up to the deadline, take a lease."""
-        self._ensure_watchdog()
-        if self._snapshot and self._snapshot.snapshot_id == snapshot_id:
-            if self._snapshot.pause is not None:
-                return self._snapshot.pause
-        elif snapshot_id in self._lapsed or snapshot_id in self._finished:
-            raise self._gone(snapshot_id)
+    async def pause(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
+                    directory: str | None = None) -> PauseReport:
+        """Close the turn gate, drain turns in flight up to the deadline, take a lease.
+        Repeating it returns the first report."""
+        state = self._state
+        if isinstance(state, Paused) and state.op.id == snapshot_id:
+            op = state.op
         else:
-            self._require_running(f"pause for snapshot {snapshot_id}")
-            self._snapshot = _Snapshot(snapshot_id)
-            self._state = HolderState.PAUSED
-            self._gate.clear()
-            self._lease_deadline = self._clock.monotonic() + lease_s
+            self._admit(snapshot_id, f"pause for snapshot {snapshot_id}")
+            op = _SnapshotOp(snapshot_id, Path(directory or "."))
+            self._set_state(Paused(op, self._clock.monotonic() + lease_s))
+        if op.pause is not None:
+            return op.pause
         start = self._clock.monotonic()
         await self._injected_delay("pause")
         async with self._turns_done:
@@ -349,14 +547,14 @@ class SessionHolder:
                     self._turns_done.wait_for(lambda: not self._turns), drain_timeout_s)
             except asyncio.TimeoutError:
                 pass
-        snap = self._current_snapshot(snapshot_id)
-        if snap.pause is None:
-            snap.pause = PauseReport(self.instance_id, self._clock.monotonic() - start,
-                                     len(self._turns))
+        op = self._current_snapshot(snapshot_id)  # aborted or lapsed while draining?
+        if op.pause is None:
+            op.pause = PauseReport(self.instance_id, self._clock.monotonic() - start,
+                                   len(self._turns))
             tags = {"instance": self.instance_id}
-            self._metrics.observe("drain", snap.pause.drain_seconds, tags)
+            self._metrics.observe("drain", op.pause.drain_seconds, tags)
             self._metrics.set_gauge("sessions", float(len(self._sessions)), tags)
-        return snap.pause
+        return op.pause
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
                     directory: str) -> tuple[PauseReport, CaptureReport]:
@@ -367,106 +565,110 @@ class SessionHolder:
         holds the GIL while the reply is serialized and delays it (~15 ms at 2,500
         sessions). ``start_persist`` (sent once every capture is in) or
         ``finish_persist`` starts it, into ``directory``."""
-        pause = await self.pause(snapshot_id, drain_timeout_s, lease_s)
+        pause = await self.pause(snapshot_id, drain_timeout_s, lease_s, directory)
         capture = await self.capture(snapshot_id)
-        snap = self._current_snapshot(snapshot_id)
-        if snap.directory is None:
-            snap.directory = Path(directory)
         return pause, capture
 
     async def renew_lease(self, operation_id: str, lease_s: float) -> float:
-        """Extend the lease of the snapshot or restore in progress; returns seconds left."""
-        if operation_id in self._lapsed:
-            raise self._gone(operation_id)
-        self._current_operation(operation_id)
-        self._lease_deadline = self._clock.monotonic() + lease_s
+        """Extend the lease of the snapshot or restore in progress; returns seconds left.
+        Refused, without changing anything, for any other operation."""
+        state = self._state
+        if isinstance(state, Running) or state.op.id != operation_id:
+            raise self._refusal(operation_id)
+        state.lease_deadline = self._clock.monotonic() + lease_s
         return lease_s
 
     async def capture(self, snapshot_id: str) -> CaptureReport:
         """Copy the idle sessions in memory; sessions mid-turn are reported restarting."""
-        snap = self._current_snapshot(snapshot_id)
-        if snap.capture_report is not None:
-            return snap.capture_report
+        op = self._current_snapshot(snapshot_id)
+        if op.capture_report is not None:
+            return op.capture_report
         await self._injected_delay("capture")
-        snap = self._current_snapshot(snapshot_id)
-        if snap.capture_report is not None:
-            return snap.capture_report
+        op = self._current_snapshot(snapshot_id)
+        if op.capture_report is not None:
+            return op.capture_report
         start = self._clock.monotonic()
         # Records are immutable: a shallow copy is a consistent, cheap capture.
-        if self._turns:
-            capture = {k: r for k, r in self._sessions.items() if k not in self._turns}
-        else:
-            capture = dict(self._sessions)
+        keys = [k for k in self._sessions if k not in self._turns] if self._turns \
+            else list(self._sessions)
         mid_turn = [self._sessions[k] for k in self._turns if k in self._sessions]
-        snap.capture = capture
-        snap.capture_report = CaptureReport(
+        op.capture = [self._sessions[k] for k in keys]
+        op.capture_report = CaptureReport(
             instance_id=self.instance_id,
-            captured_msgpack=join_captured([self._capture_rows[k] for k in capture]),
-            captured_count=len(capture),
+            captured_msgpack=join_captured([self._capture_rows[k] for k in keys]),
+            captured_count=len(keys),
             restarting=tuple((r.episode.rollout_id, r.episode.attempt) for r in mid_turn),
             capture_seconds=self._clock.monotonic() - start,
             state_bytes=self._state_bytes - sum(len(r.state) for r in mid_turn),
         )
-        return snap.capture_report
+        return op.capture_report
 
     async def start_persist(self, snapshot_id: str, directory: str | None = None) -> None:
         """Start writing the captured sessions' shard in the background, into
         ``directory`` or the one ``begin`` named. Repeating it is a no-op."""
-        snap = self._current_snapshot(snapshot_id)
-        if snap.capture is None:
+        op = self._current_snapshot(snapshot_id)
+        if op.capture is None:
             raise HolderStateError(
                 f"{self.instance_id}: persist for snapshot {snapshot_id} before capture")
-        if snap.directory is None:
-            if directory is None:
-                raise HolderStateError(
-                    f"{self.instance_id}: persist for snapshot {snapshot_id} names no folder")
-            snap.directory = Path(directory)
-        if snap.persist is None:
-            snap.persist = asyncio.ensure_future(
-                self._persist(snapshot_id, snap.directory, list(snap.capture.values())))
+        if directory is not None:
+            op.directory = Path(directory)
+        if op.persist is None:
+            op.persist = asyncio.ensure_future(
+                self._persist(op, op.directory, op.capture))
 
     async def finish_persist(self, snapshot_id: str) -> PersistReport:
         """Wait for the shard to be durable, starting the write if ``start_persist`` has
-        not (its message may come second). Refused once the lease has lapsed."""
-        snap = self._current_snapshot(snapshot_id)
-        if snap.persist is None:
-            if snap.capture is None or snap.directory is None:
-                raise HolderStateError(
-                    f"{self.instance_id}: finish_persist for snapshot {snapshot_id}, which "
-                    f"was never begun")
+        not (its message may come second). Refused once the snapshot ended here (its
+        lease lapsed, or it was aborted)."""
+        op = self._current_snapshot(snapshot_id)
+        if op.persist is None:
             await self.start_persist(snapshot_id)
-        assert snap.persist is not None
+        assert op.persist is not None
         await self._injected_delay("finish_persist")
-        report = await asyncio.shield(snap.persist)
-        self._current_snapshot(snapshot_id)  # the lease may have lapsed while writing
+        report = await asyncio.shield(op.persist)
+        self._current_snapshot(snapshot_id)  # it may have ended while writing
         return report
 
     async def resume(self, snapshot_id: str) -> None:
-        """Open the turn gate again. Repeating it, or after a lapsed lease, is a no-op."""
-        if snapshot_id in self._lapsed or snapshot_id in self._finished:
+        """The snapshot committed: open the turn gate. Repeating it, or after the
+        snapshot ended here otherwise (its lease lapsed), is a no-op."""
+        state = self._state
+        if isinstance(state, Paused) and state.op.id == snapshot_id:
+            self._end_operation(Outcome.COMMITTED)
+            self._heap.request()
+
+    async def abort(self, operation_id: str) -> None:
+        """End ``operation_id`` without a trace here, whatever it is and wherever it got:
+
+        - the current snapshot or restore: the gate opens; a shard being written removes
+          itself once written; a pending restore is dropped;
+        - a restore committed here but aborted elsewhere (and not in use yet): the
+          sessions it made live go again, so a restore is all or nothing;
+        - one never seen (this abort overtook its first call): remembered, so that
+          its late first call is refused instead of pausing the holder.
+        """
+        op = self._operation()
+        if op is not None and op.id == operation_id:
+            self._end_operation(Outcome.ABORTED)
             return
-        self._current_snapshot(snapshot_id)
-        self._finished.add(snapshot_id)
-        self._last_snapshot_id = snapshot_id
-        self._to_running()
+        if self._undo is not None and self._undo[0] == operation_id:
+            self._undo_restore()
+            return
+        self._history.record(operation_id, Outcome.ABORTED)
 
     # --- restore phases (from the coordinator) ----------------------------------------
 
     async def prepare_restore(
         self, restore_id: str, directory: str, shards: list[ShardEntry], lease_s: float
     ) -> RestorePrepared:
-        """Read and verify this instance's shards; nothing goes live until commit."""
-        self._ensure_watchdog()
-        if self._restore and self._restore.restore_id == restore_id \
-                and self._restore.prepared is not None:
-            return self._restore.prepared
-        if restore_id in self._lapsed or restore_id in self._finished:
-            raise self._gone(restore_id)
-        self._require_running(f"restore {restore_id}")
-        self._restore = _Restore(restore_id)
-        self._state = HolderState.RESTORING
-        self._gate.clear()
-        self._lease_deadline = self._clock.monotonic() + lease_s
+        """Read and verify this instance's shards; nothing goes live until commit.
+        Repeating it waits for and returns the first call's result."""
+        state = self._state
+        if isinstance(state, Restoring) and state.op.id == restore_id:
+            return await asyncio.shield(state.op.prepared)
+        self._admit(restore_id, f"restore {restore_id}", restore=True)
+        op = _RestoreOp(restore_id)
+        self._set_state(Restoring(op, self._clock.monotonic() + lease_s))
         try:
             await self._injected_delay("prepare_restore")
             records: list[SessionRecord] = []
@@ -476,8 +678,10 @@ class SessionHolder:
                     raise HolderStateError(
                         f"{self.instance_id}: asked to restore shard {entry.file} of "
                         f"{entry.instance_id}")
-                records += await self._runtime.run_blocking(read_shard, Path(directory), entry)
+                records += await self._runtime.run_blocking(read_shard, Path(directory),
+                                                            entry)
                 read += entry.bytes
+                self._current_restore(restore_id)  # ended while reading?
             conflicts = sorted(r.episode.rollout_id for r in records
                                if r.episode.rollout_id in self._live_rollouts)
             if conflicts:
@@ -485,69 +689,65 @@ class SessionHolder:
                     f"{self.instance_id}: cannot restore rollouts {conflicts}: sessions of "
                     f"them are live here; retire or close them first, or restore into a "
                     f"fresh job")
-            pending = [r.continued() for r in records]
-            restore = self._current_restore(restore_id)
-            restore.pending = pending
-            restore.prepared = RestorePrepared(
+            op = self._current_restore(restore_id)
+            op.pending = [r.continued() for r in records]
+            prepared = RestorePrepared(
                 instance_id=self.instance_id,
                 continued=tuple((r.episode.rollout_id, r.episode.attempt) for r in records),
                 staging_keys=frozenset().union(*(r.staging_keys for r in records)),
                 bytes_read=read,
                 live_rollouts=tuple(sorted(self._live_rollouts)),
+                shard_sessions=_sessions_by_shard(shards, records),
             )
-            return restore.prepared
-        except BaseException:
-            if self._restore and self._restore.restore_id == restore_id:
-                self._finished.add(restore_id)
-                self._restore = None
-                self._to_running()
+            op.prepared.set_result(prepared)
+            return prepared
+        except BaseException as exc:
+            if not op.prepared.done():
+                op.prepared.set_exception(exc)
+                op.prepared.exception()  # retrieved here; a repeat call re-raises it
+            if self._operation() is op:
+                self._end_operation(Outcome.ABORTED)
             raise
 
     async def commit_restore(self, restore_id: str) -> int:
         """Make the restored sessions live and resume. Returns how many went live."""
-        if restore_id in self._finished:
-            return 0
-        restore = self._current_restore(restore_id)
-        if restore.prepared is None:
+        state = self._state
+        if not (isinstance(state, Restoring) and state.op.id == restore_id):
+            if self._history.outcome(restore_id) is Outcome.COMMITTED:
+                return 0
+            raise self._refusal(restore_id)
+        op = state.op
+        if not op.prepared.done() or op.prepared.exception() is not None:
             raise HolderStateError(
                 f"{self.instance_id}: commit of restore {restore_id} before it was prepared")
         await self._injected_delay("commit_restore")
-        restore = self._current_restore(restore_id)
-        for record in restore.pending:
+        op = self._current_restore(restore_id)
+        for record in op.pending:
             if record.episode.rollout_id in self._live_rollouts:
                 raise RestoreConflictError(
                     f"{self.instance_id}: rollout {record.episode.rollout_id!r} went live "
                     f"during the restore")
-        for record in restore.pending:
-            self._add(record)
-        self._finished.add(restore_id)
-        self._restore = None
-        self._to_running()
-        return len(restore.pending)
-
-    async def abort_restore(self, restore_id: str) -> None:
-        """Drop what the restore prepared and resume. Idempotent."""
-        if self._restore is None or self._restore.restore_id != restore_id:
-            return
-        self._finished.add(restore_id)
-        self._restore = None
-        self._to_running()
+        for record in op.pending:
+            self._put(record)
+        self._undo = (restore_id, tuple(r.episode.capture_key for r in op.pending))
+        self._end_operation(Outcome.COMMITTED)
+        self._heap.request()
+        return len(op.pending)
 
     # --- internals ------------------------------------------------------------------
 
-    def _add(self, record: SessionRecord) -> None:
-        self._put(record)
-        self._live_rollouts[record.episode.rollout_id] = record.episode.capture_key
-
     def _put(self, record: SessionRecord) -> None:
-        """Store a new or changed session, and its capture report entry."""
-        key = record.episode.capture_key
+        """Store a new or changed session, and its capture report entry. Everything that
+        can fail runs before anything changes."""
+        ep = record.episode
+        row = encode_captured_session(
+            (ep.rollout_id, ep.attempt, sorted(record.staging_keys), len(record.turns)))
+        key = ep.capture_key
         old = self._sessions.get(key)
         self._state_bytes += len(record.state) - (len(old.state) if old else 0)
         self._sessions[key] = record
-        ep = record.episode
-        self._capture_rows[key] = encode_captured_session(
-            (ep.rollout_id, ep.attempt, sorted(record.staging_keys), len(record.turns)))
+        self._capture_rows[key] = row
+        self._live_rollouts[ep.rollout_id] = key
 
     def _drop(self, key: str) -> None:
         record = self._sessions.pop(key)
@@ -555,29 +755,47 @@ class SessionHolder:
         self._state_bytes -= len(record.state)
         self._live_rollouts.pop(record.episode.rollout_id, None)
 
-    def _session(self, capture_key: str) -> SessionRecord:
-        self._refuse_retired(capture_key)
-        try:
-            return self._sessions[capture_key]
-        except KeyError:
+    def _session(self, episode: EnvironmentEpisode) -> SessionRecord:
+        self._refuse_retired(episode)
+        record = self._sessions.get(episode.capture_key)
+        if record is None or record.episode != episode:
+            raise SessionNotFoundError(
+                f"{self.instance_id}: no live session {episode.capture_key!r}; open it "
+                f"first, or connect to the instance that holds it")
+        return record
+
+    def _session_by_key(self, capture_key: str) -> SessionRecord:
+        record = self._sessions.get(capture_key)
+        if record is None:
             raise SessionNotFoundError(
                 f"{self.instance_id}: no live session {capture_key!r}; open it first, or "
-                f"connect to the instance that holds it") from None
+                f"connect to the instance that holds it")
+        return record
 
-    def _refuse_retired(self, capture_key: str) -> None:
-        if capture_key in self._retired:
+    def _refuse_retired(self, episode: EnvironmentEpisode) -> None:
+        mark = self._retired.get(episode.rollout_id)
+        if mark is not None and episode.attempt <= mark:
             raise RetiredAttemptError(
-                f"{self.instance_id}: attempt {capture_key} was retired by RL; its late "
-                f"turns are refused")
+                f"{self.instance_id}: attempt {episode.capture_key} was retired by RL "
+                f"(every attempt up to {mark} of {episode.rollout_id!r} is); open the next "
+                f"attempt instead, or forget this one first")
 
-    def _take_turn(self, capture_key: str, token: str) -> None:
-        turn = self._turns.get(capture_key)
+    def _refuse_aborted(self, episode: EnvironmentEpisode, token: str) -> None:
+        if token in self._aborted_tokens:
+            del self._aborted_tokens[token]
+            raise TurnAbortedError(
+                f"{self.instance_id}: the turn of {episode.capture_key} was aborted by its "
+                f"caller before it began here; nothing was recorded")
+
+    def _take_turn(self, episode: EnvironmentEpisode, token: str) -> None:
+        key = episode.capture_key
+        turn = self._turns.get(key)
         if turn is None or turn.token != token:
-            self._refuse_retired(capture_key)
+            self._refuse_retired(episode)
             raise TurnInProgressError(
-                f"{self.instance_id}: no turn in flight for {capture_key} with that token; "
+                f"{self.instance_id}: no turn in flight for {key} with that token; "
                 f"it was aborted (turn timeout, retire or forget) or already finished")
-        del self._turns[capture_key]
+        del self._turns[key]
 
     async def _notify_turn_done(self) -> None:
         async with self._turns_done:
@@ -602,66 +820,23 @@ class SessionHolder:
         await self._gate.wait()
 
     def _require_running(self, what: str) -> None:
-        if self._state is not HolderState.RUNNING:
-            op = self._snapshot.snapshot_id if self._snapshot else (
-                self._restore.restore_id if self._restore else "?")
-            raise HolderStateError(
-                f"{self.instance_id} refuses {what}: it is {self._state.value} for {op}; "
-                f"wait until that snapshot or restore finishes (its lease lapses in at "
-                f"most {self._lease_left():.1f}s if its driver died)")
+        if not isinstance(self._state, Running):
+            raise HolderBusyError(self._busy_message(what))
 
-    def _lease_left(self) -> float:
-        return 0.0 if self._lease_deadline is None else max(
-            0.0, self._lease_deadline - self._clock.monotonic())
-
-    def _gone(self, op_id: str) -> Exception:
-        if op_id in self._lapsed:
-            return LeaseExpiredError(
-                f"{self.instance_id}: the lease of {op_id} lapsed, so the holder resumed "
-                f"by itself and {op_id} cannot commit; retry the snapshot (renewals stopped: "
-                f"was the driver or coordinator stalled or gone?)")
-        return StaleSnapshotError(f"{self.instance_id}: {op_id} is already finished")
-
-    def _current_operation(self, op_id: str) -> None:
-        current = self._snapshot.snapshot_id if self._snapshot else (
-            self._restore.restore_id if self._restore else None)
-        if current != op_id:
-            if op_id in self._lapsed or op_id in self._finished:
-                raise self._gone(op_id)
-            raise StaleSnapshotError(
-                f"{self.instance_id}: call for {op_id}, but the holder is "
-                f"{self._state.value}" + (f" for {current}" if current else ""))
-
-    def _current_snapshot(self, snapshot_id: str) -> _Snapshot:
-        self._current_operation(snapshot_id)
-        assert self._snapshot is not None
-        return self._snapshot
-
-    def _current_restore(self, restore_id: str) -> _Restore:
-        self._current_operation(restore_id)
-        assert self._restore is not None
-        return self._restore
-
-    def _to_running(self) -> None:
-        self._snapshot = None
-        self._restore = None
-        self._lease_deadline = None
-        self._state = HolderState.RUNNING
-        self._gate.set()
-
-    async def _persist(self, snapshot_id: str, directory: Path,
+    async def _persist(self, op: _SnapshotOp, directory: Path,
                        records: list[SessionRecord]) -> PersistReport:
         start = self._clock.monotonic()
         await self._injected_delay("persist")
         shards: tuple[ShardEntry, ...] = ()
         if records:
-            name = shard_file_name(snapshot_id, self.instance_id)
+            name = shard_file_name(op.id, self.instance_id)
             entry = await self._runtime.run_blocking(
                 write_shard, directory, name, self.instance_id, records)
-            if self._snapshot is None or self._snapshot.snapshot_id != snapshot_id:
+            if self._operation() is not op \
+                    and self._history.outcome(op.id) is not Outcome.COMMITTED:
                 # Aborted or lapsed while the thread wrote: the file must not outlive it.
                 await self._runtime.run_blocking(remove_files, directory, [name])
-                raise self._gone(snapshot_id)
+                raise self._refusal(op.id)
             shards = (entry,)
         return PersistReport(
             instance_id=self.instance_id, shards=shards,
@@ -675,18 +850,15 @@ class SessionHolder:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(_WATCH_PERIOD_S)
+            await asyncio.sleep(self._watch_period_s)
             now = self._clock.monotonic()
-            if self._lease_deadline is not None and now > self._lease_deadline:
-                op = self._snapshot.snapshot_id if self._snapshot else (
-                    self._restore.restore_id if self._restore else None)
+            state = self._state
+            if not isinstance(state, Running) and now > state.lease_deadline:
                 log.warning("%s: lease of %s lapsed; resuming by itself",
-                            self.instance_id, op)
-                if op is not None:
-                    self._lapsed.add(op)
-                # Its shard stays: a coordinator may already hold its report and commit
-                # it. Unreferenced shards are removed by the next commit in that folder.
-                self._to_running()
+                            self.instance_id, state.op.id)
+                # A shard already written stays: a coordinator may hold its report and
+                # commit it. One written later removes itself (``_persist``).
+                self._end_operation(Outcome.LAPSED)
             if self._turn_timeout_s is not None:
                 stale = [k for k, t in self._turns.items()
                          if now - t.started > self._turn_timeout_s]
@@ -698,9 +870,22 @@ class SessionHolder:
                     await self._notify_turn_done()
             # Trim only while running (a pause is kept short), after a burst of session
             # calls or once a snapshot or restore has finished (their buffers are freed).
-            if self._state is HolderState.RUNNING:
+            if isinstance(self._state, Running):
                 if self._heap_state_seen is not HolderState.RUNNING:
                     self._heap.request()
                 await self._heap.maybe_trim()
-            self._heap_state_seen = self._state
+            self._heap_state_seen = self._state.value
 
+
+def _sessions_by_shard(shards: list[ShardEntry], records: list[SessionRecord]
+                       ) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """``(shard file, ((rollout_id, attempt), ...))`` per shard, in the order read (each
+    shard's sessions follow the previous shard's: ``entry.sessions`` of them)."""
+    out = []
+    k = 0
+    for entry in shards:
+        part = records[k:k + entry.sessions]
+        k += entry.sessions
+        out.append((entry.file, tuple((r.episode.rollout_id, r.episode.attempt)
+                                      for r in part)))
+    return tuple(out)

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
-from nemo_ckpt.manifest import ENVIRONMENT_DIR, MANIFEST_NAME, Manifest, RolloutEntry
+from nemo_ckpt.manifest import (
+    ENVIRONMENT_DIR,
+    MANIFEST_NAME,
+    Manifest,
+    RolloutEntry,
+    rollouts_by_shard,
+    shard_problems,
+)
 from nemo_ckpt.phases import HolderInfo
 from nemo_ckpt.storage import environment_dir, read_manifest, read_shard
 
@@ -235,37 +242,20 @@ def verify_snapshot(checkpoint_path: Path | str) -> VerifyReport:
         return report
     report.manifest = manifest
     directory = environment_dir(path)
-    listed: dict[str, dict[str, RolloutEntry]] = {s.file: {} for s in manifest.shards}
-    for r in manifest.rollouts:
-        listed[r.shard][r.rollout_id] = r
+    listed = rollouts_by_shard(manifest)
     for shard in manifest.shards:
         try:
             records = read_shard(directory, shard)
         except SnapshotReadError as exc:
             report.shards[shard.file] = [_one_line(exc)]
             continue
-        problems: list[str] = []
-        expected = listed[shard.file]
-        seen: set[str] = set()
-        for record in records:
-            ep = record.episode
-            entry = expected.get(ep.rollout_id)
-            if ep.rollout_id in seen:
-                problems.append(
-                    f"shard {directory / shard.file} holds rollout {ep.rollout_id!r} twice; "
-                    f"restore an earlier checkpoint")
-            elif entry is None or entry.attempt != ep.attempt:
-                problems.append(
-                    f"shard {directory / shard.file} holds {ep.capture_key}, which its "
-                    f"manifest does not list there; restore an earlier checkpoint")
-            seen.add(ep.rollout_id)
-        if missing := sorted(set(expected) - seen):
-            problems.append(
-                f"shard {directory / shard.file} lacks rollouts its manifest lists there: "
-                f"{', '.join(missing)}; restore an earlier checkpoint")
+        problems = shard_problems(
+            listed.get(shard.file, {}),
+            ((r.episode.rollout_id, r.episode.attempt) for r in records),
+            str(directory / shard.file))
         report.shards[shard.file] = problems or None
-    for shard_problems in report.shards.values():
-        report.problems += shard_problems or []
+    for found in report.shards.values():
+        report.problems += found or []
     return report
 
 

@@ -7,9 +7,12 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX"]
+__all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN"]
 
 HOLDER_NAME_PREFIX = "nemo_ckpt_holder:"
+# Of a lease, the part kept free for a renewal to travel and be handled: the drain, one
+# renewal period and this margin must fit in a lease.
+LEASE_MARGIN = 0.1
 
 
 class CheckpointConfig(BaseModel):
@@ -28,40 +31,50 @@ class CheckpointConfig(BaseModel):
         description="Folder under which checkpoint paths live; check_startup verifies "
                     "every holder can write it and the driver can read it (shared).")
     drain_timeout_s: float = Field(
-        5.0, gt=0,
+        5.0, gt=0, allow_inf_nan=False,
         description="How long a pause waits for turns in flight; sessions still mid-turn "
                     "after it are not captured and restart after a crash.")
     lease_s: float = Field(
-        30.0, gt=0,
+        30.0, gt=0, allow_inf_nan=False,
         description="A paused holder resumes by itself when its lease is not renewed "
                     "within this many seconds (a driver or coordinator that died).")
     lease_renew_interval_s: Optional[float] = Field(
-        None, gt=0,
+        None, gt=0, allow_inf_nan=False,
         description="How often the driver renews the lease while the snapshot context "
                     "is open; defaults to a third of lease_s.")
     phase_timeout_s: float = Field(
-        30.0, gt=0,
+        30.0, gt=0, allow_inf_nan=False,
         description="Deadline of each control call to a holder (pause, capture, resume, "
                     "restore steps) beyond the phase's own work.")
     persist_timeout_s: float = Field(
-        600.0, gt=0,
+        600.0, gt=0, allow_inf_nan=False,
         description="Deadline for a holder to write its shards, counted from the end of "
                     "the caller's block.")
-    turn_timeout_s: Optional[float] = Field(
-        None, gt=0,
+    turn_timeout_s: float = Field(
+        1800.0, gt=0, allow_inf_nan=False,
         description="A turn in flight longer than this is aborted by its holder (its "
-                    "worker is presumed dead); None lets turns run for ever.")
+                    "worker is presumed dead or stuck), so a lost worker never holds a "
+                    "session for ever; set it above your longest tool call.")
     max_state_bytes: int = Field(
         64 << 20, gt=0,
         description="Largest environment state or turn record a session may hold; larger "
                     "ones are refused with StateTooLargeError.")
 
+    max_retired_marks: int = Field(
+        100_000, gt=0,
+        description="Retire marks a holder keeps (one per retired rollout, until RL "
+                    "forgets it); beyond this the oldest go, and a zombie worker of that "
+                    "rollout could open it again.")
+
     @model_validator(mode="after")
     def _deadlines_can_work(self) -> CheckpointConfig:
-        if self.drain_timeout_s >= self.lease_s:
+        need = self.drain_timeout_s + self.renew_interval_s + LEASE_MARGIN * self.lease_s
+        if need >= self.lease_s:
             raise ValueError(
-                f"drain_timeout_s ({self.drain_timeout_s}) must be shorter than lease_s "
-                f"({self.lease_s}), or every holder's lease lapses while it drains")
+                f"drain_timeout_s ({self.drain_timeout_s}) + the lease renewal period "
+                f"({self.renew_interval_s:g}) + a margin of {LEASE_MARGIN:.0%} of lease_s "
+                f"must be shorter than lease_s ({self.lease_s}), or a holder's lease "
+                f"lapses while a long turn drains; raise lease_s")
         if self.renew_interval_s * 2 > self.lease_s:
             raise ValueError(
                 f"lease_renew_interval_s ({self.renew_interval_s}) must be at most half "

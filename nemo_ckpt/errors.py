@@ -1,14 +1,20 @@
 """Every error nemo-ckpt raises, one class per kind.
 
-Each message says what happened, where, and what to do. ``BackendUnavailableError`` is
-the only kind that ``RayEnvironmentCheckpoint.is_unavailable`` treats as retriable; a
-mismatch, bad input or a storage error never is.
+Each message says what happened, where, and what to do. Whether a kind is retriable is
+a property of its class (``retriable``), the one source that
+``RayEnvironmentCheckpoint.is_unavailable`` reads and docs/FAILURES.md lists (a test
+compares them): retriable kinds leave nothing RL holds changed and go away by
+themselves (an actor unreachable or late, a lease that lapsed while something stalled,
+a holder busy with another operation); a mismatch, bad input or a storage error never
+does.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]
@@ -23,11 +29,46 @@ class NemoCkptError(Exception):
     """Base class of every error nemo-ckpt raises on purpose.
 
     Errors cross Ray actor boundaries, so each one pickles with its attributes even
-    when its constructor takes other arguments than its message.
+    when its constructor takes other arguments than its message. ``failures`` holds,
+    for an error raised by a fan-out, every holder's own error by instance id.
     """
+
+    retriable: ClassVar[bool] = False
+    failures: Mapping[str, BaseException] = {}
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def is_retriable(error: BaseException) -> bool:
+    """Whether ``error`` is a retriable nemo-ckpt error (see the module docstring)."""
+    return isinstance(error, NemoCkptError) and error.retriable
+
+
+def aggregate(what: str, failures: Mapping[str, BaseException]) -> BaseException:
+    """One error for a phase that failed on several holders, carrying every one.
+
+    Its class is the first non-retriable holder error's (in the order given), or the
+    first error's when all are retriable, so that ``is_unavailable`` says "retry" only
+    when every holder's failure was retriable; its message lists every holder's error,
+    and ``failures`` holds them (as torch DCP's ``CheckpointException`` does).
+    """
+    if not failures:
+        raise ValueError("aggregate() needs at least one failure")
+    if len(failures) == 1:
+        return next(iter(failures.values()))
+    primary = next((e for e in failures.values() if not is_retriable(e)),
+                   next(iter(failures.values())))
+    lines = "\n".join(f"  - {inst}: {type(e).__name__}: {e}" for inst, e in failures.items())
+    message = f"{what} failed on {len(failures)} holders:\n{lines}"
+    try:
+        error = copy.copy(primary)
+        error.args = (message,)
+    except Exception:  # an exception type that does not copy: keep it as it is
+        return primary
+    if isinstance(error, NemoCkptError):
+        error.failures = dict(failures)
+    return error
 
 
 # --- the cut check -------------------------------------------------------------------
@@ -124,24 +165,49 @@ class BackendUnavailableError(NemoCkptError):
     Nothing RL holds has changed; the caller may retry the snapshot.
     """
 
+    retriable = True
+
 
 class HolderStateError(NemoCkptError):
     """A session holder refused a call that does not fit its state (running, paused
-    for a snapshot, restoring)."""
+    for a snapshot, restoring), or a phase out of order."""
+
+
+class HolderBusyError(HolderStateError):
+    """A holder is paused or restoring for another operation (another driver's, or one
+    whose driver died: its lease ends it). Retry once that operation is over."""
+
+    retriable = True
 
 
 class StaleSnapshotError(HolderStateError):
-    """A phase carried a snapshot or restore id that is not the holder's current one."""
+    """A phase carried an operation id that has ended (a late or repeated call), that
+    its driver has moved past, or that the callee never saw."""
 
 
 class LeaseExpiredError(NemoCkptError):
-    """A holder's pause lease lapsed before the snapshot committed, so the holder
-    resumed by itself and the snapshot cannot commit. Retry the snapshot."""
+    """An operation's lease lapsed before it committed (its renewals stopped: the driver
+    or the coordinator stalled, died, or could not be reached), so the holders resumed
+    by themselves and it cannot commit. Nothing RL holds changed: retry."""
+
+    retriable = True
+
+
+class OperationAbortedError(NemoCkptError):
+    """The operation was aborted (by its driver, or because a phase failed) before the
+    call could complete; nothing of it stays. Retry the operation."""
+
+    retriable = True
 
 
 class SnapshotInProgressError(NemoCkptError):
     """A call that needs no open snapshot (a second snapshot, retire, forget, restore)
     came while one is open."""
+
+
+class CheckpointPathBusyError(NemoCkptError):
+    """Another job's snapshot is in progress in the same checkpoint path. Two jobs must
+    not share a checkpoint path: give each its own."""
 
 
 class SessionError(NemoCkptError):
@@ -167,6 +233,10 @@ class RetiredAttemptError(SessionError):
 
 class TurnInProgressError(SessionError):
     """A session already has a turn in flight, or a turn token is unknown."""
+
+
+class TurnAbortedError(TurnInProgressError):
+    """The turn was aborted by its own caller (cancelled, gone) before it began here."""
 
 
 class StateTooLargeError(SessionError):

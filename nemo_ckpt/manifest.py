@@ -44,6 +44,9 @@ __all__ = [
     "EncodedRollouts",
     "RolloutRow",
     "shard_file_name",
+    "rollouts_by_shard",
+    "shard_problems",
+    "safe_name_part",
 ]
 
 FORMAT_VERSION: Literal[2] = 2
@@ -68,14 +71,19 @@ def is_plain_file_name(name: str) -> bool:
     return PurePosixPath(name).name == name and PureWindowsPath(name).name == name
 
 
+def safe_name_part(text: str) -> str:
+    """``text`` with every character a file name should not hold replaced by ``_``."""
+    return _SAFE_PART.sub("_", text)
+
+
 def shard_file_name(snapshot_id: str, instance_id: str, index: int = 0) -> str:
     """The file name of a holder's ``index``-th shard in snapshot ``snapshot_id``.
 
     Names carry the snapshot id, so a new snapshot written into a folder that holds an
     older one never overwrites the older one's shards before its manifest commits.
     """
-    sid = _SAFE_PART.sub("_", snapshot_id)
-    inst = _SAFE_PART.sub("_", instance_id)
+    sid = safe_name_part(snapshot_id)
+    inst = safe_name_part(instance_id)
     return f"{SHARD_PREFIX}{sid}-{inst}-{index:04d}{SHARD_SUFFIX}"
 
 
@@ -237,6 +245,38 @@ def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[s
     tail = b'"rollouts":null}'
     assert head.endswith(tail)
     return head[:-len(tail)] + b'"rollouts":' + rollouts.json + b"}"
+
+
+def rollouts_by_shard(manifest: Manifest) -> dict[str, dict[str, int]]:
+    """For each shard file, the rollouts its manifest lists there and their attempts."""
+    listed: dict[str, dict[str, int]] = {s.file: {} for s in manifest.shards}
+    for r in manifest.rollouts:
+        listed.setdefault(r.shard, {})[r.rollout_id] = r.attempt
+    return listed
+
+
+def shard_problems(listed: Mapping[str, int], sessions: Iterable[tuple[str, int]],
+                   where: str) -> list[str]:
+    """What is wrong with the sessions a shard holds, ``(rollout_id, attempt)`` each,
+    against ``listed`` (its manifest's rollouts there, from ``rollouts_by_shard``): a
+    rollout held twice, one the manifest does not list there (or lists at another
+    attempt), one it lists but the shard lacks. The one check a restore and ``nemo-ckpt
+    verify`` both make, so a crafted shard cannot make two sessions of a rollout live."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for rollout_id, attempt in sessions:
+        key = rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+        if rollout_id in seen:
+            problems.append(f"shard {where} holds rollout {rollout_id!r} twice; restore an "
+                            f"earlier checkpoint")
+        elif listed.get(rollout_id) != attempt:
+            problems.append(f"shard {where} holds {key}, which its manifest does not list "
+                            f"there; restore an earlier checkpoint")
+        seen.add(rollout_id)
+    if missing := sorted(set(listed) - seen):
+        problems.append(f"shard {where} lacks rollouts its manifest lists there: "
+                        f"{', '.join(missing)}; restore an earlier checkpoint")
+    return problems
 
 
 def upgrade_v1(data: Any) -> Any:

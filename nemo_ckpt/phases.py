@@ -19,9 +19,7 @@ and a restore these, carrying the restore id::
 from __future__ import annotations
 
 import enum
-import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 import msgpack
 
@@ -37,7 +35,6 @@ __all__ = [
     "join_captured",
     "PersistReport",
     "RestorePrepared",
-    "new_operation_id",
     "instance_sort_key",
 ]
 
@@ -46,14 +43,6 @@ def instance_sort_key(instance_id: str) -> tuple[int, str]:
     """Orders ``holder-2`` before ``holder-10``; ids of another shape sort last."""
     head, _, tail = instance_id.rpartition("-")
     return (int(tail), head) if tail.isdigit() else (1 << 30, instance_id)
-
-
-def new_operation_id(kind: str, wall: float | None = None, token: str | None = None) -> str:
-    """A sortable, unique snapshot or restore id, such as ``snap-20261129T180000-1a2b3c4d``,
-    from the wall clock (now by default) and a random hex token (fresh by default)."""
-    when = datetime.now(timezone.utc) if wall is None else datetime.fromtimestamp(
-        wall, timezone.utc)
-    return f"{kind}-{when:%Y%m%dT%H%M%S}-{(token or uuid.uuid4().hex)[:8]}"
 
 
 class HolderState(str, enum.Enum):
@@ -146,3 +135,6 @@ class RestorePrepared:
     staging_keys: frozenset[str] = field(default_factory=frozenset)
     bytes_read: int = 0
     live_rollouts: tuple[str, ...] = ()  # rollouts live on the holder, for conflicts
+    # (shard file, ((rollout_id, attempt), ...)) per shard read: what each shard holds,
+    # which the coordinator checks against the manifest before anything goes live.
+    shard_sessions: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,11 +15,13 @@ from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_capture_against_cut
 from nemo_ckpt.errors import (
     BackendUnavailableError,
+    NemoCkptError,
     SnapshotInProgressError,
     StartupCheckError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
-from nemo_ckpt.phases import HolderInfo, HolderState, new_operation_id
+from nemo_ckpt.operations import new_operation_id
+from nemo_ckpt.phases import HolderInfo, HolderState
 from nemo_ckpt.transport import Transport
 
 __all__ = ["RayEnvironmentCheckpoint", "RaySnapshot"]
@@ -39,6 +42,9 @@ class RaySnapshot:
         self.snapshot_id: str = begun.snapshot_id
         self._begun = begun
         self.check_result: CutCheckResult | None = None
+        # The error of a check that refused this snapshot: it can no longer commit,
+        # even if the caller catches the error inside the block.
+        self.refused: BaseException | None = None
         self._committed: dict[str, float] = {}
         self._captured: dict[str, dict[EnvironmentEpisode, frozenset[str]]] | None = None
 
@@ -71,10 +77,15 @@ class RaySnapshot:
         """Require the capture to match RL's ledger and staging rows at ``cut``.
 
         Raises ``SnapshotMismatchError`` listing every difference; the snapshot then
-        does not commit. Expected rollouts the backend does not hold are counted in
+        does not commit, even if the caller catches the error: the exit raises it
+        again. Expected rollouts the backend does not hold are counted in
         ``metrics()["not_held_rollouts"]`` and logged as a warning: they restart.
         """
-        result = check_capture_against_cut(cut, self.captured(), self.restarting())
+        try:
+            result = check_capture_against_cut(cut, self.captured(), self.restarting())
+        except BaseException as exc:
+            self.refused = exc
+            raise
         self.check_result = result
         if result.not_held:
             shown = ", ".join(f"{i}/{ep.capture_key}" for i, ep in sorted(result.not_held)[:10])
@@ -107,7 +118,8 @@ class RaySnapshot:
 
     def _record_commit(self, manifest_metrics: dict[str, float]) -> None:
         for key in ("persist_seconds", "bytes_written"):
-            self._committed[key] = manifest_metrics[key]
+            if key in manifest_metrics:
+                self._committed[key] = manifest_metrics[key]
 
 
 class RayEnvironmentCheckpoint:
@@ -144,6 +156,8 @@ class RayEnvironmentCheckpoint:
         self.config = config or CheckpointConfig()
         self._transport_ = transport
         self._open: str | None = None
+        self._driver_id: str | None = None  # names this driver in its operation ids
+        self._sequence = 0
 
     @property
     def open_operation(self) -> str | None:
@@ -224,76 +238,117 @@ class RayEnvironmentCheckpoint:
         Yields ``None`` when no holder has a session (an empty manifest still commits).
         A snapshot into a path that holds an older one replaces it atomically: the new
         manifest's rename is the commit point, and the older shards go only after it.
+
+        Whatever ends the block (an exception, a cancellation, a failed
+        ``check_against_cut`` even if the caller caught it) aborts the snapshot on every
+        holder before the error propagates. The commit, once started, runs to its end
+        even if this task is cancelled meanwhile (the cancellation is raised after it):
+        a commit is never torn by an abort.
         """
         self._refuse_if_open("snapshot")
-        clock = self._transport.runtime.clock
-        snapshot_id = new_operation_id("snap", clock.wall(), self._transport.runtime.token())
+        snapshot_id = self._new_operation_id("snap")
         self._open = snapshot_id
         path = str(Path(checkpoint_path))
+        clock = self._transport.runtime.clock
         started = clock.monotonic()
         try:
-            begun = await self._call("begin_snapshot", snapshot_id, path)
-            snap = RaySnapshot(begun)
-            # Not awaited, and it never raises: the writes overlap the caller's block.
-            self._transport.send(self._transport.coordinator(), "start_writes", snapshot_id)
-            async with self._renewing(snapshot_id):
+            async with self._renewing(snapshot_id):  # from the start: phases can be long
+                try:
+                    begun = await self._call("begin_snapshot", snapshot_id, path)
+                except BaseException as exc:
+                    await self._abort(snapshot_id, path, exc)
+                    raise
+                snap = RaySnapshot(begun)
+                # Not awaited, and it never raises: the writes overlap the caller's block.
+                self._transport.send(self._transport.coordinator(), "start_writes",
+                                     snapshot_id)
                 try:
                     yield snap if snap.captured_rollouts or snap.restarted_rollouts else None
                 except BaseException as exc:
-                    await self._abort_quietly("abort_snapshot", snapshot_id, path,
-                                              type(exc).__name__)
+                    await self._abort(snapshot_id, path, exc)
                     raise
+                if snap.refused is not None:  # the caller caught the check's refusal
+                    await self._abort(snapshot_id, path, snap.refused)
+                    raise snap.refused
                 # The manifest carries what is known at commit; paused time ends at resume.
                 metrics = snap.metrics(clock.monotonic() - started)
-                try:
-                    committed = await self._call(
-                        "commit_snapshot", snapshot_id, path, metrics,
-                        snap.restarted_rollouts)
-                except BaseException:
-                    # A coordinator that died mid-commit left holders paused: a fresh one
-                    # resumes them now instead of at lease expiry.
-                    await self._abort_quietly("abort_snapshot", snapshot_id, path)
-                    raise
+                committed = await self._commit_snapshot(snapshot_id, path, metrics,
+                                                        snap.restarted_rollouts)
             snap._record_commit(committed.metrics)
             log.info("snapshot %s committed: %d rollouts, %d restarted, %.0f bytes, "
                      "paused %.3fs", snapshot_id, snap.captured_rollouts,
-                     snap.restarted_rollouts, committed.metrics["bytes_written"],
+                     snap.restarted_rollouts, committed.metrics.get("bytes_written", 0.0),
                      clock.monotonic() - started)
         finally:
             self._open = None
+
+    async def _commit_snapshot(self, snapshot_id: str, path: str, metrics: dict[str, float],
+                               restarted: int) -> Any:
+        """Commit, shielded from this task's cancellation. A commit that failed is
+        aborted, and the abort's answer decides: the commit may have won after all (its
+        coordinator died right after the manifest's rename)."""
+        answer, cancelled = await _finish(asyncio.ensure_future(
+            self._call("commit_snapshot", snapshot_id, path, metrics, restarted)))
+        if isinstance(answer, BaseException):
+            outcome = await self._abort(snapshot_id, path, answer)
+            if outcome != "committed":
+                if cancelled:
+                    raise asyncio.CancelledError()
+                raise answer
+            log.warning("snapshot %s: its commit call failed (%s), but the commit won: "
+                        "the manifest names it", snapshot_id, answer)
+            answer = _Committed(dict(metrics))
+        if cancelled:
+            raise asyncio.CancelledError()
+        return answer
 
     @contextlib.asynccontextmanager
     async def restored(self, checkpoint_path: Path) -> AsyncIterator[RestoredEnvironmentRollouts]:
         """Restore every instance's sessions from ``checkpoint_path`` as next attempts.
 
         The snapshot is verified, every shard included, before any holder changes.
-        Sessions go live on a clean exit; on an exception every holder drops them.
+        Sessions go live on a clean exit; on an exception (or a cancellation, or a
+        commit that failed on some holder) every holder drops them: all or nothing.
         """
         self._refuse_if_open("restore")
-        runtime = self._transport.runtime
-        restore_id = new_operation_id("restore", runtime.clock.wall(), runtime.token())
+        restore_id = self._new_operation_id("restore")
         self._open = restore_id
         path = str(Path(checkpoint_path))
         try:
-            begun = await self._call("prepare_restore", restore_id, path)
-            async with self._renewing(restore_id):
+            async with self._renewing(restore_id):  # from the start: reads can be long
+                try:
+                    begun = await self._call("prepare_restore", restore_id, path)
+                except BaseException as exc:
+                    await self._abort(restore_id, None, exc)
+                    raise
                 try:
                     yield RestoredEnvironmentRollouts(
                         continued_attempts=begun.continued_attempts,
                         staging_keys=begun.staging_keys)
                 except BaseException as exc:
-                    await self._abort_quietly("abort_restore", restore_id,
-                                              type(exc).__name__)
+                    await self._abort(restore_id, None, exc)
                     raise
-                live = await self._call("commit_restore", restore_id)
+                live, cancelled = await _finish(asyncio.ensure_future(
+                    self._call("commit_restore", restore_id)))
+                if isinstance(live, BaseException):
+                    # Some holders may have gone live: the abort makes them drop it again.
+                    await self._abort(restore_id, None, live)
+                    if cancelled:
+                        raise asyncio.CancelledError()
+                    raise live
+                if cancelled:
+                    raise asyncio.CancelledError()
             log.info("restore %s from %s: %d sessions live", restore_id, path, live)
         finally:
             self._open = None
 
     def is_unavailable(self, error: BaseException) -> bool:
-        """True only for a holder or the coordinator unreachable, dead or late."""
-        if isinstance(error, BackendUnavailableError):
-            return True
+        """True only for a failure that left nothing RL holds changed and goes away by
+        itself: a holder or the coordinator unreachable, dead or late, a lease that
+        lapsed while something stalled, a holder busy with another operation. It reads
+        each error class's ``retriable`` (listed in docs/FAILURES.md)."""
+        if isinstance(error, NemoCkptError):
+            return error.retriable
         if "ray" not in sys.modules:  # only Ray's own errors are left to look at
             return False
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -357,11 +412,24 @@ class RayEnvironmentCheckpoint:
         transport = self._transport
         return await transport.call(transport.coordinator(), method, *args)
 
-    async def _abort_quietly(self, method: str, *args: Any) -> None:
-        try:
-            await self._call(method, *args)
-        except Exception as exc:  # the caller's own exception matters more
-            log.warning("abort after a failed snapshot/restore also failed: %s", exc)
+    def _new_operation_id(self, kind: str) -> str:
+        runtime = self._transport.runtime
+        if self._driver_id is None:
+            self._driver_id = runtime.token()[:8]
+        self._sequence += 1
+        return new_operation_id(kind, runtime.clock.wall(), self._driver_id, self._sequence)
+
+    async def _abort(self, op_id: str, path: str | None, cause: BaseException) -> str | None:
+        """Abort ``op_id`` everywhere, even from a cancelled task, and return its outcome
+        ("committed" if its commit won), or None if the coordinator could not be reached
+        (the holders then end it by their lease)."""
+        answer, _ = await _finish(asyncio.ensure_future(
+            self._call("abort", op_id, path, type(cause).__name__)))
+        if isinstance(answer, BaseException):
+            log.warning("abort of %s after %s also failed: %s", op_id,
+                        type(cause).__name__, answer)
+            return None
+        return str(answer)
 
     def _refuse_if_open(self, what: str) -> None:
         if self._open is not None:
@@ -371,18 +439,56 @@ class RayEnvironmentCheckpoint:
 
     @contextlib.asynccontextmanager
     async def _renewing(self, op_id: str) -> AsyncIterator[None]:
+        """Renew ``op_id``'s lease every renewal period while the block runs; each
+        renewal on its own, so that one slow answer does not delay the next."""
+        pending: set[asyncio.Future[Any]] = set()
+
+        async def renew_once() -> None:
+            try:
+                await self._transport.call(self._transport.coordinator(), "renew", op_id,
+                                           timeout=self.config.lease_s)
+            except Exception as exc:
+                log.debug("lease renewal of %s failed: %s", op_id, exc)
+
         async def renew() -> None:
             while True:
                 await asyncio.sleep(self.config.renew_interval_s)
-                try:
-                    await self._call("renew", op_id)
-                except Exception as exc:
-                    log.warning("lease renewal of %s failed: %s", op_id, exc)
+                task = asyncio.ensure_future(renew_once())
+                pending.add(task)
+                task.add_done_callback(pending.discard)
 
         task = asyncio.ensure_future(renew())
         try:
             yield
         finally:
             task.cancel()
+            for each in list(pending):
+                each.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """A commit whose answer was lost, but which won (the abort said so)."""
+
+    metrics: dict[str, float]
+
+
+async def _finish(future: asyncio.Future[Any]) -> tuple[Any, bool]:
+    """Wait for ``future`` to end even if this task is cancelled meanwhile. Returns its
+    result (or the exception it raised) and whether a cancellation came, for the caller
+    to raise once it has acted on the result."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                cancelled = True
+        except BaseException:
+            break
+    if future.cancelled():
+        return asyncio.CancelledError(), True
+    error = future.exception()
+    return (error if error is not None else future.result()), cancelled

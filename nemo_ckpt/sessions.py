@@ -15,7 +15,26 @@ from typing import Any
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.transport import Actor, Transport
 
-__all__ = ["SessionRecord", "SessionClient", "Turn"]
+__all__ = ["SessionRecord", "SessionClient", "Turn", "check_staging_keys"]
+
+
+def check_staging_keys(staging_keys: Iterable[str], where: str) -> frozenset[str]:
+    """``staging_keys`` as a frozenset, or TypeError: a collection of non-empty strings,
+    not one string (whose letters would each become a key)."""
+    if isinstance(staging_keys, (str, bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"staging keys of {where} must be a collection of strings, not one "
+            f"{type(staging_keys).__name__} ({staging_keys!r}); pass [key]")
+    try:
+        keys = frozenset(staging_keys)
+    except TypeError:
+        raise TypeError(f"staging keys of {where} must be a collection of strings, not "
+                        f"{type(staging_keys).__name__}") from None
+    bad = [k for k in keys if not isinstance(k, str) or not k]
+    if bad:
+        raise TypeError(f"staging keys of {where} must be non-empty strings; got "
+                        f"{sorted(map(repr, bad))[:5]}")
+    return keys
 
 
 # slots: a holder keeps one record per live session; without a __dict__ a record is one
@@ -123,9 +142,15 @@ class Turn:
         """Set what the turn commits: its record, the new state, the staging rows it wrote.
 
         Write every staging row before the block exits: the row must exist in the data
-        plane before the turn that references it commits.
+        plane before the turn that references it commits. Raises TypeError at once for
+        a record or state that is not bytes, or staging keys that are not strings.
         """
-        self._result = (record, state, frozenset(staging_keys))
+        where = self.session.episode.capture_key
+        for what, data in (("turn record", record), ("state", state)):
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"{what} of {where} must be bytes, not "
+                                f"{type(data).__name__}; serialize it in the environment")
+        self._result = (record, state, check_staging_keys(staging_keys, where))
 
 
 class SessionClient:
@@ -204,23 +229,40 @@ class SessionClient:
 
     @contextlib.asynccontextmanager
     async def turn(self, episode: EnvironmentEpisode) -> AsyncIterator[Turn]:
-        """Run one turn of ``episode``'s session. Waits while the holder is paused."""
-        key = episode.capture_key
-        token, session = await self._call("begin_turn", key)
+        """Run one turn of ``episode``'s session. Waits while the holder is paused.
+
+        The caller owns the turn: its token is made here, so a turn whose caller goes
+        away (an exception, a cancellation, even while waiting at a closed gate) is
+        aborted with it, and never stays open on the holder. A dead worker's turn ends
+        at ``CheckpointConfig.turn_timeout_s``."""
+        token = self._transport.runtime.token()
+        try:
+            session = await self._call("begin_turn", episode, token)
+        except BaseException:
+            self._abort(episode, token)  # its begin may still be on its way
+            raise
         turn = Turn(session)
         try:
             yield turn
         except BaseException:
-            with contextlib.suppress(Exception):
-                await self._call("abort_turn", key, token)
+            self._abort(episode, token)
             raise
         if turn._result is None:
-            await self._call("abort_turn", key, token)
+            self._abort(episode, token)
             raise ValueError(
-                f"turn of {key} exited without turn.complete(record, state, staging_keys); "
-                f"nothing was recorded")
+                f"turn of {episode.capture_key} exited without turn.complete(record, "
+                f"state, staging_keys); nothing was recorded")
         record, state, keys = turn._result
-        turn.session = await self._call("commit_turn", key, token, record, state, keys)
+        try:
+            turn.session = await self._call("commit_turn", episode, token, record, state,
+                                            keys)
+        except BaseException:
+            self._abort(episode, token)  # a no-op if the commit landed
+            raise
+
+    def _abort(self, episode: EnvironmentEpisode, token: str) -> None:
+        """Abort a turn without waiting: sent even from a cancelled task."""
+        self._transport.send(self._holder, "abort_turn", episode, token)
 
     async def close(self, episode: EnvironmentEpisode) -> SessionRecord:
         """Close ``episode``'s finished session and return its final record."""

@@ -6,18 +6,29 @@ while writing, never by reading the file back. The manifest is written last, so 
 folder without one holds no snapshot, whatever shards it has.
 
 Reading verifies before it returns: the manifest's version and schema, every shard
-name, every shard's length and hash. Each refusal has its own exception class (see
+name, every shard's length and hash, then what each shard holds against the manifest.
+A shard is decoded only once its hash matches, so a crafted or damaged file costs at
+most its own length in memory. Each refusal has its own exception class (see
 ``nemo_ckpt.errors``), and a refused read changes nothing on disk.
+
+Committed is final: a file the manifest at a path names is never removed by anything
+here until a newer manifest replaces it. Operations in progress hold a *claim* on the
+folder (``.claim-<operation>.json``: its owner and an expiry it renews), so that a
+commit's clean-up leaves another operation's files alone and a second job's snapshot
+into the same folder is refused instead of cleaned away.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
+import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +38,7 @@ import xxhash
 from pydantic import ValidationError
 
 from nemo_ckpt.errors import (
+    CheckpointPathBusyError,
     CheckpointPathError,
     ManifestInvalidError,
     ShardCorruptedError,
@@ -45,7 +57,10 @@ from nemo_ckpt.manifest import (
     Manifest,
     ShardEntry,
     is_plain_file_name,
+    rollouts_by_shard,
+    safe_name_part,
     shard_file_name,
+    shard_problems,
     upgrade_v1,
 )
 from nemo_ckpt.sessions import SessionRecord
@@ -61,6 +76,13 @@ __all__ = [
     "remove_files",
     "remove_unreferenced_files",
     "remove_snapshot_files",
+    "manifest_snapshot_id",
+    "manifest_shard_files",
+    "PathClaim",
+    "read_claims",
+    "claim_path",
+    "release_claim",
+    "live_claims",
     "LoadedSnapshot",
     "CONTENT_HASH",
     "content_hasher",
@@ -316,26 +338,120 @@ def remove_files(directory: Path, names: Iterable[str]) -> None:
             (directory / name).unlink(missing_ok=True)
 
 
-def remove_unreferenced_files(directory: Path, shard_files: Iterable[str]) -> list[str]:
-    """After a commit, remove shards and temp files other than the committed manifest's
-    ``shard_files``.
+def manifest_shard_files(directory: Path) -> set[str]:
+    """The shard files the manifest in ``directory`` names now (none without one)."""
+    try:
+        data = json.loads((directory / MANIFEST_NAME).read_bytes())
+        return {str(s["file"]) for s in data["shards"]}
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        # A manifest that does not parse protects nothing we can name: remove nothing.
+        raise CheckpointPathError(
+            directory / MANIFEST_NAME, f"cannot read the shard list of "
+            f"{directory / MANIFEST_NAME} ({exc}); nothing was removed") from exc
 
-    They belong to an older snapshot this one replaced, or to an aborted one. Only
-    files whose names nemo-ckpt makes are touched. Returns the names removed.
+
+def remove_unreferenced_files(directory: Path, protect: Collection[str] = ()) -> list[str]:
+    """After a commit, remove shards and temp files that the manifest here now does not
+    name: an older snapshot's that a newer one replaced, or an aborted one's.
+
+    What the manifest names is read here, not passed in, so a clean-up that runs late
+    never removes a newer commit's files. Files of the operations in ``protect`` (in
+    progress here: see ``live_claims``) stay too, and only files whose names nemo-ckpt
+    makes are touched. Returns the names removed.
     """
-    keep = set(shard_files)
+    keep = manifest_shard_files(directory)
+    stems = [_operation_stem(op) for op in protect]
     removed = []
     for entry in directory.iterdir():
         name = entry.name
         ours = (name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)) or (
             name.startswith(".") and _TMP_MARK in name
         )
-        if ours and name not in keep:
-            entry.unlink(missing_ok=True)
-            removed.append(name)
+        if not ours or name in keep or any(name.lstrip(".").startswith(s) for s in stems):
+            continue
+        entry.unlink(missing_ok=True)
+        removed.append(name)
     if removed:
         _fsync_dir(directory)
     return removed
+
+
+# --- claims of operations in progress -----------------------------------------------
+
+CLAIM_PREFIX = ".claim-"
+
+
+@dataclass(frozen=True)
+class PathClaim:
+    """An operation in progress in a checkpoint folder: who runs it, and until when
+    (epoch seconds) the claim holds unless renewed."""
+
+    operation: str
+    owner: str
+    expires_at: float
+
+
+def _claim_name(operation_id: str) -> str:
+    return f"{CLAIM_PREFIX}{safe_name_part(operation_id)}.json"
+
+
+def read_claims(directory: Path) -> list[PathClaim]:
+    """Every readable claim in ``directory`` (a half-written one is skipped)."""
+    claims: list[PathClaim] = []
+    if not directory.is_dir():
+        return claims
+    for entry in directory.iterdir():
+        if not (entry.name.startswith(CLAIM_PREFIX) and entry.name.endswith(".json")):
+            continue
+        try:
+            data = json.loads(entry.read_bytes())
+            claims.append(PathClaim(str(data["operation"]), str(data["owner"]),
+                                    float(data["expires_at"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return claims
+
+
+def live_claims(directory: Path, owner: str, now: float, ours: Collection[str]) -> set[str]:
+    """The operations whose files must stay: claims of other owners that have not
+    expired, and ``ours`` (this owner's operations open now). A claim of this owner that
+    is not in ``ours`` was left by a predecessor that died: it protects nothing."""
+    return {c.operation for c in read_claims(directory)
+            if (c.owner != owner and c.expires_at > now) or c.operation in ours}
+
+
+def claim_path(directory: Path, operation_id: str, owner: str, now: float,
+               ttl_s: float) -> None:
+    """Claim ``directory`` for ``operation_id`` until ``now + ttl_s``; calling it again
+    renews the claim. Refuses with ``CheckpointPathBusyError`` while another owner's
+    claim holds (another job snapshots here). This owner's own operations need no
+    refusal: its holders run one at a time, and clean-up spares the ones open."""
+    for claim in read_claims(directory):
+        if claim.operation == operation_id or claim.expires_at <= now:
+            continue
+        if claim.owner != owner:
+            raise CheckpointPathBusyError(
+                f"{directory} is in use by {claim.operation} of {claim.owner} (its claim "
+                f"holds for {claim.expires_at - now:.0f}s more): two jobs must not write "
+                f"snapshots into one checkpoint path; give each job its own path")
+    data = json.dumps({"operation": operation_id, "owner": owner,
+                       "expires_at": now + ttl_s}).encode()
+    target = directory / _claim_name(operation_id)
+    tmp = directory / f".{target.name}{_TMP_MARK}{uuid.uuid4().hex}"
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise SnapshotWriteError(target, _write_failure(target, exc)) from exc
+
+
+def release_claim(directory: Path, operation_id: str) -> None:
+    """Drop the claim of ``operation_id``, if any."""
+    (directory / _claim_name(operation_id)).unlink(missing_ok=True)
 
 
 # --- reading -------------------------------------------------------------------------
@@ -416,11 +532,11 @@ def _check_shard_names(path: Path, directory: Path, manifest: Manifest) -> Manif
 
 
 def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
-    """Read one shard, verifying its length and hash before any session leaves here.
+    """Read one shard and verify its length and hash, then decode it.
 
-    One pass: each chunk read is hashed and fed to the decoder, so the file is neither
-    held twice in memory nor read twice. Nothing decoded is returned unless the whole
-    file's hash matches.
+    Nothing is decoded before the whole file's hash matches the manifest's: a damaged
+    or crafted file of N bytes costs N bytes of memory, never the objects it could
+    unpack into.
     """
     if not is_plain_file_name(entry.file):
         raise UnsafeShardNameError(
@@ -429,10 +545,6 @@ def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
     path = directory / entry.file
     algorithm, expected = _split_hash(entry.content_hash)
     digest = content_hasher(algorithm)
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(entry.bytes, 1 << 20))
-    objects: list[Any] = []
-    decode_error: str | None = None
-    read = 0
     try:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
@@ -442,15 +554,7 @@ def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
                           f"{entry.bytes}: it was truncated or overwritten; restore an "
                           f"earlier checkpoint"
                 )
-            while chunk := f.read(_READ_CHUNK):
-                read += len(chunk)
-                digest.update(chunk)
-                if decode_error is None:
-                    try:
-                        unpacker.feed(chunk)
-                        objects.extend(unpacker)
-                    except (ValueError, msgpack.UnpackException) as exc:
-                        decode_error = str(exc)  # reported only if the hash matches
+            data = f.read(entry.bytes + 1)
     except FileNotFoundError:
         raise TornSnapshotError(
             path, f"shard {path}, named in the manifest, is missing: the snapshot is torn "
@@ -461,14 +565,23 @@ def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
         raise CheckpointPathError(
             path, f"cannot read shard {path}: {exc.strerror or exc}; check its permissions"
         ) from exc
-    if read != entry.bytes or digest.hexdigest() != expected:
+    digest.update(data)
+    if len(data) != entry.bytes or digest.hexdigest() != expected:
         raise ShardCorruptedError(
             path, f"shard {path} has {algorithm} {digest.hexdigest()}, but the manifest says "
                   f"{expected}: its content changed after the snapshot; restore an "
                   f"earlier checkpoint"
         )
-    if decode_error is None and unpacker.tell() != read:
-        decode_error = f"{read - unpacker.tell()} trailing bytes do not decode"
+    unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False,
+                                max_buffer_size=max(len(data), 1 << 20))
+    objects: list[Any] = []
+    decode_error: str | None = None
+    try:
+        objects.extend(unpacker)
+    except (ValueError, msgpack.UnpackException) as exc:
+        decode_error = str(exc)
+    if decode_error is None and unpacker.tell() != len(data):
+        decode_error = f"{len(data) - unpacker.tell()} trailing bytes do not decode"
     return _decode_shard(path, entry, objects, decode_error)
 
 
@@ -519,30 +632,57 @@ def read_snapshot(checkpoint_path: Path | str) -> LoadedSnapshot:
     manifest = read_manifest(checkpoint_path)
     directory = environment_dir(checkpoint_path)
     sessions: dict[str, list[SessionRecord]] = {i: [] for i in manifest.instances}
-    rollouts = {r.rollout_id: r for r in manifest.rollouts}
+    listed = rollouts_by_shard(manifest)
     for shard in manifest.shards:
-        for record in read_shard(directory, shard):
-            entry = rollouts.get(record.episode.rollout_id)
-            if entry is None or entry.shard != shard.file \
-                    or entry.attempt != record.episode.attempt:
-                raise ShardCorruptedError(
-                    directory / shard.file,
-                    f"shard {directory / shard.file} holds {record.episode.capture_key}, "
-                    f"which its manifest does not list there; restore an earlier checkpoint",
-                )
-            sessions[shard.instance_id].append(record)
+        records = read_shard(directory, shard)
+        where = str(directory / shard.file)
+        problems = shard_problems(listed.get(shard.file, {}),
+                                  ((r.episode.rollout_id, r.episode.attempt) for r in records),
+                                  where)
+        if problems:
+            raise ShardCorruptedError(directory / shard.file, "; ".join(problems))
+        sessions[shard.instance_id] += records
     return LoadedSnapshot(manifest=manifest, sessions=sessions)
 
 
-def remove_snapshot_files(directory: Path, snapshot_id: str) -> list[str]:
-    """Remove every shard and temp file of snapshot ``snapshot_id`` (an aborted one)."""
+def _operation_stem(operation_id: str) -> str:
+    """The prefix of every shard name of ``operation_id`` (temp files add a dot)."""
+    return shard_file_name(operation_id, "x").rsplit("-x-", 1)[0] + "-"
+
+
+_SNAPSHOT_ID = re.compile(rb'"snapshot_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def manifest_snapshot_id(directory: Path) -> str | None:
+    """The snapshot id of the manifest in ``directory`` (the environment folder), None
+    if there is none. Reads only the manifest's head, where the id sits."""
+    try:
+        with open(directory / MANIFEST_NAME, "rb") as f:
+            head = f.read(4096)
+    except FileNotFoundError:
+        return None
+    match = _SNAPSHOT_ID.search(head)
+    if match is not None:
+        return str(json.loads(b'"' + match.group(1) + b'"'))
+    try:
+        return str(json.loads((directory / MANIFEST_NAME).read_bytes())["snapshot_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remove_snapshot_files(directory: Path, snapshot_id: str) -> bool:
+    """Remove every shard, temp file and claim of snapshot ``snapshot_id`` (aborted),
+    unless the manifest here names it: committed is final. Returns whether it is the
+    committed snapshot (then nothing is removed but its claim)."""
     if not directory.is_dir():
-        return []
-    stem = shard_file_name(snapshot_id, "x").rsplit("-x-", 1)[0] + "-"
-    removed = []
+        return False
+    if manifest_snapshot_id(directory) == snapshot_id:
+        release_claim(directory, snapshot_id)
+        return True
+    stem = _operation_stem(snapshot_id)
     for entry in directory.iterdir():
         name = entry.name
         if name.startswith(stem) or (name.startswith("." + stem) and _TMP_MARK in name):
             entry.unlink(missing_ok=True)
-            removed.append(name)
-    return removed
+    release_claim(directory, snapshot_id)
+    return False

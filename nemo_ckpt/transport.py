@@ -155,6 +155,11 @@ class Transport(Protocol):
     def namespace(self) -> str:
         ...
 
+    @property
+    def cluster_id(self) -> str:
+        """Names the cluster: with the namespace, who owns a claim on a checkpoint path."""
+        ...
+
     def local_node(self) -> str:
         """The id of the node this process runs on."""
         ...

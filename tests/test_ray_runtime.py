@@ -451,10 +451,10 @@ async def test_check_startup_refuses_a_root_the_holders_cannot_write(
 
 
 def test_config_refuses_deadlines_that_cannot_work() -> None:
-    with pytest.raises(ValueError, match="drain_timeout_s .* must be shorter than lease_s"):
+    with pytest.raises(ValueError, match="must be shorter than lease_s"):
         CheckpointConfig(drain_timeout_s=10, lease_s=5)
     with pytest.raises(ValueError, match="at most half of lease_s"):
-        CheckpointConfig(lease_s=10, lease_renew_interval_s=6)
+        CheckpointConfig(lease_s=10, lease_renew_interval_s=6, drain_timeout_s=0.1)
     with pytest.raises(ValueError):
         CheckpointConfig(lease_s=-1)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,10 @@ import pytest
 from actors.session_holder import SessionHolder
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
+    HolderBusyError,
     HolderStateError,
     LeaseExpiredError,
+    OperationAbortedError,
     RestoreConflictError,
     RetiredAttemptError,
     SessionExistsError,
@@ -19,9 +22,11 @@ from nemo_ckpt.errors import (
     SnapshotNotFoundError,
     StaleSnapshotError,
     StateTooLargeError,
+    TurnAbortedError,
     TurnInProgressError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import prepare_environment_dir, read_manifest, read_shard
 
@@ -32,10 +37,20 @@ def holder(**kw: object) -> SessionHolder:
     return SessionHolder("holder-0", node_id="node-a", **kw)  # type: ignore[arg-type]
 
 
+_tokens = itertools.count()
+
+
+async def begin(h: SessionHolder, ep: Ep) -> str:
+    """Begin a turn of ``ep`` as a client does: with a token of its own."""
+    token = f"tok{next(_tokens)}"
+    await h.begin_turn(ep, token)
+    return token
+
+
 async def run_turn(h: SessionHolder, ep: Ep, record: bytes, state: bytes,
                    keys: tuple[str, ...] = ()) -> None:
-    token, _ = await h.begin_turn(ep.capture_key)
-    await h.commit_turn(ep.capture_key, token, record, state, keys)
+    token = await begin(h, ep)
+    await h.commit_turn(ep, token, record, state, keys)
 
 
 async def test_turns_append_records_replace_state_and_collect_staging_keys() -> None:
@@ -52,20 +67,20 @@ async def test_an_aborted_turn_records_nothing() -> None:
     h = holder()
     ep = Ep("r", 0)
     await h.open_session(ep, b"s0")
-    token, _ = await h.begin_turn("r")
-    await h.abort_turn("r", token)
+    token = await begin(h, ep)
+    await h.abort_turn(ep, token)
     s = await h.get_session("r")
     assert (s.turns, s.state, s.staging_keys) == ((), b"s0", frozenset())
     with pytest.raises(TurnInProgressError, match="no turn in flight"):
-        await h.commit_turn("r", token, b"late", b"x")
+        await h.commit_turn(ep, token, b"late", b"x")
 
 
 async def test_one_turn_at_a_time_per_session() -> None:
     h = holder()
     await h.open_session(Ep("r", 0))
-    await h.begin_turn("r")
+    await begin(h, Ep("r", 0))
     with pytest.raises(TurnInProgressError, match="one turn at a time"):
-        await h.begin_turn("r")
+        await begin(h, Ep("r", 0))
 
 
 async def test_colliding_capture_keys_are_refused() -> None:
@@ -84,38 +99,38 @@ async def test_oversized_state_and_records_are_refused() -> None:
     with pytest.raises(StateTooLargeError, match="11 bytes, over the limit of 10"):
         await h.open_session(Ep("r", 0), b"x" * 11)
     await h.open_session(Ep("r", 0), b"ok")
-    token, _ = await h.begin_turn("r")
+    token = await begin(h, Ep("r", 0))
     with pytest.raises(StateTooLargeError):
-        await h.commit_turn("r", token, b"y" * 11, b"")
+        await h.commit_turn(Ep("r", 0), token, b"y" * 11, b"")
     assert (await h.get_session("r")).turns == ()
 
 
 async def test_a_session_that_does_not_exist_is_named() -> None:
     with pytest.raises(SessionNotFoundError, match="'nope'"):
-        await holder().begin_turn("nope")
+        await begin(holder(), Ep("nope", 0))
 
 
 async def test_new_turns_wait_while_paused_and_run_after_resume() -> None:
     h = holder()
     await h.open_session(Ep("r", 0))
     await h.pause("snap-1", drain_timeout_s=1, lease_s=10)
-    waiting = asyncio.ensure_future(h.begin_turn("r"))
+    waiting = asyncio.ensure_future(h.begin_turn(Ep("r", 0), "t1"))
     await asyncio.sleep(0.2)
     assert not waiting.done(), "a turn began while the holder was paused"
     await h.resume("snap-1")
-    token, _ = await asyncio.wait_for(waiting, 2)
-    await h.commit_turn("r", token, b"t", b"s")
+    await asyncio.wait_for(waiting, 2)
+    await h.commit_turn(Ep("r", 0), "t1", b"t", b"s")
 
 
 async def test_pause_drains_turns_in_flight_before_capture() -> None:
     h = holder()
     ep = Ep("r", 0)
     await h.open_session(ep)
-    token, _ = await h.begin_turn("r")
+    token = await begin(h, ep)
 
     async def finish_soon() -> None:
         await asyncio.sleep(0.2)
-        await h.commit_turn("r", token, b"t0", b"s1", ["r/0"])
+        await h.commit_turn(ep, token, b"t0", b"s1", ["r/0"])
 
     finisher = asyncio.ensure_future(finish_soon())
     report = await h.pause("snap-1", drain_timeout_s=5, lease_s=10)
@@ -130,7 +145,7 @@ async def test_a_session_mid_turn_at_the_deadline_restarts_and_is_not_captured()
     h = holder()
     await h.open_session(Ep("busy", 0))
     await h.open_session(Ep("idle", 0))
-    await h.begin_turn("busy")
+    await begin(h, Ep("busy", 0))
     report = await h.pause("snap-1", drain_timeout_s=0.1, lease_s=10)
     assert report.turns_in_flight == 1
     capture = await h.capture("snap-1")
@@ -145,10 +160,10 @@ async def test_repeated_phases_are_idempotent_and_stale_ids_refused(tmp_path: Pa
     assert await h.pause("snap-1", 1, 10) == p1
     c1 = await h.capture("snap-1")
     assert await h.capture("snap-1") == c1
-    with pytest.raises(StaleSnapshotError,
-                       match="call for snap-0, but the holder is paused for snap-1"):
+    with pytest.raises(HolderBusyError,
+                       match="refuses a call for snap-0: it is paused for snap-1"):
         await h.capture("snap-0")
-    with pytest.raises(HolderStateError,
+    with pytest.raises(HolderBusyError,
                        match="refuses pause for snapshot snap-2: it is paused for snap-1"):
         await h.pause("snap-2", 1, 10)
     directory = prepare_environment_dir(tmp_path)
@@ -160,7 +175,7 @@ async def test_repeated_phases_are_idempotent_and_stale_ids_refused(tmp_path: Pa
     await h.resume("snap-1")
     await h.resume("snap-1")
     assert (await h.info()).state is HolderState.RUNNING
-    with pytest.raises(StaleSnapshotError, match="already finished"):
+    with pytest.raises(StaleSnapshotError, match="snap-1 already committed"):
         await h.capture("snap-1")
 
 
@@ -173,7 +188,7 @@ async def test_the_capture_reports_each_sessions_latest_turns_keys_and_state() -
     await run_turn(h, Ep("a", 0), b"t1", b"1234567", ("a/1", "a/0b"))
     await h.retire([Ep("gone", 0)])
     await h.open_session(Ep("busy", 0), b"y" * 50)
-    await h.begin_turn("busy")
+    await begin(h, Ep("busy", 0))
     await h.pause("snap-1", drain_timeout_s=0.05, lease_s=10)
     capture = await h.capture("snap-1")
     assert sorted(capture.captured()) == [("a", 0, ["a/0", "a/0b", "a/1"], 2),
@@ -209,12 +224,11 @@ async def test_finish_persist_starts_a_write_whose_start_message_never_came(
     assert await h.finish_persist("snap-1") == report
 
 
-async def test_finish_persist_of_a_snapshot_never_begun_is_refused() -> None:
+async def test_persist_of_a_snapshot_not_yet_captured_is_refused() -> None:
     h = holder()
     await h.open_session(Ep("r", 0), b"s")
     await h.pause("snap-1", 1, 10)
-    with pytest.raises(HolderStateError, match="finish_persist for snapshot snap-1, which "
-                                               "was never begun"):
+    with pytest.raises(HolderStateError, match="persist for snapshot snap-1 before capture"):
         await h.finish_persist("snap-1")
 
 
@@ -231,11 +245,11 @@ async def test_a_lapsed_lease_resumes_the_holder_and_blocks_the_commit(tmp_path:
         await h.finish_persist("snap-1")
     with pytest.raises(LeaseExpiredError):
         await h.renew_lease("snap-1", 10)
-    await h.resume("snap-1")  # the coordinator's abort still succeeds
+    await h.abort("snap-1")  # the coordinator's abort still succeeds
     # Without a manifest the written shard is no snapshot; turns flow again.
     with pytest.raises(SnapshotNotFoundError, match="interrupted before it committed"):
         read_manifest(tmp_path)
-    token, _ = await asyncio.wait_for(h.begin_turn("r"), 1)
+    await asyncio.wait_for(begin(h, Ep("r", 0)), 1)
 
 
 async def test_a_shard_finished_after_its_snapshot_was_aborted_removes_itself(
@@ -247,7 +261,7 @@ async def test_a_shard_finished_after_its_snapshot_was_aborted_removes_itself(
     await h.pause("snap-1", 1, 10)
     await h.capture("snap-1")
     await h.start_persist("snap-1", str(prepare_environment_dir(tmp_path)))
-    await h.resume("snap-1")  # aborted while the write is still pending
+    await h.abort("snap-1")  # aborted while the write is still pending
     await asyncio.sleep(0.6)
     assert list((tmp_path / "environment").iterdir()) == []
 
@@ -265,12 +279,12 @@ async def test_retire_drops_the_session_and_refuses_its_late_turns() -> None:
     h = holder()
     ep = Ep("r", 0)
     await h.open_session(ep)
-    token, _ = await h.begin_turn("r")
+    token = await begin(h, ep)
     assert await h.retire([ep]) == ["r"]
     with pytest.raises(RetiredAttemptError, match="retired"):
-        await h.commit_turn("r", token, b"late", b"")
+        await h.commit_turn(ep, token, b"late", b"")
     with pytest.raises(RetiredAttemptError):
-        await h.begin_turn("r")
+        await begin(h, ep)
     with pytest.raises(RetiredAttemptError):
         await h.open_session(ep)
     assert await h.forget([ep]) == []
@@ -282,7 +296,7 @@ async def test_retire_and_forget_are_refused_while_paused() -> None:
     h = holder()
     await h.pause("snap-1", 1, 10)
     for op in (h.retire, h.forget):
-        with pytest.raises(HolderStateError, match="paused for snap-1"):
+        with pytest.raises(HolderBusyError, match="paused for snap-1"):
             await op([Ep("r", 0)])
 
 
@@ -300,6 +314,7 @@ async def test_restore_installs_next_attempts_only_on_commit(tmp_path: Path) -> 
     dst = SessionHolder("holder-0", node_id="node-b")
     prepared = await dst.prepare_restore("restore-1", str(directory), list(report.shards), 10)
     assert prepared.continued == (("r", 0),) and prepared.staging_keys == {"r/0"}
+    assert prepared.shard_sessions == ((report.shards[0].file, (("r", 0),)),)
     assert (await dst.info()).state is HolderState.RESTORING
     assert await dst.sessions() == []
     assert await dst.commit_restore("restore-1") == 1
@@ -320,7 +335,7 @@ async def test_an_aborted_restore_leaves_nothing_and_a_conflict_is_refused(tmp_p
 
     dst = SessionHolder("holder-0", node_id="node-b")
     await dst.prepare_restore("restore-1", str(directory), shards, 10)
-    await dst.abort_restore("restore-1")
+    await dst.abort("restore-1")
     assert await dst.sessions() == [] and (await dst.info()).state is HolderState.RUNNING
 
     await dst.open_session(Ep("r", 5))
@@ -333,11 +348,11 @@ async def test_an_aborted_restore_leaves_nothing_and_a_conflict_is_refused(tmp_p
 async def test_a_turn_past_its_timeout_is_aborted_by_the_holder() -> None:
     h = holder(turn_timeout_s=0.2)
     await h.open_session(Ep("r", 0))
-    token, _ = await h.begin_turn("r")
+    token = await begin(h, Ep("r", 0))
     report = await h.pause("snap-1", drain_timeout_s=2, lease_s=10)
     assert report.turns_in_flight == 0 and report.drain_seconds < 1.5
     with pytest.raises(TurnInProgressError, match="aborted"):
-        await h.commit_turn("r", token, b"late", b"")
+        await h.commit_turn(Ep("r", 0), token, b"late", b"")
 
 
 async def test_persist_writes_a_shard_and_capture_ignores_later_turns(tmp_path: Path) -> None:
@@ -355,3 +370,160 @@ async def test_persist_writes_a_shard_and_capture_ignores_later_turns(tmp_path: 
     assert [r.turns for r in read_shard(directory, shard)] == [()]
     with pytest.raises(SnapshotNotFoundError):
         read_manifest(tmp_path)  # shards alone are not a snapshot: the coordinator commits
+
+
+# --- issue 11: the holder's half of the reviewed cases -----------------------------------
+
+
+async def test_a_turn_aborted_by_its_caller_before_its_begin_arrives_never_opens() -> None:
+    # Case 4: the worker's turn() was cancelled while its begin_turn waited at the gate.
+    h = holder()
+    ep = Ep("r", 0)
+    await h.open_session(ep)
+    await h.pause("snap-1", 1, 10)
+    waiting = asyncio.ensure_future(h.begin_turn(ep, "tok-gone"))
+    await asyncio.sleep(0.05)
+    await h.abort_turn(ep, "tok-gone")  # the client's abort, sent as it was cancelled
+    await h.resume("snap-1")
+    with pytest.raises(TurnAbortedError, match="aborted by its caller before it began"):
+        await asyncio.wait_for(waiting, 1)
+    assert (await h.info()).turns_in_flight == 0
+    report = await h.pause("snap-2", drain_timeout_s=5, lease_s=10)
+    assert report.turns_in_flight == 0 and report.drain_seconds < 0.5  # nothing to drain
+    await h.resume("snap-2")
+    await run_turn(h, ep, b"t0", b"s1")  # the session's turns go on
+    assert (await h.close_session("r")).turns == (b"t0",)
+
+
+async def test_an_abort_that_overtakes_its_begin_leaves_the_holder_running() -> None:
+    # Case 7: Ray does not order an async actor's calls; the late begin pauses nothing.
+    h = holder()
+    op = new_operation_id("snap", 0.0, "d0d0d0d0", 3)
+    await h.abort(op)
+    with pytest.raises(OperationAbortedError, match="was aborted"):
+        await h.begin(op, 1, 10, ".")
+    with pytest.raises(OperationAbortedError):
+        await h.prepare_restore(op, ".", [], 10)
+    info = await h.info()
+    assert info.state is HolderState.RUNNING and info.operation_id is None
+
+
+async def test_a_call_for_an_operation_its_driver_has_moved_past_is_refused() -> None:
+    # Fencing that outlives the bounded history: a driver runs one operation at a time.
+    h = holder()
+    newer = new_operation_id("snap", 0.0, "d0d0d0d0", 9)
+    await h.begin(newer, 1, 10, ".")
+    await h.abort(newer)
+    for _ in range(70):  # more finished operations than the history keeps
+        other = new_operation_id("snap", 0.0, "e1e1e1e1", _ + 1)
+        await h.begin(other, 1, 10, ".")
+        await h.resume(other)
+    late = new_operation_id("snap", 0.0, "d0d0d0d0", 8)
+    with pytest.raises(StaleSnapshotError, match="late: its driver has started a newer"):
+        await h.begin(late, 1, 10, ".")
+    assert (await h.info()).state is HolderState.RUNNING
+    assert h.bounds()["history"] <= 64
+
+
+async def test_staging_keys_must_be_strings_and_a_refused_commit_changes_nothing() -> None:
+    # Case 8: a bare string, a non-string key, a mix: refused, session and capture intact.
+    h = holder()
+    ep = Ep("r", 0)
+    await h.open_session(ep, b"s0")
+    await run_turn(h, ep, b"t0", b"s1", ("r/0",))
+    for bad, message in (("row-1", "not one str"), ([17], "non-empty strings"),
+                         (["row-1", 2], "non-empty strings"), ([""], "non-empty strings")):
+        token = await begin(h, ep)
+        with pytest.raises(TypeError, match=message):
+            await h.commit_turn(ep, token, b"t1", b"s2", bad)  # type: ignore[arg-type]
+        session = await h.get_session("r")
+        assert (session.turns, session.state, session.staging_keys) == (
+            (b"t0",), b"s1", {"r/0"})
+    await h.pause("snap-1", 1, 10)
+    assert (await h.capture("snap-1")).captured() == [("r", 0, ["r/0"], 1)]
+
+
+async def test_retire_marks_are_monotone_until_forgotten() -> None:
+    # Case 15: retiring attempt 1 refuses a zombie's attempt 0 too.
+    h = holder()
+    await h.open_session(Ep("r", 0))
+    assert await h.retire([Ep("r", 1)]) == ["r"]  # the older live attempt goes too
+    for attempt in (0, 1):
+        with pytest.raises(RetiredAttemptError, match="every attempt up to 1 of 'r'"):
+            await h.open_session(Ep("r", attempt))
+    await h.open_session(Ep("r", 2))  # the next attempt is welcome
+    assert await h.forget([Ep("r", 0)]) == []  # forgetting below the mark keeps it
+    with pytest.raises(RetiredAttemptError):
+        await h.open_session(Ep("r", 0))
+    await h.forget([Ep("r", 1)])
+    await h.close_session("r-a2")
+    await h.open_session(Ep("r", 0))  # forgotten: the refusal is gone
+
+
+async def test_retire_marks_are_bounded() -> None:
+    h = holder(max_retired_marks=3)
+    await h.retire([Ep(f"r{k}", 0) for k in range(5)])
+    assert h.bounds()["retire_marks"] == 3
+    await h.open_session(Ep("r0", 0))  # the oldest marks went first
+    with pytest.raises(RetiredAttemptError):
+        await h.open_session(Ep("r4", 0))
+
+
+async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: Path) -> None:
+    # Case 6: the lease is renewed while prepare_restore is still reading.
+    src = holder()
+    await src.open_session(Ep("r", 0), b"s")
+    directory = prepare_environment_dir(tmp_path)
+    await src.begin("snap-1", 1, 10, str(directory))
+    shards = list((await src.finish_persist("snap-1")).shards)
+    dst = SessionHolder("holder-0", node_id="node-b", watch_period_s=0.02)
+    await dst.inject_delay("prepare_restore", 0.6)
+    preparing = asyncio.ensure_future(dst.prepare_restore("restore-1", str(directory),
+                                                          shards, 0.2))
+    for _ in range(8):
+        await asyncio.sleep(0.1)
+        await dst.renew_lease("restore-1", 0.2)
+    prepared = await preparing
+    assert prepared.continued == (("r", 0),)
+    assert await dst.commit_restore("restore-1") == 1
+
+
+async def test_an_abort_after_commit_restore_drops_what_went_live(tmp_path: Path) -> None:
+    # Case 5: another holder failed its commit; this one went live and must drop it again.
+    src = holder()
+    await src.open_session(Ep("r", 0), b"s")
+    directory = prepare_environment_dir(tmp_path)
+    await src.begin("snap-1", 1, 10, str(directory))
+    shards = list((await src.finish_persist("snap-1")).shards)
+    dst = SessionHolder("holder-0", node_id="node-b")
+    await dst.prepare_restore("restore-1", str(directory), shards, 10)
+    assert await dst.commit_restore("restore-1") == 1
+    await dst.abort("restore-1")
+    assert await dst.sessions() == []
+    # ...and the retry restores it.
+    await dst.prepare_restore("restore-2", str(directory), shards, 10)
+    assert await dst.commit_restore("restore-2") == 1
+    assert [s.episode for s in await dst.sessions()] == [Ep("r", 1)]
+    await run_turn(dst, Ep("r", 1), b"t", b"s2")
+    await dst.abort("restore-2")  # in use: too late to undo, nothing is dropped
+    assert [s.episode for s in await dst.sessions()] == [Ep("r", 1)]
+
+
+async def test_a_retried_restore_adopts_a_holder_whose_abort_has_not_arrived(
+    tmp_path: Path,
+) -> None:
+    # Case 5 with a slow link: restore-1 went live here, failed elsewhere, and its abort
+    # is still on its way when the retry's prepare arrives.
+    src = holder()
+    await src.open_session(Ep("r", 0), b"s")
+    directory = prepare_environment_dir(tmp_path)
+    await src.begin("snap-1", 1, 10, str(directory))
+    shards = list((await src.finish_persist("snap-1")).shards)
+    dst = SessionHolder("holder-0", node_id="node-b")
+    await dst.prepare_restore("restore-1", str(directory), shards, 10)
+    await dst.commit_restore("restore-1")
+    await dst.prepare_restore("restore-2", str(directory), shards, 10)  # no conflict
+    assert await dst.sessions() == []  # restore-1's sessions went first
+    await dst.abort("restore-1")  # the late abort changes nothing now
+    assert await dst.commit_restore("restore-2") == 1
+    assert [s.episode for s in await dst.sessions()] == [Ep("r", 1)]

@@ -13,6 +13,7 @@ import pytest
 import xxhash
 
 from nemo_ckpt.errors import (
+    CheckpointPathBusyError,
     CheckpointPathError,
     ManifestInvalidError,
     ShardCorruptedError,
@@ -32,13 +33,19 @@ from nemo_ckpt.manifest import (
     encode_rollouts,
     is_plain_file_name,
     shard_file_name,
+    shard_problems,
 )
 from nemo_ckpt.sessions import SessionRecord
 from nemo_ckpt.storage import (
+    claim_path,
     environment_dir,
+    live_claims,
+    manifest_snapshot_id,
     prepare_environment_dir,
     read_manifest,
+    read_shard,
     read_snapshot,
+    remove_snapshot_files,
     remove_unreferenced_files,
     write_manifest,
     write_shard,
@@ -243,9 +250,9 @@ def test_commit_removes_an_older_snapshots_shards_but_keeps_its_own(tmp_path: Pa
     write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="old")
     manifest = write_snapshot(tmp_path, {"holder-0": [session("holder-0", "b")]},
                               snapshot_id="new")
-    removed = remove_unreferenced_files(environment_dir(tmp_path),
-                                        [s.file for s in manifest.shards])
+    removed = remove_unreferenced_files(environment_dir(tmp_path))
     assert removed == [shard_file_name("old", "holder-0")]
+    assert [s.file for s in manifest.shards] == [shard_file_name("new", "holder-0")]
     assert [r.episode.rollout_id for r in read_snapshot(tmp_path).sessions["holder-0"]] == ["b"]
 
 
@@ -472,3 +479,95 @@ def test_encoded_rollouts_escape_every_string_as_json(tmp_path: Path) -> None:
     assert [r.rollout_id for r in loaded.manifest.rollouts] == odd
     assert loaded.manifest.rollouts[0].staging_keys == ['quo"te/row0', 'quo"te/row1']
     assert loaded.sessions["holder-0"] == records
+
+
+# --- issue 11: committed is final, claims, bounded decoding, one verification -------------
+
+
+def test_a_late_clean_up_never_removes_what_a_newer_manifest_names(tmp_path: Path) -> None:
+    # The clean-up reads what the manifest names now, not what its own commit wrote.
+    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="first")
+    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "b")]}, snapshot_id="second")
+    remove_unreferenced_files(environment_dir(tmp_path))  # "first"'s clean-up, late
+    assert [r.episode.rollout_id for r in read_snapshot(tmp_path).sessions["holder-0"]] == ["b"]
+
+
+def test_a_clean_up_spares_the_files_of_operations_in_progress(tmp_path: Path) -> None:
+    directory = prepare_environment_dir(tmp_path)
+    busy = write_shard(directory, shard_file_name("snap-busy", "holder-0"), "holder-0",
+                       [session("holder-0", "x")])
+    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="done")
+    assert remove_unreferenced_files(directory, protect={"snap-busy"}) == []
+    assert (directory / busy.file).is_file()
+    assert remove_unreferenced_files(directory) == [busy.file]
+
+
+def test_an_abort_never_removes_the_committed_snapshot(tmp_path: Path) -> None:
+    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="snap-9")
+    before = tree(tmp_path)
+    assert remove_snapshot_files(environment_dir(tmp_path), "snap-9") is True
+    assert tree(tmp_path) == before
+    read_snapshot(tmp_path)
+    assert manifest_snapshot_id(environment_dir(tmp_path)) == "snap-9"
+
+
+def test_an_abort_removes_its_own_files_and_nothing_else(tmp_path: Path) -> None:
+    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="snap-1")
+    directory = environment_dir(tmp_path)
+    committed = tree(tmp_path)
+    write_shard(directory, shard_file_name("snap-2", "holder-0"), "holder-0",
+                [session("holder-0", "b")])
+    claim_path(directory, "snap-2", "job@cluster", now=100.0, ttl_s=60.0)
+    assert remove_snapshot_files(directory, "snap-2") is False
+    assert tree(tmp_path) == committed
+
+
+def test_another_jobs_live_claim_refuses_a_snapshot_into_the_same_path(tmp_path: Path) -> None:
+    # Case 11: two jobs snapshotting into one path are refused, not cleaned.
+    directory = prepare_environment_dir(tmp_path)
+    claim_path(directory, "snap-a", "job-a@c1", now=100.0, ttl_s=60.0)
+    claim_path(directory, "snap-a", "job-a@c1", now=150.0, ttl_s=60.0)  # a renewal
+    with pytest.raises(CheckpointPathBusyError, match="in use by snap-a of job-a@c1") as info:
+        claim_path(directory, "snap-b", "job-b@c2", now=200.0, ttl_s=60.0)
+    assert not info.value.retriable
+    claim_path(directory, "snap-a2", "job-a@c1", now=200.0, ttl_s=60.0)  # its own job: fine
+    assert live_claims(directory, "job-b@c2", now=200.0, ours=()) == {"snap-a", "snap-a2"}
+    # Expired (its job died): no longer a claim.
+    claim_path(directory, "snap-b", "job-b@c2", now=400.0, ttl_s=60.0)
+    assert live_claims(directory, "job-b@c2", now=400.0, ours={"snap-b"}) == {"snap-b"}
+
+
+def test_a_shard_is_not_decoded_before_its_hash_matches(tmp_path: Path) -> None:
+    # Case 12: 2 MB of msgpack empty arrays would unpack into millions of objects.
+    import tracemalloc
+
+    directory = prepare_environment_dir(tmp_path)
+    crafted = b"\x90" * (2 << 20)
+    (directory / "shard-x.msgpack").write_bytes(crafted)
+    entry = ShardEntry(file="shard-x.msgpack", bytes=len(crafted),
+                       content_hash="xxh3-128:" + "0" * 32, instance_id="holder-0",
+                       sessions=0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ShardCorruptedError, match="content changed after the snapshot"):
+            read_shard(directory, entry)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * len(crafted), f"peak {peak} bytes for a {len(crafted)}-byte shard"
+
+
+def test_a_crafted_shard_holding_a_rollout_twice_is_refused(tmp_path: Path) -> None:
+    # Case 13: a shard whose hash matches its manifest, holding r at attempts 0 and 3.
+    root = tmp_path / "ckpt"
+    write_snapshot(root, {"holder-0": [session("holder-0", "r"), session("holder-0", "s")]})
+    directory = environment_dir(root)
+    name = shard_file_name("snap-1", "holder-0")
+    entry = write_shard(directory, name, "holder-0",
+                        [session("holder-0", "r"), session("holder-0", "r", 3)])
+    edit_manifest(root, lambda m: m["shards"][0].update(bytes=entry.bytes,
+                                                         content_hash=entry.content_hash))
+    with pytest.raises(ShardCorruptedError, match="holds rollout 'r' twice"):
+        read_snapshot(root)
+    problems = shard_problems({"r": 0, "s": 0}, [("r", 0), ("r", 3)], name)
+    assert any("twice" in p for p in problems) and any("lacks rollouts" in p for p in problems)

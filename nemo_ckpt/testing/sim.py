@@ -167,7 +167,9 @@ class SimWorld:
         self._serial = 0
         # Delivery delay of a message, in seconds: mostly fast, sometimes slow enough
         # to be overtaken by later ones.
-        self.message_delay: Callable[[], float] = self._default_delay
+        # Seconds one leg of a call to ``target.method`` takes (``reply``: the answer).
+        self.message_delay: Callable[[SimActor, str, bool], float] = \
+            lambda target, method, reply: self._default_delay()
         # Virtual seconds a blocking call costs, by the function's name.
         self.io_cost: Callable[[str], float] = lambda name: 0.002
         # Decides, per blocking call, "fail", "tear" or None (by function name, args).
@@ -183,9 +185,9 @@ class SimWorld:
         self.on_deliver: Callable[[SimActor, str, tuple[Any, ...]], None] | None = None
         self.after_io: Callable[[SimActor, str], None] | None = None
 
-    def _leg(self) -> float:
+    def _leg(self, target: SimActor, method: str, reply: bool) -> float:
         """The delay of one message leg (a call or its answer); slow ones are noted."""
-        delay = self.message_delay()
+        delay = self.message_delay(target, method, reply)
         if delay > 1.0:
             self.slow_links.append((self.loop.time(), delay))
         return delay
@@ -310,7 +312,7 @@ class SimWorld:
 
     async def _travel(self, target: SimActor, method: str, payload: bytes,
                       done: asyncio.Future[Any]) -> None:
-        await asyncio.sleep(self._leg())
+        await asyncio.sleep(self._leg(target, method, False))
         if not target.alive:
             _settle(done, exc=ActorDied(f"{target} is dead"))
             return
@@ -332,13 +334,13 @@ class SimWorld:
             if not target.alive:  # ... unless it died meanwhile: the dead never answer
                 _settle(done, exc=ActorDied(f"{target} died during {method}"))
                 return
-            await asyncio.sleep(self._leg())
+            await asyncio.sleep(self._leg(target, method, True))
             _settle(done, exc=_copy_error(exc))
             return
         if not target.alive:
             _settle(done, exc=ActorDied(f"{target} died during {method}"))
             return
-        await asyncio.sleep(self._leg())
+        await asyncio.sleep(self._leg(target, method, True))
         try:
             copied = pickle.loads(pickle.dumps(result, protocol=5))
         except Exception as exc:  # an unpicklable reply is a bug in the callee
@@ -383,6 +385,10 @@ class SimTransport:
         return self._config.namespace
 
     @property
+    def cluster_id(self) -> str:
+        return f"sim-{self._world.seed}"
+
+    @property
     def me(self) -> SimActor:
         return self._me
 
@@ -419,7 +425,8 @@ class SimTransport:
         if actor is None:
             actor = self._world.new_actor(HOLDER, instance_id, node_id)
             actor.obj = SessionHolder(instance_id, node_id=node_id,
-                                      runtime=self._world.runtime(actor), **options)
+                                      runtime=self._world.runtime(actor),
+                                      watch_period_s=0.5, **options)
             if actor.alive:
                 self._world.registry[key] = actor
         return Actor(HOLDER, instance_id, actor)

@@ -1,0 +1,626 @@
+"""The reviewed cases of issue 11, each replayed as one deterministic scenario: the real
+driver, coordinator and holders in-process (``nemo_ckpt.testing.sim``), under virtual
+time, with a fault aimed at one phase boundary. Each asserts what a user would see: the
+error raised, the holders' state, the files on disk, the sessions that are live.
+(The same faults, at random points, run in ``tests/simulation.py``; cases 1-6 also run
+on a real cluster in ``tests/test_faults.py``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
+from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    CheckpointPathBusyError,
+    HolderBusyError,
+    LeaseExpiredError,
+    NemoCkptError,
+    OperationAbortedError,
+    ShardCorruptedError,
+    SnapshotMismatchError,
+    StaleSnapshotError,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.phases import HolderState
+from nemo_ckpt.sessions import Turn
+from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot, write_shard
+from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.testing.sim import SimActor, SimWorld
+from nemo_ckpt.transport import COORDINATOR, HOLDER
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = CheckpointConfig(namespace="job", drain_timeout_s=1.0, lease_s=6.0,
+                          phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=20.0)
+
+
+class World:
+    """One in-process cluster: a driver, holders on every node, workers' clients."""
+
+    def __init__(self, tmp_path: Path, nodes: int = 3) -> None:
+        self.sim = SimWorld(seed=0, nodes=nodes)
+        self.sim.message_delay = lambda target, method, reply: 0.001
+        self.root = tmp_path
+        self.driver = self.sim.new_actor("driver", "driver", "node-0")
+        self.ckpt = self.checkpoint(self.driver, CONFIG)
+        self.worker = self.sim.new_actor("worker", "worker", "node-0")
+
+    def checkpoint(self, actor: SimActor, config: CheckpointConfig) -> RayEnvironmentCheckpoint:
+        return RayEnvironmentCheckpoint(config, self.sim.transport(actor, config))
+
+    def run(self, coro: Coroutine[Any, Any, Any], actor: SimActor | None = None) -> Any:
+        return self.sim.loop.run_until_complete(self.sim.spawn(actor or self.driver, coro))
+
+    def close(self) -> None:
+        loop = self.sim.loop
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def holders(self) -> dict[str, Any]:
+        return {a.name: a.obj for a in self.sim.live(HOLDER)}
+
+    def states(self) -> dict[str, HolderState]:
+        return {name: h._state.value for name, h in self.holders().items()}
+
+    async def client(self, instance: str) -> SessionClient:
+        transport = self.sim.transport(self.worker, CONFIG)
+        handle = transport.holder(instance)
+        assert handle is not None
+        return SessionClient(handle, transport)
+
+    async def populate(self, turns: int = 2) -> dict[str, list[Ep]]:
+        """Two rollouts per holder, ``turns`` committed turns each."""
+        await self.ckpt.ensure_holders()
+        live: dict[str, list[Ep]] = {}
+        for instance in sorted(self.holders()):
+            client = await self.client(instance)
+            live[instance] = [Ep(f"{instance}-r{k}", 0) for k in range(2)]
+            for ep in live[instance]:
+                await client.open(ep, b"s0")
+                for t in range(turns):
+                    async with client.turn(ep) as turn:
+                        turn.complete(f"t{t}".encode(), f"s{t + 1}".encode(),
+                                      [f"{ep.capture_key}/row{t}"])
+        return live
+
+    async def snapshot(self, path: Path, live: dict[str, list[Ep]],
+                       block: Callable[[], Awaitable[None]] | None = None) -> None:
+        async with self.ckpt.snapshot(path) as snap:
+            if snap is not None:
+                await snap.check_against_cut(cut_of(live))
+            if block is not None:
+                await block()
+
+    def on_send(self, method: str, action: Callable[[], None]) -> None:
+        """Run ``action`` as the driver sends ``method`` (once)."""
+        fired = []
+
+        def hook(caller: SimActor, callee: SimActor, m: str, args: tuple[Any, ...]) -> None:
+            if caller is self.driver and m == method and not fired:
+                fired.append(m)
+                action()
+
+        self.sim.on_send = hook
+
+    def on_deliver(self, method: str, action: Callable[[SimActor], None]) -> None:
+        """Run ``action(callee)`` as ``method`` arrives somewhere (once)."""
+        fired = []
+
+        def hook(target: SimActor, m: str, args: tuple[Any, ...]) -> None:
+            if m == method and not fired:
+                fired.append(m)
+                action(target)
+
+        self.sim.on_deliver = hook
+
+
+def cut_of(live: dict[str, list[Ep]], turns: int = 2) -> StaticCut:
+    rows = {f"{ep.capture_key}/row{t}" for eps in live.values() for ep in eps
+            for t in range(turns)}
+    return StaticCut({i: set(eps) for i, eps in live.items()}, rows)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    w = World(tmp_path)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def files(path: Path) -> list[str]:
+    return sorted(p.name for p in environment_dir(path).iterdir() if not p.name.startswith("."))
+
+
+# --- case 1: a committed snapshot is never deleted ---------------------------------------
+
+
+def test_a_driver_cancelled_during_its_commit_leaves_the_snapshot_committed(
+        world: World) -> None:
+    path = world.path("ckpt")
+
+    async def scenario() -> None:
+        live = await world.populate()
+        await world.snapshot(path, live)
+        first = read_manifest(path).snapshot_id
+        task = asyncio.current_task()
+        assert task is not None
+        world.on_send("commit_snapshot", lambda: world.sim.loop.call_later(0.0005, task.cancel))
+        with pytest.raises(asyncio.CancelledError):
+            await world.snapshot(path, live)
+        # The cancellation came after the commit: the new snapshot is whole, the older
+        # one's shards went (replaced), and the holders run.
+        loaded = read_snapshot(path)
+        assert loaded.manifest.snapshot_id != first
+        assert sum(len(v) for v in loaded.sessions.values()) == 6
+        assert set(world.states().values()) == {HolderState.RUNNING}
+        assert len(files(path)) == 3 + 1  # three shards and the manifest
+
+    world.run(scenario())
+
+
+def test_a_coordinator_dying_right_after_the_manifest_rename_commits_the_snapshot(
+        world: World) -> None:
+    path = world.path("ckpt")
+
+    async def scenario() -> None:
+        live = await world.populate()
+        await world.snapshot(path, live)
+        world.sim.after_io = lambda actor, name: (
+            world.sim.kill(actor) if actor.kind == COORDINATOR and name == "write_manifest"
+            else None)
+        await world.snapshot(path, live)  # the abort's answer: committed, so no error
+        world.sim.after_io = None
+        loaded = read_snapshot(path)
+        assert sum(len(v) for v in loaded.sessions.values()) == 6
+        assert set(world.states().values()) == {HolderState.RUNNING}  # not by the lease
+        await world.snapshot(path, live)  # and the next one works at once
+
+    world.run(scenario())
+
+
+def test_an_abort_from_a_fresh_coordinator_never_removes_a_committed_snapshot(
+        world: World) -> None:
+    path = world.path("ckpt")
+
+    async def scenario() -> None:
+        live = await world.populate()
+        await world.snapshot(path, live)
+        committed = read_manifest(path).snapshot_id
+        before = files(path)
+        coordinator = world.sim.live(COORDINATOR)[0]
+        world.sim.kill(coordinator)
+        transport = world.sim.transport(world.driver, CONFIG)
+        answer = await transport.call(transport.coordinator(), "abort", committed, str(path))
+        assert answer == "committed" and files(path) == before
+        read_snapshot(path)
+
+    world.run(scenario())
+
+
+# --- case 2: one holder lost leaves no other holder paused ---------------------------------
+
+
+def test_a_holder_lost_during_the_pause_leaves_the_others_running_and_a_retry_works(
+        world: World) -> None:
+    path = world.path("ckpt")
+
+    async def scenario() -> None:
+        live = await world.populate()
+        world.on_deliver("begin", lambda holder: world.sim.kill(holder))
+        with pytest.raises(BackendUnavailableError) as failed:
+            await world.snapshot(path, live)
+        assert world.ckpt.is_unavailable(failed.value)
+        # Before the error reached the driver, every other holder was resumed.
+        assert set(world.states().values()) == {HolderState.RUNNING}
+        assert len(world.holders()) == 2
+        # The retry it asks for works at once (the lost holder is recreated, empty).
+        survivors = {i: eps for i, eps in live.items() if i in world.holders()}
+        await world.snapshot(path, survivors)
+        assert len(world.holders()) == 3
+
+    world.run(scenario())
+
+
+def test_a_failure_on_several_holders_carries_every_holders_error(world: World) -> None:
+    async def scenario() -> None:
+        live = await world.populate()
+        killed: list[str] = []
+
+        def kill_two(target: SimActor, m: str, args: tuple[Any, ...]) -> None:
+            if m == "begin" and target.kind == HOLDER and len(killed) < 2:
+                killed.append(target.name)
+                world.sim.kill(target)
+
+        world.sim.on_deliver = kill_two
+        with pytest.raises(BackendUnavailableError, match="pause_capture failed on 2 holders"
+                           ) as failed:
+            await world.snapshot(world.path("ckpt"), live)
+        assert sorted(failed.value.failures) == sorted(killed)
+        assert all(isinstance(e, BackendUnavailableError)
+                   for e in failed.value.failures.values())
+
+    world.run(scenario())
+
+
+# --- case 3: a driver cancelled during begin or prepare aborts ------------------------------
+
+
+@pytest.mark.parametrize("when", ["begin_snapshot", "renew"])
+def test_a_driver_cancelled_during_begin_resumes_every_holder(world: World, when: str) -> None:
+    path = world.path("ckpt")
+
+    async def scenario() -> None:
+        live = await world.populate()
+        for holder in world.holders().values():
+            holder._injected_delays["pause"] = 3.0  # a long drain: renewals come meanwhile
+        task = asyncio.current_task()
+        assert task is not None
+        world.on_send(when, lambda: world.sim.loop.call_later(0.002, task.cancel))
+        with pytest.raises(asyncio.CancelledError):
+            await world.snapshot(path, live)
+        assert set(world.states().values()) == {HolderState.RUNNING}
+        for holder in world.holders().values():
+            holder._injected_delays.clear()
+        await world.snapshot(path, live)  # the same driver's next snapshot works
+
+    world.run(scenario())
+
+
+# --- case 4: a worker cancelled at a closed gate leaves no turn open -----------------------
+
+
+def test_a_turn_cancelled_while_waiting_at_the_gate_leaves_nothing_behind(
+        world: World) -> None:
+    path = world.path("ckpt")
+
+    async def scenario() -> None:
+        live = await world.populate()
+        ep = live["holder-0"][0]
+        client = await world.client("holder-0")
+        entered: list[Turn] = []
+
+        async def worker() -> None:
+            async with client.turn(ep) as turn:
+                entered.append(turn)
+                turn.complete(b"never", b"x", [])
+
+        async def block() -> None:
+            waiting = world.sim.spawn(world.worker, worker())
+            await asyncio.sleep(0.5)  # it waits at the closed gate
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+
+        await world.snapshot(path, live, block)
+        await asyncio.sleep(0.1)
+        holder = world.holders()["holder-0"]
+        assert (await holder.info()).turns_in_flight == 0 and not entered
+        async with world.ckpt.snapshot(world.path("next")) as snap:  # no drain wait
+            assert snap is not None and snap.restarted_rollouts == 0
+            assert snap.metrics(0.0)["drain_seconds"] < 0.1
+        async with client.turn(ep) as turn:  # the session's turns go on
+            turn.complete(b"t2", b"s3", [])
+        assert [r.turns for r in await client.sessions() if r.episode == ep] == [
+            (b"t0", b"t1", b"t2")]
+
+    world.run(scenario())
+
+
+# --- case 5: a restore is all or nothing -----------------------------------------------------
+
+
+def test_a_holder_dying_during_commit_restore_leaves_nothing_live_and_the_retry_works(
+        tmp_path: Path) -> None:
+    first = World(tmp_path)
+    path = tmp_path / "ckpt"
+    try:
+        live = first.run(first.populate())
+        first.run(first.snapshot(path, live))
+    finally:
+        first.close()
+    world = World(tmp_path)  # a fresh job restores
+    try:
+        async def scenario() -> None:
+            await world.ckpt.ensure_holders()
+            arrivals: list[str] = []
+
+            def kill_second(target: SimActor, m: str, args: tuple[Any, ...]) -> None:
+                if m == "commit_restore" and target.kind == HOLDER:
+                    arrivals.append(target.name)
+                    if len(arrivals) == 2:
+                        world.sim.kill(target)  # one holder committed already
+
+            world.sim.on_deliver = kill_second
+            with pytest.raises(BackendUnavailableError):
+                async with world.ckpt.restored(path):
+                    pass
+            assert [await h.sessions() for h in world.holders().values()] == [[]] * len(world.holders())
+            world.sim.on_deliver = None
+            async with world.ckpt.restored(path) as restored:
+                assert len(restored.continued_attempts) == 6
+            restored_eps = {s.episode for h in world.holders().values()
+                            for s in await h.sessions()}
+            assert restored_eps == {ep.next_attempt() for eps in live.values() for ep in eps}
+
+        world.run(scenario())
+    finally:
+        world.close()
+
+
+# --- case 6: leases are renewed through long phases ------------------------------------------
+
+
+def test_a_restore_whose_read_outlasts_the_lease_succeeds(tmp_path: Path) -> None:
+    first = World(tmp_path)
+    path = tmp_path / "ckpt"
+    try:
+        live = first.run(first.populate())
+        first.run(first.snapshot(path, live))
+    finally:
+        first.close()
+    world = World(tmp_path)
+    try:
+        world.sim.io_cost = lambda name: CONFIG.lease_s * 2 if name == "read_shard" else 0.001
+
+        async def scenario() -> None:
+            async with world.ckpt.restored(path) as restored:
+                assert len(restored.continued_attempts) == 6
+            assert world.sim.loop.time() > CONFIG.lease_s * 2  # the read took two leases
+
+        world.run(scenario())
+    finally:
+        world.close()
+
+
+# --- case 7: a late first call after its abort pauses nothing -------------------------------
+
+
+def test_a_begin_that_arrives_after_its_abort_pauses_nothing(world: World) -> None:
+    path = world.path("ckpt")
+
+    async def scenario() -> None:
+        live = await world.populate()
+        slow = world.holders()["holder-1"]
+
+        def delay(target: SimActor, method: str, reply: bool) -> float:
+            # The begin to holder-1 is stuck on a slow link, past the call's deadline.
+            return 10.0 if (target.obj is slow and method == "begin" and not reply) else 0.001
+
+        world.sim.message_delay = delay
+        with pytest.raises(BackendUnavailableError, match="holder-1 did not finish begin"):
+            await world.snapshot(path, live)
+        assert set(world.states().values()) == {HolderState.RUNNING}
+        await asyncio.sleep(10)  # the late begin arrives: refused, nothing pauses
+        assert world.states()["holder-1"] is HolderState.RUNNING
+        world.sim.message_delay = lambda target, method, reply: 0.001
+        await world.snapshot(path, live)
+
+    world.run(scenario())
+
+
+# --- case 10: a refused snapshot never commits ------------------------------------------------
+
+
+def test_a_mismatch_caught_inside_the_block_still_refuses_the_commit(world: World) -> None:
+    path = world.path("ckpt")
+
+    async def scenario() -> None:
+        live = await world.populate()
+        with pytest.raises(SnapshotMismatchError, match="unexpected_episode"):
+            async with world.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                wrong = {i: eps for i, eps in live.items() if i != "holder-0"}
+                try:
+                    await snap.check_against_cut(cut_of(wrong))
+                except SnapshotMismatchError:
+                    pass  # caught, and the block goes on
+        assert not (environment_dir(path) / "manifest.json").exists()
+        assert files(path) == []
+        assert set(world.states().values()) == {HolderState.RUNNING}
+
+    world.run(scenario())
+
+
+# --- case 11: two jobs in one path ------------------------------------------------------------
+
+
+def test_a_second_job_snapshotting_into_a_path_in_use_is_refused_not_cleaned(
+        world: World) -> None:
+    path = world.path("shared")
+    other_config = CheckpointConfig(**{**CONFIG.model_dump(), "namespace": "other-job"})
+    other_driver = world.sim.new_actor("driver", "other-driver", "node-0")
+    other = world.checkpoint(other_driver, other_config)
+
+    async def scenario() -> None:
+        live = await world.populate()
+        await other.ensure_holders()
+
+        async def second_job() -> None:
+            with pytest.raises(CheckpointPathBusyError, match="two jobs must not"):
+                async with other.snapshot(path):
+                    pass
+
+        async def block() -> None:  # while the first job's snapshot is in progress
+            await world.sim.spawn(other_driver, second_job())
+
+        await world.snapshot(path, live, block)
+        loaded = read_snapshot(path)
+        assert sum(len(v) for v in loaded.sessions.values()) == 6
+        # Once it is over, the other job may replace it (a newer manifest there).
+        await world.sim.spawn(other_driver, _snapshot_plain(other, path))
+        assert read_manifest(path).snapshot_id != loaded.manifest.snapshot_id
+        read_snapshot(path)
+
+    world.run(scenario())
+
+
+async def _snapshot_plain(ckpt: RayEnvironmentCheckpoint, path: Path) -> None:
+    async with ckpt.snapshot(path):
+        pass
+
+
+# --- case 13: a restore checks what the shards hold against the manifest ----------------------
+
+
+def test_a_restore_refuses_a_shard_holding_a_rollout_twice(tmp_path: Path) -> None:
+    first = World(tmp_path)
+    path = tmp_path / "ckpt"
+    try:
+        live = first.run(first.populate())
+        first.run(first.snapshot(path, live))
+    finally:
+        first.close()
+    # Craft holder-0's shard: rollout r0 at attempts 0 and 3, hash fixed in the manifest.
+    loaded = read_snapshot(path)
+    records = loaded.sessions["holder-0"]
+    twin = records[0].__class__(records[0].instance_id, Ep(records[0].episode.rollout_id, 3),
+                                records[0].turns, records[0].state)
+    shard = next(s for s in loaded.manifest.shards if s.instance_id == "holder-0")
+    entry = write_shard(environment_dir(path), shard.file, "holder-0", [records[0], twin])
+    manifest_file = environment_dir(path) / "manifest.json"
+    text = manifest_file.read_text().replace(shard.content_hash, entry.content_hash)
+    manifest_file.write_text(re.sub(rf'("file":"{shard.file}","bytes":)\d+',
+                                    rf"\g<1>{entry.bytes}", text))
+    world = World(tmp_path)
+    try:
+        async def scenario() -> None:
+            with pytest.raises(ShardCorruptedError, match="holds rollout 'holder-0-r0' twice"):
+                async with world.ckpt.restored(path):
+                    pass
+            assert [await h.sessions() for h in world.holders().values()] == [[]] * len(world.holders())
+            assert set(world.states().values()) == {HolderState.RUNNING}
+
+        world.run(scenario())
+    finally:
+        world.close()
+
+
+# --- case 14: memory is bounded ----------------------------------------------------------------
+
+
+def test_an_abandoned_operation_is_reaped_and_histories_stay_bounded(world: World) -> None:
+    async def scenario() -> None:
+        live = await world.populate()
+        transport = world.sim.transport(world.driver, CONFIG)
+        coordinator = transport.coordinator()
+        coord = coordinator.ref.obj
+        # A driver that begins a snapshot and vanishes: never renews, never commits.
+        await transport.call(coordinator, "begin_snapshot",
+                             "snap-20261201T000000-0badf00d-000001", str(world.path("x")))
+        assert coord._ops and set(world.states().values()) == {HolderState.PAUSED}
+        await asyncio.sleep(CONFIG.lease_s + 2)
+        assert coord._ops == {} and set(world.states().values()) == {HolderState.RUNNING}
+        with pytest.raises(LeaseExpiredError, match="lease of snap-20261201T000000-0badf00d"):
+            await transport.call(coordinator, "commit_snapshot",
+                                 "snap-20261201T000000-0badf00d-000001",
+                                 str(world.path("x")), {}, 0)
+        for _ in range(80):
+            await world.snapshot(world.path("y"), live)
+        assert len(coord._history) <= 64 and len(coord._committed) <= 64
+        assert coord._ops == {} and coord._path_locks == {}
+        for holder in world.holders().values():
+            assert holder.bounds()["history"] <= 64
+
+    world.run(scenario())
+
+
+# --- the coordinator answers late and repeated calls with the outcome -----------------------
+
+
+def test_late_and_repeated_calls_get_the_outcome_or_a_refusal(world: World) -> None:
+    async def scenario() -> None:
+        live = await world.populate()
+        await world.snapshot(world.path("a"), live)
+        transport = world.sim.transport(world.driver, CONFIG)
+        coordinator = transport.coordinator()
+        committed = read_manifest(world.path("a")).snapshot_id
+        again = await transport.call(coordinator, "commit_snapshot", committed,
+                                     str(world.path("a")), {}, 0)
+        assert again.rollouts == 6  # the first commit's answer
+        with pytest.raises(StaleSnapshotError, match="already committed"):
+            await transport.call(coordinator, "begin_snapshot", committed,
+                                 str(world.path("a")))
+        aborted = "snap-20261201T000000-0badf00d-000009"
+        assert await transport.call(coordinator, "abort", aborted, None) == "aborted"
+        with pytest.raises(OperationAbortedError):
+            await transport.call(coordinator, "begin_snapshot", aborted, str(world.path("b")))
+        assert set(world.states().values()) == {HolderState.RUNNING}
+
+    world.run(scenario())
+
+
+# --- case 16: retriability has one source ------------------------------------------------------
+
+
+def test_retriability_is_a_property_of_each_error_class_and_the_docs_list_it() -> None:
+    from nemo_ckpt import errors
+
+    ckpt = RayEnvironmentCheckpoint(CONFIG)
+    assert ckpt.is_unavailable(LeaseExpiredError("lapsed"))
+    assert ckpt.is_unavailable(HolderBusyError("busy"))
+    assert not ckpt.is_unavailable(SnapshotMismatchError(()))
+    table = (Path(__file__).resolve().parent.parent / "docs" / "FAILURES.md").read_text()
+    documented: dict[str, bool] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[2] in ("yes", "no"):
+            for name in re.findall(r"`(\w+Error)`", cells[0]):
+                documented[name] = cells[2] == "yes"
+    classes = {name: cls for name, cls in vars(errors).items()
+               if isinstance(cls, type) and issubclass(cls, NemoCkptError)
+               and cls is not NemoCkptError}
+    assert documented == {name: cls.retriable for name, cls in classes.items()
+                          if name in documented}
+    undocumented = sorted(set(classes) - set(documented) - {"SnapshotReadError",
+                                                             "SessionError"})
+    assert undocumented == [], f"docs/FAILURES.md lacks {undocumented}"
+
+
+# --- case 8 (the client's half) and case 9 --------------------------------------------------
+
+
+def test_a_turn_refuses_staging_keys_that_are_not_strings_at_once() -> None:
+    from nemo_ckpt.sessions import SessionRecord
+
+    turn = Turn(SessionRecord("holder-0", Ep("r", 0)))
+    with pytest.raises(TypeError, match=r"not one str \('row-1'\); pass \[key\]"):
+        turn.complete(b"t", b"s", "row-1")
+    with pytest.raises(TypeError, match="non-empty strings"):
+        turn.complete(b"t", b"s", [17])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="state of r must be bytes"):
+        turn.complete(b"t", "s", [])  # type: ignore[arg-type]
+    turn.complete(b"t", b"s", ("row-1",))
+
+
+@pytest.mark.parametrize("field", ["lease_s", "phase_timeout_s", "persist_timeout_s",
+                                   "turn_timeout_s", "drain_timeout_s",
+                                   "lease_renew_interval_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_deadlines_that_are_not_finite_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        CheckpointConfig(**{field: value})
+
+
+def test_a_lease_that_a_long_drain_and_one_renewal_period_would_outlast_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"drain_timeout_s \(5.0\) \+ the lease renewal "
+                                         r"period \(4\) \+ a margin of 10% of lease_s must "
+                                         r"be shorter than lease_s \(10.0\)"):
+        CheckpointConfig(drain_timeout_s=5.0, lease_s=10.0, lease_renew_interval_s=4.0)
+    CheckpointConfig(drain_timeout_s=5.0, lease_s=10.0, lease_renew_interval_s=3.0)
+    CheckpointConfig()  # the defaults work
