@@ -350,7 +350,8 @@ def test_a_holder_dying_during_commit_restore_leaves_nothing_live_and_the_retry_
             with pytest.raises(BackendUnavailableError):
                 async with world.ckpt.restored(path):
                     pass
-            assert [await h.sessions() for h in world.holders().values()] == [[]] * len(world.holders())
+            sessions = [await h.sessions() for h in world.holders().values()]
+            assert sessions == [[]] * len(sessions)
             world.sim.on_deliver = None
             async with world.ckpt.restored(path) as restored:
                 assert len(restored.continued_attempts) == 6
@@ -503,7 +504,8 @@ def test_a_restore_refuses_a_shard_holding_a_rollout_twice(tmp_path: Path) -> No
             with pytest.raises(ShardCorruptedError, match="holds rollout 'holder-0-r0' twice"):
                 async with world.ckpt.restored(path):
                     pass
-            assert [await h.sessions() for h in world.holders().values()] == [[]] * len(world.holders())
+            sessions = [await h.sessions() for h in world.holders().values()]
+            assert sessions == [[]] * len(sessions)
             assert set(world.states().values()) == {HolderState.RUNNING}
 
         world.run(scenario())
