@@ -101,8 +101,8 @@ def writable_folder_problem(folder: Path) -> str | None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        where = exc.filename or folder
-        return f"cannot write under {folder}: {exc.strerror or exc} ({where})"
+        where = "" if exc.filename in (None, str(folder)) else f" ({exc.filename})"
+        return f"cannot write under {folder}: {exc.strerror or exc}{where}"
     finally:
         for path in reversed(created):
             with contextlib.suppress(OSError):
