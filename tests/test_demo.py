@@ -140,10 +140,15 @@ def test_the_example_joins_an_existing_cluster_writes_its_json_and_exits_zero(
 
 def load_example(name: str) -> Any:
     """An example script as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    examples = str(ROOT / "examples")
+    spec = importlib.util.spec_from_file_location(name, f"{examples}/{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, examples)  # as when run as a script: its siblings import
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(examples)
     return module
 
 
@@ -208,3 +213,45 @@ async def test_a_failed_run_leaves_no_folder_behind(cluster: Any, tmp_path: Path
     with pytest.raises(DemoError, match="finished"):
         await run_demo(options)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the minimal example --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_the_minimal_example_recovers_on_its_embedded_cluster(tmp_path: Path) -> None:
+    # As the README runs it: its own 2-node embedded cluster, from the repository root.
+    proc = subprocess.run(
+        [sys.executable, "examples/minimal_driver.py", "--checkpoint-dir",
+         str(tmp_path / "ckpt"), "--namespace", "t-minimal-embedded"],
+        capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("namespace t-minimal-embedded: session holders holder-0, "
+                               "holder-1; see them with: nemo-ckpt status --address ")
+    assert "4 rollouts captured" in lines[1] and "1 dispatched but not held (r5)" in lines[1]
+    assert lines[-1] == ("VERIFIED: 6 rollouts x 6 turns equal a run without a crash; 12 "
+                         "turns were restored, not re-run")
+    assert "Traceback" not in proc.stderr
+    snapshot = tmp_path / "ckpt" / "step-1"
+    assert (snapshot / "environment" / "manifest.json").is_file()
+    assert (snapshot / "data_plane.json").is_file()
+
+
+@pytest.mark.timeout(30)
+def test_every_bad_minimal_example_option_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    example = load_example("minimal_driver")
+    for argv, message in [
+        (["--turns", "2"], "argument --turns: must be at least 4, not 2"),
+        (["--rollouts", "1"], "argument --rollouts: must be at least 3, not 1"),
+        (["--nodes", "0"], "argument --nodes: must be at least 1, not 0"),
+        (["--namespace", ""], "argument --namespace: must not be empty"),
+        (["--address", "10.0.0.1"], "argument --address: '10.0.0.1' is not a cluster address"),
+        (["--checkpoint-dir", "/dev/null/ckpt"],
+         "argument --checkpoint-dir: /dev/null is not a folder"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            example.parse_args(argv)
+        _, err = capsys.readouterr()
+        assert exit_.value.code == 2 and f"error: {message}" in err, (argv, err)
