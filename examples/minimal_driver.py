@@ -114,22 +114,24 @@ class DataPlane:
         instances), keep ``staging_keys``, clear every other row, and mark every other
         unfinished rollout to start over. Returns ``(continued, restart)``."""
         saved = json.loads((Path(path) / "data_plane.json").read_text())
-        self.ledger = saved["ledger"]
-        self.staging = {k: v for k, v in saved["staging"].items() if k in staging_keys}
-        self.trajectories = {r: [record.encode() for record in records]
-                             for r, records in saved["finished"].items()}
+        ledger = saved["ledger"]
         continued = []
         for instance_id, rollout_id, attempt in sorted(continued_attempts):
-            entry = self.ledger[rollout_id]
+            entry = ledger[rollout_id]
             if (entry["instance"], entry["attempt"]) != (instance_id, attempt):
                 raise RuntimeError(f"{rollout_id}: the environment restored attempt "
                                    f"{attempt} on {instance_id}, the ledger has {entry}")
             episode = EnvironmentEpisode(rollout_id, attempt).next_attempt()
-            entry["attempt"] = episode.attempt
+            entry["attempt"] = episode.attempt  # the ledger bumps it as the backend did
             continued.append((instance_id, episode))
         continued_ids = {r for _, r, _ in continued_attempts}
-        restart = sorted(r for r, e in self.ledger.items()
+        restart = sorted(r for r, e in ledger.items()
                          if e["status"] == "dispatched" and r not in continued_ids)
+        # Nothing changes above this line: raising there drops both halves' restore.
+        self.ledger = ledger
+        self.staging = {k: v for k, v in saved["staging"].items() if k in staging_keys}
+        self.trajectories = {r: [record.encode() for record in records]
+                             for r, records in saved["finished"].items()}
         return continued, restart
 
     async def result(self) -> dict[str, list[bytes]]:
@@ -279,7 +281,7 @@ async def main_async(args: argparse.Namespace, address: str) -> int:
 
     # --- second life: a restarted driver ----------------------------------------------------
     ckpt = RayEnvironmentCheckpoint(config)  # the same namespace: instances keep their ids
-    ckpt.shutdown()  # a restore refuses rollouts that still have live sessions: none left
+    ckpt.shutdown()  # drop what the old job left: a restore refuses live sessions
     await wait_until_gone(config.namespace)
     await ckpt.check_startup()
     driver = Driver(ckpt, args.turn_seconds)
