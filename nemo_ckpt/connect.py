@@ -176,9 +176,11 @@ def _root_cause(error: BaseException) -> str:
 
 
 def _is_auth_failure(error: BaseException) -> bool:
-    from ray.exceptions import AuthenticationError
+    import ray.exceptions
 
-    return isinstance(error, AuthenticationError) or "InvalidAuthToken" in str(error)
+    auth_error = getattr(ray.exceptions, "AuthenticationError", None)  # Ray >= 2.5x
+    return (auth_error is not None and isinstance(error, auth_error)) \
+        or "InvalidAuthToken" in str(error)
 
 
 @contextlib.contextmanager
@@ -227,14 +229,14 @@ def _preflight(address: str) -> None:
             address, f"nothing answers there{there}: {exc.strerror or exc}; check the "
                      f"head's address and that its GCS port is open from here") from None
 
-    from ray._private.authentication.authentication_token_setup import (
-        maybe_enable_token_auth_if_token_available,
-    )
-
+    try:
+        from ray._private.authentication import authentication_token_setup as ray_auth
+    except ImportError:  # a Ray without token authentication: ray.init checks the rest
+        return
     mode_given = os.environ.get(AUTH_MODE_VAR)
     if address == "auto":
         # What ray.init does for 'auto' only: use a token that exists on this node.
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        ray_auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     if _token_mode() and token_source() is None:
         # Ray's C++ client aborts the process when token mode has no token: refuse first.
         raise ClusterConnectionError(address, _auth_problem(
