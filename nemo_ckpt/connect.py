@@ -13,7 +13,7 @@ IP). ``connect`` checks first, in about a second, what ray.init would fail on:
    file named by ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``). Ray turns token mode
    on by itself only for ``address="auto"``: it does not send a token to an address typed
    by hand unless ``RAY_AUTH_MODE=token`` says so, and neither does this module;
-4. the other way round, a process in token mode is joining a cluster that uses token
+4. the other way round, a process in token mode joins only a cluster that uses token
    authentication: one without it accepts the driver, but every actor the driver starts
    then dies ("all references to the actor were removed").
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import re
 import socket
@@ -42,8 +41,6 @@ __all__ = [
     "token_source",
     "connect",
 ]
-
-log = logging.getLogger("nemo_ckpt.connect")
 
 AUTH_MODE_VAR = "RAY_AUTH_MODE"
 TOKEN_VAR = "RAY_AUTH_TOKEN"
