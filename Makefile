@@ -1,10 +1,10 @@
-# Set-up commands: `make test` and `make demo` bootstrap .venv by themselves.
+# Set-up commands: `make test` and `make demo` bootstrap .venv by themselves
+# (`make install` only bootstraps it). The contract check is tests/test_contract.py.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Reinstall only when pyproject.toml changed since the last install.
 STAMP := $(VENV)/.installed
-CONTRACT_CHECK := ../shared/tools/check_contract.py
 # Extra options for the demo, e.g. `make demo DEMO_ARGS='--nodes 4 --json demo.json'`.
 DEMO_ARGS ?=
 
@@ -24,7 +24,6 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 test: $(STAMP)
-	@if [ -f $(CONTRACT_CHECK) ]; then $(PY) $(CONTRACT_CHECK); fi
 	$(VENV)/bin/ruff check nemo_ckpt actors tests examples
 	$(VENV)/bin/mypy
 	$(PY) -m tests.simulation --schedules $(SIM_SCHEDULES)

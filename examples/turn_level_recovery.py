@@ -9,7 +9,11 @@ every rollout to completion, runs the same seed again without a crash, and compa
 the two runs turn by turn. Exits 1 when they differ.
 
     python examples/turn_level_recovery.py --nodes 3 --rollouts 48 --turns 12
-    python examples/turn_level_recovery.py --address auto --checkpoint-dir /shared/ckpt
+    python examples/turn_level_recovery.py --address auto --checkpoint-dir /mnt/shared/ckpt
+
+Every option is checked before Ray starts (a bad one is a usage error, exit 2). Exit 1:
+the runs differ, or an expected failure (no cluster, a folder the nodes do not share),
+reported as one line.
 """
 
 from __future__ import annotations
@@ -24,6 +28,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from nemo_ckpt.connect import connect, ray_address
+from nemo_ckpt.errors import NemoCkptError
+from nemo_ckpt.options import (
+    at_least,
+    non_negative_float,
+    output_file_problem,
+    positive_float,
+    writable_folder_problem,
+)
 from nemo_ckpt.testing.recovery_demo import (
     DemoError,
     DemoOptions,
@@ -35,44 +48,64 @@ from nemo_ckpt.testing.recovery_demo import (
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The options, every one checked here, before Ray starts: a bad one is a usage
+    error (exit 2) in a fraction of a second."""
     defaults = DemoOptions()
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--nodes", type=int, default=3,
+    p.add_argument("--nodes", type=at_least(1), default=3,
                    help="simulated nodes of the embedded cluster (head included)")
-    p.add_argument("--rollouts", type=int, default=defaults.rollouts)
-    p.add_argument("--turns", type=int, default=defaults.turns, help="turns per rollout")
-    p.add_argument("--snapshot-every", type=float, default=defaults.snapshot_every_s,
+    p.add_argument("--rollouts", type=at_least(1), default=defaults.rollouts)
+    p.add_argument("--turns", type=at_least(1), default=defaults.turns,
+                   help="turns per rollout")
+    p.add_argument("--snapshot-every", type=positive_float, default=defaults.snapshot_every_s,
                    metavar="SECONDS", help="seconds between snapshots")
-    p.add_argument("--crash-after-snapshots", type=int,
+    p.add_argument("--crash-after-snapshots", type=at_least(1),
                    default=defaults.crash_after_snapshots,
-                   help="crash after this many committed snapshots that hold rollouts")
+                   help="crash after this many committed snapshots that hold rollouts (the "
+                        "restart needs one)")
     p.add_argument("--checkpoint-dir", type=Path, default=defaults.checkpoint_dir,
                    help="snapshots go to <dir>/run-<time>-<id>/snapshot-NNNN; on an "
                         "existing cluster it must be shared by every node")
     p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--address", default=None,
-                   help="join this Ray cluster (e.g. 'auto') instead of starting one")
+    p.add_argument("--address", type=ray_address, default=None,
+                   help="join this Ray cluster (HOST:PORT of its head, or 'auto') instead "
+                        "of starting one; a cluster with token authentication needs "
+                        "RAY_AUTH_MODE=token and its token (README)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="also write the report as JSON here")
-    p.add_argument("--workers-per-node", type=int, default=defaults.workers_per_node)
-    p.add_argument("--rollouts-per-worker", type=int, default=defaults.rollouts_per_worker)
-    p.add_argument("--turn-seconds", type=float, default=defaults.turn_seconds,
+    p.add_argument("--workers-per-node", type=at_least(1), default=defaults.workers_per_node)
+    p.add_argument("--rollouts-per-worker", type=at_least(1),
+                   default=defaults.rollouts_per_worker)
+    p.add_argument("--turn-seconds", type=non_negative_float, default=defaults.turn_seconds,
                    help="simulated model and tool time per turn")
     p.add_argument("--verbose", action="store_true", help="show nemo_ckpt's log")
     args = p.parse_args(argv)
-    if args.nodes < 1:
-        p.error("--nodes must be at least 1")
-    if args.crash_after_snapshots < 1:
-        p.error("--crash-after-snapshots must be at least 1: the restart needs a snapshot")
+    problem = writable_folder_problem(args.checkpoint_dir)
+    if problem is not None:
+        p.error(f"argument --checkpoint-dir: {problem}")
+    if args.json is not None:
+        problem = output_file_problem(args.json)
+        if problem is not None:
+            p.error(f"argument --json: {problem}")
+    try:
+        args.options = DemoOptions(
+            rollouts=args.rollouts, turns=args.turns, snapshot_every_s=args.snapshot_every,
+            crash_after_snapshots=args.crash_after_snapshots,
+            checkpoint_dir=args.checkpoint_dir, seed=args.seed,
+            workers_per_node=args.workers_per_node,
+            rollouts_per_worker=args.rollouts_per_worker, turn_seconds=args.turn_seconds)
+    except ValueError as exc:  # a rule DemoOptions keeps that the types above do not
+        p.error(str(exc))
     return args
 
 
 class LiveLine:
     """One progress line, redrawn in place on a terminal, printed now and then if not."""
 
-    def __init__(self) -> None:
+    def __init__(self, address: Optional[str] = None) -> None:
+        self.address = address  # the cluster's address as `nemo-ckpt status` needs it
         self._tty = sys.stderr.isatty()
         self._last_print = 0.0
         self._phase = ""
@@ -84,6 +117,10 @@ class LiveLine:
             if self._tty and self._phase:
                 sys.stderr.write("\n")
             print(f"[{p.phase:>13}] {p.note}", file=sys.stderr, flush=True)
+            if p.namespace is not None and self.address is not None:
+                print(f"[{p.phase:>13}] see them while the run lasts: nemo-ckpt status "
+                      f"--address {self.address} --namespace {p.namespace}",
+                      file=sys.stderr, flush=True)
             self._phase = ""
             return
         pause = f"  last pause {p.last_pause_s * 1000:4.0f} ms" if p.last_pause_s else ""
@@ -130,9 +167,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     line = LiveLine()
     try:
         if args.address:
-            ray.init(address=args.address, log_to_driver=args.verbose,
-                     logging_level=logging.WARNING)
+            connect(args.address, log_to_driver=args.verbose, logging_level=logging.WARNING)
             where = f"existing cluster at {args.address}"
+            line.address = args.address
         else:
             print(f"starting a local Ray cluster of {args.nodes} nodes ...", file=sys.stderr,
                   flush=True)
@@ -143,27 +180,38 @@ def main(argv: Optional[list[str]] = None) -> int:
             ray.init(address=cluster.address, log_to_driver=args.verbose,
                      logging_level=logging.WARNING)
             cluster.wait_for_nodes()
-            where = f"local cluster of {args.nodes} nodes"
+            where = f"local cluster of {args.nodes} nodes at {cluster.address}"
+            line.address = cluster.address
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         print(f"cluster up in {time.monotonic() - started:.1f}s ({where}, {nodes} alive "
               f"nodes)", file=sys.stderr, flush=True)
-        options = DemoOptions(
-            rollouts=args.rollouts, turns=args.turns, snapshot_every_s=args.snapshot_every,
-            crash_after_snapshots=args.crash_after_snapshots,
-            checkpoint_dir=args.checkpoint_dir, seed=args.seed,
-            workers_per_node=args.workers_per_node,
-            rollouts_per_worker=args.rollouts_per_worker, turn_seconds=args.turn_seconds)
-        report: DemoReport = asyncio.run(run_demo(options, progress=line))
+        report: DemoReport = asyncio.run(run_demo(args.options, progress=line))
     except DemoError as exc:
         line.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except NemoCkptError as exc:  # ClusterConnectionError, StartupCheckError ...
+        # Expected failures (no cluster, a checkpoint folder the nodes do not share ...):
+        # what happened and what to do, without a traceback.
+        line.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         line.close()
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
     total = time.monotonic() - started
+    # The JSON goes first: nothing printed below can lose a finished run's result.
+    json_problem = None
+    if args.json is not None:
+        data = report.to_json()
+        data["wall_seconds_with_cluster"] = total
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(data, indent=2) + "\n")
+        except OSError as exc:
+            json_problem = f"could not write the report to {args.json}: {exc}"
     print()
     print(f"turn-level recovery: {report.nodes} nodes, seed {report.seed}, "
           f"restored from {report.restored_from}")
@@ -175,11 +223,10 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{', '.join(report.mismatched_rollouts[:20])}")
     print("VERIFIED: the final trajectories equal the crash-free run's, turn by turn"
           if report.verified else "NOT VERIFIED: the runs differ")
-    if args.json is not None:
-        data = report.to_json()
-        data["wall_seconds_with_cluster"] = total
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
+    if json_problem is not None:
+        sys.stdout.flush()
+        print(f"error: {json_problem}; the report above is the run's result", file=sys.stderr)
+        return 1
     return 0 if report.verified else 1
 
 

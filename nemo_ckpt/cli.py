@@ -7,7 +7,8 @@
 
 ``PATH`` is the checkpoint path handed to ``snapshot()``: the folder that holds
 ``environment/``. Expected failures (no snapshot, a damaged one, no cluster) print one
-line on stderr and exit 1; a traceback means a bug in nemo-ckpt.
+line on stderr and exit 1; a bad option is a usage error (exit 2) before Ray starts; a
+traceback means a bug in nemo-ckpt.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -25,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
+from nemo_ckpt.connect import ray_address
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
 from nemo_ckpt.manifest import (
     ENVIRONMENT_DIR,
@@ -34,6 +35,7 @@ from nemo_ckpt.manifest import (
     rollouts_by_shard,
     shard_problems,
 )
+from nemo_ckpt.options import non_empty, positive_float
 from nemo_ckpt.phases import HolderInfo
 from nemo_ckpt.storage import environment_dir, read_manifest, read_shard
 
@@ -426,10 +428,11 @@ def holder_status(namespace: str, timeout_s: float = 10.0) -> list[HolderStatus]
 
 
 def run_status(namespace: str, timeout_s: float = 10.0, out: TextIO | None = None,
-               err: TextIO | None = None) -> int:
+               err: TextIO | None = None, address: str | None = None) -> int:
     """Print the holders of ``namespace``; needs Ray initialized (it neither inits nor
     shuts down). Exit code 0 when every holder answered, 1 when none exists or any
-    did not answer."""
+    did not answer. ``address`` is the cluster as the user named it, for messages
+    (default: the GCS address Ray connected to)."""
     import ray
 
     from nemo_ckpt.config import CheckpointConfig
@@ -438,9 +441,11 @@ def run_status(namespace: str, timeout_s: float = 10.0, out: TextIO | None = Non
     err = err or sys.stderr
     holders = holder_status(namespace, timeout_s)
     if not holders:
-        address = ray.get_runtime_context().gcs_address
+        gcs = ray.get_runtime_context().gcs_address
+        where = gcs if address is None else repr(address) if address == gcs \
+            else f"{address!r} ({gcs})"
         print(f"{PROG} status: no nemo-ckpt holders in namespace {namespace!r} on the "
-              f"cluster at {address}; the job is not running there, or it uses another "
+              f"cluster at {where}; the job is not running there, or it uses another "
               f"namespace (pass --namespace, as in CheckpointConfig.namespace)", file=err)
         return 1
     nodes = {n["NodeID"]: n for n in ray.nodes()}
@@ -480,49 +485,22 @@ def run_status(namespace: str, timeout_s: float = 10.0, out: TextIO | None = Non
     return 0
 
 
-def _unreachable(address: str) -> str | None:
-    """Why nothing answers at the GCS ``address`` resolves to, or None if something does.
-
-    ray.init retries a dead address for minutes; at 3 a.m. the answer should take
-    seconds. Anything this cannot resolve is left to ray.init to report.
-    """
-    if address.startswith("ray://"):
-        return None  # Ray Client has its own handshake and errors
-    try:
-        from ray._private.services import canonicalize_bootstrap_address
-
-        resolved = canonicalize_bootstrap_address(address)
-        host, _, port = (resolved or "").rpartition(":")
-        target = (host.strip("[]"), int(port))
-    except Exception:
-        return None
-    try:
-        with socket.create_connection(target, timeout=5.0):
-            return None
-    except OSError as exc:
-        return f"nothing answers at {resolved} ({exc.strerror or exc})"
-
-
 def _cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import ray
 
     if ray.is_initialized():
         # In-process use (tests, a notebook): reuse the caller's connection, leave it open.
         return run_status(args.namespace, args.timeout, out, err)
-    problem = _unreachable(args.address)
-    if problem is None:
-        try:
-            ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
-                     logging_level=logging.WARNING)
-        except Exception as exc:  # every connection failure means the same to the user
-            problem = _one_line(exc)
-    if problem is not None:
-        print(f"{PROG} status: error: cannot connect to a Ray cluster at "
-              f"{args.address!r}: {problem}; run on a node of the cluster or pass "
-              f"--address HOST:PORT of its head", file=err)
+    from nemo_ckpt.connect import ClusterConnectionError, connect
+
+    try:
+        connect(args.address, namespace=args.namespace, log_to_driver=False,
+                logging_level=logging.WARNING)
+    except ClusterConnectionError as exc:
+        print(f"{PROG} status: error: {exc}", file=err)
         return 1
     try:
-        return run_status(args.namespace, args.timeout, out, err)
+        return run_status(args.namespace, args.timeout, out, err, address=args.address)
     finally:
         ray.shutdown()
 
@@ -572,11 +550,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "snapshot id and lease expiry. Read-only: creates no "
                                    "actor. Exits 1 when no holder is found or one does not "
                                    "answer.")
-    p.add_argument("--address", default="auto",
-                   help="Ray cluster address (default: 'auto', which honours $RAY_ADDRESS)")
-    p.add_argument("--namespace", default="nemo_ckpt",
-                   help="the job's CheckpointConfig.namespace (default: nemo_ckpt)")
-    p.add_argument("--timeout", type=float, default=10.0,
+    p.add_argument("--address", default="auto", type=ray_address,
+                   help="Ray cluster address: HOST:PORT of the head, ray://HOST:PORT, or "
+                        "'auto' (default), the cluster `ray start` started on this node "
+                        "or $RAY_ADDRESS. A cluster with token authentication needs "
+                        "RAY_AUTH_MODE=token and its token (README, 'Ray token "
+                        "authentication')")
+    p.add_argument("--namespace", default="nemo_ckpt", type=non_empty,
+                   help="the job's CheckpointConfig.namespace (default: nemo_ckpt); the "
+                        "demo and the examples print theirs")
+    p.add_argument("--timeout", type=positive_float, default=10.0,
                    help="seconds to wait for the holders to answer (default: 10)")
     p.set_defaults(run=_cmd_status)
     return parser

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -419,12 +420,34 @@ def test_the_installed_console_script_and_python_m_run_the_cli(
 
 def test_status_against_an_address_where_nothing_answers_fails_fast_with_one_line() -> None:
     script = Path(sys.executable).with_name("nemo-ckpt")
+    started = time.monotonic()
     done = subprocess.run([str(script), "status", "--address", "127.0.0.1:1"],
                           capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 15, "no 20 s of ray.init retries"
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith(
         "nemo-ckpt status: error: cannot connect to a Ray cluster at '127.0.0.1:1': "
-        "nothing answers at ")
+        "nothing answers there")
+    assert "Connection refused" in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--timeout", "-1"], "argument --timeout: must be above 0, not -1"),
+    (["--timeout", "soon"], "argument --timeout: 'soon' is not a number"),
+    (["--namespace", ""], "argument --namespace: must not be empty"),
+    (["--address", "127.0.0.1:99999"],
+     "argument --address: '127.0.0.1:99999' has no valid port (1-65535)"),
+    (["--address", "head-node"], "argument --address: 'head-node' is not a cluster address"),
+    (["--address", "local"], "argument --address: 'local' would start a new, empty Ray instance"),
+])
+def test_status_refuses_a_bad_option_as_a_usage_error_before_ray_starts(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["status", *argv])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert err.startswith("usage: nemo-ckpt status")
+    assert f"nemo-ckpt status: error: {message}" in err
 
 
 # --- status (live holders on the session's cluster) -------------------------------------

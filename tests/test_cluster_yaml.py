@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,37 @@ def test_every_node_installs_the_package_and_starts_ray_from_its_venv() -> None:
                for c in config["worker_start_ray_commands"])
 
 
-def test_the_driver_command_it_shows_runs_the_example_on_the_cluster() -> None:
+def test_the_driver_commands_it_shows_run_the_examples_on_the_cluster_in_token_mode() -> None:
     text = CLUSTER_YAML.read_text()
-    assert "examples/turn_level_recovery.py --address auto" in text
-    assert (ROOT / "examples" / "turn_level_recovery.py").is_file()
+    shown = re.findall(r"ray exec cluster.yaml '(.*)'", text)
+    assert len(shown) == 2
+    for command in shown:
+        assert "RAY_AUTH_MODE=token .venv/bin/python examples/" in command
+        assert "--address auto --checkpoint-dir /mnt/shared/nemo-ckpt" in command
+        script = re.search(r"(examples/\S+\.py)", command)
+        assert script is not None and (ROOT / script.group(1)).is_file()
+
+
+def test_set_up_works_on_a_stock_ubuntu_node() -> None:
+    setup = load()["setup_commands"]
+    venv = next(i for i, c in enumerate(setup) if "python3 -m venv" in c)
+    # Stock Ubuntu has no python3-venv (nor an NFS client): installed first, with sudo.
+    apt = next(i for i, c in enumerate(setup) if "apt-get install" in c)
+    assert apt < venv and "python3-venv" in setup[apt] and "nfs-common" in setup[apt]
+    assert setup[apt].startswith("sudo apt-get update") and "sudo " in setup[apt][20:]
+    # /mnt is root's: the mount point is made with sudo; the folder inside is the user's.
+    assert "sudo mkdir -p /mnt/shared" in setup
+    mount = next(c for c in setup if "mount -t nfs" in c)
+    assert mount.startswith("mountpoint -q /mnt/shared || sudo mount")
+    folder = next(c for c in setup if "/mnt/shared/nemo-ckpt" in c and "mkdir" in c)
+    assert "sudo chown" in folder
+
+
+def test_every_node_gets_the_token_and_starts_ray_in_token_mode() -> None:
+    config = load()
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        start = next(c for c in config[key] if " start " in c)
+        assert start.startswith("export RAY_AUTH_MODE=token;"), key
+    # Shells of `ray exec` and `ray attach` read ~/.bashrc.
+    assert any("export RAY_AUTH_MODE=token' ~/.bashrc" in c for c in config["setup_commands"])

@@ -3,9 +3,11 @@ never crashed. Also the toy environment's determinism, which that comparison res
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.sessions import SessionRecord
 from nemo_ckpt.testing import (
     DATA_PLANE_FILE,
+    DemoError,
     DemoOptions,
     ToyState,
     initial_state,
@@ -130,3 +133,125 @@ def test_the_example_joins_an_existing_cluster_writes_its_json_and_exits_zero(
         assert key in data
     assert data["verified"] is True and data["rollouts"] == 8 and data["seed"] == 3
     assert any((tmp_path / "ckpt").glob("run-*/snapshot-*/environment/manifest.json"))
+
+
+# --- options, checked before Ray starts -----------------------------------------------------
+
+
+def load_example(name: str) -> Any:
+    """An example script as a module (examples/ is not a package)."""
+    examples = str(ROOT / "examples")
+    spec = importlib.util.spec_from_file_location(name, f"{examples}/{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, examples)  # as when run as a script: its siblings import
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(examples)
+    return module
+
+
+def bad_options(tmp_path: Path) -> list[tuple[list[str], str]]:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    return [
+        (["--turns", "-1"], "argument --turns: must be at least 1, not -1"),
+        (["--rollouts", "0"], "argument --rollouts: must be at least 1, not 0"),
+        (["--nodes", "two"], "argument --nodes: 'two' is not a whole number"),
+        (["--snapshot-every", "0"], "argument --snapshot-every: must be above 0, not 0"),
+        (["--turn-seconds", "-0.5"], "argument --turn-seconds: must be 0 or more, not -0.5"),
+        (["--crash-after-snapshots", "0"], "argument --crash-after-snapshots: must be at "
+                                           "least 1, not 0"),
+        (["--address", "head"], "argument --address: 'head' is not a cluster address"),
+        (["--checkpoint-dir", "/dev/null/ckpt"],
+         "argument --checkpoint-dir: /dev/null is not a folder"),
+        (["--checkpoint-dir", str(a_file / "ckpt")],
+         f"argument --checkpoint-dir: {a_file} is not a folder"),
+        (["--checkpoint-dir", "/proc/nemo-ckpt/ckpt"],
+         "argument --checkpoint-dir: cannot write under /proc/nemo-ckpt/ckpt"),
+        (["--json", "/dev/null/out.json"], "argument --json: /dev/null is not a folder"),
+        (["--json", str(tmp_path)], f"argument --json: {tmp_path} is a folder"),
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_every_bad_demo_option_is_a_usage_error_and_leaves_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    example = load_example("turn_level_recovery")
+    for argv, message in bad_options(tmp_path):
+        with pytest.raises(SystemExit) as exit_:
+            example.parse_args([*argv, "--checkpoint-dir", str(tmp_path / "ckpt")]
+                               if "--checkpoint-dir" not in argv else argv)
+        _, err = capsys.readouterr()
+        assert exit_.value.code == 2, argv
+        assert err.startswith("usage: "), argv
+        assert f"error: {message}" in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.timeout(60)
+def test_the_demo_refuses_a_bad_option_before_any_ray_process_starts(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "turn_level_recovery.py"), "--turns", "-1",
+         "--checkpoint-dir", str(tmp_path / "ckpt"), "--json", str(tmp_path / "out.json")],
+        capture_output=True, text=True, timeout=50, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "error: argument --turns: must be at least 1, not -1" in proc.stderr
+    assert "Traceback" not in proc.stderr and "starting a local Ray" not in proc.stderr
+    assert time.monotonic() - started < 20, "refused before a cluster started"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+async def test_a_failed_run_leaves_no_folder_behind(cluster: Any, tmp_path: Path) -> None:
+    # Two short rollouts finish long before a fifth snapshot: the run fails as asked.
+    options = DemoOptions(checkpoint_dir=tmp_path / "new" / "ckpt", namespace="t-demo-fail",
+                          rollouts=2, turns=2, crash_after_snapshots=5, turn_seconds=0.01,
+                          snapshot_every_s=0.3)
+    with pytest.raises(DemoError, match="finished"):
+        await run_demo(options)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the minimal example --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_the_minimal_example_recovers_on_its_embedded_cluster(tmp_path: Path) -> None:
+    # As the README runs it: its own 2-node embedded cluster, from the repository root.
+    proc = subprocess.run(
+        [sys.executable, "examples/minimal_driver.py", "--checkpoint-dir",
+         str(tmp_path / "ckpt"), "--namespace", "t-minimal-embedded"],
+        capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("namespace t-minimal-embedded: session holders holder-0, "
+                               "holder-1; see them with: nemo-ckpt status --address ")
+    assert "4 rollouts captured" in lines[1] and "1 dispatched but not held (r5)" in lines[1]
+    assert lines[-1] == ("VERIFIED: 6 rollouts x 6 turns equal a run without a crash; 12 "
+                         "turns were restored, not re-run")
+    assert "Traceback" not in proc.stderr
+    snapshot = tmp_path / "ckpt" / "step-1"
+    assert (snapshot / "environment" / "manifest.json").is_file()
+    assert (snapshot / "data_plane.json").is_file()
+
+
+@pytest.mark.timeout(30)
+def test_every_bad_minimal_example_option_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    example = load_example("minimal_driver")
+    for argv, message in [
+        (["--turns", "2"], "argument --turns: must be at least 4, not 2"),
+        (["--rollouts", "1"], "argument --rollouts: must be at least 3, not 1"),
+        (["--nodes", "0"], "argument --nodes: must be at least 1, not 0"),
+        (["--namespace", ""], "argument --namespace: must not be empty"),
+        (["--address", "10.0.0.1"], "argument --address: '10.0.0.1' is not a cluster address"),
+        (["--checkpoint-dir", "/dev/null/ckpt"],
+         "argument --checkpoint-dir: /dev/null is not a folder"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            example.parse_args(argv)
+        _, err = capsys.readouterr()
+        assert exit_.value.code == 2 and f"error: {message}" in err, (argv, err)

@@ -29,6 +29,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import shutil
 import statistics
 import time
 import uuid
@@ -127,6 +128,7 @@ class DemoProgress:
     snapshots: int
     last_pause_s: Optional[float]
     note: Optional[str] = None  # an event worth its own line (the crash, the restore)
+    namespace: Optional[str] = None  # set once the run's holders are up, on that note
 
 
 @dataclass(frozen=True)
@@ -492,19 +494,49 @@ def _shutdown_namespace(namespace: str) -> None:
                 ray.kill(ray.get_actor(a["name"], namespace=namespace))
 
 
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist, deepest first."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_run_folders(created: list[Path]) -> None:
+    """Remove a failed run's folder and the empty parents the run created."""
+    if created:
+        shutil.rmtree(created[0], ignore_errors=True)
+    for folder in created[1:]:
+        with contextlib.suppress(OSError):  # not empty: something else uses it
+            folder.rmdir()
+
+
 async def run_demo(options: DemoOptions, progress: Optional[ProgressFn] = None) -> DemoReport:
     """Run the crash run and the reference run, compare them, and report (module doc).
 
     Needs ``ray.init`` done. Leaves the crash run's committed snapshots under
-    ``options.checkpoint_dir``; every actor it started is gone when it returns.
+    ``options.checkpoint_dir``; every actor it started is gone when it returns. A run
+    that raises leaves no folder behind: its run folder goes, and so do the parents it
+    created.
     """
     if not ray.is_initialized():
         raise DemoError("connect to a Ray cluster first (ray.init(address=...))")
-    wall = time.monotonic()
-    nodes = list(options.node_ids) if options.node_ids else _alive_nodes()
     stamp = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
     run_dir = Path(options.checkpoint_dir).resolve() / f"run-{stamp}"
+    created = _missing_folders(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return await _run(options, progress, run_dir, stamp)
+    except BaseException:
+        _remove_run_folders(created)
+        raise
+
+
+async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Path,
+               stamp: str) -> DemoReport:
+    wall = time.monotonic()
+    nodes = list(options.node_ids) if options.node_ids else _alive_nodes()
     namespace = f"{options.namespace}-{stamp}"
     ref_namespace = f"{namespace}-reference"
     rollout_ids = [f"r{i:04d}" for i in range(options.rollouts)]
@@ -526,6 +558,13 @@ async def run_demo(options: DemoOptions, progress: Optional[ProgressFn] = None) 
         workers = workers_for_run()
         dp = data_plane()
         await asyncio.gather(ckpt.check_startup(), _ready(workers))
+        if progress is not None:
+            holders = len(await ckpt.holders())
+            progress(DemoProgress(
+                phase="holders", elapsed_s=0.0, turns_run=0, finished=0,
+                rollouts=options.rollouts, snapshots=0, last_pause_s=None,
+                note=f"{holders} session holders up in Ray namespace {namespace}",
+                namespace=namespace))
         crash_started = time.monotonic()
         first = _Job(label="crash run", options=options, ckpt=ckpt, data_plane=dp,
                      workers=workers, run_dir=run_dir, progress=progress)
