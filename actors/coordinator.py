@@ -166,6 +166,7 @@ class CheckpointCoordinator:
         self._reaper: asyncio.Task[None] | None = None
         self._placement_lock = asyncio.Lock()
         self._path_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # path -> lock, users
+        self._injected_delays: dict[str, float] = {}
 
     # --- holders ---------------------------------------------------------------------
 
@@ -209,6 +210,22 @@ class CheckpointCoordinator:
             return_exceptions=True)
         return {inst: (r if isinstance(r, str) else f"error: {r}")
                 for inst, r in zip(self._holders, results, strict=True)}
+
+    async def inject_delay(self, phase: str, seconds: float) -> None:
+        """Fault-injection seam for tests and drills: make ``phase`` take ``seconds``
+        longer, so a fault (a kill, a cancellation) can be aimed at it. Phases:
+        begin_snapshot (before the holders are asked), commit_snapshot (before the
+        shards are awaited), after_manifest (the manifest renamed, holders not yet
+        resumed), commit_restore (before the holders are asked). 0 removes it."""
+        known = {"begin_snapshot", "commit_snapshot", "after_manifest", "commit_restore"}
+        if phase not in known:
+            raise ValueError(f"unknown phase {phase!r}; one of {sorted(known)}")
+        self._injected_delays[phase] = seconds
+
+    async def _injected_delay(self, phase: str) -> None:
+        seconds = self._injected_delays.get(phase, 0.0)
+        if seconds > 0:
+            await asyncio.sleep(seconds)
 
     # --- operations: open, close, refuse -----------------------------------------------
 
@@ -366,6 +383,7 @@ class CheckpointCoordinator:
             directory = await self._runtime.run_blocking(prepare_environment_dir,
                                                          checkpoint_path)
             await self._claim(op)
+            await self._injected_delay("begin_snapshot")
             if op.outcome is not None:  # aborted before any holder was asked: ask none
                 raise self._refusal(snapshot_id)
             begun = await self._fan(
@@ -434,6 +452,7 @@ class CheckpointCoordinator:
         op.committing = True
         directory = environment_dir(checkpoint_path)
         try:
+            await self._injected_delay("commit_snapshot")
             persists = await self._fan(
                 op.holders, "finish_persist",
                 lambda inst, h: self._transport.call(
@@ -454,6 +473,7 @@ class CheckpointCoordinator:
                 restarted_rollouts=restarted, metrics=all_metrics)
             async with self._path_lock(checkpoint_path):
                 await self._runtime.run_blocking(write_manifest, directory, manifest)
+            await self._injected_delay("after_manifest")
         except BaseException as exc:
             self._count_failure("snapshot", exc)
             op.committing = False
@@ -600,6 +620,7 @@ class CheckpointCoordinator:
             return await self.commit_restore(restore_id)
         op.committing = True
         try:
+            await self._injected_delay("commit_restore")
             counts = await self._fan(
                 op.holders, "commit_restore",
                 lambda inst, h: self._transport.call(
