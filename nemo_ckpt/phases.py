@@ -1,19 +1,18 @@
 """What holders report to the coordinator, phase by phase: pure data, no Ray.
 
-A snapshot runs these phases, each carrying the snapshot id::
+A snapshot runs these phases, each carrying the snapshot id (the numbered order is in
+``actors/session_holder.py``)::
 
-    pause(id)  ->  PauseReport       turn gate closed, drained, lease taken
-    capture(id) -> CaptureReport     in-memory copy of the idle sessions
-    start_persist(id)                shards written in the background
-    finish_persist(id) -> PersistReport   (starts the write first if it was not started)
-    resume(id)                       gate open again
-
-(``begin(id)`` is pause and capture in one call, the pause's hot path.)
+    begin(id) -> (PauseReport, CaptureReport)   gate closed, drained, lease, capture
+    start_persist(id)                           shard written in the background
+    finish_persist(id) -> PersistReport         (starts the write if it was not started)
+    resume(id)                                  committed: gate open again
+    abort(id)                                   instead, at any point
 
 and a restore these, carrying the restore id::
 
     prepare_restore(id) -> RestorePrepared   shards read and verified, nothing live yet
-    commit_restore(id) | abort_restore(id)
+    commit_restore(id) | abort(id)
 """
 
 from __future__ import annotations
