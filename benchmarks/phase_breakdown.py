@@ -96,7 +96,10 @@ async def _cluster_part(args: argparse.Namespace) -> None:
     from actors.ray_transport import RayTransport
     from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
     from nemo_ckpt.interfaces import EnvironmentEpisode
-    from nemo_ckpt.phases import new_operation_id
+    from nemo_ckpt.operations import new_operation_id as _new_id
+
+    def new_operation_id(kind: str) -> str:
+        return _new_id(kind, time.time(), uuid.uuid4().hex, 1)
 
     C = _instrument()
     tag = uuid.uuid4().hex[:6]
@@ -203,7 +206,10 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
 
     from nemo_ckpt import RayEnvironmentCheckpoint
     from nemo_ckpt.config import HOLDER_NAME_PREFIX
-    from nemo_ckpt.phases import new_operation_id
+    from nemo_ckpt.operations import new_operation_id as _new_id
+
+    def new_operation_id(kind: str) -> str:
+        return _new_id(kind, time.time(), uuid.uuid4().hex, 1)
     from nemo_ckpt.storage import environment_dir, read_manifest
 
     manifest = read_manifest(path)
@@ -227,7 +233,7 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
                 label = "fresh holders" if k == 0 else "same holders"
                 _record(f"direct: holders' prepare_restore, {label}, "
                         f"{'warm' if warm else 'evicted'}", time.perf_counter() - t0)
-                await asyncio.gather(*(h.abort_restore.remote(rid) for h in handles.values()))
+                await asyncio.gather(*(h.abort.remote(rid) for h in handles.values()))
         finally:
             ckpt.shutdown()
         with concurrent.futures.ProcessPoolExecutor(len(shards)) as pool:
