@@ -366,7 +366,7 @@ class Schedule:
         loop = self.world.loop
         try:
             loop.run_until_complete(self._main())
-        except Exception as exc:  # a crash of the harness or the code under test
+        except BaseException as exc:  # a crash of the harness or the code under test
             self.violate(f"the schedule crashed: {type(exc).__name__}: {exc}")
         finally:
             for task in asyncio.all_tasks(loop):
@@ -602,10 +602,11 @@ class Schedule:
     # --- workers ------------------------------------------------------------------------------
 
     async def _start_workers(self, fresh: bool, restored: Any = None) -> None:
-        driver = self.driver
-        assert driver is not None
         infos = None
         for _ in range(5):  # the coordinator may be dying: RL retries, as is_unavailable says
+            driver = await self._current_driver()  # or its successor, if it was killed
+            if driver is None:
+                return
             with contextlib.suppress(BackendUnavailableError):
                 infos = await driver.ckpt.holders()
                 break
