@@ -12,9 +12,11 @@ captured sessions reference.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from operator import itemgetter
+from typing import Any, Protocol, runtime_checkable
 
 from nemo_ckpt.errors import SnapshotMismatchError
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -24,6 +26,8 @@ __all__ = [
     "Difference",
     "CutCheckResult",
     "check_capture_against_cut",
+    "check_rows_against_cut",
+    "CapturedRow",
 ]
 
 
@@ -93,6 +97,11 @@ class CutCheckResult:
     orphan_staging_keys: frozenset[str]
 
 
+# One captured session as a holder reports it: (rollout_id, attempt, staging keys, ...);
+# fields after the keys (the turn count) are ignored here.
+CapturedRow = Sequence[Any]
+
+
 def check_capture_against_cut(
     cut: DataPlaneMutationCut,
     captured: Mapping[str, Mapping[EnvironmentEpisode, frozenset[str]]],
@@ -113,76 +122,93 @@ def check_capture_against_cut(
         SnapshotMismatchError: listing every difference (see ``Difference.kind``).
         Whatever ``cut.require_live()`` raises for a stale cut.
     """
+    rows = {inst: [(ep.rollout_id, ep.attempt, keys) for ep, keys in sessions.items()]
+            for inst, sessions in captured.items()}
+    mid_turn = {inst: [(ep.rollout_id, ep.attempt) for ep in eps]
+                for inst, eps in (restarting or {}).items()}
+    return check_rows_against_cut(cut, rows, mid_turn)
+
+
+def check_rows_against_cut(
+    cut: DataPlaneMutationCut,
+    captured: Mapping[str, Iterable[CapturedRow]],
+    restarting: Mapping[str, Iterable[tuple[str, int]]] | None = None,
+) -> CutCheckResult:
+    """``check_capture_against_cut`` on the rows holders report, at set speed.
+
+    The check runs on whole sets, in C: the captured (instance, rollout, attempt) set
+    against the expected one, the union of referenced keys against the cut's, the
+    rollout ids for duplicates. Only when a difference exists does it go session by
+    session to name each one. This runs while the backend is paused and RL's data plane
+    is frozen, so its cost is the pause's (benchmarks/README.md, "the cut check").
+    """
     cut.require_live()
     restarting = restarting or {}
-    expected = {inst: frozenset(eps) for inst, eps in cut.expected_episodes().items()}
-    cut_rows = frozenset(cut.staging_keys())
-
-    # rollout id -> the (instance, attempt) pairs RL expects it at.
-    expected_at: dict[str, set[tuple[str, int]]] = {}
-    for inst, episodes in expected.items():
-        for ep in episodes:
-            expected_at.setdefault(ep.rollout_id, set()).add((inst, ep.attempt))
-
-    restarting_pairs = _pairs(restarting)
-    captured_pairs = _pairs({i: frozenset(s) for i, s in captured.items()})
-    differences: list[Difference] = []
+    expected_eps = cut.expected_episodes()
+    expected = {(inst, ep.rollout_id, ep.attempt)
+                for inst, eps in expected_eps.items() for ep in eps}
+    cut_rows = cut.staging_keys()
+    if not isinstance(cut_rows, (set, frozenset)):
+        cut_rows = frozenset(cut_rows)
+    held: set[tuple[str, str, int]] = set()
     referenced: set[str] = set()
-    for inst, sessions in captured.items():
-        inst_expected = expected.get(inst, frozenset())
-        for ep, keys in sessions.items():
-            referenced.update(keys)
-            if ep not in inst_expected:
-                differences.append(_unexpected(inst, ep, expected_at.get(ep.rollout_id, set())))
-            for key in sorted(keys - cut_rows):
-                differences.append(
-                    Difference(
-                        "missing_staging_key",
-                        inst,
-                        ep.rollout_id,
-                        ep.attempt,
-                        f"references staging row {key!r}, which the cut does not hold",
-                    )
-                )
+    count = 0
+    for inst, rows in captured.items():
+        rows = list(rows)
+        count += len(rows)
+        held.update(zip(itertools.repeat(inst), map(itemgetter(0), rows),
+                        map(itemgetter(1), rows)))
+        referenced.update(itertools.chain.from_iterable(map(itemgetter(2), rows)))
+    mid_turn = {(inst, rid, att) for inst, pairs in restarting.items() for rid, att in pairs}
+    everything = held | mid_turn
+    if len(held) != count or held - expected or not referenced <= cut_rows \
+            or len({rid for _, rid, _ in everything}) != len(everything):
+        _raise_differences(cut_rows, expected, captured, mid_turn)
+    return CutCheckResult(
+        not_held=frozenset((inst, EnvironmentEpisode(rid, att))
+                           for inst, rid, att in expected - everything),
+        restarting=frozenset((inst, EnvironmentEpisode(rid, att))
+                             for inst, rid, att in mid_turn),
+        orphan_staging_keys=frozenset(cut_rows - referenced),
+    )
 
-    # rollout id -> {instance: attempt} over everything the backend holds.
-    held: dict[str, dict[str, int]] = {}
-    for inst, ep in captured_pairs | restarting_pairs:
-        held.setdefault(ep.rollout_id, {})[inst] = ep.attempt
+
+def _raise_differences(cut_rows: Set[str], expected: set[tuple[str, str, int]],
+                       captured: Mapping[str, Iterable[CapturedRow]],
+                       mid_turn: set[tuple[str, str, int]]) -> None:
+    """Name every difference, session by session; only runs when there is one."""
+    expected_at: dict[str, set[tuple[str, int]]] = {}
+    for inst, rid, att in expected:
+        expected_at.setdefault(rid, set()).add((inst, att))
+    differences: list[Difference] = []
+    held: dict[str, dict[str, int]] = {}  # rollout id -> {instance: attempt}
+    for inst, rows in captured.items():
+        for row in rows:
+            rid, att, keys = row[0], row[1], row[2]
+            ep = EnvironmentEpisode(rid, att)
+            if (inst, rid, att) not in expected:
+                differences.append(_unexpected(inst, ep, expected_at.get(rid, set())))
+            for key in sorted(set(keys) - cut_rows):
+                differences.append(Difference(
+                    "missing_staging_key", inst, rid, att,
+                    f"references staging row {key!r}, which the cut does not hold"))
+            places = held.setdefault(rid, {})
+            if inst in places:
+                differences.append(Difference(
+                    "duplicate_rollout", inst, rid, att,
+                    f"the same rollout is captured twice on {inst}"))
+            places[inst] = att
+    for inst, rid, att in mid_turn:
+        held.setdefault(rid, {})[inst] = att
     for rollout_id, where in held.items():
         if len(where) > 1:
             for inst, attempt in where.items():
                 others = sorted(set(where) - {inst})
-                differences.append(
-                    Difference(
-                        "duplicate_rollout",
-                        inst,
-                        rollout_id,
-                        attempt,
-                        f"the same rollout is also held on {others}",
-                    )
-                )
-
+                differences.append(Difference(
+                    "duplicate_rollout", inst, rollout_id, attempt,
+                    f"the same rollout is also held on {others}"))
     if differences:
-        raise SnapshotMismatchError(tuple(sorted(differences)))
-
-    not_held = frozenset(
-        (inst, ep)
-        for inst, episodes in expected.items()
-        for ep in episodes
-        if (inst, ep) not in captured_pairs and (inst, ep) not in restarting_pairs
-    )
-    return CutCheckResult(
-        not_held=not_held,
-        restarting=frozenset(restarting_pairs),
-        orphan_staging_keys=cut_rows - referenced,
-    )
-
-
-def _pairs(
-    by_instance: Mapping[str, frozenset[EnvironmentEpisode]],
-) -> set[tuple[str, EnvironmentEpisode]]:
-    return {(inst, ep) for inst, eps in by_instance.items() for ep in eps}
+        raise SnapshotMismatchError(tuple(sorted(set(differences))))
 
 
 def _unexpected(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
@@ -108,6 +109,13 @@ class CaptureReport:
     restarting: tuple[tuple[str, int], ...]
     capture_seconds: float
     state_bytes: int
+
+    def rows(self) -> list[list[Any]]:
+        """The captured sessions as msgpack decodes them, ``[rollout_id, attempt,
+        staging_keys, turns]`` each: no Python object per session beyond the decoder's."""
+        rows: list[list[Any]] = msgpack.unpackb(self.captured_msgpack, raw=False,
+                                                use_list=True)
+        return rows
 
     def captured(self) -> list[CapturedSession]:
         """The captured sessions, decoded."""

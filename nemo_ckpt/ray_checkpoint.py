@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from nemo_ckpt.config import CheckpointConfig
-from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_capture_against_cut
+from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_rows_against_cut
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     NemoCkptError,
@@ -82,7 +82,9 @@ class RaySnapshot:
         ``metrics()["not_held_rollouts"]`` and logged as a warning: they restart.
         """
         try:
-            result = check_capture_against_cut(cut, self.captured(), self.restarting())
+            result = check_rows_against_cut(
+                cut, {c.instance_id: c.rows() for c in self._begun.captures},
+                {c.instance_id: c.restarting for c in self._begun.captures})
         except BaseException as exc:
             self.refused = exc
             raise
