@@ -405,6 +405,36 @@ class SessionHolder:
         self._put(record)
         return record
 
+    async def open_sessions(
+        self, sessions: list[tuple[EnvironmentEpisode, bytes]]
+    ) -> int:
+        """Open many sessions in one call (a worker starting a batch of rollouts, or a
+        group of samples per prompt): each as ``open_session`` would, all or none.
+        Returns how many were opened. Waits while paused."""
+        for episode, state in sessions:
+            self._check_episode(episode)
+            self._check_size("initial state", episode, state)
+        await self._wait_for_gate()
+        keys: set[str] = set()
+        rollouts: set[str] = set()
+        for episode, _ in sessions:
+            self._refuse_retired(episode)
+            key = episode.capture_key
+            if key in self._sessions or key in keys:
+                raise SessionExistsError(
+                    f"{self.instance_id}: a session with capture key {key} is already open "
+                    f"(or listed twice in this call); nothing was opened")
+            if episode.rollout_id in self._live_rollouts or episode.rollout_id in rollouts:
+                raise SessionExistsError(
+                    f"{self.instance_id}: rollout {episode.rollout_id!r} already has a live "
+                    f"session (or is listed twice in this call); nothing was opened")
+            keys.add(key)
+            rollouts.add(episode.rollout_id)
+        for episode, state in sessions:
+            self._put(SessionRecord(self.instance_id, episode, (), bytes(state)))
+        self._heap.note(sum(len(state) for _, state in sessions))
+        return len(sessions)
+
     async def get_session(self, capture_key: str) -> SessionRecord:
         """The live session with ``capture_key``."""
         return self._session_by_key(capture_key)

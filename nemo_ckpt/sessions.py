@@ -223,6 +223,11 @@ class SessionClient:
         """Open a session for ``episode`` with its initial state."""
         return await self._call("open_session", episode, state)
 
+    async def open_many(self, sessions: Iterable[tuple[EnvironmentEpisode, bytes]]) -> int:
+        """Open many sessions in one call: ``(episode, initial state)`` each, all or none
+        (a batch of rollouts, a group of samples per prompt). Returns how many."""
+        return int(await self._call("open_sessions", list(sessions)))
+
     async def get(self, episode: EnvironmentEpisode) -> SessionRecord:
         """The live session of ``episode``."""
         return await self._call("get_session", episode.capture_key)

@@ -527,3 +527,17 @@ async def test_a_retried_restore_adopts_a_holder_whose_abort_has_not_arrived(
     await dst.abort("restore-1")  # the late abort changes nothing now
     assert await dst.commit_restore("restore-2") == 1
     assert [s.episode for s in await dst.sessions()] == [Ep("r", 1)]
+
+
+async def test_many_sessions_open_in_one_call_all_or_none() -> None:
+    h = holder()
+    await h.open_session(Ep("taken", 0))
+    batch = [(Ep(f"r{k}", 0), b"s") for k in range(3)]
+    with pytest.raises(SessionExistsError, match="'taken' already has a live session"):
+        await h.open_sessions([*batch, (Ep("taken", 1), b"")])
+    assert [s.episode for s in await h.sessions()] == [Ep("taken", 0)]  # none opened
+    with pytest.raises(SessionExistsError, match="listed twice"):
+        await h.open_sessions([batch[0], batch[0]])
+    assert await h.open_sessions(batch) == 3
+    assert len(await h.sessions()) == 4
+    await run_turn(h, Ep("r1", 0), b"t", b"s1")
