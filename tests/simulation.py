@@ -250,6 +250,7 @@ class Schedule:
         self.end_delivered: dict[tuple[int, str], float] = {}
         # (holder, operation) -> its abort or resume messages on their way (a slow link)
         self.end_in_flight: dict[tuple[int, str], int] = defaultdict(int)
+        self.turn_aborts_in_flight: dict[str, int] = defaultdict(int)  # by turn token
         self._install_io_faults()
         self.world.on_send = self._on_send
         self.world.on_deliver = self._on_deliver
@@ -267,6 +268,8 @@ class Schedule:
         return False
 
     def _on_deliver(self, target: SimActor, method: str, args: tuple[Any, ...]) -> None:
+        if method == "abort_turn" and len(args) > 1:
+            self.turn_aborts_in_flight[args[1]] -= 1
         if target.kind == HOLDER and args and isinstance(args[0], str):
             if method in ("begin", "pause", "prepare_restore"):
                 self.begin_delivered.setdefault((target.serial, args[0]), self.now())
@@ -287,6 +290,8 @@ class Schedule:
         """Learn each operation's id from the first message its driver sends."""
         if callee.kind == HOLDER and method in _END_METHODS and args:
             self.end_in_flight[(callee.serial, args[0])] += 1
+        if method == "abort_turn" and len(args) > 1:
+            self.turn_aborts_in_flight[args[1]] += 1
         driver = self.drivers.get(caller)
         if driver is None:
             return
@@ -903,8 +908,10 @@ class Schedule:
         is in flight for a worker that is still alive."""
         for actor in self.world.live(HOLDER):
             holder = actor.obj
-            for key in sorted(getattr(holder, "_turns", {})):
+            for key, turn in sorted(getattr(holder, "_turns", {}).items()):
                 worker = self.rollout_worker.get(key)
+                if self.turn_aborts_in_flight[turn.token]:
+                    continue  # its abort is on a slow link
                 if worker is not None and worker.alive:
                     self.violate(f"{holder.instance_id} holds a turn of {key} in flight "
                                  f"although its worker went away alive")
