@@ -19,9 +19,10 @@ The call order of a snapshot (driven by ``RayEnvironmentCheckpoint.snapshot``):
     3) (driver) start_writes(id)            at the yield: every holder starts writing;
                                             the manifest's rollouts are encoded meanwhile
     4) (driver) commit_snapshot(id, path, metrics, restarted)
-                                            every shard durable, manifest.json written
-                                            last (the commit point), holders resumed,
-                                            the files it replaced removed
+                                            holders released (gates open) at once; every
+                                            shard durable, manifest.json written last (the
+                                            commit point), the snapshot ended on every
+                                            holder, the files it replaced removed
     or abort(id, path) instead of 3-4, on any failure or cancellation; it answers
     with the operation's outcome, which is "committed" if the commit won.
 
@@ -143,6 +144,7 @@ class _Operation:
     captures: tuple[CaptureReport, ...] | None = None
     encoding: asyncio.Future[EncodedRollouts] | None = None
     committing: bool = False
+    released: float | None = None  # when the holders were told to reopen their gates
     outcome: Outcome | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -450,6 +452,12 @@ class CheckpointCoordinator:
         if op.captures is None:
             raise StaleSnapshotError(f"commit of {snapshot_id} before its begin finished")
         op.committing = True
+        # The backend resumes as the exit begins: the capture is an immutable copy, so
+        # turns may run while the shards are written; the commit still waits for every
+        # shard and the manifest, and a failure still aborts the snapshot.
+        for handle in op.holders.values():
+            self._transport.send(handle, "release", snapshot_id)
+        op.released = self._clock.monotonic()
         directory = environment_dir(checkpoint_path)
         try:
             await self._injected_delay("commit_snapshot")
@@ -726,11 +734,11 @@ class CheckpointCoordinator:
 
     def _record_commit(self, op: _Operation, figures: dict[str, float], captured: int,
                        restarted: int) -> None:
-        elapsed = self._clock.monotonic() - op.started
-        self._metrics.observe("snapshot_duration", elapsed)
-        # Holders pause at the start of begin_snapshot and resume at the end of the
-        # commit, so the coordinator's span bounds their paused time.
-        self._metrics.observe("paused", elapsed)
+        now = self._clock.monotonic()
+        self._metrics.observe("snapshot_duration", now - op.started)
+        # Holders pause at the start of begin_snapshot and are released as the commit
+        # begins, so that span bounds their paused time.
+        self._metrics.observe("paused", (op.released or now) - op.started)
         self._metrics.inc("bytes_written", figures.get("bytes_written", 0.0))
         self._metrics.inc("captured", float(captured))
         self._metrics.inc("restarted", float(restarted))

@@ -12,9 +12,12 @@ A snapshot, as the coordinator drives it; every call carries the snapshot's id:
     2) start_persist(id)                write the shard in the background (a
                                         finish_persist that comes first starts it)
     3) renew_lease(id, lease)           while the driver's block runs
-    4) finish_persist(id)               the shard is durable; its manifest entry
-    5) resume(id)                       the manifest is written: open the gate
-    or abort(id), at any point, instead of 2-5.
+    4) release(id)                      the driver's block exited: open the gate while
+                                        the shard is still being written (the capture is
+                                        an immutable copy); the snapshot stays open here
+    5) finish_persist(id)               the shard is durable; its manifest entry
+    6) resume(id)                       the manifest is written: the snapshot ends here
+    or abort(id), at any point, instead of 2-6.
 
 A restore, carrying the restore's id:
 
@@ -157,6 +160,14 @@ class Restoring:
 _State = Running | Paused | Restoring
 
 
+@dataclass(eq=False)
+class _Released:
+    """A snapshot whose gate opened again while its shard is written (step 4)."""
+
+    op: _SnapshotOp
+    lease_deadline: float
+
+
 @dataclass
 class _Turn:
     token: str
@@ -205,6 +216,9 @@ class SessionHolder:
         # The last committed restore and the capture keys it made live, while it may
         # still be undone by its abort: until a turn runs, or another restore starts.
         self._undo: tuple[str, tuple[str, ...]] | None = None
+        # Snapshots released (gate open again) whose shard is still being written or
+        # awaits its commit: each under its lease, ended by resume, abort or lapse.
+        self._released: dict[str, _Released] = {}
         self._last_snapshot_id: str | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._injected_delays: dict[str, float] = {}
@@ -303,7 +317,26 @@ class SessionHolder:
         state = self._state
         if isinstance(state, Paused) and state.op.id == op_id:
             return state.op
+        released = self._released.get(op_id)
+        if released is not None:
+            return released.op
         raise self._refusal(op_id)
+
+    def _end_snapshot(self, op_id: str, outcome: Outcome) -> bool:
+        """End snapshot ``op_id`` here, paused or released; whether it was open."""
+        state = self._state
+        if isinstance(state, Paused) and state.op.id == op_id:
+            self._end_operation(outcome)
+            return True
+        released = self._released.pop(op_id, None)
+        if released is None:
+            return False
+        self._history.record(op_id, outcome)
+        if outcome is Outcome.COMMITTED:
+            self._last_snapshot_id = op_id
+        else:
+            log.info("%s: %s %s", self.instance_id, op_id, outcome.value)
+        return True
 
     def _current_restore(self, op_id: str) -> _RestoreOp:
         state = self._state
@@ -342,6 +375,7 @@ class SessionHolder:
         return {"history": len(self._history), "drivers": self._history.drivers,
                 "aborted_tokens": len(self._aborted_tokens),
                 "retire_marks": len(self._retired),
+                "released": len(self._released),
                 "undo": 0 if self._undo is None else len(self._undo[1])}
 
     async def sessions(self) -> list[SessionRecord]:
@@ -600,13 +634,26 @@ class SessionHolder:
         return pause, capture
 
     async def renew_lease(self, operation_id: str, lease_s: float) -> float:
-        """Extend the lease of the snapshot or restore in progress; returns seconds left.
-        Refused, without changing anything, for any other operation."""
+        """Extend the lease of the snapshot or restore in progress (paused, restoring or
+        released); returns seconds left. Refused, without changing anything, for any
+        other operation."""
         state = self._state
-        if isinstance(state, Running) or state.op.id != operation_id:
+        holder: Paused | Restoring | _Released | None = self._released.get(operation_id)
+        if holder is None and not isinstance(state, Running) and state.op.id == operation_id:
+            holder = state
+        if holder is None:
             raise self._refusal(operation_id)
-        state.lease_deadline = self._clock.monotonic() + lease_s
+        holder.lease_deadline = self._clock.monotonic() + lease_s
         return lease_s
+
+    async def release(self, snapshot_id: str) -> None:
+        """The driver's block exited: open the turn gate now, while the shard is still
+        being written; the snapshot stays open here (under its lease) until its commit
+        or abort. Repeating it, or for a snapshot not paused here, changes nothing."""
+        state = self._state
+        if isinstance(state, Paused) and state.op.id == snapshot_id:
+            self._released[snapshot_id] = _Released(state.op, state.lease_deadline)
+            self._set_state(Running())
 
     async def capture(self, snapshot_id: str) -> CaptureReport:
         """Copy the idle sessions in memory; sessions mid-turn are reported restarting."""
@@ -645,6 +692,9 @@ class SessionHolder:
         if op.persist is None:
             op.persist = asyncio.ensure_future(
                 self._persist(op, op.directory, op.capture))
+            # Its error reaches finish_persist; one of a snapshot that ended meanwhile
+            # (aborted, lapsed) has no reader, and is not an error to report.
+            op.persist.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def finish_persist(self, snapshot_id: str) -> PersistReport:
         """Wait for the shard to be durable, starting the write if ``start_persist`` has
@@ -662,9 +712,7 @@ class SessionHolder:
     async def resume(self, snapshot_id: str) -> None:
         """The snapshot committed: open the turn gate. Repeating it, or after the
         snapshot ended here otherwise (its lease lapsed), is a no-op."""
-        state = self._state
-        if isinstance(state, Paused) and state.op.id == snapshot_id:
-            self._end_operation(Outcome.COMMITTED)
+        if self._end_snapshot(snapshot_id, Outcome.COMMITTED):
             self._heap.request()
 
     async def abort(self, operation_id: str) -> None:
@@ -680,6 +728,8 @@ class SessionHolder:
         op = self._operation()
         if op is not None and op.id == operation_id:
             self._end_operation(Outcome.ABORTED)
+            return
+        if self._end_snapshot(operation_id, Outcome.ABORTED):
             return
         if self._undo is not None and self._undo[0] == operation_id:
             self._undo_restore()
@@ -862,7 +912,7 @@ class SessionHolder:
             name = shard_file_name(op.id, self.instance_id)
             entry = await self._runtime.run_blocking(
                 write_shard, directory, name, self.instance_id, records)
-            if self._operation() is not op \
+            if self._operation() is not op and op.id not in self._released \
                     and self._history.outcome(op.id) is not Outcome.COMMITTED:
                 # Aborted or lapsed while the thread wrote: the file must not outlive it.
                 await self._runtime.run_blocking(remove_files, directory, [name])
@@ -889,6 +939,11 @@ class SessionHolder:
                 # A shard already written stays: a coordinator may hold its report and
                 # commit it. One written later removes itself (``_persist``).
                 self._end_operation(Outcome.LAPSED)
+            for op_id, released in list(self._released.items()):
+                if now > released.lease_deadline:
+                    log.warning("%s: lease of %s lapsed while its shard was written",
+                                self.instance_id, op_id)
+                    self._end_snapshot(op_id, Outcome.LAPSED)
             if self._turn_timeout_s is not None:
                 stale = [k for k, t in self._turns.items()
                          if now - t.started > self._turn_timeout_s]

@@ -929,7 +929,7 @@ class Schedule:
         for actor in self.world.live(HOLDER):
             bounds = actor.obj.bounds()
             if bounds["history"] > 64 or bounds["drivers"] > 64 \
-                    or bounds["aborted_tokens"] > 4096:
+                    or bounds["aborted_tokens"] > 4096 or bounds["released"]:
                 self.violate(f"{actor.name} remembers more than its bounds: {bounds}")
         for actor in self.world.live(COORDINATOR):
             coordinator = actor.obj

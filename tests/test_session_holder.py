@@ -541,3 +541,42 @@ async def test_many_sessions_open_in_one_call_all_or_none() -> None:
     assert await h.open_sessions(batch) == 3
     assert len(await h.sessions()) == 4
     await run_turn(h, Ep("r1", 0), b"t", b"s1")
+
+
+async def test_a_released_snapshot_lets_turns_run_while_its_shard_is_written(
+    tmp_path: Path,
+) -> None:
+    # The backend resumes as the context exits; the capture is an immutable copy.
+    h = holder()
+    ep = Ep("r", 0)
+    await h.open_session(ep, b"s0")
+    directory = prepare_environment_dir(tmp_path)
+    await h.inject_delay("persist", 0.3)
+    await h.begin("snap-1", 1, 10, str(directory))
+    await h.start_persist("snap-1")
+    await h.release("snap-1")
+    assert (await h.info()).state is HolderState.RUNNING
+    await asyncio.wait_for(run_turn(h, ep, b"t0", b"s1"), 0.2)  # not after the write
+    report = await h.finish_persist("snap-1")
+    assert [r.turns for r in read_shard(directory, report.shards[0])] == [()]
+    await h.renew_lease("snap-1", 10)
+    await h.resume("snap-1")
+    assert h.bounds()["released"] == 0 and (await h.info()).last_snapshot_id == "snap-1"
+
+
+async def test_a_released_snapshot_aborted_or_lapsed_leaves_no_shard(tmp_path: Path) -> None:
+    h = holder(watch_period_s=0.02)
+    await h.open_session(Ep("r", 0), b"s0")
+    directory = prepare_environment_dir(tmp_path)
+    await h.inject_delay("persist", 0.2)
+    for op, end in (("snap-1", "abort"), ("snap-2", "lapse")):
+        await h.begin(op, 1, lease_s=0.1 if end == "lapse" else 10,
+                      directory=str(directory))
+        await h.start_persist(op)
+        await h.release(op)
+        if end == "abort":
+            await h.abort(op)
+        await asyncio.sleep(0.4)
+        assert list(directory.iterdir()) == [] and h.bounds()["released"] == 0
+    with pytest.raises(LeaseExpiredError):
+        await h.finish_persist("snap-2")
