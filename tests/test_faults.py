@@ -412,7 +412,7 @@ async def test_a_driver_cancelled_while_its_commit_runs_keeps_the_new_snapshot_c
     path = tmp_path / "ckpt"
     await commit_baseline(ckpt, path)
     older = read_manifest(path).snapshot_id
-    await coordinator(ckpt).inject_delay.remote("after_manifest", 2.0)
+    await coordinator(ckpt).inject_delay.remote("after_manifest", 3.0)
     task = await snapshot_in_background(ckpt, path)
     new = await manifest_names_the_open_snapshot(ckpt, path)
     assert not task.done()
@@ -432,9 +432,9 @@ async def test_a_coordinator_killed_after_the_manifest_rename_commits_and_resume
     cluster: Any, namespace: str, tmp_path: Path
 ) -> None:
     """Case 1 (b). Pre-fix, the abort sent to the fresh coordinator removed the new shards
-    (a torn snapshot) and ``snapshot()`` raised. A lease of 10 s tells the abort's resume
-    from the lease's."""
-    config = CheckpointConfig(namespace=namespace, drain_timeout_s=1.0, lease_s=10.0,
+    (a torn snapshot) and ``snapshot()`` raised. A long lease tells the abort's resume
+    from the lease's, with room for the fresh coordinator's start on a loaded machine."""
+    config = CheckpointConfig(namespace=namespace, drain_timeout_s=1.0, lease_s=30.0,
                               phase_timeout_s=10.0, persist_timeout_s=30.0)
     async with job(config) as ckpt:
         live = await populate(ckpt)
