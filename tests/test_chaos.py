@@ -1,13 +1,18 @@
 """A bounded chaos run: the toy workload under a seeded schedule of faults.
 
 Rollouts of the deterministic toy environment run on every holder, while a seeded
-schedule kills holders, kills the coordinator mid-snapshot, removes and adds nodes, and
-interrupts snapshots. After each fault a snapshot is taken in DESIGN.md's order; the
-live sessions at its cut are recorded. Afterwards:
+schedule kills holders, kills the coordinator mid-snapshot, removes and adds nodes,
+interrupts snapshots, and strikes around a snapshot's commit: it cancels the driver's
+task as the commit starts or while it runs, and kills the coordinator while the commit
+waits before its shards or right after the manifest's rename. After each fault a
+snapshot is taken in DESIGN.md's order; the live sessions at its cut are recorded.
+Afterwards:
 
 - every committed snapshot passes every check a restore makes, and its sessions equal
   the live sessions at its cut (sessions mid-turn at the drain deadline excepted: they
   are reported as restarting); a sample is restored for real into a fresh namespace;
+- every snapshot struck around its commit is committed (the manifest names it, and its
+  folder holds just what the manifest names) or left nothing behind;
 - every rollout's final trajectory equals the crash-free reference, turn by turn.
 """
 
@@ -17,6 +22,7 @@ import asyncio
 import json
 import random
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +38,7 @@ from nemo_ckpt import (
 )
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.storage import read_manifest, read_snapshot
+from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot
 from nemo_ckpt.testing.data_plane import DataPlaneBarrier, ReferenceDataPlane
 from nemo_ckpt.testing.toy_env import (
     ToyState,
@@ -53,8 +59,25 @@ NODE_FAULTS = 4  # node removals and additions are slow (seconds each): a few of
 pytestmark = pytest.mark.timeout(420)
 
 
+# Faults around the commit: where a cancellation or a coordinator kill strikes.
+CANCEL_POINTS = ("as_it_starts", "commit_snapshot", "after_manifest")
+KILL_POINTS = ("commit_snapshot", "after_manifest")
+CANCEL_DELAY_S = 1.0  # the commit's injected delay a cancellation strikes inside
+
+
 class Interrupted(Exception):
     """The caller's own failure inside a snapshot block."""
+
+
+@dataclass(eq=False)
+class Taken:
+    """One snapshot as its block saw it, kept to verify it once it committed."""
+
+    path: Path
+    snapshot_id: str | None = None
+    live: dict[str, list[SessionRecord]] = field(default_factory=dict)
+    restarting: set[str] = field(default_factory=set)
+    block_done: asyncio.Event = field(default_factory=asyncio.Event)  # the commit starts
 
 
 class Chaos:
@@ -71,7 +94,10 @@ class Chaos:
         self.lock = asyncio.Lock()  # snapshots vs. finish + retire (DESIGN.md)
         self.instances: list[str] = []
         self.restarted: set[str] = set()
-        self.committed: list[tuple[Path, dict[str, list[SessionRecord]], set[str]]] = []
+        self.committed: list[Taken] = []
+        # Snapshots struck around their commit, and whether each committed.
+        self.around_commit: list[tuple[Taken, bool]] = []
+        self.points: dict[str, int] = {}  # "kind@point" -> count
         self.injected: dict[str, int] = {}
         self.survived: dict[str, int] = {}
         self.added_nodes: list[Any] = []
@@ -139,17 +165,23 @@ class Chaos:
     def _path(self) -> Path:
         return self.root / f"snap-{len(list(self.root.iterdir())):04d}-{uuid.uuid4().hex[:4]}"
 
-    async def snapshot(self, fault: str | None = None) -> None:
-        """One snapshot in DESIGN.md's order; ``fault`` strikes inside its block."""
-        path = self._path()
+    async def snapshot(self, fault: str | None = None, taken: Taken | None = None) -> None:
+        """One snapshot in DESIGN.md's order; ``fault`` strikes inside its block. What the
+        block saw goes into ``taken``, which is recorded as committed on a clean exit."""
+        taken = taken or Taken(self._path())
+        path = taken.path
         async with self.lock:
             async with self.ckpt.snapshot(path) as snap:
+                taken.snapshot_id = self.ckpt.open_operation
                 async with self.barrier.checkpoint() as cut:
                     if snap is not None:
                         await snap.check_against_cut(cut)
+                        taken.restarting = {ep.capture_key for eps in snap.restarting().values()
+                                            for ep in eps}
                     # The live sessions at the cut, on the holders this snapshot paused.
                     taking_part = list(snap.captured()) if snap is not None else []
-                    live = {i: await self._holder(i).sessions.remote() for i in taking_part}
+                    taken.live = {i: await self._holder(i).sessions.remote()
+                                  for i in taking_part}
                     if fault == "interrupt":
                         raise Interrupted("the caller's save failed")
                     if fault == "kill_coordinator":
@@ -158,10 +190,8 @@ class Chaos:
                     if fault == "kill_holder_in_snapshot":
                         ray.kill(self._holder(self.rng.choice(self.instances)))
                     await self.barrier.save(cut, path)
-        restarting = set()
-        if snap is not None:
-            restarting = {ep.capture_key for eps in snap.restarting().values() for ep in eps}
-        self.committed.append((path, live, restarting))
+                taken.block_done.set()  # the block is over: the exit starts the commit
+        self.committed.append(taken)
 
     async def healthy_snapshot(self) -> None:
         """A committed snapshot after a fault; retried while the backend is unavailable."""
@@ -184,6 +214,102 @@ class Chaos:
         return ray.get_actor(HOLDER_NAME_PREFIX + instance,
                              namespace=self.ckpt.config.namespace)
 
+    def _coordinator(self) -> Any:
+        return ray.get_actor(self.ckpt.config.coordinator_name,
+                             namespace=self.ckpt.config.namespace)
+
+    # --- faults around the commit -------------------------------------------------------
+
+    async def cancel_around_commit(self) -> None:
+        """Cancel the driver's task as the commit starts, while the commit waits before
+        its shards, or right after the manifest's rename. A commit under way runs to its
+        end and the cancellation is raised after it; one that had not started when the
+        cancellation came leaves nothing."""
+        point = self._next_point("cancel", CANCEL_POINTS)
+        coordinator = self._coordinator()
+        if point != "as_it_starts":
+            await coordinator.inject_delay.remote(point, CANCEL_DELAY_S)
+        taken = Taken(self._path())
+        try:
+            task = asyncio.ensure_future(self.snapshot(taken=taken))
+            await self._until_commit_starts(taken, task)
+            if point == "commit_snapshot":
+                await asyncio.sleep(self.rng.uniform(0.05, CANCEL_DELAY_S - 0.1))
+            elif point == "after_manifest":
+                await self._until_manifest(taken, task)
+            assert not task.done(), f"the cancellation at {point} came after the commit"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 60)
+        finally:
+            if point != "as_it_starts":
+                await coordinator.inject_delay.remote(point, 0.0)
+        self.settle(taken, returned=False)
+        if point != "as_it_starts":  # the coordinator was inside the commit: it won
+            assert self.around_commit[-1][1], f"{taken.path.name} did not commit"
+
+    async def kill_coordinator_around_commit(self) -> None:
+        """Kill the coordinator while the commit waits before its shards (the snapshot
+        fails, retriable, and leaves nothing), or right after the manifest's rename (the
+        fresh coordinator answers the driver's abort with "committed": no error)."""
+        point = self._next_point("kill", KILL_POINTS)
+        doomed = self._coordinator()
+        await doomed.inject_delay.remote(point, 30.0)
+        taken = Taken(self._path())
+        task = asyncio.ensure_future(self.snapshot(taken=taken))
+        await self._until_commit_starts(taken, task)
+        if point == "after_manifest":
+            await self._until_manifest(taken, task)
+        else:
+            await asyncio.sleep(self.rng.uniform(0.05, 0.3))  # the commit waits in its delay
+        ray.kill(doomed, no_restart=True)
+        if point == "after_manifest":
+            await asyncio.wait_for(task, 60)
+            self.settle(taken, returned=True)
+            assert self.around_commit[-1][1], f"{taken.path.name} did not commit"
+        else:
+            with pytest.raises(Exception) as err:
+                await asyncio.wait_for(task, 60)
+            assert self.ckpt.is_unavailable(err.value), err.value
+            self.settle(taken, returned=False)
+            assert not self.around_commit[-1][1], f"{taken.path.name} committed"
+
+    def _next_point(self, what: str, points: tuple[str, ...]) -> str:
+        """The points in turn, so that each is struck whatever the seed picks how often."""
+        done = sum(n for key, n in self.points.items() if key.startswith(f"{what}@"))
+        point = points[done % len(points)]
+        self.points[f"{what}@{point}"] = self.points.get(f"{what}@{point}", 0) + 1
+        return point
+
+    async def _until_commit_starts(self, taken: Taken, task: asyncio.Future[None]) -> None:
+        done = asyncio.ensure_future(taken.block_done.wait())
+        await asyncio.wait({task, done}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            done.cancel()
+            raise AssertionError(f"the snapshot ended before its commit started: {task}")
+
+    async def _until_manifest(self, taken: Taken, task: asyncio.Future[None]) -> None:
+        manifest = environment_dir(taken.path) / "manifest.json"
+        for _ in range(600):
+            if manifest.exists() or task.done():
+                break
+            await asyncio.sleep(0.01)
+        assert manifest.exists(), f"no manifest at {taken.path.name}: {task}"
+
+    def settle(self, taken: Taken, returned: bool) -> None:
+        """Record the outcome of a snapshot struck around its commit: committed when the
+        manifest at its path names it (``snapshot()`` returned, or raised after its
+        commit completed), else it must leave nothing behind (checked at the end)."""
+        manifest = environment_dir(taken.path) / "manifest.json"
+        committed = manifest.exists()
+        if committed:
+            assert read_manifest(taken.path).snapshot_id == taken.snapshot_id
+            if not returned:  # raised after its commit: committed all the same
+                self.committed.append(taken)
+        else:
+            assert not returned, f"{taken.path.name} returned without a manifest"
+        self.around_commit.append((taken, committed))
+
     # --- faults -------------------------------------------------------------------------
 
     async def inject(self, kind: str) -> None:
@@ -196,6 +322,10 @@ class Chaos:
                 await self.snapshot(kind)
             if kind != "interrupt":
                 assert self.ckpt.is_unavailable(err.value), err.value
+        elif kind == "cancel_commit":
+            await self.cancel_around_commit()
+        elif kind == "kill_coordinator_in_commit":
+            await self.kill_coordinator_around_commit()
         elif kind == "remove_node":
             node = self.added_nodes.pop(self.rng.randrange(len(self.added_nodes)))
             self.cluster.remove_node(node, allow_graceful=False)
@@ -212,7 +342,8 @@ class Chaos:
             self.node_faults += 1
             return "remove_node" if self.added_nodes and self.rng.random() < 0.5 else "add_node"
         return self.rng.choice(["kill_holder", "kill_holder", "interrupt", "interrupt",
-                                "kill_coordinator", "kill_holder_in_snapshot"])
+                                "kill_coordinator", "kill_holder_in_snapshot",
+                                "cancel_commit", "kill_coordinator_in_commit"])
 
     async def wait_all_running(self) -> None:
         for _ in range(200):
@@ -251,15 +382,26 @@ async def test_chaos_survives_every_fault_and_loses_nothing_committed(
         assert wrong == []
 
         # Every committed snapshot verifies, and holds the live sessions at its cut.
-        for path, live, restarting in chaos.committed:
-            loaded = read_snapshot(path)
-            for instance, records in live.items():
-                expected = [r for r in records if r.episode.capture_key not in restarting]
+        for taken in chaos.committed:
+            loaded = read_snapshot(taken.path)
+            assert loaded.manifest.snapshot_id == taken.snapshot_id, taken.path.name
+            for instance, records in taken.live.items():
+                expected = [r for r in records
+                            if r.episode.capture_key not in taken.restarting]
                 got = sorted(loaded.sessions.get(instance, []),
                              key=lambda r: r.episode.capture_key)
-                assert got == expected, f"{path.name}/{instance}"
+                assert got == expected, f"{taken.path.name}/{instance}"
+        # Struck around its commit: committed, and just that, or nothing left behind.
+        for taken, committed in chaos.around_commit:
+            files = sorted(p.name for p in environment_dir(taken.path).iterdir())
+            if committed:
+                named = read_manifest(taken.path).shards
+                assert files == sorted(["manifest.json", *(s.file for s in named)]), \
+                    taken.path.name
+            else:
+                assert files == [], f"{taken.path.name} left {files}"
         # A sample restores for real, into a fresh job.
-        for path, _, _ in chaos.committed[::12] + chaos.committed[-1:]:
+        for path in [t.path for t in chaos.committed[::12] + chaos.committed[-1:]]:
             fresh = RayEnvironmentCheckpoint(CheckpointConfig(namespace=f"{namespace}-r"))
             try:
                 async with fresh.restored(path) as restored:
@@ -269,9 +411,13 @@ async def test_chaos_survives_every_fault_and_loses_nothing_committed(
             finally:
                 fresh.shutdown()
         assert faults >= 50 and chaos.survived == chaos.injected
+        struck = len(chaos.around_commit)
+        kept = sum(committed for _, committed in chaos.around_commit)
         with capsys.disabled():
             print(f"\nchaos: {faults} faults injected, {sum(chaos.survived.values())} "
-                  f"survived ({dict(sorted(chaos.injected.items()))}); "
+                  f"survived ({dict(sorted(chaos.injected.items()))}); around the commit "
+                  f"({dict(sorted(chaos.points.items()))}): {kept} committed and {struck - kept} "
+                  f"left nothing; "
                   f"{len(chaos.committed)} snapshots committed and verified; "
                   f"{len(chaos.restarted)} of {len(rollout_ids)} rollouts restarted at least "
                   f"once; all {len(rollout_ids)} trajectories equal the crash-free run")

@@ -8,12 +8,13 @@ unchanged, and no acknowledged turn lost from the live sessions that survive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ from nemo_ckpt.errors import (
     UnsupportedFormatVersionError,
 )
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot
+from nemo_ckpt.sessions import Turn
+from nemo_ckpt.storage import LoadedSnapshot, environment_dir, read_manifest, read_snapshot
 from nemo_ckpt.testing import StaticCut
 from tests.conftest import alive_node_ids, remove_node_and_wait
 
@@ -138,6 +140,87 @@ async def snapshot_in_background(ckpt: RayEnvironmentCheckpoint, path: Path
         async with ckpt.snapshot(path):
             pass
     return asyncio.ensure_future(run())
+
+
+def restore_in_background(ckpt: RayEnvironmentCheckpoint, path: Path) -> asyncio.Future[None]:
+    async def run() -> None:
+        async with ckpt.restored(path):
+            pass
+    return asyncio.ensure_future(run())
+
+
+def coordinator(ckpt: RayEnvironmentCheckpoint) -> Any:
+    return ray.get_actor(ckpt.config.coordinator_name, namespace=ckpt.config.namespace)
+
+
+async def states(ckpt: RayEnvironmentCheckpoint) -> dict[str, HolderState]:
+    return {h.instance_id: h.state for h in await ckpt.holders()}
+
+
+async def all_in(ckpt: RayEnvironmentCheckpoint, state: HolderState) -> bool:
+    return set((await states(ckpt)).values()) == {state}
+
+
+async def resumed_within(ckpt: RayEnvironmentCheckpoint, seconds: float, since: float) -> None:
+    """Every holder RUNNING within ``seconds`` of ``since`` (the loop's clock): resumed by
+    an abort, not by a lease lapsing."""
+    left = since + seconds - asyncio.get_running_loop().time()
+    await wait_until(lambda: all_running(ckpt), max(left, 0.0),
+                     f"every holder running within {seconds}s (lease_s is "
+                     f"{ckpt.config.lease_s:g}s)")
+
+
+async def manifest_names_the_open_snapshot(ckpt: RayEnvironmentCheckpoint, path: Path) -> str:
+    """Wait until the manifest at ``path`` names the snapshot open now (its rename, the
+    commit point, happened); return that snapshot's id."""
+    def named() -> str | None:
+        open_now = ckpt.open_operation
+        return open_now if open_now and read_manifest(path).snapshot_id == open_now else None
+
+    await wait_until(lambda: _async(named() is not None), 15, "the new manifest's rename")
+    snapshot_id = named()
+    assert snapshot_id is not None
+    return snapshot_id
+
+
+def env_files(path: Path) -> list[str]:
+    """The files in the snapshot folder, claims (dot files) aside."""
+    return sorted(p.name for p in environment_dir(path).iterdir() if not p.name.startswith("."))
+
+
+def files_named_by(loaded: LoadedSnapshot) -> list[str]:
+    return sorted(["manifest.json", *(s.file for s in loaded.manifest.shards)])
+
+
+def episodes_of(sessions: dict[str, list[SessionRecord]]) -> dict[str, list[Ep]]:
+    return {i: [r.episode for r in records] for i, records in sessions.items() if records}
+
+
+def continued_of(live: dict[str, list[Ep]]) -> set[tuple[str, str, int]]:
+    return {(i, ep.rollout_id, ep.attempt) for i, eps in live.items() for ep in eps}
+
+
+@contextlib.asynccontextmanager
+async def job(config: CheckpointConfig) -> AsyncIterator[RayEnvironmentCheckpoint]:
+    """A job of its own with ``config``; its actors are killed when it ends."""
+    checkpoint = RayEnvironmentCheckpoint(config)
+    try:
+        await checkpoint.ensure_holders()
+        yield checkpoint
+    finally:
+        checkpoint.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def fresh_job(ckpt: RayEnvironmentCheckpoint, **changes: Any
+                    ) -> AsyncIterator[RayEnvironmentCheckpoint]:
+    """The job that restores after ``ckpt``'s job ended: ``ckpt``'s actors are killed, and
+    the new job runs in a namespace of its own, with ``ckpt``'s options but ``changes``."""
+    ckpt.shutdown()
+    options = {**ckpt.config.model_dump(), "namespace": f"{ckpt.config.namespace}-next",
+               **changes}
+    async with job(CheckpointConfig(**options)) as fresh:
+        yield fresh
 
 
 # --- actor and node faults ---------------------------------------------------------------
@@ -315,6 +398,245 @@ asyncio.run(main())
     assert await sessions_of(ckpt, INSTANCES) == survivors
     async with ckpt.snapshot(tmp_path / "next") as snap:
         assert snap is not None and snap.captured_rollouts == 6
+
+
+# --- the reviewed cases 1-6 (tests/test_reliability.py), on a real cluster -----------------
+
+
+async def test_a_driver_cancelled_while_its_commit_runs_keeps_the_new_snapshot_committed(
+    ckpt: RayEnvironmentCheckpoint, tmp_path: Path
+) -> None:
+    """Case 1 (a). Pre-fix, the abort after the cancellation removed the new shards that
+    the manifest already named: the snapshot read as torn."""
+    live = await populate(ckpt)
+    path = tmp_path / "ckpt"
+    await commit_baseline(ckpt, path)
+    older = read_manifest(path).snapshot_id
+    await coordinator(ckpt).inject_delay.remote("after_manifest", 3.0)
+    task = await snapshot_in_background(ckpt, path)
+    new = await manifest_names_the_open_snapshot(ckpt, path)
+    assert not task.done()
+    task.cancel()  # while the driver awaits the commit
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 30)
+    # The commit ran to its end before the cancellation was raised: the new snapshot
+    # is whole, and it replaced the older one, whose shards are gone.
+    loaded = read_snapshot(path)
+    assert loaded.manifest.snapshot_id == new != older
+    assert episodes_of(loaded.sessions) == live
+    assert env_files(path) == files_named_by(loaded)
+    assert await states(ckpt) == dict.fromkeys(INSTANCES, HolderState.RUNNING)
+
+
+async def test_a_coordinator_killed_after_the_manifest_rename_commits_and_resumes_at_once(
+    cluster: Any, namespace: str, tmp_path: Path
+) -> None:
+    """Case 1 (b). Pre-fix, the abort sent to the fresh coordinator removed the new shards
+    (a torn snapshot) and ``snapshot()`` raised. A long lease tells the abort's resume
+    from the lease's, with room for the fresh coordinator's start on a loaded machine."""
+    config = CheckpointConfig(namespace=namespace, drain_timeout_s=1.0, lease_s=30.0,
+                              phase_timeout_s=10.0, persist_timeout_s=30.0)
+    async with job(config) as ckpt:
+        live = await populate(ckpt)
+        path = tmp_path / "ckpt"
+        await commit_baseline(ckpt, path)
+        older = read_manifest(path).snapshot_id
+        doomed = coordinator(ckpt)
+        await doomed.inject_delay.remote("after_manifest", 30.0)
+        task = await snapshot_in_background(ckpt, path)
+        new = await manifest_names_the_open_snapshot(ckpt, path)
+        killed_at = asyncio.get_running_loop().time()
+        ray.kill(doomed, no_restart=True)
+        await asyncio.wait_for(task, 30)  # the abort's answer is "committed": no error
+        await resumed_within(ckpt, config.lease_s / 2, killed_at)
+        loaded = read_snapshot(path)
+        assert loaded.manifest.snapshot_id == new != older
+        assert episodes_of(loaded.sessions) == live
+
+        # The next snapshot works at once, and its clean-up removes both older ones.
+        async with ckpt.snapshot(path) as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut_of(live))
+        loaded = read_snapshot(path)
+        assert loaded.manifest.snapshot_id not in (new, older)
+        assert episodes_of(loaded.sessions) == live
+        assert env_files(path) == files_named_by(loaded)
+
+
+async def test_a_holder_killed_during_begin_resumes_the_others_before_the_error_arrives(
+    ckpt: RayEnvironmentCheckpoint, tmp_path: Path
+) -> None:
+    """Case 2. Pre-fix, the survivors stayed paused until their lease lapsed, and the
+    retry got HolderStateError."""
+    live = await populate(ckpt)
+    survivors = await sessions_of(ckpt, ["holder-0", "holder-2"])
+    doomed = holder(ckpt, "holder-1")
+    await doomed.inject_delay.remote("pause", 30)
+    path = tmp_path / "ckpt"
+    task = await snapshot_in_background(ckpt, path)
+    await wait_until(lambda: all_in(ckpt, HolderState.PAUSED), 10, "every holder paused")
+    ray.kill(doomed, no_restart=True)
+    with pytest.raises(BackendUnavailableError, match="holder-1") as err:
+        await asyncio.wait_for(task, 30)
+    assert ckpt.is_unavailable(err.value)
+    # Checked at once, not after the lease: resumed before the error reached the driver.
+    assert await states(ckpt) == {"holder-0": HolderState.RUNNING,
+                                  "holder-2": HolderState.RUNNING}
+    assert await sessions_of(ckpt, survivors) == survivors
+
+    # The immediate retry works; the lost instance's rollouts are reported as not held.
+    async with ckpt.snapshot(path) as snap:
+        assert snap is not None
+        await snap.check_against_cut(cut_of(live))
+    assert snap.check_result is not None
+    assert snap.check_result.not_held == {("holder-1", ep) for ep in live["holder-1"]}
+    assert episodes_of(read_snapshot(path).sessions) == episodes_of(survivors)
+
+
+async def test_a_driver_cancelled_during_begin_resumes_every_holder_at_once(
+    ckpt: RayEnvironmentCheckpoint, tmp_path: Path
+) -> None:
+    """Case 3, begin. Pre-fix, no abort was sent: the holders stayed paused until their
+    lease lapsed."""
+    live = await populate(ckpt)
+    slow = holder(ckpt, "holder-1")
+    await slow.inject_delay.remote("pause", 30)
+    path = tmp_path / "ckpt"
+    task = await snapshot_in_background(ckpt, path)
+    await wait_until(lambda: all_in(ckpt, HolderState.PAUSED), 10, "every holder paused")
+    cancelled_at = asyncio.get_running_loop().time()
+    task.cancel()
+    await resumed_within(ckpt, 1.5, cancelled_at)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+
+    await slow.inject_delay.remote("pause", 0)
+    async with ckpt.snapshot(path) as snap:  # the same driver's next snapshot works
+        assert snap is not None
+        await snap.check_against_cut(cut_of(live))
+    assert episodes_of(read_snapshot(path).sessions) == live
+
+
+async def test_a_driver_cancelled_while_a_restore_prepares_resumes_every_holder_at_once(
+    ckpt: RayEnvironmentCheckpoint, tmp_path: Path
+) -> None:
+    """Case 3, a restore's prepare. Pre-fix, no abort was sent: the holders stayed
+    restoring until their lease lapsed."""
+    live = await populate(ckpt)
+    path = tmp_path / "ckpt"
+    await commit_baseline(ckpt, path)
+    async with fresh_job(ckpt) as fresh:
+        slow = holder(fresh, "holder-1")
+        await slow.inject_delay.remote("prepare_restore", 30)
+        task = restore_in_background(fresh, path)
+        await wait_until(lambda: all_in(fresh, HolderState.RESTORING), 10,
+                         "every holder restoring")
+        cancelled_at = asyncio.get_running_loop().time()
+        task.cancel()
+        await resumed_within(fresh, 1.5, cancelled_at)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        assert {h.sessions for h in await fresh.holders()} == {0}
+
+        await slow.inject_delay.remote("prepare_restore", 0)
+        async with fresh.restored(path) as restored:  # the same driver's next restore
+            assert restored.continued_attempts == continued_of(live)
+        assert episodes_of(await sessions_of(fresh, INSTANCES)) == {
+            i: [ep.next_attempt() for ep in eps] for i, eps in live.items()}
+
+
+async def test_a_turn_cancelled_at_the_closed_gate_leaves_no_turn_in_flight(
+    ckpt: RayEnvironmentCheckpoint, tmp_path: Path
+) -> None:
+    """Case 4. Pre-fix, the turn opened once the gate did and stayed in flight for ever:
+    the next drain waited for its deadline and the session refused its next turn
+    (TurnInProgressError)."""
+    live = await populate(ckpt)
+    ep = live["holder-0"][0]
+    c = await client(ckpt, "holder-0")
+    entered: list[Turn] = []
+
+    async def worker() -> None:
+        async with c.turn(ep) as turn:
+            entered.append(turn)
+            turn.complete(b"never", b"x", [])
+
+    async with ckpt.snapshot(tmp_path / "ckpt") as snap:
+        assert snap is not None
+        await snap.check_against_cut(cut_of(live))
+        waiting = asyncio.ensure_future(worker())
+        await asyncio.sleep(0.5)  # its begin_turn reaches the holder: the gate is closed
+        assert not waiting.done()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    assert {h.instance_id: h.turns_in_flight for h in await ckpt.holders()} == dict.fromkeys(
+        INSTANCES, 0)
+    assert entered == []
+
+    async with ckpt.snapshot(tmp_path / "next") as snap:
+        assert snap is not None
+    assert snap.restarted_rollouts == 0  # nothing was mid-turn at the drain deadline
+    assert snap.metrics(0.0)["drain_seconds"] < ckpt.config.drain_timeout_s
+
+    async with c.turn(ep) as turn:  # the session's next turn works
+        turn.complete(b"t2", b"s", [])
+    assert (await c.get(ep)).turns == (b"t0", b"t1", b"t2")
+
+
+async def test_a_holder_killed_in_commit_restore_leaves_nothing_live_and_the_retry_restores(
+    ckpt: RayEnvironmentCheckpoint, tmp_path: Path
+) -> None:
+    """Case 5. Pre-fix, the holders that had committed kept the restored sessions live,
+    and the retry failed with RestoreConflictError."""
+    live = await populate(ckpt)
+    path = tmp_path / "ckpt"
+    await commit_baseline(ckpt, path)
+    async with fresh_job(ckpt) as fresh:
+        doomed = holder(fresh, "holder-1")
+        await doomed.inject_delay.remote("commit_restore", 30)
+        task = restore_in_background(fresh, path)
+
+        async def others_committed() -> bool:
+            return {(h.instance_id, h.state, h.sessions) for h in await fresh.holders()} == {
+                ("holder-0", HolderState.RUNNING, 2), ("holder-1", HolderState.RESTORING, 0),
+                ("holder-2", HolderState.RUNNING, 2)}
+
+        await wait_until(others_committed, 10, "holder-0 and holder-2 committed the restore")
+        ray.kill(doomed, no_restart=True)
+        with pytest.raises(BackendUnavailableError, match="holder-1") as err:
+            await asyncio.wait_for(task, 30)
+        assert fresh.is_unavailable(err.value)
+        # All or nothing: before the error arrived, the holders that went live dropped it.
+        assert {(h.instance_id, h.state, h.sessions) for h in await fresh.holders()} == {
+            ("holder-0", HolderState.RUNNING, 0), ("holder-2", HolderState.RUNNING, 0)}
+
+        async with fresh.restored(path) as restored:  # the retry restores it
+            assert restored.continued_attempts == continued_of(live)
+        sessions = await sessions_of(fresh, INSTANCES)
+        assert episodes_of(sessions) == {i: [ep.next_attempt() for ep in eps]
+                                         for i, eps in live.items()}
+        assert {r.turns for records in sessions.values() for r in records} == {(b"t0", b"t1")}
+
+
+async def test_a_restore_whose_shard_read_outlasts_the_lease_succeeds(
+    ckpt: RayEnvironmentCheckpoint, tmp_path: Path
+) -> None:
+    """Case 6. Pre-fix, renewals started only after the prepare: the lease lapsed during
+    the read and the restore failed with LeaseExpiredError."""
+    live = await populate(ckpt)
+    path = tmp_path / "ckpt"
+    await commit_baseline(ckpt, path)
+    lease = 2.0
+    async with fresh_job(ckpt, lease_s=lease, drain_timeout_s=0.5) as fresh:
+        await holder(fresh, "holder-1").inject_delay.remote("prepare_restore", 1.5 * lease)
+        started = asyncio.get_running_loop().time()
+        async with fresh.restored(path) as restored:
+            assert restored.continued_attempts == continued_of(live)
+        assert asyncio.get_running_loop().time() - started > lease  # the read took longer
+        assert episodes_of(await sessions_of(fresh, INSTANCES)) == {
+            i: [ep.next_attempt() for ep in eps] for i, eps in live.items()}
+        assert await all_running(fresh)
 
 
 # --- storage faults -------------------------------------------------------------------------
