@@ -12,10 +12,13 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.transport import Actor, Transport
 
-__all__ = ["SessionRecord", "SessionClient", "Turn", "check_staging_keys"]
+__all__ = ["SessionRecord", "SessionClient", "Turn", "check_staging_keys", "encode_row",
+           "encode_payload", "record_parts", "record_of"]
 
 
 def check_staging_keys(staging_keys: Iterable[str], where: str) -> frozenset[str]:
@@ -115,6 +118,62 @@ class SessionRecord:
             staging_keys=frozenset(keys),
             earlier_capture_keys=tuple(earlier),
         )
+
+
+# --- a session as holders keep it and shards store it (format 3) ---------------------------
+#
+# row:     msgpack [rollout_id, attempt, [staging keys, sorted], turns, [earlier keys]]
+#          what a capture reports, and the shard's index entry: small, read without the
+#          session's bytes
+# payload: msgpack [[turn record, ...], state]: the session's bytes, kept encoded; a
+#          holder decodes it only when a turn or a reader needs the session
+
+
+def encode_row(rollout_id: str, attempt: int, staging_keys: Iterable[str], turns: int,
+               earlier_capture_keys: Iterable[str]) -> bytes:
+    """A session's row (see above)."""
+    return _PACK([rollout_id, attempt, sorted(staging_keys), turns,
+                  list(earlier_capture_keys)])
+
+
+def encode_payload(turns: Iterable[bytes], state: bytes) -> bytes:
+    """A session's payload (see above)."""
+    return _PACK([list(turns), bytes(state)])
+
+
+def record_parts(record: SessionRecord) -> tuple[bytes, bytes]:
+    """``(row, payload)`` of ``record``."""
+    ep = record.episode
+    return (encode_row(ep.rollout_id, ep.attempt, record.staging_keys, len(record.turns),
+                       record.earlier_capture_keys),
+            encode_payload(record.turns, record.state))
+
+
+def record_of(instance_id: str, row: Any, payload: bytes) -> SessionRecord:
+    """The ``SessionRecord`` of a decoded row and its payload; ValueError on any other
+    shape (a shard is verified by its hash before this runs, so this only catches a file
+    some other tool wrote)."""
+    try:
+        rollout_id, attempt, keys, turns, earlier = row
+        turn_records, state = msgpack.unpackb(payload, raw=False, use_list=True)
+    except (TypeError, ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"a session row or payload has the wrong shape ({exc})") from None
+    if not isinstance(turn_records, list) or len(turn_records) != turns \
+            or not all(isinstance(t, bytes) for t in turn_records):
+        raise ValueError(f"session {rollout_id!r} says {turns} turns but its payload holds "
+                         f"other turn records")
+    if not isinstance(state, bytes):
+        raise ValueError(f"the state of session {rollout_id!r} is not bytes")
+    for name, seq in (("staging keys", keys), ("earlier capture keys", earlier)):
+        if not isinstance(seq, list) or not all(isinstance(k, str) for k in seq):
+            raise ValueError(f"the {name} of session {rollout_id!r} are not a list of "
+                             f"strings")
+    return SessionRecord(instance_id, EnvironmentEpisode(rollout_id, attempt),
+                         tuple(turn_records), state, frozenset(keys), tuple(earlier))
+
+
+def _PACK(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
 
 
 class Turn:
