@@ -449,14 +449,14 @@ def test_a_shard_written_through_short_writes_is_complete_and_verifies(
 
 
 def write_snapshot_v3(root: Path, by_instance: dict[str, list[SessionRecord]],
-                      snapshot_id: str = "snap-3") -> Manifest:
+                      snapshot_id: str = "snap-3", restarted: int = 0) -> Manifest:
     """Write shards, then the manifest as the coordinator commits now (format 3)."""
     directory = prepare_environment_dir(root)
     shards = [write_shard(directory, shard_file_name(snapshot_id, inst), inst, records)
               for inst, records in by_instance.items() if records]
     raw = encode_manifest(snapshot_id=snapshot_id, created_at=datetime.now(timezone.utc),
                           instances=sorted(by_instance), shards=shards,
-                          restarted_rollouts=1, metrics={"paused_seconds": 0.01})
+                          restarted_rollouts=restarted, metrics={"paused_seconds": 0.01})
     write_manifest(directory, raw)
     return Manifest.model_validate_json(raw)
 
