@@ -49,6 +49,7 @@ from typing import Protocol
 
 import msgpack
 
+from actors.heap import collector_paused
 from actors.session_table import Held, SessionTable
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
@@ -79,7 +80,7 @@ from nemo_ckpt.phases import (
     join_captured,
 )
 from nemo_ckpt.sessions import SessionRecord, check_staging_keys
-from nemo_ckpt.storage import read_shard_parts, remove_files, write_shard_parts
+from nemo_ckpt.storage import ShardParts, read_shard_parts, remove_files, write_shard_parts
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["SessionHolder", "Trimmer"]
@@ -758,24 +759,24 @@ class SessionHolder:
                     raise HolderStateError(
                         f"{self.instance_id}: asked to restore shard {entry.file} of "
                         f"{entry.instance_id}")
-                parts = await self._runtime.run_blocking(read_shard_parts, Path(directory),
-                                                         entry)
+                parts = await self._runtime.run_blocking(_read_parts, Path(directory), entry)
                 read += entry.bytes
                 self._current_restore(restore_id)  # ended while reading?
                 try:
-                    held = [Held.continued(row, payload)
-                            for row, payload in zip(parts.rows, parts.payloads, strict=True)]
+                    with collector_paused():
+                        held = [Held.continued(row, payload) for row, payload
+                                in zip(parts.rows, parts.payloads, strict=True)]
+                        for row in parts.rows:
+                            keys.update(row[2])
+                        pairs = [row[:2] for row in parts.rows]
                 except ValueError as exc:
                     raise ShardCorruptedError(
                         Path(directory) / entry.file,
                         f"shard {Path(directory) / entry.file} matches its hash but a "
                         f"session in it does not decode ({exc}): restore an earlier "
                         f"checkpoint") from exc
-                for row in parts.rows:
-                    keys.update(row[2])
                 pending += held
-                shard_sessions.append((entry.file, msgpack.packb(
-                    [[h.rollout_id, h.attempt - 1] for h in held], use_bin_type=True)))
+                shard_sessions.append((entry.file, msgpack.packb(pairs, use_bin_type=True)))
             conflicts = sorted(h.rollout_id for h in pending
                                if self._table.of_rollout(h.rollout_id) is not None)
             if conflicts:
@@ -973,3 +974,9 @@ def _write_held(directory: Path, name: str, instance_id: str, held: list[Held]) 
     """Write captured sessions as one shard, from their rows and payloads as held."""
     return write_shard_parts(directory, name, instance_id, [h.row for h in held],
                              [h.payload for h in held])
+
+
+def _read_parts(directory: Path, entry: ShardEntry) -> ShardParts:
+    """``read_shard_parts`` with the collector paused while the index is decoded."""
+    with collector_paused():
+        return read_shard_parts(directory, entry)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 
@@ -67,20 +68,20 @@ class Held:
                    encode_payload((), state))
 
     @classmethod
-    def continued(cls, row: list[object], payload: bytes) -> Held:
+    def continued(cls, row: list[Any], payload: bytes) -> Held:
         """A captured session as a restore installs it: the next attempt, remembering
         the captured attempt's capture key; its payload unchanged."""
         try:
             rollout_id, attempt, keys, turns, earlier = row
+            # join() refuses a non-string in C: no Python loop per key.
+            "".join(keys)
+            "".join(earlier)
         except (TypeError, ValueError):
             raise ValueError(f"a session row has the wrong shape: {row!r:.200}") from None
-        EnvironmentEpisode(rollout_id, attempt)  # type: ignore[arg-type]  # checks both
-        assert isinstance(rollout_id, str) and isinstance(attempt, int)
-        if not isinstance(turns, int) or isinstance(turns, bool) or turns < 0 \
-                or not isinstance(keys, list) or not isinstance(earlier, list) \
-                or not all(type(k) is str for k in keys) \
-                or not all(type(k) is str for k in earlier):
-            raise ValueError(f"session {rollout_id!r} has a row of the wrong shape")
+        if type(rollout_id) is not str or not rollout_id or type(attempt) is not int \
+                or attempt < 0 or type(turns) is not int or turns < 0 \
+                or type(keys) is not list or type(earlier) is not list:
+            raise ValueError(f"a session row has the wrong shape: {row!r:.200}")
         captured = rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
         return cls(rollout_id, attempt + 1,
                    msgpack.packb([rollout_id, attempt + 1, keys, turns, [*earlier, captured]],
