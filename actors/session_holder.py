@@ -759,7 +759,7 @@ class SessionHolder:
                     raise HolderStateError(
                         f"{self.instance_id}: asked to restore shard {entry.file} of "
                         f"{entry.instance_id}")
-                parts = await self._runtime.run_blocking(_read_parts, Path(directory), entry)
+                parts = await self._runtime.run_blocking(load_shard, Path(directory), entry)
                 read += entry.bytes
                 self._current_restore(restore_id)  # ended while reading?
                 try:
@@ -905,7 +905,7 @@ class SessionHolder:
         if records:
             name = shard_file_name(op.id, self.instance_id)
             entry = await self._runtime.run_blocking(
-                _write_held, directory, name, self.instance_id, records)
+                write_held_shard, directory, name, self.instance_id, records)
             if self._operation() is not op and op.id not in self._released \
                     and self._history.outcome(op.id) is not Outcome.COMMITTED:
                 # Aborted or lapsed while the thread wrote: the file must not outlive it.
@@ -956,27 +956,14 @@ class SessionHolder:
             self._heap_state_seen = self._state.value
 
 
-def _sessions_by_shard(shards: list[ShardEntry], records: list[SessionRecord]
-                       ) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
-    """``(shard file, ((rollout_id, attempt), ...))`` per shard, in the order read (each
-    shard's sessions follow the previous shard's: ``entry.sessions`` of them)."""
-    out = []
-    k = 0
-    for entry in shards:
-        part = records[k:k + entry.sessions]
-        k += entry.sessions
-        out.append((entry.file, tuple((r.episode.rollout_id, r.episode.attempt)
-                                      for r in part)))
-    return tuple(out)
-
-
-def _write_held(directory: Path, name: str, instance_id: str, held: list[Held]) -> ShardEntry:
+def write_held_shard(directory: Path, name: str, instance_id: str,
+                     held: list[Held]) -> ShardEntry:
     """Write captured sessions as one shard, from their rows and payloads as held."""
     return write_shard_parts(directory, name, instance_id, [h.row for h in held],
                              [h.payload for h in held])
 
 
-def _read_parts(directory: Path, entry: ShardEntry) -> ShardParts:
+def load_shard(directory: Path, entry: ShardEntry) -> ShardParts:
     """``read_shard_parts`` with the collector paused while the index is decoded."""
     with collector_paused():
         return read_shard_parts(directory, entry)
