@@ -675,7 +675,7 @@ class SessionHolder:
             captured_count=len(held),
             restarting=tuple((h.rollout_id, h.attempt) for h in mid_turn),
             capture_seconds=self._clock.monotonic() - start,
-            state_bytes=self._table.payload_bytes - sum(len(h.payload) for h in mid_turn),
+            state_bytes=self._table.held_bytes - sum(h.size for h in mid_turn),
         )
         return op.capture_report
 
@@ -764,8 +764,8 @@ class SessionHolder:
                 self._current_restore(restore_id)  # ended while reading?
                 try:
                     with collector_paused():
-                        held = [Held.continued(row, payload) for row, payload
-                                in zip(parts.rows, parts.payloads, strict=True)]
+                        held = [Held.continued(row, turns, state) for row, turns, state
+                                in zip(parts.rows, parts.turns, parts.states, strict=True)]
                         for row in parts.rows:
                             keys.update(row[2])
                         pairs = [row[:2] for row in parts.rows]
@@ -958,9 +958,9 @@ class SessionHolder:
 
 def write_held_shard(directory: Path, name: str, instance_id: str,
                      held: list[Held]) -> ShardEntry:
-    """Write captured sessions as one shard, from their rows and payloads as held."""
+    """Write captured sessions as one shard, from their bytes as held."""
     return write_shard_parts(directory, name, instance_id, [h.row for h in held],
-                             [h.payload for h in held])
+                             [h.turns for h in held], [h.state for h in held])
 
 
 def load_shard(directory: Path, entry: ShardEntry) -> ShardParts:

@@ -1,17 +1,19 @@
 """The sessions one holder keeps, each held encoded, as a shard stores it.
 
 A holder's memory should be its sessions' bytes. So each live session is one small
-slotted ``Held``: its rollout id, its attempt, and two ``bytes`` (``nemo_ckpt.sessions``):
+slotted ``Held``: its rollout id, its attempt, and three ``bytes`` (``nemo_ckpt.sessions``):
 
 - ``row``, its index entry ``[rollout_id, attempt, staging keys, turns, earlier keys]``,
   which a capture joins and the shard's index is made of;
-- ``payload``, ``[[turn records], state]``, which the shard's body is made of.
+- ``turns``, its turn records as one msgpack array (one shared constant until a turn);
+- ``state``, the environment's state: the bytes object the call brought, not a copy
+  (a copy would leave the original's memory as a hole between live sessions).
 
 No Python object is kept per turn record, per staging key or per episode; a
 ``SessionRecord`` is decoded only when a caller needs one (a turn begins, a reader asks).
-A capture joins rows, a shard is written from rows and payloads as they are, and a
-restore installs rows and payloads sliced from the shard: the snapshot and restore paths
-do no per-session encoding.
+A capture joins rows, a shard is written from these bytes as they are, and a restore
+installs rows, turns and states read from the shard: the snapshot and restore paths do
+no per-session encoding.
 
 Sessions are found by rollout id (a rollout has at most one live session). Capture keys
 (``r`` for attempt 0, ``r-a2`` for attempt 2) of two different episodes can collide when
@@ -27,7 +29,7 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.sessions import SessionRecord, encode_payload, encode_row, record_of
+from nemo_ckpt.sessions import NO_TURNS, SessionRecord, encode_row, encode_turns, record_of
 
 __all__ = ["Held", "SessionTable"]
 
@@ -37,13 +39,20 @@ _ATTEMPT_SUFFIX = re.compile(r"^(?P<rollout>.+)-a(?P<attempt>[0-9]+)$")
 class Held:
     """One live session, encoded."""
 
-    __slots__ = ("rollout_id", "attempt", "row", "payload")
+    __slots__ = ("rollout_id", "attempt", "row", "turns", "state")
 
-    def __init__(self, rollout_id: str, attempt: int, row: bytes, payload: bytes) -> None:
+    def __init__(self, rollout_id: str, attempt: int, row: bytes, turns: bytes,
+                 state: bytes) -> None:
         self.rollout_id = rollout_id
         self.attempt = attempt
         self.row = row
-        self.payload = payload
+        self.turns = turns
+        self.state = state
+
+    @property
+    def size(self) -> int:
+        """Bytes of its turn records and state, as held."""
+        return len(self.turns) + len(self.state)
 
     @property
     def capture_key(self) -> str:
@@ -58,39 +67,39 @@ class Held:
         return cls(ep.rollout_id, ep.attempt,
                    encode_row(ep.rollout_id, ep.attempt, record.staging_keys,
                               len(record.turns), record.earlier_capture_keys),
-                   encode_payload(record.turns, record.state))
+                   encode_turns(record.turns), record.state)
 
     @classmethod
     def fresh(cls, episode: EnvironmentEpisode, state: bytes) -> Held:
         """A session just opened: no turn, no staging key."""
         return cls(episode.rollout_id, episode.attempt,
                    encode_row(episode.rollout_id, episode.attempt, (), 0, ()),
-                   encode_payload((), state))
+                   NO_TURNS, state if type(state) is bytes else bytes(state))
 
     @classmethod
-    def continued(cls, row: list[Any], payload: bytes) -> Held:
+    def continued(cls, row: list[Any], turns: bytes, state: bytes) -> Held:
         """A captured session as a restore installs it: the next attempt, remembering
-        the captured attempt's capture key; its payload unchanged."""
+        the captured attempt's capture key; its turns and state unchanged."""
         try:
-            rollout_id, attempt, keys, turns, earlier = row
+            rollout_id, attempt, keys, n_turns, earlier = row
             # join() refuses a non-string in C: no Python loop per key.
             "".join(keys)
             "".join(earlier)
         except (TypeError, ValueError):
             raise ValueError(f"a session row has the wrong shape: {row!r:.200}") from None
         if type(rollout_id) is not str or not rollout_id or type(attempt) is not int \
-                or attempt < 0 or type(turns) is not int or turns < 0 \
+                or attempt < 0 or type(n_turns) is not int or n_turns < 0 \
                 or type(keys) is not list or type(earlier) is not list:
             raise ValueError(f"a session row has the wrong shape: {row!r:.200}")
         captured = rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
         return cls(rollout_id, attempt + 1,
-                   msgpack.packb([rollout_id, attempt + 1, keys, turns, [*earlier, captured]],
+                   msgpack.packb([rollout_id, attempt + 1, keys, n_turns, [*earlier, captured]],
                                  use_bin_type=True),
-                   payload)
+                   turns, state)
 
     def record(self, instance_id: str) -> SessionRecord:
         return record_of(instance_id, msgpack.unpackb(self.row, raw=False, use_list=True),
-                         self.payload)
+                         self.turns, self.state)
 
 
 class SessionTable:
@@ -99,7 +108,7 @@ class SessionTable:
     def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
         self._by_rollout: dict[str, Held] = {}
-        self.payload_bytes = 0  # over every live session: their turn records and states
+        self.held_bytes = 0  # over every live session: their turn records and states
 
     def __len__(self) -> int:
         return len(self._by_rollout)
@@ -138,13 +147,13 @@ class SessionTable:
     def put(self, held: Held) -> None:
         """Add a session, or replace its rollout's."""
         old = self._by_rollout.get(held.rollout_id)
-        self.payload_bytes += len(held.payload) - (len(old.payload) if old else 0)
+        self.held_bytes += held.size - (old.size if old else 0)
         self._by_rollout[held.rollout_id] = held
 
     def drop(self, rollout_id: str) -> Held | None:
         held = self._by_rollout.pop(rollout_id, None)
         if held is not None:
-            self.payload_bytes -= len(held.payload)
+            self.held_bytes -= held.size
         return held
 
     def sorted(self) -> list[Held]:

@@ -64,7 +64,7 @@ from nemo_ckpt.manifest import (
     shard_problems,
     upgrade_v1,
 )
-from nemo_ckpt.sessions import SessionRecord, record_of, record_parts
+from nemo_ckpt.sessions import SessionRecord, body_head, record_of, record_parts
 
 __all__ = [
     "environment_dir",
@@ -206,15 +206,6 @@ def _writev_all(fd: int, pieces: list[bytes | bytearray | memoryview]) -> None:
             views[i] = views[i][written:]
 
 
-def _bin_header(n: int) -> bytes:
-    """msgpack's header of a bin object of ``n`` bytes (bin 8, 16 or 32)."""
-    if n < 1 << 8:
-        return b"\xc4" + n.to_bytes(1, "big")
-    if n < 1 << 16:
-        return b"\xc5" + n.to_bytes(2, "big")
-    return b"\xc6" + n.to_bytes(4, "big")
-
-
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -281,30 +272,32 @@ def write_shard(
     directory: Path, name: str, instance_id: str, sessions: Iterable[SessionRecord]
 ) -> ShardEntry:
     """Write ``sessions`` of ``instance_id`` as shard ``name`` (see ``write_shard_parts``)."""
-    rows, payloads = [], []
+    rows, turns, states = [], [], []
     for record in sessions:
         if record.instance_id != instance_id:
             raise ValueError(
                 f"session {record.episode.capture_key} belongs to "
                 f"{record.instance_id}, not to shard instance {instance_id}"
             )
-        row, payload = record_parts(record)
+        row, turns_blob, state = record_parts(record)
         rows.append(row)
-        payloads.append(payload)
-    return write_shard_parts(directory, name, instance_id, rows, payloads)
+        turns.append(turns_blob)
+        states.append(state)
+    return write_shard_parts(directory, name, instance_id, rows, turns, states)
 
 
-def write_shard_parts(directory: Path, name: str, instance_id: str,
-                      rows: Sequence[bytes], payloads: Sequence[bytes]) -> ShardEntry:
-    """Write one shard from sessions already encoded (each a row and a payload, as
-    holders keep them) and return its manifest entry.
+def write_shard_parts(directory: Path, name: str, instance_id: str, rows: Sequence[bytes],
+                      turns: Sequence[bytes], states: Sequence[bytes]) -> ShardEntry:
+    """Write one shard from sessions already encoded (each a row, a turns blob and a
+    state, as holders keep them) and return its manifest entry.
 
     The shard is a stream of msgpack objects: a header map, the index (an array of the
-    rows), then the payloads in the same order. Everything is joined from bytes: no
-    Python object per session is built, and the index can be read without the payloads.
+    rows), then each session's body, ``[turns, state]``, in the same order. It is joined
+    from those bytes as they are (big states by reference): nothing is re-encoded, and
+    the index can be read without the bodies.
     """
-    if len(rows) != len(payloads):
-        raise ValueError(f"{len(rows)} rows but {len(payloads)} payloads")
+    if not len(rows) == len(turns) == len(states):
+        raise ValueError(f"{len(rows)} rows, {len(turns)} turns, {len(states)} states")
 
     def fill(w: _HashingWriter) -> None:
         packer = msgpack.Packer(use_bin_type=True)
@@ -313,15 +306,16 @@ def write_shard_parts(directory: Path, name: str, instance_id: str,
         w.write(packer.pack_array_header(len(rows)) + b"".join(rows))
         batch: list[bytes] = []
         size = 0
-        for payload in payloads:
-            if len(payload) >= _DIRECT_WRITE:  # big: by reference, without a copy
-                if batch:
-                    w.write(b"".join(batch))
-                    batch, size = [], 0
-                w.write(payload)
+        for turns_blob, state in zip(turns, states, strict=True):
+            head = body_head(turns_blob, len(state))
+            if len(state) >= _DIRECT_WRITE:  # big: by reference, without a copy
+                batch.append(head)
+                w.write(b"".join(batch))
+                w.write(state)
+                batch, size = [], 0
                 continue
-            batch.append(payload)
-            size += len(payload)
+            batch += (head, state)
+            size += len(head) + len(state)
             if size >= _SMALL_PIECE_BUFFER:
                 w.write(b"".join(batch))
                 batch, size = [], 0
@@ -545,17 +539,18 @@ def _check_shard_names(path: Path, directory: Path, manifest: Manifest) -> Manif
 @dataclass(frozen=True)
 class ShardParts:
     """A verified shard's sessions, still encoded: each one's decoded row
-    (``[rollout_id, attempt, staging keys, turns, earlier capture keys]``) and its
-    payload bytes, in the shard's order."""
+    (``[rollout_id, attempt, staging keys, turns, earlier capture keys]``), its turns
+    blob and its state, in the shard's order."""
 
     instance_id: str
     rows: list[list[Any]]
-    payloads: list[bytes]
+    turns: list[bytes]
+    states: list[bytes]
 
     def records(self) -> list[SessionRecord]:
-        """Every session as a ``SessionRecord`` (decodes every payload)."""
-        return [record_of(self.instance_id, row, payload)
-                for row, payload in zip(self.rows, self.payloads, strict=True)]
+        """Every session as a ``SessionRecord`` (decodes every turns blob)."""
+        return [record_of(self.instance_id, row, turns, state)
+                for row, turns, state in zip(self.rows, self.turns, self.states, strict=True)]
 
 
 def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
@@ -573,7 +568,8 @@ def read_shard_parts(directory: Path, entry: ShardEntry) -> ShardParts:
 
     Nothing is decoded before the whole file's hash matches the manifest's: a damaged
     or crafted file of N bytes costs N bytes of memory, never the objects it could
-    unpack into. Then only the index is decoded; each payload is a slice of the file.
+    unpack into. Then only the index is decoded; each session's turns are a slice of
+    the file and its state one bytes object.
     Shards of the older layout (a map per session) are read too.
     """
     path, data = _read_verified(directory, entry)
@@ -596,25 +592,31 @@ def read_shard_parts(directory: Path, entry: ShardEntry) -> ShardParts:
                 or header.get("sessions") != entry.sessions:
             raise _undecodable(path, f"its index does not hold the {entry.sessions} "
                                      f"sessions the manifest says")
-        payloads = []
-        start = unpacker.tell()
+        turns, states = [], []
+        read_array_header, skip, tell, unpack = (unpacker.read_array_header, unpacker.skip,
+                                                 unpacker.tell, unpacker.unpack)
         for _ in range(entry.sessions):
-            unpacker.skip()
-            end = unpacker.tell()
-            payloads.append(data[start:end])
-            start = end
+            if read_array_header() != 2:
+                raise _undecodable(path, "a session's body is not [turns, state]")
+            start = tell()
+            skip()
+            turns.append(data[start:tell()])
+            states.append(unpack())
     except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
         raise _undecodable(path, str(exc) or type(exc).__name__) from exc
-    if start != len(data):
-        raise _undecodable(path, f"{len(data) - start} trailing bytes")
-    return ShardParts(entry.instance_id, rows, payloads)
+    if unpacker.tell() != len(data):
+        raise _undecodable(path, f"{len(data) - unpacker.tell()} trailing bytes")
+    if any(type(state) is not bytes for state in states):
+        raise _undecodable(path, "a session's state is not bytes")
+    return ShardParts(entry.instance_id, rows, turns, states)
 
 
 def _legacy_parts(path: Path, entry: ShardEntry, unpacker: msgpack.Unpacker,
                   length: int) -> ShardParts:
     """The sessions of a layout-1 shard (one map per session), as parts."""
     rows: list[list[Any]] = []
-    payloads: list[bytes] = []
+    turns: list[bytes] = []
+    states: list[bytes] = []
     for obj in unpacker:
         try:
             record = SessionRecord.from_wire(obj)
@@ -623,14 +625,15 @@ def _legacy_parts(path: Path, entry: ShardEntry, unpacker: msgpack.Unpacker,
         if record.instance_id != entry.instance_id:
             raise _undecodable(path, f"session of {record.instance_id} in a shard of "
                                      f"{entry.instance_id}")
-        row, payload = record_parts(record)
+        row, turns_blob, state = record_parts(record)
         rows.append(msgpack.unpackb(row, raw=False, use_list=True))
-        payloads.append(payload)
+        turns.append(turns_blob)
+        states.append(state)
     if unpacker.tell() != length:
         raise _undecodable(path, f"{length - unpacker.tell()} trailing bytes do not decode")
     if len(rows) != entry.sessions:
         raise _undecodable(path, f"{len(rows)} sessions, manifest says {entry.sessions}")
-    return ShardParts(entry.instance_id, rows, payloads)
+    return ShardParts(entry.instance_id, rows, turns, states)
 
 
 def _undecodable(path: Path, why: str) -> ShardCorruptedError:

@@ -28,7 +28,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.sessions import encode_payload
+from nemo_ckpt.sessions import encode_turns
 from nemo_ckpt.storage import prepare_environment_dir, read_manifest, read_shard
 
 pytestmark = pytest.mark.timeout(30)
@@ -194,7 +194,7 @@ async def test_the_capture_reports_each_sessions_latest_turns_keys_and_state() -
     capture = await h.capture("snap-1")
     assert sorted(capture.captured()) == [("a", 0, ["a/0", "a/0b", "a/1"], 2),
                                           ("b", 1, [], 0)]
-    held = [encode_payload((b"t0", b"t1"), b"1234567"), encode_payload((), b"1")]
+    held = [encode_turns((b"t0", b"t1")) + b"1234567", encode_turns(()) + b"1"]
     assert (capture.captured_count, capture.state_bytes) == (2, sum(map(len, held)))
     assert capture.restarting == (("busy", 0),)
 
