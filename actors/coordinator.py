@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -62,13 +62,9 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.manifest import (
-    EncodedRollouts,
-    RolloutRow,
     ShardEntry,
     encode_manifest,
-    encode_rollouts,
     rollouts_by_shard,
-    shard_file_name,
     shard_problems,
 )
 from nemo_ckpt.operations import HISTORY_SIZE, OperationHistory, Outcome
@@ -142,7 +138,9 @@ class _Operation:
     lease_deadline: float
     holders: dict[str, Actor] = field(default_factory=dict)  # instance -> handle
     captures: tuple[CaptureReport, ...] | None = None
-    encoding: asyncio.Future[EncodedRollouts] | None = None
+    # The check that no rollout was captured by two instances, run while the shards are
+    # written (the count of captured sessions when it passes).
+    encoding: asyncio.Future[int] | None = None
     committing: bool = False
     released: float | None = None  # when the holders were told to reopen their gates
     outcome: Outcome | None = None
@@ -424,12 +422,12 @@ class CheckpointCoordinator:
             self._transport.send(handle, "start_persist", snapshot_id)
         self._encoding(op)
 
-    def _encoding(self, op: _Operation) -> asyncio.Future[EncodedRollouts]:
-        """The encoding of the snapshot's rollouts, started on first use: by
-        ``start_writes``, or by a commit that came first."""
+    def _encoding(self, op: _Operation) -> asyncio.Future[int]:
+        """The check of the snapshot's rollouts (none captured by two instances),
+        started on first use: by ``start_writes``, or by a commit that came first."""
         if op.encoding is None:
             op.encoding = asyncio.ensure_future(self._runtime.run_blocking(
-                _encode_rollouts, op.id, op.captures or ()))
+                _check_captured_once, op.captures or ()))
             # Its error is raised by the commit's await; an aborted snapshot never awaits.
             op.encoding.add_done_callback(lambda f: f.cancelled() or f.exception())
         return op.encoding
@@ -473,11 +471,11 @@ class CheckpointCoordinator:
                                     default=0.0),
                 bytes_written=float(sum(p.bytes_written for p in persists.values())),
             )
-            rollouts = await self._encoding(op)
+            captured = await self._encoding(op)
             manifest = encode_manifest(
                 snapshot_id=snapshot_id,
                 created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
-                instances=list(op.holders), shards=shards, rollouts=rollouts,
+                instances=list(op.holders), shards=shards,
                 restarted_rollouts=restarted, metrics=all_metrics)
             async with self._path_lock(checkpoint_path):
                 await self._runtime.run_blocking(write_manifest, directory, manifest)
@@ -493,7 +491,7 @@ class CheckpointCoordinator:
             log.warning("commit of %s raised after its manifest was renamed into place "
                         "(%s); it is committed", snapshot_id, exc)
         self._close(op, Outcome.COMMITTED)
-        self._record_commit(op, all_metrics, rollouts.count, restarted)
+        self._record_commit(op, all_metrics, captured, restarted)
         # Committed: resume first; the older snapshots' files are garbage from here on
         # and their removal must not lengthen the pause.
         await self._fan(op.holders, "resume",
@@ -501,7 +499,7 @@ class CheckpointCoordinator:
                             h, "resume", snapshot_id, timeout=self._config.phase_timeout_s),
                         tolerate_failures=True)
         removed = await self._clean_up(op)
-        result = SnapshotCommitted(metrics=all_metrics, rollouts=rollouts.count,
+        result = SnapshotCommitted(metrics=all_metrics, rollouts=captured,
                                    shards=len(shards), removed_files=tuple(removed))
         self._committed[snapshot_id] = result
         while len(self._committed) > HISTORY_SIZE:
@@ -590,15 +588,24 @@ class CheckpointCoordinator:
         # What the holders read must be what the manifest lists, shard by shard (the
         # check `nemo-ckpt verify` makes), and no rollout may go live twice.
         listed = rollouts_by_shard(manifest)
-        problems = [problem for p in prepared.values() for file, sessions in p.shard_sessions
-                    for problem in shard_problems(listed.get(file, {}), sessions,
-                                                  f"{directory}/{file}")]
+        by_shard = {p.instance_id: p.sessions_by_shard() for p in prepared.values()}
+        problems = [problem for shards in by_shard.values() for file, sessions in shards
+                    for problem in shard_problems(
+                        None if listed is None else listed.get(file, {}), sessions,
+                        f"{directory}/{file}")]
+        continued = {inst: [pair for _, pairs in shards for pair in pairs]
+                     for inst, shards in by_shard.items()}
+        restored = [rid for pairs in continued.values() for rid, _ in pairs]
+        if len(set(restored)) != len(restored):
+            twice = sorted(r for r, n in Counter(restored).items() if n > 1)
+            problems.append(f"rollouts held by two shards of {directory}: {twice[:10]}; "
+                            f"restore an earlier checkpoint")
         if problems:
             raise ShardCorruptedError(directory, "; ".join(problems))
-        restored = {r.rollout_id for r in manifest.rollouts}
         # Nothing is live yet: a rollout live on any holder refuses the whole restore.
+        restoring = set(restored)
         clash = sorted({(p.instance_id, rid) for p in prepared.values()
-                        for rid in p.live_rollouts if rid in restored})
+                        for rid in p.live() if rid in restoring})
         if clash:
             raise RestoreConflictError(
                 f"cannot restore {checkpoint_path}: rollouts it holds are live now "
@@ -608,8 +615,8 @@ class CheckpointCoordinator:
         return RestoreBegun(
             restore_id=op.id,
             continued_attempts=frozenset(
-                (p.instance_id, rid, attempt) for p in prepared.values()
-                for rid, attempt in p.continued),
+                (inst, rid, attempt) for inst, pairs in continued.items()
+                for rid, attempt in pairs),
             staging_keys=frozenset().union(*(p.staging_keys for p in prepared.values())),
             placement=placement,
             bytes_read=sum(p.bytes_read for p in prepared.values()),
@@ -777,20 +784,20 @@ class CheckpointCoordinator:
         return info
 
 
-def _encode_rollouts(snapshot_id: str, captures: tuple[CaptureReport, ...]
-                     ) -> EncodedRollouts:
-    """The manifest's rollouts, from what each holder captured; each sits in the shard
-    its holder writes (``shard_file_name``, which the commit checks against the shards
-    written).
-
-    Built here rather than by the holders: shipping a validated model per session from
-    every holder cost more than writing the shards (benchmarks/README.md)."""
-    rows: list[RolloutRow] = []
-    for c in captures:
-        shard = shard_file_name(snapshot_id, c.instance_id)
-        rows += [(c.instance_id, rollout_id, attempt, turns, sorted(keys), shard)
-                 for rollout_id, attempt, keys, turns in c.captured()]
-    return encode_rollouts(rows)
+def _check_captured_once(captures: tuple[CaptureReport, ...]) -> int:
+    """How many sessions the captures hold, or ValueError naming the rollouts that two
+    instances captured (the same rollout running on two holders), which a snapshot
+    must not commit even when nobody checked it against a cut. At set speed: the
+    rollout ids are compared as a whole, named only when some repeat."""
+    ids = [row[0] for c in captures for row in c.rows()]
+    if len(set(ids)) == len(ids):
+        return len(ids)
+    twice = sorted(i for i, n in Counter(ids).items() if n > 1)
+    raise ValueError(
+        f"rollouts captured twice: {twice[:10]}{' ...' if len(twice) > 10 else ''}: "
+        f"each was captured by more than one instance, so the same rollout runs on two "
+        f"holders; retire the extra attempt, and check snapshots against the "
+        f"data-plane cut, which names them")
 
 
 def _log_phase(op_id: str, phase: str, seconds: float, per_holder: dict[str, float],

@@ -30,6 +30,7 @@ glibc Linux; elsewhere it never trims, detected once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import gc
@@ -37,7 +38,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 __all__ = ["HeapTrimmer", "malloc_trim", "trim_supported", "CALL_OVERHEAD_BYTES",
            "freeze_startup_objects"]
@@ -187,3 +188,18 @@ def freeze_startup_objects() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a bulk step builds many containers (a
+    restore decodes one list per session): every few hundred allocations would start a
+    collection that walks them all, which made such a step several times slower.
+    Nothing here forms cycles; reference counting still frees everything."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

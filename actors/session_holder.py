@@ -47,6 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import msgpack
+
+from actors.heap import collector_paused
+from actors.session_table import Held, SessionTable
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     HolderBusyError,
@@ -57,6 +61,7 @@ from nemo_ckpt.errors import (
     RetiredAttemptError,
     SessionExistsError,
     SessionNotFoundError,
+    ShardCorruptedError,
     StaleSnapshotError,
     StateTooLargeError,
     TurnAbortedError,
@@ -72,11 +77,10 @@ from nemo_ckpt.phases import (
     PauseReport,
     PersistReport,
     RestorePrepared,
-    encode_captured_session,
     join_captured,
 )
 from nemo_ckpt.sessions import SessionRecord, check_staging_keys
-from nemo_ckpt.storage import read_shard, remove_files, write_shard
+from nemo_ckpt.storage import ShardParts, read_shard_parts, remove_files, write_shard_parts
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["SessionHolder", "Trimmer"]
@@ -116,7 +120,7 @@ class _SnapshotOp:
     id: str
     directory: Path
     pause: PauseReport | None = None
-    capture: list[SessionRecord] | None = None
+    capture: list[Held] | None = None
     capture_report: CaptureReport | None = None
     persist: asyncio.Task[PersistReport] | None = None
 
@@ -126,7 +130,7 @@ class _RestoreOp:
     id: str
     prepared: asyncio.Future[RestorePrepared] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
-    pending: list[SessionRecord] = field(default_factory=list)
+    pending: list[Held] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -197,12 +201,9 @@ class SessionHolder:
         self._turn_timeout_s = turn_timeout_s
         self._max_retired_marks = max_retired_marks
         self._watch_period_s = watch_period_s
-        self._sessions: dict[str, SessionRecord] = {}  # capture key -> session
-        # capture key -> its capture report entry, encoded when the session changes, so
-        # the capture (while every rollout waits) joins bytes instead of encoding.
-        self._capture_rows: dict[str, bytes] = {}
-        self._state_bytes = 0  # over self._sessions
-        self._live_rollouts: dict[str, str] = {}  # rollout id -> capture key
+        # The live sessions, each kept encoded (actors/session_table.py): a capture joins
+        # their rows, a shard is written from them as they are.
+        self._table = SessionTable(instance_id)
         self._turns: dict[str, _Turn] = {}  # capture key -> turn in flight
         self._aborted_tokens: OrderedDict[str, None] = OrderedDict()
         # Retire marks, monotone as NeMo Gym's: rollout id -> the highest attempt retired;
@@ -213,7 +214,7 @@ class SessionHolder:
         self._turns_done = asyncio.Condition()
         self._state: _State = Running()
         self._history = OperationHistory()
-        # The last committed restore and the capture keys it made live, while it may
+        # The last committed restore and the rollouts it made live, while it may
         # still be undone by its abort: until a turn runs, or another restore starts.
         self._undo: tuple[str, tuple[str, ...]] | None = None
         # Snapshots released (gate open again) whose shard is still being written or
@@ -304,14 +305,14 @@ class SessionHolder:
     def _undo_restore(self) -> None:
         """Drop the sessions the last committed restore made live (see ``_undo``)."""
         assert self._undo is not None
-        restore_id, keys = self._undo
+        restore_id, rollouts = self._undo
         self._undo = None
-        for key in keys:
-            if key in self._sessions:
-                self._drop(key)
+        for rollout_id in rollouts:
+            self._table.drop(rollout_id)
         self._history.record(restore_id, Outcome.ABORTED, replace=True)
         log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
-                    "sessions were dropped again", self.instance_id, restore_id, len(keys))
+                    "sessions were dropped again", self.instance_id, restore_id,
+                    len(rollouts))
 
     def _current_snapshot(self, op_id: str) -> _SnapshotOp:
         state = self._state
@@ -360,7 +361,7 @@ class SessionHolder:
             instance_id=self.instance_id, node_id=self.node_id, state=self._state.value,
             operation_id=None if op is None else op.id,
             lease_expires_in_s=None if op is None else self._lease_left(),
-            sessions=len(self._sessions), turns_in_flight=len(self._turns),
+            sessions=len(self._table), turns_in_flight=len(self._turns),
             last_snapshot_id=self._last_snapshot_id,
         )
 
@@ -380,7 +381,7 @@ class SessionHolder:
 
     async def sessions(self) -> list[SessionRecord]:
         """Every live session, sorted by capture key."""
-        return [self._sessions[k] for k in sorted(self._sessions)]
+        return [h.record(self.instance_id) for h in self._table.sorted()]
 
     async def probe_storage(self, root: str) -> str:
         """Write a probe file under ``root`` and return its path (for check_startup)."""
@@ -417,27 +418,10 @@ class SessionHolder:
         self._check_episode(episode)
         self._check_size("initial state", episode, state)
         await self._wait_for_gate()
-        self._refuse_retired(episode)
-        key = episode.capture_key
-        if key in self._sessions:
-            live = self._sessions[key].episode
-            if live == episode:
-                raise SessionExistsError(
-                    f"{self.instance_id}: a session for {key} is already open")
-            raise CaptureKeyCollisionError(
-                f"{self.instance_id}: rollout {episode.rollout_id!r} attempt "
-                f"{episode.attempt} has capture key {key!r}, which live session "
-                f"{live.rollout_id!r} attempt {live.attempt} already uses; rename the "
-                f"rollout (ids ending in '-a<digits>' collide with later attempts)")
-        if episode.rollout_id in self._live_rollouts:
-            other = self._live_rollouts[episode.rollout_id]
-            raise SessionExistsError(
-                f"{self.instance_id}: rollout {episode.rollout_id!r} already has a live "
-                f"session ({other}); close or retire it before opening {key}")
-        record = SessionRecord(self.instance_id, episode, (), bytes(state))
+        self._check_openable(episode)
+        self._table.put(Held.fresh(episode, state))
         self._heap.note(len(state))
-        self._put(record)
-        return record
+        return SessionRecord(self.instance_id, episode, (), bytes(state))
 
     async def open_sessions(
         self, sessions: list[tuple[EnvironmentEpisode, bytes]]
@@ -449,29 +433,41 @@ class SessionHolder:
             self._check_episode(episode)
             self._check_size("initial state", episode, state)
         await self._wait_for_gate()
-        keys: set[str] = set()
         rollouts: set[str] = set()
         for episode, _ in sessions:
-            self._refuse_retired(episode)
-            key = episode.capture_key
-            if key in self._sessions or key in keys:
+            if episode.rollout_id in rollouts:
                 raise SessionExistsError(
-                    f"{self.instance_id}: a session with capture key {key} is already open "
-                    f"(or listed twice in this call); nothing was opened")
-            if episode.rollout_id in self._live_rollouts or episode.rollout_id in rollouts:
-                raise SessionExistsError(
-                    f"{self.instance_id}: rollout {episode.rollout_id!r} already has a live "
-                    f"session (or is listed twice in this call); nothing was opened")
-            keys.add(key)
+                    f"{self.instance_id}: rollout {episode.rollout_id!r} is listed twice in "
+                    f"this call; nothing was opened")
+            self._check_openable(episode)
             rollouts.add(episode.rollout_id)
         for episode, state in sessions:
-            self._put(SessionRecord(self.instance_id, episode, (), bytes(state)))
+            self._table.put(Held.fresh(episode, state))
         self._heap.note(sum(len(state) for _, state in sessions))
         return len(sessions)
 
-    async def get_session(self, capture_key: str) -> SessionRecord:
-        """The live session with ``capture_key``."""
-        return self._session_by_key(capture_key)
+    def _check_openable(self, episode: EnvironmentEpisode) -> None:
+        self._refuse_retired(episode)
+        key = episode.capture_key
+        live = self._table.of_rollout(episode.rollout_id)
+        if live is not None:
+            if live.attempt == episode.attempt:
+                raise SessionExistsError(
+                    f"{self.instance_id}: a session for {key} is already open")
+            raise SessionExistsError(
+                f"{self.instance_id}: rollout {episode.rollout_id!r} already has a live "
+                f"session ({live.capture_key}); close or retire it before opening {key}")
+        other = self._table.collision(episode)
+        if other is not None:
+            raise CaptureKeyCollisionError(
+                f"{self.instance_id}: rollout {episode.rollout_id!r} attempt "
+                f"{episode.attempt} has capture key {key!r}, which live session "
+                f"{other.rollout_id!r} attempt {other.attempt} already uses; rename the "
+                f"rollout (ids ending in '-a<digits>' collide with later attempts)")
+
+    async def get_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
+        """The live session of ``episode`` (or with that capture key)."""
+        return self._held(episode).record(self.instance_id)
 
     async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionRecord:
         """Start a turn whose token the caller made: wait while paused, then return the
@@ -483,7 +479,7 @@ class SessionHolder:
         self._refuse_aborted(episode, token)
         await self._wait_for_gate()
         self._refuse_aborted(episode, token)
-        record = self._session(episode)
+        record = self._held(episode).record(self.instance_id)
         key = episode.capture_key
         if key in self._turns:
             raise TurnInProgressError(
@@ -506,7 +502,7 @@ class SessionHolder:
         self._check_episode(episode)
         self._take_turn(episode, token)
         try:
-            old = self._session(episode)
+            old = self._held(episode).record(self.instance_id)
             self._check_size("turn record", episode, record)
             self._check_size("state", episode, state)
             keys = check_staging_keys(staging_keys, episode.capture_key)
@@ -518,7 +514,7 @@ class SessionHolder:
                 staging_keys=old.staging_keys | keys,
                 earlier_capture_keys=old.earlier_capture_keys,
             )
-            self._put(new)
+            self._table.put(Held.of(new))
             self._heap.note(len(record) + len(state))
             return new
         finally:
@@ -537,16 +533,17 @@ class SessionHolder:
         while len(self._aborted_tokens) > _ABORTED_TOKENS:
             self._aborted_tokens.popitem(last=False)
 
-    async def close_session(self, capture_key: str) -> SessionRecord:
-        """Close a finished session and return its final record. Waits while paused."""
+    async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
+        """Close a finished session (of ``episode``, or with that capture key) and return
+        its final record. Waits while paused."""
         await self._wait_for_gate()
-        if capture_key in self._turns:
+        held = self._held(episode)
+        if held.capture_key in self._turns:
             raise TurnInProgressError(
-                f"{self.instance_id}: session {capture_key} has a turn in flight; finish "
-                f"the turn before closing the session")
-        record = self._session_by_key(capture_key)
-        self._drop(capture_key)
-        return record
+                f"{self.instance_id}: session {held.capture_key} has a turn in flight; "
+                f"finish the turn before closing the session")
+        self._table.drop(held.rollout_id)
+        return held.record(self.instance_id)
 
     # --- ledger operations (from RL, through the coordinator) ------------------------
 
@@ -559,11 +556,11 @@ class SessionHolder:
             self._check_episode(ep)
             mark = max(ep.attempt, self._retired.pop(ep.rollout_id, -1))
             self._retired[ep.rollout_id] = mark
-            key = self._live_rollouts.get(ep.rollout_id)
-            if key is not None and self._sessions[key].episode.attempt <= mark:
-                self._turns.pop(key, None)  # its in-flight turn can no longer commit
-                self._drop(key)
-                dropped.append(key)
+            held = self._table.of_rollout(ep.rollout_id)
+            if held is not None and held.attempt <= mark:
+                self._turns.pop(held.capture_key, None)  # it can no longer commit
+                self._table.drop(held.rollout_id)
+                dropped.append(held.capture_key)
         while len(self._retired) > self._max_retired_marks:
             rollout_id, _ = self._retired.popitem(last=False)
             log.warning("%s: more than %d retire marks; forgetting the oldest (%s)",
@@ -580,11 +577,10 @@ class SessionHolder:
             self._check_episode(ep)
             if self._retired.get(ep.rollout_id, -1) <= ep.attempt:
                 self._retired.pop(ep.rollout_id, None)
-            key = ep.capture_key
-            if key in self._sessions and self._sessions[key].episode == ep:
-                self._turns.pop(key, None)
-                self._drop(key)
-                dropped.append(key)
+            if self._table.get(ep) is not None:
+                self._turns.pop(ep.capture_key, None)
+                self._table.drop(ep.rollout_id)
+                dropped.append(ep.capture_key)
         await self._notify_turn_done()
         return dropped
 
@@ -617,7 +613,7 @@ class SessionHolder:
                                    len(self._turns))
             tags = {"instance": self.instance_id}
             self._metrics.observe("drain", op.pause.drain_seconds, tags)
-            self._metrics.set_gauge("sessions", float(len(self._sessions)), tags)
+            self._metrics.set_gauge("sessions", float(len(self._table)), tags)
         return op.pause
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
@@ -665,18 +661,21 @@ class SessionHolder:
         if op.capture_report is not None:
             return op.capture_report
         start = self._clock.monotonic()
-        # Records are immutable: a shallow copy is a consistent, cheap capture.
-        keys = [k for k in self._sessions if k not in self._turns] if self._turns \
-            else list(self._sessions)
-        mid_turn = [self._sessions[k] for k in self._turns if k in self._sessions]
-        op.capture = [self._sessions[k] for k in keys]
+        # Held sessions are immutable (a turn replaces its session's): a list of them is
+        # a consistent, cheap capture, and their rows are the report.
+        held = list(self._table)
+        mid_turn = [h for h in held if h.capture_key in self._turns] if self._turns else []
+        if mid_turn:
+            busy = set(map(id, mid_turn))
+            held = [h for h in held if id(h) not in busy]
+        op.capture = held
         op.capture_report = CaptureReport(
             instance_id=self.instance_id,
-            captured_msgpack=join_captured([self._capture_rows[k] for k in keys]),
-            captured_count=len(keys),
-            restarting=tuple((r.episode.rollout_id, r.episode.attempt) for r in mid_turn),
+            captured_msgpack=join_captured([h.row for h in held]),
+            captured_count=len(held),
+            restarting=tuple((h.rollout_id, h.attempt) for h in mid_turn),
             capture_seconds=self._clock.monotonic() - start,
-            state_bytes=self._state_bytes - sum(len(r.state) for r in mid_turn),
+            state_bytes=self._table.held_bytes - sum(h.size for h in mid_turn),
         )
         return op.capture_report
 
@@ -751,33 +750,48 @@ class SessionHolder:
         self._set_state(Restoring(op, self._clock.monotonic() + lease_s))
         try:
             await self._injected_delay("prepare_restore")
-            records: list[SessionRecord] = []
+            pending: list[Held] = []
+            shard_sessions = []
+            keys: set[str] = set()
             read = 0
             for entry in shards:
                 if entry.instance_id != self.instance_id:
                     raise HolderStateError(
                         f"{self.instance_id}: asked to restore shard {entry.file} of "
                         f"{entry.instance_id}")
-                records += await self._runtime.run_blocking(read_shard, Path(directory),
-                                                            entry)
+                parts = await self._runtime.run_blocking(load_shard, Path(directory), entry)
                 read += entry.bytes
                 self._current_restore(restore_id)  # ended while reading?
-            conflicts = sorted(r.episode.rollout_id for r in records
-                               if r.episode.rollout_id in self._live_rollouts)
+                try:
+                    with collector_paused():
+                        held = [Held.continued(row, turns, state) for row, turns, state
+                                in zip(parts.rows, parts.turns, parts.states, strict=True)]
+                        for row in parts.rows:
+                            keys.update(row[2])
+                        pairs = [row[:2] for row in parts.rows]
+                except ValueError as exc:
+                    raise ShardCorruptedError(
+                        Path(directory) / entry.file,
+                        f"shard {Path(directory) / entry.file} matches its hash but a "
+                        f"session in it does not decode ({exc}): restore an earlier "
+                        f"checkpoint") from exc
+                pending += held
+                shard_sessions.append((entry.file, msgpack.packb(pairs, use_bin_type=True)))
+            conflicts = sorted(h.rollout_id for h in pending
+                               if self._table.of_rollout(h.rollout_id) is not None)
             if conflicts:
                 raise RestoreConflictError(
-                    f"{self.instance_id}: cannot restore rollouts {conflicts}: sessions of "
-                    f"them are live here; retire or close them first, or restore into a "
-                    f"fresh job")
+                    f"{self.instance_id}: cannot restore rollouts {conflicts[:10]}"
+                    f"{' ...' if len(conflicts) > 10 else ''}: sessions of them are live "
+                    f"here; retire or close them first, or restore into a fresh job")
             op = self._current_restore(restore_id)
-            op.pending = [r.continued() for r in records]
+            op.pending = pending
             prepared = RestorePrepared(
                 instance_id=self.instance_id,
-                continued=tuple((r.episode.rollout_id, r.episode.attempt) for r in records),
-                staging_keys=frozenset().union(*(r.staging_keys for r in records)),
+                staging_keys=frozenset(keys),
                 bytes_read=read,
-                live_rollouts=tuple(sorted(self._live_rollouts)),
-                shard_sessions=_sessions_by_shard(shards, records),
+                shard_sessions=tuple(shard_sessions),
+                live_rollouts=msgpack.packb(self._table.rollouts(), use_bin_type=True),
             )
             op.prepared.set_result(prepared)
             return prepared
@@ -802,55 +816,35 @@ class SessionHolder:
                 f"{self.instance_id}: commit of restore {restore_id} before it was prepared")
         await self._injected_delay("commit_restore")
         op = self._current_restore(restore_id)
-        for record in op.pending:
-            if record.episode.rollout_id in self._live_rollouts:
+        for held in op.pending:
+            if self._table.of_rollout(held.rollout_id) is not None:
                 raise RestoreConflictError(
-                    f"{self.instance_id}: rollout {record.episode.rollout_id!r} went live "
-                    f"during the restore")
-        for record in op.pending:
-            self._put(record)
-        self._undo = (restore_id, tuple(r.episode.capture_key for r in op.pending))
+                    f"{self.instance_id}: rollout {held.rollout_id!r} went live during the "
+                    f"restore")
+        for held in op.pending:
+            self._table.put(held)
+        self._undo = (restore_id, tuple(h.rollout_id for h in op.pending))
         self._end_operation(Outcome.COMMITTED)
         self._heap.request()
         return len(op.pending)
 
     # --- internals ------------------------------------------------------------------
 
-    def _put(self, record: SessionRecord) -> None:
-        """Store a new or changed session, and its capture report entry. Everything that
-        can fail runs before anything changes."""
-        ep = record.episode
-        row = encode_captured_session(
-            (ep.rollout_id, ep.attempt, sorted(record.staging_keys), len(record.turns)))
-        key = ep.capture_key
-        old = self._sessions.get(key)
-        self._state_bytes += len(record.state) - (len(old.state) if old else 0)
-        self._sessions[key] = record
-        self._capture_rows[key] = row
-        self._live_rollouts[ep.rollout_id] = key
-
-    def _drop(self, key: str) -> None:
-        record = self._sessions.pop(key)
-        del self._capture_rows[key]
-        self._state_bytes -= len(record.state)
-        self._live_rollouts.pop(record.episode.rollout_id, None)
-
-    def _session(self, episode: EnvironmentEpisode) -> SessionRecord:
-        self._refuse_retired(episode)
-        record = self._sessions.get(episode.capture_key)
-        if record is None or record.episode != episode:
+    def _held(self, episode: EnvironmentEpisode | str) -> Held:
+        """The live session of ``episode`` (or with that capture key), or a refusal."""
+        if isinstance(episode, str):
+            held = self._table.by_capture_key(episode)
+            key = episode
+        else:
+            self._check_episode(episode)
+            self._refuse_retired(episode)
+            held = self._table.get(episode)
+            key = episode.capture_key
+        if held is None:
             raise SessionNotFoundError(
-                f"{self.instance_id}: no live session {episode.capture_key!r}; open it "
-                f"first, or connect to the instance that holds it")
-        return record
-
-    def _session_by_key(self, capture_key: str) -> SessionRecord:
-        record = self._sessions.get(capture_key)
-        if record is None:
-            raise SessionNotFoundError(
-                f"{self.instance_id}: no live session {capture_key!r}; open it first, or "
-                f"connect to the instance that holds it")
-        return record
+                f"{self.instance_id}: no live session {key!r}; open it first, or connect "
+                f"to the instance that holds it")
+        return held
 
     def _refuse_retired(self, episode: EnvironmentEpisode) -> None:
         mark = self._retired.get(episode.rollout_id)
@@ -904,14 +898,14 @@ class SessionHolder:
             raise HolderBusyError(self._busy_message(what))
 
     async def _persist(self, op: _SnapshotOp, directory: Path,
-                       records: list[SessionRecord]) -> PersistReport:
+                       records: list[Held]) -> PersistReport:
         start = self._clock.monotonic()
         await self._injected_delay("persist")
         shards: tuple[ShardEntry, ...] = ()
         if records:
             name = shard_file_name(op.id, self.instance_id)
             entry = await self._runtime.run_blocking(
-                write_shard, directory, name, self.instance_id, records)
+                write_held_shard, directory, name, self.instance_id, records)
             if self._operation() is not op and op.id not in self._released \
                     and self._history.outcome(op.id) is not Outcome.COMMITTED:
                 # Aborted or lapsed while the thread wrote: the file must not outlive it.
@@ -962,15 +956,14 @@ class SessionHolder:
             self._heap_state_seen = self._state.value
 
 
-def _sessions_by_shard(shards: list[ShardEntry], records: list[SessionRecord]
-                       ) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
-    """``(shard file, ((rollout_id, attempt), ...))`` per shard, in the order read (each
-    shard's sessions follow the previous shard's: ``entry.sessions`` of them)."""
-    out = []
-    k = 0
-    for entry in shards:
-        part = records[k:k + entry.sessions]
-        k += entry.sessions
-        out.append((entry.file, tuple((r.episode.rollout_id, r.episode.attempt)
-                                      for r in part)))
-    return tuple(out)
+def write_held_shard(directory: Path, name: str, instance_id: str,
+                     held: list[Held]) -> ShardEntry:
+    """Write captured sessions as one shard, from their bytes as held."""
+    return write_shard_parts(directory, name, instance_id, [h.row for h in held],
+                             [h.turns for h in held], [h.state for h in held])
+
+
+def load_shard(directory: Path, entry: ShardEntry) -> ShardParts:
+    """``read_shard_parts`` with the collector paused while the index is decoded."""
+    with collector_paused():
+        return read_shard_parts(directory, entry)

@@ -892,7 +892,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="two points only: 4h x 10k x 1KiB and 4h x 1k x 64KiB")
+                   help="two points only: 4h x 10k x 1KiB and 4h x 1k x 64KiB, then the "
+                        "quick scale series (10k and 100k sessions, 64 instances at 20k)")
+    p.add_argument("--scale", action="store_true",
+                   help="the scale series only (benchmarks/scale.py): 4 holders at 10k, "
+                        "100k, 150k and 1M sessions of 1 KiB, 64 instances at 100k, the "
+                        "cut check at 10k-1M x 16 keys, a turn's overhead")
     p.add_argument("--holders", default=",".join(map(str, FULL_HOLDERS)),
                    help="comma-separated holder counts (= nodes) of the full grid")
     p.add_argument("--sessions", default=",".join(map(str, FULL_SESSIONS)),
@@ -966,7 +971,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format="%(message)s")
     logging.getLogger("nemo_ckpt").setLevel(logging.WARNING)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    points = grid(args)
+    points = [] if args.scale else grid(args)
     # Nodes are only ever added, so run the grid in increasing holder count.
     points.sort(key=lambda p: p[0])
     own_dir = args.dir is None
@@ -983,17 +988,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         cluster = LocalCluster(args.object_store_mb * MiB)
         print(f"local Ray cluster up in {time.perf_counter() - t:.1f} s", flush=True)
         results = asyncio.run(run_points(points, cluster, args, workdir))
+        scale = None
+        if args.scale or args.quick:
+            from scale import run_scale
+
+            cluster.grow_to(4)
+            pool = random.Random(args.seed).randbytes(64 * MiB)
+            scale = asyncio.run(run_scale(args.quick, workdir, pool, 3))
     finally:
         if cluster is not None:
             cluster.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
     crash = crash_cost_table(slots=64, rollouts=512, turns=16, ks=(1, 2, 4, 8),
                              trials=args.crash_trials, seed=args.seed, sigma=0.6)
-    targets = check_targets(results)
+    targets = check_targets(results) if results else []
+    if scale is not None:
+        from scale import format_scale, scale_targets
+
+        targets += scale_targets(scale)
     print()
-    print(format_points(results))
-    print()
+    if results:
+        print(format_points(results))
+        print()
     print(format_crash_table(crash))
+    if scale is not None:
+        print()
+        print(format_scale(scale))
     print()
     print("targets:")
     for t_ in targets:
@@ -1004,11 +1024,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json is not None or args.markdown is not None:
         doc = {
             "points": results,
+            "scale": scale,
             "crash_cost": crash,
             "targets": targets,
             "run": {
                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "quick": args.quick, "repeats": args.repeats, "cold_reads": args.cold_reads,
+                "quick": args.quick, "scale": args.scale, "repeats": args.repeats,
+                "cold_reads": args.cold_reads,
                 "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "cpus": os.cpu_count(), "python": platform.python_version(),
                 "ray": ray.__version__, "platform": platform.platform(),

@@ -31,13 +31,18 @@ from nemo_ckpt.manifest import (
     ENVIRONMENT_DIR,
     MANIFEST_NAME,
     Manifest,
-    RolloutEntry,
     rollouts_by_shard,
     shard_problems,
 )
 from nemo_ckpt.options import non_empty, positive_float
 from nemo_ckpt.phases import HolderInfo
-from nemo_ckpt.storage import environment_dir, read_manifest, read_shard
+from nemo_ckpt.storage import (
+    RolloutIndexEntry,
+    environment_dir,
+    read_manifest,
+    read_shard,
+    snapshot_rollouts,
+)
 
 __all__ = [
     "main",
@@ -70,7 +75,7 @@ def _instance_key(instance_id: str) -> tuple[int, str]:
     return (int(tail), head) if tail.isdigit() else (1 << 30, instance_id)
 
 
-def _rollout_key(r: RolloutEntry) -> tuple[tuple[int, str], str]:
+def _rollout_key(r: RolloutIndexEntry) -> tuple[tuple[int, str], str]:
     return _instance_key(r.instance_id), r.rollout_id
 
 
@@ -111,14 +116,17 @@ def _read_error(command: str, path: Path, error: SnapshotReadError) -> str:
 def snapshot_summary(checkpoint_path: Path | str, manifest: Manifest) -> dict[str, Any]:
     """What ``inspect`` shows, as plain JSON types: rollouts and shards by instance.
 
-    Built from the manifest alone, so a snapshot with damaged shards can still be
-    inspected; ``verify`` reads the shards.
+    Built from the manifest and the shards' indexes (format 3; a format-2 manifest lists
+    the rollouts itself), read without the sessions' bytes and without verifying
+    hashes, so a snapshot with damaged shards can still be inspected (a shard whose
+    index does not read is listed in ``unreadable_shards``); ``verify`` checks it all.
     """
     by_instance: dict[str, dict[str, Any]] = {
         i: {"instance_id": i, "rollouts": [], "shards": [], "turns": 0, "bytes": 0}
         for i in manifest.instances
     }
-    for r in sorted(manifest.rollouts, key=_rollout_key):
+    rollouts, unreadable = snapshot_rollouts(checkpoint_path, manifest)
+    for r in sorted(rollouts, key=_rollout_key):
         inst = by_instance[r.instance_id]
         inst["rollouts"].append({
             "rollout_id": r.rollout_id, "attempt": r.attempt, "turns": r.turns,
@@ -135,10 +143,11 @@ def snapshot_summary(checkpoint_path: Path | str, manifest: Manifest) -> dict[st
         "snapshot_id": manifest.snapshot_id,
         "format_version": manifest.format_version,
         "created_at": manifest.created_at.isoformat(),
-        "captured_rollouts": len(manifest.rollouts),
+        "captured_rollouts": manifest.sessions,
         "restarted_rollouts": manifest.restarted_rollouts,
         "bytes": sum(s.bytes for s in manifest.shards),
         "instances": [by_instance[i] for i in sorted(by_instance, key=_instance_key)],
+        "unreadable_shards": dict(sorted(unreadable.items())),
         "metrics": dict(sorted(manifest.metrics.items())),
     }
 
@@ -177,6 +186,8 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
                          for inst, s in shards])
     else:
         lines.append("no shards (the backend held no rollouts)")
+    for file, why in summary.get("unreadable_shards", {}).items():
+        lines.append(f"shard {file}: its index does not read ({why}); run verify")
     lines.append("")
     if summary["metrics"]:
         lines += _table(("METRIC", "VALUE"),
@@ -245,16 +256,20 @@ def verify_snapshot(checkpoint_path: Path | str) -> VerifyReport:
     report.manifest = manifest
     directory = environment_dir(path)
     listed = rollouts_by_shard(manifest)
+    seen: dict[str, str] = {}  # rollout id -> the shard that holds it
     for shard in manifest.shards:
         try:
             records = read_shard(directory, shard)
         except SnapshotReadError as exc:
             report.shards[shard.file] = [_one_line(exc)]
             continue
+        pairs = [(r.episode.rollout_id, r.episode.attempt) for r in records]
         problems = shard_problems(
-            listed.get(shard.file, {}),
-            ((r.episode.rollout_id, r.episode.attempt) for r in records),
+            None if listed is None else listed.get(shard.file, {}), pairs,
             str(directory / shard.file))
+        problems += [f"rollout {rid!r} is in two shards, {seen[rid]} and {shard.file}; "
+                     f"restore an earlier checkpoint" for rid, _ in pairs if rid in seen]
+        seen.update((rid, shard.file) for rid, _ in pairs)
         report.shards[shard.file] = problems or None
     for found in report.shards.values():
         report.problems += found or []
@@ -273,7 +288,7 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     print(f"verifying snapshot {m.snapshot_id} at {environment_dir(path)}", file=out)
     rows: list[tuple[object, ...]] = [
         (MANIFEST_NAME, "ok", f"format {m.format_version}, {len(m.instances)} instances, "
-                              f"{len(m.rollouts)} rollouts, {len(m.shards)} shards")]
+                              f"{m.sessions} rollouts, {len(m.shards)} shards")]
     for s in sorted(m.shards, key=lambda s: (_instance_key(s.instance_id), s.file)):
         verdict = "ok" if report.shards.get(s.file) is None else "FAILED"
         rows.append((s.file, verdict, f"{s.instance_id}, {s.bytes} bytes, "
@@ -283,7 +298,7 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if report.ok:
         total = sum(s.bytes for s in m.shards)
         print(f"OK: snapshot {m.snapshot_id} is intact: {len(m.shards)} shards, {total} "
-              f"bytes, {len(m.rollouts)} rollouts verified", file=out)
+              f"bytes, {m.sessions} rollouts verified", file=out)
         return 0
     out.flush()
     print(f"FAILED: snapshot {m.snapshot_id} has {len(report.problems)} problem(s); a "
@@ -306,9 +321,9 @@ class SnapshotDiff:
 
     a: Manifest
     b: Manifest
-    added: tuple[RolloutEntry, ...]
-    finished: tuple[RolloutEntry, ...]
-    continued: tuple[tuple[RolloutEntry, RolloutEntry], ...]
+    added: tuple[RolloutIndexEntry, ...]
+    finished: tuple[RolloutIndexEntry, ...]
+    continued: tuple[tuple[RolloutIndexEntry, RolloutIndexEntry], ...]
 
     @property
     def turns_advanced(self) -> int:
@@ -316,10 +331,12 @@ class SnapshotDiff:
         return sum(b.turns - a.turns for a, b in self.continued)
 
 
-def diff_manifests(a: Manifest, b: Manifest) -> SnapshotDiff:
-    """Compare two snapshots' manifests."""
-    in_a = {r.rollout_id: r for r in a.rollouts}
-    in_b = {r.rollout_id: r for r in b.rollouts}
+def diff_manifests(a: Manifest, b: Manifest, rollouts_a: list[RolloutIndexEntry],
+                   rollouts_b: list[RolloutIndexEntry]) -> SnapshotDiff:
+    """Compare two snapshots, given their manifests and their rollouts
+    (``snapshot_rollouts``)."""
+    in_a = {r.rollout_id: r for r in rollouts_a}
+    in_b = {r.rollout_id: r for r in rollouts_b}
     return SnapshotDiff(
         a=a, b=b,
         added=tuple(sorted((r for k, r in in_b.items() if k not in in_a), key=_rollout_key)),
@@ -368,13 +385,22 @@ def _render_diff(diff: SnapshotDiff, path_a: Path, path_b: Path) -> list[str]:
 
 def _cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     manifests = []
+    rollouts = []
     for path in (Path(args.a), Path(args.b)):
         try:
-            manifests.append(read_manifest(path))
+            manifest = read_manifest(path)
         except SnapshotReadError as exc:
             print(_read_error("diff", path, exc), file=err)
             return 1
-    diff = diff_manifests(*manifests)
+        found, unreadable = snapshot_rollouts(path, manifest)
+        if unreadable:
+            file, why = next(iter(sorted(unreadable.items())))
+            print(f"{PROG} diff: error: shard {file} of {path} does not read: "
+                  f"{_one_line(SnapshotReadError(path, why))}; run verify", file=err)
+            return 1
+        manifests.append(manifest)
+        rollouts.append(found)
+    diff = diff_manifests(manifests[0], manifests[1], rollouts[0], rollouts[1])
     out.write("\n".join(_render_diff(diff, Path(args.a), Path(args.b))) + "\n")
     return 0
 

@@ -6,10 +6,14 @@ On disk::
     <checkpoint_path>/environment/<shard files>   # msgpack, one or more per holder
 
 The manifest is JSON, validated by the pydantic models below. It carries each shard's
-byte length and content hash, so a restore verifies every byte before it installs anything.
+byte length, content hash and session count, so a restore verifies every byte before it
+installs anything.
 
-Format versions: 2 (written) names each shard's hash with its algorithm, XXH3-128 by
-default; 1 (still read) carried a bare SHA-256 per shard, read as ``sha256:<hex>``.
+Format versions: 3 (written) lists no rollouts: each shard holds its own index (one row
+per session, ``nemo_ckpt.storage``), so the manifest stays a few kilobytes at a million
+rollouts. 2 (still read) listed every rollout and the shard that holds it, and named
+each shard's hash with its algorithm (XXH3-128 by default); 1 (still read) carried a
+bare SHA-256 per shard, read as ``sha256:<hex>``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import json.encoder
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, Literal
@@ -39,18 +42,15 @@ __all__ = [
     "upgrade_v1",
     "check_consistency",
     "check_shards",
-    "encode_rollouts",
     "encode_manifest",
-    "EncodedRollouts",
-    "RolloutRow",
     "shard_file_name",
     "rollouts_by_shard",
     "shard_problems",
     "safe_name_part",
 ]
 
-FORMAT_VERSION: Literal[2] = 2
-SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
+FORMAT_VERSION: Literal[3] = 3
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3})
 ENVIRONMENT_DIR = "environment"
 MANIFEST_NAME = "manifest.json"
 SHARD_PREFIX = "shard-"
@@ -117,22 +117,36 @@ class RolloutEntry(_Model):
 class Manifest(_Model):
     """A committed environment snapshot. Written last; its presence means complete."""
 
-    format_version: Literal[1, 2] = Field(description="Version of this on-disk format.")
+    format_version: Literal[1, 2, 3] = Field(description="Version of this on-disk format.")
     snapshot_id: str = Field(min_length=1, description="Id carried by every phase.")
     created_at: datetime = Field(description="When the snapshot was committed (UTC).")
     instances: list[str] = Field(
         description="Every instance that took part, including those that held nothing."
     )
     shards: list[ShardEntry] = Field(description="Every shard file of the snapshot.")
-    rollouts: list[RolloutEntry] = Field(description="Every captured rollout.")
+    rollouts: list[RolloutEntry] = Field(
+        default_factory=list,
+        description="Every captured rollout (formats 1 and 2; format 3 keeps them in each "
+                    "shard's index).")
     restarted_rollouts: int = Field(ge=0, description="Rollouts held but not captured.")
     metrics: dict[str, float] = Field(description="The snapshot's metrics, as logged.")
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
-        check_consistency(self.instances, self.shards,
-                          ((r.rollout_id, r.instance_id, r.shard) for r in self.rollouts))
+        if self.format_version >= 3:
+            if self.rollouts:
+                raise ValueError("a format-3 manifest lists no rollouts: each shard holds "
+                                 "its own index")
+            check_shards(self.instances, self.shards, None)
+        else:
+            check_consistency(self.instances, self.shards,
+                              ((r.rollout_id, r.instance_id, r.shard) for r in self.rollouts))
         return self
+
+    @property
+    def sessions(self) -> int:
+        """How many sessions the snapshot holds (the shards' counts)."""
+        return sum(s.sessions for s in self.shards)
 
 
 def check_consistency(instances: Iterable[str], shards: Iterable[ShardEntry],
@@ -153,15 +167,20 @@ def check_consistency(instances: Iterable[str], shards: Iterable[ShardEntry],
 
 
 def check_shards(instances: Iterable[str], shards: Iterable[ShardEntry],
-                 per_shard: Mapping[tuple[str, str], int]) -> None:
+                 per_shard: Mapping[tuple[str, str], int] | None) -> None:
     """Raise ValueError unless the shards fit the rollouts that name them
-    (``per_shard``: rollouts per ``(shard file, instance_id)``): no shard listed twice,
-    every rollout in a known shard of its own instance, each shard's session count equal
-    to the rollouts naming it, and every shard's instance listed in ``instances``."""
+    (``per_shard``: rollouts per ``(shard file, instance_id)``; None for a format that
+    keeps rollouts in the shards): no shard listed twice, every rollout in a known shard
+    of its own instance, each shard's session count equal to the rollouts naming it,
+    and every shard's instance listed in ``instances``."""
     shards = list(shards)
     files = Counter(s.file for s in shards)
     if dup := sorted(f for f, n in files.items() if n > 1):
         raise ValueError(f"shard files listed twice: {dup}")
+    if per_shard is None:
+        if missing := sorted({s.instance_id for s in shards} - set(instances)):
+            raise ValueError(f"shards of instances not listed in instances: {missing}")
+        return
     shard_of = {s.file: s for s in shards}
     per_file: Counter[str] = Counter()
     for (file, instance_id), n in sorted(per_shard.items()):
@@ -180,59 +199,14 @@ def check_shards(instances: Iterable[str], shards: Iterable[ShardEntry],
         raise ValueError(f"shards of instances not listed in instances: {missing}")
 
 
-_esc = json.encoder.encode_basestring_ascii  # a JSON string literal, escaped, in C
-
-# (instance_id, rollout_id, attempt, turns, sorted staging_keys, shard) of one rollout.
-RolloutRow = tuple[str, str, int, int, list[str], str]
-
-
-@dataclass(frozen=True)
-class EncodedRollouts:
-    """A manifest's rollouts, JSON-encoded ahead of the commit (``encode_rollouts``)."""
-
-    json: bytes  # the JSON array of the rollout objects
-    count: int
-    per_shard: dict[tuple[str, str], int]  # (shard file, instance_id) -> rollouts
-
-
-def encode_rollouts(rollouts: list[RolloutRow]) -> EncodedRollouts:
-    """Encode the manifest's rollouts from plain rows; ValueError on a rollout listed
-    twice (captured by two instances).
-
-    The commit's slow part, done while the shards are still being written: a pydantic
-    model per rollout cost ~3-15 us each (30-150 ms at 10k rollouts, every holder
-    paused); plain rows and ``json.dumps`` cost a tenth, off the pause's critical path.
-    """
-    ids = [r[1] for r in rollouts]
-    if len(set(ids)) != len(ids):
-        twice = sorted(i for i, n in Counter(ids).items() if n > 1)
-        raise ValueError(
-            f"rollouts listed twice: {twice}: each was captured by more than one "
-            f"instance, so the same rollout runs on two holders; retire the extra "
-            f"attempt, and check snapshots against the data-plane cut, which names them")
-    # One f-string per row with C-escaped strings: a dict per row through json.dumps
-    # took 2-3x longer. The field names are RolloutEntry's (a round-trip test holds it).
-    text = ",".join([
-        f'{{"instance_id":{_esc(inst)},"rollout_id":{_esc(rid)},"attempt":{attempt:d},'
-        f'"turns":{turns:d},"staging_keys":[{",".join(map(_esc, keys))}],'
-        f'"shard":{_esc(shard)}}}'
-        for inst, rid, attempt, turns, keys, shard in rollouts])
-    return EncodedRollouts(
-        json=f"[{text}]".encode(), count=len(rollouts),
-        per_shard=dict(Counter((r[5], r[0]) for r in rollouts)))
-
-
 def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[str],
-                    shards: list[ShardEntry], rollouts: EncodedRollouts,
-                    restarted_rollouts: int, metrics: dict[str, float]) -> bytes:
-    """The JSON of a current-version ``Manifest`` around rollouts encoded beforehand.
-
-    ``check_shards`` runs as it does for a ``Manifest`` (the rows were checked for
-    duplicates when encoded), and ``Manifest.model_validate_json`` reads the result
-    (tested).
-    """
-    check_shards(instances, shards, rollouts.per_shard)
-    head = json.dumps({
+                    shards: list[ShardEntry], restarted_rollouts: int,
+                    metrics: dict[str, float]) -> bytes:
+    """The JSON of a current-version ``Manifest``: a few kilobytes, whatever the number
+    of rollouts (they are in the shards' indexes). ``Manifest.model_validate_json`` reads
+    it back (tested)."""
+    check_shards(instances, shards, None)
+    return json.dumps({
         "format_version": FORMAT_VERSION,
         "snapshot_id": snapshot_id,
         "created_at": created_at.isoformat(),
@@ -240,28 +214,28 @@ def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[s
         "shards": [s.model_dump() for s in shards],
         "restarted_rollouts": restarted_rollouts,
         "metrics": metrics,
-        "rollouts": None,
     }, separators=(",", ":"), allow_nan=False).encode()
-    tail = b'"rollouts":null}'
-    assert head.endswith(tail)
-    return head[:-len(tail)] + b'"rollouts":' + rollouts.json + b"}"
 
 
-def rollouts_by_shard(manifest: Manifest) -> dict[str, dict[str, int]]:
-    """For each shard file, the rollouts its manifest lists there and their attempts."""
+def rollouts_by_shard(manifest: Manifest) -> dict[str, dict[str, int]] | None:
+    """For each shard file, the rollouts its manifest lists there and their attempts;
+    None for a format-3 manifest, which lists none (each shard holds its index)."""
+    if manifest.format_version >= 3:
+        return None
     listed: dict[str, dict[str, int]] = {s.file: {} for s in manifest.shards}
     for r in manifest.rollouts:
         listed.setdefault(r.shard, {})[r.rollout_id] = r.attempt
     return listed
 
 
-def shard_problems(listed: Mapping[str, int], sessions: Iterable[tuple[str, int]],
+def shard_problems(listed: Mapping[str, int] | None, sessions: Iterable[tuple[str, int]],
                    where: str) -> list[str]:
-    """What is wrong with the sessions a shard holds, ``(rollout_id, attempt)`` each,
-    against ``listed`` (its manifest's rollouts there, from ``rollouts_by_shard``): a
-    rollout held twice, one the manifest does not list there (or lists at another
-    attempt), one it lists but the shard lacks. The one check a restore and ``nemo-ckpt
-    verify`` both make, so a crafted shard cannot make two sessions of a rollout live."""
+    """What is wrong with the sessions a shard holds, ``(rollout_id, attempt)`` each: a
+    rollout held twice; and against ``listed`` (its manifest's rollouts there, from
+    ``rollouts_by_shard``; None for format 3, whose manifest lists none), one the manifest
+    does not list there (or lists at another attempt), one it lists but the shard lacks.
+    The one check a restore and ``nemo-ckpt verify`` both make, so a crafted shard cannot
+    make two sessions of a rollout live."""
     problems: list[str] = []
     seen: set[str] = set()
     for rollout_id, attempt in sessions:
@@ -269,11 +243,11 @@ def shard_problems(listed: Mapping[str, int], sessions: Iterable[tuple[str, int]
         if rollout_id in seen:
             problems.append(f"shard {where} holds rollout {rollout_id!r} twice; restore an "
                             f"earlier checkpoint")
-        elif listed.get(rollout_id) != attempt:
+        elif listed is not None and listed.get(rollout_id) != attempt:
             problems.append(f"shard {where} holds {key}, which its manifest does not list "
                             f"there; restore an earlier checkpoint")
         seen.add(rollout_id)
-    if missing := sorted(set(listed) - seen):
+    if listed is not None and (missing := sorted(set(listed) - seen)):
         problems.append(f"shard {where} lacks rollouts its manifest lists there: "
                         f"{', '.join(missing)}; restore an earlier checkpoint")
     return problems

@@ -108,7 +108,7 @@ class CaptureReport:
     captured_count: int
     restarting: tuple[tuple[str, int], ...]
     capture_seconds: float
-    state_bytes: int
+    state_bytes: int  # of the captured sessions as held: turn records and states
 
     def rows(self) -> list[list[Any]]:
         """The captured sessions as msgpack decodes them, ``[rollout_id, attempt,
@@ -119,8 +119,7 @@ class CaptureReport:
 
     def captured(self) -> list[CapturedSession]:
         """The captured sessions, decoded."""
-        return [(rid, att, keys, turns) for rid, att, keys, turns
-                in msgpack.unpackb(self.captured_msgpack, raw=False, use_list=True)]
+        return [(row[0], row[1], row[2], row[3]) for row in self.rows()]
 
 
 @dataclass(frozen=True)
@@ -135,13 +134,28 @@ class PersistReport:
 
 @dataclass(frozen=True)
 class RestorePrepared:
-    """One holder's verified, not yet live, restore."""
+    """One holder's verified, not yet live, restore.
+
+    What each shard holds ships as msgpack bytes, ``[[rollout_id, captured attempt],
+    ...]`` per shard, and the holder's live rollouts as one msgpack list: one ``bytes``
+    each, however many sessions, decoded only where they are used."""
 
     instance_id: str
-    continued: tuple[tuple[str, int], ...]  # (rollout_id, captured attempt)
     staging_keys: frozenset[str] = field(default_factory=frozenset)
     bytes_read: int = 0
-    live_rollouts: tuple[str, ...] = ()  # rollouts live on the holder, for conflicts
-    # (shard file, ((rollout_id, attempt), ...)) per shard read: what each shard holds,
-    # which the coordinator checks against the manifest before anything goes live.
-    shard_sessions: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
+    shard_sessions: tuple[tuple[str, bytes], ...] = ()
+    live_rollouts: bytes = b"\x90"  # the rollouts live on the holder now, for conflicts
+
+    def sessions_by_shard(self) -> list[tuple[str, list[tuple[str, int]]]]:
+        """``(shard file, [(rollout_id, captured attempt), ...])`` per shard read."""
+        return [(file, [(rid, att) for rid, att in msgpack.unpackb(data, raw=False)])
+                for file, data in self.shard_sessions]
+
+    def continued(self) -> list[tuple[str, int]]:
+        """``(rollout_id, captured attempt)`` of every session it will make live."""
+        return [pair for _, pairs in self.sessions_by_shard() for pair in pairs]
+
+    def live(self) -> list[str]:
+        """The rollouts live on the holder when it prepared."""
+        live: list[str] = msgpack.unpackb(self.live_rollouts, raw=False)
+        return live

@@ -12,10 +12,14 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.transport import Actor, Transport
 
-__all__ = ["SessionRecord", "SessionClient", "Turn", "check_staging_keys"]
+__all__ = ["SessionRecord", "SessionClient", "Turn", "check_staging_keys", "encode_row",
+           "encode_turns", "body_head", "bin_header", "record_parts", "record_of",
+           "NO_TURNS"]
 
 
 def check_staging_keys(staging_keys: Iterable[str], where: str) -> frozenset[str]:
@@ -115,6 +119,82 @@ class SessionRecord:
             staging_keys=frozenset(keys),
             earlier_capture_keys=tuple(earlier),
         )
+
+
+# --- a session as holders keep it and shards store it (format 3) ---------------------------
+#
+# row:    msgpack [rollout_id, attempt, [staging keys, sorted], turns, [earlier keys]]
+#         what a capture reports, and the shard's index entry: small, read without the
+#         session's bytes
+# turns:  msgpack [turn record, ...]: the turn records, kept encoded
+# state:  the environment's state, the bytes object as it arrived
+# A shard stores a session's body as the msgpack array [turns, state]: its turns blob,
+# then the state as a bin object, so a holder writes and reads it without re-encoding.
+
+NO_TURNS = b"\x90"  # msgpack's empty array: the turns of a session just opened
+
+
+def encode_row(rollout_id: str, attempt: int, staging_keys: Iterable[str], turns: int,
+               earlier_capture_keys: Iterable[str]) -> bytes:
+    """A session's row (see above)."""
+    return _PACK([rollout_id, attempt, sorted(staging_keys), turns,
+                  list(earlier_capture_keys)])
+
+
+def encode_turns(turns: Iterable[bytes]) -> bytes:
+    """A session's turns blob (see above)."""
+    turns = list(turns)
+    return _PACK(turns) if turns else NO_TURNS
+
+
+def body_head(turns_blob: bytes, state_length: int) -> bytes:
+    """What precedes the state in a session's body: the array header, the turns blob,
+    the state's bin header."""
+    return b"\x92" + turns_blob + bin_header(state_length)
+
+
+def bin_header(n: int) -> bytes:
+    """msgpack's header of a bin object of ``n`` bytes (bin 8, 16 or 32)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def record_parts(record: SessionRecord) -> tuple[bytes, bytes, bytes]:
+    """``(row, turns blob, state)`` of ``record``."""
+    ep = record.episode
+    return (encode_row(ep.rollout_id, ep.attempt, record.staging_keys, len(record.turns),
+                       record.earlier_capture_keys),
+            encode_turns(record.turns), bytes(record.state))
+
+
+def record_of(instance_id: str, row: Any, turns_blob: bytes, state: bytes) -> SessionRecord:
+    """The ``SessionRecord`` of a decoded row, its turns blob and its state; ValueError on
+    any other shape (a shard is verified by its hash before this runs, so this only
+    catches a file some other tool wrote)."""
+    try:
+        rollout_id, attempt, keys, turns, earlier = row
+        turn_records = msgpack.unpackb(turns_blob, raw=False, use_list=True)
+    except (TypeError, ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"a session row or its turns have the wrong shape ({exc})") from None
+    if not isinstance(turn_records, list) or len(turn_records) != turns \
+            or not all(isinstance(t, bytes) for t in turn_records):
+        raise ValueError(f"session {rollout_id!r} says {turns} turns but holds other turn "
+                         f"records")
+    if not isinstance(state, bytes):
+        raise ValueError(f"the state of session {rollout_id!r} is not bytes")
+    for name, seq in (("staging keys", keys), ("earlier capture keys", earlier)):
+        if not isinstance(seq, list) or not all(isinstance(k, str) for k in seq):
+            raise ValueError(f"the {name} of session {rollout_id!r} are not a list of "
+                             f"strings")
+    return SessionRecord(instance_id, EnvironmentEpisode(rollout_id, attempt),
+                         tuple(turn_records), state, frozenset(keys), tuple(earlier))
+
+
+def _PACK(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
 
 
 class Turn:

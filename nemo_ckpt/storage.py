@@ -28,10 +28,10 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import xxhash
@@ -43,6 +43,7 @@ from nemo_ckpt.errors import (
     ManifestInvalidError,
     ShardCorruptedError,
     SnapshotNotFoundError,
+    SnapshotReadError,
     SnapshotWriteError,
     TornSnapshotError,
     UnsafeShardNameError,
@@ -63,7 +64,7 @@ from nemo_ckpt.manifest import (
     shard_problems,
     upgrade_v1,
 )
-from nemo_ckpt.sessions import SessionRecord
+from nemo_ckpt.sessions import SessionRecord, body_head, record_of, record_parts
 
 __all__ = [
     "environment_dir",
@@ -72,7 +73,13 @@ __all__ = [
     "write_manifest",
     "read_manifest",
     "read_shard",
+    "read_shard_parts",
+    "ShardParts",
+    "write_shard_parts",
     "read_snapshot",
+    "read_shard_index",
+    "snapshot_rollouts",
+    "RolloutIndexEntry",
     "remove_files",
     "remove_unreferenced_files",
     "remove_snapshot_files",
@@ -89,7 +96,10 @@ __all__ = [
 ]
 
 SHARD_MAGIC = "nemo-ckpt-shard"
-SHARD_VERSION = 1
+# Shard layouts: 3 (written): a header, the index (one row per session), then one
+# payload per session (``nemo_ckpt.sessions``); 1 (read): a header, then one map per
+# session (manifest formats 1 and 2).
+SHARD_VERSION = 3
 _TMP_MARK = ".tmp-"
 # Pieces are written in batches of about _WRITE_BATCH bytes with one writev each: small
 # pieces are gathered into a buffer first, pieces at least _DIRECT_WRITE long (big
@@ -103,9 +113,6 @@ _COPIED_BATCH = 256 << 10
 _DIRECT_WRITE = 16 << 10
 _SMALL_PIECE_BUFFER = 256 << 10
 _MAX_IOV = 512  # well under every platform's IOV_MAX (1024 on Linux)
-# A session whose payload is below this is packed whole by msgpack's C packer (fastest
-# for many small sessions); above it, its byte fields are written without a copy.
-_ZERO_COPY_PAYLOAD = 32 << 10
 _READ_CHUNK = 4 << 20
 # XXH3-128 detects torn and corrupted files as well as SHA-256 does, at ~25 GB/s a core
 # instead of ~2: a cryptographic hash buys nothing here (whoever can rewrite a shard can
@@ -199,37 +206,6 @@ def _writev_all(fd: int, pieces: list[bytes | bytearray | memoryview]) -> None:
             views[i] = views[i][written:]
 
 
-def _bin_header(n: int) -> bytes:
-    """msgpack's header of a bin object of ``n`` bytes (bin 8, 16 or 32)."""
-    if n < 1 << 8:
-        return b"\xc4" + n.to_bytes(1, "big")
-    if n < 1 << 16:
-        return b"\xc5" + n.to_bytes(2, "big")
-    return b"\xc6" + n.to_bytes(4, "big")
-
-
-def _write_session(w: _HashingWriter, packer: msgpack.Packer, record: SessionRecord) -> None:
-    """Write one session map; large byte fields go to the file without being copied."""
-    payload = len(record.state) + sum(len(t) for t in record.turns)
-    if payload < _ZERO_COPY_PAYLOAD:
-        w.write(packer.pack(record.to_wire()))
-        return
-    wire = record.to_wire()
-    w.write(packer.pack_map_header(len(wire)))
-    for key, value in wire.items():
-        w.write(packer.pack(key))
-        if key == "turns":
-            w.write(packer.pack_array_header(len(value)))
-            for turn in value:
-                w.write(_bin_header(len(turn)))
-                w.write(turn)
-        elif key == "state":
-            w.write(_bin_header(len(value)))
-            w.write(value)
-        else:
-            w.write(packer.pack(value))
-
-
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -295,31 +271,60 @@ def prepare_environment_dir(checkpoint_path: Path | str) -> Path:
 def write_shard(
     directory: Path, name: str, instance_id: str, sessions: Iterable[SessionRecord]
 ) -> ShardEntry:
-    """Write ``sessions`` of ``instance_id`` as shard ``name`` and return its manifest entry.
+    """Write ``sessions`` of ``instance_id`` as shard ``name`` (see ``write_shard_parts``)."""
+    rows, turns, states = [], [], []
+    for record in sessions:
+        if record.instance_id != instance_id:
+            raise ValueError(
+                f"session {record.episode.capture_key} belongs to "
+                f"{record.instance_id}, not to shard instance {instance_id}"
+            )
+        row, turns_blob, state = record_parts(record)
+        rows.append(row)
+        turns.append(turns_blob)
+        states.append(state)
+    return write_shard_parts(directory, name, instance_id, rows, turns, states)
 
-    The shard is a stream of msgpack objects: a header map, then one map per session.
-    Sessions are packed one at a time, so peak extra memory is one session plus one
-    write buffer, not a second copy of the shard.
+
+def write_shard_parts(directory: Path, name: str, instance_id: str, rows: Sequence[bytes],
+                      turns: Sequence[bytes], states: Sequence[bytes]) -> ShardEntry:
+    """Write one shard from sessions already encoded (each a row, a turns blob and a
+    state, as holders keep them) and return its manifest entry.
+
+    The shard is a stream of msgpack objects: a header map, the index (an array of the
+    rows), then each session's body, ``[turns, state]``, in the same order. It is joined
+    from those bytes as they are (big states by reference): nothing is re-encoded, and
+    the index can be read without the bodies.
     """
-    count = 0
+    if not len(rows) == len(turns) == len(states):
+        raise ValueError(f"{len(rows)} rows, {len(turns)} turns, {len(states)} states")
 
     def fill(w: _HashingWriter) -> None:
-        nonlocal count
         packer = msgpack.Packer(use_bin_type=True)
         w.write(packer.pack({"format": SHARD_MAGIC, "version": SHARD_VERSION,
-                             "instance_id": instance_id}))
-        for record in sessions:
-            if record.instance_id != instance_id:
-                raise ValueError(
-                    f"session {record.episode.capture_key} belongs to "
-                    f"{record.instance_id}, not to shard instance {instance_id}"
-                )
-            _write_session(w, packer, record)
-            count += 1
+                             "instance_id": instance_id, "sessions": len(rows)}))
+        w.write(packer.pack_array_header(len(rows)) + b"".join(rows))
+        batch: list[bytes] = []
+        size = 0
+        for turns_blob, state in zip(turns, states, strict=True):
+            head = body_head(turns_blob, len(state))
+            if len(state) >= _DIRECT_WRITE:  # big: by reference, without a copy
+                batch.append(head)
+                w.write(b"".join(batch))
+                w.write(state)
+                batch, size = [], 0
+                continue
+            batch += (head, state)
+            size += len(head) + len(state)
+            if size >= _SMALL_PIECE_BUFFER:
+                w.write(b"".join(batch))
+                batch, size = [], 0
+        if batch:
+            w.write(b"".join(batch))
 
     length, digest = _write_durably(directory, name, fill)
     return ShardEntry(file=name, bytes=length, content_hash=digest, instance_id=instance_id,
-                      sessions=count)
+                      sessions=len(rows))
 
 
 def write_manifest(directory: Path, manifest: Manifest | bytes) -> None:
@@ -531,13 +536,114 @@ def _check_shard_names(path: Path, directory: Path, manifest: Manifest) -> Manif
     return manifest
 
 
+@dataclass(frozen=True)
+class ShardParts:
+    """A verified shard's sessions, still encoded: each one's decoded row
+    (``[rollout_id, attempt, staging keys, turns, earlier capture keys]``), its turns
+    blob and its state, in the shard's order."""
+
+    instance_id: str
+    rows: list[list[Any]]
+    turns: list[bytes]
+    states: list[bytes]
+
+    def records(self) -> list[SessionRecord]:
+        """Every session as a ``SessionRecord`` (decodes every turns blob)."""
+        return [record_of(self.instance_id, row, turns, state)
+                for row, turns, state in zip(self.rows, self.turns, self.states, strict=True)]
+
+
 def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
-    """Read one shard and verify its length and hash, then decode it.
+    """Read and verify one shard (``read_shard_parts``), every session decoded."""
+    parts = read_shard_parts(directory, entry)
+    path = directory / entry.file
+    try:
+        return parts.records()
+    except ValueError as exc:
+        raise _undecodable(path, str(exc)) from exc
+
+
+def read_shard_parts(directory: Path, entry: ShardEntry) -> ShardParts:
+    """Read one shard and verify its length and hash, then split it into sessions.
 
     Nothing is decoded before the whole file's hash matches the manifest's: a damaged
     or crafted file of N bytes costs N bytes of memory, never the objects it could
-    unpack into.
+    unpack into. Then only the index is decoded; each session's turns are a slice of
+    the file and its state one bytes object.
+    Shards of the older layout (a map per session) are read too.
     """
+    path, data = _read_verified(directory, entry)
+    unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False,
+                                max_buffer_size=max(len(data), 1 << 20))
+    try:
+        header = unpacker.unpack()
+        if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
+            raise _undecodable(path, "no nemo-ckpt shard header")
+        if header.get("instance_id") != entry.instance_id:
+            raise _undecodable(path, f"header {header!r} does not fit the manifest entry "
+                                     f"for {entry.instance_id}")
+        if header.get("version") == 1:
+            return _legacy_parts(path, entry, unpacker, len(data))
+        if header.get("version") != SHARD_VERSION:
+            raise _undecodable(path, f"shard layout {header.get('version')!r} is not one "
+                                     f"this nemo-ckpt reads")
+        rows = unpacker.unpack()
+        if not isinstance(rows, list) or len(rows) != entry.sessions \
+                or header.get("sessions") != entry.sessions:
+            raise _undecodable(path, f"its index does not hold the {entry.sessions} "
+                                     f"sessions the manifest says")
+        turns, states = [], []
+        read_array_header, skip, tell, unpack = (unpacker.read_array_header, unpacker.skip,
+                                                 unpacker.tell, unpacker.unpack)
+        for _ in range(entry.sessions):
+            if read_array_header() != 2:
+                raise _undecodable(path, "a session's body is not [turns, state]")
+            start = tell()
+            skip()
+            turns.append(data[start:tell()])
+            states.append(unpack())
+    except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
+        raise _undecodable(path, str(exc) or type(exc).__name__) from exc
+    if unpacker.tell() != len(data):
+        raise _undecodable(path, f"{len(data) - unpacker.tell()} trailing bytes")
+    if any(type(state) is not bytes for state in states):
+        raise _undecodable(path, "a session's state is not bytes")
+    return ShardParts(entry.instance_id, rows, turns, states)
+
+
+def _legacy_parts(path: Path, entry: ShardEntry, unpacker: msgpack.Unpacker,
+                  length: int) -> ShardParts:
+    """The sessions of a layout-1 shard (one map per session), as parts."""
+    rows: list[list[Any]] = []
+    turns: list[bytes] = []
+    states: list[bytes] = []
+    for obj in unpacker:
+        try:
+            record = SessionRecord.from_wire(obj)
+        except ValueError as exc:
+            raise _undecodable(path, str(exc)) from exc
+        if record.instance_id != entry.instance_id:
+            raise _undecodable(path, f"session of {record.instance_id} in a shard of "
+                                     f"{entry.instance_id}")
+        row, turns_blob, state = record_parts(record)
+        rows.append(msgpack.unpackb(row, raw=False, use_list=True))
+        turns.append(turns_blob)
+        states.append(state)
+    if unpacker.tell() != length:
+        raise _undecodable(path, f"{length - unpacker.tell()} trailing bytes do not decode")
+    if len(rows) != entry.sessions:
+        raise _undecodable(path, f"{len(rows)} sessions, manifest says {entry.sessions}")
+    return ShardParts(entry.instance_id, rows, turns, states)
+
+
+def _undecodable(path: Path, why: str) -> ShardCorruptedError:
+    return ShardCorruptedError(
+        path, f"shard {path} matches its hash but does not decode ({why}); it was "
+              f"written by a different tool: restore an earlier checkpoint")
+
+
+def _read_verified(directory: Path, entry: ShardEntry) -> tuple[Path, bytes]:
+    """The bytes of shard ``entry``, once their length and hash match the manifest."""
     if not is_plain_file_name(entry.file):
         raise UnsafeShardNameError(
             directory, f"shard name {entry.file!r} is not a plain file name in {directory}"
@@ -572,47 +678,7 @@ def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
                   f"{expected}: its content changed after the snapshot; restore an "
                   f"earlier checkpoint"
         )
-    unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False,
-                                max_buffer_size=max(len(data), 1 << 20))
-    objects: list[Any] = []
-    decode_error: str | None = None
-    try:
-        objects.extend(unpacker)
-    except (ValueError, msgpack.UnpackException) as exc:
-        decode_error = str(exc)
-    if decode_error is None and unpacker.tell() != len(data):
-        decode_error = f"{len(data) - unpacker.tell()} trailing bytes do not decode"
-    return _decode_shard(path, entry, objects, decode_error)
-
-
-def _decode_shard(path: Path, entry: ShardEntry, objects: list[Any],
-                  decode_error: str | None) -> list[SessionRecord]:
-    def corrupt(why: str) -> ShardCorruptedError:
-        return ShardCorruptedError(
-            path, f"shard {path} matches its hash but does not decode ({why}); it was "
-                  f"written by a different tool: restore an earlier checkpoint"
-        )
-
-    if decode_error is not None:
-        raise corrupt(decode_error)
-    if not objects or not isinstance(objects[0], dict) \
-            or objects[0].get("format") != SHARD_MAGIC:
-        raise corrupt("no nemo-ckpt shard header")
-    header = objects[0]
-    if header.get("version") != SHARD_VERSION or header.get("instance_id") != entry.instance_id:
-        raise corrupt(f"header {header!r} does not fit manifest entry for {entry.instance_id}")
-    records = []
-    for obj in objects[1:]:
-        try:
-            record = SessionRecord.from_wire(obj)
-        except ValueError as exc:
-            raise corrupt(str(exc)) from exc
-        if record.instance_id != entry.instance_id:
-            raise corrupt(f"session of {record.instance_id} in a shard of {entry.instance_id}")
-        records.append(record)
-    if len(records) != entry.sessions:
-        raise corrupt(f"{len(records)} sessions, manifest says {entry.sessions}")
-    return records
+    return path, data
 
 
 @dataclass(frozen=True)
@@ -633,16 +699,83 @@ def read_snapshot(checkpoint_path: Path | str) -> LoadedSnapshot:
     directory = environment_dir(checkpoint_path)
     sessions: dict[str, list[SessionRecord]] = {i: [] for i in manifest.instances}
     listed = rollouts_by_shard(manifest)
+    seen: dict[str, str] = {}  # rollout id -> the shard that holds it
     for shard in manifest.shards:
         records = read_shard(directory, shard)
         where = str(directory / shard.file)
-        problems = shard_problems(listed.get(shard.file, {}),
-                                  ((r.episode.rollout_id, r.episode.attempt) for r in records),
-                                  where)
+        pairs = [(r.episode.rollout_id, r.episode.attempt) for r in records]
+        problems = shard_problems(None if listed is None else listed.get(shard.file, {}),
+                                  pairs, where)
+        problems += [f"rollout {rid!r} is in two shards, {seen[rid]} and {shard.file}; "
+                     f"restore an earlier checkpoint" for rid, _ in pairs if rid in seen]
         if problems:
             raise ShardCorruptedError(directory / shard.file, "; ".join(problems))
+        seen.update((rid, shard.file) for rid, _ in pairs)
         sessions[shard.instance_id] += records
     return LoadedSnapshot(manifest=manifest, sessions=sessions)
+
+
+class RolloutIndexEntry(NamedTuple):
+    """One captured rollout, as a shard's index (or a format-2 manifest) lists it."""
+
+    instance_id: str
+    rollout_id: str
+    attempt: int
+    turns: int
+    staging_keys: list[str]
+    shard: str
+
+
+def read_shard_index(directory: Path, entry: ShardEntry) -> list[RolloutIndexEntry]:
+    """The rollouts a shard's index lists, read without its payloads and without
+    verifying its hash (``inspect`` and ``diff``; a restore and ``verify`` verify)."""
+    path = directory / entry.file
+    if not is_plain_file_name(entry.file):
+        raise UnsafeShardNameError(
+            directory, f"shard name {entry.file!r} is not a plain file name in {directory}")
+    try:
+        with open(path, "rb") as f:
+            unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=max(entry.bytes, 1 << 20))
+            header = unpacker.unpack()
+            if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
+                raise _undecodable(path, "no nemo-ckpt shard header")
+            if header.get("version") == 1:  # no index: every session has to be read
+                f.seek(0)
+                rows = read_shard_parts(directory, entry).rows
+            else:
+                rows = unpacker.unpack()
+    except FileNotFoundError:
+        raise TornSnapshotError(path, f"shard {path}, named in the manifest, is missing"
+                                ) from None
+    except OSError as exc:
+        raise CheckpointPathError(path, f"cannot read shard {path}: {exc.strerror or exc}"
+                                  ) from exc
+    except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
+        raise _undecodable(path, str(exc) or type(exc).__name__) from exc
+    try:
+        return [RolloutIndexEntry(entry.instance_id, row[0], row[1], row[3], list(row[2]),
+                                  entry.file) for row in rows]
+    except (TypeError, IndexError) as exc:
+        raise _undecodable(path, f"its index has rows of the wrong shape ({exc})") from exc
+
+
+def snapshot_rollouts(checkpoint_path: Path | str, manifest: Manifest
+                      ) -> tuple[list[RolloutIndexEntry], dict[str, str]]:
+    """Every captured rollout of a snapshot, and the shards whose index could not be
+    read (file -> why). A format-2 manifest lists them itself; a format-3 snapshot keeps
+    them in its shards' indexes, read here without the payloads."""
+    if manifest.format_version < 3:
+        return [RolloutIndexEntry(r.instance_id, r.rollout_id, r.attempt, r.turns,
+                                  list(r.staging_keys), r.shard) for r in manifest.rollouts], {}
+    directory = environment_dir(checkpoint_path)
+    rollouts: list[RolloutIndexEntry] = []
+    unreadable: dict[str, str] = {}
+    for shard in manifest.shards:
+        try:
+            rollouts += read_shard_index(directory, shard)
+        except SnapshotReadError as exc:
+            unreadable[shard.file] = str(exc)
+    return rollouts, unreadable
 
 
 def _operation_stem(operation_id: str) -> str:

@@ -70,7 +70,7 @@ TRIGGERS = {
                 "prepare_restore", "commit_restore", "abort_restore", "abort",
                 "begin_snapshot", "start_writes", "commit_snapshot", "abort_snapshot",
                 "renew"],
-    "kill_after_io": ["write_shard", "write_manifest", "read_shard", "read_manifest",
+    "kill_after_io": ["write_held_shard", "write_manifest", "load_shard", "read_manifest",
                       "remove_snapshot_files", "remove_unreferenced_files"],
     "cancel_at": ["begin_snapshot", "start_writes", "commit_snapshot", "renew",
                   "prepare_restore", "commit_restore"],
@@ -323,7 +323,7 @@ class Schedule:
         rng = self.rng
 
         def decide(name: str, args: tuple[Any, ...]) -> str | None:
-            if name == "write_shard":
+            if name == "write_held_shard":
                 if rng.random() < plan.io_fail:
                     self.faults += 1
                     self.log("fault: a shard write fails")
@@ -339,9 +339,9 @@ class Schedule:
             return None
 
         def cost(name: str) -> float:
-            if name == "read_shard" and plan.slow_reads:
+            if name == "load_shard" and plan.slow_reads:
                 return CONFIG.lease_s * rng.uniform(1.2, 2.0)
-            if name == "write_shard":
+            if name == "write_held_shard":
                 return rng.uniform(0.002, 0.05)
             return 0.001
 

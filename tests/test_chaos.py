@@ -38,7 +38,7 @@ from nemo_ckpt import (
 )
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot
+from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot, snapshot_rollouts
 from nemo_ckpt.testing.data_plane import DataPlaneBarrier, ReferenceDataPlane
 from nemo_ckpt.testing.toy_env import (
     ToyState,
@@ -407,7 +407,8 @@ async def test_chaos_survives_every_fault_and_loses_nothing_committed(
                 async with fresh.restored(path) as restored:
                     manifest = read_manifest(path)
                     assert restored.continued_attempts == {
-                        (r.instance_id, r.rollout_id, r.attempt) for r in manifest.rollouts}
+                        (r.instance_id, r.rollout_id, r.attempt)
+                        for r in snapshot_rollouts(path, manifest)[0]}
             finally:
                 fresh.shutdown()
         assert faults >= 50 and chaos.survived == chaos.injected

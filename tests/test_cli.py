@@ -29,6 +29,7 @@ from tests.test_storage import (
     manifest_path,
     session,
     write_snapshot,
+    write_snapshot_v3,
 )
 
 
@@ -50,28 +51,39 @@ def shard(root: Path, instance: str, snapshot_id: str = "snap-1") -> Path:
 def escape_first_shard(data: dict[str, Any]) -> None:
     old = data["shards"][0]["file"]
     data["shards"][0]["file"] = "../outside.msgpack"
-    for r in data["rollouts"]:
+    for r in data.get("rollouts", []):
         if r["shard"] == old:
             r["shard"] = "../outside.msgpack"
 
 
+@pytest.fixture(params=[3, 2], ids=["format-3", "format-2"])
+def fmt(request: pytest.FixtureRequest) -> int:
+    """The manifest format the snapshots under test are written in: 3, as written now,
+    and 2, which lists the rollouts in the manifest itself (still read)."""
+    return int(request.param)
+
+
+def write_in(fmt: int, root: Path, by_instance: dict[str, Any], **kw: Any) -> None:
+    (write_snapshot_v3 if fmt == 3 else write_snapshot)(root, by_instance, **kw)
+
+
 @pytest.fixture
-def snap_a(tmp_path: Path) -> Path:
+def snap_a(tmp_path: Path, fmt: int) -> Path:
     """holder-0: a (attempt 0, 2 turns), b (attempt 2, 2 turns); holder-1: c (attempt 1,
     2 turns); holder-2 holds nothing; 3 rollouts restarted."""
     root = tmp_path / "step-10"
-    write_snapshot(root, {"holder-0": [session("holder-0", "a"), session("holder-0", "b", 2)],
+    write_in(fmt, root, {"holder-0": [session("holder-0", "a"), session("holder-0", "b", 2)],
                           "holder-1": [session("holder-1", "c", 1)],
-                          "holder-2": []}, restarted=3)
+                          "holder-2": []}, snapshot_id="snap-1", restarted=3)
     return root
 
 
 @pytest.fixture
-def snap_b(tmp_path: Path) -> Path:
+def snap_b(tmp_path: Path, fmt: int) -> Path:
     """A later snapshot: a finished, b continued as attempt 3 with 5 turns, c unchanged,
     d and e added."""
     root = tmp_path / "step-20"
-    write_snapshot(root, {"holder-0": [session("holder-0", "b", 3, turns=5),
+    write_in(fmt, root, {"holder-0": [session("holder-0", "b", 3, turns=5),
                                        session("holder-0", "e", 1, turns=4)],
                           "holder-1": [session("holder-1", "c", 1),
                                        session("holder-1", "d", 0, turns=1)],
@@ -131,13 +143,13 @@ def test_inspect_shows_rollouts_by_instance_with_attempts_turns_shard_bytes_and_
 
 
 def test_inspect_json_carries_the_same_facts_as_fields(
-    snap_a: Path, capsys: pytest.CaptureFixture[str]
+    snap_a: Path, fmt: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, err = run(capsys, "inspect", "--json", str(snap_a))
     assert (code, err) == (0, "")
     data = json.loads(out)
     assert (data["snapshot_id"], data["format_version"], data["path"]) == (
-        "snap-1", 2, str(snap_a))
+        "snap-1", fmt, str(snap_a))
     assert (data["captured_rollouts"], data["restarted_rollouts"]) == (3, 3)
     assert data["metrics"] == {"paused_seconds": 0.01}
     by_inst = {i["instance_id"]: i for i in data["instances"]}
@@ -147,6 +159,7 @@ def test_inspect_json_carries_the_same_facts_as_fields(
     assert by_inst["holder-1"]["rollouts"][0]["staging_keys"] == ["c/row0", "c/row1"]
     assert by_inst["holder-2"] == {"instance_id": "holder-2", "rollouts": [], "shards": [],
                                    "turns": 0, "bytes": 0}
+    assert data["unreadable_shards"] == {}
     for inst in ("holder-0", "holder-1"):
         (s,) = by_inst[inst]["shards"]
         p = shard(snap_a, inst)
@@ -166,14 +179,19 @@ def test_inspect_of_an_empty_snapshot_says_it_has_no_shards(
     assert ["rollouts", "0", "captured,", "0", "restarted"] in [w[:5] for w in words(out)]
 
 
-def test_inspect_reads_only_the_manifest_so_a_damaged_snapshot_can_still_be_inspected(
-    snap_a: Path, capsys: pytest.CaptureFixture[str]
+def test_inspect_reads_no_payload_so_a_damaged_snapshot_can_still_be_inspected(
+    snap_a: Path, fmt: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     flip_middle_byte(shard(snap_a, "holder-0"))
     shard(snap_a, "holder-1").unlink()
     code, out, _ = run(capsys, "inspect", str(snap_a))
     assert code == 0
-    assert ["holder-1", "c", "1", "2", "2"] in words(out)
+    if fmt == 2:  # the manifest lists every rollout
+        assert ["holder-1", "c", "1", "2", "2"] in words(out)
+    else:  # the shards' indexes do: a missing shard is named, the others still list
+        assert ["holder-0", "b", "2", "2", "2"] in words(out)
+        assert f"shard {shard(snap_a, 'holder-1').name}: its index does not read" in out
+        assert "run verify" in out
 
 
 @pytest.mark.parametrize("kind", sorted(MANIFEST_DAMAGE))
@@ -247,11 +265,22 @@ def test_verify_reports_every_damaged_shard_not_only_the_first(
     assert f"{shard(root, 'holder-3')} is " in problems[2] and "truncated" in problems[2]
 
 
+@pytest.fixture
+def snap_a2(tmp_path: Path) -> Path:
+    """``snap_a`` as format 2 wrote it: its manifest lists every rollout."""
+    root = tmp_path / "step-10"
+    write_snapshot(root, {"holder-0": [session("holder-0", "a"), session("holder-0", "b", 2)],
+                          "holder-1": [session("holder-1", "c", 1)],
+                          "holder-2": []}, restarted=3)
+    return root
+
+
 def test_verify_refuses_a_shard_that_holds_other_rollouts_than_its_manifest_lists(
-    snap_a: Path, capsys: pytest.CaptureFixture[str]
+    snap_a2: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A well-formed shard whose length and hash were updated to match, but whose
-    # sessions are not the ones the manifest lists there.
+    # sessions are not the ones the (format-2) manifest lists there.
+    snap_a = snap_a2
     other = snap_a.parent / "other"
     write_snapshot(other, {"holder-1": [session("holder-1", "z", 1)]})
     data = shard(other, "holder-1").read_bytes()
@@ -265,10 +294,11 @@ def test_verify_refuses_a_shard_that_holds_other_rollouts_than_its_manifest_list
 
 
 def test_verify_refuses_a_shard_that_holds_one_rollout_twice(
-    snap_a: Path, capsys: pytest.CaptureFixture[str]
+    snap_a2: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The counts agree (two sessions, two rollouts listed), but one rollout is doubled
     # and the other is absent: a restore would install the wrong set of sessions.
+    snap_a = snap_a2
     directory = environment_dir(snap_a)
     name = shard(snap_a, "holder-1").name
     entry = write_shard(directory, name, "holder-1",
@@ -284,6 +314,28 @@ def test_verify_refuses_a_shard_that_holds_one_rollout_twice(
     assert code == 1
     assert "holds rollout 'c' twice" in err
     assert "lacks rollouts its manifest lists there: x" in err
+
+
+def test_verify_refuses_a_format_3_shard_holding_a_rollout_twice_or_another_shards(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Format 3 lists rollouts in each shard's index: a crafted shard, whose hash was
+    # fixed in the manifest, is caught by what it holds.
+    root = tmp_path / "crafted"
+    write_snapshot_v3(root, {"holder-0": [session("holder-0", "a"), session("holder-0", "b")],
+                             "holder-1": [session("holder-1", "c")]}, snapshot_id="snap-1")
+    directory = environment_dir(root)
+    twice = write_shard(directory, shard(root, "holder-0").name, "holder-0",
+                        [session("holder-0", "a"), session("holder-0", "a", 3)])
+    theirs = write_shard(directory, shard(root, "holder-1").name, "holder-1",
+                         [session("holder-1", "a")])
+    edit_manifest(root, lambda d: [d["shards"][k].update(bytes=e.bytes,
+                                                         content_hash=e.content_hash)
+                                   for k, e in ((0, twice), (1, theirs))])
+    code, _, err = run(capsys, "verify", str(root))
+    assert code == 1
+    assert "holds rollout 'a' twice" in err
+    assert "rollout 'a' is in two shards" in err
 
 
 @pytest.mark.parametrize("kind", sorted(MANIFEST_DAMAGE))

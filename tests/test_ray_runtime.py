@@ -39,6 +39,7 @@ from nemo_ckpt.storage import (
     prepare_environment_dir,
     read_manifest,
     read_snapshot,
+    snapshot_rollouts,
     write_manifest,
     write_shard,
 )
@@ -151,7 +152,8 @@ async def test_snapshot_commits_shards_and_manifest_equal_to_live_sessions(
         assert loaded.sessions[inst] == await c.sessions()
     m = loaded.manifest
     assert m.instances == ["holder-0", "holder-1", "holder-2"]
-    assert {(r.instance_id, r.rollout_id, r.attempt, r.turns) for r in m.rollouts} == {
+    rollouts, _ = snapshot_rollouts(path, m)
+    assert {(r.instance_id, r.rollout_id, r.attempt, r.turns) for r in rollouts} == {
         ("holder-0", "a", 0, 2), ("holder-0", "b", 2, 3), ("holder-2", "c", 0, 2)}
     metrics = snap.metrics(0.5)
     for key in ("paused_seconds", "drain_seconds", "capture_seconds", "persist_seconds",
@@ -215,7 +217,8 @@ async def test_a_session_mid_turn_at_the_drain_deadline_restarts(ckpt: Any, tmp_
         release.set()
     await task
     m = read_manifest(tmp_path / "s")
-    assert [r.rollout_id for r in m.rollouts] == ["idle"] and m.restarted_rollouts == 1
+    assert [r.rollout_id for r in snapshot_rollouts(tmp_path / "s", m)[0]] == ["idle"]
+    assert m.restarted_rollouts == 1
     assert snap.metrics(0)["restarted_rollouts"] == 1
 
 
@@ -247,7 +250,7 @@ async def test_a_rollout_held_by_two_instances_never_commits_even_unchecked(
     await play(await client(ckpt, "holder-0"), Ep("twice", 0), 1)
     await play(await client(ckpt, "holder-1"), Ep("twice", 0), 1)
     path = tmp_path / "dup"
-    with pytest.raises(ValueError, match=r"rollouts listed twice: \['twice'\]: each was "
+    with pytest.raises(ValueError, match=r"rollouts captured twice: \['twice'\]: each was "
                                          r"captured by more than one instance"):
         async with ckpt.snapshot(path):
             pass
@@ -489,7 +492,9 @@ async def test_a_block_longer_than_the_lease_still_commits_thanks_to_renewals(
             await asyncio.sleep(2.5)  # RL's own save takes longer than one lease
             assert set((await states(ckpt)).values()) == {HolderState.PAUSED}
         assert snap is not None and snap.captured_rollouts == 1
-        assert [r.rollout_id for r in read_manifest(tmp_path / "long").rollouts] == ["a"]
+        manifest = read_manifest(tmp_path / "long")
+        assert [r.rollout_id for r in snapshot_rollouts(tmp_path / "long", manifest)[0]] == [
+            "a"]
     finally:
         ckpt.shutdown()
 

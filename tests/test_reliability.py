@@ -377,7 +377,7 @@ def test_a_restore_whose_read_outlasts_the_lease_succeeds(tmp_path: Path) -> Non
         first.close()
     world = World(tmp_path)
     try:
-        world.sim.io_cost = lambda name: CONFIG.lease_s * 2 if name == "read_shard" else 0.001
+        world.sim.io_cost = lambda name: CONFIG.lease_s * 2 if name == "load_shard" else 0.001
 
         async def scenario() -> None:
             async with world.ckpt.restored(path) as restored:

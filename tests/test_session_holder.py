@@ -28,6 +28,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
+from nemo_ckpt.sessions import encode_turns
 from nemo_ckpt.storage import prepare_environment_dir, read_manifest, read_shard
 
 pytestmark = pytest.mark.timeout(30)
@@ -193,7 +194,8 @@ async def test_the_capture_reports_each_sessions_latest_turns_keys_and_state() -
     capture = await h.capture("snap-1")
     assert sorted(capture.captured()) == [("a", 0, ["a/0", "a/0b", "a/1"], 2),
                                           ("b", 1, [], 0)]
-    assert (capture.captured_count, capture.state_bytes) == (2, 7 + 1)
+    held = [encode_turns((b"t0", b"t1")) + b"1234567", encode_turns(()) + b"1"]
+    assert (capture.captured_count, capture.state_bytes) == (2, sum(map(len, held)))
     assert capture.restarting == (("busy", 0),)
 
 
@@ -313,8 +315,8 @@ async def test_restore_installs_next_attempts_only_on_commit(tmp_path: Path) -> 
 
     dst = SessionHolder("holder-0", node_id="node-b")
     prepared = await dst.prepare_restore("restore-1", str(directory), list(report.shards), 10)
-    assert prepared.continued == (("r", 0),) and prepared.staging_keys == {"r/0"}
-    assert prepared.shard_sessions == ((report.shards[0].file, (("r", 0),)),)
+    assert prepared.continued() == [("r", 0)] and prepared.staging_keys == {"r/0"}
+    assert prepared.sessions_by_shard() == [(report.shards[0].file, [("r", 0)])]
     assert (await dst.info()).state is HolderState.RESTORING
     assert await dst.sessions() == []
     assert await dst.commit_restore("restore-1") == 1
@@ -484,7 +486,7 @@ async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: P
         await asyncio.sleep(0.1)
         await dst.renew_lease("restore-1", 0.2)
     prepared = await preparing
-    assert prepared.continued == (("r", 0),)
+    assert prepared.continued() == [("r", 0)]
     assert await dst.commit_restore("restore-1") == 1
 
 

@@ -30,7 +30,6 @@ from nemo_ckpt.manifest import (
     RolloutEntry,
     ShardEntry,
     encode_manifest,
-    encode_rollouts,
     is_plain_file_name,
     shard_file_name,
     shard_problems,
@@ -47,6 +46,7 @@ from nemo_ckpt.storage import (
     read_snapshot,
     remove_snapshot_files,
     remove_unreferenced_files,
+    snapshot_rollouts,
     write_manifest,
     write_shard,
 )
@@ -66,7 +66,8 @@ def session(inst: str, rid: str, attempt: int = 0, state: bytes = b"s", turns: i
 
 def write_snapshot(root: Path, by_instance: dict[str, list[SessionRecord]],
                    snapshot_id: str = "snap-1", restarted: int = 0) -> Manifest:
-    """Write shards, then the manifest, the way the coordinator commits."""
+    """Write shards, then a format-2 manifest (one that lists every rollout), as
+    snapshots written before format 3 were; format 3 is ``write_snapshot_v3``."""
     directory = prepare_environment_dir(root)
     shards, rollouts = [], []
     for inst, records in by_instance.items():
@@ -209,15 +210,18 @@ def test_no_temp_files_are_left_after_writing(snapshot_root: Path) -> None:
     assert not [n for n in tree(snapshot_root) if ".tmp-" in n]
 
 
-def test_a_failed_shard_write_leaves_no_file_and_names_the_path(tmp_path: Path) -> None:
+def test_a_failed_shard_write_leaves_no_file_and_names_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     directory = prepare_environment_dir(tmp_path)
 
-    def broken():  # type: ignore[no-untyped-def]
-        yield session("holder-0", "a")
+    def full(fd: int, buffers: list[memoryview]) -> int:
         raise OSError(28, "No space left on device")
 
+    monkeypatch.setattr(os, "writev", full)
     with pytest.raises(SnapshotWriteError, match="filesystem is full") as err:
-        write_shard(directory, "shard-x.msgpack", "holder-0", broken())
+        write_shard(directory, "shard-x.msgpack", "holder-0", [session("holder-0", "a")])
+    monkeypatch.undo()
     assert str(directory / "shard-x.msgpack") in str(err.value)
     assert list(directory.iterdir()) == []
 
@@ -388,9 +392,10 @@ def test_manifest_model_refuses_a_rollout_in_another_instances_shard() -> None:
                  restarted_rollouts=0, metrics={})
 
 
-def test_large_sessions_are_written_byte_for_byte_as_msgpack_packs_them(tmp_path: Path) -> None:
-    # Sessions above the zero-copy threshold bypass msgpack's packer; the bytes on disk
-    # must be exactly what the packer would have written.
+def test_a_shard_is_its_header_its_index_then_its_payloads_as_msgpack_packs_them(
+        tmp_path: Path) -> None:
+    # Big payloads go to the file by reference, small ones joined: the bytes on disk must
+    # be exactly the msgpack stream, and the index readable without the payloads.
     records = [
         SessionRecord("holder-0", Ep("big-turns", 1), tuple(os.urandom(40 << 10) for _ in range(3)),
                       b"", frozenset({"k1", "k2"}), ("big-turns",)),
@@ -399,12 +404,27 @@ def test_large_sessions_are_written_byte_for_byte_as_msgpack_packs_them(tmp_path
     ]
     directory = prepare_environment_dir(tmp_path)
     entry = write_shard(directory, "shard-x.msgpack", "holder-0", records)
-    packer = msgpack.Packer(use_bin_type=True)
-    expected = packer.pack({"format": "nemo-ckpt-shard", "version": 1,
-                            "instance_id": "holder-0"})
-    expected += b"".join(packer.pack(r.to_wire()) for r in records)
+    pack = msgpack.Packer(use_bin_type=True).pack
+    expected = pack({"format": "nemo-ckpt-shard", "version": 3, "instance_id": "holder-0",
+                     "sessions": 3})
+    expected += pack([[r.episode.rollout_id, r.episode.attempt, sorted(r.staging_keys),
+                       len(r.turns), list(r.earlier_capture_keys)] for r in records])
+    expected += b"".join(pack([list(r.turns), r.state]) for r in records)
     assert (directory / "shard-x.msgpack").read_bytes() == expected
     assert entry.content_hash == f"xxh3-128:{xxhash.xxh3_128(expected).hexdigest()}"
+    assert read_shard(directory, entry) == records
+
+
+def test_a_shard_of_the_layout_before_format_3_is_still_read(tmp_path: Path) -> None:
+    records = [session("holder-0", "a"), session("holder-0", "b", 2)]
+    pack = msgpack.Packer(use_bin_type=True).pack
+    data = pack({"format": "nemo-ckpt-shard", "version": 1, "instance_id": "holder-0"})
+    data += b"".join(pack(r.to_wire()) for r in records)
+    directory = prepare_environment_dir(tmp_path)
+    (directory / "old.msgpack").write_bytes(data)
+    entry = ShardEntry(file="old.msgpack", bytes=len(data), instance_id="holder-0",
+                       content_hash=f"xxh3-128:{xxhash.xxh3_128(data).hexdigest()}", sessions=2)
+    assert read_shard(directory, entry) == records
 
 
 def test_a_shard_written_through_short_writes_is_complete_and_verifies(
@@ -428,57 +448,79 @@ def test_a_shard_written_through_short_writes_is_complete_and_verifies(
     assert read_snapshot(tmp_path).sessions["holder-0"] == records
 
 
-def test_a_manifest_encoded_from_plain_rows_reads_back_as_the_same_manifest(
-    snapshot_root: Path,
-) -> None:
-    model = read_manifest(snapshot_root)
-    rollouts = encode_rollouts(
-        [(r.instance_id, r.rollout_id, r.attempt, r.turns, r.staging_keys, r.shard)
-         for r in model.rollouts])
-    raw = encode_manifest(
-        snapshot_id=model.snapshot_id, created_at=model.created_at,
-        instances=model.instances, shards=model.shards, rollouts=rollouts,
-        restarted_rollouts=model.restarted_rollouts, metrics=model.metrics)
-    write_manifest(environment_dir(snapshot_root), raw)
-    assert read_manifest(snapshot_root) == model
-    assert read_snapshot(snapshot_root).sessions["holder-1"] == [session("holder-1", "c", 1)]
+def write_snapshot_v3(root: Path, by_instance: dict[str, list[SessionRecord]],
+                      snapshot_id: str = "snap-3", restarted: int = 0) -> Manifest:
+    """Write shards, then the manifest as the coordinator commits now (format 3)."""
+    directory = prepare_environment_dir(root)
+    shards = [write_shard(directory, shard_file_name(snapshot_id, inst), inst, records)
+              for inst, records in by_instance.items() if records]
+    raw = encode_manifest(snapshot_id=snapshot_id, created_at=datetime.now(timezone.utc),
+                          instances=sorted(by_instance), shards=shards,
+                          restarted_rollouts=restarted, metrics={"paused_seconds": 0.01})
+    write_manifest(directory, raw)
+    return Manifest.model_validate_json(raw)
 
 
-def test_encoding_a_manifest_refuses_what_its_model_refuses(snapshot_root: Path) -> None:
-    model = read_manifest(snapshot_root)
-    rows = [(r.instance_id, r.rollout_id, r.attempt, r.turns, r.staging_keys, r.shard)
-            for r in model.rollouts]
-    a = next(r for r in rows if r[1] == "a")
-    c = next(r for r in rows if r[1] == "c")
-    with pytest.raises(ValueError, match=r"rollouts listed twice: \['a'\]: each was "
-                                         r"captured by more than one instance"):
-        encode_rollouts([r if r is not c else (c[0], "a", *c[2:]) for r in rows])
-    elsewhere = (c[0], c[1], c[2], c[3], c[4], a[5])  # holder-1's rollout in holder-0's shard
-    for bad_rows, message in (([r for r in rows if r is not a], "says 2 sessions but 1"),
-                              ([r if r is not c else elsewhere for r in rows],
-                               "rollout.s. of holder-1 sit in shard .* of holder-0")):
-        with pytest.raises(ValueError, match=message):
-            encode_manifest(snapshot_id="s", created_at=model.created_at,
-                            instances=model.instances, shards=model.shards,
-                            rollouts=encode_rollouts(bad_rows), restarted_rollouts=0,
-                            metrics={})
+def test_a_format_3_manifest_reads_back_and_the_shards_hold_the_rollouts(
+        tmp_path: Path) -> None:
+    by_instance = {"holder-0": [session("holder-0", "a"), session("holder-0", "b", 2)],
+                   "holder-1": [session("holder-1", "c", 1)], "holder-2": []}
+    written = write_snapshot_v3(tmp_path, by_instance)
+    loaded = read_snapshot(tmp_path)
+    assert loaded.manifest == written and written.format_version == 3
+    assert loaded.manifest.rollouts == [] and loaded.manifest.sessions == 3
+    assert loaded.sessions == by_instance
+    rollouts, unreadable = snapshot_rollouts(tmp_path, loaded.manifest)
+    assert unreadable == {}
+    assert sorted((r.instance_id, r.rollout_id, r.attempt, r.turns) for r in rollouts) == [
+        ("holder-0", "a", 0, 2), ("holder-0", "b", 2, 2), ("holder-1", "c", 1, 2)]
 
 
-def test_encoded_rollouts_escape_every_string_as_json(tmp_path: Path) -> None:
+def test_a_format_3_manifest_stays_the_same_size_whatever_the_rollouts(
+        tmp_path: Path) -> None:
+    sizes = []
+    for n in (10, 2000):
+        root = tmp_path / str(n)
+        write_snapshot_v3(root, {"holder-0": [session("holder-0", f"r{k:05d}", state=b"s")
+                                              for k in range(n)]})
+        sizes.append((environment_dir(root) / "manifest.json").stat().st_size)
+    assert max(sizes) < 1024 and abs(sizes[0] - sizes[1]) < 32  # digits of counts only
+
+
+def test_a_format_3_manifest_lists_no_rollouts_and_its_shards_once(tmp_path: Path) -> None:
+    manifest = write_snapshot_v3(tmp_path, {"holder-0": [session("holder-0", "a")]})
+    with pytest.raises(ValueError, match="shard files listed twice"):
+        encode_manifest(snapshot_id="s", created_at=manifest.created_at,
+                        instances=manifest.instances, shards=manifest.shards * 2,
+                        restarted_rollouts=0, metrics={})
+    with pytest.raises(ValueError, match="not listed in instances"):
+        encode_manifest(snapshot_id="s", created_at=manifest.created_at, instances=[],
+                        shards=manifest.shards, restarted_rollouts=0, metrics={})
+    edit_manifest(tmp_path, lambda d: d.update(rollouts=[{
+        "instance_id": "holder-0", "rollout_id": "a", "attempt": 0, "turns": 2,
+        "staging_keys": [], "shard": manifest.shards[0].file}]))
+    assert_refused(tmp_path, ManifestInvalidError, "lists no rollouts")
+
+
+def test_odd_rollout_ids_survive_the_shard_index(tmp_path: Path) -> None:
     odd = ['quo"te', "back\\slash", "new\nline", "ünï\u2028cødé", "tab\t/slash"]
     records = [session("holder-0", rid, state=b"x") for rid in odd]
-    manifest = write_snapshot(tmp_path, {"holder-0": records})
-    rollouts = encode_rollouts(
-        [(r.instance_id, r.rollout_id, r.attempt, r.turns, r.staging_keys, r.shard)
-         for r in manifest.rollouts])
-    write_manifest(environment_dir(tmp_path), encode_manifest(
-        snapshot_id=manifest.snapshot_id, created_at=manifest.created_at,
-        instances=manifest.instances, shards=manifest.shards, rollouts=rollouts,
-        restarted_rollouts=0, metrics=manifest.metrics))
+    manifest = write_snapshot_v3(tmp_path, {"holder-0": records})
     loaded = read_snapshot(tmp_path)
-    assert [r.rollout_id for r in loaded.manifest.rollouts] == odd
-    assert loaded.manifest.rollouts[0].staging_keys == ['quo"te/row0', 'quo"te/row1']
+    assert [r.rollout_id for r in snapshot_rollouts(tmp_path, manifest)[0]] == odd
     assert loaded.sessions["holder-0"] == records
+
+
+def test_a_format_3_shard_holding_a_rollout_twice_or_in_two_shards_is_refused(
+        tmp_path: Path) -> None:
+    records = [session("holder-0", "r"), session("holder-0", "r", 3)]
+    write_snapshot_v3(tmp_path / "twice", {"holder-0": records})
+    with pytest.raises(ShardCorruptedError, match="holds rollout 'r' twice"):
+        read_snapshot(tmp_path / "twice")
+    write_snapshot_v3(tmp_path / "two", {"holder-0": [session("holder-0", "r")],
+                                         "holder-1": [session("holder-1", "r", 1)]})
+    with pytest.raises(ShardCorruptedError, match="'r' is in two shards"):
+        read_snapshot(tmp_path / "two")
 
 
 # --- issue 11: committed is final, claims, bounded decoding, one verification -------------
