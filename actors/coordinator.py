@@ -141,6 +141,10 @@ class _Operation:
     # The check that no rollout was captured by two instances, run while the shards are
     # written (the count of captured sessions when it passes).
     encoding: asyncio.Future[int] | None = None
+    writes_started: bool = False
+    # This coordinator's count of captures when this one completed: a holder pauses for
+    # a snapshot only once the one before released it, so the order of captures.
+    capture_order: int = 0
     committing: bool = False
     released: float | None = None  # when the holders were told to reopen their gates
     outcome: Outcome | None = None
@@ -167,6 +171,7 @@ class CheckpointCoordinator:
         self._placement_lock = asyncio.Lock()
         self._path_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # path -> lock, users
         self._injected_delays: dict[str, float] = {}
+        self._captures_done = 0
 
     # --- holders ---------------------------------------------------------------------
 
@@ -399,6 +404,8 @@ class CheckpointCoordinator:
             await self._abort(op, Outcome.ABORTED)
             raise
         op.captures = tuple(c for _, c in begun.values())
+        self._captures_done += 1
+        op.capture_order = self._captures_done
         return SnapshotBegun(
             snapshot_id=snapshot_id, instances=tuple(op.holders),
             pauses=tuple(p for p, _ in begun.values()), captures=op.captures,
@@ -412,19 +419,21 @@ class CheckpointCoordinator:
             self._config.lease_s * 2)
 
     async def start_writes(self, snapshot_id: str) -> None:
-        """Start every holder's write of the snapshot, and encode the manifest's
-        rollouts meanwhile; waits for neither. Never raises: whatever fails here fails
-        the commit (``finish_persist`` starts a write that did not start)."""
+        """Start every holder's write of the snapshot; waits for none. Never raises:
+        whatever fails here fails the commit (``finish_persist`` starts a write that did
+        not start)."""
         op = self._ops.get(snapshot_id)
-        if op is None or op.captures is None or op.encoding is not None:
+        if op is None or op.captures is None or op.writes_started:
             return
+        op.writes_started = True
         for handle in op.holders.values():
             self._transport.send(handle, "start_persist", snapshot_id)
-        self._encoding(op)
 
-    def _encoding(self, op: _Operation) -> asyncio.Future[int]:
-        """The check of the snapshot's rollouts (none captured by two instances),
-        started on first use: by ``start_writes``, or by a commit that came first."""
+    def _unique_check(self, op: _Operation) -> asyncio.Future[int]:
+        """The check of the snapshot's rollouts (none captured by two instances), started
+        on first use, by the commit once it has released the holders: a thread that
+        decodes every capture would otherwise hold this process's GIL while the release
+        waits to go out."""
         if op.encoding is None:
             op.encoding = asyncio.ensure_future(self._runtime.run_blocking(
                 _check_captured_once, op.captures or ()))
@@ -456,6 +465,7 @@ class CheckpointCoordinator:
         for handle in op.holders.values():
             self._transport.send(handle, "release", snapshot_id)
         op.released = self._clock.monotonic()
+        self._unique_check(op)
         directory = environment_dir(checkpoint_path)
         try:
             await self._injected_delay("commit_snapshot")
@@ -471,12 +481,13 @@ class CheckpointCoordinator:
                                     default=0.0),
                 bytes_written=float(sum(p.bytes_written for p in persists.values())),
             )
-            captured = await self._encoding(op)
+            captured = await self._unique_check(op)
             manifest = encode_manifest(
                 snapshot_id=snapshot_id,
                 created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
                 instances=list(op.holders), shards=shards,
                 restarted_rollouts=restarted, metrics=all_metrics)
+            await self._earlier_commits(op)
             async with self._path_lock(checkpoint_path):
                 await self._runtime.run_blocking(write_manifest, directory, manifest)
             await self._injected_delay("after_manifest")
@@ -505,6 +516,21 @@ class CheckpointCoordinator:
         while len(self._committed) > HISTORY_SIZE:
             self._committed.popitem(last=False)
         return result
+
+    async def _earlier_commits(self, op: _Operation) -> None:
+        """Wait until every snapshot into the same folder captured before ``op`` has
+        ended. Holders resume as a commit begins, so a second snapshot can capture and
+        commit while the first still writes: its manifest must not be replaced by the
+        older one's. An earlier snapshot whose driver is gone ends at its lease."""
+        directory = environment_dir(op.path)
+        while True:
+            earlier = [o for o in self._ops.values()
+                       if o.kind == "snapshot" and o is not op
+                       and 0 < o.capture_order < op.capture_order
+                       and environment_dir(o.path) == directory]
+            if not earlier:
+                return
+            await earlier[0].closed.wait()
 
     async def _clean_up(self, op: _Operation) -> list[str]:
         """After a commit: remove the files the manifest there no longer names, and

@@ -195,6 +195,7 @@ class OpRecord:
     path: str
     start: float
     op_id: str | None = None
+    begun: float | None = None  # when the driver's snapshot began (holders captured)
     end: float | None = None
     outcome: str = "running"
     check_failed: bool = False
@@ -438,6 +439,7 @@ class Schedule:
         try:
             async with self._maybe_lock(checked):
                 async with ckpt.snapshot(Path(path)) as snap:
+                    record.begun = self.now()
                     if checked:
                         async with self.rl.checkpoint() as cut:
                             if snap is not None:
@@ -772,12 +774,20 @@ class Schedule:
                          f"{type(exc).__name__}: {_short(exc)}")
             return
         named = loaded.manifest.snapshot_id
-        later = {r.op_id for r in self.ops if r.path == record.path and r.start > record.start}
+        later = self._captured_later(record)
         if named != record.op_id and named not in later:
             self.violate(f"{record.op_id} committed but {Path(record.path).name}'s manifest "
                          f"names {named}")
         if record.check_failed:
             self.violate(f"{record.op_id} committed although its check against the cut failed")
+
+    def _captured_later(self, record: OpRecord) -> set[str | None]:
+        """The snapshots into the same path that captured after ``record`` did: a
+        holder pauses for one only once the one before released it, after its begin."""
+        if record.begun is None:
+            return set()
+        return {r.op_id for r in self.ops if r.path == record.path and r.begun is not None
+                and r.begun > record.begun}
 
     async def _check_failed_snapshot(self, record: OpRecord, exc: BaseException) -> None:
         """A failed snapshot resumed every holder before its error reached the driver."""
@@ -958,7 +968,7 @@ class Schedule:
             seen = self.committed.get(path, [])
             if seen and seen[-1] != sid:
                 last = next(r for r in self.ops if r.op_id == seen[-1])
-                later = {r.op_id for r in self.ops if r.path == path and r.start > last.start}
+                later = self._captured_later(last)
                 if sid not in later:
                     self.violate(f"{Path(path).name}: {seen[-1]} was committed last, but "
                                  f"the manifest names {sid}")

@@ -471,6 +471,47 @@ def test_a_second_job_snapshotting_into_a_path_in_use_is_refused_not_cleaned(
     world.run(scenario())
 
 
+def test_a_snapshot_that_captured_later_is_not_replaced_by_an_older_one_still_writing(
+        world: World) -> None:
+    """Holders resume as a commit begins, so a second driver of the job can snapshot
+    into the same path while the first snapshot's shards are still being written; the
+    newer snapshot's manifest must be the one left there."""
+    path = world.path("ckpt")
+    second_driver = world.sim.new_actor("driver", "second-driver", "node-0")
+    second = world.checkpoint(second_driver, CONFIG)
+    slow_writes = [3]  # the first snapshot's three shard writes take long
+
+    def io_cost(name: str) -> float:
+        if name == "write_held_shard" and slow_writes[0] > 0:
+            slow_writes[0] -= 1
+            return 5.0
+        return 0.002
+
+    async def scenario() -> None:
+        live = await world.populate()
+        world.sim.io_cost = io_cost
+        ids: dict[str, str] = {}
+
+        async def snapshot(ckpt: RayEnvironmentCheckpoint, name: str) -> None:
+            async with ckpt.snapshot(path) as snap:
+                assert snap is not None
+                ids[name] = snap.snapshot_id
+                await snap.check_against_cut(cut_of(live))
+
+        first = world.sim.spawn(world.driver, snapshot(world.ckpt, "first"))
+        while slow_writes[0] > 0:  # until the first commit released the holders
+            await asyncio.sleep(0.05)
+        await world.sim.spawn(second_driver, snapshot(second, "second"))
+        await first
+        loaded = read_snapshot(path)
+        assert loaded.manifest.snapshot_id == ids["second"]
+        assert sum(len(v) for v in loaded.sessions.values()) == 6
+        assert len(files(path)) == 3 + 1  # the older snapshot's shards went
+        assert set(world.states().values()) == {HolderState.RUNNING}
+
+    world.run(scenario())
+
+
 async def _snapshot_plain(ckpt: RayEnvironmentCheckpoint, path: Path) -> None:
     async with ckpt.snapshot(path):
         pass
