@@ -683,14 +683,15 @@ class SessionHolder:
         """Start writing the captured sessions' shard in the background, into
         ``directory`` or the one ``begin`` named. Repeating it is a no-op."""
         op = self._current_snapshot(snapshot_id)
-        if op.capture is None:
+        if op.capture is None or op.capture_report is None:
             raise HolderStateError(
                 f"{self.instance_id}: persist for snapshot {snapshot_id} before capture")
         if directory is not None:
             op.directory = Path(directory)
         if op.persist is None:
             op.persist = asyncio.ensure_future(
-                self._persist(op, op.directory, op.capture))
+                self._persist(op, op.directory, op.capture,
+                              op.capture_report.captured_msgpack))
             # Its error reaches finish_persist; one of a snapshot that ended meanwhile
             # (aborted, lapsed) has no reader, and is not an error to report.
             op.persist.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -898,14 +899,14 @@ class SessionHolder:
             raise HolderBusyError(self._busy_message(what))
 
     async def _persist(self, op: _SnapshotOp, directory: Path,
-                       records: list[Held]) -> PersistReport:
+                       records: list[Held], index: bytes) -> PersistReport:
         start = self._clock.monotonic()
         await self._injected_delay("persist")
         shards: tuple[ShardEntry, ...] = ()
         if records:
             name = shard_file_name(op.id, self.instance_id)
             entry = await self._runtime.run_blocking(
-                write_held_shard, directory, name, self.instance_id, records)
+                write_held_shard, directory, name, self.instance_id, records, index)
             if self._operation() is not op and op.id not in self._released \
                     and self._history.outcome(op.id) is not Outcome.COMMITTED:
                 # Aborted or lapsed while the thread wrote: the file must not outlive it.
@@ -957,10 +958,11 @@ class SessionHolder:
 
 
 def write_held_shard(directory: Path, name: str, instance_id: str,
-                     held: list[Held]) -> ShardEntry:
-    """Write captured sessions as one shard, from their bytes as held."""
-    return write_shard_parts(directory, name, instance_id, [h.row for h in held],
-                             [h.turns for h in held], [h.state for h in held])
+                     held: list[Held], index: bytes) -> ShardEntry:
+    """Write captured sessions as one shard, from their bytes as held; ``index`` is
+    their capture's ``captured_msgpack`` (the shard's index, the same bytes)."""
+    return write_shard_parts(directory, name, instance_id, index, len(held),
+                             ((h.turns, h.state) for h in held))
 
 
 def load_shard(directory: Path, entry: ShardEntry) -> ShardParts:

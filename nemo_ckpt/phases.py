@@ -88,7 +88,8 @@ def encode_captured_session(session: CapturedSession) -> bytes:
 
 def join_captured(encoded: list[bytes]) -> bytes:
     """``captured_msgpack`` from sessions encoded by ``encode_captured_session``."""
-    return msgpack.Packer().pack_array_header(len(encoded)) + b"".join(encoded)
+    # One join: ``header + b"".join(...)`` would hold the joined rows twice at once.
+    return b"".join([msgpack.Packer().pack_array_header(len(encoded)), *encoded])
 
 
 @dataclass(frozen=True)

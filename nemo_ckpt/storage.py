@@ -28,7 +28,7 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -156,14 +156,18 @@ class _HashingWriter:
         self.hash = content_hasher()
         self.length = 0
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Queue ``data``; big pieces are kept by reference, so they must not change."""
+    def write(self, data: bytes | bytearray | memoryview, copy: bool = False) -> None:
+        """Queue ``data``; big pieces are kept by reference, so they must not change.
+        ``copy`` says a big piece is a copy made for this write, bounded like the
+        writer's own copies of small pieces."""
         n = len(data)
         self.length += n
         if n >= _DIRECT_WRITE:
             self._seal_small()
             self._batch.append(data)
             self._batch_bytes += n
+            if copy:
+                self._copied_bytes += n
         else:
             self._small += data
             if len(self._small) >= _SMALL_PIECE_BUFFER:
@@ -272,7 +276,7 @@ def write_shard(
     directory: Path, name: str, instance_id: str, sessions: Iterable[SessionRecord]
 ) -> ShardEntry:
     """Write ``sessions`` of ``instance_id`` as shard ``name`` (see ``write_shard_parts``)."""
-    rows, turns, states = [], [], []
+    rows, bodies = [], []
     for record in sessions:
         if record.instance_id != instance_id:
             raise ValueError(
@@ -281,50 +285,57 @@ def write_shard(
             )
         row, turns_blob, state = record_parts(record)
         rows.append(row)
-        turns.append(turns_blob)
-        states.append(state)
-    return write_shard_parts(directory, name, instance_id, rows, turns, states)
+        bodies.append((turns_blob, state))
+    index = msgpack.Packer().pack_array_header(len(rows)) + b"".join(rows)
+    return write_shard_parts(directory, name, instance_id, index, len(rows), bodies)
 
 
-def write_shard_parts(directory: Path, name: str, instance_id: str, rows: Sequence[bytes],
-                      turns: Sequence[bytes], states: Sequence[bytes]) -> ShardEntry:
-    """Write one shard from sessions already encoded (each a row, a turns blob and a
-    state, as holders keep them) and return its manifest entry.
+def write_shard_parts(directory: Path, name: str, instance_id: str, index: bytes,
+                      count: int, bodies: Iterable[tuple[bytes, bytes]]) -> ShardEntry:
+    """Write one shard from sessions already encoded, as holders keep them, and return
+    its manifest entry: ``index`` is the msgpack array of the ``count`` sessions' rows
+    (a capture's ``captured_msgpack``), ``bodies`` yields each one's turns blob and state
+    in the same order.
 
-    The shard is a stream of msgpack objects: a header map, the index (an array of the
-    rows), then each session's body, ``[turns, state]``, in the same order. It is joined
-    from those bytes as they are (big states by reference): nothing is re-encoded, and
-    the index can be read without the bodies.
+    The shard is a stream of msgpack objects: a header map, the index, then each
+    session's body, ``[turns, state]``. It is joined from those bytes as they are (big
+    states by reference): nothing is re-encoded, no list per session is built (at a
+    million small sessions each would be memory the snapshot adds), and the index can
+    be read without the bodies.
     """
-    if not len(rows) == len(turns) == len(states):
-        raise ValueError(f"{len(rows)} rows, {len(turns)} turns, {len(states)} states")
 
     def fill(w: _HashingWriter) -> None:
         packer = msgpack.Packer(use_bin_type=True)
         w.write(packer.pack({"format": SHARD_MAGIC, "version": SHARD_VERSION,
-                             "instance_id": instance_id, "sessions": len(rows)}))
-        w.write(packer.pack_array_header(len(rows)) + b"".join(rows))
+                             "instance_id": instance_id, "sessions": count}))
+        # Written as it is (by reference when big): the capture already holds it.
+        w.write(index)
         batch: list[bytes] = []
         size = 0
-        for turns_blob, state in zip(turns, states, strict=True):
+        written = 0
+        for turns_blob, state in bodies:
+            written += 1
             head = body_head(turns_blob, len(state))
             if len(state) >= _DIRECT_WRITE:  # big: by reference, without a copy
                 batch.append(head)
-                w.write(b"".join(batch))
+                w.write(b"".join(batch), copy=True)
                 w.write(state)
                 batch, size = [], 0
                 continue
             batch += (head, state)
             size += len(head) + len(state)
             if size >= _SMALL_PIECE_BUFFER:
-                w.write(b"".join(batch))
+                w.write(b"".join(batch), copy=True)
                 batch, size = [], 0
         if batch:
-            w.write(b"".join(batch))
+            w.write(b"".join(batch), copy=True)
+        if written != count:
+            raise ValueError(f"shard {name}: an index of {count} sessions, "
+                             f"{written} bodies")
 
     length, digest = _write_durably(directory, name, fill)
     return ShardEntry(file=name, bytes=length, content_hash=digest, instance_id=instance_id,
-                      sessions=len(rows))
+                      sessions=count)
 
 
 def write_manifest(directory: Path, manifest: Manifest | bytes) -> None:
