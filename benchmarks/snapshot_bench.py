@@ -19,8 +19,10 @@ repeated and reported as min / median / max:
   (the driver, beside the coordinator), write them to one msgpack file the way a shard
   is written (content hash while writing, temp file, fsync, rename), resume;
 - a holder's peak memory during a snapshot over its sessions' size;
-- persistence overlap: the paused time of a caller that sleeps for as long as the
-  persist takes, against one that saves nothing.
+- persistence overlap: the whole snapshot (call to the end of the ``async with``) of a
+  caller that sleeps for as long as the persist takes, against one that saves nothing.
+  (The pause itself now lasts until the context exits, so it holds the caller's save by
+  definition, and the persist is never on it.)
 
 A second table gives the turns a crash at a random point costs, with snapshots every K
 turn-times and without turn-level recovery (seeded Monte Carlo plus the closed form).
@@ -440,12 +442,14 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
                 t1 = time.perf_counter()
                 probe.start()
                 await asyncio.sleep(sleep_s)
+            t2 = time.perf_counter()
             t_open = await probe.gates_open_at()
             await probe.close()
             assert snap is not None
             m = snap.metrics(0.0)
             persists_s.append(m["persist_seconds"])
             rep.update(overlap_sleep_ms=sleep_s * 1e3, overlap_paused_ms=(t_open - t0) * 1e3,
+                       overlap_entry_exit_ms=(t2 - t0) * 1e3,
                        overlap_entry_ms=(t1 - t0) * 1e3,
                        overlap_persist_ms=m["persist_seconds"] * 1e3)
             shutil.rmtree(path, ignore_errors=True)
@@ -564,7 +568,8 @@ def _point_record(holders: int, sessions: int, state_bytes: int, reps: list[dict
     for key in ("entry_ms", "exit_ms", "paused_ms", "entry_exit_ms", "restore_ms",
                 "persist_ms",
                 "coord_entry_ms", "drain_ms", "capture_ms", "restore_prepare_ms",
-                "overlap_paused_ms", "overlap_sleep_ms", "overlap_persist_ms"):
+                "overlap_paused_ms", "overlap_entry_exit_ms", "overlap_sleep_ms",
+                "overlap_persist_ms"):
         point.update(_summary(key, col[key]))
     point.update(_summary("baseline_single_writer_paused_ms", col["baseline_paused_ms"]))
     point.update({
@@ -588,13 +593,14 @@ def _point_record(holders: int, sessions: int, state_bytes: int, reps: list[dict
         "holder_peak_method": reps[0]["peak_method"],
         "holder_rss_before_population_mb": round(max(rss0.values()) / MiB, 1),
         "holder_rss_after_population_mb": round(max(rss1.values()) / MiB, 1),
-        # Paused time of a caller sleeping as long as the persist, over one saving nothing.
-        "overlap_paused_growth_ratio": round(_median(
-            g - 1.0 for g in _ratios(col["overlap_paused_ms"], col["paused_ms"])), 3),
+        # The whole snapshot of a caller sleeping as long as the persist, over one saving
+        # nothing: what the caller's save adds once the persist runs beside it.
+        "overlap_growth_ratio": round(_median(
+            g - 1.0 for g in _ratios(col["overlap_entry_exit_ms"], col["entry_exit_ms"])), 3),
         # How much of the caller's save the persist hid: 1 = all of it (perfect overlap),
         # 0 = none (persist after the caller's block, one after the other).
         "overlap_hidden_fraction": round(_median(
-            1.0 - (r["overlap_paused_ms"] - r["paused_ms"]) / r["overlap_sleep_ms"]
+            1.0 - (r["overlap_entry_exit_ms"] - r["entry_exit_ms"]) / r["overlap_sleep_ms"]
             for r in reps), 3),
         "populate_s": round(populate_s, 2),
         "populate_opens_per_s": round(sessions / populate_s, 0),
@@ -776,7 +782,7 @@ def point_tables(points: list[dict[str, Any]]) -> list[tuple[str, list[str], lis
             "-" if warm is None else f"{warm:.2f}",
             f"{p['holder_peak_memory_ratio']:.2f} ({p['holder_resident_ratio']:.2f} + "
             f"{p['holder_snapshot_extra_ratio']:.2f})",
-            f"{p['overlap_paused_growth_ratio']:+.0%} ({p['overlap_hidden_fraction']:.2f})",
+            f"{p['overlap_growth_ratio']:+.0%} ({p['overlap_hidden_fraction']:.2f})",
             f"{p['populate_s']:.1f}"])
     return [
         ("milliseconds, median (min-max)",
@@ -878,8 +884,8 @@ def check_targets(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if p["holders"] == 4:
             add("baseline_speedup (baseline paused / paused)", p, p["baseline_speedup"],
                 p["baseline_speedup"] >= 1.5, ">= 1.5")
-        add("overlap_paused_growth_ratio", p, p["overlap_paused_growth_ratio"],
-            p["overlap_paused_growth_ratio"] <= 0.10, "<= 0.10")
+        add("overlap_growth_ratio", p, p["overlap_growth_ratio"],
+            p["overlap_growth_ratio"] <= 0.10, "<= 0.10")
         add("holder_peak_memory_ratio", p, p["holder_peak_memory_ratio"],
             p["holder_peak_memory_ratio"] <= 1.5, "<= 1.5")
     return out
@@ -961,6 +967,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.render is not None:
         doc = json.loads(args.render.read_text())
+        for p in doc["points"]:
+            # Results from before the overlap was measured on the whole snapshot.
+            p.setdefault("overlap_growth_ratio", p.get("overlap_paused_growth_ratio"))
         print(format_points(doc["points"]))
         print()
         print(format_crash_table(doc["crash_cost"]))
@@ -1107,14 +1116,17 @@ DEFINITIONS = {
     "disk_read": "the disk-baseline file read right after the restores, as read_shard "
                  "reads (open, fstat, one read), after POSIX_FADV_DONTNEED on it; warm: "
                  "read twice without evicting, the faster",
-    "overlap_paused_growth_ratio": "per repetition, paused_ms of a caller that sleeps for "
-                                   "the persist time (median persist_seconds of this "
-                                   "point's measured snapshots so far) inside the "
-                                   "block, over paused_ms of the repetition's snapshot whose "
-                                   "caller saves nothing, minus 1; median. The two run back "
-                                   "to back, in alternating order",
-    "overlap_hidden_fraction": "per repetition 1 - (paused time added) / (sleep): the "
-                               "share of the caller's save hidden by the overlap; median",
+    "overlap_growth_ratio": "per repetition, entry_exit_ms (snapshot() called to the end "
+                            "of the async with) of a caller that sleeps for the persist "
+                            "time (median persist_seconds of this point's measured "
+                            "snapshots so far) inside the block, over entry_exit_ms of the "
+                            "repetition's snapshot whose caller saves nothing, minus 1; "
+                            "median. The two run back to back, in alternating order. (The "
+                            "pause lasts until the context exits, so the caller's save is "
+                            "on it by definition; overlap_paused_ms records it)",
+    "overlap_hidden_fraction": "per repetition 1 - (time added to the whole snapshot) / "
+                               "(sleep): the share of the caller's save hidden by the "
+                               "overlap; median",
 }
 
 
