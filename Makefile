@@ -33,9 +33,10 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/turn_level_recovery.py $(DEMO_ARGS)
 
-# The snapshot benchmark (issue 6; benchmarks/README.md): the full grid, ~4-6 min on 2 cores.
+# The snapshot benchmark (benchmarks/README.md): the full grid, ~4-6 min on 2 cores.
 # Prints its tables and writes bench-results.json. `make bench BENCH_ARGS=--quick` runs
-# only its two quick points (~80 s).
+# two grid points and the quick scale series (~2 min); BENCH_ARGS=--scale the scale
+# series to a million sessions (~7 min).
 BENCH_ARGS ?=
 .PHONY: bench
 bench: $(STAMP)
