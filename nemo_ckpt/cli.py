@@ -34,7 +34,7 @@ from nemo_ckpt.manifest import (
     rollouts_by_shard,
     shard_problems,
 )
-from nemo_ckpt.options import non_empty, positive_float
+from nemo_ckpt.options import checkpoint_path, non_empty, positive_float
 from nemo_ckpt.phases import HolderInfo
 from nemo_ckpt.storage import (
     RolloutIndexEntry,
@@ -548,12 +548,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     path_help = "the checkpoint path handed to snapshot(): the folder holding environment/"
 
+    # A URL is refused here, before anything reads (nemo_ckpt.location).
     p = sub.add_parser("inspect", help="show what a snapshot holds (reads its manifest)",
                        description="Show a snapshot's rollouts by instance, their attempts "
                                    "and turns, bytes per shard, the restarted count and the "
                                    "metrics. Reads only the manifest; run `verify` to check "
                                    "the shards.")
-    p.add_argument("path", metavar="PATH", help=path_help)
+    p.add_argument("path", metavar="PATH", type=checkpoint_path, help=path_help)
     p.add_argument("--json", action="store_true", help="print the same as JSON")
     p.set_defaults(run=_cmd_inspect)
 
@@ -561,14 +562,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check the manifest (version, schema, shard names) and "
                                    "every shard (length, content hash, decoding, contents). Exits "
                                    "0 when intact, 1 listing every problem found.")
-    p.add_argument("path", metavar="PATH", help=path_help)
+    p.add_argument("path", metavar="PATH", type=checkpoint_path, help=path_help)
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("diff", help="compare two snapshots rollout by rollout",
                        description="Show the rollouts added in B, those finished (in A, not "
                                    "in B), and how many turns each rollout in both advanced.")
-    p.add_argument("a", metavar="A", help="the earlier checkpoint path")
-    p.add_argument("b", metavar="B", help="the later checkpoint path")
+    p.add_argument("a", metavar="A", type=checkpoint_path, help="the earlier checkpoint path")
+    p.add_argument("b", metavar="B", type=checkpoint_path, help="the later checkpoint path")
     p.set_defaults(run=_cmd_diff)
 
     p = sub.add_parser("status", help="show the holders of a running job",

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from nemo_ckpt.errors import CheckpointPathError
+from nemo_ckpt.location import local_path
 
 __all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN"]
 
@@ -65,6 +68,17 @@ class CheckpointConfig(BaseModel):
         description="Retire marks a holder keeps (one per retired rollout, until RL "
                     "forgets it); beyond this the oldest go, and a zombie worker of that "
                     "rollout could open it again.")
+
+    @field_validator("checkpoint_root", mode="before")
+    @classmethod
+    def _root_is_a_folder(cls, value: object) -> object:
+        # Before pydantic makes it a Path, which would turn a URL into a local folder.
+        if isinstance(value, (str, Path)):
+            try:
+                return local_path(value)
+            except CheckpointPathError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
     @model_validator(mode="after")
     def _deadlines_can_work(self) -> CheckpointConfig:

@@ -14,7 +14,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from nemo_ckpt.errors import CheckpointPathError
+from nemo_ckpt.location import local_path
+
 __all__ = [
+    "checkpoint_path",
     "at_least",
     "positive_float",
     "non_negative_float",
@@ -73,6 +77,15 @@ def non_empty(text: str) -> str:
     if text != text.strip():
         raise argparse.ArgumentTypeError(f"{text!r} has whitespace around it")
     return text
+
+
+def checkpoint_path(text: str) -> Path:
+    """An argparse ``type=`` for a checkpoint path: a local folder; a URL is refused
+    with why (``nemo_ckpt.location``), never taken for a folder named after it."""
+    try:
+        return local_path(text)
+    except CheckpointPathError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def writable_folder_problem(folder: Path) -> str | None:

@@ -20,6 +20,7 @@ from nemo_ckpt.errors import (
     StartupCheckError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
+from nemo_ckpt.location import local_path
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderInfo, HolderState
 from nemo_ckpt.transport import Transport
@@ -247,10 +248,10 @@ class RayEnvironmentCheckpoint:
         even if this task is cancelled meanwhile (the cancellation is raised after it):
         a commit is never torn by an abort.
         """
+        path = str(local_path(checkpoint_path))  # a URL is refused, not made a folder
         self._refuse_if_open("snapshot")
         snapshot_id = self._new_operation_id("snap")
         self._open = snapshot_id
-        path = str(Path(checkpoint_path))
         clock = self._transport.runtime.clock
         started = clock.monotonic()
         try:
@@ -312,10 +313,10 @@ class RayEnvironmentCheckpoint:
         Sessions go live on a clean exit; on an exception (or a cancellation, or a
         commit that failed on some holder) every holder drops them: all or nothing.
         """
+        path = str(local_path(checkpoint_path))  # a URL is refused, not made a folder
         self._refuse_if_open("restore")
         restore_id = self._new_operation_id("restore")
         self._open = restore_id
-        path = str(Path(checkpoint_path))
         try:
             async with self._renewing(restore_id):  # from the start: reads can be long
                 try:

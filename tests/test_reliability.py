@@ -21,6 +21,7 @@ from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     CheckpointPathBusyError,
+    CheckpointPathError,
     HolderBusyError,
     LeaseExpiredError,
     NemoCkptError,
@@ -469,6 +470,32 @@ def test_a_second_job_snapshotting_into_a_path_in_use_is_refused_not_cleaned(
         read_snapshot(path)
 
     world.run(scenario())
+
+
+def test_a_snapshot_or_restore_given_a_url_is_refused_before_any_holder_pauses(
+        world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    sent: list[str] = []
+    world.sim.on_send = lambda caller, callee, m, args: sent.append(m)
+
+    async def scenario() -> None:
+        live = await world.populate()
+        sent.clear()
+        for url in ("s3://nemo/demo", Path("s3://nemo/demo")):
+            with pytest.raises(CheckpointPathError, match="s3://nemo/demo"):
+                async with world.ckpt.snapshot(url):  # type: ignore[arg-type]
+                    pass
+            with pytest.raises(CheckpointPathError, match="s3://nemo/demo"):
+                async with world.ckpt.restored(url):  # type: ignore[arg-type]
+                    pass
+        assert sent == []  # nothing reached the coordinator or a holder
+        assert set(world.states().values()) == {HolderState.RUNNING}
+        # The driver is free for the next operation.
+        await world.snapshot(world.path("ckpt"), live)
+        assert read_manifest(world.path("ckpt")).snapshot_id
+
+    world.run(scenario())
+    assert not (tmp_path / "s3:").exists()
 
 
 def test_a_snapshot_that_captured_later_is_not_replaced_by_an_older_one_still_writing(

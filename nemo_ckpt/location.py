@@ -1,0 +1,100 @@
+"""Where a checkpoint lives: a local folder, or an object-store URL.
+
+A checkpoint path reaches nemo-ckpt as a ``str`` or a ``pathlib.Path``, from RL's
+driver, the CLI or the config. A URL must not be taken for a relative folder:
+``Path("s3://nemo/demo")`` is the local folder ``s3:/nemo/demo``, and a snapshot written
+there is silently not where the user looks. So every entry point parses its path here
+first: a URL is recognised (also one that ``Path`` already collapsed to ``scheme:/``),
+and one whose store this nemo-ckpt cannot write is refused with an error that says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from nemo_ckpt.errors import CheckpointPathError
+
+__all__ = ["LocalLocation", "ObjectLocation", "Location", "parse_location", "local_path"]
+
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+# What Path() makes of a URL: "s3://b/p" -> "s3:/b/p". One letter is a Windows drive.
+_COLLAPSED_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+
+
+@dataclass(frozen=True)
+class LocalLocation:
+    """A folder on a filesystem every node and the driver mount at the same path."""
+
+    path: Path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+@dataclass(frozen=True)
+class ObjectLocation:
+    """``<scheme>://<bucket>/<prefix>``: a prefix in an object-store bucket."""
+
+    scheme: str
+    bucket: str
+    prefix: str  # no leading or trailing "/"; "" for the bucket's root
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.prefix}" if self.prefix \
+            else f"{self.scheme}://{self.bucket}"
+
+
+Location = LocalLocation | ObjectLocation
+
+
+def parse_location(path: str | os.PathLike[str]) -> Location:
+    """The location ``path`` names. Raises ``CheckpointPathError`` for a URL that is
+    malformed or whose ``Path`` form lost its ``//``."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise CheckpointPathError(str(text), f"checkpoint path {text!r} is not text")
+    url = _URL.match(text)
+    if url is None:
+        collapsed = _COLLAPSED_URL.match(text)
+        if collapsed is not None:
+            scheme = collapsed["scheme"].lower()
+            raise CheckpointPathError(
+                text, f"checkpoint path {text!r} looks like a {scheme}:// URL that "
+                      f"pathlib.Path collapsed (it drops one '/'); pass the URL as a str, "
+                      f"e.g. '{scheme}://{text[collapsed.end():]}'")
+        return LocalLocation(Path(text))
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if parts.query or parts.fragment:
+        raise CheckpointPathError(
+            text, f"checkpoint URL {text!r} has a query or fragment; name the bucket and "
+                  f"prefix only ({scheme}://bucket/prefix), and give endpoint and "
+                  f"credentials the standard way (environment, config files)")
+    if not parts.netloc:
+        raise CheckpointPathError(
+            text, f"checkpoint URL {text!r} names no bucket; write {scheme}://bucket/prefix")
+    prefix = parts.path.strip("/")
+    if any(seg in ("", ".", "..") for seg in prefix.split("/")) and prefix:
+        raise CheckpointPathError(
+            text, f"checkpoint URL {text!r} has an empty, '.' or '..' segment in its "
+                  f"prefix; write {scheme}://bucket/a/b")
+    return ObjectLocation(scheme, parts.netloc, prefix)
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a local folder; refuses a URL, with what to use instead.
+
+    The object-store support (``s3://``) is not in this version yet: until it is, a URL
+    must fail loudly here rather than become a local folder named after it.
+    """
+    location = parse_location(path)
+    if isinstance(location, ObjectLocation):
+        raise CheckpointPathError(
+            str(location), f"checkpoint path {location} is an object-store URL, which this "
+                           f"nemo-ckpt cannot write or read yet; use a folder that every "
+                           f"node and the driver mount at the same path (for example NFS)")
+    return location.path
