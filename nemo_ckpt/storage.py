@@ -1,9 +1,10 @@
 """Writing and reading snapshot files under ``<checkpoint_path>/environment/``.
 
-Every file is written the same durable way: to a temp file in the same folder,
-fsynced, renamed into place, then the folder fsynced. The content hash is computed
-while writing, never by reading the file back. The manifest is written last, so a
-folder without one holds no snapshot, whatever shards it has.
+Files go through a ``Folder`` (``nemo_ckpt.folder``; on a filesystem,
+``nemo_ckpt.local_folder``), which makes each appear whole once durable, or not at
+all. The content hash is computed while writing, never by reading the file back. The
+manifest is written last, so a folder without one holds no snapshot, whatever shards
+it has.
 
 Reading verifies before it returns: the manifest's version and schema, every shard
 name, every shard's length and hash, then what each shard holds against the manifest.
@@ -20,15 +21,11 @@ into the same folder is refused instead of cleaned away.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import io
 import json
-import os
 import re
-import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -44,11 +41,12 @@ from nemo_ckpt.errors import (
     ShardCorruptedError,
     SnapshotNotFoundError,
     SnapshotReadError,
-    SnapshotWriteError,
     TornSnapshotError,
     UnsafeShardNameError,
     UnsupportedFormatVersionError,
 )
+from nemo_ckpt.folder import Folder, Sink
+from nemo_ckpt.local_folder import TMP_MARK, LocalFolder
 from nemo_ckpt.manifest import (
     ENVIRONMENT_DIR,
     MANIFEST_NAME,
@@ -68,6 +66,8 @@ from nemo_ckpt.sessions import SessionRecord, body_head, record_of, record_parts
 
 __all__ = [
     "environment_dir",
+    "environment_folder",
+    "as_folder",
     "prepare_environment_dir",
     "write_shard",
     "write_manifest",
@@ -100,20 +100,10 @@ SHARD_MAGIC = "nemo-ckpt-shard"
 # payload per session (``nemo_ckpt.sessions``); 1 (read): a header, then one map per
 # session (manifest formats 1 and 2).
 SHARD_VERSION = 3
-_TMP_MARK = ".tmp-"
-# Pieces are written in batches of about _WRITE_BATCH bytes with one writev each: small
-# pieces are gathered into a buffer first, pieces at least _DIRECT_WRITE long (big
-# states) go to the kernel by reference, without a copy. Per-piece write syscalls cost
-# a third of the write's time at 64 KiB states.
-_WRITE_BATCH = 4 << 20
-# ...but copies of small pieces are written once they reach this much: they are memory
-# the snapshot adds on top of the sessions (4 MiB of them was 1.6x the state of a holder
-# of 2,500 1 KiB sessions).
-_COPIED_BATCH = 256 << 10
+# Pieces of a shard's small sessions are joined into about this much before they go to
+# the folder's sink; a state at least _DIRECT_WRITE long goes by reference, uncopied.
 _DIRECT_WRITE = 16 << 10
 _SMALL_PIECE_BUFFER = 256 << 10
-_MAX_IOV = 512  # well under every platform's IOV_MAX (1024 on Linux)
-_READ_CHUNK = 4 << 20
 # XXH3-128 detects torn and corrupted files as well as SHA-256 does, at ~25 GB/s a core
 # instead of ~2: a cryptographic hash buys nothing here (whoever can rewrite a shard can
 # rewrite the manifest too) and made persist and restore CPU-bound.
@@ -140,140 +130,60 @@ def environment_dir(checkpoint_path: Path | str) -> Path:
     return Path(checkpoint_path) / ENVIRONMENT_DIR
 
 
+def environment_folder(checkpoint_path: Path | str) -> Folder:
+    """The ``Folder`` that holds the environment's half of a checkpoint."""
+    return LocalFolder(environment_dir(checkpoint_path))
+
+
+def as_folder(directory: Folder | Path | str) -> Folder:
+    """``directory`` as a ``Folder``: a path is a local folder."""
+    if isinstance(directory, (Path, str)):
+        return LocalFolder(Path(directory))
+    return directory
+
+
 # --- writing -------------------------------------------------------------------------
 
 
-class _HashingWriter:
-    """Hashes every byte on its way to the file, in the order written, and writes in
-    large ``writev`` batches (see ``_WRITE_BATCH``)."""
+class _HashingSink:
+    """Hashes every byte on its way to the folder, in the order written."""
 
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._small = bytearray()
-        self._batch: list[bytes | bytearray | memoryview] = []
-        self._batch_bytes = 0
-        self._copied_bytes = 0  # of _batch, in copies of small pieces
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
         self.hash = content_hasher()
-        self.length = 0
 
     def write(self, data: bytes | bytearray | memoryview, copy: bool = False) -> None:
-        """Queue ``data``; big pieces are kept by reference, so they must not change.
-        ``copy`` says a big piece is a copy made for this write, bounded like the
-        writer's own copies of small pieces."""
-        n = len(data)
-        self.length += n
-        if n >= _DIRECT_WRITE:
-            self._seal_small()
-            self._batch.append(data)
-            self._batch_bytes += n
-            if copy:
-                self._copied_bytes += n
-        else:
-            self._small += data
-            if len(self._small) >= _SMALL_PIECE_BUFFER:
-                self._seal_small()
-        if self._batch_bytes >= _WRITE_BATCH or len(self._batch) >= _MAX_IOV \
-                or self._copied_bytes >= _COPIED_BATCH:
-            self._flush()
-
-    def _seal_small(self) -> None:
-        if self._small:
-            self._batch.append(self._small)
-            self._batch_bytes += len(self._small)
-            self._copied_bytes += len(self._small)
-            self._small = bytearray()
-
-    def _flush(self) -> None:
-        self._seal_small()
-        for piece in self._batch:
-            self.hash.update(piece)
-        _writev_all(self._fd, self._batch)
-        self._batch = []
-        self._batch_bytes = 0
-        self._copied_bytes = 0
-
-    def close(self) -> None:
-        """Write what is still queued."""
-        self._flush()
+        self.hash.update(data)
+        self._sink.write(data, copy)
 
 
-def _writev_all(fd: int, pieces: list[bytes | bytearray | memoryview]) -> None:
-    """``os.writev`` every piece, resuming after short writes."""
-    views = [memoryview(p) for p in pieces]
-    i = 0
-    while i < len(views):
-        written = os.writev(fd, views[i:])
-        while i < len(views) and written >= len(views[i]):
-            written -= len(views[i])
-            i += 1
-        if written:
-            views[i] = views[i][written:]
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(directory: Path, name: str, fill: Any) -> tuple[int, str]:
-    """Write ``name`` in ``directory`` through ``fill(writer)``; return (length,
-    content hash as ``<algorithm>:<hex>``).
-
-    The file appears under its name only once complete and fsynced; on any failure
-    the temp file goes and ``SnapshotWriteError`` says where and why.
-    """
+def _write_durably(directory: Folder | Path, name: str,
+                   fill: Callable[[Sink], None]) -> tuple[int, str]:
+    """Write ``name`` in ``directory`` through ``fill(sink)``; return (length, content
+    hash as ``<algorithm>:<hex>``). The hash is computed while writing, never by reading
+    the file back. The file appears under its name only once complete and durable; on
+    any failure nothing stays and ``SnapshotWriteError`` says where and why."""
     if not is_plain_file_name(name):
         raise ValueError(f"{name!r} is not a plain file name")
-    tmp = directory / f".{name}{_TMP_MARK}{uuid.uuid4().hex}"
-    target = directory / name
-    try:
-        with open(tmp, "xb", buffering=0) as f:
-            writer = _HashingWriter(f.fileno())
-            fill(writer)
-            writer.close()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        _fsync_dir(directory)
-    except BaseException as exc:
-        # Whatever failed (disk, or the caller's own iterator), no partial file stays.
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise SnapshotWriteError(target, _write_failure(target, exc)) from exc
-        raise
-    return writer.length, f"{CONTENT_HASH}:{writer.hash.hexdigest()}"
+    hashing: list[_HashingSink] = []
 
+    def hashed_fill(sink: Sink) -> None:
+        hashing.append(_HashingSink(sink))
+        fill(hashing[0])
 
-def _write_failure(target: Path, exc: OSError) -> str:
-    reason = {
-        errno.ENOSPC: "the filesystem is full; free space or point snapshots elsewhere",
-        errno.EDQUOT: "the disk quota is exhausted; free space or raise the quota",
-        errno.EROFS: "the filesystem is read-only; mount it read-write",
-        errno.EACCES: "permission denied; let the Ray workers' user write there",
-        errno.EPERM: "permission denied; let the Ray workers' user write there",
-        errno.ENOENT: "the checkpoint folder disappeared while writing; check what removes it",
-    }.get(exc.errno or 0, "check the filesystem and retry the snapshot")
-    return f"could not write {target}: {exc.strerror or exc} ({reason})"
+    length = as_folder(directory).write_stream(name, hashed_fill)
+    return length, f"{CONTENT_HASH}:{hashing[0].hash.hexdigest()}"
 
 
 def prepare_environment_dir(checkpoint_path: Path | str) -> Path:
     """Create ``<checkpoint_path>/environment`` if needed and return it."""
-    directory = environment_dir(checkpoint_path)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SnapshotWriteError(directory, _write_failure(directory, exc)) from exc
-    return directory
+    folder = LocalFolder(environment_dir(checkpoint_path))
+    folder.prepare()
+    return folder.path
 
 
 def write_shard(
-    directory: Path, name: str, instance_id: str, sessions: Iterable[SessionRecord]
+    directory: Folder | Path, name: str, instance_id: str, sessions: Iterable[SessionRecord]
 ) -> ShardEntry:
     """Write ``sessions`` of ``instance_id`` as shard ``name`` (see ``write_shard_parts``)."""
     rows, bodies = [], []
@@ -290,7 +200,7 @@ def write_shard(
     return write_shard_parts(directory, name, instance_id, index, len(rows), bodies)
 
 
-def write_shard_parts(directory: Path, name: str, instance_id: str, index: bytes,
+def write_shard_parts(directory: Folder | Path, name: str, instance_id: str, index: bytes,
                       count: int, bodies: Iterable[tuple[bytes, bytes]]) -> ShardEntry:
     """Write one shard from sessions already encoded, as holders keep them, and return
     its manifest entry: ``index`` is the msgpack array of the ``count`` sessions' rows
@@ -304,7 +214,7 @@ def write_shard_parts(directory: Path, name: str, instance_id: str, index: bytes
     be read without the bodies.
     """
 
-    def fill(w: _HashingWriter) -> None:
+    def fill(w: Sink) -> None:
         packer = msgpack.Packer(use_bin_type=True)
         w.write(packer.pack({"format": SHARD_MAGIC, "version": SHARD_VERSION,
                              "instance_id": instance_id, "sessions": count}))
@@ -338,37 +248,44 @@ def write_shard_parts(directory: Path, name: str, instance_id: str, index: bytes
                       sessions=count)
 
 
-def write_manifest(directory: Path, manifest: Manifest | bytes) -> None:
+def write_manifest(directory: Folder | Path, manifest: Manifest | bytes) -> None:
     """Commit the snapshot: write ``manifest.json`` durably. Call it after every shard.
 
     ``manifest`` is a ``Manifest`` or its JSON from ``encode_manifest``."""
     # Compact: it is written while the holders are paused; `nemo-ckpt inspect` reads it.
     data = manifest if isinstance(manifest, bytes) else manifest.model_dump_json().encode()
-    _write_durably(directory, MANIFEST_NAME, lambda w: w.write(data))
+    as_folder(directory).write_bytes(MANIFEST_NAME, data)
 
 
-def remove_files(directory: Path, names: Iterable[str]) -> None:
+def remove_files(directory: Folder | Path, names: Iterable[str]) -> None:
     """Remove the named plain files from ``directory``; missing ones are fine."""
-    for name in names:
-        if is_plain_file_name(name):
-            (directory / name).unlink(missing_ok=True)
+    as_folder(directory).remove([name for name in names if is_plain_file_name(name)])
 
 
-def manifest_shard_files(directory: Path) -> set[str]:
+def manifest_shard_files(directory: Folder | Path) -> set[str]:
     """The shard files the manifest in ``directory`` names now (none without one)."""
+    folder = as_folder(directory)
     try:
-        data = json.loads((directory / MANIFEST_NAME).read_bytes())
+        data = json.loads(folder.read(MANIFEST_NAME))
         return {str(s["file"]) for s in data["shards"]}
     except FileNotFoundError:
         return set()
     except (OSError, ValueError, KeyError, TypeError) as exc:
         # A manifest that does not parse protects nothing we can name: remove nothing.
+        where = folder.describe(MANIFEST_NAME)
         raise CheckpointPathError(
-            directory / MANIFEST_NAME, f"cannot read the shard list of "
-            f"{directory / MANIFEST_NAME} ({exc}); nothing was removed") from exc
+            where, f"cannot read the shard list of {where} ({exc}); nothing was removed"
+        ) from exc
 
 
-def remove_unreferenced_files(directory: Path, protect: Collection[str] = ()) -> list[str]:
+def _is_ours(name: str) -> bool:
+    """A shard or a temp file: the only files clean-up touches."""
+    return (name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)) or (
+        name.startswith(".") and TMP_MARK in name)
+
+
+def remove_unreferenced_files(directory: Folder | Path,
+                              protect: Collection[str] = ()) -> list[str]:
     """After a commit, remove shards and temp files that the manifest here now does not
     name: an older snapshot's that a newer one replaced, or an aborted one's.
 
@@ -377,20 +294,13 @@ def remove_unreferenced_files(directory: Path, protect: Collection[str] = ()) ->
     progress here: see ``live_claims``) stay too, and only files whose names nemo-ckpt
     makes are touched. Returns the names removed.
     """
-    keep = manifest_shard_files(directory)
+    folder = as_folder(directory)
+    keep = manifest_shard_files(folder)
     stems = [_operation_stem(op) for op in protect]
-    removed = []
-    for entry in directory.iterdir():
-        name = entry.name
-        ours = (name.startswith(SHARD_PREFIX) and name.endswith(SHARD_SUFFIX)) or (
-            name.startswith(".") and _TMP_MARK in name
-        )
-        if not ours or name in keep or any(name.lstrip(".").startswith(s) for s in stems):
-            continue
-        entry.unlink(missing_ok=True)
-        removed.append(name)
-    if removed:
-        _fsync_dir(directory)
+    removed = [name for name in folder.names()
+               if _is_ours(name) and name not in keep
+               and not any(name.lstrip(".").startswith(s) for s in stems)]
+    folder.remove(removed)
     return removed
 
 
@@ -413,16 +323,15 @@ def _claim_name(operation_id: str) -> str:
     return f"{CLAIM_PREFIX}{safe_name_part(operation_id)}.json"
 
 
-def read_claims(directory: Path) -> list[PathClaim]:
+def read_claims(directory: Folder | Path) -> list[PathClaim]:
     """Every readable claim in ``directory`` (a half-written one is skipped)."""
+    folder = as_folder(directory)
     claims: list[PathClaim] = []
-    if not directory.is_dir():
-        return claims
-    for entry in directory.iterdir():
-        if not (entry.name.startswith(CLAIM_PREFIX) and entry.name.endswith(".json")):
+    for name in folder.names():
+        if not (name.startswith(CLAIM_PREFIX) and name.endswith(".json")):
             continue
         try:
-            data = json.loads(entry.read_bytes())
+            data = json.loads(folder.read(name))
             claims.append(PathClaim(str(data["operation"]), str(data["owner"]),
                                     float(data["expires_at"])))
         except (OSError, ValueError, KeyError, TypeError):
@@ -430,7 +339,8 @@ def read_claims(directory: Path) -> list[PathClaim]:
     return claims
 
 
-def live_claims(directory: Path, owner: str, now: float, ours: Collection[str]) -> set[str]:
+def live_claims(directory: Folder | Path, owner: str, now: float,
+                ours: Collection[str]) -> set[str]:
     """The operations whose files must stay: claims of other owners that have not
     expired, and ``ours`` (this owner's operations open now). A claim of this owner that
     is not in ``ours`` was left by a predecessor that died: it protects nothing."""
@@ -438,36 +348,29 @@ def live_claims(directory: Path, owner: str, now: float, ours: Collection[str]) 
             if (c.owner != owner and c.expires_at > now) or c.operation in ours}
 
 
-def claim_path(directory: Path, operation_id: str, owner: str, now: float,
+def claim_path(directory: Folder | Path, operation_id: str, owner: str, now: float,
                ttl_s: float) -> None:
     """Claim ``directory`` for ``operation_id`` until ``now + ttl_s``; calling it again
     renews the claim. Refuses with ``CheckpointPathBusyError`` while another owner's
     claim holds (another job snapshots here). This owner's own operations need no
     refusal: its holders run one at a time, and clean-up spares the ones open."""
-    for claim in read_claims(directory):
+    folder = as_folder(directory)
+    for claim in read_claims(folder):
         if claim.operation == operation_id or claim.expires_at <= now:
             continue
         if claim.owner != owner:
             raise CheckpointPathBusyError(
-                f"{directory} is in use by {claim.operation} of {claim.owner} (its claim "
-                f"holds for {claim.expires_at - now:.0f}s more): two jobs must not write "
-                f"snapshots into one checkpoint path; give each job its own path")
+                f"{folder.describe()} is in use by {claim.operation} of {claim.owner} (its "
+                f"claim holds for {claim.expires_at - now:.0f}s more): two jobs must not "
+                f"write snapshots into one checkpoint path; give each job its own path")
     data = json.dumps({"operation": operation_id, "owner": owner,
                        "expires_at": now + ttl_s}).encode()
-    target = directory / _claim_name(operation_id)
-    tmp = directory / f".{target.name}{_TMP_MARK}{uuid.uuid4().hex}"
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise SnapshotWriteError(target, _write_failure(target, exc)) from exc
+    folder.write_bytes(_claim_name(operation_id), data, sync=False)
 
 
-def release_claim(directory: Path, operation_id: str) -> None:
+def release_claim(directory: Folder | Path, operation_id: str) -> None:
     """Drop the claim of ``operation_id``, if any."""
-    (directory / _claim_name(operation_id)).unlink(missing_ok=True)
+    as_folder(directory).remove([_claim_name(operation_id)])
 
 
 # --- reading -------------------------------------------------------------------------
@@ -480,23 +383,22 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
     ``UnsupportedFormatVersionError``, ``ManifestInvalidError`` or
     ``UnsafeShardNameError``. Shards are not read; see ``read_snapshot``.
     """
-    root = Path(checkpoint_path)
-    directory = environment_dir(root)
-    for p in (root, directory):
-        if p.exists() and not p.is_dir():
-            raise CheckpointPathError(
-                p, f"checkpoint path {p} is a file, not a folder; pass the folder that "
-                   f"snapshot() was given (the one holding {ENVIRONMENT_DIR}/)"
-            )
-    path = directory / MANIFEST_NAME
+    folder = environment_folder(checkpoint_path)
+    problem = folder.problem()
+    if problem is not None:
+        raise CheckpointPathError(
+            folder.describe(), f"checkpoint path {checkpoint_path} cannot hold a snapshot: "
+                               f"{problem}; pass the folder that snapshot() was given (the "
+                               f"one holding {ENVIRONMENT_DIR}/)")
+    path = folder.describe(MANIFEST_NAME)
     try:
-        raw = path.read_bytes()
+        raw = folder.read(MANIFEST_NAME)
     except FileNotFoundError:
         detail = ""
-        if directory.is_dir() and any(directory.glob(f"{SHARD_PREFIX}*")):
+        if any(name.startswith(SHARD_PREFIX) for name in folder.names()):
             detail = ("Shards are present without a manifest: a snapshot was interrupted "
                       "before it committed.")
-        raise SnapshotNotFoundError(directory, detail) from None
+        raise SnapshotNotFoundError(folder.describe(), detail) from None
     except OSError as exc:
         raise CheckpointPathError(
             path, f"cannot read {path}: {exc.strerror or exc}; check its permissions"
@@ -520,7 +422,7 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
             except ValidationError as v1_exc:
                 exc = v1_exc
             else:
-                return _check_shard_names(path, directory, manifest)
+                return _check_shard_names(path, folder, manifest)
         version = data.get("format_version") if isinstance(data, dict) else None
         if isinstance(version, int) and not isinstance(version, bool) \
                 and version not in SUPPORTED_FORMAT_VERSIONS:
@@ -533,15 +435,15 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
             path, f"{path} does not validate as a nemo-ckpt manifest: {exc}; the file is "
                   f"damaged or not ours: restore an earlier checkpoint"
         ) from exc
-    return _check_shard_names(path, directory, manifest)
+    return _check_shard_names(path, folder, manifest)
 
 
-def _check_shard_names(path: Path, directory: Path, manifest: Manifest) -> Manifest:
+def _check_shard_names(path: str, folder: Folder, manifest: Manifest) -> Manifest:
     for shard in manifest.shards:
         if not is_plain_file_name(shard.file):
             raise UnsafeShardNameError(
                 path, f"{path} names shard {shard.file!r}, which is not a plain file name "
-                      f"in {directory}; refusing to read outside the snapshot folder. The "
+                      f"in {folder.describe()}; refusing to read outside the snapshot folder. The "
                       f"manifest was tampered with or damaged: restore an earlier checkpoint"
             )
     return manifest
@@ -564,17 +466,17 @@ class ShardParts:
                 for row, turns, state in zip(self.rows, self.turns, self.states, strict=True)]
 
 
-def read_shard(directory: Path, entry: ShardEntry) -> list[SessionRecord]:
+def read_shard(directory: Folder | Path, entry: ShardEntry) -> list[SessionRecord]:
     """Read and verify one shard (``read_shard_parts``), every session decoded."""
     parts = read_shard_parts(directory, entry)
-    path = directory / entry.file
+    path = as_folder(directory).describe(entry.file)
     try:
         return parts.records()
     except ValueError as exc:
         raise _undecodable(path, str(exc)) from exc
 
 
-def read_shard_parts(directory: Path, entry: ShardEntry) -> ShardParts:
+def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     """Read one shard and verify its length and hash, then split it into sessions.
 
     Nothing is decoded before the whole file's hash matches the manifest's: a damaged
@@ -622,7 +524,7 @@ def read_shard_parts(directory: Path, entry: ShardEntry) -> ShardParts:
     return ShardParts(entry.instance_id, rows, turns, states)
 
 
-def _legacy_parts(path: Path, entry: ShardEntry, unpacker: msgpack.Unpacker,
+def _legacy_parts(path: str, entry: ShardEntry, unpacker: msgpack.Unpacker,
                   length: int) -> ShardParts:
     """The sessions of a layout-1 shard (one map per session), as parts."""
     rows: list[list[Any]] = []
@@ -647,36 +549,36 @@ def _legacy_parts(path: Path, entry: ShardEntry, unpacker: msgpack.Unpacker,
     return ShardParts(entry.instance_id, rows, turns, states)
 
 
-def _undecodable(path: Path, why: str) -> ShardCorruptedError:
+def _undecodable(path: str, why: str) -> ShardCorruptedError:
     return ShardCorruptedError(
         path, f"shard {path} matches its hash but does not decode ({why}); it was "
               f"written by a different tool: restore an earlier checkpoint")
 
 
-def _read_verified(directory: Path, entry: ShardEntry) -> tuple[Path, bytes]:
+def _read_verified(directory: Folder | Path, entry: ShardEntry) -> tuple[str, bytes]:
     """The bytes of shard ``entry``, once their length and hash match the manifest."""
+    folder = as_folder(directory)
     if not is_plain_file_name(entry.file):
         raise UnsafeShardNameError(
-            directory, f"shard name {entry.file!r} is not a plain file name in {directory}"
-        )
-    path = directory / entry.file
+            folder.describe(), f"shard name {entry.file!r} is not a plain file name in "
+                               f"{folder.describe()}")
+    path = folder.describe(entry.file)
     algorithm, expected = _split_hash(entry.content_hash)
     digest = content_hasher(algorithm)
     try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != entry.bytes:
-                raise ShardCorruptedError(
-                    path, f"shard {path} is {size} bytes, but the manifest says "
-                          f"{entry.bytes}: it was truncated or overwritten; restore an "
-                          f"earlier checkpoint"
-                )
-            data = f.read(entry.bytes + 1)
+        size = folder.size(entry.file)
+        if size != entry.bytes:
+            raise ShardCorruptedError(
+                path, f"shard {path} is {size} bytes, but the manifest says "
+                      f"{entry.bytes}: it was truncated or overwritten; restore an "
+                      f"earlier checkpoint"
+            )
+        data = folder.read(entry.file, entry.bytes + 1)
     except FileNotFoundError:
         raise TornSnapshotError(
             path, f"shard {path}, named in the manifest, is missing: the snapshot is torn "
                   f"(files were removed or not copied); restore an earlier checkpoint or "
-                  f"copy the whole {directory} again"
+                  f"copy the whole {folder.describe()} again"
         ) from None
     except OSError as exc:
         raise CheckpointPathError(
@@ -707,20 +609,20 @@ def read_snapshot(checkpoint_path: Path | str) -> LoadedSnapshot:
     not. Raises a ``SnapshotReadError`` subclass on the first refusal.
     """
     manifest = read_manifest(checkpoint_path)
-    directory = environment_dir(checkpoint_path)
+    directory = environment_folder(checkpoint_path)
     sessions: dict[str, list[SessionRecord]] = {i: [] for i in manifest.instances}
     listed = rollouts_by_shard(manifest)
     seen: dict[str, str] = {}  # rollout id -> the shard that holds it
     for shard in manifest.shards:
         records = read_shard(directory, shard)
-        where = str(directory / shard.file)
+        where = directory.describe(shard.file)
         pairs = [(r.episode.rollout_id, r.episode.attempt) for r in records]
         problems = shard_problems(None if listed is None else listed.get(shard.file, {}),
                                   pairs, where)
         problems += [f"rollout {rid!r} is in two shards, {seen[rid]} and {shard.file}; "
                      f"restore an earlier checkpoint" for rid, _ in pairs if rid in seen]
         if problems:
-            raise ShardCorruptedError(directory / shard.file, "; ".join(problems))
+            raise ShardCorruptedError(where, "; ".join(problems))
         seen.update((rid, shard.file) for rid, _ in pairs)
         sessions[shard.instance_id] += records
     return LoadedSnapshot(manifest=manifest, sessions=sessions)
@@ -737,22 +639,23 @@ class RolloutIndexEntry(NamedTuple):
     shard: str
 
 
-def read_shard_index(directory: Path, entry: ShardEntry) -> list[RolloutIndexEntry]:
+def read_shard_index(directory: Folder | Path, entry: ShardEntry) -> list[RolloutIndexEntry]:
     """The rollouts a shard's index lists, read without its payloads and without
     verifying its hash (``inspect`` and ``diff``; a restore and ``verify`` verify)."""
-    path = directory / entry.file
+    folder = as_folder(directory)
+    path = folder.describe(entry.file)
     if not is_plain_file_name(entry.file):
         raise UnsafeShardNameError(
-            directory, f"shard name {entry.file!r} is not a plain file name in {directory}")
+            folder.describe(), f"shard name {entry.file!r} is not a plain file name in "
+                               f"{folder.describe()}")
     try:
-        with open(path, "rb") as f:
+        with folder.open_read(entry.file) as f:
             unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=max(entry.bytes, 1 << 20))
             header = unpacker.unpack()
             if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
                 raise _undecodable(path, "no nemo-ckpt shard header")
             if header.get("version") == 1:  # no index: every session has to be read
-                f.seek(0)
-                rows = read_shard_parts(directory, entry).rows
+                rows = read_shard_parts(folder, entry).rows
             else:
                 rows = unpacker.unpack()
     except FileNotFoundError:
@@ -778,7 +681,7 @@ def snapshot_rollouts(checkpoint_path: Path | str, manifest: Manifest
     if manifest.format_version < 3:
         return [RolloutIndexEntry(r.instance_id, r.rollout_id, r.attempt, r.turns,
                                   list(r.staging_keys), r.shard) for r in manifest.rollouts], {}
-    directory = environment_dir(checkpoint_path)
+    directory = environment_folder(checkpoint_path)
     rollouts: list[RolloutIndexEntry] = []
     unreadable: dict[str, str] = {}
     for shard in manifest.shards:
@@ -797,36 +700,33 @@ def _operation_stem(operation_id: str) -> str:
 _SNAPSHOT_ID = re.compile(rb'"snapshot_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
-def manifest_snapshot_id(directory: Path) -> str | None:
+def manifest_snapshot_id(directory: Folder | Path) -> str | None:
     """The snapshot id of the manifest in ``directory`` (the environment folder), None
     if there is none. Reads only the manifest's head, where the id sits."""
+    folder = as_folder(directory)
     try:
-        with open(directory / MANIFEST_NAME, "rb") as f:
-            head = f.read(4096)
+        head = folder.read(MANIFEST_NAME, 4096)
     except FileNotFoundError:
         return None
     match = _SNAPSHOT_ID.search(head)
     if match is not None:
         return str(json.loads(b'"' + match.group(1) + b'"'))
     try:
-        return str(json.loads((directory / MANIFEST_NAME).read_bytes())["snapshot_id"])
+        return str(json.loads(folder.read(MANIFEST_NAME))["snapshot_id"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def remove_snapshot_files(directory: Path, snapshot_id: str) -> bool:
+def remove_snapshot_files(directory: Folder | Path, snapshot_id: str) -> bool:
     """Remove every shard, temp file and claim of snapshot ``snapshot_id`` (aborted),
     unless the manifest here names it: committed is final. Returns whether it is the
     committed snapshot (then nothing is removed but its claim)."""
-    if not directory.is_dir():
-        return False
-    if manifest_snapshot_id(directory) == snapshot_id:
-        release_claim(directory, snapshot_id)
+    folder = as_folder(directory)
+    if manifest_snapshot_id(folder) == snapshot_id:
+        release_claim(folder, snapshot_id)
         return True
     stem = _operation_stem(snapshot_id)
-    for entry in directory.iterdir():
-        name = entry.name
-        if name.startswith(stem) or (name.startswith("." + stem) and _TMP_MARK in name):
-            entry.unlink(missing_ok=True)
-    release_claim(directory, snapshot_id)
+    folder.remove([name for name in folder.names()
+                   if name.startswith(stem) or (name.startswith("." + stem) and TMP_MARK in name)])
+    release_claim(folder, snapshot_id)
     return False

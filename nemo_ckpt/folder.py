@@ -1,0 +1,85 @@
+"""The folder a snapshot is written to and read from, whatever holds it.
+
+``nemo_ckpt.storage`` owns the format (what is written, in which order, how it is
+verified); a ``Folder`` owns the bytes' durability in one place: a folder on a shared
+filesystem (``nemo_ckpt.local_folder``), or a prefix in an object-store bucket.
+
+The order a snapshot uses a folder, which is what makes a manifest the commit point:
+
+1) (coordinator) ``prepare()``, then ``write_bytes(claim, sync=False)``: the folder is
+   claimed for the operation (renewed the same way);
+2) (every holder, in parallel) ``write_stream(shard, fill)``: each shard appears under its
+   name whole, or not at all;
+3) (coordinator) ``write_bytes(manifest)``, once every shard is durable: the commit point.
+   A manifest replaces the previous one whole; a reader sees one or the other;
+4) (coordinator) ``names()`` and ``remove(...)``: files no manifest names go.
+
+A restore ``read``\\s the manifest, then each shard (``size`` first, then the bytes);
+``inspect`` reads a shard's index through ``open_read`` without the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import BinaryIO, Protocol
+
+__all__ = ["Folder", "Sink"]
+
+
+class Sink(Protocol):
+    """Where ``write_stream``'s ``fill`` writes a file's bytes, in order."""
+
+    def write(self, data: bytes | bytearray | memoryview, copy: bool = False) -> None:
+        """Append ``data``. Big pieces may be kept by reference until written, so they
+        must not change; ``copy`` says ``data`` is a copy made for this write (the sink
+        then bounds how many such copies it keeps)."""
+        ...
+
+
+class Folder(Protocol):
+    """One snapshot folder (``<checkpoint path>/environment``). Names are plain file
+    names (``nemo_ckpt.manifest.is_plain_file_name``). A missing file raises
+    ``FileNotFoundError``; a failed write raises ``SnapshotWriteError`` saying where and
+    why, and leaves nothing under the name."""
+
+    def describe(self, name: str = "") -> str:
+        """The folder, or ``name`` in it, as a user would write it (path or URL)."""
+        ...
+
+    def problem(self) -> str | None:
+        """Why this can never hold a snapshot (say, a file where the folder should be)."""
+        ...
+
+    def prepare(self) -> None:
+        """Make the folder ready to be written."""
+        ...
+
+    def write_stream(self, name: str, fill: Callable[[Sink], None]) -> int:
+        """Write ``name`` from what ``fill`` writes; it appears whole once durable.
+        Returns its length. An exception from ``fill`` leaves nothing and propagates."""
+        ...
+
+    def write_bytes(self, name: str, data: bytes, sync: bool = True) -> None:
+        """Write ``name`` whole, replacing any older one atomically; durable unless
+        ``sync`` is False (a claim, renewed soon anyway)."""
+        ...
+
+    def size(self, name: str) -> int:
+        ...
+
+    def read(self, name: str, limit: int | None = None) -> bytes:
+        """``name``'s bytes, or its first ``limit`` bytes."""
+        ...
+
+    def open_read(self, name: str) -> AbstractContextManager[BinaryIO]:
+        """``name`` as a file object read from the start (for reading only a head)."""
+        ...
+
+    def names(self) -> list[str]:
+        """Every file in the folder (none when it does not exist)."""
+        ...
+
+    def remove(self, names: Iterable[str]) -> None:
+        """Remove ``names``; missing ones are fine."""
+        ...
