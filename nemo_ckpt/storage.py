@@ -47,6 +47,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.folder import Folder, Sink
 from nemo_ckpt.local_folder import TMP_MARK, LocalFolder
+from nemo_ckpt.location import ObjectLocation, parse_location
 from nemo_ckpt.manifest import (
     ENVIRONMENT_DIR,
     MANIFEST_NAME,
@@ -67,6 +68,7 @@ from nemo_ckpt.sessions import SessionRecord, body_head, record_of, record_parts
 __all__ = [
     "environment_dir",
     "environment_folder",
+    "folder_at",
     "as_folder",
     "prepare_environment_dir",
     "write_shard",
@@ -130,15 +132,31 @@ def environment_dir(checkpoint_path: Path | str) -> Path:
     return Path(checkpoint_path) / ENVIRONMENT_DIR
 
 
+def folder_at(where: Path | str) -> Folder:
+    """The ``Folder`` at a path or URL (``nemo_ckpt.location``)."""
+    location = parse_location(where)
+    if isinstance(location, ObjectLocation):
+        from nemo_ckpt.object_folder import ObjectFolder  # obstore only when used
+
+        return ObjectFolder(location)
+    return LocalFolder(location.path)
+
+
 def environment_folder(checkpoint_path: Path | str) -> Folder:
     """The ``Folder`` that holds the environment's half of a checkpoint."""
-    return LocalFolder(environment_dir(checkpoint_path))
+    location = parse_location(checkpoint_path)
+    if isinstance(location, ObjectLocation):
+        from nemo_ckpt.object_folder import ObjectFolder
+
+        prefix = f"{location.prefix}/{ENVIRONMENT_DIR}" if location.prefix else ENVIRONMENT_DIR
+        return ObjectFolder(ObjectLocation(location.scheme, location.bucket, prefix))
+    return LocalFolder(environment_dir(location.path))
 
 
 def as_folder(directory: Folder | Path | str) -> Folder:
-    """``directory`` as a ``Folder``: a path is a local folder."""
+    """``directory`` as a ``Folder``: a path is a local folder, a URL a bucket's prefix."""
     if isinstance(directory, (Path, str)):
-        return LocalFolder(Path(directory))
+        return folder_at(directory)
     return directory
 
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: one real multi-node Ray cluster for the whole session.
+"""Shared fixtures: one real multi-node Ray cluster and one real S3-compatible server
+for the whole session.
 
 The cluster (head plus two worker nodes, each its own raylet) starts on first use and
 is shut down at the end of the session. Each test gets its own Ray namespace through
@@ -19,8 +20,31 @@ WORKER_NODES = 2
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Any]:
-    """A local multi-node Ray cluster, connected as this process's driver."""
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A SeaweedFS server on 127.0.0.1 (``tests/object_store_server.py``), its bucket
+    reachable through the ``AWS_*`` environment of this process and of every Ray worker
+    started after it (the cluster fixture starts after it)."""
+    from tests.object_store_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    saved = {k: os.environ.get(k) for k in server.env()}
+    server.start()
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def cluster(s3_server: Any) -> Iterator[Any]:
+    """A local multi-node Ray cluster, connected as this process's driver; its workers
+    reach ``s3_server`` through the environment they inherit."""
     import ray
     from ray.cluster_utils import Cluster
 

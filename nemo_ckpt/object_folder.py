@@ -1,0 +1,198 @@
+"""A snapshot folder in an S3-compatible bucket (``s3://bucket/prefix``), through obstore.
+
+Why obstore (docs/DESIGN.md, "Object storage"): one Rust client with an atomic single
+put, conditional puts, parallel multipart uploads, ranged and streamed reads, and the
+fastest puts of the libraries measured here. The endpoint, region and credentials come
+the standard way, from the ``AWS_*`` environment variables (``AWS_ENDPOINT_URL``,
+``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_ALLOW_HTTP`` for a plain-http endpoint, ...) or the instance's role, on every node
+and on the driver: nothing nemo-ckpt writes or logs ever holds them.
+
+What a filesystem gets from temp file, fsync and rename, a bucket gets from S3 itself:
+an object appears whole when its (multipart) upload completes, or not at all; an upload
+that fails or is interrupted is aborted, and a manifest's put replaces the older one
+atomically. There are no temp names to clean up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, cast
+
+from nemo_ckpt.errors import SnapshotWriteError
+from nemo_ckpt.folder import Sink
+from nemo_ckpt.location import ObjectLocation
+from nemo_ckpt.manifest import is_plain_file_name
+
+__all__ = ["ObjectFolder"]
+
+# Multipart part size and parallelism of a shard's upload: obstore uploads a part as
+# soon as this much is buffered, up to _CONCURRENCY at once (benchmarks/README.md).
+_PART_BYTES = 16 << 20
+_CONCURRENCY = 8
+_DELETE_BATCH = 1000  # S3's DeleteObjects limit
+
+
+class _WriterSink:
+    """A ``Sink`` onto an obstore writable file (it buffers and uploads parts)."""
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self.length = 0
+
+    def write(self, data: bytes | bytearray | memoryview, copy: bool = False) -> None:
+        self._writer.write(data)
+        self.length += len(data)
+
+
+class _Reader:
+    """An obstore readable file as the ``bytes``-returning file object msgpack reads."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+
+    def read(self, size: int = -1) -> bytes:
+        return bytes(self._reader.read(None if size is None or size < 0 else size))
+
+
+def _store(location: ObjectLocation) -> Any:
+    if location.scheme != "s3":
+        raise ValueError(f"no object store for {location.scheme}:// (only s3://)")
+    from obstore.store import S3Store
+
+    return S3Store(location.bucket, prefix=location.prefix or None)
+
+
+@dataclass(frozen=True)
+class ObjectFolder:
+    """A ``Folder`` under a prefix of a bucket. Equal folders have equal URLs."""
+
+    location: ObjectLocation
+    _client: list[Any] = field(default_factory=list, compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return str(self.location)
+
+    @property
+    def store(self) -> Any:
+        """The obstore client, made on first use (it reads the environment then)."""
+        if not self._client:
+            self._client.append(_store(self.location))
+        return self._client[0]
+
+    def _key(self, name: str) -> str:
+        if not is_plain_file_name(name):
+            raise ValueError(f"{name!r} is not a plain file name")
+        return name
+
+    def describe(self, name: str = "") -> str:
+        return f"{self.location}/{name}" if name else str(self.location)
+
+    def problem(self) -> str | None:
+        return None
+
+    def prepare(self) -> None:
+        """Nothing to create: a prefix exists once something is under it."""
+
+    def _write_error(self, name: str, exc: Exception) -> SnapshotWriteError:
+        return SnapshotWriteError(
+            self.describe(name),
+            f"could not write {self.describe(name)}: {type(exc).__name__}: "
+            f"{_first_line(exc)} (check that the bucket exists, the endpoint answers, and "
+            f"the credentials in this node's AWS_* environment may write there)")
+
+    def write_stream(self, name: str, fill: Callable[[Sink], None]) -> int:
+        import obstore
+
+        key = self._key(name)
+        try:
+            # Leaving the block with an exception aborts the upload: nothing appears.
+            with obstore.open_writer(self.store, key, buffer_size=_PART_BYTES,
+                                     max_concurrency=_CONCURRENCY) as writer:
+                sink = _WriterSink(writer)
+                fill(sink)
+        except (SnapshotWriteError, ValueError):
+            raise
+        except Exception as exc:
+            if _is_store_error(exc):
+                raise self._write_error(name, exc) from exc
+            raise
+        return sink.length
+
+    def write_bytes(self, name: str, data: bytes, sync: bool = True) -> None:
+        import obstore
+
+        try:
+            obstore.put(self.store, self._key(name), data, use_multipart=False)
+        except Exception as exc:
+            if _is_store_error(exc):
+                raise self._write_error(name, exc) from exc
+            raise
+
+    def size(self, name: str) -> int:
+        import obstore
+
+        return int(_reading(lambda: obstore.head(self.store, self._key(name)))["size"])
+
+    def read(self, name: str, limit: int | None = None) -> bytes:
+        import obstore
+
+        key = self._key(name)
+        if limit is None:
+            return bytes(_reading(lambda: obstore.get(self.store, key).bytes()))
+        return bytes(_reading(lambda: obstore.get_range(self.store, key, start=0,
+                                                        length=limit)))
+
+    @contextlib.contextmanager
+    def open_read(self, name: str) -> Iterator[BinaryIO]:
+        import obstore
+
+        reader = _reading(lambda: obstore.open_reader(self.store, self._key(name)))
+        try:
+            yield cast(BinaryIO, _Reader(reader))
+        finally:
+            reader.close()
+
+    def names(self) -> list[str]:
+        import obstore
+
+        # Only this folder's own files: no deeper "subfolders" (there are none).
+        listed = _reading(lambda: obstore.list_with_delimiter(self.store))
+        return [str(m["path"]).rsplit("/", 1)[-1] for m in listed["objects"]]
+
+    def remove(self, names: Iterable[str]) -> None:
+        import obstore
+
+        keys = [self._key(n) for n in names]
+        for i in range(0, len(keys), _DELETE_BATCH):
+            try:
+                obstore.delete(self.store, keys[i:i + _DELETE_BATCH])
+            except FileNotFoundError:
+                pass
+            except Exception as exc:
+                if _is_store_error(exc):
+                    raise self._write_error(keys[i], exc) from exc
+                raise
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def _is_store_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("obstore") or isinstance(exc, OSError)
+
+
+def _reading(call: Callable[[], Any]) -> Any:
+    """``call()``, with obstore's not-found as ``FileNotFoundError`` (it is one) and
+    any other failure of the store as an ``OSError`` that says what failed."""
+    try:
+        return call()
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        if _is_store_error(exc):
+            raise OSError(f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        raise
