@@ -77,9 +77,8 @@ from nemo_ckpt.phases import (
 )
 from nemo_ckpt.storage import (
     claim_path,
-    environment_dir,
+    environment_folder,
     live_claims,
-    prepare_environment_dir,
     read_claims,
     read_manifest,
     release_claim,
@@ -343,7 +342,7 @@ class CheckpointCoordinator:
                         tolerate_failures=True)
         if checkpoint_path is not None and kind == "snapshot":
             committed = await self._runtime.run_blocking(
-                remove_snapshot_files, environment_dir(checkpoint_path), operation_id)
+                remove_snapshot_files, environment_folder(checkpoint_path), operation_id)
             if committed:  # its coordinator died after the manifest's rename
                 self._history.record(operation_id, Outcome.COMMITTED, replace=True)
                 return Outcome.COMMITTED.value
@@ -362,7 +361,7 @@ class CheckpointCoordinator:
         if op.kind == "snapshot":
             try:
                 committed = await self._runtime.run_blocking(
-                    remove_snapshot_files, environment_dir(op.path), op.id)
+                    remove_snapshot_files, environment_folder(op.path), op.id)
             except OSError as exc:
                 log.warning("could not remove the files of %s: %s", op.id, exc)
                 return
@@ -385,8 +384,8 @@ class CheckpointCoordinator:
         cfg = self._config
         try:
             op.holders = await self._known_holders()
-            directory = await self._runtime.run_blocking(prepare_environment_dir,
-                                                         checkpoint_path)
+            directory = environment_folder(checkpoint_path)
+            await self._runtime.run_blocking(directory.prepare)
             await self._claim(op)
             await self._injected_delay("begin_snapshot")
             if op.outcome is not None:  # aborted before any holder was asked: ask none
@@ -415,7 +414,7 @@ class CheckpointCoordinator:
         """Claim (or renew the claim on) the operation's folder: refused while another
         job's snapshot is in progress there."""
         await self._runtime.run_blocking(
-            claim_path, environment_dir(op.path), op.id, self._owner, self._clock.wall(),
+            claim_path, environment_folder(op.path), op.id, self._owner, self._clock.wall(),
             self._config.lease_s * 2)
 
     async def start_writes(self, snapshot_id: str) -> None:
@@ -466,7 +465,7 @@ class CheckpointCoordinator:
             self._transport.send(handle, "release", snapshot_id)
         op.released = self._clock.monotonic()
         self._unique_check(op)
-        directory = environment_dir(checkpoint_path)
+        directory = environment_folder(checkpoint_path)
         try:
             await self._injected_delay("commit_snapshot")
             persists = await self._fan(
@@ -522,12 +521,12 @@ class CheckpointCoordinator:
         ended. Holders resume as a commit begins, so a second snapshot can capture and
         commit while the first still writes: its manifest must not be replaced by the
         older one's. An earlier snapshot whose driver is gone ends at its lease."""
-        directory = environment_dir(op.path)
+        directory = environment_folder(op.path)
         while True:
             earlier = [o for o in self._ops.values()
                        if o.kind == "snapshot" and o is not op
                        and 0 < o.capture_order < op.capture_order
-                       and environment_dir(o.path) == directory]
+                       and environment_folder(o.path) == directory]
             if not earlier:
                 return
             await earlier[0].closed.wait()
@@ -537,7 +536,7 @@ class CheckpointCoordinator:
         stale claims; never a file of an operation in progress (this job's or
         another's). Under the path's lock, so no commit of this coordinator renames a
         manifest into the folder meanwhile."""
-        directory = environment_dir(op.path)
+        directory = environment_folder(op.path)
         ours = {o.id for o in self._ops.values()}
 
         def clean() -> list[str]:
@@ -595,7 +594,7 @@ class CheckpointCoordinator:
         placement = {i: self._holder_nodes[i] for i in op.holders}
         if op.outcome is not None:
             raise self._refusal(op.id)
-        directory = str(environment_dir(checkpoint_path))
+        directory = str(environment_folder(checkpoint_path))
         shards_of: dict[str, list[ShardEntry]] = {i: [] for i in op.holders}
         for shard in manifest.shards:
             if shard.instance_id not in shards_of:

@@ -44,7 +44,6 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import msgpack
@@ -67,7 +66,9 @@ from nemo_ckpt.errors import (
     TurnAbortedError,
     TurnInProgressError,
 )
+from nemo_ckpt.folder import Folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.location import join_location
 from nemo_ckpt.manifest import ShardEntry, shard_file_name
 from nemo_ckpt.operations import OperationHistory, Outcome
 from nemo_ckpt.phases import (
@@ -80,7 +81,14 @@ from nemo_ckpt.phases import (
     join_captured,
 )
 from nemo_ckpt.sessions import SessionRecord, check_staging_keys
-from nemo_ckpt.storage import ShardParts, read_shard_parts, remove_files, write_shard_parts
+from nemo_ckpt.storage import (
+    PROBE_DIR,
+    ShardParts,
+    folder_at,
+    read_shard_parts,
+    remove_files,
+    write_shard_parts,
+)
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["SessionHolder", "Trimmer"]
@@ -118,7 +126,7 @@ class _NoTrimmer:
 @dataclass(eq=False)
 class _SnapshotOp:
     id: str
-    directory: Path
+    directory: Folder
     pause: PauseReport | None = None
     capture: list[Held] | None = None
     capture_report: CaptureReport | None = None
@@ -384,13 +392,14 @@ class SessionHolder:
         return [h.record(self.instance_id) for h in self._table.sorted()]
 
     async def probe_storage(self, root: str) -> str:
-        """Write a probe file under ``root`` and return its path (for check_startup)."""
+        """Write a probe file under ``root`` (a folder or a bucket's prefix) and return
+        where (for check_startup)."""
         def write() -> str:
-            directory = Path(root) / ".nemo_ckpt_probe"
-            directory.mkdir(parents=True, exist_ok=True)
-            path = directory / f"{self.instance_id}-{uuid.uuid4().hex}"
-            path.write_text(f"{self.instance_id} {self.node_id}\n")
-            return str(path)
+            folder = folder_at(join_location(root, PROBE_DIR))
+            folder.prepare()
+            name = f"{self.instance_id}-{uuid.uuid4().hex}"
+            folder.write_bytes(name, f"{self.instance_id} {self.node_id}\n".encode())
+            return folder.describe(name)
 
         return await self._runtime.run_blocking(write)
 
@@ -595,7 +604,7 @@ class SessionHolder:
             op = state.op
         else:
             self._admit(snapshot_id, f"pause for snapshot {snapshot_id}")
-            op = _SnapshotOp(snapshot_id, Path(directory or "."))
+            op = _SnapshotOp(snapshot_id, folder_at(directory or "."))
             self._set_state(Paused(op, self._clock.monotonic() + lease_s))
         if op.pause is not None:
             return op.pause
@@ -687,7 +696,7 @@ class SessionHolder:
             raise HolderStateError(
                 f"{self.instance_id}: persist for snapshot {snapshot_id} before capture")
         if directory is not None:
-            op.directory = Path(directory)
+            op.directory = folder_at(directory)
         if op.persist is None:
             op.persist = asyncio.ensure_future(
                 self._persist(op, op.directory, op.capture,
@@ -739,7 +748,7 @@ class SessionHolder:
     # --- restore phases (from the coordinator) ----------------------------------------
 
     async def prepare_restore(
-        self, restore_id: str, directory: str, shards: list[ShardEntry], lease_s: float
+        self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float
     ) -> RestorePrepared:
         """Read and verify this instance's shards; nothing goes live until commit.
         Repeating it waits for and returns the first call's result."""
@@ -751,6 +760,7 @@ class SessionHolder:
         self._set_state(Restoring(op, self._clock.monotonic() + lease_s))
         try:
             await self._injected_delay("prepare_restore")
+            directory = folder_at(where)
             pending: list[Held] = []
             shard_sessions = []
             keys: set[str] = set()
@@ -760,7 +770,7 @@ class SessionHolder:
                     raise HolderStateError(
                         f"{self.instance_id}: asked to restore shard {entry.file} of "
                         f"{entry.instance_id}")
-                parts = await self._runtime.run_blocking(load_shard, Path(directory), entry)
+                parts = await self._runtime.run_blocking(load_shard, directory, entry)
                 read += entry.bytes
                 self._current_restore(restore_id)  # ended while reading?
                 try:
@@ -772,8 +782,8 @@ class SessionHolder:
                         pairs = [row[:2] for row in parts.rows]
                 except ValueError as exc:
                     raise ShardCorruptedError(
-                        Path(directory) / entry.file,
-                        f"shard {Path(directory) / entry.file} matches its hash but a "
+                        directory.describe(entry.file),
+                        f"shard {directory.describe(entry.file)} matches its hash but a "
                         f"session in it does not decode ({exc}): restore an earlier "
                         f"checkpoint") from exc
                 pending += held
@@ -898,7 +908,7 @@ class SessionHolder:
         if not isinstance(self._state, Running):
             raise HolderBusyError(self._busy_message(what))
 
-    async def _persist(self, op: _SnapshotOp, directory: Path,
+    async def _persist(self, op: _SnapshotOp, directory: Folder,
                        records: list[Held], index: bytes) -> PersistReport:
         start = self._clock.monotonic()
         await self._injected_delay("persist")
@@ -957,7 +967,7 @@ class SessionHolder:
             self._heap_state_seen = self._state.value
 
 
-def write_held_shard(directory: Path, name: str, instance_id: str,
+def write_held_shard(directory: Folder, name: str, instance_id: str,
                      held: list[Held], index: bytes) -> ShardEntry:
     """Write captured sessions as one shard, from their bytes as held; ``index`` is
     their capture's ``captured_msgpack`` (the shard's index, the same bytes)."""
@@ -965,7 +975,7 @@ def write_held_shard(directory: Path, name: str, instance_id: str,
                              ((h.turns, h.state) for h in held))
 
 
-def load_shard(directory: Path, entry: ShardEntry) -> ShardParts:
+def load_shard(directory: Folder, entry: ShardEntry) -> ShardParts:
     """``read_shard_parts`` with the collector paused while the index is decoded."""
     with collector_paused():
         return read_shard_parts(directory, entry)

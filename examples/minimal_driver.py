@@ -40,7 +40,13 @@ from minimal_worker import EnvWorkerActor, expected_records
 from nemo_ckpt import CheckpointConfig, EnvironmentEpisode, RayEnvironmentCheckpoint
 from nemo_ckpt.connect import connect, ray_address
 from nemo_ckpt.errors import NemoCkptError
-from nemo_ckpt.options import at_least, non_empty, non_negative_float, writable_folder_problem
+from nemo_ckpt.options import (
+    at_least,
+    checkpoint_folder,
+    non_empty,
+    non_negative_float,
+    writable_folder_problem,
+)
 
 # --- RL's half: a recovery ledger and staging rows, with a barrier ------------------------
 
@@ -326,7 +332,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="nodes of the embedded cluster (default 2)")
     p.add_argument("--namespace", type=non_empty, default="nemo-ckpt-minimal",
                    help="the job's Ray namespace (CheckpointConfig.namespace)")
-    p.add_argument("--checkpoint-dir", type=Path, default=Path("minimal-checkpoints"),
+    p.add_argument("--checkpoint-dir", type=checkpoint_folder, default=Path("minimal-checkpoints"),
                    help="checkpoint root; on a running cluster every node must mount it at "
                         "the same path (default: minimal-checkpoints)")
     p.add_argument("--rollouts", type=at_least(3), default=6)

@@ -32,7 +32,7 @@ from nemo_ckpt.connect import connect, ray_address
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.options import (
     at_least,
-    checkpoint_path,
+    checkpoint_folder,
     non_negative_float,
     output_file_problem,
     positive_float,
@@ -66,7 +66,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    default=defaults.crash_after_snapshots,
                    help="crash after this many committed snapshots that hold rollouts (the "
                         "restart needs one)")
-    p.add_argument("--checkpoint-dir", type=checkpoint_path, default=defaults.checkpoint_dir,
+    p.add_argument("--checkpoint-dir", type=checkpoint_folder, default=defaults.checkpoint_dir,
                    help="snapshots go to <dir>/run-<time>-<id>/snapshot-NNNN; on an "
                         "existing cluster it must be shared by every node")
     p.add_argument("--seed", type=int, default=defaults.seed)

@@ -38,7 +38,7 @@ from nemo_ckpt.options import checkpoint_path, non_empty, positive_float
 from nemo_ckpt.phases import HolderInfo
 from nemo_ckpt.storage import (
     RolloutIndexEntry,
-    environment_dir,
+    environment_folder,
     read_manifest,
     read_shard,
     snapshot_rollouts,
@@ -100,10 +100,11 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str
             for row in cells]
 
 
-def _read_error(command: str, path: Path, error: SnapshotReadError) -> str:
+def _read_error(command: str, path: Path | str, error: SnapshotReadError) -> str:
     """The one stderr line for a snapshot that cannot be read, with a hint where one helps."""
     message = _one_line(error)
-    if isinstance(error, SnapshotNotFoundError) and (path / MANIFEST_NAME).is_file():
+    if isinstance(error, SnapshotNotFoundError) and isinstance(path, Path) \
+            and (path / MANIFEST_NAME).is_file():
         # The commonest slip: pointing at <checkpoint>/environment instead of <checkpoint>.
         message += (f" ({path} itself holds {MANIFEST_NAME}: it looks like the "
                     f"{ENVIRONMENT_DIR}/ folder; pass its parent, {path.parent})")
@@ -139,7 +140,7 @@ def snapshot_summary(checkpoint_path: Path | str, manifest: Manifest) -> dict[st
                                "content_hash": s.content_hash})
         inst["bytes"] += s.bytes
     return {
-        "path": str(Path(checkpoint_path)),
+        "path": str(checkpoint_path),
         "snapshot_id": manifest.snapshot_id,
         "format_version": manifest.format_version,
         "created_at": manifest.created_at.isoformat(),
@@ -198,7 +199,7 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
 
 
 def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    path = Path(args.path)
+    path = args.path
     try:
         manifest = read_manifest(path)
     except SnapshotReadError as exc:
@@ -224,7 +225,7 @@ class VerifyReport:
     ``problems`` lists every problem found, manifest and shards alike.
     """
 
-    path: Path
+    path: Path | str
     manifest: Manifest | None = None
     manifest_error: SnapshotReadError | None = None
     shards: dict[str, list[str] | None] = field(default_factory=dict)
@@ -245,7 +246,7 @@ def verify_snapshot(checkpoint_path: Path | str) -> VerifyReport:
     names, lengths, hashes, decoding), plus the cross-check of ``read_snapshot``: each
     shard holds exactly the rollouts and attempts its manifest lists there.
     """
-    path = Path(checkpoint_path)
+    path = checkpoint_path
     report = VerifyReport(path=path)
     try:
         manifest = read_manifest(path)
@@ -254,7 +255,7 @@ def verify_snapshot(checkpoint_path: Path | str) -> VerifyReport:
         report.problems.append(_one_line(exc))
         return report
     report.manifest = manifest
-    directory = environment_dir(path)
+    directory = environment_folder(path)
     listed = rollouts_by_shard(manifest)
     seen: dict[str, str] = {}  # rollout id -> the shard that holds it
     for shard in manifest.shards:
@@ -266,7 +267,7 @@ def verify_snapshot(checkpoint_path: Path | str) -> VerifyReport:
         pairs = [(r.episode.rollout_id, r.episode.attempt) for r in records]
         problems = shard_problems(
             None if listed is None else listed.get(shard.file, {}), pairs,
-            str(directory / shard.file))
+            directory.describe(shard.file))
         problems += [f"rollout {rid!r} is in two shards, {seen[rid]} and {shard.file}; "
                      f"restore an earlier checkpoint" for rid, _ in pairs if rid in seen]
         seen.update((rid, shard.file) for rid, _ in pairs)
@@ -277,7 +278,7 @@ def verify_snapshot(checkpoint_path: Path | str) -> VerifyReport:
 
 
 def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    path = Path(args.path)
+    path = args.path
     report = verify_snapshot(path)
     m = report.manifest
     if m is None:
@@ -285,7 +286,8 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         assert report.manifest_error is not None
         print(_read_error("verify", path, report.manifest_error), file=err)
         return 1
-    print(f"verifying snapshot {m.snapshot_id} at {environment_dir(path)}", file=out)
+    print(f"verifying snapshot {m.snapshot_id} at {environment_folder(path).describe()}",
+          file=out)
     rows: list[tuple[object, ...]] = [
         (MANIFEST_NAME, "ok", f"format {m.format_version}, {len(m.instances)} instances, "
                               f"{m.sessions} rollouts, {len(m.shards)} shards")]
@@ -347,7 +349,7 @@ def diff_manifests(a: Manifest, b: Manifest, rollouts_a: list[RolloutIndexEntry]
     )
 
 
-def _render_diff(diff: SnapshotDiff, path_a: Path, path_b: Path) -> list[str]:
+def _render_diff(diff: SnapshotDiff, path_a: Path | str, path_b: Path | str) -> list[str]:
     a, b = diff.a, diff.b
     lines = [
         f"A  {a.snapshot_id} at {path_a} (created {a.created_at.isoformat()})",
@@ -386,7 +388,7 @@ def _render_diff(diff: SnapshotDiff, path_a: Path, path_b: Path) -> list[str]:
 def _cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     manifests = []
     rollouts = []
-    for path in (Path(args.a), Path(args.b)):
+    for path in (args.a, args.b):
         try:
             manifest = read_manifest(path)
         except SnapshotReadError as exc:
@@ -401,7 +403,7 @@ def _cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         manifests.append(manifest)
         rollouts.append(found)
     diff = diff_manifests(manifests[0], manifests[1], rollouts[0], rollouts[1])
-    out.write("\n".join(_render_diff(diff, Path(args.a), Path(args.b))) + "\n")
+    out.write("\n".join(_render_diff(diff, args.a, args.b)) + "\n")
     return 0
 
 

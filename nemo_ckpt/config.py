@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.location import local_path
+from nemo_ckpt.location import LocalLocation, parse_location
 
 __all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN"]
 
@@ -29,10 +29,11 @@ class CheckpointConfig(BaseModel):
     coordinator_name: str = Field(
         "nemo_ckpt_coordinator", min_length=1,
         description="Name of the coordinator actor inside the namespace.")
-    checkpoint_root: Optional[Path] = Field(
+    checkpoint_root: Optional[Union[Path, str]] = Field(
         None,
-        description="Folder under which checkpoint paths live; check_startup verifies "
-                    "every holder can write it and the driver can read it (shared).")
+        description="Folder, or s3://bucket/prefix URL, under which checkpoint paths live; "
+                    "check_startup verifies every holder can write it and the driver can "
+                    "read it (shared).")
     drain_timeout_s: float = Field(
         5.0, gt=0, allow_inf_nan=False,
         description="How long a pause waits for turns in flight; sessions still mid-turn "
@@ -71,13 +72,15 @@ class CheckpointConfig(BaseModel):
 
     @field_validator("checkpoint_root", mode="before")
     @classmethod
-    def _root_is_a_folder(cls, value: object) -> object:
-        # Before pydantic makes it a Path, which would turn a URL into a local folder.
+    def _root_is_a_location(cls, value: object) -> object:
+        # Before pydantic makes it a Path, which would turn a URL into a local folder:
+        # a folder stays a Path, a URL stays text.
         if isinstance(value, (str, Path)):
             try:
-                return local_path(value)
+                location = parse_location(value)
             except CheckpointPathError as exc:
                 raise ValueError(str(exc)) from None
+            return location.path if isinstance(location, LocalLocation) else str(location)
         return value
 
     @model_validator(mode="after")

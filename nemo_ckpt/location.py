@@ -4,8 +4,8 @@ A checkpoint path reaches nemo-ckpt as a ``str`` or a ``pathlib.Path``, from RL'
 driver, the CLI or the config. A URL must not be taken for a relative folder:
 ``Path("s3://nemo/demo")`` is the local folder ``s3:/nemo/demo``, and a snapshot written
 there is silently not where the user looks. So every entry point parses its path here
-first: a URL is recognised (also one that ``Path`` already collapsed to ``scheme:/``),
-and one whose store this nemo-ckpt cannot write is refused with an error that says so.
+first: a URL is recognised (one that ``Path`` already collapsed to ``scheme:/`` is
+refused, with the URL to pass instead), and a folder stays a folder.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from nemo_ckpt.errors import CheckpointPathError
 
-__all__ = ["LocalLocation", "ObjectLocation", "Location", "parse_location", "local_path"]
+__all__ = ["LocalLocation", "ObjectLocation", "Location", "parse_location", "join_location"]
 
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 # What Path() makes of a URL: "s3://b/p" -> "s3:/b/p". One letter is a Windows drive.
@@ -85,16 +85,9 @@ def parse_location(path: str | os.PathLike[str]) -> Location:
     return ObjectLocation(scheme, parts.netloc, prefix)
 
 
-def local_path(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a local folder; refuses a URL, with what to use instead.
-
-    The object-store support (``s3://``) is not in this version yet: until it is, a URL
-    must fail loudly here rather than become a local folder named after it.
-    """
-    location = parse_location(path)
+def join_location(where: str | os.PathLike[str], *names: str) -> str:
+    """``where`` (a folder or a URL) with ``names`` below it, as text."""
+    location = parse_location(where)
     if isinstance(location, ObjectLocation):
-        raise CheckpointPathError(
-            str(location), f"checkpoint path {location} is an object-store URL, which this "
-                           f"nemo-ckpt cannot write or read yet; use a folder that every "
-                           f"node and the driver mount at the same path (for example NFS)")
-    return location.path
+        return "/".join([str(location), *names])
+    return str(location.path.joinpath(*names))

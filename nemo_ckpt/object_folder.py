@@ -17,8 +17,9 @@ atomically. There are no temp names to clean up.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 from nemo_ckpt.errors import SnapshotWriteError
@@ -57,12 +58,25 @@ class _Reader:
         return bytes(self._reader.read(None if size is None or size < 0 else size))
 
 
+# Clients by location and the AWS_* environment they were made from: one per folder,
+# not one per call (each holds a connection pool), and a changed environment makes anew.
+_STORES: dict[tuple[ObjectLocation, tuple[tuple[str, str], ...]], Any] = {}
+_MAX_STORES = 64
+
+
 def _store(location: ObjectLocation) -> Any:
     if location.scheme != "s3":
         raise ValueError(f"no object store for {location.scheme}:// (only s3://)")
     from obstore.store import S3Store
 
-    return S3Store(location.bucket, prefix=location.prefix or None)
+    key = (location, tuple(sorted((k, v) for k, v in os.environ.items()
+                                  if k.startswith("AWS_"))))
+    store = _STORES.get(key)
+    if store is None:
+        if len(_STORES) >= _MAX_STORES:
+            _STORES.pop(next(iter(_STORES)))
+        store = _STORES[key] = S3Store(location.bucket, prefix=location.prefix or None)
+    return store
 
 
 @dataclass(frozen=True)
@@ -70,17 +84,14 @@ class ObjectFolder:
     """A ``Folder`` under a prefix of a bucket. Equal folders have equal URLs."""
 
     location: ObjectLocation
-    _client: list[Any] = field(default_factory=list, compare=False, repr=False)
 
     def __str__(self) -> str:
         return str(self.location)
 
     @property
     def store(self) -> Any:
-        """The obstore client, made on first use (it reads the environment then)."""
-        if not self._client:
-            self._client.append(_store(self.location))
-        return self._client[0]
+        """The obstore client (made from the environment on first use)."""
+        return _store(self.location)
 
     def _key(self, name: str) -> str:
         if not is_plain_file_name(name):

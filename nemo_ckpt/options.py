@@ -15,10 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.location import local_path
+from nemo_ckpt.location import LocalLocation, parse_location
 
 __all__ = [
     "checkpoint_path",
+    "checkpoint_folder",
     "at_least",
     "positive_float",
     "non_negative_float",
@@ -79,13 +80,30 @@ def non_empty(text: str) -> str:
     return text
 
 
-def checkpoint_path(text: str) -> Path:
-    """An argparse ``type=`` for a checkpoint path: a local folder; a URL is refused
-    with why (``nemo_ckpt.location``), never taken for a folder named after it."""
+def checkpoint_path(text: str) -> Path | str:
+    """An argparse ``type=`` for a checkpoint path: a folder (a ``Path``) or an object
+    store's URL (text, as ``nemo_ckpt.location`` writes it); a malformed URL is refused
+    with why, never taken for a folder named after it."""
     try:
-        return local_path(text)
+        location = parse_location(text)
     except CheckpointPathError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return location.path if isinstance(location, LocalLocation) else str(location)
+
+
+def checkpoint_folder(text: str) -> Path:
+    """An argparse ``type=`` for the examples' ``--checkpoint-dir``: a local folder. A
+    URL is refused with why (their toy data plane writes RL's half as files beside the
+    environment's), never taken for a folder named after it."""
+    try:
+        location = parse_location(text)
+    except CheckpointPathError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not isinstance(location, LocalLocation):
+        raise argparse.ArgumentTypeError(
+            f"{location} is an object-store URL; this example keeps RL's half of each "
+            f"checkpoint in files beside the environment's, so it needs a folder")
+    return location.path
 
 
 def writable_folder_problem(folder: Path) -> str | None:

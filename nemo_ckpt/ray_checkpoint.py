@@ -20,9 +20,10 @@ from nemo_ckpt.errors import (
     StartupCheckError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
-from nemo_ckpt.location import local_path
+from nemo_ckpt.location import LocalLocation, join_location, parse_location
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderInfo, HolderState
+from nemo_ckpt.storage import PROBE_DIR, folder_at
 from nemo_ckpt.transport import Transport
 
 __all__ = ["RayEnvironmentCheckpoint", "RaySnapshot"]
@@ -209,20 +210,23 @@ class RayEnvironmentCheckpoint:
                 if result.startswith("error: "):
                     problems.append(f"{inst} cannot write under {root}: {result[7:]}")
                     continue
-                path = Path(result)
+                path = result
+                probes_folder = folder_at(join_location(root, PROBE_DIR))
+                name = result.rsplit("/", 1)[-1]
                 try:
-                    content = path.read_text()
-                    path.unlink()
-                except OSError:
+                    content = probes_folder.read(name).decode(errors="replace")
+                    probes_folder.remove([name])
+                except (OSError, ValueError):
                     problems.append(
                         f"{inst} wrote {path} but the driver cannot read it: {root} is not "
                         f"shared between the holders' nodes and the driver; use a shared "
-                        f"filesystem for checkpoints")
+                        f"filesystem or a bucket every node and the driver reach")
                     continue
                 if not content.startswith(inst + " "):
                     problems.append(f"{path} holds {content!r}, not {inst}'s probe")
-            with contextlib.suppress(OSError):
-                (Path(root) / ".nemo_ckpt_probe").rmdir()
+            if isinstance(parse_location(root), LocalLocation):
+                with contextlib.suppress(OSError):
+                    (Path(root) / PROBE_DIR).rmdir()
         cfg = self.config
         if cfg.phase_timeout_s < cfg.renew_interval_s:
             warnings.append(f"phase_timeout_s ({cfg.phase_timeout_s}) is shorter than the "
@@ -248,7 +252,7 @@ class RayEnvironmentCheckpoint:
         even if this task is cancelled meanwhile (the cancellation is raised after it):
         a commit is never torn by an abort.
         """
-        path = str(local_path(checkpoint_path))  # a URL is refused, not made a folder
+        path = str(parse_location(checkpoint_path))  # a folder, or a bucket's URL
         self._refuse_if_open("snapshot")
         snapshot_id = self._new_operation_id("snap")
         self._open = snapshot_id
@@ -313,7 +317,7 @@ class RayEnvironmentCheckpoint:
         Sessions go live on a clean exit; on an exception (or a cancellation, or a
         commit that failed on some holder) every holder drops them: all or nothing.
         """
-        path = str(local_path(checkpoint_path))  # a URL is refused, not made a folder
+        path = str(parse_location(checkpoint_path))  # a folder, or a bucket's URL
         self._refuse_if_open("restore")
         restore_id = self._new_operation_id("restore")
         self._open = restore_id

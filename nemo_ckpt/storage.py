@@ -132,6 +132,10 @@ def environment_dir(checkpoint_path: Path | str) -> Path:
     return Path(checkpoint_path) / ENVIRONMENT_DIR
 
 
+# Where check_startup's probes go, under the checkpoint root.
+PROBE_DIR = ".nemo_ckpt_probe"
+
+
 def folder_at(where: Path | str) -> Folder:
     """The ``Folder`` at a path or URL (``nemo_ckpt.location``)."""
     location = parse_location(where)

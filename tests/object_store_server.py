@@ -112,11 +112,16 @@ class S3Server:
             except ProcessLookupError:
                 pass
             try:
-                self._proc.wait(15)
+                # weed sometimes ignores SIGTERM: do not wait long for it.
+                self._proc.wait(3)
             except subprocess.TimeoutExpired:
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait(15)
         self._proc = None
+        # Its gRPC unix sockets land in /tmp, named by port, whatever the flags say.
+        for port in self.ports.values():
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from nemo_ckpt import CheckpointConfig
 from nemo_ckpt.cli import main
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.location import LocalLocation, ObjectLocation, local_path, parse_location
+from nemo_ckpt.location import LocalLocation, ObjectLocation, join_location, parse_location
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,6 +26,8 @@ def test_folders_stay_folders_and_urls_keep_bucket_and_prefix() -> None:
     assert url == ObjectLocation("s3", "nemo", "runs/demo")
     assert str(url) == "s3://nemo/runs/demo"
     assert str(parse_location("S3://nemo")) == "s3://nemo"
+    assert join_location("s3://nemo/runs/", "a", "b") == "s3://nemo/runs/a/b"
+    assert join_location("/mnt/ckpt", "a") == "/mnt/ckpt/a"
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -40,35 +42,36 @@ def test_malformed_urls_are_refused_with_what_to_write(text: str, needle: str) -
         parse_location(text)
 
 
-def test_a_url_is_refused_where_a_folder_is_needed_and_nothing_is_created(
+def test_the_config_keeps_a_url_as_text_and_a_folder_as_a_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointPathError, match="is an object-store URL"):
-        local_path("s3://nemo/demo")
-    with pytest.raises(ValidationError, match="is an object-store URL"):
-        CheckpointConfig(checkpoint_root="s3://nemo/demo")  # type: ignore[arg-type]
-    assert CheckpointConfig(checkpoint_root=tmp_path).checkpoint_root == tmp_path
+    assert CheckpointConfig(checkpoint_root="s3://nemo/demo/").checkpoint_root == \
+        "s3://nemo/demo"
+    assert CheckpointConfig(checkpoint_root=str(tmp_path)).checkpoint_root == tmp_path
+    with pytest.raises(ValidationError, match="pathlib.Path collapsed"):
+        CheckpointConfig(checkpoint_root=Path("s3://nemo/demo"))
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("argv", [["inspect", "s3://nemo/demo"], ["verify", "gs://nemo/demo"],
-                                  ["diff", "/tmp/a", "s3://nemo/demo"]])
-def test_the_cli_refuses_a_url_as_a_usage_error(
+@pytest.mark.parametrize("argv", [["inspect", str(Path("s3://nemo/demo"))],
+                                  ["diff", "/tmp/a", "s3://nemo/a/../b"]])
+def test_the_cli_refuses_a_malformed_url_as_a_usage_error(
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     out, err = capsys.readouterr()
     assert exit_.value.code == 2 and out == ""
-    assert "is an object-store URL, which this nemo-ckpt cannot write or read yet" in err
+    assert "checkpoint" in err and ("collapsed" in err or "segment" in err)
 
 
 @pytest.mark.timeout(60)
-def test_the_demo_refuses_a_url_and_writes_no_folder_named_after_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("script", ["turn_level_recovery.py", "minimal_driver.py"])
+def test_the_examples_refuse_a_url_and_write_no_folder_named_after_it(
+        tmp_path: Path, script: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "turn_level_recovery.py"),
-         "--checkpoint-dir", "s3://nemo/demo"],
+        [sys.executable, str(REPO / "examples" / script), "--checkpoint-dir", "s3://nemo/demo"],
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2
-    assert "argument --checkpoint-dir: checkpoint path s3://nemo/demo is an object-store " \
-           "URL" in done.stderr
+    assert "argument --checkpoint-dir: s3://nemo/demo is an object-store URL; this example " \
+           "keeps RL's half" in done.stderr
     assert list(tmp_path.iterdir()) == []

@@ -472,7 +472,7 @@ def test_a_second_job_snapshotting_into_a_path_in_use_is_refused_not_cleaned(
     world.run(scenario())
 
 
-def test_a_snapshot_or_restore_given_a_url_is_refused_before_any_holder_pauses(
+def test_a_snapshot_or_restore_given_a_collapsed_or_malformed_url_is_refused_at_once(
         world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     sent: list[str] = []
@@ -481,12 +481,13 @@ def test_a_snapshot_or_restore_given_a_url_is_refused_before_any_holder_pauses(
     async def scenario() -> None:
         live = await world.populate()
         sent.clear()
-        for url in ("s3://nemo/demo", Path("s3://nemo/demo")):
-            with pytest.raises(CheckpointPathError, match="s3://nemo/demo"):
-                async with world.ckpt.snapshot(url):  # type: ignore[arg-type]
+        for bad, needle in ((Path("s3://nemo/demo"), "pathlib.Path collapsed"),
+                            ("s3://nemo/a/../b", "'..' segment")):
+            with pytest.raises(CheckpointPathError, match=needle):
+                async with world.ckpt.snapshot(bad):  # type: ignore[arg-type]
                     pass
-            with pytest.raises(CheckpointPathError, match="s3://nemo/demo"):
-                async with world.ckpt.restored(url):  # type: ignore[arg-type]
+            with pytest.raises(CheckpointPathError, match=needle):
+                async with world.ckpt.restored(bad):  # type: ignore[arg-type]
                     pass
         assert sent == []  # nothing reached the coordinator or a holder
         assert set(world.states().values()) == {HolderState.RUNNING}
