@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 # prints its seed and the command that replays it.
 SIM_SCHEDULES ?= 10000
 
-.PHONY: test install demo
+.PHONY: test install demo demo-s3
 
 install: $(STAMP)
 
@@ -32,6 +32,12 @@ test: $(STAMP)
 # The end-to-end turn-level recovery run on an embedded local Ray cluster.
 demo: $(STAMP)
 	$(PY) examples/turn_level_recovery.py $(DEMO_ARGS)
+
+# The same run with its checkpoints in a bucket of a local S3-compatible server
+# (SeaweedFS, from the test extra), started for the run and stopped after it.
+demo-s3: $(STAMP)
+	$(PY) -m nemo_ckpt.testing.s3_server -- \
+		$(PY) examples/turn_level_recovery.py --checkpoint-dir s3://ckpt/demo $(DEMO_ARGS)
 
 # The snapshot benchmark (benchmarks/README.md): the full grid, ~4-6 min on 2 cores.
 # Prints its tables and writes bench-results.json. `make bench BENCH_ARGS=--quick` runs

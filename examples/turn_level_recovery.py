@@ -10,6 +10,7 @@ the two runs turn by turn. Exits 1 when they differ.
 
     python examples/turn_level_recovery.py --nodes 3 --rollouts 48 --turns 12
     python examples/turn_level_recovery.py --address auto --checkpoint-dir /mnt/shared/ckpt
+    python examples/turn_level_recovery.py --checkpoint-dir s3://bucket/demo  # AWS_* env
 
 Every option is checked before Ray starts (a bad one is a usage error, exit 2). Exit 1:
 the runs differ, or an expected failure (no cluster, a folder the nodes do not share),
@@ -32,7 +33,7 @@ from nemo_ckpt.connect import connect, ray_address
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.options import (
     at_least,
-    checkpoint_folder,
+    checkpoint_path,
     non_negative_float,
     output_file_problem,
     positive_float,
@@ -66,9 +67,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    default=defaults.crash_after_snapshots,
                    help="crash after this many committed snapshots that hold rollouts (the "
                         "restart needs one)")
-    p.add_argument("--checkpoint-dir", type=checkpoint_folder, default=defaults.checkpoint_dir,
+    p.add_argument("--checkpoint-dir", type=checkpoint_path, default=defaults.checkpoint_dir,
                    help="snapshots go to <dir>/run-<time>-<id>/snapshot-NNNN; on an "
-                        "existing cluster it must be shared by every node")
+                        "existing cluster a folder every node shares, or an "
+                        "s3://bucket/prefix URL (endpoint and credentials from the AWS_* "
+                        "environment; `make demo-s3` runs against a local server)")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--address", type=ray_address, default=None,
                    help="join this Ray cluster (HOST:PORT of its head, or 'auto') instead "
@@ -83,7 +86,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="simulated model and tool time per turn")
     p.add_argument("--verbose", action="store_true", help="show nemo_ckpt's log")
     args = p.parse_args(argv)
-    problem = writable_folder_problem(args.checkpoint_dir)
+    # A URL's bucket is probed from every node by check_startup, once Ray is up.
+    problem = writable_folder_problem(args.checkpoint_dir) \
+        if isinstance(args.checkpoint_dir, Path) else None
     if problem is not None:
         p.error(f"argument --checkpoint-dir: {problem}")
     if args.json is not None:

@@ -99,11 +99,16 @@ class StaleCutError(NemoCkptError):
 # --- reading a snapshot --------------------------------------------------------------
 
 
+def _where(path: Path | str) -> Path | str:
+    """A path as a ``Path``, a URL as its text (``Path`` would collapse its ``//``)."""
+    return path if isinstance(path, str) and "://" in path else Path(path)
+
+
 class SnapshotReadError(NemoCkptError):
     """Base class of every refusal to read a snapshot. A refused read changes nothing."""
 
     def __init__(self, path: Path | str, message: str) -> None:
-        self.path = Path(path)
+        self.path = _where(path)
         super().__init__(message)
 
 
@@ -114,7 +119,7 @@ class SnapshotNotFoundError(SnapshotReadError):
         extra = f" {detail}" if detail else ""
         super().__init__(
             path,
-            f"no environment snapshot at {path}: {Path(path) / 'manifest.json'} does not "
+            f"no environment snapshot at {path}: {path}/manifest.json does not "
             f"exist.{extra} A snapshot is committed only when its manifest is written; "
             f"pass the checkpoint path that snapshot() was given, or restore an earlier "
             f"checkpoint.",
@@ -152,7 +157,7 @@ class SnapshotWriteError(NemoCkptError):
     """Writing a shard or the manifest failed (read-only, gone, out of space, ...)."""
 
     def __init__(self, path: Path | str, message: str) -> None:
-        self.path = Path(path)
+        self.path = _where(path)
         super().__init__(message)
 
 

@@ -80,6 +80,11 @@ class Folder(Protocol):
         """Every file in the folder (none when it does not exist)."""
         ...
 
+    def subfolders(self) -> list[str]:
+        """The names of the folders directly below this one (for a bucket, the prefixes
+        one level down that hold something)."""
+        ...
+
     def remove(self, names: Iterable[str]) -> None:
         """Remove ``names``; missing ones are fine."""
         ...

@@ -202,6 +202,12 @@ class LocalFolder:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def subfolders(self) -> list[str]:
+        try:
+            return [entry.name for entry in self.path.iterdir() if entry.is_dir()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def remove(self, names: Iterable[str]) -> None:
         # Not fsynced: a removal lost to a crash leaves a file the next clean-up removes.
         for name in names:

@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 from nemo_ckpt.errors import CheckpointPathError
 
-__all__ = ["LocalLocation", "ObjectLocation", "Location", "parse_location", "join_location"]
+__all__ = ["LocalLocation", "ObjectLocation", "Location", "parse_location", "join_location",
+           "as_path_or_url", "base_name"]
 
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 # What Path() makes of a URL: "s3://b/p" -> "s3:/b/p". One letter is a Windows drive.
@@ -91,3 +92,18 @@ def join_location(where: str | os.PathLike[str], *names: str) -> str:
     if isinstance(location, ObjectLocation):
         return "/".join([str(location), *names])
     return str(location.path.joinpath(*names))
+
+
+def as_path_or_url(where: str | os.PathLike[str]) -> Path | str:
+    """``where`` as a caller hands it on: a ``Path`` for a folder, the URL's text for an
+    object store (never a ``Path``, which would collapse its ``//``)."""
+    location = parse_location(where)
+    return location.path if isinstance(location, LocalLocation) else str(location)
+
+
+def base_name(where: str | os.PathLike[str]) -> str:
+    """The last segment of a folder's path or a URL's prefix (``""`` for a bucket)."""
+    location = parse_location(where)
+    if isinstance(location, LocalLocation):
+        return location.path.name
+    return location.prefix.rsplit("/", 1)[-1]

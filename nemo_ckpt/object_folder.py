@@ -173,6 +173,12 @@ class ObjectFolder:
         listed = _reading(lambda: obstore.list_with_delimiter(self.store))
         return [str(m["path"]).rsplit("/", 1)[-1] for m in listed["objects"]]
 
+    def subfolders(self) -> list[str]:
+        import obstore
+
+        listed = _reading(lambda: obstore.list_with_delimiter(self.store))
+        return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in listed["common_prefixes"]]
+
     def remove(self, names: Iterable[str]) -> None:
         import obstore
 

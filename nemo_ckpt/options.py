@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.location import LocalLocation, parse_location
+from nemo_ckpt.location import LocalLocation, as_path_or_url, parse_location
 
 __all__ = [
     "checkpoint_path",
@@ -85,10 +85,9 @@ def checkpoint_path(text: str) -> Path | str:
     store's URL (text, as ``nemo_ckpt.location`` writes it); a malformed URL is refused
     with why, never taken for a folder named after it."""
     try:
-        location = parse_location(text)
+        return as_path_or_url(text)
     except CheckpointPathError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return location.path if isinstance(location, LocalLocation) else str(location)
 
 
 def checkpoint_folder(text: str) -> Path:

@@ -113,6 +113,29 @@ async def test_a_crashed_run_restores_mid_rollout_and_ends_like_the_crash_free_r
     assert left == []
 
 
+@pytest.mark.timeout(120)
+async def test_a_crashed_run_restores_from_a_bucket_and_writes_nothing_local(
+        cluster: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nemo_ckpt.storage import environment_folder, folder_at
+    from nemo_ckpt.testing.s3_server import BUCKET
+
+    monkeypatch.chdir(tmp_path)
+    root = f"s3://{BUCKET}/demo-test"
+    options = DemoOptions(checkpoint_dir=root, namespace="t-demo-s3",
+                          **SMALL)  # type: ignore[arg-type]
+    report = await run_demo(options)
+
+    assert report.verified, f"trajectories differ: {report.mismatched_rollouts}"
+    assert report.rollouts_restored >= 1 and report.turns_restored >= 1
+    assert report.restored_from.startswith(f"{root}/run-")
+    run_dir = report.restored_from.rsplit("/", 1)[0]
+    assert latest_committed_snapshot(run_dir) == report.snapshot_paths[-1]
+    for path in report.snapshot_paths:
+        assert "manifest.json" in environment_folder(path).names()
+        assert DATA_PLANE_FILE in folder_at(path).names()
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.timeout(150)
 def test_the_example_joins_an_existing_cluster_writes_its_json_and_exits_zero(
         cluster: Any, tmp_path: Path) -> None:

@@ -65,13 +65,30 @@ def test_the_cli_refuses_a_malformed_url_as_a_usage_error(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("script", ["turn_level_recovery.py", "minimal_driver.py"])
-def test_the_examples_refuse_a_url_and_write_no_folder_named_after_it(
-        tmp_path: Path, script: str) -> None:
+def test_the_minimal_example_refuses_a_url_and_writes_no_folder_named_after_it(
+        tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(REPO / "examples" / script), "--checkpoint-dir", "s3://nemo/demo"],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        [sys.executable, str(REPO / "examples" / "minimal_driver.py"), "--checkpoint-dir",
+         "s3://nemo/demo"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2
     assert "argument --checkpoint-dir: s3://nemo/demo is an object-store URL; this example " \
            "keeps RL's half" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_the_demo_takes_a_url_as_text_and_refuses_a_collapsed_one(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import turn_level_recovery
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    args = turn_level_recovery.parse_args(["--checkpoint-dir", "s3://nemo/demo/"])
+    assert args.options.checkpoint_dir == "s3://nemo/demo"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "turn_level_recovery.py"),
+         "--checkpoint-dir", "s3:/nemo/demo"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "pathlib.Path collapsed" in done.stderr and "'s3://nemo/demo'" in done.stderr
     assert list(tmp_path.iterdir()) == []

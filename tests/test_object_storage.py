@@ -1,5 +1,5 @@
 """Snapshots in an S3 bucket, against a real S3-compatible server (SeaweedFS, started by
-the tests on 127.0.0.1; ``tests/object_store_server.py``): the same guarantees as in a
+the tests on 127.0.0.1; ``nemo_ckpt/testing/s3_server.py``): the same guarantees as in a
 folder, through ``nemo_ckpt.object_folder``."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from nemo_ckpt.storage import (
     write_manifest,
     write_shard,
 )
-from tests.object_store_server import BUCKET, S3Server
+from nemo_ckpt.testing.s3_server import BUCKET, S3Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -205,3 +205,95 @@ def test_a_server_killed_mid_persist_fails_the_write_and_the_previous_snapshot_s
     assert loaded.manifest == first
     assert loaded.sessions["holder-0"] == [session("holder-0", "a")]
     assert shard_file_name("snap-2", "holder-0") not in objects(url)
+
+
+def test_the_cli_inspects_verifies_and_diffs_snapshots_in_a_bucket(
+        url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from nemo_ckpt.cli import main
+
+    a, b = f"{url}/step-1", f"{url}/step-2"
+    write_snapshot(a, {"holder-0": [session("holder-0", "a")],
+                       "holder-1": [session("holder-1", "b")]}, "snap-1")
+    write_snapshot(b, {"holder-0": [session("holder-0", "a", turns=4)],
+                       "holder-1": [session("holder-1", "c")]}, "snap-2")
+
+    assert main(["inspect", a]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"snapshot snap-1 at {a}"
+    assert "holder-1" in out and " b " in out
+
+    assert main(["verify", b]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        "OK: snapshot snap-2 is intact: 2 shards, ")
+
+    assert main(["diff", a, b]) == 0
+    assert "1 added, 1 finished, 1 continued (+2 turns)" in capsys.readouterr().out
+
+    # A damaged shard object fails verify, naming it by its URL.
+    folder: Any = environment_folder(b)
+    name = shard_file_name("snap-2", "holder-1")
+    obstore.put(folder.store, name, folder.read(name)[:-3])
+    assert main(["verify", b]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == ("FAILED: snapshot snap-2 has 1 problem(s); a restore "
+                                   "from it would be refused:")
+    assert f"{b}/environment/{name}" in err
+
+
+def test_the_data_plane_saves_into_a_bucket_and_restores_from_it(url: str) -> None:
+    import asyncio
+
+    from nemo_ckpt.interfaces import RestoredEnvironmentRollouts
+    from nemo_ckpt.testing import DATA_PLANE_FILE, DataPlaneBarrier, ReferenceDataPlane
+
+    async def run() -> None:
+        dp = ReferenceDataPlane()
+        barrier = DataPlaneBarrier(dp)
+        ep = await dp.dispatch("r", "holder-0")
+        await dp.write_staging("r/t0000", {"turn": 0})
+        async with barrier.checkpoint() as cut:
+            written = await barrier.save(cut, url)
+        assert written == f"{url}/{DATA_PLANE_FILE}"
+        fresh = ReferenceDataPlane()
+        report = await DataPlaneBarrier(fresh).restore(url, RestoredEnvironmentRollouts(
+            frozenset({("holder-0", "r", ep.attempt)}), frozenset({"r/t0000"})))
+        assert report.continued == (("holder-0", ep.next_attempt()),)
+
+    asyncio.run(run())
+    assert not Path(url).exists() and not Path("s3:").exists()
+
+
+@pytest.mark.timeout(90)
+def test_the_server_command_runs_a_command_against_its_bucket_and_stops_after_it(
+        tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = ("import os, sys\n"
+              "from nemo_ckpt.storage import folder_at\n"
+              f"folder_at('s3://{BUCKET}/cmd').write_bytes('f', b'hello')\n"
+              f"print(os.environ['AWS_ENDPOINT_URL'], folder_at('s3://{BUCKET}/cmd').read('f'))\n"
+              "sys.exit(3)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "nemo_ckpt.testing.s3_server", "--data-dir", str(tmp_path),
+         "--", sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=80, env=env)
+    assert done.returncode == 3, done.stderr
+    endpoint, read = done.stdout.split()
+    assert read == "b'hello'"
+    assert f"S3-compatible server at {endpoint}, bucket s3://{BUCKET}" in done.stderr
+    port = int(endpoint.rsplit(":", 1)[1])
+    import socket
+    with socket.socket() as s, pytest.raises(OSError):
+        s.connect(("127.0.0.1", port))  # the server is gone
+
+
+def test_the_server_command_without_a_command_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from nemo_ckpt.testing.s3_server import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--"])
+    assert exit_.value.code == 2
+    assert "give the command to run after --" in capsys.readouterr().err

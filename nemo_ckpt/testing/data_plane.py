@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import enum
 import json
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +50,8 @@ from nemo_ckpt.errors import (
     StaleCutError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
+from nemo_ckpt.location import as_path_or_url
+from nemo_ckpt.storage import folder_at
 
 __all__ = [
     "StaticCut",
@@ -306,13 +307,14 @@ class DataPlaneFile(BaseModel):
 
 
 def read_data_plane_file(checkpoint_path: Path | str) -> DataPlaneFile:
-    """Read and validate ``<checkpoint_path>/data_plane.json``.
+    """Read and validate ``<checkpoint_path>/data_plane.json`` (a folder or a URL).
 
     Raises ``DataPlaneFileError`` when it is missing, does not parse, or does not validate.
     """
-    path = Path(checkpoint_path) / DATA_PLANE_FILE
+    folder = folder_at(checkpoint_path)
+    path = folder.describe(DATA_PLANE_FILE)
     try:
-        raw = path.read_bytes()
+        raw = folder.read(DATA_PLANE_FILE)
     except FileNotFoundError:
         raise DataPlaneFileError(
             path, f"no data-plane state at {path}: the snapshot at {checkpoint_path} was "
@@ -327,28 +329,19 @@ def read_data_plane_file(checkpoint_path: Path | str) -> DataPlaneFile:
                   f"{_VERSION}): {exc.error_count()} error(s): {exc.errors()[:3]}") from None
 
 
-def _write_json_durably(path: Path, data: bytes) -> None:
-    """Temp file in the same folder, fsync, rename, fsync the folder."""
-    directory = path.parent
-    tmp = directory / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+def _write_data_plane_file(checkpoint_path: str, data: bytes) -> str:
+    """Write ``data`` as ``<checkpoint_path>/data_plane.json``, whole and durable or not
+    at all (a folder's temp file, fsync and rename; a bucket's single put); returns where."""
+    folder = folder_at(checkpoint_path)
+    path = folder.describe(DATA_PLANE_FILE)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        folder.prepare()
+        folder.write_bytes(DATA_PLANE_FILE, data)
+    except SnapshotWriteError as exc:
         raise SnapshotWriteError(
-            path, f"cannot write the data-plane state to {path}: {exc}; the snapshot "
-                  f"is not committed") from None
+            path, f"{exc}; the data-plane state is not saved, so the snapshot is not "
+                  f"committed") from None
+    return path
 
 
 # --- the data plane -----------------------------------------------------------------------
@@ -504,9 +497,7 @@ class ReferenceDataPlane:
                 f"cannot save the data plane at {cut_id}: that cut is not open (the open "
                 f"one is {self._cut_id}); save inside `async with barrier.checkpoint()`")
         data = self._to_file(cut_id).model_dump_json(indent=1).encode()
-        path = Path(checkpoint_path) / DATA_PLANE_FILE
-        await asyncio.to_thread(_write_json_durably, path, data)
-        return str(path)
+        return await asyncio.to_thread(_write_data_plane_file, checkpoint_path, data)
 
     async def restore(self, checkpoint_path: str,
                       restored: RestoredEnvironmentRollouts) -> DataPlaneRestoreReport:
@@ -746,10 +737,11 @@ class DataPlaneBarrier:
             cut.expire()
             await self._call("end_cut", view.cut_id)
 
-    async def save(self, cut: LiveCut, checkpoint_path: Path | str) -> Path:
-        """Save the data plane as of ``cut`` (which must be live) under ``checkpoint_path``."""
+    async def save(self, cut: LiveCut, checkpoint_path: Path | str) -> Path | str:
+        """Save the data plane as of ``cut`` (which must be live) under ``checkpoint_path``
+        (a folder or a URL); returns the file written, as a path or a URL."""
         cut.require_live()
-        return Path(await self._call("save", cut.cut_id, str(checkpoint_path)))
+        return as_path_or_url(await self._call("save", cut.cut_id, str(checkpoint_path)))
 
     async def restore(self, checkpoint_path: Path | str,
                       restored: RestoredEnvironmentRollouts) -> DataPlaneRestoreReport:

