@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    WithJsonSchema,
+    model_validator,
+)
 
 from nemo_ckpt.errors import CheckpointPathError
 from nemo_ckpt.location import LocalLocation, parse_location
@@ -16,6 +24,24 @@ HOLDER_NAME_PREFIX = "nemo_ckpt_holder:"
 # Of a lease, the part kept free for a renewal to travel and be handled: the drain, one
 # renewal period and this margin must fit in a lease.
 LEASE_MARGIN = 0.1
+
+
+def _as_location(value: object) -> Union[Path, str]:
+    # In place of pydantic's own Path validation, which would turn a URL into a local
+    # folder: a folder becomes a Path, a URL stays text, in Python and from JSON alike.
+    if not isinstance(value, (str, Path)):
+        raise ValueError(f"expected a folder or an s3:// URL, got {type(value).__name__}")
+    try:
+        location = parse_location(value)
+    except CheckpointPathError as exc:
+        raise ValueError(str(exc)) from None
+    return location.path if isinstance(location, LocalLocation) else str(location)
+
+
+# A folder (Path) or an object-store URL (str); serialized as text either way.
+LocationField = Annotated[Union[Path, str], PlainValidator(_as_location),
+                          PlainSerializer(str, return_type=str),
+                          WithJsonSchema({"type": "string"})]
 
 
 class CheckpointConfig(BaseModel):
@@ -29,7 +55,7 @@ class CheckpointConfig(BaseModel):
     coordinator_name: str = Field(
         "nemo_ckpt_coordinator", min_length=1,
         description="Name of the coordinator actor inside the namespace.")
-    checkpoint_root: Optional[Union[Path, str]] = Field(
+    checkpoint_root: Optional[LocationField] = Field(
         None,
         description="Folder, or s3://bucket/prefix URL, under which checkpoint paths live; "
                     "check_startup verifies every holder can write it and the driver can "
@@ -69,19 +95,6 @@ class CheckpointConfig(BaseModel):
         description="Retire marks a holder keeps (one per retired rollout, until RL "
                     "forgets it); beyond this the oldest go, and a zombie worker of that "
                     "rollout could open it again.")
-
-    @field_validator("checkpoint_root", mode="before")
-    @classmethod
-    def _root_is_a_location(cls, value: object) -> object:
-        # Before pydantic makes it a Path, which would turn a URL into a local folder:
-        # a folder stays a Path, a URL stays text.
-        if isinstance(value, (str, Path)):
-            try:
-                location = parse_location(value)
-            except CheckpointPathError as exc:
-                raise ValueError(str(exc)) from None
-            return location.path if isinstance(location, LocalLocation) else str(location)
-        return value
 
     @model_validator(mode="after")
     def _deadlines_can_work(self) -> CheckpointConfig:

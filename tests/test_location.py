@@ -53,6 +53,14 @@ def test_the_config_keeps_a_url_as_text_and_a_folder_as_a_path(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("root", [Path("/shared/ckpt"), "s3://nemo/demo", None])
+def test_the_config_round_trips_through_json_as_a_driver_hands_it_to_another(
+        root: Path | str | None) -> None:
+    config = CheckpointConfig(checkpoint_root=root)
+    again = CheckpointConfig.model_validate_json(config.model_dump_json())
+    assert again == config and type(again.checkpoint_root) is type(root)
+
+
 @pytest.mark.parametrize("argv", [["inspect", str(Path("s3://nemo/demo"))],
                                   ["diff", "/tmp/a", "s3://nemo/a/../b"]])
 def test_the_cli_refuses_a_malformed_url_as_a_usage_error(

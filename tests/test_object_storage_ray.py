@@ -61,7 +61,7 @@ async def sessions(ckpt: RayEnvironmentCheckpoint, inst: str) -> list[Any]:
 async def test_check_startup_probes_the_bucket_from_every_node_and_the_driver(
         s3_ckpt: Any, s3_server: S3Server) -> None:
     await s3_ckpt.check_startup()
-    assert len(await s3_ckpt.holders()) == len(ray.nodes())
+    assert len(await s3_ckpt.holders()) == sum(1 for n in ray.nodes() if n["Alive"])
     root = s3_ckpt.config.checkpoint_root
     assert environment_folder(root).names() == []  # the probes removed themselves
     s3_server.kill()
