@@ -904,6 +904,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="the scale series only (benchmarks/scale.py): 4 holders at 10k, "
                         "100k, 150k and 1M sessions of 1 KiB, 64 instances at 100k, the "
                         "cut check at 10k-1M x 16 keys, a turn's overhead")
+    p.add_argument("--object-store", action="store_true",
+                   help="the object-store series only (benchmarks/object_store.py): "
+                        "snapshots into a bucket of a local SeaweedFS server against "
+                        "obstore's own put and get and against a folder; with --quick, "
+                        "its first point only")
     p.add_argument("--holders", default=",".join(map(str, FULL_HOLDERS)),
                    help="comma-separated holder counts (= nodes) of the full grid")
     p.add_argument("--sessions", default=",".join(map(str, FULL_SESSIONS)),
@@ -980,7 +985,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format="%(message)s")
     logging.getLogger("nemo_ckpt").setLevel(logging.WARNING)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    points = [] if args.scale else grid(args)
+    points = [] if args.scale or args.object_store else grid(args)
     # Nodes are only ever added, so run the grid in increasing holder count.
     points.sort(key=lambda p: p[0])
     own_dir = args.dir is None
@@ -992,13 +997,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"nemo-ckpt snapshot benchmark: {len(points)} point(s), {args.repeats} repeats, "
           f"folder {workdir} ({os.cpu_count()} CPUs)", flush=True)
     cluster = None
+    server = None
+    objects = None
     try:
+        if args.object_store:
+            from nemo_ckpt.testing.s3_server import BUCKET, S3Server
+
+            # Before the cluster: its workers find the server through the AWS_* environment.
+            server = S3Server(workdir / "s3")
+            server.start()
+            os.environ.update(server.env())
         t = time.perf_counter()
         cluster = LocalCluster(args.object_store_mb * MiB)
         print(f"local Ray cluster up in {time.perf_counter() - t:.1f} s", flush=True)
         results = asyncio.run(run_points(points, cluster, args, workdir))
+        if args.object_store:
+            from object_store import run_object_store
+
+            cluster.grow_to(4)
+            objects = asyncio.run(run_object_store(
+                args.quick, f"s3://{BUCKET}/bench-{uuid.uuid4().hex[:6]}", workdir,
+                args.repeats))
         scale = None
-        if args.scale or args.quick:
+        if args.scale or (args.quick and not args.object_store):
             from scale import run_scale
 
             cluster.grow_to(4)
@@ -1007,6 +1028,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         if cluster is not None:
             cluster.shutdown()
+        if server is not None:
+            server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     crash = crash_cost_table(slots=64, rollouts=512, turns=16, ks=(1, 2, 4, 8),
                              trials=args.crash_trials, seed=args.seed, sigma=0.6)
@@ -1015,6 +1038,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from scale import format_scale, scale_targets
 
         targets += scale_targets(scale)
+    if objects is not None:
+        from object_store import format_object_store, object_store_targets
+
+        targets += object_store_targets(objects)
     print()
     if results:
         print(format_points(results))
@@ -1023,6 +1050,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if scale is not None:
         print()
         print(format_scale(scale))
+    if objects is not None:
+        print()
+        print(format_object_store(objects))
     print()
     print("targets:")
     for t_ in targets:
@@ -1034,11 +1064,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc = {
             "points": results,
             "scale": scale,
+            "object_store": objects,
             "crash_cost": crash,
             "targets": targets,
             "run": {
                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "quick": args.quick, "scale": args.scale, "repeats": args.repeats,
+                "quick": args.quick, "scale": args.scale, "object_store": args.object_store,
+                "repeats": args.repeats,
                 "cold_reads": args.cold_reads,
                 "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "cpus": os.cpu_count(), "python": platform.python_version(),
