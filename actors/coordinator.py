@@ -60,6 +60,7 @@ from nemo_ckpt.errors import (
     StaleSnapshotError,
     aggregate,
 )
+from nemo_ckpt.folder import Folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.manifest import (
     ShardEntry,
@@ -382,23 +383,33 @@ class CheckpointCoordinator:
         """
         op = self._open(snapshot_id, "snapshot", checkpoint_path)
         cfg = self._config
+        claimed: asyncio.Future[None] | None = None
         try:
             op.holders = await self._known_holders()
             directory = environment_folder(checkpoint_path)
-            await self._runtime.run_blocking(directory.prepare)
-            await self._claim(op)
             await self._injected_delay("begin_snapshot")
             if op.outcome is not None:  # aborted before any holder was asked: ask none
                 raise self._refusal(snapshot_id)
+            # The claim runs beside the pause, not before it: no shard is written before
+            # the claim holds (writes start after this returns), and on a bucket its
+            # list, reads and put would otherwise add round trips to every pause. A
+            # refused claim aborts the snapshot like any failure here: holders resume.
+            claimed = asyncio.ensure_future(self._prepare_and_claim(op, directory))
             begun = await self._fan(
                 op.holders, "pause_capture",
                 lambda inst, h: self._transport.call(
                     h, "begin", snapshot_id, cfg.drain_timeout_s, cfg.lease_s,
                     str(directory), timeout=cfg.drain_timeout_s + cfg.phase_timeout_s),
                 op_id=snapshot_id)
+            await claimed
             if op.outcome is not None:  # aborted meanwhile: its abort reached every holder
                 raise self._refusal(snapshot_id)
         except BaseException as exc:
+            if claimed is not None and not claimed.done():
+                # Its thread runs on; the abort's clean-up must not race its put.
+                await asyncio.wait([claimed])
+            if claimed is not None and claimed.done() and not claimed.cancelled():
+                claimed.exception()  # retrieved: the first error is the one raised
             self._count_failure("snapshot", exc)
             await self._abort(op, Outcome.ABORTED)
             raise
@@ -409,6 +420,10 @@ class CheckpointCoordinator:
             snapshot_id=snapshot_id, instances=tuple(op.holders),
             pauses=tuple(p for p, _ in begun.values()), captures=op.captures,
             entry_seconds=self._clock.monotonic() - op.started)
+
+    async def _prepare_and_claim(self, op: _Operation, directory: Folder) -> None:
+        await self._runtime.run_blocking(directory.prepare)
+        await self._claim(op)
 
     async def _claim(self, op: _Operation) -> None:
         """Claim (or renew the claim on) the operation's folder: refused while another
