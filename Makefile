@@ -42,7 +42,8 @@ demo-s3: $(STAMP)
 # The snapshot benchmark (benchmarks/README.md): the full grid, ~4-6 min on 2 cores.
 # Prints its tables and writes bench-results.json. `make bench BENCH_ARGS=--quick` runs
 # two grid points and the quick scale series (~2 min); BENCH_ARGS=--scale the scale
-# series to a million sessions (~7 min).
+# series to a million sessions (~7 min); BENCH_ARGS=--object-store snapshots into a
+# local S3-compatible server against the client library's own put and get (~3 min).
 BENCH_ARGS ?=
 .PHONY: bench
 bench: $(STAMP)
