@@ -401,7 +401,9 @@ class CheckpointCoordinator:
                     h, "begin", snapshot_id, cfg.drain_timeout_s, cfg.lease_s,
                     str(directory), timeout=cfg.drain_timeout_s + cfg.phase_timeout_s),
                 op_id=snapshot_id)
-            await claimed
+            # Shielded: a cancelled begin must not cancel the claim under its thread,
+            # whose put would then land after the abort's clean-up.
+            await asyncio.shield(claimed)
             if op.outcome is not None:  # aborted meanwhile: its abort reached every holder
                 raise self._refusal(snapshot_id)
         except BaseException as exc:
