@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import statistics
 import time
 import uuid
@@ -155,9 +156,15 @@ async def node_get(clients: Sequence[Any], url: str, names: Sequence[str]) -> fl
     return time.perf_counter() - t0
 
 
+async def _bare_gets(clients: Sequence[Any], url: str, names: Sequence[str]
+                     ) -> dict[str, float]:
+    return {"bare_get_ms": bare_get(url, names) * 1e3,
+            "node_get_ms": await node_get(clients, url, names) * 1e3}
+
+
 async def measure_point(sessions: int, state_bytes: int, repeats: int, bucket_root: str,
                         workdir: Path) -> dict[str, Any]:
-    from snapshot_bench import GateProbe
+    from snapshot_bench import _restore_once, probed_snapshot
 
     tag = uuid.uuid4().hex[:8]
     ns = f"objbench-{tag}"
@@ -167,6 +174,7 @@ async def measure_point(sessions: int, state_bytes: int, repeats: int, bucket_ro
     point_url = f"{bucket_root}/s{sessions}-b{state_bytes}-{tag}"
     local_dir = workdir / f"obj-local-{tag}"
     reps: list[dict[str, float]] = []
+    bare: list[Any] = []
     try:
         infos = await ckpt.ensure_holders()
         clients = [await SessionClient.connect(instance_id=i.instance_id, namespace=ns)
@@ -179,18 +187,11 @@ async def measure_point(sessions: int, state_bytes: int, repeats: int, bucket_ro
                 pass
 
         async def snapshot(where: Any) -> dict[str, float]:
-            probe = GateProbe(clients)
-            t0 = time.perf_counter()
-            async with ckpt.snapshot(where) as snap:
-                t1 = time.perf_counter()
-                probe.start()
-            t2 = time.perf_counter()
-            t_open = await probe.gates_open_at()
-            await probe.close()
+            snap, times = await probed_snapshot(ckpt, clients, where)
             assert snap is not None and snap.captured_rollouts == sessions
-            m = snap.metrics(t2 - t0)
-            return {"entry_ms": (t1 - t0) * 1e3, "exit_ms": (t2 - t1) * 1e3,
-                    "paused_ms": (t_open - t0) * 1e3, "persist_ms": m["persist_seconds"] * 1e3,
+            m = snap.metrics(times["entry_exit_ms"] / 1e3)
+            return {"entry_ms": times["entry_ms"], "exit_ms": times["exit_ms"],
+                    "paused_ms": times["paused_ms"], "persist_ms": m["persist_seconds"] * 1e3,
                     "bytes": m["bytes_written"]}
 
         for r in range(repeats):
@@ -207,49 +208,26 @@ async def measure_point(sessions: int, state_bytes: int, repeats: int, bucket_ro
             # The bare get and the restore in alternating order: whichever reads first
             # may find the server's caches cold.
             if r % 2 == 1:
-                rep["bare_get_ms"] = bare_get(url, list(sizes)) * 1e3
-                rep["node_get_ms"] = await node_get(bare, url, list(sizes)) * 1e3
+                rep.update(await _bare_gets(bare, url, list(sizes)))
             for kind, where in (("s3", url), ("local", local_dir / f"snap-{r}")):
-                rep.update({f"{kind}_{k}": v for k, v in (await _restore(
-                    config, f"{ns}-{kind}{r}", where, sessions)).items()})
+                rep.update({f"{kind}_{k}": v for k, v in (await _restore_once(
+                    config, f"{ns}-{kind}{r}", where, sessions, False)).items()})
             if r % 2 == 0:
-                rep["bare_get_ms"] = bare_get(url, list(sizes)) * 1e3
-                rep["node_get_ms"] = await node_get(bare, url, list(sizes)) * 1e3
+                rep.update(await _bare_gets(bare, url, list(sizes)))
             rep["shard_bytes"] = float(sum(sizes.values()))
             reps.append(rep)
             folder = environment_folder(url)
             folder.remove(folder.names())
     finally:
-        for handle in locals().get("bare", []):
+        for handle in bare:
             ray.kill(handle)
         with contextlib.suppress(Exception):
             ckpt.shutdown()
-        import shutil
-
         shutil.rmtree(local_dir, ignore_errors=True)
         with contextlib.suppress(Exception):
-            for sub in ("warmup",):
-                folder = environment_folder(f"{point_url}/{sub}")
-                folder.remove(folder.names())
+            folder = environment_folder(f"{point_url}/warmup")
+            folder.remove(folder.names())
     return _record(sessions, state_bytes, reps)
-
-
-async def _restore(config: CheckpointConfig, namespace: str, where: Any,
-                   sessions: int) -> dict[str, float]:
-    """``restored()`` of ``where`` into fresh holders, created before the clock starts."""
-    fresh = RayEnvironmentCheckpoint(config.model_copy(update={"namespace": namespace}))
-    try:
-        await fresh.ensure_holders()
-        t0 = time.perf_counter()
-        async with fresh.restored(where) as restored:
-            t1 = time.perf_counter()
-        t2 = time.perf_counter()
-    finally:
-        fresh.shutdown()
-    if len(restored.continued_attempts) != sessions:
-        raise RuntimeError(f"restored {len(restored.continued_attempts)} sessions, "
-                           f"expected {sessions}")
-    return {"restore_ms": (t2 - t0) * 1e3, "restore_prepare_ms": (t1 - t0) * 1e3}
 
 
 def _record(sessions: int, state_bytes: int, reps: list[dict[str, float]]) -> dict[str, Any]:

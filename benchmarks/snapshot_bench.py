@@ -273,6 +273,27 @@ class GateProbe:
                                for c, ep in zip(self._clients, self._episodes, strict=True)))
 
 
+async def probed_snapshot(ckpt: RayEnvironmentCheckpoint, clients: Sequence[SessionClient],
+                          path: Any, block_s: float = 0.0) -> tuple[Any, dict[str, float]]:
+    """One snapshot into ``path`` whose caller's block sleeps ``block_s`` (0: it saves
+    nothing), with a ``GateProbe``. Returns the snapshot and, in ms: ``entry`` (call ->
+    yield), ``exit`` (end of the block -> return), ``entry_exit`` (call -> return) and
+    ``paused`` (call -> the last holder's gate seen open)."""
+    probe = GateProbe(clients)
+    t0 = time.perf_counter()
+    async with ckpt.snapshot(path) as snap:
+        t1 = t_block = time.perf_counter()
+        probe.start()
+        if block_s:
+            await asyncio.sleep(block_s)
+            t_block = time.perf_counter()
+    t2 = time.perf_counter()
+    t_open = await probe.gates_open_at()
+    await probe.close()
+    return snap, {"entry_ms": (t1 - t0) * 1e3, "exit_ms": (t2 - t_block) * 1e3,
+                  "entry_exit_ms": (t2 - t0) * 1e3, "paused_ms": (t_open - t0) * 1e3}
+
+
 # --- the single-writer baseline -------------------------------------------------------------
 
 
@@ -405,21 +426,13 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
             """A snapshot whose caller saves nothing, with the holders' peak memory."""
             rss_before_snapshot = {i: _proc_status(p)["VmRSS"] for i, p in pids.items()}
             shmem = max(_proc_status(p).get("RssShmem", 0) for p in pids.values())
-            probe = GateProbe(clients)
             with PeakRss(list(pids.values())) as peak:
-                t0 = time.perf_counter()
-                async with ckpt.snapshot(path) as snap:
-                    t1 = time.perf_counter()
-                    probe.start()
-                t2 = time.perf_counter()
-                t_open = await probe.gates_open_at()
-            await probe.close()
+                snap, times = await probed_snapshot(ckpt, clients, path)
             assert snap is not None and snap.captured_rollouts == sessions
-            m = snap.metrics(t2 - t0)
+            m = snap.metrics(times["entry_exit_ms"] / 1e3)
             persists_s.append(m["persist_seconds"])
             rep.update(
-                entry_ms=(t1 - t0) * 1e3, exit_ms=(t2 - t1) * 1e3,
-                paused_ms=(t_open - t0) * 1e3, entry_exit_ms=(t2 - t0) * 1e3,
+                **times,
                 coord_entry_ms=m["entry_seconds"] * 1e3, drain_ms=m["drain_seconds"] * 1e3,
                 capture_ms=m["capture_seconds"] * 1e3,
                 persist_ms=m["persist_seconds"] * 1e3, bytes_written=m["bytes_written"],
@@ -436,21 +449,13 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
             """A snapshot whose caller's own save (a sleep) takes as long as the persist
             (the median so far at this point), so the two can overlap."""
             sleep_s = statistics.median(persists_s)
-            probe = GateProbe(clients)
-            t0 = time.perf_counter()
-            async with ckpt.snapshot(path) as snap:
-                t1 = time.perf_counter()
-                probe.start()
-                await asyncio.sleep(sleep_s)
-            t2 = time.perf_counter()
-            t_open = await probe.gates_open_at()
-            await probe.close()
+            snap, times = await probed_snapshot(ckpt, clients, path, sleep_s)
             assert snap is not None
             m = snap.metrics(0.0)
             persists_s.append(m["persist_seconds"])
-            rep.update(overlap_sleep_ms=sleep_s * 1e3, overlap_paused_ms=(t_open - t0) * 1e3,
-                       overlap_entry_exit_ms=(t2 - t0) * 1e3,
-                       overlap_entry_ms=(t1 - t0) * 1e3,
+            rep.update(overlap_sleep_ms=sleep_s * 1e3, overlap_paused_ms=times["paused_ms"],
+                       overlap_entry_exit_ms=times["entry_exit_ms"],
+                       overlap_entry_ms=times["entry_ms"],
                        overlap_persist_ms=m["persist_seconds"] * 1e3)
             shutil.rmtree(path, ignore_errors=True)
 
@@ -527,20 +532,21 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
         shutil.rmtree(point_dir, ignore_errors=True)
 
 
-async def _restore_once(config: CheckpointConfig, namespace: str, path: Path, sessions: int,
-                        evict: bool) -> dict[str, float]:
+async def _restore_once(config: CheckpointConfig, namespace: str, path: Path | str,
+                        sessions: int, evict: bool) -> dict[str, float]:
     """Restore ``path`` as a restarted job would: into fresh holders (a new namespace,
     one holder per node, created before the clock starts), then kill them.
 
-    With ``evict``, the shards are dropped from the page cache first.
+    With ``evict``, the shards are dropped from the page cache first (a folder only).
+    A URL is passed as text, which ``restored()`` takes beside the contract's ``Path``.
     """
     ckpt_r = RayEnvironmentCheckpoint(config.model_copy(update={"namespace": namespace}))
     try:
         await ckpt_r.ensure_holders()
         if evict:
-            evict_from_page_cache(sorted((path / "environment").glob("shard-*.msgpack")))
+            evict_from_page_cache(sorted((Path(path) / "environment").glob("shard-*.msgpack")))
         t0 = time.perf_counter()
-        async with ckpt_r.restored(path) as restored:
+        async with ckpt_r.restored(path) as restored:  # type: ignore[arg-type]
             t1 = time.perf_counter()
         t2 = time.perf_counter()
     finally:

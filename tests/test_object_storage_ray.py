@@ -23,6 +23,7 @@ from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import environment_folder, read_manifest, read_snapshot
 from nemo_ckpt.testing import StaticCut
 from nemo_ckpt.testing.s3_server import BUCKET, S3Server
+from tests.conftest import alive_node_ids
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,7 +62,7 @@ async def sessions(ckpt: RayEnvironmentCheckpoint, inst: str) -> list[Any]:
 async def test_check_startup_probes_the_bucket_from_every_node_and_the_driver(
         s3_ckpt: Any, s3_server: S3Server) -> None:
     await s3_ckpt.check_startup()
-    assert len(await s3_ckpt.holders()) == sum(1 for n in ray.nodes() if n["Alive"])
+    assert len(await s3_ckpt.holders()) == len(alive_node_ids())
     root = s3_ckpt.config.checkpoint_root
     assert environment_folder(root).names() == []  # the probes removed themselves
     s3_server.kill()

@@ -567,20 +567,19 @@ async def run_demo(options: DemoOptions, progress: Optional[ProgressFn] = None) 
         raise DemoError("connect to a Ray cluster first (ray.init(address=...))")
     stamp = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
     location = parse_location(options.checkpoint_dir)
-    if not isinstance(location, LocalLocation):  # a prefix exists once written to
-        url = join_location(str(location), f"run-{stamp}")
-        try:
-            return await _run(options, progress, url, stamp)
-        except BaseException:
-            _remove_run_objects(url)
-            raise
-    run_dir = location.path.resolve() / f"run-{stamp}"
-    created = _missing_folders(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir: Where
+    if isinstance(location, LocalLocation):
+        run_dir = location.path.resolve() / f"run-{stamp}"
+        created = _missing_folders(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        clean_up: Callable[[], None] = lambda: _remove_run_folders(created)  # noqa: E731
+    else:  # a prefix exists once written to: nothing to create
+        run_dir = url = join_location(str(location), f"run-{stamp}")
+        clean_up = lambda: _remove_run_objects(url)  # noqa: E731
     try:
         return await _run(options, progress, run_dir, stamp)
     except BaseException:
-        _remove_run_folders(created)
+        clean_up()
         raise
 
 
