@@ -254,3 +254,16 @@ class RestoreConflictError(NemoCkptError):
 
 class StartupCheckError(NemoCkptError):
     """The deployment cannot recover as configured; the message lists every reason."""
+
+
+# --- sandbox directories ---------------------------------------------------------------
+
+
+class SandboxError(NemoCkptError):
+    """A sandbox directory that cannot be recorded or restored: outside the sandbox root,
+    holding a device, FIFO or socket, or a stored tree whose paths would leave it."""
+
+
+class BlobCorruptedError(SnapshotReadError):
+    """A sandbox file's stored content (a blob) does not match its digest, or is missing
+    from the blob store although a committed manifest references it."""

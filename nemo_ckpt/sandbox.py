@@ -1,0 +1,273 @@
+"""Sandbox directories: a session's working directory as a tree of path -> content digest.
+
+A session may own a directory on its node (under ``CheckpointConfig.sandbox_root``).
+When one of its turns commits, its holder records the directory's tree with ``scan``:
+it walks the directory, re-reads only the files whose size, mtime, ctime or inode
+changed since the session's previous tree, and puts their content into the node's
+``nemo_ckpt.blobs.BlobCache`` under its digest. A snapshot then stores the trees and
+writes only the blobs its store lacks; a restore rebuilds each directory with
+``materialize``.
+
+What a tree may hold, and what it never does:
+
+- regular files (content by digest, mode bits kept), directories (mode bits kept) and
+  symbolic links (the link itself, its target as text: never followed);
+- no device, FIFO or socket: ``scan`` refuses them with ``SandboxError`` naming the path;
+- no path that could leave its directory: ``decode_tree`` refuses absolute paths, ``..``,
+  empty parts, and any entry whose parent is not a directory of the same tree (a link
+  as a parent would make a write follow it), so ``materialize`` only ever creates
+  entries below the directory it made.
+
+Encoded (in a shard, as one msgpack bin): ``[[path, kind, mode, size, data], ...]`` sorted
+by path; ``kind`` is 0 for a directory, 1 for a file (``data`` its 16-byte XXH3-128
+digest), 2 for a link (``data`` its target, UTF-8 with surrogate escapes).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import msgpack
+
+from nemo_ckpt.errors import SandboxError
+
+__all__ = ["DIR", "FILE", "LINK", "Entry", "Tree", "TreeStats", "ScanResult", "Seen",
+           "scan", "encode_tree", "decode_tree", "materialize", "tree_digests", "tree_stats",
+           "diff_trees", "EMPTY_TREE"]
+
+DIR, FILE, LINK = 0, 1, 2
+_KIND_NAMES = {DIR: "directory", FILE: "file", LINK: "symlink"}
+# A file changed within this long before its scan may change again within the same
+# filesystem timestamp tick without its mtime moving; it is re-read at the next scan
+# (git's "racily clean" entries).
+_RACY_NS = 20_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One entry of a tree: ``data`` is a file's digest or a link's target."""
+
+    kind: int
+    mode: int
+    size: int
+    data: bytes
+
+
+# A tree: relative POSIX path -> entry. "." (the directory itself) is not listed.
+Tree = dict[str, Entry]
+EMPTY_TREE = b"\x90"  # msgpack's empty array
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What ``scan`` remembers of a file between scans, to skip re-reading it."""
+
+    key: tuple[int, int, int, int] | None  # (size, mtime_ns, ctime_ns, inode); None: re-read
+    digest: bytes
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """A directory's tree as of one scan, and what the next scan may skip."""
+
+    tree: Tree
+    seen: dict[str, Seen]
+    files_read: int
+    bytes_read: int
+
+
+def scan(directory: Path, previous: dict[str, Seen] | None,
+         store: Callable[[str], tuple[bytes, int]], now_ns: int | None = None
+         ) -> ScanResult:
+    """Record ``directory``'s tree. Files whose (size, mtime, ctime, inode) match
+    ``previous`` keep their digest; every other file is handed to ``store(path)``, which
+    reads it, keeps its content and returns its digest and length. A file changed
+    within a timestamp tick of ``now_ns`` (the scan's start) is re-read next time.
+
+    Raises ``SandboxError`` naming the path of a device, FIFO or socket, or when
+    ``directory`` is not a directory."""
+    try:
+        top = os.lstat(directory)
+    except OSError as exc:
+        raise SandboxError(f"sandbox directory {directory} cannot be read ({exc})") from None
+    if not stat.S_ISDIR(top.st_mode):
+        raise SandboxError(f"sandbox directory {directory} is not a directory")
+    previous = previous or {}
+    racy_after = (time.time_ns() if now_ns is None else now_ns) - _RACY_NS
+    tree: Tree = {}
+    seen: dict[str, Seen] = {}
+    files_read = bytes_read = 0
+    pending: list[tuple[str, str]] = [(os.fspath(directory), "")]
+    while pending:
+        path, prefix = pending.pop()
+        try:
+            entries = list(os.scandir(path))
+        except OSError as exc:
+            raise SandboxError(f"sandbox directory {path} cannot be listed ({exc})") from None
+        for item in entries:
+            rel = prefix + item.name
+            st = item.stat(follow_symlinks=False)
+            mode = st.st_mode
+            if stat.S_ISREG(mode):
+                key: tuple[int, int, int, int] | None = (
+                    st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                old = previous.get(rel)
+                size = st.st_size
+                if old is not None and old.key == key:
+                    digest = old.digest
+                else:
+                    digest, size = store(item.path)
+                    files_read += 1
+                    bytes_read += size
+                if size != st.st_size or max(st.st_mtime_ns, st.st_ctime_ns) >= racy_after:
+                    key = None  # written while read, or maybe again within the same tick
+                seen[rel] = Seen(key, digest)
+                tree[rel] = Entry(FILE, stat.S_IMODE(mode), size, digest)
+            elif stat.S_ISDIR(mode):
+                tree[rel] = Entry(DIR, stat.S_IMODE(mode), 0, b"")
+                pending.append((item.path, rel + "/"))
+            elif stat.S_ISLNK(mode):
+                target = os.fsencode(os.readlink(item.path))
+                tree[rel] = Entry(LINK, 0o777, len(target), target)
+            else:
+                raise SandboxError(
+                    f"sandbox {directory} holds {item.path}, a {_special_kind(mode)}: a "
+                    f"sandbox may hold files, directories and symlinks only; remove it "
+                    f"before the turn commits")
+    return ScanResult(tree, seen, files_read, bytes_read)
+
+
+def _special_kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode):
+        return "character device"
+    if stat.S_ISBLK(mode):
+        return "block device"
+    return "special file"
+
+
+def encode_tree(tree: Tree) -> bytes:
+    """The msgpack of ``tree`` (see the module docstring)."""
+    return msgpack.packb([[p, e.kind, e.mode, e.size, e.data] for p, e in sorted(tree.items())],
+                         use_bin_type=True)
+
+
+def decode_tree(data: bytes, where: str) -> Tree:
+    """A tree from ``encode_tree``'s bytes, or ``SandboxError`` (naming ``where``) for
+    anything a restore must not create: see the module docstring."""
+    try:
+        rows = msgpack.unpackb(data, raw=False, use_list=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise SandboxError(f"the sandbox tree of {where} does not decode ({exc})") from None
+    if not isinstance(rows, list):
+        raise SandboxError(f"the sandbox tree of {where} is not a list of entries")
+    tree: Tree = {}
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 5):
+            raise SandboxError(f"the sandbox tree of {where} has a malformed entry {row!r:.100}")
+        path, kind, mode, size, blob = row
+        if not (isinstance(path, str) and type(kind) is int and kind in _KIND_NAMES
+                and type(mode) is int and 0 <= mode <= 0o7777 and type(size) is int
+                and size >= 0 and isinstance(blob, bytes)):
+            raise SandboxError(f"the sandbox tree of {where} has a malformed entry {row!r:.100}")
+        _check_path(path, where)
+        if path in tree:
+            raise SandboxError(f"the sandbox tree of {where} lists {path!r} twice")
+        if kind == FILE and len(blob) != 16:
+            raise SandboxError(f"the sandbox tree of {where} gives {path!r} a digest of "
+                               f"{len(blob)} bytes, not 16")
+        tree[path] = Entry(kind, mode, size, blob)
+    for path in tree:
+        parent = path.rpartition("/")[0]
+        if parent and (tree.get(parent) is None or tree[parent].kind != DIR):
+            raise SandboxError(
+                f"the sandbox tree of {where} puts {path!r} below {parent!r}, which it does "
+                f"not list as a directory; restoring it could write outside the sandbox")
+    return tree
+
+
+def _check_path(path: str, where: str) -> None:
+    parts = path.split("/")
+    if not path or path.startswith("/") or "\x00" in path or "\\" in path \
+            or any(p in ("", ".", "..") for p in parts) \
+            or PurePosixPath(path).is_absolute():
+        raise SandboxError(f"the sandbox tree of {where} holds the path {path!r}, which "
+                           f"would leave its directory; restore an earlier checkpoint")
+
+
+def tree_digests(tree: Tree) -> set[bytes]:
+    """The digests of every file in ``tree``."""
+    return {e.data for e in tree.values() if e.kind == FILE}
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    """What ``nemo-ckpt inspect`` shows of one directory."""
+
+    files: int
+    directories: int
+    links: int
+    bytes: int
+
+
+def tree_stats(tree: Tree) -> TreeStats:
+    files = [e for e in tree.values() if e.kind == FILE]
+    return TreeStats(files=len(files),
+                     directories=sum(1 for e in tree.values() if e.kind == DIR),
+                     links=sum(1 for e in tree.values() if e.kind == LINK),
+                     bytes=sum(e.size for e in files))
+
+
+def diff_trees(old: Tree, new: Tree) -> dict[str, list[str]]:
+    """The paths ``new`` adds, removes and changes (content, mode, kind or target)
+    relative to ``old``, each sorted."""
+    return {"added": sorted(new.keys() - old.keys()),
+            "removed": sorted(old.keys() - new.keys()),
+            "changed": sorted(p for p in old.keys() & new.keys() if old[p] != new[p])}
+
+
+def materialize(tree: Tree, target: Path, fetch: Callable[[bytes, int], Any]) -> int:
+    """Create ``target`` (it must not exist; its parent must) holding ``tree``.
+    ``fetch(digest, size)`` returns a file's verified content (bytes or a buffer).
+    Returns the bytes written. Every entry is created new below ``target``: files with
+    ``O_EXCL | O_NOFOLLOW``, links as links; directories' modes are set last, so a
+    read-only directory is filled first. On an error, what was created stays for the
+    caller to remove (it made ``target`` for this)."""
+    os.mkdir(target, 0o700)
+    written = 0
+    dir_modes: list[tuple[str, int]] = []
+    base = os.fspath(target)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    for path in sorted(tree):  # a parent sorts before its children
+        entry = tree[path]
+        full = os.path.join(base, path)
+        if entry.kind == DIR:
+            os.mkdir(full, 0o700)
+            dir_modes.append((full, entry.mode))
+        elif entry.kind == LINK:
+            os.symlink(os.fsdecode(entry.data), full)
+        else:
+            content = fetch(entry.data, entry.size)
+            fd = os.open(full, flags, 0o600)
+            try:
+                view = memoryview(content)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchmod(fd, entry.mode)
+            finally:
+                os.close(fd)
+            written += entry.size
+    for full, mode in reversed(dir_modes):
+        os.chmod(full, mode)
+    os.chmod(target, 0o755)
+    return written

@@ -1,0 +1,185 @@
+"""Sandbox trees and blobs without a holder: scanning, safety on restore, the blob store."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from nemo_ckpt.blobs import BlobCache, BlobStore, digest_of
+from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError, SandboxError
+from nemo_ckpt.sandbox import (
+    DIR,
+    FILE,
+    LINK,
+    decode_tree,
+    diff_trees,
+    encode_tree,
+    materialize,
+    scan,
+)
+from nemo_ckpt.storage import folder_at
+
+
+def _tree_of(root: Path) -> dict[str, tuple[str, int, bytes]]:
+    """What a user sees of a directory: kind, mode and content (or link target)."""
+    out: dict[str, tuple[str, int, bytes]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            st = full.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", 0, os.readlink(full).encode())
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st.st_mode), b"")
+            else:
+                out[rel] = ("file", stat.S_IMODE(st.st_mode), full.read_bytes())
+    return out
+
+
+def _repo(root: Path) -> Path:
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "src" / "pkg" / "mod.py").write_text("print('hi')\n")
+    (root / "README").write_text("readme\n")
+    run = root / "run.sh"
+    run.write_text("#!/bin/sh\necho run\n")
+    run.chmod(0o755)
+    (root / "empty").mkdir()
+    (root / "link").symlink_to("src/pkg/mod.py")
+    (root / "escape").symlink_to("/etc/passwd")
+    return root
+
+
+def test_a_scan_records_files_directories_links_and_modes(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    cache = BlobCache(tmp_path / "cache")
+    result = scan(repo, None, cache.store_file)
+    tree = result.tree
+    assert sorted(tree) == ["README", "empty", "escape", "link", "run.sh", "src", "src/pkg",
+                            "src/pkg/mod.py"]
+    assert tree["run.sh"].kind == FILE and tree["run.sh"].mode == 0o755
+    assert tree["src"].kind == DIR
+    assert tree["link"].kind == LINK and tree["link"].data == b"src/pkg/mod.py"
+    assert tree["escape"].data == b"/etc/passwd"  # stored as a link, never followed
+    assert cache.read(tree["README"].data) == b"readme\n"
+    assert result.files_read == 3
+
+
+def test_a_rescan_rereads_only_the_files_that_changed(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    cache = BlobCache(tmp_path / "cache")
+    first = scan(repo, None, cache.store_file)
+    # A scan well after the files' last change: none of them is racy any more.
+    settled = scan(repo, first.seen, cache.store_file, now_ns=time.time_ns() + 10**9)
+    assert settled.files_read == 3  # the first scan's files were all racy
+    (repo / "README").write_text("edited\n")
+    again = scan(repo, settled.seen, cache.store_file)
+    assert again.files_read == 1 and again.bytes_read == len(b"edited\n")
+    assert diff_trees(settled.tree, again.tree) == {"added": [], "removed": [],
+                                                    "changed": ["README"]}
+    assert cache.read(again.tree["README"].data) == b"edited\n"
+
+
+def test_a_file_rewritten_within_the_same_tick_is_still_seen(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    f = repo / "a"
+    cache = BlobCache(tmp_path / "cache")
+    f.write_bytes(b"one")
+    first = scan(repo, None, cache.store_file)
+    f.write_bytes(b"two")  # same size, likely the same mtime tick
+    second = scan(repo, first.seen, cache.store_file)
+    assert cache.read(second.tree["a"].data) == b"two"
+
+
+def test_a_fifo_or_socket_in_a_sandbox_is_refused_naming_its_path(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    os.mkfifo(repo / "pipe")
+    cache = BlobCache(tmp_path / "cache")
+    with pytest.raises(SandboxError, match=r"pipe, a FIFO"):
+        scan(repo, None, cache.store_file)
+    (repo / "pipe").unlink()
+    short = Path("/tmp") / f"s{os.getpid()}"
+    short.mkdir(exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(short / "sock"))
+        with pytest.raises(SandboxError, match=r"sock, a socket"):
+            scan(short, None, cache.store_file)
+    finally:
+        sock.close()
+        (short / "sock").unlink(missing_ok=True)
+        short.rmdir()
+
+
+def test_materialize_rebuilds_the_directory_byte_for_byte(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    (repo / "empty").chmod(0o500)  # a read-only directory is filled before its mode is set
+    cache = BlobCache(tmp_path / "cache")
+    tree = scan(repo, None, cache.store_file).tree
+    decoded = decode_tree(encode_tree(tree), "test")
+    assert decoded == tree
+    written = materialize(decoded, tmp_path / "out", lambda d, n: cache.read(d, n))
+    assert _tree_of(tmp_path / "out") == _tree_of(repo)
+    assert written == sum(e.size for e in tree.values() if e.kind == FILE)
+    (repo / "empty").chmod(0o700)
+    (tmp_path / "out" / "empty").chmod(0o700)
+
+
+@pytest.mark.parametrize("path", ["../x", "/etc/passwd", "a/../../x", "a//b", "./a", ""])
+def test_a_stored_path_that_would_leave_its_directory_is_refused(path: str) -> None:
+    data = msgpack.packb([[path, FILE, 0o644, 1, b"\x00" * 16]], use_bin_type=True)
+    with pytest.raises(SandboxError, match="would leave its directory"):
+        decode_tree(data, "r1")
+
+
+def test_an_entry_below_a_stored_link_is_refused(tmp_path: Path) -> None:
+    # "a" a link to /tmp, then "a/evil": writing it would follow the link out.
+    data = msgpack.packb([["a", LINK, 0o777, 4, b"/tmp"],
+                          ["a/evil", FILE, 0o644, 1, b"\x00" * 16]], use_bin_type=True)
+    with pytest.raises(SandboxError, match="not list as a directory"):
+        decode_tree(data, "r1")
+
+
+def test_the_blob_store_writes_only_what_it_lacks_and_refuses_a_damaged_blob(
+        tmp_path: Path) -> None:
+    cache = BlobCache(tmp_path / "cache")
+    src = tmp_path / "f"
+    src.write_bytes(b"content")
+    digest, _ = cache.store_file(str(src))
+    store = BlobStore(str(tmp_path / "root" / "blobs"), folder_at)
+    assert store.missing([digest]) == {digest}
+    store.put(digest, cache.path(digest))
+    assert store.missing([digest]) == set()
+    assert store.digests() == {digest}
+    assert store.read(digest, 7) == b"content"
+    blob = Path(store.describe(digest))
+    blob.write_bytes(b"CONTENT")
+    with pytest.raises(BlobCorruptedError, match="does not match its digest"):
+        store.read(digest, 7)
+    blob.unlink()
+    with pytest.raises(BlobCorruptedError, match="missing from the blob store"):
+        store.read(digest_of(b"content"))
+
+
+def test_collection_and_snapshots_exclude_each_other(tmp_path: Path) -> None:
+    store = BlobStore(str(tmp_path / "blobs"), folder_at)
+    store.hold("snap-1", "job-a", now=100.0, ttl_s=60)
+    with pytest.raises(CheckpointPathBusyError, match=r"in use by snapshot\(s\) \['snap-1'\]"):
+        store.begin_collection("gc", now=110.0, ttl_s=30)
+    assert store.collection_until(110.0) is None  # the refused collection left no claim
+    store.release("snap-1")
+    until = store.begin_collection("gc", now=110.0, ttl_s=30)
+    assert store.collection_until(120.0) == until
+    with pytest.raises(CheckpointPathBusyError, match="being collected"):
+        store.wait_for_collection(clock=lambda: 120.0, sleep=lambda s: None, deadline=100.0)
+    store.end_collection()
+    store.wait_for_collection(clock=lambda: 120.0)  # returns at once
+    assert store.collection_until(200.0) is None
