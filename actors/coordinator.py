@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
+from nemo_ckpt.blobs import BLOB_DIR, BlobStore
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -62,6 +63,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.location import join_location
 from nemo_ckpt.manifest import (
     ShardEntry,
     encode_manifest,
@@ -76,9 +78,11 @@ from nemo_ckpt.phases import (
     RestorePrepared,
     instance_sort_key,
 )
+from nemo_ckpt.sandbox_storage import blob_store_of, blob_store_ref
 from nemo_ckpt.storage import (
     claim_path,
     environment_folder,
+    folder_at,
     live_claims,
     read_claims,
     read_manifest,
@@ -149,6 +153,8 @@ class _Operation:
     released: float | None = None  # when the holders were told to reopen their gates
     outcome: Outcome | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The manifest's blob_store ("../blobs") when sessions may own sandboxes.
+    blob_ref: str | None = None
 
 
 class CheckpointCoordinator:
@@ -360,6 +366,7 @@ class CheckpointCoordinator:
                             h, "abort", op.id, timeout=self._config.phase_timeout_s),
                         tolerate_failures=True)
         if op.kind == "snapshot":
+            await self._release_blobs(op)
             try:
                 committed = await self._runtime.run_blocking(
                     remove_snapshot_files, environment_folder(op.path), op.id)
@@ -387,6 +394,9 @@ class CheckpointCoordinator:
         try:
             op.holders = await self._known_holders()
             directory = environment_folder(checkpoint_path)
+            if self._config.sandbox_root is not None:
+                assert self._config.checkpoint_root is not None  # the config requires it
+                op.blob_ref = blob_store_ref(self._config.checkpoint_root, checkpoint_path)
             await self._injected_delay("begin_snapshot")
             if op.outcome is not None:  # aborted before any holder was asked: ask none
                 raise self._refusal(snapshot_id)
@@ -433,6 +443,25 @@ class CheckpointCoordinator:
         await self._runtime.run_blocking(
             claim_path, environment_folder(op.path), op.id, self._owner, self._clock.wall(),
             self._config.lease_s * 2)
+        store = self._blob_store()
+        if store is not None:  # the snapshot relies on the blobs there: no collection now
+            await self._runtime.run_blocking(store.hold, op.id, self._owner,
+                                             self._clock.wall(), self._config.lease_s * 2)
+
+    def _blob_store(self) -> BlobStore | None:
+        """The root's store of sandbox files, when sessions may own sandboxes."""
+        root = self._config.checkpoint_root
+        if self._config.sandbox_root is None or root is None:
+            return None
+        return BlobStore(join_location(root, BLOB_DIR), folder_at)
+
+    async def _release_blobs(self, op: _Operation) -> None:
+        store = self._blob_store()
+        if store is not None and op.kind == "snapshot":
+            try:
+                await self._runtime.run_blocking(store.release, op.id)
+            except (OSError, NemoCkptError) as exc:  # it expires by itself
+                log.warning("could not release the blob store's claim of %s: %s", op.id, exc)
 
     async def start_writes(self, snapshot_id: str) -> None:
         """Start every holder's write of the snapshot; waits for none. Never raises:
@@ -502,7 +531,7 @@ class CheckpointCoordinator:
                 snapshot_id=snapshot_id,
                 created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
                 instances=list(op.holders), shards=shards,
-                restarted_rollouts=restarted, metrics=all_metrics)
+                restarted_rollouts=restarted, metrics=all_metrics, blob_store=op.blob_ref)
             await self._earlier_commits(op)
             async with self._path_lock(checkpoint_path):
                 await self._runtime.run_blocking(write_manifest, directory, manifest)
@@ -526,6 +555,7 @@ class CheckpointCoordinator:
                             h, "resume", snapshot_id, timeout=self._config.phase_timeout_s),
                         tolerate_failures=True)
         removed = await self._clean_up(op)
+        await self._release_blobs(op)
         result = SnapshotCommitted(metrics=all_metrics, rollouts=captured,
                                    shards=len(shards), removed_files=tuple(removed))
         self._committed[snapshot_id] = result
@@ -612,6 +642,7 @@ class CheckpointCoordinator:
         if op.outcome is not None:
             raise self._refusal(op.id)
         directory = str(environment_folder(checkpoint_path))
+        blob_store = blob_store_of(checkpoint_path, manifest)
         shards_of: dict[str, list[ShardEntry]] = {i: [] for i in op.holders}
         for shard in manifest.shards:
             if shard.instance_id not in shards_of:
@@ -623,7 +654,7 @@ class CheckpointCoordinator:
             op.holders, "prepare_restore",
             lambda inst, h: self._transport.call(
                 h, "prepare_restore", op.id, directory, shards_of[inst],
-                self._config.lease_s, timeout=self._config.persist_timeout_s),
+                self._config.lease_s, blob_store, timeout=self._config.persist_timeout_s),
             op_id=op.id)
         if op.outcome is not None:
             raise self._refusal(op.id)
@@ -817,7 +848,10 @@ class CheckpointCoordinator:
         handle = self._transport.create_holder(
             instance_id, node_id,
             {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s,
-             "max_retired_marks": cfg.max_retired_marks})
+             "max_retired_marks": cfg.max_retired_marks,
+             "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
+             "blob_root": None if self._blob_store() is None
+             else join_location(str(cfg.checkpoint_root), BLOB_DIR)})
         info: HolderInfo = await self._transport.call(handle, "info",
                                                       timeout=cfg.phase_timeout_s)
         self._holders[instance_id] = handle

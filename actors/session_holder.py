@@ -39,16 +39,19 @@ a call for an operation its driver has moved past is refused without pausing any
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import msgpack
 
 from actors.heap import collector_paused
+from actors.sandboxes import Recorded, RestoredSandbox, SandboxCapture, Sandboxes
 from actors.session_table import Held, SessionTable
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
@@ -69,7 +72,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.location import join_location
-from nemo_ckpt.manifest import ShardEntry, shard_file_name
+from nemo_ckpt.manifest import ShardEntry, shard_file_name, trees_file_name
 from nemo_ckpt.operations import OperationHistory, Outcome
 from nemo_ckpt.phases import (
     CaptureReport,
@@ -130,6 +133,7 @@ class _SnapshotOp:
     pause: PauseReport | None = None
     capture: list[Held] | None = None
     capture_report: CaptureReport | None = None
+    sandboxes: SandboxCapture | None = None
     persist: asyncio.Task[PersistReport] | None = None
 
 
@@ -139,6 +143,7 @@ class _RestoreOp:
     prepared: asyncio.Future[RestorePrepared] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     pending: list[Held] = field(default_factory=list)
+    sandboxes: list[RestoredSandbox] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -199,6 +204,8 @@ class SessionHolder:
         runtime: Runtime | None = None,
         trimmer: Trimmer | None = None,
         watch_period_s: float = 0.1,
+        sandbox_root: str | None = None,
+        blob_root: str | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.node_id = node_id
@@ -213,6 +220,8 @@ class SessionHolder:
         # their rows, a shard is written from them as they are.
         self._table = SessionTable(instance_id)
         self._turns: dict[str, _Turn] = {}  # capture key -> turn in flight
+        # The sessions' sandbox directories, and the node cache of their files.
+        self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root)
         self._aborted_tokens: OrderedDict[str, None] = OrderedDict()
         # Retire marks, monotone as NeMo Gym's: rollout id -> the highest attempt retired;
         # every attempt up to it is refused until RL forgets it.
@@ -225,6 +234,7 @@ class SessionHolder:
         # The last committed restore and the rollouts it made live, while it may
         # still be undone by its abort: until a turn runs, or another restore starts.
         self._undo: tuple[str, tuple[str, ...]] | None = None
+        self._undo_directories: list[Path] = []  # the directories that restore made
         # Snapshots released (gate open again) whose shard is still being written or
         # awaits its commit: each under its lease, ended by resume, abort or lapse.
         self._released: dict[str, _Released] = {}
@@ -255,6 +265,8 @@ class SessionHolder:
         self._history.record(state.op.id, outcome)
         if isinstance(state, Paused) and outcome is Outcome.COMMITTED:
             self._last_snapshot_id = state.op.id
+        if isinstance(state, Restoring) and outcome is not Outcome.COMMITTED:
+            self._discard_restore(state.op)
         if outcome is not Outcome.COMMITTED:
             log.info("%s: %s %s", self.instance_id, state.op.id, outcome.value)
         self._set_state(Running())
@@ -310,6 +322,17 @@ class SessionHolder:
         if restore and self._undo is not None:
             self._undo_restore()
 
+    def _discard_restore(self, op: _RestoreOp) -> None:
+        """A restore that will not go live: its staged directories go (in the background:
+        nothing refers to them), their blobs may leave the cache."""
+        self._sandboxes.forget_restore(op.sandboxes)
+        if op.sandboxes or self._sandboxes.root is not None:
+            self._background(self._sandboxes.discard_staging, op.id)
+
+    def _background(self, fn: Any, *args: Any) -> None:
+        task = asyncio.ensure_future(self._runtime.run_blocking(fn, *args))
+        task.add_done_callback(lambda f: f.cancelled() or f.exception())
+
     def _undo_restore(self) -> None:
         """Drop the sessions the last committed restore made live (see ``_undo``)."""
         assert self._undo is not None
@@ -317,6 +340,10 @@ class SessionHolder:
         self._undo = None
         for rollout_id in rollouts:
             self._table.drop(rollout_id)
+            self._sandboxes.drop(rollout_id)
+        if self._undo_directories:
+            self._background(self._sandboxes.remove_restored, self._undo_directories)
+            self._undo_directories = []
         self._history.record(restore_id, Outcome.ABORTED, replace=True)
         log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
                     "sessions were dropped again", self.instance_id, restore_id,
@@ -389,7 +416,7 @@ class SessionHolder:
 
     async def sessions(self) -> list[SessionRecord]:
         """Every live session, sorted by capture key."""
-        return [h.record(self.instance_id) for h in self._table.sorted()]
+        return [self._record(h) for h in self._table.sorted()]
 
     async def probe_storage(self, root: str) -> str:
         """Write a probe file under ``root`` (a folder or a bucket's prefix) and return
@@ -421,39 +448,81 @@ class SessionHolder:
     # --- session calls (from environment workers) ------------------------------------
 
     async def open_session(
-        self, episode: EnvironmentEpisode, state: bytes = b""
+        self, episode: EnvironmentEpisode, state: bytes = b"",
+        directory: str | None = None,
     ) -> SessionRecord:
-        """Open a session for ``episode`` with its initial state. Waits while paused."""
-        self._check_episode(episode)
-        self._check_size("initial state", episode, state)
-        await self._wait_for_gate()
-        self._check_openable(episode)
-        self._table.put(Held.fresh(episode, state))
-        self._heap.note(len(state))
-        return SessionRecord(self.instance_id, episode, (), bytes(state))
+        """Open a session for ``episode`` with its initial state, and the sandbox
+        ``directory`` it owns, if any (inside ``sandbox_root``; its tree is recorded
+        now, as the session's start). Waits while paused."""
+        await self.open_sessions([(episode, state, directory)])
+        return self._record(self._held(episode))
 
     async def open_sessions(
-        self, sessions: list[tuple[EnvironmentEpisode, bytes]]
+        self, sessions: list[tuple[EnvironmentEpisode, bytes] |
+                             tuple[EnvironmentEpisode, bytes, str | None]]
     ) -> int:
         """Open many sessions in one call (a worker starting a batch of rollouts, or a
-        group of samples per prompt): each as ``open_session`` would, all or none.
-        Returns how many were opened. Waits while paused."""
-        for episode, state in sessions:
+        group of samples per prompt): each ``(episode, state)`` or ``(episode, state,
+        directory)`` as ``open_session`` would, all or none. Returns how many were
+        opened. Waits while paused."""
+        opening: list[tuple[EnvironmentEpisode, bytes, Path | None]] = []
+        for item in sessions:
+            episode, state = item[0], item[1]
+            where = item[2] if len(item) > 2 else None
             self._check_episode(episode)
             self._check_size("initial state", episode, state)
-        await self._wait_for_gate()
-        rollouts: set[str] = set()
-        for episode, _ in sessions:
-            if episode.rollout_id in rollouts:
-                raise SessionExistsError(
-                    f"{self.instance_id}: rollout {episode.rollout_id!r} is listed twice in "
-                    f"this call; nothing was opened")
-            self._check_openable(episode)
-            rollouts.add(episode.rollout_id)
-        for episode, state in sessions:
+            opening.append((episode, state, None if where is None else
+                            self._sandboxes.check_directory(where, episode.capture_key)))
+        # Recorded before the gate: once it opens, the sessions go live with no await.
+        recorded = await self._record_directories(
+            [(ep.capture_key, d) for ep, _, d in opening if d is not None])
+        try:
+            await self._wait_for_gate()
+            rollouts: set[str] = set()
+            for episode, _, _ in opening:
+                if episode.rollout_id in rollouts:
+                    raise SessionExistsError(
+                        f"{self.instance_id}: rollout {episode.rollout_id!r} is listed twice "
+                        f"in this call; nothing was opened")
+                self._check_openable(episode)
+                rollouts.add(episode.rollout_id)
+        except BaseException:
+            for rec in recorded.values():
+                self._sandboxes.forget_unused(rec)
+            raise
+        for episode, state, directory in opening:
             self._table.put(Held.fresh(episode, state))
-        self._heap.note(sum(len(state) for _, state in sessions))
-        return len(sessions)
+            if directory is not None:
+                self._sandboxes.install(episode.rollout_id, directory,
+                                        recorded[episode.capture_key])
+        self._heap.note(sum(len(state) for _, state, _ in opening))
+        return len(opening)
+
+    async def _record_directories(self, directories: list[tuple[str, Path]],
+                                  previous: Recorded | None = None) -> dict[str, Recorded]:
+        """Each directory's tree, recorded in a thread; keyed by its session's capture key."""
+        out: dict[str, Recorded] = {}
+        if not directories:
+            return out
+        self._sandboxes.scans_in_flight += 1
+        try:
+            for key, directory in directories:
+                out[key] = await self._runtime.run_blocking(
+                    self._sandboxes.record, directory, previous)
+        except BaseException:
+            for rec in out.values():
+                self._sandboxes.forget_unused(rec)
+            raise
+        finally:
+            self._sandboxes.scans_in_flight -= 1
+        return out
+
+    def _record(self, held: Held) -> SessionRecord:
+        record = held.record(self.instance_id)
+        box = self._sandboxes.get(held.rollout_id)
+        if box is None:
+            return record
+        return dataclasses.replace(record, directory=str(box.directory))
 
     def _check_openable(self, episode: EnvironmentEpisode) -> None:
         self._refuse_retired(episode)
@@ -476,7 +545,7 @@ class SessionHolder:
 
     async def get_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
         """The live session of ``episode`` (or with that capture key)."""
-        return self._held(episode).record(self.instance_id)
+        return self._record(self._held(episode))
 
     async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionRecord:
         """Start a turn whose token the caller made: wait while paused, then return the
@@ -488,7 +557,7 @@ class SessionHolder:
         self._refuse_aborted(episode, token)
         await self._wait_for_gate()
         self._refuse_aborted(episode, token)
-        record = self._held(episode).record(self.instance_id)
+        record = self._record(self._held(episode))
         key = episode.capture_key
         if key in self._turns:
             raise TurnInProgressError(
@@ -506,12 +575,34 @@ class SessionHolder:
         state: bytes,
         staging_keys: Iterable[str] = (),
     ) -> SessionRecord:
-        """Commit a turn: append its record, replace the state, add its staging keys.
-        Invalid arguments abort the turn and change nothing."""
+        """Commit a turn: append its record, replace the state, add its staging keys,
+        and record the session's directory as the turn left it (a thread re-reads the
+        files that changed; the turn stays in flight until that is done, so a pause
+        waits for it). Invalid arguments, or a directory that cannot be recorded, abort
+        the turn and change nothing."""
         self._check_episode(episode)
-        self._take_turn(episode, token)
+        box = self._sandboxes.get(episode.rollout_id)
+        recorded: Recorded | None = None
+        if box is not None and self._turn_is(episode, token):
+            try:
+                self._check_size("turn record", episode, record)
+                self._check_size("state", episode, state)
+                recorded = (await self._record_directories(
+                    [(episode.capture_key, box.directory)], box.recorded))[
+                        episode.capture_key]
+            except BaseException:
+                if self._turn_is(episode, token):
+                    self._take_turn(episode, token)
+                    await self._notify_turn_done()
+                raise
         try:
-            old = self._held(episode).record(self.instance_id)
+            self._take_turn(episode, token)
+        except BaseException:
+            if recorded is not None:
+                self._sandboxes.forget_unused(recorded)
+            raise
+        try:
+            old = self._record(self._held(episode))
             self._check_size("turn record", episode, record)
             self._check_size("state", episode, state)
             keys = check_staging_keys(staging_keys, episode.capture_key)
@@ -522,12 +613,22 @@ class SessionHolder:
                 state=bytes(state),
                 staging_keys=old.staging_keys | keys,
                 earlier_capture_keys=old.earlier_capture_keys,
+                directory=old.directory,
             )
             self._table.put(Held.of(new))
+            if recorded is not None and box is not None:
+                self._sandboxes.install(episode.rollout_id, box.directory, recorded)
+                recorded = None
             self._heap.note(len(record) + len(state))
             return new
         finally:
+            if recorded is not None:
+                self._sandboxes.forget_unused(recorded)
             await self._notify_turn_done()
+
+    def _turn_is(self, episode: EnvironmentEpisode, token: str) -> bool:
+        turn = self._turns.get(episode.capture_key)
+        return turn is not None and turn.token == token
 
     async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None:
         """Abort a turn: nothing it did is recorded. A token not in flight (its begin
@@ -551,8 +652,10 @@ class SessionHolder:
             raise TurnInProgressError(
                 f"{self.instance_id}: session {held.capture_key} has a turn in flight; "
                 f"finish the turn before closing the session")
+        record = self._record(held)
         self._table.drop(held.rollout_id)
-        return held.record(self.instance_id)
+        self._sandboxes.drop(held.rollout_id)
+        return record
 
     # --- ledger operations (from RL, through the coordinator) ------------------------
 
@@ -569,6 +672,7 @@ class SessionHolder:
             if held is not None and held.attempt <= mark:
                 self._turns.pop(held.capture_key, None)  # it can no longer commit
                 self._table.drop(held.rollout_id)
+                self._sandboxes.drop(held.rollout_id)
                 dropped.append(held.capture_key)
         while len(self._retired) > self._max_retired_marks:
             rollout_id, _ = self._retired.popitem(last=False)
@@ -589,6 +693,7 @@ class SessionHolder:
             if self._table.get(ep) is not None:
                 self._turns.pop(ep.capture_key, None)
                 self._table.drop(ep.rollout_id)
+                self._sandboxes.drop(ep.rollout_id)
                 dropped.append(ep.capture_key)
         await self._notify_turn_done()
         return dropped
@@ -678,6 +783,8 @@ class SessionHolder:
             busy = set(map(id, mid_turn))
             held = [h for h in held if id(h) not in busy]
         op.capture = held
+        if len(self._sandboxes):
+            op.sandboxes = self._sandboxes.capture((h.rollout_id, h.attempt) for h in held)
         op.capture_report = CaptureReport(
             instance_id=self.instance_id,
             captured_msgpack=join_captured([h.row for h in held]),
@@ -748,10 +855,12 @@ class SessionHolder:
     # --- restore phases (from the coordinator) ----------------------------------------
 
     async def prepare_restore(
-        self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float
+        self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
+        blob_store: str | None = None,
     ) -> RestorePrepared:
-        """Read and verify this instance's shards; nothing goes live until commit.
-        Repeating it waits for and returns the first call's result."""
+        """Read and verify this instance's shards, and materialize their sessions'
+        directories (from ``blob_store``) in a staging folder; nothing goes live until
+        commit. Repeating it waits for and returns the first call's result."""
         state = self._state
         if isinstance(state, Restoring) and state.op.id == restore_id:
             return await asyncio.shield(state.op.prepared)
@@ -786,6 +895,12 @@ class SessionHolder:
                         f"shard {directory.describe(entry.file)} matches its hash but a "
                         f"session in it does not decode ({exc}): restore an earlier "
                         f"checkpoint") from exc
+                if entry.trees is not None:
+                    staged = await self._runtime.run_blocking(
+                        self._sandboxes.prepare_restore, restore_id, directory, entry,
+                        blob_store, {h.rollout_id: h.capture_key for h in held})
+                    op.sandboxes += staged
+                    self._current_restore(restore_id)  # ended while materializing?
                 pending += held
                 shard_sessions.append((entry.file, msgpack.packb(pairs, use_bin_type=True)))
             conflicts = sorted(h.rollout_id for h in pending
@@ -832,9 +947,18 @@ class SessionHolder:
                 raise RestoreConflictError(
                     f"{self.instance_id}: rollout {held.rollout_id!r} went live during the "
                     f"restore")
+        if op.sandboxes:
+            await self._runtime.run_blocking(self._sandboxes.commit_restore, op.sandboxes)
+            if self._operation() is not op:  # aborted or lapsed while they moved
+                self._background(self._sandboxes.remove_restored,
+                                 [b.target for b in op.sandboxes])
+                raise self._refusal(restore_id)
         for held in op.pending:
             self._table.put(held)
+        for box in op.sandboxes:
+            self._sandboxes.install(box.rollout_id, box.target, box.recorded)
         self._undo = (restore_id, tuple(h.rollout_id for h in op.pending))
+        self._undo_directories = [b.target for b in op.sandboxes]
         self._end_operation(Outcome.COMMITTED)
         self._heap.request()
         return len(op.pending)
@@ -915,18 +1039,32 @@ class SessionHolder:
         shards: tuple[ShardEntry, ...] = ()
         if records:
             name = shard_file_name(op.id, self.instance_id)
+            names = [name]
+            trees = None
+            if op.sandboxes is not None and op.sandboxes.rows:
+                # Blobs first, then the trees file, then the shard: all before the manifest.
+                names.append(trees_file_name(op.id, self.instance_id))
+                try:
+                    trees = await self._runtime.run_blocking(
+                        self._sandboxes.persist, op.sandboxes, directory, op.id, None)
+                except BaseException:
+                    await self._runtime.run_blocking(remove_files, directory, names)
+                    raise
             entry = await self._runtime.run_blocking(
                 write_held_shard, directory, name, self.instance_id, records, index)
+            if trees is not None:
+                entry = entry.model_copy(update={"trees": trees})
             if self._operation() is not op and op.id not in self._released \
                     and self._history.outcome(op.id) is not Outcome.COMMITTED:
-                # Aborted or lapsed while the thread wrote: the file must not outlive it.
-                await self._runtime.run_blocking(remove_files, directory, [name])
+                # Aborted or lapsed while the thread wrote: the files must not outlive it.
+                await self._runtime.run_blocking(remove_files, directory, names)
                 raise self._refusal(op.id)
             shards = (entry,)
         return PersistReport(
             instance_id=self.instance_id, shards=shards,
             persist_seconds=self._clock.monotonic() - start,
-            bytes_written=sum(s.bytes for s in shards),
+            bytes_written=sum(s.bytes + (s.trees.bytes + s.trees.new_blob_bytes
+                                         if s.trees else 0) for s in shards),
         )
 
     def _ensure_watchdog(self) -> None:
@@ -961,6 +1099,8 @@ class SessionHolder:
             # Trim only while running (a pause is kept short), after a burst of session
             # calls or once a snapshot or restore has finished (their buffers are freed).
             if isinstance(self._state, Running):
+                if not self._released:
+                    self._sandboxes.sweep()  # no capture may still need a cached blob
                 if self._heap_state_seen is not HolderState.RUNNING:
                     self._heap.request()
                 await self._heap.maybe_trim()

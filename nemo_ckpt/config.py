@@ -90,11 +90,28 @@ class CheckpointConfig(BaseModel):
         description="Largest environment state or turn record a session may hold; larger "
                     "ones are refused with StateTooLargeError.")
 
+    sandbox_root: Optional[Path] = Field(
+        None,
+        description="Folder, at the same path on every node, under which sessions' sandbox "
+                    "directories live (SessionClient.open(..., directory=...)); restores "
+                    "make continued attempts' directories here. Needs checkpoint_root: the "
+                    "directories' files are kept once in <checkpoint_root>/blobs for every "
+                    "snapshot under it.")
+
     max_retired_marks: int = Field(
         100_000, gt=0,
         description="Retire marks a holder keeps (one per retired rollout, until RL "
                     "forgets it); beyond this the oldest go, and a zombie worker of that "
                     "rollout could open it again.")
+
+    @model_validator(mode="after")
+    def _sandboxes_have_a_store(self) -> CheckpointConfig:
+        if self.sandbox_root is not None and self.checkpoint_root is None:
+            raise ValueError(
+                "sandbox_root needs checkpoint_root: sandboxes' files are kept in a blob "
+                "store under it, shared by every snapshot there; set checkpoint_root and "
+                "snapshot to paths below it")
+        return self
 
     @model_validator(mode="after")
     def _deadlines_can_work(self) -> CheckpointConfig:

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from nemo_ckpt.errors import CheckpointPathError
 
 __all__ = ["LocalLocation", "ObjectLocation", "Location", "parse_location", "join_location",
-           "as_path_or_url", "base_name"]
+           "as_path_or_url", "base_name", "levels_below", "parent_location"]
 
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 # What Path() makes of a URL: "s3://b/p" -> "s3:/b/p". One letter is a Windows drive.
@@ -107,3 +107,38 @@ def base_name(where: str | os.PathLike[str]) -> str:
     if isinstance(location, LocalLocation):
         return location.path.name
     return location.prefix.rsplit("/", 1)[-1]
+
+
+def levels_below(root: str | os.PathLike[str], where: str | os.PathLike[str]) -> int | None:
+    """How many segments ``where`` lies below ``root`` (both folders, or both URLs of one
+    bucket); None when it is not strictly below. Folders are compared absolute, without
+    resolving links (every node mounts them at the same path)."""
+    outer, inner = parse_location(root), parse_location(where)
+    if isinstance(outer, LocalLocation) and isinstance(inner, LocalLocation):
+        a = Path(os.path.abspath(outer.path)).parts
+        b = Path(os.path.abspath(inner.path)).parts
+    elif isinstance(outer, ObjectLocation) and isinstance(inner, ObjectLocation):
+        if (outer.scheme, outer.bucket) != (inner.scheme, inner.bucket):
+            return None
+        a = tuple(outer.prefix.split("/")) if outer.prefix else ()
+        b = tuple(inner.prefix.split("/")) if inner.prefix else ()
+    else:
+        return None
+    if len(b) <= len(a) or b[:len(a)] != a:
+        return None
+    return len(b) - len(a)
+
+
+def parent_location(where: str | os.PathLike[str], levels: int) -> str:
+    """``where`` with its last ``levels`` segments dropped, as text."""
+    location = parse_location(where)
+    if isinstance(location, LocalLocation):
+        path = Path(os.path.abspath(location.path))
+        for _ in range(levels):
+            path = path.parent
+        return str(path)
+    parts = location.prefix.split("/") if location.prefix else []
+    if levels > len(parts):
+        raise CheckpointPathError(str(location), f"{location} has no folder {levels} up")
+    return str(ObjectLocation(location.scheme, location.bucket,
+                              "/".join(parts[:len(parts) - levels])))

@@ -9,11 +9,15 @@ The manifest is JSON, validated by the pydantic models below. It carries each sh
 byte length, content hash and session count, so a restore verifies every byte before it
 installs anything.
 
-Format versions: 3 (written) lists no rollouts: each shard holds its own index (one row
-per session, ``nemo_ckpt.storage``), so the manifest stays a few kilobytes at a million
-rollouts. 2 (still read) listed every rollout and the shard that holds it, and named
-each shard's hash with its algorithm (XXH3-128 by default); 1 (still read) carried a
-bare SHA-256 per shard, read as ``sha256:<hex>``.
+Format versions: 4 (written when sessions own sandbox directories) is 3 plus, per shard,
+the file of its sessions' directory trees (``TreesEntry``) and, once, where the blob store
+that holds their files lies relative to the checkpoint path (``blob_store``); a snapshot
+without directories is still written as 3, which earlier releases read. 3 lists no
+rollouts: each shard holds its own index (one row per session, ``nemo_ckpt.storage``),
+so the manifest stays a few kilobytes at a million rollouts. 2 (still read) listed every
+rollout and the shard that holds it, and named each shard's hash with its algorithm
+(XXH3-128 by default); 1 (still read) carried a bare SHA-256 per shard, read as
+``sha256:<hex>``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "FORMAT_VERSION",
+    "SANDBOX_FORMAT_VERSION",
+    "TreesEntry",
+    "trees_file_name",
     "CONTENT_HASH_PATTERN",
     "SUPPORTED_FORMAT_VERSIONS",
     "ENVIRONMENT_DIR",
@@ -50,11 +57,14 @@ __all__ = [
 ]
 
 FORMAT_VERSION: Literal[3] = 3
-SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3})
+SANDBOX_FORMAT_VERSION: Literal[4] = 4
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3, 4})
 ENVIRONMENT_DIR = "environment"
 MANIFEST_NAME = "manifest.json"
 SHARD_PREFIX = "shard-"
 SHARD_SUFFIX = ".msgpack"
+# The blob store relative to a checkpoint path: one or more "../", then the store's folder.
+BLOB_STORE_PATTERN = r"^(\.\./)+blobs$"
 
 # "<algorithm>:<hex digest>"; storage.content_hasher knows each algorithm.
 CONTENT_HASH_PATTERN = r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$"
@@ -87,8 +97,28 @@ def shard_file_name(snapshot_id: str, instance_id: str, index: int = 0) -> str:
     return f"{SHARD_PREFIX}{sid}-{inst}-{index:04d}{SHARD_SUFFIX}"
 
 
+def trees_file_name(snapshot_id: str, instance_id: str) -> str:
+    """The file name of a holder's directory trees in snapshot ``snapshot_id``: a shard
+    name, so that clean-up treats it as one."""
+    return f"{SHARD_PREFIX}{safe_name_part(snapshot_id)}-{safe_name_part(instance_id)}" \
+           f"-trees{SHARD_SUFFIX}"
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class TreesEntry(_Model):
+    """The directory trees of one shard's sessions (format 4): a file beside the shard."""
+
+    file: str = Field(description="Plain file name inside the environment folder.")
+    bytes: int = Field(ge=0, description="Exact byte length of the file.")
+    content_hash: str = Field(pattern=CONTENT_HASH_PATTERN,
+                              description="The file's hash as '<algorithm>:<hex digest>'.")
+    sandboxes: int = Field(ge=0, description="How many of the shard's sessions own one.")
+    blobs: int = Field(ge=0, description="Distinct blobs (files and trees) they reference.")
+    new_blobs: int = Field(ge=0, description="Of those, how many this snapshot wrote.")
+    new_blob_bytes: int = Field(ge=0, description="The bytes of the blobs it wrote.")
 
 
 class ShardEntry(_Model):
@@ -101,6 +131,8 @@ class ShardEntry(_Model):
         description="The file's hash as '<algorithm>:<hex digest>' (xxh3-128 or sha256).")
     instance_id: str = Field(min_length=1, description="The instance whose sessions it holds.")
     sessions: int = Field(ge=0, description="How many sessions it holds.")
+    trees: TreesEntry | None = Field(
+        None, description="Its sessions' directory trees (format 4), if any owns one.")
 
 
 class RolloutEntry(_Model):
@@ -117,7 +149,7 @@ class RolloutEntry(_Model):
 class Manifest(_Model):
     """A committed environment snapshot. Written last; its presence means complete."""
 
-    format_version: Literal[1, 2, 3] = Field(description="Version of this on-disk format.")
+    format_version: Literal[1, 2, 3, 4] = Field(description="Version of this on-disk format.")
     snapshot_id: str = Field(min_length=1, description="Id carried by every phase.")
     created_at: datetime = Field(description="When the snapshot was committed (UTC).")
     instances: list[str] = Field(
@@ -130,9 +162,19 @@ class Manifest(_Model):
                     "shard's index).")
     restarted_rollouts: int = Field(ge=0, description="Rollouts held but not captured.")
     metrics: dict[str, float] = Field(description="The snapshot's metrics, as logged.")
+    blob_store: str | None = Field(
+        None, pattern=BLOB_STORE_PATTERN,
+        description="Format 4: the blob store of the sandboxes' files, relative to the "
+                    "checkpoint path (\"../blobs\" when the path is directly under the root).")
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
+        has_trees = any(s.trees is not None for s in self.shards)
+        if self.format_version == 4 and (self.blob_store is None or not has_trees):
+            raise ValueError("a format-4 manifest names its blob store and trees")
+        if self.format_version < 4 and (self.blob_store is not None or has_trees):
+            raise ValueError(f"a format-{self.format_version} manifest has no sandbox "
+                             f"trees or blob store")
         if self.format_version >= 3:
             if self.rollouts:
                 raise ValueError("a format-3 manifest lists no rollouts: each shard holds "
@@ -201,20 +243,26 @@ def check_shards(instances: Iterable[str], shards: Iterable[ShardEntry],
 
 def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[str],
                     shards: list[ShardEntry], restarted_rollouts: int,
-                    metrics: dict[str, float]) -> bytes:
+                    metrics: dict[str, float], blob_store: str | None = None) -> bytes:
     """The JSON of a current-version ``Manifest``: a few kilobytes, whatever the number
     of rollouts (they are in the shards' indexes). ``Manifest.model_validate_json`` reads
     it back (tested)."""
     check_shards(instances, shards, None)
-    return json.dumps({
-        "format_version": FORMAT_VERSION,
+    sandboxes = any(s.trees is not None for s in shards)
+    if sandboxes and blob_store is None:
+        raise ValueError("shards with directory trees need the blob store's location")
+    data: dict[str, Any] = {
+        "format_version": SANDBOX_FORMAT_VERSION if sandboxes else FORMAT_VERSION,
         "snapshot_id": snapshot_id,
         "created_at": created_at.isoformat(),
         "instances": instances,
-        "shards": [s.model_dump() for s in shards],
+        "shards": [s.model_dump(exclude_none=True) for s in shards],
         "restarted_rollouts": restarted_rollouts,
         "metrics": metrics,
-    }, separators=(",", ":"), allow_nan=False).encode()
+    }
+    if sandboxes:
+        data["blob_store"] = blob_store
+    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
 
 
 def rollouts_by_shard(manifest: Manifest) -> dict[str, dict[str, int]] | None:

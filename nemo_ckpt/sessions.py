@@ -8,8 +8,10 @@ environment serializes itself; nemo-ckpt never unpickles anything.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -55,6 +57,8 @@ class SessionRecord:
         staging_keys: Every token-capture staging row the session's turns wrote, over
             all its attempts.
         earlier_capture_keys: Capture keys of the attempts before this one, oldest first.
+        directory: The sandbox directory the session owns on its node, if any (after a
+            restore, the one the restore made for this attempt).
     """
 
     instance_id: str
@@ -63,6 +67,7 @@ class SessionRecord:
     state: bytes = b""
     staging_keys: frozenset[str] = frozenset()
     earlier_capture_keys: tuple[str, ...] = ()
+    directory: str | None = None
 
     def continued(self) -> SessionRecord:
         """This session as a restore installs it: the next attempt, keeping its turns,
@@ -218,6 +223,12 @@ class Turn:
         """The session's committed turn records, oldest first."""
         return self.session.turns
 
+    @property
+    def directory(self) -> Path | None:
+        """The session's sandbox directory, if it owns one: change it only inside turns."""
+        d = self.session.directory
+        return None if d is None else Path(d)
+
     def complete(self, record: bytes, state: bytes, staging_keys: Iterable[str] = ()) -> None:
         """Set what the turn commits: its record, the new state, the staging rows it wrote.
 
@@ -299,9 +310,14 @@ class SessionClient:
     def _call(self, method: str, *args: Any) -> Any:
         return self._transport.call(self._holder, method, *args)
 
-    async def open(self, episode: EnvironmentEpisode, state: bytes = b"") -> SessionRecord:
-        """Open a session for ``episode`` with its initial state."""
-        return await self._call("open_session", episode, state)
+    async def open(self, episode: EnvironmentEpisode, state: bytes = b"",
+                   directory: str | os.PathLike[str] | None = None) -> SessionRecord:
+        """Open a session for ``episode`` with its initial state and, optionally, the
+        sandbox directory it owns (inside ``CheckpointConfig.sandbox_root``, on this
+        node). Its tree is recorded now and at every turn commit; a restore gives the
+        continued attempt its copy (``SessionRecord.directory``)."""
+        return await self._call("open_session", episode, state,
+                                None if directory is None else os.fspath(directory))
 
     async def open_many(self, sessions: Iterable[tuple[EnvironmentEpisode, bytes]]) -> int:
         """Open many sessions in one call: ``(episode, initial state)`` each, all or none

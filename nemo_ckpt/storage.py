@@ -56,6 +56,7 @@ from nemo_ckpt.manifest import (
     SUPPORTED_FORMAT_VERSIONS,
     Manifest,
     ShardEntry,
+    TreesEntry,
     is_plain_file_name,
     rollouts_by_shard,
     safe_name_part,
@@ -95,6 +96,8 @@ __all__ = [
     "LoadedSnapshot",
     "CONTENT_HASH",
     "content_hasher",
+    "write_hashed",
+    "read_verified",
 ]
 
 SHARD_MAGIC = "nemo-ckpt-shard"
@@ -289,7 +292,8 @@ def manifest_shard_files(directory: Folder | Path) -> set[str]:
     folder = as_folder(directory)
     try:
         data = json.loads(folder.read(MANIFEST_NAME))
-        return {str(s["file"]) for s in data["shards"]}
+        files = {str(s["file"]) for s in data["shards"]}
+        return files | {str(s["trees"]["file"]) for s in data["shards"] if s.get("trees")}
     except FileNotFoundError:
         return set()
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -462,12 +466,13 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
 
 def _check_shard_names(path: str, folder: Folder, manifest: Manifest) -> Manifest:
     for shard in manifest.shards:
-        if not is_plain_file_name(shard.file):
-            raise UnsafeShardNameError(
-                path, f"{path} names shard {shard.file!r}, which is not a plain file name "
-                      f"in {folder.describe()}; refusing to read outside the snapshot folder. The "
-                      f"manifest was tampered with or damaged: restore an earlier checkpoint"
-            )
+        for name in (shard.file, shard.trees.file if shard.trees else shard.file):
+            if not is_plain_file_name(name):
+                raise UnsafeShardNameError(
+                    path, f"{path} names shard {name!r}, which is not a plain file name "
+                          f"in {folder.describe()}; refusing to read outside the snapshot "
+                          f"folder. The manifest was tampered with or damaged: restore an "
+                          f"earlier checkpoint")
     return manifest
 
 
@@ -577,7 +582,8 @@ def _undecodable(path: str, why: str) -> ShardCorruptedError:
               f"written by a different tool: restore an earlier checkpoint")
 
 
-def _read_verified(directory: Folder | Path, entry: ShardEntry) -> tuple[str, bytes]:
+def _read_verified(directory: Folder | Path, entry: ShardEntry | TreesEntry
+                   ) -> tuple[str, bytes]:
     """The bytes of shard ``entry``, once their length and hash match the manifest."""
     folder = as_folder(directory)
     if not is_plain_file_name(entry.file):
@@ -754,3 +760,8 @@ def remove_snapshot_files(directory: Folder | Path, snapshot_id: str) -> bool:
                    if name.startswith(stem) or (name.startswith("." + stem) and TMP_MARK in name)])
     release_claim(folder, snapshot_id)
     return False
+
+
+# For the other files a snapshot writes beside its shards (``nemo_ckpt.sandbox_storage``).
+write_hashed = _write_durably
+read_verified = _read_verified

@@ -1,0 +1,315 @@
+"""The sandbox directories of one holder's sessions, and the node cache behind them.
+
+A ``SessionHolder`` keeps one ``Sandbox`` per live session that owns a directory: where
+it is, its tree's digest as of the session's last committed turn, the file blobs that
+tree references, and what the next scan may skip. The holder calls the blocking
+methods here through its runtime's ``run_blocking`` (a thread under Ray), and the
+bookkeeping ones (``install``, ``drop``) with no await between them and the session
+table's change, so a capture sees a session and its tree as one.
+
+Every blob a live session's tree references stays in the node's ``BlobCache`` (the
+reference counts below): a snapshot's persist copies from it whatever the shared store
+lacks, even after the files changed on disk. Blobs nothing references any more are
+removed by ``sweep``, which the holder runs only while no snapshot or restore is open
+(their captures may still need them).
+
+Layout under ``sandbox_root`` (the same path on every node):
+
+    <sandbox_root>/<anything>/...             sessions' directories (the worker's)
+    <sandbox_root>/<capture key>              a restored session's directory
+    <sandbox_root>/.nemo-ckpt/<instance>/blobs    the cache
+    <sandbox_root>/.nemo-ckpt/<instance>/restore-<id>/<capture key>   a restore's staging
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nemo_ckpt.blobs import BlobCache, BlobStore, digest_of
+from nemo_ckpt.errors import RestoreConflictError, SandboxError
+from nemo_ckpt.folder import Folder
+from nemo_ckpt.manifest import ShardEntry, TreesEntry, safe_name_part, trees_file_name
+from nemo_ckpt.sandbox import Seen, encode_tree, materialize, scan, tree_stats
+from nemo_ckpt.sandbox_storage import (
+    BlobsWritten,
+    TreeRow,
+    fetch_tree,
+    persist_blobs,
+    read_trees_file,
+    tree_refs,
+    write_trees_file,
+)
+
+__all__ = ["Sandbox", "Recorded", "Sandboxes", "RestoredSandbox", "SandboxCapture", "PRIVATE_DIR"]
+
+PRIVATE_DIR = ".nemo-ckpt"
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """A directory's tree as one scan recorded it."""
+
+    seen: dict[str, Seen]
+    tree: bytes  # its digest
+    tree_size: int
+    files: frozenset[bytes]
+    file_count: int
+    file_bytes: int
+
+
+@dataclass(slots=True)
+class Sandbox:
+    """One live session's directory."""
+
+    directory: Path
+    recorded: Recorded
+
+
+@dataclass(slots=True)
+class RestoredSandbox:
+    """A directory a restore materialized, not yet live."""
+
+    rollout_id: str
+    staging: Path
+    target: Path
+    recorded: Recorded
+
+
+@dataclass
+class SandboxCapture:
+    """The sandboxes of one snapshot's captured sessions (see ``Sandboxes.capture``)."""
+
+    rows: list[TreeRow] = field(default_factory=list)
+    files: list[frozenset[bytes]] = field(default_factory=list)
+
+
+class Sandboxes:
+    """The sandboxes of one holder (see the module docstring)."""
+
+    def __init__(self, instance_id: str, sandbox_root: str | None,
+                 blob_root: str | None) -> None:
+        self.instance_id = instance_id
+        self.root = None if sandbox_root is None else Path(os.path.abspath(sandbox_root))
+        self.blob_root = blob_root
+        self._private = None if self.root is None else \
+            self.root / PRIVATE_DIR / safe_name_part(instance_id)
+        self._cache: BlobCache | None = None
+        self._by_rollout: dict[str, Sandbox] = {}
+        self._refs: Counter[bytes] = Counter()
+        self._unreferenced: set[bytes] = set()
+        # Scans running in threads: a sweep waits for none of them, it is skipped (a
+        # scan may find a blob in the cache that the sweep is about to remove).
+        self.scans_in_flight = 0
+
+    def __len__(self) -> int:
+        return len(self._by_rollout)
+
+    def get(self, rollout_id: str) -> Sandbox | None:
+        return self._by_rollout.get(rollout_id)
+
+    @property
+    def cache(self) -> BlobCache:
+        if self._cache is None:
+            assert self._private is not None
+            self._cache = BlobCache(self._private / "blobs")
+        return self._cache
+
+    # --- recording (blocking) --------------------------------------------------------
+
+    def check_directory(self, directory: str | os.PathLike[str], where: str) -> Path:
+        """``directory`` as the session's sandbox, or ``SandboxError``: it must be a
+        directory inside ``sandbox_root``, outside its private folder."""
+        if self.root is None:
+            raise SandboxError(
+                f"{self.instance_id}: session {where} was opened with directory "
+                f"{directory}, but CheckpointConfig.sandbox_root is not set; set it to the "
+                f"folder (on every node) that holds the rollouts' sandboxes")
+        path = Path(os.path.realpath(directory))
+        root = Path(os.path.realpath(self.root))
+        if path == root or root not in path.parents:
+            raise SandboxError(
+                f"{self.instance_id}: the directory {directory} of session {where} is not "
+                f"inside sandbox_root {self.root}; create rollouts' sandboxes under it")
+        if (root / PRIVATE_DIR) in (path, *path.parents):
+            raise SandboxError(
+                f"{self.instance_id}: the directory {directory} of session {where} lies in "
+                f"{root / PRIVATE_DIR}, which nemo-ckpt keeps for itself")
+        if not path.is_dir():
+            raise SandboxError(
+                f"{self.instance_id}: the directory {directory} of session {where} does "
+                f"not exist or is not a directory")
+        return path
+
+    def record(self, directory: Path, previous: Recorded | None) -> Recorded:
+        """Scan ``directory`` (re-reading only what changed since ``previous``), keep its
+        new files and its tree in the cache."""
+        cache = self.cache
+        result = scan(directory, previous.seen if previous else None, cache.store_file)
+        encoded = encode_tree(result.tree)
+        tree = digest_of(encoded)
+        if previous is None or tree != previous.tree:
+            cache.put(tree, encoded)
+        stats = tree_stats(result.tree)
+        return Recorded(result.seen, tree, len(encoded),
+                        frozenset(e.data for e in result.tree.values() if e.kind == 1),
+                        stats.files, stats.bytes)
+
+    # --- bookkeeping (no await around these and the table's change) ------------------
+
+    def install(self, rollout_id: str, directory: Path, recorded: Recorded) -> None:
+        old = self._by_rollout.get(rollout_id)
+        self._by_rollout[rollout_id] = Sandbox(directory, recorded)
+        self._count(recorded, +1)
+        if old is not None:
+            self._count(old.recorded, -1)
+
+    def drop(self, rollout_id: str) -> Sandbox | None:
+        old = self._by_rollout.pop(rollout_id, None)
+        if old is not None:
+            self._count(old.recorded, -1)
+        return old
+
+    def forget_unused(self, recorded: Recorded) -> None:
+        """A recording no session took (its turn was refused): its blobs may go."""
+        for d in (recorded.tree, *recorded.files):
+            if self._refs[d] <= 0:
+                self._unreferenced.add(d)
+
+    def _count(self, recorded: Recorded, delta: int) -> None:
+        refs = self._refs
+        for d in (recorded.tree, *recorded.files):
+            n = refs[d] + delta
+            if n > 0:
+                refs[d] = n
+            else:
+                del refs[d]
+                self._unreferenced.add(d)
+
+    def capture(self, sessions: Iterable[tuple[str, int]]) -> SandboxCapture:
+        """The trees of the captured sessions ``(rollout_id, attempt)``, in order."""
+        capture = SandboxCapture()
+        for rollout_id, attempt in sessions:
+            box = self._by_rollout.get(rollout_id)
+            if box is not None:
+                rec = box.recorded
+                capture.rows.append((rollout_id, attempt, rec.tree, rec.tree_size))
+                capture.files.append(rec.files)
+        return capture
+
+    # --- a snapshot's persist (blocking) -------------------------------------------
+
+    def persist(self, capture: SandboxCapture, directory: Folder, snapshot_id: str,
+                deadline: float | None) -> TreesEntry:
+        """Make the captured trees' blobs durable in the store, then write the trees file."""
+        if self.blob_root is None:
+            raise SandboxError(f"{self.instance_id}: sessions own sandboxes but no blob "
+                               f"store is configured (CheckpointConfig.checkpoint_root)")
+        from nemo_ckpt.storage import folder_at
+
+        store = BlobStore(self.blob_root, folder_at)
+        needed: set[bytes] = {row[2] for row in capture.rows}
+        for files in capture.files:
+            needed |= files
+        written: BlobsWritten = persist_blobs(store, self.cache, needed, deadline)
+        return write_trees_file(directory, trees_file_name(snapshot_id, self.instance_id),
+                                self.instance_id, capture.rows, len(needed), written)
+
+    # --- a restore (blocking, then bookkeeping) --------------------------------------
+
+    def target_of(self, capture_key: str) -> Path:
+        assert self.root is not None
+        return self.root / safe_name_part(capture_key)
+
+    def prepare_restore(self, restore_id: str, directory: Folder, entry: ShardEntry,
+                        blob_store: str | None, new_keys: dict[str, str]
+                        ) -> list[RestoredSandbox]:
+        """Materialize the directories of shard ``entry``'s sessions in a staging folder;
+        ``new_keys`` maps each rollout to the capture key it is restored as."""
+        assert entry.trees is not None
+        if self.root is None or self._private is None:
+            raise SandboxError(
+                f"{self.instance_id}: shard {entry.file} holds sandbox directories, but "
+                f"CheckpointConfig.sandbox_root is not set here to restore them into")
+        if blob_store is None:
+            raise SandboxError(f"{self.instance_id}: shard {entry.file} holds sandbox "
+                               f"directories, but its manifest names no blob store")
+        from nemo_ckpt.storage import folder_at
+
+        store = BlobStore(blob_store, folder_at)
+        cache = self.cache
+        staging = self._private / f"restore-{safe_name_part(restore_id)}"
+        staging.mkdir(parents=True, exist_ok=True)
+        restored: list[RestoredSandbox] = []
+        for rollout_id, attempt, tree_digest, tree_size in read_trees_file(
+                directory, entry.trees, self.instance_id):
+            key = new_keys.get(rollout_id)
+            if key is None:
+                raise SandboxError(f"trees file {entry.trees.file} names rollout "
+                                   f"{rollout_id!r}, which its shard does not hold")
+            target = self.target_of(key)
+            if os.path.lexists(target):
+                raise RestoreConflictError(
+                    f"{self.instance_id}: cannot restore the directory of {key}: "
+                    f"{target} already exists; remove it, or restore into a fresh job")
+            tree = fetch_tree(store, cache, tree_digest, tree_size, f"{rollout_id} "
+                              f"(attempt {attempt})")
+
+            def fetch(digest: bytes, size: int) -> bytes:
+                data = cache.read(digest, size)
+                if data is None:
+                    data = store.read(digest, size)
+                    cache.put(digest, data)
+                return data
+
+            place = staging / safe_name_part(key)
+            if os.path.lexists(place):
+                shutil.rmtree(place)
+            materialize(tree, place, fetch)
+            stats = tree_stats(tree)
+            restored.append(RestoredSandbox(
+                rollout_id, place, target,
+                Recorded({}, tree_digest, tree_size, frozenset(tree_refs(tree)),
+                         stats.files, stats.bytes)))
+        return restored
+
+    def commit_restore(self, restored: list[RestoredSandbox]) -> None:
+        """Move a prepared restore's directories into place (blocking)."""
+        for box in restored:
+            if os.path.lexists(box.target):
+                raise RestoreConflictError(
+                    f"{self.instance_id}: {box.target} appeared during the restore")
+        for box in restored:
+            os.rename(box.staging, box.target)
+
+    def discard_staging(self, restore_id: str) -> None:
+        """Remove a restore's staging folder (blocking)."""
+        if self._private is not None:
+            shutil.rmtree(self._private / f"restore-{safe_name_part(restore_id)}",
+                          ignore_errors=True)
+
+    def remove_restored(self, directories: Iterable[Path]) -> None:
+        """Remove directories an undone restore made (blocking)."""
+        for d in directories:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def forget_restore(self, restored: Iterable[RestoredSandbox]) -> None:
+        for box in restored:
+            self.forget_unused(box.recorded)
+
+    # --- the cache's collection ----------------------------------------------------
+
+    def sweep(self) -> int:
+        """Remove the cached blobs no live session references; returns how many. Call
+        it on the event loop, only while no snapshot or restore is open (their captures
+        may still need them); it does nothing while a scan runs."""
+        if self.scans_in_flight or not self._unreferenced or self._private is None:
+            return 0
+        gone = {d for d in self._unreferenced if self._refs.get(d, 0) <= 0}
+        self._unreferenced.clear()
+        self.cache.remove(gone)
+        return len(gone)

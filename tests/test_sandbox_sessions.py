@@ -1,0 +1,293 @@
+"""Sessions that own sandbox directories, through the real driver, coordinator and
+holders in-process (``nemo_ckpt.testing.sim``): recorded at turn commit, snapshotted
+incrementally into the root's blob store, restored byte for byte into a fresh job."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
+from nemo_ckpt.blobs import BlobStore
+from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.errors import BlobCorruptedError, SandboxError
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.phases import HolderState
+from nemo_ckpt.storage import environment_dir, folder_at, read_manifest
+from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.testing.sim import SimWorld
+from nemo_ckpt.transport import HOLDER
+from tests.test_sandbox import _tree_of
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _config(tmp_path: Path) -> CheckpointConfig:
+    return CheckpointConfig(namespace="job", drain_timeout_s=1.0, lease_s=6.0,
+                            phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=20.0,
+                            checkpoint_root=tmp_path / "ckpt",
+                            sandbox_root=tmp_path / "sandboxes")
+
+
+class Job:
+    """One in-process job: a driver, holders on two nodes, a worker's clients."""
+
+    def __init__(self, tmp_path: Path, seed: int = 0) -> None:
+        self.config = _config(tmp_path)
+        self.sim = SimWorld(seed=seed, nodes=2)
+        self.sim.message_delay = lambda target, method, reply: 0.001
+        self.driver = self.sim.new_actor("driver", "driver", "node-0")
+        self.worker = self.sim.new_actor("worker", "worker", "node-0")
+        self.ckpt = RayEnvironmentCheckpoint(self.config,
+                                             self.sim.transport(self.driver, self.config))
+        self.sandboxes = tmp_path / "sandboxes"
+        self.sandboxes.mkdir(exist_ok=True)
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return self.sim.loop.run_until_complete(self.sim.spawn(self.driver, coro))
+
+    def close(self) -> None:
+        loop = self.sim.loop
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+    def holders(self) -> dict[str, Any]:
+        return {a.name: a.obj for a in self.sim.live(HOLDER)}
+
+    async def client(self, instance: str) -> SessionClient:
+        transport = self.sim.transport(self.worker, self.config)
+        handle = transport.holder(instance)
+        assert handle is not None
+        return SessionClient(handle, transport)
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    j = Job(tmp_path)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def _make_repo(where: Path) -> Path:
+    (where / "src").mkdir(parents=True)
+    (where / "src" / "main.py").write_text("print('v0')\n")
+    (where / "README.md").write_text("# repo\n")
+    (where / "build.sh").write_text("#!/bin/sh\nmake\n")
+    (where / "build.sh").chmod(0o755)
+    (where / "latest").symlink_to("src/main.py")
+    return where
+
+
+def _turn_edits(directory: Path, t: int) -> None:
+    """What one toy turn does: create, edit, rename and delete files."""
+    (directory / f"out-{t}.txt").write_text(f"output of turn {t}\n" * (t + 1))
+    (directory / "src" / "main.py").write_text(f"print('v{t + 1}')\n")
+    if t > 0:
+        os.rename(directory / f"out-{t - 1}.txt", directory / f"kept-{t - 1}.txt")
+    if t > 1:
+        (directory / f"kept-{t - 2}.txt").unlink()
+
+
+async def _open_with_directories(job: Job, rollouts: int) -> tuple[dict[str, set[Ep]],
+                                                                     dict[Ep, Path]]:
+    await job.ckpt.ensure_holders()
+    live: dict[str, set[Ep]] = {}
+    dirs: dict[Ep, Path] = {}
+    for instance in sorted(job.holders()):
+        client = await job.client(instance)
+        live[instance] = set()
+        for k in range(rollouts):
+            ep = Ep(f"{instance}-r{k}", 0)
+            d = _make_repo(job.sandboxes / "work" / ep.capture_key)
+            record = await client.open(ep, b"s0", directory=d)
+            assert record.directory == str(d.resolve())
+            live[instance].add(ep)
+            dirs[ep] = d
+    return live, dirs
+
+
+async def _turns(job: Job, dirs: dict[Ep, Path], first: int, count: int) -> None:
+    for instance in sorted(job.holders()):
+        client = await job.client(instance)
+        for ep, d in dirs.items():
+            if not ep.rollout_id.startswith(instance + "-"):
+                continue
+            for t in range(first, first + count):
+                async with client.turn(ep) as turn:
+                    assert turn.directory == d.resolve()
+                    _turn_edits(d, t)
+                    turn.complete(f"t{t}".encode(), f"s{t + 1}".encode())
+
+
+def test_a_directory_is_restored_byte_for_byte_as_its_last_committed_turn_left_it(
+        tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    path = tmp_path / "ckpt" / "step-1"
+    try:
+        async def first_run() -> dict[Ep, dict[str, Any]]:
+            live, dirs = await _open_with_directories(job, rollouts=2)
+            await _turns(job, dirs, 0, 3)
+            expected = {ep: _tree_of(d) for ep, d in dirs.items()}
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut(live, set()))
+            await _turns(job, dirs, 3, 2)  # after the snapshot: lost in the crash
+            return expected
+
+        expected = job.run(first_run())
+    finally:
+        job.close()
+    shutil.rmtree(tmp_path / "sandboxes")  # the crash took the node's disk, cache and all
+
+    fresh = Job(tmp_path, seed=1)
+    try:
+        async def restore() -> None:
+            async with fresh.ckpt.restored(path) as restored:
+                assert len(restored.continued_attempts) == 4
+            for instance, rollout_id, attempt in restored.continued_attempts:
+                client = await fresh.client(instance)
+                ep = Ep(rollout_id, attempt + 1)
+                record = await client.get(ep)
+                assert record.directory == str(fresh.sandboxes / ep.capture_key)
+                assert _tree_of(Path(record.directory)) == expected[Ep(rollout_id, 0)]
+                # The continued attempt records its directory from there on.
+                async with client.turn(ep) as turn:
+                    assert turn.directory is not None
+                    (turn.directory / "after-restore").write_text("x")
+                    turn.complete(b"t", b"s")
+
+        fresh.run(restore())
+        assert {h._state.value for h in fresh.holders().values()} == {HolderState.RUNNING}
+    finally:
+        fresh.close()
+
+
+def test_a_later_snapshot_writes_only_the_files_that_changed(job: Job, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=3)
+        big = b"x" * 200_000
+        for d in dirs.values():
+            (d / "data.bin").write_bytes(big)  # the same big file in every sandbox
+        await _turns(job, dirs, 0, 1)
+        cut = StaticCut(live, set())
+        async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut)
+        first = read_manifest(tmp_path / "ckpt" / "a")
+        ep, d = next(iter(dirs.items()))
+        client = await job.client(ep.rollout_id.split("-r")[0])
+        async with client.turn(ep) as turn:
+            (d / "README.md").write_text("# changed\n")
+            turn.complete(b"t", b"s")
+        async with job.ckpt.snapshot(tmp_path / "ckpt" / "b") as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut)
+        second = read_manifest(tmp_path / "ckpt" / "b")
+        assert first.format_version == second.format_version == 4
+        assert first.blob_store == "../blobs"
+        new1 = sum(s.trees.new_blob_bytes for s in first.shards if s.trees)
+        new2 = sum(s.trees.new_blob_bytes for s in second.shards if s.trees)
+        # The big file went once for all six sandboxes; the second snapshot wrote the
+        # changed file and the trees that changed (one per turn's sandbox), no big file.
+        assert len(big) < new1 < 2 * len(big)
+        assert 0 < new2 < 20_000
+        store = BlobStore(str(tmp_path / "ckpt" / "blobs"), folder_at)
+        assert sum(len(Path(store.describe(x)).read_bytes()) for x in store.digests()) \
+            == new1 + new2
+
+    job.run(scenario())
+
+
+def test_a_turn_that_leaves_a_fifo_is_refused_and_records_nothing(job: Job) -> None:
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        ep, d = next(iter(dirs.items()))
+        client = await job.client(ep.rollout_id.split("-r")[0])
+        with pytest.raises(SandboxError, match=r"pipe, a FIFO"):
+            async with client.turn(ep) as turn:
+                os.mkfifo(d / "pipe")
+                turn.complete(b"t", b"s1")
+        record = await client.get(ep)
+        assert record.turns == () and record.state == b"s0"
+        (d / "pipe").unlink()
+        async with client.turn(ep) as turn:  # the session is not stuck mid-turn
+            turn.complete(b"t", b"s1")
+        assert (await client.get(ep)).state == b"s1"
+
+    job.run(scenario())
+
+
+def test_a_directory_outside_the_sandbox_root_is_refused(job: Job, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        await job.ckpt.ensure_holders()
+        client = await job.client(sorted(job.holders())[0])
+        outside = _make_repo(tmp_path / "elsewhere")
+        with pytest.raises(SandboxError, match="is not inside sandbox_root"):
+            await client.open(Ep("r", 0), b"", directory=outside)
+        (job.sandboxes / "escape").symlink_to(outside)  # a link out does not get in
+        with pytest.raises(SandboxError, match="is not inside sandbox_root"):
+            await client.open(Ep("r", 0), b"", directory=job.sandboxes / "escape")
+        assert await client.sessions() == []
+
+    job.run(scenario())
+
+
+def test_a_damaged_blob_refuses_the_restore_and_nothing_goes_live(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    path = tmp_path / "ckpt" / "step-1"
+    try:
+        async def first_run() -> None:
+            live, dirs = await _open_with_directories(job, rollouts=1)
+            await _turns(job, dirs, 0, 1)
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut(live, set()))
+
+        job.run(first_run())
+    finally:
+        job.close()
+    store = BlobStore(str(tmp_path / "ckpt" / "blobs"), folder_at)
+    readme = next(x for x in store.digests()
+                  if Path(store.describe(x)).read_bytes() == b"# repo\n")
+    Path(store.describe(readme)).write_bytes(b"# REPO\n")
+    shutil.rmtree(tmp_path / "sandboxes")  # a new node: nothing cached
+    fresh = Job(tmp_path, seed=1)
+    try:
+        async def restore() -> None:
+            with pytest.raises(BlobCorruptedError, match="does not match its digest"):
+                async with fresh.ckpt.restored(path):
+                    pass
+            for instance in fresh.holders():
+                assert await (await fresh.client(instance)).sessions() == []
+
+        fresh.run(restore())
+        leftover = [p.name for p in fresh.sandboxes.iterdir() if p.name != ".nemo-ckpt"]
+        assert leftover == []  # no half-made directory is left where a session would be
+    finally:
+        fresh.close()
+
+
+def test_sandboxes_need_a_checkpoint_root_and_snapshots_below_it(job: Job,
+                                                                  tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="sandbox_root needs checkpoint_root"):
+        CheckpointConfig(sandbox_root=tmp_path / "s")
+
+    async def scenario() -> None:
+        await job.ckpt.ensure_holders()
+        with pytest.raises(SandboxError, match="is not below checkpoint_root"):
+            async with job.ckpt.snapshot(tmp_path / "elsewhere"):
+                pass
+        assert not environment_dir(tmp_path / "elsewhere").exists() or not any(
+            environment_dir(tmp_path / "elsewhere").iterdir())
+
+    job.run(scenario())
