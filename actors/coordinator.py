@@ -50,6 +50,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.collection import CollectionReport, RefsCache, collect_quietly
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -178,6 +179,12 @@ class CheckpointCoordinator:
         self._path_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # path -> lock, users
         self._injected_delays: dict[str, float] = {}
         self._captures_done = 0
+        # The blob store's collection after commits: one at a time, and one more when a
+        # commit lands while it runs; committed snapshots' references, cached by id.
+        self._collection: asyncio.Future[Any] | None = None
+        self._collect_again = False
+        self._refs_cache: RefsCache = {}
+        self.last_collection: CollectionReport | None = None
 
     # --- holders ---------------------------------------------------------------------
 
@@ -455,6 +462,38 @@ class CheckpointCoordinator:
             return None
         return BlobStore(join_location(root, BLOB_DIR), folder_at)
 
+    def _start_collection(self) -> None:
+        """Collect the blob store in the background (``nemo_ckpt.collection``)."""
+        root = self._config.checkpoint_root
+        if self._blob_store() is None or root is None:
+            return
+        if self._collection is not None and not self._collection.done():
+            self._collect_again = True
+            return
+
+        async def run() -> None:
+            while True:
+                self._collect_again = False
+                report = await self._runtime.run_blocking(
+                    collect_quietly, str(root), self._owner, self._refs_cache,
+                    self._clock.wall)
+                if report is not None:
+                    self.last_collection = report
+                    if report.removed:
+                        log.info("collected %d blobs (%d bytes) from %s", report.removed,
+                                 report.removed_bytes, report.store)
+                if not self._collect_again:
+                    return
+
+        self._collection = asyncio.ensure_future(run())
+        self._collection.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def collection_done(self) -> CollectionReport | None:
+        """Wait for the collection in progress, if any; the last one's report."""
+        while self._collection is not None and not self._collection.done():
+            await asyncio.wait([self._collection])
+        return self.last_collection
+
     async def _release_blobs(self, op: _Operation) -> None:
         store = self._blob_store()
         if store is not None and op.kind == "snapshot":
@@ -556,6 +595,7 @@ class CheckpointCoordinator:
                         tolerate_failures=True)
         removed = await self._clean_up(op)
         await self._release_blobs(op)
+        self._start_collection()
         result = SnapshotCommitted(metrics=all_metrics, rollouts=captured,
                                    shards=len(shards), removed_files=tuple(removed))
         self._committed[snapshot_id] = result

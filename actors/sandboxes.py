@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -204,7 +204,7 @@ class Sandboxes:
     # --- a snapshot's persist (blocking) -------------------------------------------
 
     def persist(self, capture: SandboxCapture, directory: Folder, snapshot_id: str,
-                deadline: float | None) -> TreesEntry:
+                clock: Callable[[], float]) -> TreesEntry:
         """Make the captured trees' blobs durable in the store, then write the trees file."""
         if self.blob_root is None:
             raise SandboxError(f"{self.instance_id}: sessions own sandboxes but no blob "
@@ -215,7 +215,7 @@ class Sandboxes:
         needed: set[bytes] = {row[2] for row in capture.rows}
         for files in capture.files:
             needed |= files
-        written: BlobsWritten = persist_blobs(store, self.cache, needed, deadline)
+        written: BlobsWritten = persist_blobs(store, self.cache, needed, clock)
         return write_trees_file(directory, trees_file_name(snapshot_id, self.instance_id),
                                 self.instance_id, capture.rows, len(needed), written)
 

@@ -1046,7 +1046,8 @@ class SessionHolder:
                 names.append(trees_file_name(op.id, self.instance_id))
                 try:
                     trees = await self._runtime.run_blocking(
-                        self._sandboxes.persist, op.sandboxes, directory, op.id, None)
+                        self._sandboxes.persist, op.sandboxes, directory, op.id,
+                        self._clock.wall)
                 except BaseException:
                     await self._runtime.run_blocking(remove_files, directory, names)
                     raise

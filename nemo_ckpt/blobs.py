@@ -130,6 +130,23 @@ class BlobStore:
                 f"overwritten): restore an earlier checkpoint")
         return data
 
+    def size(self, digest: bytes) -> int:
+        name = hex_of(digest)
+        return self._folder(name[:2]).size(name)
+
+    def remove_temp_files(self) -> int:
+        """Remove what writes that died left in the fan-out folders (call it only while
+        collecting: no write runs then). Returns how many."""
+        removed = 0
+        for prefix in self._root.subfolders():
+            if len(prefix) != 2:
+                continue
+            folder = self._folder(prefix)
+            stale = [n for n in folder.names() if n.startswith(".") and ".tmp-" in n]
+            folder.remove(stale)
+            removed += len(stale)
+        return removed
+
     def digests(self) -> set[bytes]:
         """Every blob the store holds."""
         found: set[bytes] = set()

@@ -4,6 +4,7 @@
     nemo-ckpt verify PATH             every check a restore makes, without Ray
     nemo-ckpt diff A B                rollouts added, finished and advanced from A to B
     nemo-ckpt status                  the holders of a running job
+    nemo-ckpt gc ROOT [--dry-run]     remove sandbox blobs no committed snapshot references
 
 ``PATH`` is the checkpoint path handed to ``snapshot()``: the folder that holds
 ``environment/``. Expected failures (no snapshot, a damaged one, no cluster) print one
@@ -533,6 +534,26 @@ def _cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         ray.shutdown()
 
 
+# --- gc -------------------------------------------------------------------------------
+
+
+def _cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from nemo_ckpt.collection import collect_blobs
+    from nemo_ckpt.errors import NemoCkptError
+
+    try:
+        report = collect_blobs(args.root, dry_run=args.dry_run)
+    except NemoCkptError as exc:
+        print(f"{PROG} gc: {_one_line(exc)}", file=err)
+        return 1
+    verb = "would remove" if report.dry_run else "removed"
+    size = "" if report.dry_run else f" ({_human_bytes(report.removed_bytes)})"
+    print(f"{report.store}: {len(report.snapshots)} committed snapshot(s) reference "
+          f"{report.referenced} blobs; {verb} {report.removed} unreferenced blob(s){size}, "
+          f"kept {report.kept}", file=out)
+    return 0
+
+
 # --- entry point ----------------------------------------------------------------------
 
 
@@ -591,6 +612,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=10.0,
                    help="seconds to wait for the holders to answer (default: 10)")
     p.set_defaults(run=_cmd_status)
+
+    p = sub.add_parser("gc", help="remove sandbox blobs no committed snapshot references",
+                       description="Collect ROOT/blobs: remove every blob that no committed "
+                                   "snapshot under ROOT references. Refused (exit 1) while a "
+                                   "snapshot is in progress there, or when a snapshot's "
+                                   "trees cannot be read (nothing is removed then). Safe "
+                                   "beside a running job: live sessions keep their files "
+                                   "in their node's cache.")
+    p.add_argument("root", metavar="ROOT", type=checkpoint_path,
+                   help="the checkpoint root (CheckpointConfig.checkpoint_root)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="count what would be removed; remove nothing")
+    p.set_defaults(run=_cmd_gc)
     return parser
 
 

@@ -14,7 +14,8 @@ out). It is written and verified like a shard: length and hash in the manifest
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +113,13 @@ class BlobsWritten:
 
 
 def persist_blobs(store: BlobStore, cache: BlobCache, needed: Iterable[bytes],
+                  clock: Callable[[], float] = time.time,
                   deadline: float | None = None) -> BlobsWritten:
     """Make every blob of ``needed`` durable in ``store``, copying from ``cache`` those it
     lacks. Call it with the store held by the snapshot (``BlobStore.hold``): it first
-    waits out a collection that began before the hold."""
-    store.wait_for_collection(deadline=deadline)
+    waits out a collection that began before the hold (``clock`` is the wall clock the
+    claims are written in)."""
+    store.wait_for_collection(clock=clock, deadline=deadline)
     written = BlobsWritten()
     for digest in sorted(store.missing(needed)):
         source = cache.path(digest)

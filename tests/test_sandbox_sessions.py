@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import threading
+import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,15 +16,17 @@ from typing import Any
 import pytest
 
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
-from nemo_ckpt.blobs import BlobStore
+from nemo_ckpt.blobs import BlobStore, digest_of
+from nemo_ckpt.cli import main, verify_snapshot
+from nemo_ckpt.collection import collect_blobs, committed_snapshots, snapshot_refs
 from nemo_ckpt.config import CheckpointConfig
-from nemo_ckpt.errors import BlobCorruptedError, SandboxError
+from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError, SandboxError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import environment_dir, folder_at, read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
-from nemo_ckpt.testing.sim import SimWorld
-from nemo_ckpt.transport import HOLDER
+from nemo_ckpt.testing.sim import EPOCH, SimWorld
+from nemo_ckpt.transport import COORDINATOR, HOLDER
 from tests.test_sandbox import _tree_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -291,3 +295,143 @@ def test_sandboxes_need_a_checkpoint_root_and_snapshots_below_it(job: Job,
             environment_dir(tmp_path / "elsewhere").iterdir())
 
     job.run(scenario())
+
+
+# --- collection ---------------------------------------------------------------------------
+
+
+def _coordinator(job: Job) -> Any:
+    return job.sim.live(COORDINATOR)[0].obj
+
+
+def _store(tmp_path: Path) -> BlobStore:
+    return BlobStore(str(tmp_path / "ckpt" / "blobs"), folder_at)
+
+
+def _referenced(tmp_path: Path) -> set[bytes]:
+    store = _store(tmp_path)
+    return set().union(*(snapshot_refs(p, store)
+                         for p in committed_snapshots(tmp_path / "ckpt")))
+
+
+def test_a_commit_collects_the_blobs_only_a_replaced_snapshot_referenced(
+        job: Job, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt" / "latest"
+
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        cut = StaticCut(live, set())
+        ep, d = next(iter(dirs.items()))
+        client = await job.client(ep.rollout_id.split("-r")[0])
+        async with client.turn(ep) as turn:
+            (d / "scratch.log").write_text("only in the first snapshot\n")
+            turn.complete(b"t", b"s")
+        async with job.ckpt.snapshot(path) as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut)
+        scratch = digest_of(b"only in the first snapshot\n")
+        assert scratch in _store(tmp_path).digests()
+        async with client.turn(ep) as turn:
+            (d / "scratch.log").unlink()
+            turn.complete(b"t", b"s")
+        async with job.ckpt.snapshot(path) as snap:  # replaces the first at that path
+            assert snap is not None
+            await snap.check_against_cut(cut)
+        report = await _coordinator(job).collection_done()
+        assert report is not None and report.removed >= 2  # the log and its tree
+        present = _store(tmp_path).digests()
+        assert scratch not in present
+        assert present == _referenced(tmp_path)
+
+    job.run(scenario())
+
+
+def test_collection_is_refused_while_a_snapshot_holds_the_store(job: Job,
+                                                                tmp_path: Path) -> None:
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+
+        async def block() -> None:
+            with pytest.raises(CheckpointPathBusyError, match="in use by snapshot"):
+                collect_blobs(tmp_path / "ckpt", clock=lambda: EPOCH + job.sim.loop.time())
+
+        async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
+            assert snap is not None
+            await snap.check_against_cut(StaticCut(live, set()))
+            await block()
+
+    job.run(scenario())
+
+
+def test_collection_racing_turns_and_commits_never_removes_a_referenced_blob(
+        job: Job, tmp_path: Path) -> None:
+    """A collector thread loops against the store (real concurrency, real files) while
+    the job runs turns that change files and commits snapshots at two alternating
+    paths, each commit replacing the one before at its path."""
+    stop = threading.Event()
+    removed: list[int] = []
+    errors: list[BaseException] = []
+
+    def collector() -> None:
+        while not stop.is_set():
+            try:
+                removed.append(collect_blobs(
+                    tmp_path / "ckpt", clock=lambda: EPOCH + job.sim.loop.time()).removed)
+            except CheckpointPathBusyError:
+                pass
+            except BaseException as exc:  # a failure the test reports, not a hang
+                errors.append(exc)
+                return
+
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=2)
+        cut = StaticCut(live, set())
+        thread = threading.Thread(target=collector, daemon=True)
+        thread.start()
+        try:
+            for round_ in range(12):
+                await _turns(job, dirs, round_, 1)
+                async with job.ckpt.snapshot(tmp_path / "ckpt" / f"p{round_ % 2}") as snap:
+                    assert snap is not None
+                    await snap.check_against_cut(cut)
+                # Every committed snapshot's blobs are in the store, whatever ran.
+                store = _store(tmp_path)
+                for p in committed_snapshots(tmp_path / "ckpt"):
+                    assert store.missing(snapshot_refs(p, store)) == set(), (round_, p)
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+        assert not errors, errors
+        assert sum(removed) > 0  # the collector did remove replaced snapshots' blobs
+
+    job.run(scenario())
+    # And the latest snapshot restores byte for byte (every file verified).
+    verify = [verify_snapshot(p) for p in committed_snapshots(tmp_path / "ckpt")]
+    assert all(v.ok for v in verify), [v.problems for v in verify]
+
+
+def test_nemo_ckpt_gc_removes_unreferenced_blobs_and_says_what(job: Job, tmp_path: Path,
+                                                               capsys: Any) -> None:
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
+            assert snap is not None
+            await snap.check_against_cut(StaticCut(live, set()))
+        await _coordinator(job).collection_done()
+
+    job.run(scenario())
+    store = _store(tmp_path)
+    stray = tmp_path / "stray"
+    stray.write_bytes(b"nobody references this")
+    store.put(digest_of(b"nobody references this"), stray)
+    kept = len(store.digests()) - 1
+    assert main(["gc", str(tmp_path / "ckpt"), "--dry-run"]) == 0
+    assert f"would remove 1 unreferenced blob(s), kept {kept}" in capsys.readouterr().out
+    assert len(store.digests()) == kept + 1
+    assert main(["gc", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "1 committed snapshot(s)" in out and "removed 1 unreferenced blob(s) (22 B)" in out
+    assert len(store.digests()) == kept
+    store.hold("snap-x", "other-job", now=time.time(), ttl_s=60)
+    assert main(["gc", str(tmp_path / "ckpt")]) == 1
+    assert "in use by snapshot(s) ['snap-x']" in capsys.readouterr().err

@@ -1,0 +1,172 @@
+"""Collecting the blob store: removing the sandbox files no committed snapshot references.
+
+A blob stays while any committed manifest under the checkpoint root references it
+(through its trees), and while any snapshot in progress holds the store (it may rely on
+a blob it found there). Live sessions reference their node's cache, never only the
+store, so collecting the store cannot take a file a live session needs
+(``actors.sandboxes``). A collection:
+
+1) claims the store (``BlobStore.begin_collection``), refused while a snapshot holds it;
+2) lists every committed snapshot under the root and the blobs their trees reference; a
+   snapshot whose trees cannot be read refuses the collection (what it references is
+   unknown, so nothing is provably garbage);
+3) removes every other blob, and temp files of writes that died, each removal inside
+   the claim's life; then drops the claim.
+
+It runs after each commit (the coordinator, in the background) and as
+``nemo-ckpt gc ROOT``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotReadError
+from nemo_ckpt.folder import Folder
+from nemo_ckpt.location import join_location
+from nemo_ckpt.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
+from nemo_ckpt.sandbox_storage import blob_store_of, fetch_tree, read_trees_file, tree_refs
+from nemo_ckpt.storage import environment_folder, folder_at, read_manifest
+
+__all__ = ["CollectionReport", "collect_blobs", "collect_quietly", "committed_snapshots",
+           "snapshot_refs", "RefsCache"]
+
+log = logging.getLogger("nemo_ckpt.collection")
+
+# A removal is started only while this much of the claim is left.
+_MARGIN_S = 5.0
+_MAX_DEPTH = 8  # how deep below the root snapshots are looked for
+
+
+@dataclass
+class CollectionReport:
+    """What one collection found and did."""
+
+    store: str
+    snapshots: list[str] = field(default_factory=list)
+    referenced: int = 0
+    removed: int = 0
+    removed_bytes: int = 0
+    kept: int = 0
+    dry_run: bool = False
+
+
+def committed_snapshots(root: str | Path) -> list[str]:
+    """Every checkpoint path below ``root`` that holds a committed snapshot (a manifest),
+    sorted; the blob store and hidden folders are not searched."""
+    found: list[str] = []
+    pending = [(str(root), 0)]
+    while pending:
+        where, depth = pending.pop()
+        folder = folder_at(where)
+        names = folder.subfolders()
+        if ENVIRONMENT_DIR in names and \
+                MANIFEST_NAME in folder_at(join_location(where, ENVIRONMENT_DIR)).names():
+            found.append(where)
+            continue
+        if depth >= _MAX_DEPTH:
+            continue
+        for name in names:
+            if name.startswith(".") or (depth == 0 and name == BLOB_DIR):
+                continue
+            pending.append((join_location(where, name), depth + 1))
+    return sorted(found)
+
+
+RefsCache = dict[tuple[str, str], frozenset[bytes]]
+
+
+def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None
+                  ) -> frozenset[bytes]:
+    """Every blob (trees and files) the snapshot at ``path`` references; a
+    ``SnapshotReadError`` when its manifest, a trees file or a tree cannot be read.
+    ``cache`` keeps the answer per (path, snapshot id): a committed snapshot's
+    references never change."""
+    manifest = read_manifest(path)
+    key = (path, manifest.snapshot_id)
+    if cache is not None and key in cache:
+        return cache[key]
+    refs: set[bytes] = set()
+    if blob_store_of(path, manifest) is not None:
+        directory: Folder = environment_folder(path)
+        for shard in manifest.shards:
+            if shard.trees is None:
+                continue
+            for rollout_id, _, tree_digest, tree_size in read_trees_file(
+                    directory, shard.trees, shard.instance_id):
+                if tree_digest in refs:
+                    continue
+                refs.add(tree_digest)
+                refs |= tree_refs(fetch_tree(store, None, tree_digest, tree_size,
+                                             f"{rollout_id} in {path}"))
+    out = frozenset(refs)
+    if cache is not None:
+        for old in [k for k in cache if k[0] == path]:  # a replaced snapshot's
+            del cache[old]
+        cache[key] = out
+    return out
+
+
+def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 300.0,
+                  dry_run: bool = False, clock: Callable[[], float] = time.time,
+                  cache: RefsCache | None = None) -> CollectionReport:
+    """Collect the blob store under ``root`` (see the module docstring). Raises
+    ``CheckpointPathBusyError`` while a snapshot holds the store or another collection
+    runs, and a ``SnapshotReadError`` naming the snapshot whose references could not be
+    read (nothing is removed then)."""
+    where = join_location(root, BLOB_DIR)
+    store = BlobStore(where, folder_at)
+    report = CollectionReport(store=where, dry_run=dry_run)
+    until = store.begin_collection(owner or f"collector-{uuid.uuid4().hex[:8]}", clock(),
+                                   ttl_s)
+    try:
+        referenced: set[bytes] = set()
+        for path in committed_snapshots(root):
+            try:
+                referenced |= snapshot_refs(path, store, cache)
+            except SnapshotReadError as exc:
+                raise type(exc)(exc.path, f"collection of {where} stopped, nothing was "
+                                          f"removed: {exc}") from exc
+            report.snapshots.append(path)
+        if cache is not None:  # snapshots removed since: forget them
+            for old in [k for k in cache if k[0] not in report.snapshots]:
+                del cache[old]
+        report.referenced = len(referenced)
+        present = store.digests()
+        garbage = sorted(present - referenced)
+        report.kept = len(present) - len(garbage)
+        if dry_run:
+            report.removed = len(garbage)
+            return report
+        for digest in garbage:
+            if clock() > until - _MARGIN_S:
+                raise CheckpointPathBusyError(
+                    f"collection of {where} ran out of its claim ({ttl_s:g}s) after "
+                    f"removing {report.removed} blobs; run it again")
+            try:
+                report.removed_bytes += store.size(digest)
+            except FileNotFoundError:
+                continue
+            store.remove([digest])
+            report.removed += 1
+        store.remove_temp_files()
+    finally:
+        store.end_collection()
+    return report
+
+
+def collect_quietly(root: str | Path, owner: str, cache: RefsCache,
+                    clock: Callable[[], float] = time.time) -> CollectionReport | None:
+    """``collect_blobs`` after a commit: a busy store or an unreadable snapshot skips it
+    (the next commit, or ``nemo-ckpt gc``, tries again), with a log line."""
+    try:
+        return collect_blobs(root, owner, cache=cache, clock=clock)
+    except (NemoCkptError, OSError) as exc:
+        log.info("blob collection under %s skipped: %s", root, exc)
+        return None
