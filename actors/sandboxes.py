@@ -37,7 +37,6 @@ from nemo_ckpt.manifest import ShardEntry, TreesEntry, safe_name_part, trees_fil
 from nemo_ckpt.sandbox import Seen, encode_tree, materialize, scan, tree_stats
 from nemo_ckpt.sandbox_storage import (
     BlobsWritten,
-    TreeRow,
     fetch_tree,
     persist_blobs,
     read_trees_file,
@@ -84,7 +83,7 @@ class RestoredSandbox:
 class SandboxCapture:
     """The sandboxes of one snapshot's captured sessions (see ``Sandboxes.capture``)."""
 
-    rows: list[TreeRow] = field(default_factory=list)
+    rows: list[tuple[str, int, bytes, int]] = field(default_factory=list)
     files: list[frozenset[bytes]] = field(default_factory=list)
 
 
@@ -217,7 +216,8 @@ class Sandboxes:
             needed |= files
         written: BlobsWritten = persist_blobs(store, self.cache, needed, clock)
         return write_trees_file(directory, trees_file_name(snapshot_id, self.instance_id),
-                                self.instance_id, capture.rows, len(needed), written)
+                                self.instance_id, written.attribute(capture.rows, capture.files),
+                                len(needed), written)
 
     # --- a restore (blocking, then bookkeeping) --------------------------------------
 
@@ -245,7 +245,7 @@ class Sandboxes:
         staging = self._private / f"restore-{safe_name_part(restore_id)}"
         staging.mkdir(parents=True, exist_ok=True)
         restored: list[RestoredSandbox] = []
-        for rollout_id, attempt, tree_digest, tree_size in read_trees_file(
+        for rollout_id, attempt, tree_digest, tree_size, _ in read_trees_file(
                 directory, entry.trees, self.instance_id):
             key = new_keys.get(rollout_id)
             if key is None:

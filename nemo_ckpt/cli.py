@@ -37,6 +37,8 @@ from nemo_ckpt.manifest import (
 )
 from nemo_ckpt.options import checkpoint_path, non_empty, positive_float
 from nemo_ckpt.phases import HolderInfo
+from nemo_ckpt.sandbox import diff_trees, tree_stats
+from nemo_ckpt.sandbox_storage import snapshot_directories, verify_directories
 from nemo_ckpt.storage import (
     RolloutIndexEntry,
     environment_folder,
@@ -128,12 +130,23 @@ def snapshot_summary(checkpoint_path: Path | str, manifest: Manifest) -> dict[st
         for i in manifest.instances
     }
     rollouts, unreadable = snapshot_rollouts(checkpoint_path, manifest)
+    directories, unreadable_trees = snapshot_directories(checkpoint_path, manifest)
+    unreadable.update(unreadable_trees)
     for r in sorted(rollouts, key=_rollout_key):
         inst = by_instance[r.instance_id]
-        inst["rollouts"].append({
+        entry: dict[str, Any] = {
             "rollout_id": r.rollout_id, "attempt": r.attempt, "turns": r.turns,
             "staging_keys": list(r.staging_keys), "shard": r.shard,
-        })
+        }
+        d = directories.get(r.rollout_id)
+        if d is not None:
+            stats = None if d.tree is None else tree_stats(d.tree)
+            entry["directory"] = {
+                "tree": d.tree_digest.hex(), "new_bytes": d.new_bytes,
+                "files": None if stats is None else stats.files,
+                "bytes": None if stats is None else stats.bytes,
+                "error": d.error}
+        inst["rollouts"].append(entry)
         inst["turns"] += r.turns
     for s in sorted(manifest.shards, key=lambda s: s.file):
         inst = by_instance[s.instance_id]
@@ -150,6 +163,12 @@ def snapshot_summary(checkpoint_path: Path | str, manifest: Manifest) -> dict[st
         "bytes": sum(s.bytes for s in manifest.shards),
         "instances": [by_instance[i] for i in sorted(by_instance, key=_instance_key)],
         "unreadable_shards": dict(sorted(unreadable.items())),
+        "sandboxes": {
+            "directories": len(directories),
+            "new_blobs": sum(s.trees.new_blobs for s in manifest.shards if s.trees),
+            "new_bytes": sum(s.trees.new_blob_bytes for s in manifest.shards if s.trees),
+            "blob_store": manifest.blob_store,
+        },
         "metrics": dict(sorted(manifest.metrics.items())),
     }
 
@@ -158,6 +177,7 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
     """``snapshot_summary`` as the text ``inspect`` prints."""
     instances = summary["instances"]
     shards = [(i["instance_id"], s) for i in instances for s in i["shards"]]
+    sandboxes = summary.get("sandboxes", {})
     lines = [
         f"snapshot {summary['snapshot_id']} at {summary['path']}",
         *("  " + line for line in _table(("", ""), [
@@ -170,17 +190,34 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
             ("shards", f"{len(shards)}, {summary['bytes']} bytes"
                        + (f" ({_human_bytes(summary['bytes'])})"
                           if summary["bytes"] >= 1024 else "")),
+            *([("directories", f"{sandboxes['directories']}; this snapshot wrote "
+                               f"{sandboxes['new_blobs']} new blobs, "
+                               f"{_human_bytes(sandboxes['new_bytes'])} "
+                               f"(store: {sandboxes['blob_store']})")]
+              if sandboxes.get("directories") else []),
         ])[1:]),
         "",
     ]
+    with_dirs = bool(sandboxes.get("directories"))
     rows: list[tuple[object, ...]] = []
     for inst in instances:
         if not inst["rollouts"]:
-            rows.append((inst["instance_id"], "-", "-", "-", "-"))
+            rows.append((inst["instance_id"], "-", "-", "-", "-")
+                        + (("-", "-", "-") if with_dirs else ()))
         for r in inst["rollouts"]:
-            rows.append((inst["instance_id"], r["rollout_id"], r["attempt"], r["turns"],
-                         len(r["staging_keys"])))
-    lines += _table(("INSTANCE", "ROLLOUT", "ATTEMPT", "TURNS", "STAGING KEYS"), rows)
+            row: tuple[object, ...] = (inst["instance_id"], r["rollout_id"], r["attempt"],
+                                       r["turns"], len(r["staging_keys"]))
+            if with_dirs:
+                d = r.get("directory")
+                if d is None:
+                    row += ("-", "-", "-")
+                elif d["error"] is not None:
+                    row += ("unreadable", "-", _human_bytes(d["new_bytes"]))
+                else:
+                    row += (d["files"], _human_bytes(d["bytes"]), _human_bytes(d["new_bytes"]))
+            rows.append(row)
+    lines += _table(("INSTANCE", "ROLLOUT", "ATTEMPT", "TURNS", "STAGING KEYS")
+                    + (("FILES", "DIR BYTES", "NEW BYTES") if with_dirs else ()), rows)
     lines.append("")
     if shards:
         lines += _table(("INSTANCE", "SHARD", "BYTES", "SESSIONS", "CONTENT HASH"),
@@ -230,6 +267,7 @@ class VerifyReport:
     manifest: Manifest | None = None
     manifest_error: SnapshotReadError | None = None
     shards: dict[str, list[str] | None] = field(default_factory=dict)
+    directory_problems: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -275,6 +313,8 @@ def verify_snapshot(checkpoint_path: Path | str) -> VerifyReport:
         report.shards[shard.file] = problems or None
     for found in report.shards.values():
         report.problems += found or []
+    report.directory_problems = verify_directories(path, manifest)
+    report.problems += report.directory_problems
     return report
 
 
@@ -296,6 +336,12 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         verdict = "ok" if report.shards.get(s.file) is None else "FAILED"
         rows.append((s.file, verdict, f"{s.instance_id}, {s.bytes} bytes, "
                                       f"{s.sessions} sessions"))
+    if m.blob_store is not None:
+        trees = [s.trees for s in m.shards if s.trees]
+        verdict = "FAILED" if report.directory_problems else "ok"
+        rows.append((f"{m.blob_store}/", verdict,
+                     f"{sum(t.sandboxes for t in trees)} directories, every tree and file "
+                     f"blob read and hashed"))
     for line in _table(("FILE", "RESULT", "DETAIL"), rows):
         print("  " + line, file=out)
     if report.ok:
@@ -327,6 +373,9 @@ class SnapshotDiff:
     added: tuple[RolloutIndexEntry, ...]
     finished: tuple[RolloutIndexEntry, ...]
     continued: tuple[tuple[RolloutIndexEntry, RolloutIndexEntry], ...]
+    # rollout id -> {"added"|"removed"|"changed": paths}, for continued rollouts whose
+    # directory changed (or could not be read: {"error": [why]})
+    directories: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
     @property
     def turns_advanced(self) -> int:
@@ -383,6 +432,16 @@ def _render_diff(diff: SnapshotDiff, path_a: Path | str, path_b: Path | str) -> 
         lines += _table(("CONTINUED", "INSTANCE", "ATTEMPT", "TURNS", "ADVANCED"), rows)
     else:
         lines.append("no rollouts in both")
+    if diff.directories:
+        lines.append("")
+        for rollout_id, change in sorted(diff.directories.items()):
+            if "error" in change:
+                lines.append(f"directory of {rollout_id}: not compared ({change['error'][0]})")
+                continue
+            lines.append(f"directory of {rollout_id}: {len(change['added'])} added, "
+                         f"{len(change['removed'])} removed, {len(change['changed'])} changed")
+            for mark, key in (("+", "added"), ("-", "removed"), ("~", "changed")):
+                lines += [f"  {mark} {p}" for p in change[key]]
     return lines
 
 
@@ -404,6 +463,16 @@ def _cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         manifests.append(manifest)
         rollouts.append(found)
     diff = diff_manifests(manifests[0], manifests[1], rollouts[0], rollouts[1])
+    dirs_a, _ = snapshot_directories(args.a, manifests[0])
+    dirs_b, _ = snapshot_directories(args.b, manifests[1])
+    for ra, rb in diff.continued:
+        da, db = dirs_a.get(ra.rollout_id), dirs_b.get(rb.rollout_id)
+        if da is None or db is None:
+            continue
+        if da.tree is None or db.tree is None:
+            diff.directories[rb.rollout_id] = {"error": [da.error or db.error or "?"]}
+        elif da.tree_digest != db.tree_digest:
+            diff.directories[rb.rollout_id] = diff_trees(da.tree, db.tree)
     out.write("\n".join(_render_diff(diff, args.a, args.b)) + "\n")
     return 0
 

@@ -98,7 +98,7 @@ def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None
         for shard in manifest.shards:
             if shard.trees is None:
                 continue
-            for rollout_id, _, tree_digest, tree_size in read_trees_file(
+            for rollout_id, _, tree_digest, tree_size, _ in read_trees_file(
                     directory, shard.trees, shard.instance_id):
                 if tree_digest in refs:
                     continue

@@ -6,9 +6,11 @@ the root's ``BlobStore`` (``nemo_ckpt.blobs``), so a snapshot writes only the bl
 store lacks, and an unchanged directory costs its row in the trees file.
 
 Trees file: a msgpack header map, then ``[[rollout_id, attempt, tree digest, tree
-length], ...]`` in the shard's session order (sessions without a directory are left
-out). It is written and verified like a shard: length and hash in the manifest
-(``TreesEntry``), durable before the manifest.
+length, new bytes], ...]`` in the shard's session order (sessions without a directory
+are left out); ``new bytes`` are the bytes of the blobs this snapshot wrote that the
+session's tree references (each counted once, for the first session that does). It is
+written and verified like a shard: length and hash in the manifest (``TreesEntry``),
+durable before the manifest.
 """
 
 from __future__ import annotations
@@ -16,26 +18,28 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobCache, BlobStore
-from nemo_ckpt.errors import SandboxError, ShardCorruptedError
+from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
 from nemo_ckpt.folder import Folder, Sink
 from nemo_ckpt.location import join_location, levels_below, parent_location
 from nemo_ckpt.manifest import Manifest, TreesEntry
 from nemo_ckpt.sandbox import FILE, Tree, decode_tree
 
 __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
-           "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree", "tree_refs"]
+           "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree", "tree_refs",
+           "SessionDirectory", "snapshot_directories", "verify_directories"]
 
 TREES_MAGIC = "nemo-ckpt-trees"
 TREES_VERSION = 1
 
-# (rollout_id, attempt, tree digest, tree length)
-TreeRow = tuple[str, int, bytes, int]
+# (rollout_id, attempt, tree digest, tree length, new bytes)
+TreeRow = tuple[str, int, bytes, int, int]
 
 
 def blob_store_ref(checkpoint_root: str | Path, checkpoint_path: str | Path) -> str:
@@ -62,6 +66,7 @@ def blob_store_of(checkpoint_path: str | Path, manifest: Manifest) -> str | None
 
 def write_trees_file(directory: Folder, name: str, instance_id: str, rows: list[TreeRow],
                      blobs: int, written: BlobsWritten) -> TreesEntry:
+    """Write a holder's trees file (see the module docstring) durably; its entry."""
     from nemo_ckpt.storage import write_hashed
 
     def fill(sink: Sink) -> None:
@@ -72,7 +77,7 @@ def write_trees_file(directory: Folder, name: str, instance_id: str, rows: list[
 
     length, digest = write_hashed(directory, name, fill)
     return TreesEntry(file=name, bytes=length, content_hash=digest, sandboxes=len(rows),
-                      blobs=blobs, new_blobs=written.count, new_blob_bytes=written.bytes)
+                      blobs=blobs, new_blobs=written.count, new_blob_bytes=written.total_bytes)
 
 
 def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str) -> list[TreeRow]:
@@ -90,13 +95,13 @@ def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str) -> l
             and header.get("version") == TREES_VERSION
             and header.get("instance_id") == instance_id
             and isinstance(rows, list) and len(rows) == entry.sandboxes
-            and all(isinstance(r, list) and len(r) == 4 and isinstance(r[0], str)
+            and all(isinstance(r, list) and len(r) == 5 and isinstance(r[0], str)
                     and type(r[1]) is int and isinstance(r[2], bytes) and len(r[2]) == 16
-                    and type(r[3]) is int for r in rows)):
+                    and type(r[3]) is int and type(r[4]) is int for r in rows)):
         raise ShardCorruptedError(path, f"trees file {path} matches its hash but is not a "
                                         f"nemo-ckpt trees file of {instance_id} holding "
                                         f"{entry.sandboxes} trees; restore an earlier checkpoint")
-    return [(r[0], r[1], r[2], r[3]) for r in rows]
+    return [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
 
 
 def tree_refs(tree: Tree) -> set[bytes]:
@@ -105,11 +110,31 @@ def tree_refs(tree: Tree) -> set[bytes]:
 
 
 class BlobsWritten:
-    """What ``persist_blobs`` wrote."""
+    """What ``persist_blobs`` wrote: each blob's length, by digest."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.bytes = 0
+        self.lengths: dict[bytes, int] = {}
+
+    @property
+    def count(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.lengths.values())
+
+    def attribute(self, rows: list[tuple[str, int, bytes, int]],
+                  files: list[frozenset[bytes]]) -> list[TreeRow]:
+        """``rows`` with each one's new bytes (see the module docstring)."""
+        left = dict(self.lengths)
+        out: list[TreeRow] = []
+        for (rollout_id, attempt, tree, size), refs in zip(rows, files, strict=True):
+            new = left.pop(tree, 0)
+            if left:
+                for d in refs & left.keys():
+                    new += left.pop(d)
+            out.append((rollout_id, attempt, tree, size, new))
+        return out
 
 
 def persist_blobs(store: BlobStore, cache: BlobCache, needed: Iterable[bytes],
@@ -128,8 +153,7 @@ def persist_blobs(store: BlobStore, cache: BlobCache, needed: Iterable[bytes],
                 f"blob {digest.hex()} of a captured sandbox is neither in the blob store "
                 f"{store.where} nor in this holder's cache {cache.directory}; something "
                 f"removed it from the cache")
-        written.bytes += store.put(digest, source)
-        written.count += 1
+        written.lengths[digest] = store.put(digest, source)
     return written
 
 
@@ -142,3 +166,80 @@ def fetch_tree(store: BlobStore, cache: BlobCache | None, digest: bytes, size: i
         if cache is not None:
             cache.put(digest, data)
     return decode_tree(data, where)
+
+
+@dataclass
+class SessionDirectory:
+    """One captured session's directory, as the CLI reads it back: its tree (None when
+    it does not read, with ``error`` saying why) and the bytes this snapshot wrote for it."""
+
+    instance_id: str
+    rollout_id: str
+    attempt: int
+    tree_digest: bytes
+    new_bytes: int
+    tree: Tree | None = None
+    error: str | None = None
+
+
+def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest
+                         ) -> tuple[dict[str, SessionDirectory], dict[str, str]]:
+    """Every captured session's directory by rollout id, and the trees files that do not
+    read (file -> why). Trees and trees files are verified as they are read; the files'
+    blobs are not read here (``verify_directories`` does)."""
+    from nemo_ckpt.storage import environment_folder, folder_at
+
+    where = blob_store_of(checkpoint_path, manifest)
+    found: dict[str, SessionDirectory] = {}
+    unreadable: dict[str, str] = {}
+    if where is None:
+        return found, unreadable
+    store = BlobStore(where, folder_at)
+    directory = environment_folder(checkpoint_path)
+    for shard in manifest.shards:
+        if shard.trees is None:
+            continue
+        try:
+            rows = read_trees_file(directory, shard.trees, shard.instance_id)
+        except NemoCkptError as exc:
+            unreadable[shard.trees.file] = str(exc)
+            continue
+        for rollout_id, attempt, digest, size, new in rows:
+            entry = SessionDirectory(shard.instance_id, rollout_id, attempt, digest, new)
+            try:
+                entry.tree = fetch_tree(store, None, digest, size,
+                                        f"{rollout_id} in {checkpoint_path}")
+            except NemoCkptError as exc:
+                entry.error = str(exc)
+            found[rollout_id] = entry
+    return found, unreadable
+
+
+def verify_directories(checkpoint_path: str | Path, manifest: Manifest) -> list[str]:
+    """Every problem with the directories a restore of this snapshot would materialize:
+    trees files, trees, and every file blob (read and hashed, each once)."""
+    from nemo_ckpt.storage import folder_at
+
+    directories, unreadable = snapshot_directories(checkpoint_path, manifest)
+    problems = [f"trees file {name}: {why}" for name, why in sorted(unreadable.items())]
+    where = blob_store_of(checkpoint_path, manifest)
+    if where is None:
+        return problems
+    store = BlobStore(where, folder_at)
+    checked: dict[bytes, str | None] = {}
+    for d in sorted(directories.values(), key=lambda d: d.rollout_id):
+        if d.tree is None:
+            problems.append(f"directory of {d.rollout_id}: {d.error}")
+            continue
+        for path, e in sorted(d.tree.items()):
+            if e.kind != FILE:
+                continue
+            if e.data not in checked:
+                try:
+                    store.read(e.data, e.size)
+                    checked[e.data] = None
+                except NemoCkptError as exc:
+                    checked[e.data] = str(exc)
+            if checked[e.data] is not None:
+                problems.append(f"directory of {d.rollout_id}, {path}: {checked[e.data]}")
+    return problems

@@ -5,6 +5,7 @@ incrementally into the root's blob store, restored byte for byte into a fresh jo
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import threading
@@ -435,3 +436,55 @@ def test_nemo_ckpt_gc_removes_unreferenced_blobs_and_says_what(job: Job, tmp_pat
     store.hold("snap-x", "other-job", now=time.time(), ttl_s=60)
     assert main(["gc", str(tmp_path / "ckpt")]) == 1
     assert "in use by snapshot(s) ['snap-x']" in capsys.readouterr().err
+
+
+# --- the CLI ------------------------------------------------------------------------------
+
+
+def test_the_cli_shows_checks_and_diffs_each_sessions_directory(job: Job, tmp_path: Path,
+                                                                capsys: Any) -> None:
+    a, b = tmp_path / "ckpt" / "a", tmp_path / "ckpt" / "b"
+
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        cut = StaticCut(live, set())
+        await _turns(job, dirs, 0, 1)
+        async with job.ckpt.snapshot(a) as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut)
+        await _turns(job, dirs, 1, 1)  # renames out-0, adds out-1, edits main.py
+        async with job.ckpt.snapshot(b) as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut)
+        await _coordinator(job).collection_done()
+
+    job.run(scenario())
+    assert main(["inspect", str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "directories  2; this snapshot wrote" in out
+    assert "FILES  DIR BYTES  NEW BYTES" in out
+    assert main(["inspect", str(b), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    d = summary["instances"][0]["rollouts"][0]["directory"]
+    # README.md, build.sh, src/main.py, out-1.txt, kept-0.txt; the link is not a file.
+    assert d["files"] == 5 and d["error"] is None
+    # Both sandboxes ran the same edits: their new content was written once, for one.
+    new = [r["directory"]["new_bytes"] for i in summary["instances"] for r in i["rollouts"]]
+    assert sorted(new)[0] == 0 < sorted(new)[1]
+    assert summary["sandboxes"]["directories"] == 2
+
+    assert main(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "directory of holder-0-r0: 2 added, 1 removed, 1 changed" in out
+    assert "  + kept-0.txt" in out and "  + out-1.txt" in out
+    assert "  - out-0.txt" in out and "  ~ src/main.py" in out
+
+    assert main(["verify", str(b)]) == 0
+    assert "every tree and file blob read and hashed" in capsys.readouterr().out
+    store = _store(tmp_path)
+    main_py = digest_of(b"print('v2')\n")
+    Path(store.describe(main_py)).write_bytes(b"print('v9')\n")
+    assert main(["verify", str(b)]) == 1
+    err = capsys.readouterr().err
+    assert "directory of holder-0-r0, src/main.py: blob" in err
+    assert "does not match its digest" in err
