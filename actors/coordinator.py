@@ -454,6 +454,13 @@ class CheckpointCoordinator:
         if store is not None:  # the snapshot relies on the blobs there: no collection now
             await self._runtime.run_blocking(store.hold, op.id, self._owner,
                                              self._clock.wall(), self._config.lease_s * 2)
+            if self._collection is None or self._collection.done():
+                # A collection of this job that this coordinator is not running was left
+                # by a predecessor that died in it: the holders need not wait it out.
+                if await self._runtime.run_blocking(store.clear_dead_collection,
+                                                    self._owner):
+                    log.warning("dropped the blob store's collection claim that a previous "
+                                "coordinator of this job left when it died")
 
     def _blob_store(self) -> BlobStore | None:
         """The root's store of sandbox files, when sessions may own sandboxes."""

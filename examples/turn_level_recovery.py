@@ -84,6 +84,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    default=defaults.rollouts_per_worker)
     p.add_argument("--turn-seconds", type=non_negative_float, default=defaults.turn_seconds,
                    help="simulated model and tool time per turn")
+    p.add_argument("--no-sandboxes", dest="sandboxes", action="store_false",
+                   help="run the rollouts without sandbox directories (by default each "
+                        "one works in its own, and the run compares them byte for byte)")
     p.add_argument("--verbose", action="store_true", help="show nemo_ckpt's log")
     args = p.parse_args(argv)
     # A URL's bucket is probed from every node by check_startup, once Ray is up.
@@ -101,7 +104,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             crash_after_snapshots=args.crash_after_snapshots,
             checkpoint_dir=args.checkpoint_dir, seed=args.seed,
             workers_per_node=args.workers_per_node,
-            rollouts_per_worker=args.rollouts_per_worker, turn_seconds=args.turn_seconds)
+            rollouts_per_worker=args.rollouts_per_worker, turn_seconds=args.turn_seconds,
+            sandboxes=args.sandboxes)
     except ValueError as exc:  # a rule DemoOptions keeps that the types above do not
         p.error(str(exc))
     return args
@@ -227,7 +231,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if report.mismatched_rollouts:
         print(f"rollouts that differ from the crash-free run: "
               f"{', '.join(report.mismatched_rollouts[:20])}")
-    print("VERIFIED: the final trajectories equal the crash-free run's, turn by turn"
+    if report.mismatched_directories:
+        print(f"rollouts whose final directory differs from the crash-free run's: "
+              f"{', '.join(report.mismatched_directories[:20])}")
+    dirs = " and every rollout's directory, byte for byte" if report.sandboxes else ""
+    print(f"VERIFIED: the final trajectories equal the crash-free run's, turn by turn{dirs}"
           if report.verified else "NOT VERIFIED: the runs differ")
     if json_problem is not None:
         sys.stdout.flush()

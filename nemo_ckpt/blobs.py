@@ -231,8 +231,24 @@ class BlobStore:
                 f"collect once they have committed or lapsed")
         return until
 
+    def renew_collection(self, owner: str, now: float, ttl_s: float) -> float:
+        """Extend this collection's claim (a snapshot that held the store meanwhile
+        waits for it to end); returns the new expiry."""
+        self._write_claim(COLLECTOR, owner, now + ttl_s)
+        return now + ttl_s
+
     def end_collection(self) -> None:
         self.release(COLLECTOR)
+
+    def clear_dead_collection(self, owner: str) -> bool:
+        """Drop a collection claim of ``owner`` that its owner knows it is not running
+        (a predecessor coordinator that died mid-collection): snapshots need not wait
+        for it to expire. Returns whether there was one."""
+        claim = self._claims().get(COLLECTOR)
+        if claim is None or claim[0] != owner:
+            return False
+        self.end_collection()
+        return True
 
 
 def _claim_name(operation: str) -> str:

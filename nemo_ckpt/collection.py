@@ -39,7 +39,8 @@ __all__ = ["CollectionReport", "collect_blobs", "collect_quietly", "committed_sn
 
 log = logging.getLogger("nemo_ckpt.collection")
 
-# A removal is started only while this much of the claim is left.
+# A removal is started only while this much of the claim is left (a renewal that
+# failed to land, or a stall, must not let a removal run past the claim).
 _MARGIN_S = 5.0
 _MAX_DEPTH = 8  # how deep below the root snapshots are looked for
 
@@ -113,7 +114,7 @@ def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None
     return out
 
 
-def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 300.0,
+def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.0,
                   dry_run: bool = False, clock: Callable[[], float] = time.time,
                   cache: RefsCache | None = None) -> CollectionReport:
     """Collect the blob store under ``root`` (see the module docstring). Raises
@@ -123,11 +124,20 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 300
     where = join_location(root, BLOB_DIR)
     store = BlobStore(where, folder_at)
     report = CollectionReport(store=where, dry_run=dry_run)
-    until = store.begin_collection(owner or f"collector-{uuid.uuid4().hex[:8]}", clock(),
-                                   ttl_s)
+    owner = owner or f"collector-{uuid.uuid4().hex[:8]}"
+    # A short claim, renewed as the work goes: one left by a collector that died blocks
+    # snapshots' writes for at most ttl_s.
+    until = store.begin_collection(owner, clock(), ttl_s)
+
+    def keep_claim() -> None:
+        nonlocal until
+        if clock() > until - ttl_s / 2:
+            until = store.renew_collection(owner, clock(), ttl_s)
+
     try:
         referenced: set[bytes] = set()
         for path in committed_snapshots(root):
+            keep_claim()
             try:
                 referenced |= snapshot_refs(path, store, cache)
             except SnapshotReadError as exc:
@@ -145,6 +155,7 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 300
             report.removed = len(garbage)
             return report
         for digest in garbage:
+            keep_claim()
             if clock() > until - _MARGIN_S:
                 raise CheckpointPathBusyError(
                     f"collection of {where} ran out of its claim ({ttl_s:g}s) after "

@@ -101,6 +101,12 @@ async def test_a_crashed_run_restores_mid_rollout_and_ends_like_the_crash_free_r
     assert 0 <= report.turns_rerun <= report.turns_since_last_snapshot
     assert report.snapshots >= 2
     assert 0 < report.pause_seconds_p50 <= report.pause_seconds_max
+    # Every rollout's final directory equals the crash-free run's, byte for byte; the
+    # first snapshot wrote the repository once, later ones only what turns changed.
+    assert report.sandboxes and report.directories_compared == 12
+    assert report.mismatched_directories == ()
+    first, *later = report.snapshot_new_blob_bytes
+    assert first > 64 << 10 and later and max(later) < first
     # Committed snapshots stay on disk, each with both halves.
     restored_from = Path(report.restored_from)
     assert latest_committed_snapshot(restored_from.parent) == Path(report.snapshot_paths[-1])
@@ -155,6 +161,9 @@ def test_the_example_joins_an_existing_cluster_writes_its_json_and_exits_zero(
                 "pause_seconds_max"):
         assert key in data
     assert data["verified"] is True and data["rollouts"] == 8 and data["seed"] == 3
+    assert data["directories_compared"] == 8 and data["mismatched_directories"] == []
+    assert len(data["snapshot_bytes_written"]) == data["snapshots"]
+    assert "every rollout's directory, byte for byte" in proc.stdout
     assert any((tmp_path / "ckpt").glob("run-*/snapshot-*/environment/manifest.json"))
 
 

@@ -488,3 +488,23 @@ def test_the_cli_shows_checks_and_diffs_each_sessions_directory(job: Job, tmp_pa
     err = capsys.readouterr().err
     assert "directory of holder-0-r0, src/main.py: blob" in err
     assert "does not match its digest" in err
+
+
+def test_a_collection_left_by_a_dead_coordinator_does_not_hold_up_the_next_snapshot(
+        job: Job, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        coordinator = _coordinator(job)
+        store = _store(tmp_path)
+        now = EPOCH + job.sim.loop.time()
+        # What a coordinator of this job that died mid-collection leaves behind.
+        store.begin_collection(coordinator._owner, now, ttl_s=3600)
+        started = job.sim.loop.time()
+        async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
+            assert snap is not None
+            await snap.check_against_cut(StaticCut(live, set()))
+        assert job.sim.loop.time() - started < 10  # not the claim's hour
+        assert store.collection_until(EPOCH + job.sim.loop.time()) is None
+        assert read_manifest(tmp_path / "ckpt" / "a").format_version == 4
+
+    job.run(scenario())

@@ -15,7 +15,13 @@
    all to completion (snapshotting on).
 4. Reference run: the same seed in a fresh namespace with a fresh data plane, in
    another dispatch order, without snapshots or a crash.
-5. Compares the two runs' trajectories turn by turn (and with the toy's pure function).
+5. Compares the two runs' trajectories turn by turn (and with the toy's pure function),
+   and, with sandboxes (the default), every rollout's final directory byte for byte.
+
+With sandboxes, every rollout works in its own directory under a sandbox root made for
+the run (a temporary folder, removed at the end); the crash takes the directories with
+it, and the restore materializes each continued rollout's directory as its last
+snapshotted turn left it.
 
 A crash-run rollout goes through the ledger like RL's would: ``dispatch`` (ledger first),
 the worker opens the session and runs its turns, then the driver ``finish``es it in the
@@ -31,6 +37,7 @@ import contextlib
 import logging
 import shutil
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -41,6 +48,7 @@ from typing import Any, Optional, cast
 
 import ray
 
+from nemo_ckpt.blobs import BLOB_DIR
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -52,7 +60,7 @@ from nemo_ckpt.location import (
     parse_location,
 )
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
-from nemo_ckpt.storage import environment_folder, folder_at
+from nemo_ckpt.storage import environment_folder, folder_at, read_manifest
 from nemo_ckpt.testing.data_plane import (
     DATA_PLANE_FILE,
     DataPlaneBarrier,
@@ -102,6 +110,8 @@ class DemoOptions:
         dispatch_ahead: Each worker slot keeps its next rollout dispatched while it
             runs the current one, as an RL controller's queue does.
         node_ids: Nodes to run workers on; default every alive node.
+        sandboxes: Give every rollout a sandbox directory its turns work in, and
+            compare the directories too.
     """
 
     rollouts: int = 48
@@ -117,6 +127,7 @@ class DemoOptions:
     drain_timeout_s: float = 5.0
     dispatch_ahead: bool = True
     node_ids: Optional[tuple[str, ...]] = None
+    sandboxes: bool = True
 
     def __post_init__(self) -> None:
         for name in ("rollouts", "turns", "crash_after_snapshots", "workers_per_node",
@@ -164,6 +175,11 @@ class DemoReport:
     snapshot_paths: tuple[str, ...]
     mismatched_rollouts: tuple[str, ...]
     matches_pure_function: bool
+    sandboxes: bool
+    directories_compared: int
+    mismatched_directories: tuple[str, ...]
+    snapshot_bytes_written: tuple[int, ...]
+    snapshot_new_blob_bytes: tuple[int, ...]
     nodes: int
     seed: int
     crash_run_seconds: float
@@ -175,6 +191,9 @@ class DemoReport:
         data = asdict(self)
         data["snapshot_paths"] = list(self.snapshot_paths)
         data["mismatched_rollouts"] = list(self.mismatched_rollouts)
+        data["mismatched_directories"] = list(self.mismatched_directories)
+        data["snapshot_bytes_written"] = list(self.snapshot_bytes_written)
+        data["snapshot_new_blob_bytes"] = list(self.snapshot_new_blob_bytes)
         return data
 
 
@@ -231,6 +250,8 @@ class _SnapshotTaken:
     pause_s: float
     captured: int
     rows_at_cut: int
+    bytes_written: int = 0  # shards, trees files and new blobs
+    new_blob_bytes: int = 0  # of those, the sandboxes' new files and trees
 
 
 class _Job:
@@ -238,7 +259,8 @@ class _Job:
 
     def __init__(self, *, label: str, options: DemoOptions, ckpt: RayEnvironmentCheckpoint,
                  data_plane: Any, workers: dict[str, list[Any]], run_dir: Optional[Where],
-                 progress: Optional[ProgressFn], first_snapshot: int = 1) -> None:
+                 progress: Optional[ProgressFn], first_snapshot: int = 1,
+                 sandbox_root: Optional[Path] = None) -> None:
         self.label = label
         self.options = options
         self.ckpt = ckpt
@@ -246,6 +268,7 @@ class _Job:
         self.barrier = DataPlaneBarrier(data_plane)
         self.workers = workers
         self.run_dir = run_dir  # None: no snapshots
+        self.sandbox_root = sandbox_root
         self.progress = progress
         self.lock = asyncio.Lock()  # snapshots vs. finish+retire
         self.snapshots: list[_SnapshotTaken] = []
@@ -356,6 +379,11 @@ class _Job:
             taken = _SnapshotTaken(path, time.monotonic() - started,
                                    snap.captured_rollouts if snap is not None else 0,
                                    rows_at_cut)
+            if snap is not None:
+                manifest = read_manifest(path)
+                taken.bytes_written = int(manifest.metrics.get("bytes_written", 0))
+                taken.new_blob_bytes = sum(s.trees.new_blob_bytes for s in manifest.shards
+                                           if s.trees is not None)
         self.snapshots.append(taken)
         if taken.captured:
             self.captured_snapshots += 1
@@ -415,7 +443,9 @@ class _Job:
             instance_id, episode, fresh = pending
             task = RolloutTask(episode=episode, instance_id=instance_id,
                                namespace=self.ckpt.config.namespace,
-                               seed=self.options.seed, turns=self.options.turns, fresh=fresh)
+                               seed=self.options.seed, turns=self.options.turns, fresh=fresh,
+                               sandbox_root=None if self.sandbox_root is None
+                               else str(self.sandbox_root))
             running = asyncio.ensure_future(_awaited(worker.run_rollout.remote(task, self.dp)))
             # Like RL's controller, keep the next rollout dispatched and queued for this
             # slot: a snapshot then finds it expected but not held (it restarts, losing
@@ -505,10 +535,11 @@ async def _wait_names_gone(namespace: str, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.1)
 
 
-def _checkpoint_config(namespace: str, root: Optional[Where], options: DemoOptions
-                       ) -> CheckpointConfig:
+def _checkpoint_config(namespace: str, root: Optional[Where], options: DemoOptions,
+                       sandbox_root: Optional[Path] = None) -> CheckpointConfig:
     return CheckpointConfig(namespace=namespace, checkpoint_root=root,
-                            drain_timeout_s=options.drain_timeout_s)
+                            drain_timeout_s=options.drain_timeout_s,
+                            sandbox_root=sandbox_root)
 
 
 def _kill_quietly(handles: Iterable[Any]) -> None:
@@ -551,6 +582,11 @@ def _remove_run_objects(run_dir: str) -> None:
             snapshot = _child(run_dir, name)
             for folder in (environment_folder(snapshot), folder_at(snapshot)):
                 folder.remove(folder.names())
+        blobs = folder_at(join_location(run_dir, BLOB_DIR))
+        for prefix in blobs.subfolders():
+            fan = folder_at(join_location(run_dir, BLOB_DIR, prefix))
+            fan.remove(fan.names())
+        blobs.remove(blobs.names())
     except (OSError, NemoCkptError) as exc:
         log.warning("could not remove the failed run's objects under %s: %s", run_dir, exc)
 
@@ -576,15 +612,20 @@ async def run_demo(options: DemoOptions, progress: Optional[ProgressFn] = None) 
     else:  # a prefix exists once written to: nothing to create
         run_dir = url = join_location(str(location), f"run-{stamp}")
         clean_up = lambda: _remove_run_objects(url)  # noqa: E731
+    sandbox_root = Path(tempfile.mkdtemp(prefix=f"nemo-ckpt-demo-{stamp}-")) / "sandboxes" \
+        if options.sandboxes else None
     try:
-        return await _run(options, progress, run_dir, stamp)
+        return await _run(options, progress, run_dir, stamp, sandbox_root)
     except BaseException:
         clean_up()
         raise
+    finally:
+        if sandbox_root is not None:
+            shutil.rmtree(sandbox_root.parent, ignore_errors=True)
 
 
 async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Where,
-               stamp: str) -> DemoReport:
+               stamp: str, sandbox_root: Optional[Path]) -> DemoReport:
     wall = time.monotonic()
     nodes = list(options.node_ids) if options.node_ids else _alive_nodes()
     namespace = f"{options.namespace}-{stamp}"
@@ -604,7 +645,8 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
 
     try:
         # 1. Crash run, first life.
-        ckpt = RayEnvironmentCheckpoint(_checkpoint_config(namespace, run_dir, options))
+        ckpt = RayEnvironmentCheckpoint(
+            _checkpoint_config(namespace, run_dir, options, sandbox_root))
         workers = workers_for_run()
         dp = data_plane()
         await asyncio.gather(ckpt.check_startup(), _ready(workers))
@@ -616,8 +658,11 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
                 note=f"{holders} session holders up in Ray namespace {namespace}",
                 namespace=namespace))
         crash_started = time.monotonic()
+        if sandbox_root is not None:
+            sandbox_root.mkdir(parents=True, exist_ok=True)
         first = _Job(label="crash run", options=options, ckpt=ckpt, data_plane=dp,
-                     workers=workers, run_dir=run_dir, progress=progress)
+                     workers=workers, run_dir=run_dir, progress=progress,
+                     sandbox_root=sandbox_root)
         await first.start(continued=(), fresh=rollout_ids)
         try:
             await first.wait_for_crash_point(options.crash_after_snapshots)
@@ -632,9 +677,14 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
               f"CRASH: killed {sum(map(len, workers.values()))} workers, the session "
               f"holders, the coordinator and the data plane")
 
+        if sandbox_root is not None:  # the crash took the nodes' disks with it
+            shutil.rmtree(sandbox_root)
+            sandbox_root.mkdir()
+
         # 3. Crash run, second life: restore both halves, then run everything to the end.
         path = latest_committed_snapshot(run_dir)
-        ckpt = RayEnvironmentCheckpoint(_checkpoint_config(namespace, run_dir, options))
+        ckpt = RayEnvironmentCheckpoint(
+            _checkpoint_config(namespace, run_dir, options, sandbox_root))
         workers = workers_for_run()
         dp = data_plane()
         barrier = DataPlaneBarrier(dp)
@@ -650,7 +700,8 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
         fresh = [r for r in rollout_ids if r not in finished and r not in continued_ids]
         second = _Job(label="after restore", options=options, ckpt=ckpt, data_plane=dp,
                       workers=workers, run_dir=run_dir, progress=progress,
-                      first_snapshot=_next_snapshot_number(run_dir))
+                      first_snapshot=_next_snapshot_number(run_dir),
+                      sandbox_root=sandbox_root)
         await second.start(continued=report.continued, fresh=fresh)
         try:
             await second.wait()
@@ -664,11 +715,15 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
 
         # 4. Reference run: same seed, no crash, no snapshots, another order.
         ref_started = time.monotonic()
-        ref_ckpt = RayEnvironmentCheckpoint(_checkpoint_config(ref_namespace, None, options))
+        # Its sandboxes need a blob store's root like any job's; it never snapshots.
+        ref_ckpt = RayEnvironmentCheckpoint(_checkpoint_config(
+            ref_namespace, run_dir if sandbox_root is not None else None, options,
+            sandbox_root))
         await ref_ckpt.ensure_holders()
         ref_dp = data_plane()
         reference = _Job(label="reference run", options=options, ckpt=ref_ckpt,
-                         data_plane=ref_dp, workers=workers, run_dir=None, progress=progress)
+                         data_plane=ref_dp, workers=workers, run_dir=None, progress=progress,
+                         sandbox_root=sandbox_root)
         await reference.start(continued=(), fresh=list(reversed(rollout_ids)))
         try:
             await reference.wait()
@@ -689,6 +744,15 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
                        or crash_trajectories[r].steps != ref_trajectories[r].steps)
     pure = all(r in ref_trajectories and ref_trajectories[r].steps
                == reference_trajectory(options.seed, r, options.turns) for r in rollout_ids)
+    # The crash run's final directories: of the rollouts that finished in its first life
+    # and were not run again, and of everything the second life ran.
+    crash_outcomes = {**first.outcomes, **second.outcomes}
+    compared = [r for r in rollout_ids if options.sandboxes]
+    bad_directories = tuple(
+        r for r in compared
+        if r not in crash_outcomes or r not in reference.outcomes
+        or crash_outcomes[r].directory is None
+        or crash_outcomes[r].directory != reference.outcomes[r].directory)
     turns_total = options.rollouts * options.turns
     turns_run_after = end_stats.rows_written - report.rows_written_at_cut
     snapshots = first.snapshots + second.snapshots
@@ -696,7 +760,8 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
     restored_turns = sum(o.turns_at_start for r, o in second.outcomes.items()
                          if r in continued_ids)
     return DemoReport(
-        verified=not mismatched and len(crash_trajectories) == options.rollouts,
+        verified=not mismatched and not bad_directories
+        and len(crash_trajectories) == options.rollouts,
         rollouts=options.rollouts,
         turns_per_rollout=options.turns,
         turns_total=turns_total,
@@ -716,12 +781,30 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
         snapshot_paths=tuple(str(s.path) for s in snapshots),
         mismatched_rollouts=mismatched,
         matches_pure_function=pure,
+        sandboxes=options.sandboxes,
+        directories_compared=len(compared),
+        mismatched_directories=bad_directories,
+        snapshot_bytes_written=tuple(s.bytes_written for s in snapshots),
+        snapshot_new_blob_bytes=tuple(s.new_blob_bytes for s in snapshots),
         nodes=len(nodes),
         seed=options.seed,
         crash_run_seconds=crash_seconds,
         reference_run_seconds=ref_seconds,
         wall_seconds=time.monotonic() - wall,
     )
+
+
+def _bytes_line(report: DemoReport) -> str:
+    written = report.snapshot_bytes_written
+    line = f"median {_kib(statistics.median(written))}, max {_kib(max(written))}"
+    if report.sandboxes:
+        line += (f" (sandbox blobs: first {_kib(report.snapshot_new_blob_bytes[0])}, then "
+                 f"median {_kib(statistics.median(report.snapshot_new_blob_bytes[1:] or [0]))})")
+    return line
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n:.0f} B"
 
 
 def format_report(report: DemoReport) -> str:
@@ -738,6 +821,11 @@ def format_report(report: DemoReport) -> str:
                                f"captured: started over from turn 0)"),
         ("rollouts kept finished", str(report.rollouts_finished_at_snapshot)),
         ("snapshots", str(report.snapshots)),
+        *([("directories", f"{report.directories_compared} compared byte for byte, "
+                           f"{len(report.mismatched_directories)} differ")]
+          if report.sandboxes else []),
+        *([("bytes per snapshot", _bytes_line(report))] if report.snapshot_bytes_written
+          else []),
         ("snapshot pause p50", f"{report.pause_seconds_p50 * 1000:.0f} ms"),
         ("snapshot pause max", f"{report.pause_seconds_max * 1000:.0f} ms"),
     ]

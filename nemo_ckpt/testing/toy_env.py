@@ -10,7 +10,10 @@ wrong state changes every turn after it.
 
 Each turn is one ``SessionClient.turn``: the model call's token-capture row is written to
 the data plane inside the turn, before ``turn.complete(record, state, [staging_key])``
-commits it (the rule DESIGN.md asks environment workers to keep).
+commits it (the rule DESIGN.md asks environment workers to keep). With a sandbox root,
+each rollout also works in its own directory, a checkout of one small repository: every
+turn creates, edits, renames and deletes files there (``sandbox_turn``), derived from the
+turn's record, so a rollout's final directory is as much a pure function as its turns.
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import random
+import shutil
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from pathlib import Path
+from typing import Any, Optional, cast
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.sessions import SessionClient, SessionRecord
@@ -39,6 +46,9 @@ __all__ = [
     "ordered_staging_keys",
     "reference_trajectory",
     "start_env_workers",
+    "make_sandbox",
+    "sandbox_turn",
+    "directory_listing",
 ]
 
 TOOLS = ("add", "sub", "mul", "div")
@@ -209,6 +219,8 @@ class RolloutTask:
         seed: The run's seed.
         turns: How many turns the rollout runs.
         fresh: Open a new session (True) or continue a restored one (False).
+        sandbox_root: Where a fresh session's sandbox directory is made (the job's
+            ``CheckpointConfig.sandbox_root``); None runs without one.
     """
 
     episode: EnvironmentEpisode
@@ -217,6 +229,7 @@ class RolloutTask:
     seed: int
     turns: int
     fresh: bool
+    sandbox_root: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -229,6 +242,8 @@ class RolloutOutcome:
         turns_at_start: Turns the session already held (restored) when this worker began.
         turns_run: Turns this worker ran.
         node_id: The node the worker runs on.
+        directory: The session's sandbox directory at the end, every entry with its
+            kind, mode and bytes (``directory_listing``); None without one.
     """
 
     episode: EnvironmentEpisode
@@ -238,6 +253,7 @@ class RolloutOutcome:
     staging_keys: tuple[str, ...]
     turns_at_start: int
     turns_run: int
+    directory: Optional[dict[str, tuple[str, int, bytes]]] = None
 
     def decoded_records(self) -> list[Any]:
         """The turn records as JSON values, for the data plane's trajectory."""
@@ -268,8 +284,13 @@ class ToyEnvWorker:
         episode = task.episode
         client = await self._client(task.namespace, task.instance_id)
         if task.fresh:
+            directory = None
+            if task.sandbox_root is not None:
+                directory = make_sandbox(Path(task.sandbox_root) / "work" / task.namespace
+                                         / episode.capture_key)
             await client.open(episode, initial_state(task.seed, episode.rollout_id,
-                                                     task.turns).to_bytes())
+                                                     task.turns).to_bytes(),
+                              directory=directory)
             at_start = 0
         else:
             at_start = len((await client.get(episode)).turns)
@@ -286,12 +307,16 @@ class ToyEnvWorker:
                 # Inside the turn, before it commits: the row exists before anything
                 # that references it.
                 await _write_row(data_plane, key, row)
+                if turn.directory is not None:
+                    sandbox_turn(turn.directory, state.turn, record)
                 turn.complete(_encode(record), new_state.to_bytes(), [key])
         final = await client.get(episode)
         return RolloutOutcome(
             episode=episode, instance_id=task.instance_id, node_id=self._node_id,
             records=final.turns, staging_keys=ordered_staging_keys(final),
-            turns_at_start=at_start, turns_run=task.turns - at_start)
+            turns_at_start=at_start, turns_run=task.turns - at_start,
+            directory=None if final.directory is None
+            else directory_listing(Path(final.directory)))
 
     async def _client(self, namespace: str, instance_id: str) -> SessionClient:
         key = (namespace, instance_id)
@@ -299,6 +324,61 @@ class ToyEnvWorker:
             self._clients[key] = await SessionClient.connect(instance_id=instance_id,
                                                              namespace=namespace)
         return self._clients[key]
+
+
+# --- the toy's sandbox: a repository checkout each turn works in ---------------------
+
+
+def make_sandbox(directory: Path) -> Path:
+    """A fresh checkout of the toy's repository at ``directory`` (a crashed attempt's
+    leftovers there go first). Every rollout starts from the same files."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    (directory / "src").mkdir(parents=True)
+    (directory / "README.md").write_text("# toy repository\n\nEach turn works in here.\n")
+    (directory / "src" / "app.py").write_text("def run(x):\n    return x\n")
+    data = hashlib.sha256(b"toy-data").digest() * 2048  # 64 KiB, the same in every rollout
+    (directory / "data.bin").write_bytes(data)
+    script = directory / "check.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    (directory / "entry").symlink_to("src/app.py")
+    return directory
+
+
+def sandbox_turn(directory: Path, turn: int, record: Mapping[str, Any]) -> None:
+    """What a toy turn does to its directory: create a note, append to the log, rename
+    the previous note, delete an old one. Derived from the turn's record only, so every
+    run of a rollout leaves the same bytes."""
+    notes = directory / "notes"
+    notes.mkdir(exist_ok=True)
+    (notes / f"turn-{turn:03d}.json").write_text(_encode(record).decode() + "\n")
+    action = record["action"]
+    with open(directory / "log.txt", "a") as log:
+        log.write(f"{turn} {action['tool']}({action['arg']}) -> {record['result']}\n")
+    if turn >= 1:
+        os.rename(notes / f"turn-{turn - 1:03d}.json", notes / f"done-{turn - 1:03d}.json")
+    if turn >= 3:
+        (notes / f"done-{turn - 3:03d}.json").unlink()
+    (directory / "src" / "app.py").write_text(
+        f"def run(x):\n    return x  # last result {record['result']}\n")
+
+
+def directory_listing(directory: Path) -> dict[str, tuple[str, int, bytes]]:
+    """Every entry below ``directory``: kind, mode bits and bytes (a link's target)."""
+    out: dict[str, tuple[str, int, bytes]] = {}
+    for dirpath, dirnames, filenames in os.walk(directory):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            rel = full.relative_to(directory).as_posix()
+            st = full.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", 0, os.readlink(full).encode())
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st.st_mode), b"")
+            else:
+                out[rel] = ("file", stat.S_IMODE(st.st_mode), full.read_bytes())
+    return out
 
 
 def _encode(record: Mapping[str, Any]) -> bytes:
