@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nemo_ckpt.blobs import BlobCache, BlobStore, digest_of
+from nemo_ckpt.blobs import BlobCache, BlobStore
 from nemo_ckpt.errors import RestoreConflictError, SandboxError
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.manifest import ShardEntry, TreesEntry, safe_name_part, trees_file_name
@@ -54,9 +54,9 @@ class Recorded:
     """A directory's tree as one scan recorded it."""
 
     seen: dict[str, Seen]
-    tree: bytes  # its digest
+    tree: bytes  # its top tree object's digest
     tree_size: int
-    files: frozenset[bytes]
+    blobs: frozenset[bytes]  # every blob it references: tree objects and files
     file_count: int
     file_bytes: int
 
@@ -84,7 +84,7 @@ class SandboxCapture:
     """The sandboxes of one snapshot's captured sessions (see ``Sandboxes.capture``)."""
 
     rows: list[tuple[str, int, bytes, int]] = field(default_factory=list)
-    files: list[frozenset[bytes]] = field(default_factory=list)
+    blobs: list[frozenset[bytes]] = field(default_factory=list)
 
 
 class Sandboxes:
@@ -150,12 +150,14 @@ class Sandboxes:
         cache = self.cache
         result = scan(directory, previous.seen if previous else None, cache.store_file)
         encoded = encode_tree(result.tree)
-        tree = digest_of(encoded)
-        if previous is None or tree != previous.tree:
-            cache.put(tree, encoded)
+        if previous is None or encoded.root != previous.tree:
+            known = previous.blobs if previous is not None else frozenset()
+            for digest, data in encoded.objects.items():
+                if digest not in known:
+                    cache.put(digest, data)
         stats = tree_stats(result.tree)
-        return Recorded(result.seen, tree, len(encoded),
-                        frozenset(e.data for e in result.tree.values() if e.kind == 1),
+        return Recorded(result.seen, encoded.root, encoded.root_size,
+                        frozenset(encoded.objects) | tree_refs(result.tree),
                         stats.files, stats.bytes)
 
     # --- bookkeeping (no await around these and the table's change) ------------------
@@ -175,13 +177,13 @@ class Sandboxes:
 
     def forget_unused(self, recorded: Recorded) -> None:
         """A recording no session took (its turn was refused): its blobs may go."""
-        for d in (recorded.tree, *recorded.files):
+        for d in recorded.blobs:
             if self._refs[d] <= 0:
                 self._unreferenced.add(d)
 
     def _count(self, recorded: Recorded, delta: int) -> None:
         refs = self._refs
-        for d in (recorded.tree, *recorded.files):
+        for d in recorded.blobs:
             n = refs[d] + delta
             if n > 0:
                 refs[d] = n
@@ -197,7 +199,7 @@ class Sandboxes:
             if box is not None:
                 rec = box.recorded
                 capture.rows.append((rollout_id, attempt, rec.tree, rec.tree_size))
-                capture.files.append(rec.files)
+                capture.blobs.append(rec.blobs)
         return capture
 
     # --- a snapshot's persist (blocking) -------------------------------------------
@@ -211,12 +213,12 @@ class Sandboxes:
         from nemo_ckpt.storage import folder_at
 
         store = BlobStore(self.blob_root, folder_at)
-        needed: set[bytes] = {row[2] for row in capture.rows}
-        for files in capture.files:
-            needed |= files
+        needed: set[bytes] = set()
+        for blobs in capture.blobs:
+            needed |= blobs
         written: BlobsWritten = persist_blobs(store, self.cache, needed, clock)
         return write_trees_file(directory, trees_file_name(snapshot_id, self.instance_id),
-                                self.instance_id, written.attribute(capture.rows, capture.files),
+                                self.instance_id, written.attribute(capture.rows, capture.blobs),
                                 len(needed), written)
 
     # --- a restore (blocking, then bookkeeping) --------------------------------------
@@ -256,8 +258,8 @@ class Sandboxes:
                 raise RestoreConflictError(
                     f"{self.instance_id}: cannot restore the directory of {key}: "
                     f"{target} already exists; remove it, or restore into a fresh job")
-            tree = fetch_tree(store, cache, tree_digest, tree_size, f"{rollout_id} "
-                              f"(attempt {attempt})")
+            tree, objects = fetch_tree(store, cache, tree_digest, tree_size,
+                                       f"{rollout_id} (attempt {attempt})")
 
             def fetch(digest: bytes, size: int) -> bytes:
                 data = cache.read(digest, size)
@@ -273,8 +275,8 @@ class Sandboxes:
             stats = tree_stats(tree)
             restored.append(RestoredSandbox(
                 rollout_id, place, target,
-                Recorded({}, tree_digest, tree_size, frozenset(tree_refs(tree)),
-                         stats.files, stats.bytes)))
+                Recorded({}, tree_digest, tree_size,
+                         frozenset(objects) | tree_refs(tree), stats.files, stats.bytes)))
         return restored
 
     def commit_restore(self, restored: list[RestoredSandbox]) -> None:

@@ -103,9 +103,10 @@ def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None
                     directory, shard.trees, shard.instance_id):
                 if tree_digest in refs:
                     continue
-                refs.add(tree_digest)
-                refs |= tree_refs(fetch_tree(store, None, tree_digest, tree_size,
-                                             f"{rollout_id} in {path}"))
+                tree, objects = fetch_tree(store, None, tree_digest, tree_size,
+                                           f"{rollout_id} in {path}")
+                refs.update(objects)
+                refs |= tree_refs(tree)
     out = frozenset(refs)
     if cache is not None:
         for old in [k for k in cache if k[0] == path]:  # a replaced snapshot's

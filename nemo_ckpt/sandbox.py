@@ -13,14 +13,17 @@ What a tree may hold, and what it never does:
 - regular files (content by digest, mode bits kept), directories (mode bits kept) and
   symbolic links (the link itself, its target as text: never followed);
 - no device, FIFO or socket: ``scan`` refuses them with ``SandboxError`` naming the path;
-- no path that could leave its directory: ``decode_tree`` refuses absolute paths, ``..``,
-  empty parts, and any entry whose parent is not a directory of the same tree (a link
-  as a parent would make a write follow it), so ``materialize`` only ever creates
-  entries below the directory it made.
+- no path that could leave its directory: a stored tree names entries one directory
+  at a time, by plain names (no ``/``, ``.``, ``..``), and only a directory has entries
+  below it (a link as a parent would make a write follow it), so ``materialize`` only
+  ever creates entries below the directory it made.
 
-Encoded (in a shard, as one msgpack bin): ``[[path, kind, mode, size, data], ...]`` sorted
-by path; ``kind`` is 0 for a directory, 1 for a file (``data`` its 16-byte XXH3-128
-digest), 2 for a link (``data`` its target, UTF-8 with surrogate escapes).
+Encoded, as git does: one *tree object* per directory, a blob of its own (so a changed
+file costs new objects only along its path, not the whole listing), each the msgpack
+``[[name, kind, mode, size, data], ...]`` sorted by name; ``kind`` is 0 for a directory
+(``data`` its tree object's digest, ``size`` that object's length), 1 for a file
+(``data`` its 16-byte XXH3-128 digest), 2 for a link (``data`` its target, UTF-8 with
+surrogate escapes). A session's tree is named by its top object's digest and length.
 """
 
 from __future__ import annotations
@@ -30,16 +33,17 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import msgpack
+import xxhash
 
 from nemo_ckpt.errors import SandboxError
 
 __all__ = ["DIR", "FILE", "LINK", "Entry", "Tree", "TreeStats", "ScanResult", "Seen",
-           "scan", "encode_tree", "decode_tree", "materialize", "tree_digests", "tree_stats",
-           "diff_trees", "EMPTY_TREE"]
+           "EncodedTree", "scan", "encode_tree", "decode_tree", "materialize", "tree_digests",
+           "tree_stats", "diff_trees", "MAX_DEPTH"]
 
 DIR, FILE, LINK = 0, 1, 2
 _KIND_NAMES = {DIR: "directory", FILE: "file", LINK: "symlink"}
@@ -59,9 +63,10 @@ class Entry:
     data: bytes
 
 
-# A tree: relative POSIX path -> entry. "." (the directory itself) is not listed.
+# A tree: relative POSIX path -> entry. "." (the directory itself) is not listed. A
+# directory's entry carries no data here (its tree object's digest is the encoding's).
 Tree = dict[str, Entry]
-EMPTY_TREE = b"\x90"  # msgpack's empty array
+MAX_DEPTH = 256  # directories deeper than this are refused when a stored tree is read
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,53 +160,101 @@ def _special_kind(mode: int) -> str:
     return "special file"
 
 
-def encode_tree(tree: Tree) -> bytes:
-    """The msgpack of ``tree`` (see the module docstring)."""
-    return msgpack.packb([[p, e.kind, e.mode, e.size, e.data] for p, e in sorted(tree.items())],
-                         use_bin_type=True)
+@dataclass(frozen=True)
+class EncodedTree:
+    """A tree as stored: its top object's digest and length, and every tree object."""
+
+    root: bytes
+    root_size: int
+    objects: dict[bytes, bytes]  # digest -> tree object, the top one included
 
 
-def decode_tree(data: bytes, where: str) -> Tree:
-    """A tree from ``encode_tree``'s bytes, or ``SandboxError`` (naming ``where``) for
-    anything a restore must not create: see the module docstring."""
-    try:
-        rows = msgpack.unpackb(data, raw=False, use_list=True)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise SandboxError(f"the sandbox tree of {where} does not decode ({exc})") from None
-    if not isinstance(rows, list):
-        raise SandboxError(f"the sandbox tree of {where} is not a list of entries")
-    tree: Tree = {}
-    for row in rows:
-        if not (isinstance(row, list) and len(row) == 5):
-            raise SandboxError(f"the sandbox tree of {where} has a malformed entry {row!r:.100}")
-        path, kind, mode, size, blob = row
-        if not (isinstance(path, str) and type(kind) is int and kind in _KIND_NAMES
-                and type(mode) is int and 0 <= mode <= 0o7777 and type(size) is int
-                and size >= 0 and isinstance(blob, bytes)):
-            raise SandboxError(f"the sandbox tree of {where} has a malformed entry {row!r:.100}")
-        _check_path(path, where)
-        if path in tree:
-            raise SandboxError(f"the sandbox tree of {where} lists {path!r} twice")
-        if kind == FILE and len(blob) != 16:
-            raise SandboxError(f"the sandbox tree of {where} gives {path!r} a digest of "
-                               f"{len(blob)} bytes, not 16")
-        tree[path] = Entry(kind, mode, size, blob)
+def _digest(data: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def encode_tree(tree: Tree) -> EncodedTree:
+    """``tree``'s tree objects (see the module docstring), deepest directories first."""
+    children: dict[str, list[tuple[str, str]]] = {"": []}
     for path in tree:
-        parent = path.rpartition("/")[0]
-        if parent and (tree.get(parent) is None or tree[parent].kind != DIR):
-            raise SandboxError(
-                f"the sandbox tree of {where} puts {path!r} below {parent!r}, which it does "
-                f"not list as a directory; restoring it could write outside the sandbox")
-    return tree
+        parent, _, name = path.rpartition("/")
+        children.setdefault(parent, []).append((name, path))
+        if tree[path].kind == DIR:
+            children.setdefault(path, [])
+    objects: dict[bytes, bytes] = {}
+    encoded: dict[str, tuple[bytes, int]] = {}
+    for directory in sorted(children, key=lambda d: d.count("/") + (d != ""), reverse=True):
+        rows = []
+        for name, path in sorted(children[directory]):
+            e = tree[path]
+            if e.kind == DIR:
+                digest, size = encoded[path]
+                rows.append([name, DIR, e.mode, size, digest])
+            else:
+                rows.append([name, e.kind, e.mode, e.size, e.data])
+        data = msgpack.packb(rows, use_bin_type=True)
+        digest = _digest(data)
+        objects[digest] = data
+        encoded[directory] = (digest, len(data))
+    root, size = encoded[""]
+    return EncodedTree(root, size, objects)
 
 
-def _check_path(path: str, where: str) -> None:
-    parts = path.split("/")
-    if not path or path.startswith("/") or "\x00" in path or "\\" in path \
-            or any(p in ("", ".", "..") for p in parts) \
-            or PurePosixPath(path).is_absolute():
-        raise SandboxError(f"the sandbox tree of {where} holds the path {path!r}, which "
-                           f"would leave its directory; restore an earlier checkpoint")
+def decode_tree(root: bytes, size: int, fetch: Callable[[bytes, int], bytes], where: str
+                ) -> tuple[Tree, dict[bytes, int]]:
+    """The tree whose top object is ``root`` (``fetch(digest, size)`` returns a tree
+    object's verified bytes), and every tree object it took; ``SandboxError`` (naming
+    ``where``) for anything a restore must not create (see the module docstring)."""
+    tree: Tree = {}
+    objects: dict[bytes, int] = {}
+    pending: list[tuple[str, bytes, int, int]] = [("", root, size, 0)]
+    while pending:
+        prefix, digest, length, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise SandboxError(f"the sandbox tree of {where} is deeper than {MAX_DEPTH} "
+                               f"directories")
+        objects[digest] = length
+        data = fetch(digest, length)
+        try:
+            rows = msgpack.unpackb(data, raw=False, use_list=True)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise SandboxError(f"a tree object of {where} does not decode ({exc})") from None
+        if not isinstance(rows, list):
+            raise SandboxError(f"a tree object of {where} is not a list of entries")
+        names: set[str] = set()
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 5):
+                raise SandboxError(f"the sandbox tree of {where} has a malformed entry "
+                                   f"{row!r:.100}")
+            name, kind, mode, entry_size, blob = row
+            if not (isinstance(name, str) and type(kind) is int and kind in _KIND_NAMES
+                    and type(mode) is int and 0 <= mode <= 0o7777
+                    and type(entry_size) is int and entry_size >= 0
+                    and isinstance(blob, bytes)):
+                raise SandboxError(f"the sandbox tree of {where} has a malformed entry "
+                                   f"{row!r:.100}")
+            path = prefix + name
+            if not _plain_name(name):
+                raise SandboxError(f"the sandbox tree of {where} holds the path {path!r}, "
+                                   f"which would leave its directory; restore an earlier "
+                                   f"checkpoint")
+            if name in names:
+                raise SandboxError(f"the sandbox tree of {where} lists {path!r} twice")
+            names.add(name)
+            if kind in (DIR, FILE) and len(blob) != 16:
+                raise SandboxError(f"the sandbox tree of {where} gives {path!r} a digest "
+                                   f"of {len(blob)} bytes, not 16")
+            if kind == DIR:
+                tree[path] = Entry(DIR, mode, 0, b"")
+                pending.append((path + "/", blob, entry_size, depth + 1))
+            else:
+                tree[path] = Entry(kind, mode, entry_size, blob)
+    return tree, objects
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name \
+        and "\\" not in name and "\x00" not in name
 
 
 def tree_digests(tree: Tree) -> set[bytes]:

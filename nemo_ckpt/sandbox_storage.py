@@ -158,14 +158,19 @@ def persist_blobs(store: BlobStore, cache: BlobCache, needed: Iterable[bytes],
 
 
 def fetch_tree(store: BlobStore, cache: BlobCache | None, digest: bytes, size: int,
-               where: str) -> Tree:
-    """The tree of ``digest``, from the cache or the store, verified and checked safe."""
-    data = cache.read(digest, size) if cache is not None else None
-    if data is None:
-        data = store.read(digest, size)
-        if cache is not None:
-            cache.put(digest, data)
-    return decode_tree(data, where)
+               where: str) -> tuple[Tree, dict[bytes, int]]:
+    """The tree whose top object is ``digest``, its objects read from the cache or the
+    store (verified, and kept in the cache), checked safe; and those objects."""
+
+    def fetch(d: bytes, n: int) -> bytes:
+        data = cache.read(d, n) if cache is not None else None
+        if data is None:
+            data = store.read(d, n)
+            if cache is not None:
+                cache.put(d, data)
+        return data
+
+    return decode_tree(digest, size, fetch, where)
 
 
 @dataclass
@@ -207,8 +212,8 @@ def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest
         for rollout_id, attempt, digest, size, new in rows:
             entry = SessionDirectory(shard.instance_id, rollout_id, attempt, digest, new)
             try:
-                entry.tree = fetch_tree(store, None, digest, size,
-                                        f"{rollout_id} in {checkpoint_path}")
+                entry.tree, _ = fetch_tree(store, None, digest, size,
+                                           f"{rollout_id} in {checkpoint_path}")
             except NemoCkptError as exc:
                 entry.error = str(exc)
             found[rollout_id] = entry

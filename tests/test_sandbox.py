@@ -124,8 +124,11 @@ def test_materialize_rebuilds_the_directory_byte_for_byte(tmp_path: Path) -> Non
     (repo / "empty").chmod(0o500)  # a read-only directory is filled before its mode is set
     cache = BlobCache(tmp_path / "cache")
     tree = scan(repo, None, cache.store_file).tree
-    decoded = decode_tree(encode_tree(tree), "test")
-    assert decoded == tree
+    encoded = encode_tree(tree)
+    decoded, objects = decode_tree(encoded.root, encoded.root_size,
+                                   lambda d, n: encoded.objects[d], "test")
+    assert decoded == tree and set(objects) == set(encoded.objects)
+    assert len(encoded.objects) == 4  # one tree object per directory: ., src, src/pkg, empty
     written = materialize(decoded, tmp_path / "out", lambda d, n: cache.read(d, n))
     assert _tree_of(tmp_path / "out") == _tree_of(repo)
     assert written == sum(e.size for e in tree.values() if e.kind == FILE)
@@ -133,19 +136,44 @@ def test_materialize_rebuilds_the_directory_byte_for_byte(tmp_path: Path) -> Non
     (tmp_path / "out" / "empty").chmod(0o700)
 
 
-@pytest.mark.parametrize("path", ["../x", "/etc/passwd", "a/../../x", "a//b", "./a", ""])
-def test_a_stored_path_that_would_leave_its_directory_is_refused(path: str) -> None:
-    data = msgpack.packb([[path, FILE, 0o644, 1, b"\x00" * 16]], use_bin_type=True)
+def _objects(*rows_per_object: list[list[object]]) -> tuple[bytes, int, dict[bytes, bytes]]:
+    """Tree objects from rows; the first is the top one."""
+    objects = {}
+    first = None
+    for rows in rows_per_object:
+        data = msgpack.packb(rows, use_bin_type=True)
+        objects[digest_of(data)] = data
+        first = first or (digest_of(data), len(data))
+    assert first is not None
+    return first[0], first[1], objects
+
+
+@pytest.mark.parametrize("name", ["..", "/etc/passwd", "a/../../x", "a/b", ".", ""])
+def test_a_stored_name_that_would_leave_its_directory_is_refused(name: str) -> None:
+    root, size, objects = _objects([[name, FILE, 0o644, 1, b"\x00" * 16]])
     with pytest.raises(SandboxError, match="would leave its directory"):
-        decode_tree(data, "r1")
+        decode_tree(root, size, lambda d, n: objects[d], "r1")
 
 
-def test_an_entry_below_a_stored_link_is_refused(tmp_path: Path) -> None:
-    # "a" a link to /tmp, then "a/evil": writing it would follow the link out.
-    data = msgpack.packb([["a", LINK, 0o777, 4, b"/tmp"],
-                          ["a/evil", FILE, 0o644, 1, b"\x00" * 16]], use_bin_type=True)
-    with pytest.raises(SandboxError, match="not list as a directory"):
-        decode_tree(data, "r1")
+def test_a_stored_link_never_has_entries_below_it() -> None:
+    # A link's entry names no tree object: "a" to /tmp cannot hold "a/evil".
+    root, size, objects = _objects([["a", LINK, 0o777, 4, b"/tmp"],
+                                    ["a/evil", FILE, 0o644, 1, b"\x00" * 16]])
+    with pytest.raises(SandboxError, match="would leave its directory"):
+        decode_tree(root, size, lambda d, n: objects[d], "r1")
+
+
+def test_a_changed_file_costs_new_tree_objects_only_along_its_path(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    for i in range(20):
+        (repo / f"dir{i}").mkdir()
+        (repo / f"dir{i}" / "f").write_text(str(i))
+    cache = BlobCache(tmp_path / "cache")
+    before = encode_tree(scan(repo, None, cache.store_file).tree)
+    (repo / "src" / "pkg" / "mod.py").write_text("changed\n")
+    after = encode_tree(scan(repo, None, cache.store_file).tree)
+    new = set(after.objects) - set(before.objects)
+    assert len(after.objects) == 24 and len(new) == 3  # ., src and src/pkg
 
 
 def test_the_blob_store_writes_only_what_it_lacks_and_refuses_a_damaged_blob(
