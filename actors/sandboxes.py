@@ -16,7 +16,8 @@ removed by ``sweep``, which the holder runs only while no snapshot or restore is
 Layout under ``sandbox_root`` (the same path on every node):
 
     <sandbox_root>/<anything>/...             sessions' directories (the worker's)
-    <sandbox_root>/<capture key>              a restored session's directory
+    <sandbox_root>/<capture key>              a restored session's directory (or
+                                              <capture key>.<restore id> if that is taken)
     <sandbox_root>/.nemo-ckpt/<instance>/blobs    the cache
     <sandbox_root>/.nemo-ckpt/<instance>/restore-<id>/<capture key>   a restore's staging
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -104,6 +106,11 @@ class Sandboxes:
         # Scans running in threads: a sweep waits for none of them, it is skipped (a
         # scan may find a blob in the cache that the sweep is about to remove).
         self.scans_in_flight = 0
+        # Directories of an undone restore, to remove before any restore materializes
+        # (its retry makes the same ones); the lock makes a restore wait for a removal
+        # that a background thread has begun.
+        self._doomed: list[Path] = []
+        self._doomed_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._by_rollout)
@@ -242,6 +249,7 @@ class Sandboxes:
                                f"directories, but its manifest names no blob store")
         from nemo_ckpt.storage import folder_at
 
+        self.remove_doomed()  # an undone restore's directories: its retry makes them again
         store = BlobStore(blob_store, folder_at)
         cache = self.cache
         staging = self._private / f"restore-{safe_name_part(restore_id)}"
@@ -254,6 +262,10 @@ class Sandboxes:
                 raise SandboxError(f"trees file {entry.trees.file} names rollout "
                                    f"{rollout_id!r}, which its shard does not hold")
             target = self.target_of(key)
+            if os.path.lexists(target):
+                # Left by a restore of this snapshot that did not survive (its holder
+                # died after it went live), or someone else's: keep it, and go beside it.
+                target = self.root / f"{safe_name_part(key)}.{safe_name_part(restore_id)}"
             if os.path.lexists(target):
                 raise RestoreConflictError(
                     f"{self.instance_id}: cannot restore the directory of {key}: "
@@ -294,10 +306,16 @@ class Sandboxes:
             shutil.rmtree(self._private / f"restore-{safe_name_part(restore_id)}",
                           ignore_errors=True)
 
-    def remove_restored(self, directories: Iterable[Path]) -> None:
-        """Remove directories an undone restore made (blocking)."""
-        for d in directories:
-            shutil.rmtree(d, ignore_errors=True)
+    def doom(self, directories: Iterable[Path]) -> None:
+        """Directories an undone restore made: ``remove_doomed`` removes them."""
+        self._doomed.extend(directories)
+
+    def remove_doomed(self) -> None:
+        """Remove the doomed directories (blocking; waits for a removal under way)."""
+        with self._doomed_lock:
+            doomed, self._doomed = self._doomed, []
+            for d in doomed:
+                shutil.rmtree(d, ignore_errors=True)
 
     def forget_restore(self, restored: Iterable[RestoredSandbox]) -> None:
         for box in restored:

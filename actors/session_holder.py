@@ -342,8 +342,9 @@ class SessionHolder:
             self._table.drop(rollout_id)
             self._sandboxes.drop(rollout_id)
         if self._undo_directories:
-            self._background(self._sandboxes.remove_restored, self._undo_directories)
+            self._sandboxes.doom(self._undo_directories)
             self._undo_directories = []
+            self._background(self._sandboxes.remove_doomed)
         self._history.record(restore_id, Outcome.ABORTED, replace=True)
         log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
                     "sessions were dropped again", self.instance_id, restore_id,
@@ -950,8 +951,8 @@ class SessionHolder:
         if op.sandboxes:
             await self._runtime.run_blocking(self._sandboxes.commit_restore, op.sandboxes)
             if self._operation() is not op:  # aborted or lapsed while they moved
-                self._background(self._sandboxes.remove_restored,
-                                 [b.target for b in op.sandboxes])
+                self._sandboxes.doom(b.target for b in op.sandboxes)
+                self._background(self._sandboxes.remove_doomed)
                 raise self._refusal(restore_id)
         for held in op.pending:
             self._table.put(held)
