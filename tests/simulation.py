@@ -8,7 +8,9 @@ real files in a temporary folder). Faults: actors killed (holders, the coordinat
 driver, workers, whole nodes), the driver's operation and workers' rollouts cancelled,
 clocks jumping past leases, shard and manifest writes failing or torn by a death
 mid-write, shard reads slower than a lease, cuts that do not match (caught inside the
-block or not), an exception inside ``restored()``.
+block or not), an exception inside ``restored()``. In about a third of the schedules the
+rollouts own sandbox directories, which every turn changes and checks against the
+session's state, and every committed snapshot's directories must verify blob by blob.
 
     .venv/bin/python -m tests.simulation                  # 10,000 schedules on 2 processes
     .venv/bin/python -m tests.simulation --replay SEED    # one schedule, with its trace
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -48,6 +51,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
+from nemo_ckpt.sandbox_storage import verify_directories
 from nemo_ckpt.sessions import SessionClient, SessionRecord
 from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot
 from nemo_ckpt.testing.data_plane import StaticCut
@@ -71,7 +75,8 @@ TRIGGERS = {
                 "begin_snapshot", "start_writes", "commit_snapshot", "abort_snapshot",
                 "renew"],
     "kill_after_io": ["write_held_shard", "write_manifest", "load_shard", "read_manifest",
-                      "remove_snapshot_files", "remove_unreferenced_files"],
+                      "remove_snapshot_files", "remove_unreferenced_files", "persist",
+                      "prepare_restore", "commit_restore", "collect_quietly"],
     "cancel_at": ["begin_snapshot", "start_writes", "commit_snapshot", "renew",
                   "prepare_restore", "commit_restore"],
 }
@@ -100,6 +105,7 @@ class Plan:
     bad_cut: float
     catch_mismatch: bool
     raise_in_restore: bool
+    sandboxes: bool
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -127,6 +133,8 @@ class Plan:
             bad_cut=rng.choice([0.0, 0.0, 0.25]),
             catch_mismatch=rng.random() < 0.5,
             raise_in_restore=rng.random() < 0.15,
+            # Its own draw: the plans of every other seed stay as they were.
+            sandboxes=random.Random(f"sandboxes-{seed}").random() < 0.35,
         )
 
 
@@ -214,7 +222,8 @@ class Driver:
 
     def __init__(self, sim: Schedule, name: str) -> None:
         self.actor = sim.world.new_actor("driver", name, "node-0")
-        self.ckpt = RayEnvironmentCheckpoint(CONFIG, sim.world.transport(self.actor, CONFIG))
+        self.ckpt = RayEnvironmentCheckpoint(sim.config,
+                                             sim.world.transport(self.actor, sim.config))
         self.name = name
         self.op_task: asyncio.Task[Any] | None = None
         self.record: OpRecord | None = None  # the operation it runs now
@@ -227,6 +236,9 @@ class Schedule:
         self.plan = Plan.make(seed)
         self.world = SimWorld(seed, self.plan.nodes)
         self.root = root
+        self.sandbox_root = root / "sandboxes" if self.plan.sandboxes else None
+        self.config = CONFIG if self.sandbox_root is None else CONFIG.model_copy(
+            update={"checkpoint_root": root, "sandbox_root": self.sandbox_root})
         self.rl = SimRL()
         self.tracing = tracing
         self.trace: list[str] = []
@@ -332,6 +344,16 @@ class Schedule:
                 if rng.random() < plan.io_tear:
                     self.faults += 1
                     self.log("fault: a holder dies in the middle of its shard write")
+                    return "tear"
+            if name in ("persist", "prepare_restore") and plan.sandboxes:
+                # A sandbox's blobs and trees file, or a restore's directories.
+                if rng.random() < plan.io_fail:
+                    self.faults += 1
+                    self.log(f"fault: a sandbox {name} fails")
+                    return "fail"
+                if name == "persist" and rng.random() < plan.io_tear:
+                    self.faults += 1
+                    self.log("fault: a holder dies in the middle of writing its blobs")
                     return "tear"
             if name == "write_manifest" and rng.random() < plan.io_fail / 2:
                 self.faults += 1
@@ -653,7 +675,7 @@ class Schedule:
 
     async def _rollout(self, worker: SimActor, instance: str, ep: Ep, start: int,
                        fresh: bool) -> None:
-        transport = self.world.transport(worker, CONFIG)
+        transport = self.world.transport(worker, self.config)
         try:
             await asyncio.sleep(self.rng.uniform(0.0, 0.5))
             handle = transport.holder(instance)
@@ -662,7 +684,13 @@ class Schedule:
             client = SessionClient(handle, transport)
             if fresh:
                 await self.rl.dispatch(instance, ep)
-                await client.open(ep, f"{ep.rollout_id}:0".encode())
+                directory = None
+                if self.sandbox_root is not None:
+                    directory = self.sandbox_root / "work" / ep.capture_key
+                    shutil.rmtree(directory, ignore_errors=True)
+                    directory.mkdir(parents=True)
+                    (directory / "state").write_bytes(f"{ep.rollout_id}:0".encode())
+                await client.open(ep, f"{ep.rollout_id}:0".encode(), directory=directory)
             for t in range(start, self.plan.turns):
                 if self.stop:
                     return
@@ -670,12 +698,28 @@ class Schedule:
                     await asyncio.sleep(self.rng.uniform(0.05, 0.6))
                     key = f"{ep.capture_key}/row{t}"
                     await self.rl.write_row(key)
-                    turn.complete(f"t{t}".encode(), f"{ep.rollout_id}:{t + 1}".encode(), [key])
+                    state = f"{ep.rollout_id}:{t + 1}".encode()
+                    if turn.directory is not None:
+                        self._sandbox_turn(ep, turn.directory, turn.state, t, state)
+                    turn.complete(f"t{t}".encode(), state, [key])
                 await asyncio.sleep(self.rng.uniform(0.0, 0.2))
             await self._finish(instance, ep)
         except Exception as exc:
             self.log(f"rollout {ep.capture_key} gives up: {type(exc).__name__}: {_short(exc)}")
             self._check_error_kind(exc, f"a session call of {ep.capture_key}")
+
+    def _sandbox_turn(self, ep: Ep, directory: Path, before: bytes, t: int,
+                      after: bytes) -> None:
+        """A turn's work in its directory: it must start as the session's state says
+        (after a restore too), then a file is added, one edited, one removed."""
+        found = (directory / "state").read_bytes() if (directory / "state").exists() else None
+        if found != before:
+            self.violate(f"the directory of {ep.capture_key} holds state {found!r} at turn "
+                         f"{t}, its session {before!r}")
+        (directory / f"t{t}").write_bytes(b"x" * (t + 1))
+        (directory / "state").write_bytes(after)
+        with contextlib.suppress(FileNotFoundError):
+            (directory / f"t{t - 2}").unlink()
 
     async def _finish(self, instance: str, ep: Ep) -> None:
         """RL records the result and retires the attempt, under the snapshots' lock."""
@@ -852,6 +896,9 @@ class Schedule:
             for record in records:
                 want = record.continued()
                 got = live.get(want.episode)
+                if got is not None and self.sandbox_root is not None:
+                    self._check_restored_directory(got)
+                    got = dataclasses.replace(got, directory=None)
                 if got != want:
                     self.violate(f"restored {instance}/{want.episode.capture_key} is {got}, "
                                  f"captured {want}")
@@ -860,6 +907,16 @@ class Schedule:
         if set(restored.continued_attempts) != want_attempts:
             self.violate("restored.continued_attempts differs from the snapshot's sessions")
         self._check_one_live_session_per_rollout(sessions)
+
+    def _check_restored_directory(self, session: SessionRecord) -> None:
+        if session.directory is None:
+            self.violate(f"restored {session.episode.capture_key} has no directory")
+            return
+        state = Path(session.directory) / "state"
+        found = state.read_bytes() if state.exists() else None
+        if found != session.state:
+            self.violate(f"the restored directory of {session.episode.capture_key} holds "
+                         f"state {found!r}, its session {session.state!r}")
 
     def _check_one_live_session_per_rollout(self,
                                             sessions: dict[str, list[SessionRecord]]) -> None:
@@ -962,6 +1019,9 @@ class Schedule:
                              f"{type(exc).__name__}: {_short(exc)}")
                 continue
             sid = loaded.manifest.snapshot_id
+            for problem in verify_directories(path, loaded.manifest):
+                self.violate(f"{Path(path).name}: {sid}'s directories do not verify: "
+                             f"{problem}")
             if sid in self.failed_checks:
                 self.violate(f"{Path(path).name}: {sid} is committed although its check "
                              f"failed")
