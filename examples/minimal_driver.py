@@ -27,7 +27,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -189,6 +191,8 @@ class Driver:
     def __init__(self, ckpt: RayEnvironmentCheckpoint, turn_seconds: float) -> None:
         self.ckpt = ckpt
         self.turn_seconds = turn_seconds
+        sandbox_root = ckpt.config.sandbox_root
+        self.sandbox_root = None if sandbox_root is None else str(sandbox_root)
         self.data_plane = DataPlaneActor.remote()
         # Snapshots and "finish + retire" exclude each other: between RL's "finished"
         # and the backend's retire, a snapshot would see a session the ledger no
@@ -202,7 +206,7 @@ class Driver:
             self.workers[holder.instance_id] = EnvWorkerActor.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(holder.node_id, soft=False),
             ).remote(holder.instance_id, self.ckpt.config.namespace, self.data_plane,
-                     self.turn_seconds)
+                     self.turn_seconds, self.sandbox_root)
 
     async def dispatch(self, rollout_id: str, instance_id: str) -> EnvironmentEpisode:
         episode: EnvironmentEpisode = await self.data_plane.dispatch.remote(
@@ -252,7 +256,8 @@ async def wait_until_gone(namespace: str, timeout_s: float = 30.0) -> None:
 
 async def main_async(args: argparse.Namespace, address: str) -> int:
     root = args.checkpoint_dir.resolve()  # holders on other nodes resolve no relative path
-    config = CheckpointConfig(namespace=args.namespace, checkpoint_root=root)
+    config = CheckpointConfig(namespace=args.namespace, checkpoint_root=root,
+                              sandbox_root=args.sandbox_root)  # rollouts' directories
     path = root / "step-1"
     rollouts = [f"r{i}" for i in range(args.rollouts)]
     half = args.turns // 2
@@ -335,6 +340,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", type=checkpoint_folder, default=Path("minimal-checkpoints"),
                    help="checkpoint root; on a running cluster every node must mount it at "
                         "the same path (default: minimal-checkpoints)")
+    p.add_argument("--sandbox-root", type=Path, default=None,
+                   help="give every rollout a sandbox directory under this folder (the "
+                        "same path on every node; default: a new temporary folder)")
+    p.add_argument("--no-sandboxes", action="store_true",
+                   help="run the rollouts without sandbox directories")
     p.add_argument("--rollouts", type=at_least(3), default=6)
     p.add_argument("--turns", type=at_least(4), default=6, help="turns per rollout")
     p.add_argument("--turn-seconds", type=non_negative_float, default=0.02,
@@ -343,6 +353,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     problem = writable_folder_problem(args.checkpoint_dir)
     if problem is not None:
         p.error(f"argument --checkpoint-dir: {problem}")
+    if args.no_sandboxes:
+        args.sandbox_root = None
+    elif args.sandbox_root is None:  # removed at the end (made_sandbox_root)
+        args.sandbox_root = Path(tempfile.mkdtemp(prefix="nemo-ckpt-minimal-sandboxes-"))
+        args.made_sandbox_root = True
+    else:
+        args.sandbox_root = args.sandbox_root.resolve()
     return args
 
 
@@ -377,6 +394,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
+        if getattr(args, "made_sandbox_root", False):
+            shutil.rmtree(args.sandbox_root, ignore_errors=True)
 
 
 if __name__ == "__main__":

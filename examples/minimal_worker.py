@@ -8,12 +8,17 @@ namespace; a rollout always runs on the instance RL's ledger dispatched it to.
 Each turn writes one token-capture staging row to RL's data plane *inside* the turn,
 before the turn commits: the rule that lets a snapshot's check find every row a
 captured session references.
+
+With a sandbox root, each rollout also owns a directory there, and every turn appends
+its record to the directory's ``turns.log``: a continued rollout checks that the log
+its restored directory holds is exactly its restored turns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -53,16 +58,37 @@ def expected_records(rollout_id: str, turns: int) -> list[bytes]:
     return records
 
 
+def append_to_log(sandbox: Path, record: bytes, turns: tuple[bytes, ...]) -> None:
+    """A turn's work in its sandbox: check that ``turns.log`` holds exactly the
+    session's committed turns (after a restore too), then append this turn's record."""
+    log = sandbox / "turns.log"
+    if log.read_bytes() != b"".join(t + b"\n" for t in turns):
+        raise RuntimeError(f"{log} does not hold the session's {len(turns)} turns: the "
+                           f"directory and the session were not restored together")
+    with open(log, "ab") as f:
+        f.write(record + b"\n")
+
+
 class EnvWorker:
     """Runs rollouts for one session-holder instance."""
 
     def __init__(self, instance_id: str, namespace: str, data_plane: Any,
-                 turn_seconds: float = 0.0) -> None:
+                 turn_seconds: float = 0.0, sandbox_root: str | None = None) -> None:
         self.instance_id = instance_id
         self.namespace = namespace  # the same as CheckpointConfig.namespace
         self.data_plane = data_plane  # RL's data plane: an actor handle
         self.turn_seconds = turn_seconds
+        self.sandbox_root = sandbox_root  # the same as CheckpointConfig.sandbox_root
         self.client: SessionClient | None = None
+
+    def new_sandbox(self, episode: EnvironmentEpisode) -> Path | None:
+        """A fresh attempt's sandbox directory, under the sandbox root (None without)."""
+        if self.sandbox_root is None:
+            return None
+        sandbox = Path(self.sandbox_root) / "work" / episode.capture_key
+        sandbox.mkdir(parents=True, exist_ok=True)  # the rollout's checkout, say
+        (sandbox / "turns.log").write_bytes(b"")
+        return sandbox
 
     async def run(self, episode: EnvironmentEpisode, until_turn: int, fresh: bool
                   ) -> list[bytes]:
@@ -74,7 +100,8 @@ class EnvWorker:
                                                       namespace=self.namespace)
         client = self.client
         if fresh:
-            await client.open(episode, state=initial_state(episode.rollout_id))
+            await client.open(episode, state=initial_state(episode.rollout_id),
+                              directory=self.new_sandbox(episode))  # None: no directory
         session = await client.get(episode)
         for _ in range(len(session.turns), until_turn):
             async with client.turn(episode) as turn:             # waits while a snapshot pauses
@@ -82,6 +109,8 @@ class EnvWorker:
                 new_state, record, row = run_one_turn(turn.state)
                 key = f"{episode.capture_key}/t{len(turn.turns)}"
                 await self.data_plane.write_staging.remote(key, row)  # inside the turn
+                if turn.directory is not None:                    # restored with the session
+                    append_to_log(turn.directory, record, turn.turns)
                 turn.complete(record, new_state, [key])           # commits when the block exits
         # The session stays open: the driver retires it once RL has recorded the result.
         return list((await client.get(episode)).turns)
