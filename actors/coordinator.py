@@ -50,7 +50,12 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
-from nemo_ckpt.collection import CollectionReport, RefsCache, collect_quietly
+from nemo_ckpt.collection import (
+    CollectionReport,
+    RefsCache,
+    collect_quietly,
+    committed_snapshots,
+)
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -154,8 +159,10 @@ class _Operation:
     released: float | None = None  # when the holders were told to reopen their gates
     outcome: Outcome | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
-    # The manifest's blob_store ("../blobs") when sessions may own sandboxes.
+    # The manifest's blob_store ("../blobs") when sessions may own sandboxes, and the
+    # snapshot's hold on that store (``nemo_ckpt.blobs``), taken beside the pause.
     blob_ref: str | None = None
+    blob_hold: asyncio.Future[None] | None = None
 
 
 class CheckpointCoordinator:
@@ -185,6 +192,11 @@ class CheckpointCoordinator:
         self._collect_again = False
         self._refs_cache: RefsCache = {}
         self.last_collection: CollectionReport | None = None
+        # Whether blobs may have become garbage since the last collection: a commit
+        # replaced an older snapshot, one aborted after writing, or snapshots went
+        # (their paths, as that collection found them, tell).
+        self._garbage_possible = True
+        self._snapshots_seen: frozenset[str] = frozenset()
 
     # --- holders ---------------------------------------------------------------------
 
@@ -317,6 +329,8 @@ class CheckpointCoordinator:
         op.lease_deadline = self._clock.monotonic() + self._config.lease_s
         if op.kind == "snapshot" and op.captures is not None:
             await self._claim(op)
+            if op.blob_hold is not None and op.blob_hold.done():
+                await self._hold_blobs(op)
         await self._fan(op.holders, "renew_lease",
                         lambda inst, h: self._transport.call(
                             h, "renew_lease", operation_id, self._config.lease_s,
@@ -373,6 +387,10 @@ class CheckpointCoordinator:
                             h, "abort", op.id, timeout=self._config.phase_timeout_s),
                         tolerate_failures=True)
         if op.kind == "snapshot":
+            if op.blob_hold is not None and not op.blob_hold.done():
+                await asyncio.wait([op.blob_hold])  # its put must not land after the release
+            if op.blob_hold is not None:
+                self._garbage_possible = True  # its holders may have written blobs
             await self._release_blobs(op)
             try:
                 committed = await self._runtime.run_blocking(
@@ -412,6 +430,12 @@ class CheckpointCoordinator:
             # list, reads and put would otherwise add round trips to every pause. A
             # refused claim aborts the snapshot like any failure here: holders resume.
             claimed = asyncio.ensure_future(self._prepare_and_claim(op, directory))
+            if self._blob_store() is not None:
+                # Not awaited here: no holder relies on the store before it holds (the
+                # writes start after it, and the commit awaits it), and its file work
+                # would otherwise lengthen every pause.
+                op.blob_hold = asyncio.ensure_future(self._hold_blobs(op, first=True))
+                op.blob_hold.add_done_callback(lambda f: f.cancelled() or f.exception())
             begun = await self._fan(
                 op.holders, "pause_capture",
                 lambda inst, h: self._transport.call(
@@ -450,11 +474,15 @@ class CheckpointCoordinator:
         await self._runtime.run_blocking(
             claim_path, environment_folder(op.path), op.id, self._owner, self._clock.wall(),
             self._config.lease_s * 2)
+
+    async def _hold_blobs(self, op: _Operation, first: bool = False) -> None:
+        """Hold the blob store for the snapshot (or renew the hold): it relies on the
+        blobs there until it commits, so no collection may run meanwhile."""
         store = self._blob_store()
-        if store is not None:  # the snapshot relies on the blobs there: no collection now
+        if store is not None:
             await self._runtime.run_blocking(store.hold, op.id, self._owner,
                                              self._clock.wall(), self._config.lease_s * 2)
-            if self._collection is None or self._collection.done():
+            if first and (self._collection is None or self._collection.done()):
                 # A collection of this job that this coordinator is not running was left
                 # by a predecessor that died in it: the holders need not wait it out.
                 if await self._runtime.run_blocking(store.clear_dead_collection,
@@ -481,11 +509,24 @@ class CheckpointCoordinator:
         async def run() -> None:
             while True:
                 self._collect_again = False
+                snapshots = frozenset(await self._runtime.run_blocking(
+                    committed_snapshots, str(root)))
+                if not self._garbage_possible and snapshots >= self._snapshots_seen:
+                    # Nothing replaced, aborted or removed since the last collection: no
+                    # blob can have lost its last reference. (Collecting anyway costs a
+                    # listing of the store and every new snapshot's trees, in this
+                    # process, beside the next pause.)
+                    self._snapshots_seen = snapshots
+                    return
+                self._garbage_possible = False
                 report = await self._runtime.run_blocking(
                     collect_quietly, str(root), self._owner, self._refs_cache,
-                    self._clock.wall)
-                if report is not None:
+                    self._clock.wall, lambda: bool(self._ops))
+                if report is None or report.interrupted:
+                    self._garbage_possible = True  # the next commit tries again
+                else:
                     self.last_collection = report
+                    self._snapshots_seen = frozenset(report.snapshots)
                     if report.removed:
                         log.info("collected %d blobs (%d bytes) from %s", report.removed,
                                  report.removed_bytes, report.store)
@@ -517,6 +558,20 @@ class CheckpointCoordinator:
         if op is None or op.captures is None or op.writes_started:
             return
         op.writes_started = True
+        if op.blob_hold is not None and not op.blob_hold.done():
+            hold = op.blob_hold
+
+            async def after_hold() -> None:
+                with contextlib.suppress(Exception):  # its error fails the commit
+                    await asyncio.shield(hold)
+                    if op.outcome is None:
+                        for handle in op.holders.values():
+                            self._transport.send(handle, "start_persist", snapshot_id)
+
+            task = asyncio.ensure_future(after_hold())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return
         for handle in op.holders.values():
             self._transport.send(handle, "start_persist", snapshot_id)
 
@@ -560,6 +615,8 @@ class CheckpointCoordinator:
         directory = environment_folder(checkpoint_path)
         try:
             await self._injected_delay("commit_snapshot")
+            if op.blob_hold is not None:  # no holder relies on the store before it holds
+                await asyncio.shield(op.blob_hold)
             persists = await self._fan(
                 op.holders, "finish_persist",
                 lambda inst, h: self._transport.call(
@@ -602,6 +659,8 @@ class CheckpointCoordinator:
                         tolerate_failures=True)
         removed = await self._clean_up(op)
         await self._release_blobs(op)
+        if removed:  # an older snapshot's files went: its blobs may be garbage now
+            self._garbage_possible = True
         self._start_collection()
         result = SnapshotCommitted(metrics=all_metrics, rollouts=captured,
                                    shards=len(shards), removed_files=tuple(removed))

@@ -36,10 +36,17 @@ from nemo_ckpt.blobs import BlobCache, BlobStore
 from nemo_ckpt.errors import RestoreConflictError, SandboxError
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.manifest import ShardEntry, TreesEntry, safe_name_part, trees_file_name
-from nemo_ckpt.sandbox import Seen, encode_tree, materialize, scan, tree_stats
+from nemo_ckpt.sandbox import (
+    FILE,
+    Seen,
+    decode_tree,
+    encode_tree,
+    materialize,
+    scan,
+    tree_stats,
+)
 from nemo_ckpt.sandbox_storage import (
     BlobsWritten,
-    fetch_tree,
     persist_blobs,
     read_trees_file,
     tree_refs,
@@ -49,6 +56,7 @@ from nemo_ckpt.sandbox_storage import (
 __all__ = ["Sandbox", "Recorded", "Sandboxes", "RestoredSandbox", "SandboxCapture", "PRIVATE_DIR"]
 
 PRIVATE_DIR = ".nemo-ckpt"
+_RESTORE_MEMORY = 256 << 20  # verified blobs a restore keeps in memory per shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,15 +165,17 @@ class Sandboxes:
         cache = self.cache
         result = scan(directory, previous.seen if previous else None, cache.store_file)
         encoded = encode_tree(result.tree)
-        if previous is None or encoded.root != previous.tree:
-            known = previous.blobs if previous is not None else frozenset()
-            for digest, data in encoded.objects.items():
-                if digest not in known:
-                    cache.put(digest, data)
-        stats = tree_stats(result.tree)
+        if previous is not None and encoded.root == previous.tree:  # nothing changed
+            return Recorded(result.seen, previous.tree, previous.tree_size, previous.blobs,
+                            previous.file_count, previous.file_bytes)
+        known = previous.blobs if previous is not None else frozenset()
+        for digest, data in encoded.objects.items():
+            if digest not in known:
+                cache.put(digest, data)
+        files = [e for e in result.tree.values() if e.kind == FILE]
         return Recorded(result.seen, encoded.root, encoded.root_size,
-                        frozenset(encoded.objects) | tree_refs(result.tree),
-                        stats.files, stats.bytes)
+                        frozenset(encoded.objects).union(e.data for e in files),
+                        len(files), sum(e.size for e in files))
 
     # --- bookkeeping (no await around these and the table's change) ------------------
 
@@ -255,6 +265,25 @@ class Sandboxes:
         staging = self._private / f"restore-{safe_name_part(restore_id)}"
         staging.mkdir(parents=True, exist_ok=True)
         restored: list[RestoredSandbox] = []
+        # Blobs verified once, kept in memory while the shard's directories are made:
+        # rollouts started from one repository share most of their files.
+        verified: dict[bytes, bytes] = {}
+        held = 0
+
+        def fetch(digest: bytes, size: int) -> bytes:
+            nonlocal held
+            data = verified.get(digest)
+            if data is not None:
+                return data
+            data = cache.read(digest, size)
+            if data is None:
+                data = store.read(digest, size)
+                cache.put(digest, data)
+            if held + len(data) <= _RESTORE_MEMORY:
+                verified[digest] = data
+                held += len(data)
+            return data
+
         for rollout_id, attempt, tree_digest, tree_size, _ in read_trees_file(
                 directory, entry.trees, self.instance_id):
             key = new_keys.get(rollout_id)
@@ -270,15 +299,8 @@ class Sandboxes:
                 raise RestoreConflictError(
                     f"{self.instance_id}: cannot restore the directory of {key}: "
                     f"{target} already exists; remove it, or restore into a fresh job")
-            tree, objects = fetch_tree(store, cache, tree_digest, tree_size,
-                                       f"{rollout_id} (attempt {attempt})")
-
-            def fetch(digest: bytes, size: int) -> bytes:
-                data = cache.read(digest, size)
-                if data is None:
-                    data = store.read(digest, size)
-                    cache.put(digest, data)
-                return data
+            tree, objects = decode_tree(tree_digest, tree_size, fetch,
+                                        f"{rollout_id} (attempt {attempt})")
 
             place = staging / safe_name_part(key)
             if os.path.lexists(place):

@@ -56,6 +56,7 @@ class CollectionReport:
     removed_bytes: int = 0
     kept: int = 0
     dry_run: bool = False
+    interrupted: bool = False  # stopped early for a snapshot (``should_stop``)
 
 
 def committed_snapshots(root: str | Path) -> list[str]:
@@ -117,11 +118,13 @@ def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None
 
 def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.0,
                   dry_run: bool = False, clock: Callable[[], float] = time.time,
-                  cache: RefsCache | None = None) -> CollectionReport:
+                  cache: RefsCache | None = None,
+                  should_stop: Callable[[], bool] = lambda: False) -> CollectionReport:
     """Collect the blob store under ``root`` (see the module docstring). Raises
     ``CheckpointPathBusyError`` while a snapshot holds the store or another collection
     runs, and a ``SnapshotReadError`` naming the snapshot whose references could not be
-    read (nothing is removed then)."""
+    read (nothing is removed then). ``should_stop`` is asked between steps: true (a
+    snapshot of this job began) ends the collection early, ``interrupted``."""
     where = join_location(root, BLOB_DIR)
     store = BlobStore(where, folder_at)
     report = CollectionReport(store=where, dry_run=dry_run)
@@ -139,6 +142,9 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
         referenced: set[bytes] = set()
         for path in committed_snapshots(root):
             keep_claim()
+            if should_stop():
+                report.interrupted = True
+                return report
             try:
                 referenced |= snapshot_refs(path, store, cache)
             except SnapshotReadError as exc:
@@ -157,6 +163,9 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
             return report
         for digest in garbage:
             keep_claim()
+            if should_stop():
+                report.interrupted = True
+                return report
             if clock() > until - _MARGIN_S:
                 raise CheckpointPathBusyError(
                     f"collection of {where} ran out of its claim ({ttl_s:g}s) after "
@@ -174,11 +183,13 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
 
 
 def collect_quietly(root: str | Path, owner: str, cache: RefsCache,
-                    clock: Callable[[], float] = time.time) -> CollectionReport | None:
+                    clock: Callable[[], float] = time.time,
+                    should_stop: Callable[[], bool] = lambda: False
+                    ) -> CollectionReport | None:
     """``collect_blobs`` after a commit: a busy store or an unreadable snapshot skips it
     (the next commit, or ``nemo-ckpt gc``, tries again), with a log line."""
     try:
-        return collect_blobs(root, owner, cache=cache, clock=clock)
+        return collect_blobs(root, owner, cache=cache, clock=clock, should_stop=should_stop)
     except (NemoCkptError, OSError) as exc:
         log.info("blob collection under %s skipped: %s", root, exc)
         return None
