@@ -241,6 +241,16 @@ class CheckpointCoordinator:
         return {inst: (r if isinstance(r, str) else f"error: {r}")
                 for inst, r in zip(self._holders, results, strict=True)}
 
+    async def probe_sandboxes(self) -> dict[str, str]:
+        """Have every holder check its sandbox cache; instance -> "" or ``error: ...``."""
+        await self.ensure_holders()
+        results = await asyncio.gather(
+            *(self._transport.call(h, "probe_sandbox", timeout=self._config.phase_timeout_s)
+              for h in self._holders.values()),
+            return_exceptions=True)
+        return {inst: ("" if not isinstance(r, BaseException) else f"error: {r}")
+                for inst, r in zip(self._holders, results, strict=True)}
+
     async def inject_delay(self, phase: str, seconds: float) -> None:
         """Fault-injection seam for tests and drills: make ``phase`` take ``seconds``
         longer, so a fault (a kill, a cancellation) can be aimed at it. Phases:

@@ -133,6 +133,19 @@ class Sandboxes:
             self._cache = BlobCache(self._private / "blobs")
         return self._cache
 
+    def probe(self) -> None:
+        """Make the cache folder and write and remove a file in it (check_startup):
+        ``SandboxError`` saying why this node cannot hold sandboxes' files."""
+        if self._private is None:
+            return
+        try:
+            probe = self.cache.directory / f".probe-{os.getpid()}"
+            probe.write_bytes(b"probe")
+            probe.unlink()
+        except OSError as exc:
+            raise SandboxError(f"{self.instance_id} cannot write its cache under "
+                               f"sandbox_root {self.root}: {exc}") from None
+
     # --- recording (blocking) --------------------------------------------------------
 
     def check_directory(self, directory: str | os.PathLike[str], where: str) -> Path:

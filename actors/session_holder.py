@@ -431,6 +431,11 @@ class SessionHolder:
 
         return await self._runtime.run_blocking(write)
 
+    async def probe_sandbox(self) -> None:
+        """Check that this node can hold sandboxes' files under ``sandbox_root`` (for
+        check_startup); raises ``SandboxError`` saying why not."""
+        await self._runtime.run_blocking(self._sandboxes.probe)
+
     async def inject_delay(self, phase: str, seconds: float) -> None:
         """Fault-injection seam for tests and drills: make ``phase`` take ``seconds``
         longer, so a fault can be aimed at it. Phases: pause, capture, persist,

@@ -180,7 +180,8 @@ class RayEnvironmentCheckpoint:
 
         Checks that every alive node has a holder that answers, that every holder can
         write under ``config.checkpoint_root`` and the driver can read what they wrote
-        (a shared filesystem), and that the deadlines can work.
+        (a shared filesystem), that every holder can keep sandboxes' files under
+        ``config.sandbox_root`` when it is set, and that the deadlines can work.
         """
         problems: list[str] = []
         warnings: list[str] = []
@@ -227,6 +228,10 @@ class RayEnvironmentCheckpoint:
             if isinstance(parse_location(root), LocalLocation):
                 with contextlib.suppress(OSError):
                     (Path(root) / PROBE_DIR).rmdir()
+        if self.config.sandbox_root is not None:
+            for _, result in sorted((await self._call("probe_sandboxes")).items()):
+                if result:
+                    problems.append(result[7:])
         cfg = self.config
         if cfg.phase_timeout_s < cfg.renew_interval_s:
             warnings.append(f"phase_timeout_s ({cfg.phase_timeout_s}) is shorter than the "

@@ -21,7 +21,12 @@ from nemo_ckpt.blobs import BlobStore, digest_of
 from nemo_ckpt.cli import main, verify_snapshot
 from nemo_ckpt.collection import collect_blobs, committed_snapshots, snapshot_refs
 from nemo_ckpt.config import CheckpointConfig
-from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError, SandboxError
+from nemo_ckpt.errors import (
+    BlobCorruptedError,
+    CheckpointPathBusyError,
+    SandboxError,
+    StartupCheckError,
+)
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import environment_dir, folder_at, read_manifest
@@ -508,3 +513,20 @@ def test_a_collection_left_by_a_dead_coordinator_does_not_hold_up_the_next_snaps
         assert read_manifest(tmp_path / "ckpt" / "a").format_version == 4
 
     job.run(scenario())
+
+
+def test_check_startup_refuses_a_sandbox_root_a_holder_cannot_write(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    try:
+        job.sandboxes.rmdir()
+        job.sandboxes.write_text("a file where the sandbox root should be")
+
+        async def scenario() -> None:
+            with pytest.raises(StartupCheckError) as error:
+                await job.ckpt.check_startup()
+            for inst in ("holder-0", "holder-1"):
+                assert f"{inst} cannot write its cache under sandbox_root" in str(error.value)
+
+        job.run(scenario())
+    finally:
+        job.close()
