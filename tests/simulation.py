@@ -592,7 +592,10 @@ class Schedule:
                     again = None
                 break
             if again is not None:
-                if not (is_retriable(again) or self.killed_since(
+                # A retry may meet a fault of its own: a restore's materialization that
+                # fails (injected) refuses that retry, and rightly.
+                injected = "injected failure" in str(again)
+                if not (is_retriable(again) or injected or self.killed_since(
                         record.start, (COORDINATOR, "driver", HOLDER))):
                     self.violate(f"the retry of a failed restore failed: "
                                  f"{type(again).__name__}: {_short(again)}")
