@@ -43,13 +43,13 @@ from nemo_ckpt.sandbox import (
     encode_tree,
     materialize,
     scan,
+    tree_digests,
     tree_stats,
 )
 from nemo_ckpt.sandbox_storage import (
     BlobsWritten,
     persist_blobs,
     read_trees_file,
-    tree_refs,
     write_trees_file,
 )
 
@@ -323,7 +323,7 @@ class Sandboxes:
             restored.append(RestoredSandbox(
                 rollout_id, place, target,
                 Recorded({}, tree_digest, tree_size,
-                         frozenset(objects) | tree_refs(tree), stats.files, stats.bytes)))
+                         frozenset(objects) | tree_digests(tree), stats.files, stats.bytes)))
         return restored
 
     def commit_restore(self, restored: list[RestoredSandbox]) -> None:

@@ -31,7 +31,8 @@ from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotRea
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.location import join_location
 from nemo_ckpt.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
-from nemo_ckpt.sandbox_storage import blob_store_of, fetch_tree, read_trees_file, tree_refs
+from nemo_ckpt.sandbox import tree_digests
+from nemo_ckpt.sandbox_storage import blob_store_of, fetch_tree, read_trees_file
 from nemo_ckpt.storage import environment_folder, folder_at, read_manifest
 
 __all__ = ["CollectionReport", "collect_blobs", "collect_quietly", "committed_snapshots",
@@ -107,7 +108,7 @@ def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None
                 tree, objects = fetch_tree(store, None, tree_digest, tree_size,
                                            f"{rollout_id} in {path}")
                 refs.update(objects)
-                refs |= tree_refs(tree)
+                refs |= tree_digests(tree)
     out = frozenset(refs)
     if cache is not None:
         for old in [k for k in cache if k[0] == path]:  # a replaced snapshot's

@@ -32,7 +32,7 @@ from nemo_ckpt.manifest import Manifest, TreesEntry
 from nemo_ckpt.sandbox import FILE, Tree, decode_tree
 
 __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
-           "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree", "tree_refs",
+           "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree",
            "SessionDirectory", "snapshot_directories", "verify_directories"]
 
 TREES_MAGIC = "nemo-ckpt-trees"
@@ -102,11 +102,6 @@ def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str) -> l
                                         f"nemo-ckpt trees file of {instance_id} holding "
                                         f"{entry.sandboxes} trees; restore an earlier checkpoint")
     return [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
-
-
-def tree_refs(tree: Tree) -> set[bytes]:
-    """The file blobs ``tree`` references."""
-    return {e.data for e in tree.values() if e.kind == FILE}
 
 
 class BlobsWritten:

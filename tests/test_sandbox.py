@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 import time
 from pathlib import Path
 
@@ -24,23 +23,7 @@ from nemo_ckpt.sandbox import (
     scan,
 )
 from nemo_ckpt.storage import folder_at
-
-
-def _tree_of(root: Path) -> dict[str, tuple[str, int, bytes]]:
-    """What a user sees of a directory: kind, mode and content (or link target)."""
-    out: dict[str, tuple[str, int, bytes]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = Path(dirpath) / name
-            rel = full.relative_to(root).as_posix()
-            st = full.lstat()
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", 0, os.readlink(full).encode())
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir", stat.S_IMODE(st.st_mode), b"")
-            else:
-                out[rel] = ("file", stat.S_IMODE(st.st_mode), full.read_bytes())
-    return out
+from nemo_ckpt.testing.toy_env import directory_listing
 
 
 def _repo(root: Path) -> Path:
@@ -130,7 +113,7 @@ def test_materialize_rebuilds_the_directory_byte_for_byte(tmp_path: Path) -> Non
     assert decoded == tree and set(objects) == set(encoded.objects)
     assert len(encoded.objects) == 4  # one tree object per directory: ., src, src/pkg, empty
     written = materialize(decoded, tmp_path / "out", lambda d, n: cache.read(d, n))
-    assert _tree_of(tmp_path / "out") == _tree_of(repo)
+    assert directory_listing(tmp_path / "out") == directory_listing(repo)
     assert written == sum(e.size for e in tree.values() if e.kind == FILE)
     (repo / "empty").chmod(0o700)
     (tmp_path / "out" / "empty").chmod(0o700)

@@ -20,8 +20,8 @@ from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import read_manifest
+from nemo_ckpt.testing.toy_env import directory_listing
 from tests.conftest import alive_node_ids, remove_node_and_wait
-from tests.test_sandbox import _tree_of
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -66,7 +66,7 @@ async def test_a_directory_comes_back_on_another_node_after_its_node_died(
     infos = {h.node_id: h.instance_id for h in await sandbox_ckpt.holders()}
     inst = infos[node.node_id]
     d = await _open_and_play(sandbox_ckpt, inst, Ep("r", 0), 3)
-    expected = _tree_of(d)
+    expected = directory_listing(d)
     path = tmp_path / "ckpt" / "step-1"
     async with sandbox_ckpt.snapshot(path):
         pass
@@ -83,7 +83,7 @@ async def test_a_directory_comes_back_on_another_node_after_its_node_died(
         c = await SessionClient.connect(inst, namespace=fresh.config.namespace)
         record = await c.get(Ep("r", 1))
         assert record.directory == str(tmp_path / "sandboxes" / "r-a1")
-        assert _tree_of(Path(record.directory)) == expected
+        assert directory_listing(Path(record.directory)) == expected
         assert record.state == b"s3" and len(record.turns) == 3
     finally:
         fresh.shutdown()
@@ -98,7 +98,7 @@ async def test_a_holder_killed_while_it_writes_blobs_leaves_the_previous_snapsho
     async with sandbox_ckpt.snapshot(path):
         pass
     first = read_manifest(path)
-    expected = {inst: _tree_of(d) for inst, d in dirs.items()}
+    expected = {inst: directory_listing(d) for inst, d in dirs.items()}
     for inst, d in dirs.items():  # the next snapshot has new files to write
         c = await SessionClient.connect(inst, namespace=sandbox_ckpt.config.namespace)
         async with c.turn(Ep(f"{inst}-r", 0)) as turn:
@@ -124,6 +124,6 @@ async def test_a_holder_killed_while_it_writes_blobs_leaves_the_previous_snapsho
             c = await SessionClient.connect(inst, namespace=fresh.config.namespace)
             record = await c.get(Ep(f"{inst}-r", 1))
             assert record.directory is not None
-            assert _tree_of(Path(record.directory)) == expected[inst]
+            assert directory_listing(Path(record.directory)) == expected[inst]
     finally:
         fresh.shutdown()

@@ -32,8 +32,8 @@ from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import environment_dir, folder_at, read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import EPOCH, SimWorld
+from nemo_ckpt.testing.toy_env import directory_listing
 from nemo_ckpt.transport import COORDINATOR, HOLDER
-from tests.test_sandbox import _tree_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,7 +147,7 @@ def test_a_directory_is_restored_byte_for_byte_as_its_last_committed_turn_left_i
         async def first_run() -> dict[Ep, dict[str, Any]]:
             live, dirs = await _open_with_directories(job, rollouts=2)
             await _turns(job, dirs, 0, 3)
-            expected = {ep: _tree_of(d) for ep, d in dirs.items()}
+            expected = {ep: directory_listing(d) for ep, d in dirs.items()}
             async with job.ckpt.snapshot(path) as snap:
                 assert snap is not None
                 await snap.check_against_cut(StaticCut(live, set()))
@@ -169,7 +169,7 @@ def test_a_directory_is_restored_byte_for_byte_as_its_last_committed_turn_left_i
                 ep = Ep(rollout_id, attempt + 1)
                 record = await client.get(ep)
                 assert record.directory == str(fresh.sandboxes / ep.capture_key)
-                assert _tree_of(Path(record.directory)) == expected[Ep(rollout_id, 0)]
+                assert directory_listing(Path(record.directory)) == expected[Ep(rollout_id, 0)]
                 # The continued attempt records its directory from there on.
                 async with client.turn(ep) as turn:
                     assert turn.directory is not None
