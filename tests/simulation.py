@@ -8,7 +8,7 @@ real files in a temporary folder). Faults: actors killed (holders, the coordinat
 driver, workers, whole nodes), the driver's operation and workers' rollouts cancelled,
 clocks jumping past leases, shard and manifest writes failing or torn by a death
 mid-write, shard reads slower than a lease, cuts that do not match (caught inside the
-block or not), an exception inside ``restored()``. In about a third of the schedules the
+block or not), an exception inside ``restored()``. In a fifth of the schedules the
 rollouts own sandbox directories, which every turn changes and checks against the
 session's state, and every committed snapshot's directories must verify blob by blob.
 
@@ -134,7 +134,7 @@ class Plan:
             catch_mismatch=rng.random() < 0.5,
             raise_in_restore=rng.random() < 0.15,
             # Its own draw: the plans of every other seed stay as they were.
-            sandboxes=random.Random(f"sandboxes-{seed}").random() < 0.35,
+            sandboxes=random.Random(f"sandboxes-{seed}").random() < 0.2,
         )
 
 
