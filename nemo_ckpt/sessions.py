@@ -7,6 +7,7 @@ environment serializes itself; nemo-ckpt never unpickles anything.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Iterable
@@ -266,6 +267,9 @@ class SessionClient:
         self._holder = holder
         self._transport = transport
         self.instance_id = holder.name
+        # An async actor may run calls out of order, so a session's next turn waits for
+        # the abort of its last one.
+        self._aborting: dict[str, asyncio.Future[Any]] = {}
 
     @classmethod
     async def connect(
@@ -336,6 +340,9 @@ class SessionClient:
         away (an exception, a cancellation, even while waiting at a closed gate) is
         aborted with it, and never stays open on the holder. A dead worker's turn ends
         at ``CheckpointConfig.turn_timeout_s``."""
+        pending = self._aborting.get(episode.capture_key)
+        if pending is not None:
+            await asyncio.wait([pending])
         token = self._transport.runtime.token()
         try:
             session = await self._call("begin_turn", episode, token)
@@ -362,8 +369,23 @@ class SessionClient:
             raise
 
     def _abort(self, episode: EnvironmentEpisode, token: str) -> None:
-        """Abort a turn without waiting: sent even from a cancelled task."""
-        self._transport.send(self._holder, "abort_turn", episode, token)
+        """Abort a turn without waiting: sent even from a cancelled task. Its outcome
+        only orders the session's next turn; a failed abort leaves the turn to
+        ``turn_timeout_s`` and the next begin reports what is wrong."""
+        key = episode.capture_key
+        try:
+            sent = self._call("abort_turn", episode, token)
+        except asyncio.CancelledError:
+            return  # this process is going away; its turns end at turn_timeout_s
+        done = asyncio.ensure_future(sent)
+        self._aborting[key] = done
+
+        def forget(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled():
+                f.exception()
+            if self._aborting.get(key) is f:
+                del self._aborting[key]
+        done.add_done_callback(forget)
 
     async def close(self, episode: EnvironmentEpisode) -> SessionRecord:
         """Close ``episode``'s finished session and return its final record."""

@@ -416,6 +416,31 @@ def test_a_begin_that_arrives_after_its_abort_pauses_nothing(world: World) -> No
     world.run(scenario())
 
 
+def test_a_turn_right_after_a_failed_one_waits_for_its_abort_and_runs(world: World) -> None:
+    """An async actor may run calls out of order: the next turn of the session must
+    not overtake the abort of the one that failed."""
+
+    async def scenario() -> None:
+        await world.ckpt.ensure_holders()
+        client = await world.client("holder-0")
+        ep = Ep("r", 0)
+        await client.open(ep, b"s0")
+
+        def delay(target: SimActor, method: str, reply: bool) -> float:
+            return 0.5 if (method == "abort_turn" and not reply) else 0.001
+
+        world.sim.message_delay = delay
+        with pytest.raises(RuntimeError, match="tool failed"):
+            async with client.turn(ep):
+                raise RuntimeError("tool failed")
+        async with client.turn(ep) as turn:
+            turn.complete(b"t0", b"s1", ["r-a0/row0"])
+        record = await client.get(ep)
+        assert (record.turns, record.state) == ((b"t0",), b"s1")
+
+    world.run(scenario())
+
+
 # --- case 10: a refused snapshot never commits ------------------------------------------------
 
 
