@@ -37,10 +37,8 @@ from nemo_ckpt.errors import RestoreConflictError, SandboxError
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.manifest import ShardEntry, TreesEntry, safe_name_part, trees_file_name
 from nemo_ckpt.sandbox import (
-    FILE,
-    Seen,
+    Listings,
     decode_tree,
-    encode_tree,
     materialize,
     scan,
     tree_digests,
@@ -63,7 +61,7 @@ _RESTORE_MEMORY = 256 << 20  # verified blobs a restore keeps in memory per shar
 class Recorded:
     """A directory's tree as one scan recorded it."""
 
-    seen: dict[str, Seen]
+    listings: Listings  # what the next scan may skip
     tree: bytes  # its top tree object's digest
     tree_size: int
     blobs: frozenset[bytes]  # every blob it references: tree objects and files
@@ -174,30 +172,27 @@ class Sandboxes:
 
     def record(self, directory: Path, previous: Recorded | None) -> Recorded:
         """Scan ``directory`` (re-reading only what changed since ``previous``), keep its
-        new files and its tree in the cache."""
+        new files and its new tree objects in the cache."""
         cache = self.cache
-        result = scan(directory, previous.seen if previous else None, cache.store_file)
-        encoded = encode_tree(result.tree)
-        if previous is not None and encoded.root == previous.tree:  # nothing changed
-            return Recorded(result.seen, previous.tree, previous.tree_size, previous.blobs,
-                            previous.file_count, previous.file_bytes)
-        known = previous.blobs if previous is not None else frozenset()
-        for digest, data in encoded.objects.items():
-            if digest not in known:
-                cache.put(digest, data)
-        files = [e for e in result.tree.values() if e.kind == FILE]
-        return Recorded(result.seen, encoded.root, encoded.root_size,
-                        frozenset(encoded.objects).union(e.data for e in files),
-                        len(files), sum(e.size for e in files))
+        result = scan(directory, previous.listings if previous else None, cache.store_file)
+        if previous is not None and result.root == previous.tree:  # nothing changed
+            return Recorded(result.listings, previous.tree, previous.tree_size,
+                            previous.blobs, previous.file_count, previous.file_bytes)
+        for digest, data in result.objects.items():
+            cache.put(digest, data)
+        return Recorded(result.listings, result.root, result.root_size, result.blobs(),
+                        result.file_count(), result.file_bytes())
 
     # --- bookkeeping (no await around these and the table's change) ------------------
 
     def install(self, rollout_id: str, directory: Path, recorded: Recorded) -> None:
         old = self._by_rollout.get(rollout_id)
         self._by_rollout[rollout_id] = Sandbox(directory, recorded)
-        self._count(recorded, +1)
-        if old is not None:
-            self._count(old.recorded, -1)
+        if old is None:
+            self._count(recorded, +1)
+        else:  # a turn's new tree shares most of its blobs with the one it replaces
+            self._count_blobs(recorded.blobs - old.recorded.blobs, +1)
+            self._count_blobs(old.recorded.blobs - recorded.blobs, -1)
 
     def drop(self, rollout_id: str) -> Sandbox | None:
         old = self._by_rollout.pop(rollout_id, None)
@@ -212,8 +207,11 @@ class Sandboxes:
                 self._unreferenced.add(d)
 
     def _count(self, recorded: Recorded, delta: int) -> None:
+        self._count_blobs(recorded.blobs, delta)
+
+    def _count_blobs(self, blobs: Iterable[bytes], delta: int) -> None:
         refs = self._refs
-        for d in recorded.blobs:
+        for d in blobs:
             n = refs[d] + delta
             if n > 0:
                 refs[d] = n

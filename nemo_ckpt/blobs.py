@@ -2,10 +2,10 @@
 
 Two places hold blobs:
 
-- ``BlobCache``, on each node (``<sandbox_root>/.nemo-ckpt/<instance>/blobs``): what a turn
-  commit's scan read, kept until no live session of that holder references it. Not
-  fsynced: it only serves the holder's live sessions and its next snapshots, which die
-  with the node anyway.
+- ``BlobCache``, in each holder (small blobs in memory, the rest in
+  ``<sandbox_root>/.nemo-ckpt/<instance>/blobs``): what a turn commit's scan read, kept
+  until no live session of that holder references it. Not fsynced: it only serves the
+  holder's live sessions and its next snapshots, which die with the holder anyway.
 - ``BlobStore``, shared by every snapshot under a checkpoint root
   (``<checkpoint_root>/blobs/<2 hex>/<32 hex>``): written by snapshots, durably, before
   their manifest; a blob already there is never written again, so snapshots are
@@ -91,12 +91,20 @@ class BlobStore:
             lacking.update(d for d in wanted if hex_of(d) not in present)
         return lacking
 
-    def put(self, digest: bytes, source: Path) -> int:
-        """Store ``source``'s content as ``digest`` durably; returns its length. The
-        content is hashed as it is copied: a source that changed is refused."""
+    def put(self, digest: bytes, source: Path | bytes) -> int:
+        """Store ``source``'s content (a file's, or these bytes) as ``digest`` durably;
+        returns its length. The content is hashed as it is copied: a source that
+        changed is refused."""
         name = hex_of(digest)
         folder = self._folder(name[:2])
         folder.prepare()
+        if isinstance(source, bytes):
+            if digest_of(source) != digest:
+                raise BlobCorruptedError(
+                    folder.describe(name),
+                    f"the blob held in memory as {name} no longer matches its digest")
+            folder.write_bytes(name, source)
+            return len(source)
         hasher = xxhash.xxh3_128()
 
         def fill(sink: Sink) -> None:
@@ -257,14 +265,28 @@ def _claim_name(operation: str) -> str:
 
 
 class BlobCache:
-    """A holder's blobs on its node (see the module docstring)."""
+    """A holder's blobs on its node (see the module docstring).
 
-    def __init__(self, directory: Path) -> None:
+    Small blobs (tree objects, small files) are held in memory up to ``memory_budget``
+    bytes, and the rest in files: a turn commit that changed a small file then creates
+    no file of its own (creating one is most of a capture's cost on a busy disk;
+    ``benchmarks/sandboxes.py``). Both tiers die with the holder, as its sessions do."""
+
+    def __init__(self, directory: Path, memory_budget: int = 128 << 20,
+                 memory_blob_max: int = 1 << 20) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
+        self.memory_budget = memory_budget
+        self.memory_blob_max = memory_blob_max
+        self._memory: dict[bytes, bytes] = {}
+        self.memory_bytes = 0
 
     def path(self, digest: bytes) -> Path:
         return self.directory / hex_of(digest)
+
+    def held(self, digest: bytes) -> bytes | None:
+        """``digest``'s content if it is held in memory."""
+        return self._memory.get(digest)
 
     def store_file(self, source: str) -> tuple[bytes, int]:
         """Read ``source``, keep its content, and return its digest and length."""
@@ -272,8 +294,7 @@ class BlobCache:
             data = f.read(_WHOLE_READ + 1)
             if len(data) <= _WHOLE_READ:
                 digest = digest_of(data)
-                if not self.path(digest).exists():
-                    self._place(digest, data)
+                self.put(digest, data)
                 return digest, len(data)
             return self._store_stream(f, data)
 
@@ -290,7 +311,7 @@ class BlobCache:
                     out.write(chunk)
                     length += len(chunk)
             digest = hasher.digest()
-            if self.path(digest).exists():
+            if self.has(digest):
                 tmp.unlink()
             else:
                 os.replace(tmp, self.path(digest))
@@ -301,7 +322,13 @@ class BlobCache:
 
     def put(self, digest: bytes, data: bytes | bytearray | memoryview) -> None:
         """Keep ``data`` (already verified as ``digest``)."""
-        if not self.path(digest).exists():
+        if digest in self._memory:
+            return
+        n = len(data)
+        if n <= self.memory_blob_max and self.memory_bytes + n <= self.memory_budget:
+            self._memory[digest] = bytes(data)
+            self.memory_bytes += n
+        elif not self.path(digest).exists():
             self._place(digest, data)
 
     def _place(self, digest: bytes, data: bytes | bytearray | memoryview) -> None:
@@ -316,6 +343,9 @@ class BlobCache:
 
     def read(self, digest: bytes, size: int | None = None) -> bytes | None:
         """The content of ``digest`` if cached and intact, else None."""
+        data = self._memory.get(digest)
+        if data is not None:
+            return data if size is None or len(data) == size else None
         try:
             data = self.path(digest).read_bytes()
         except FileNotFoundError:
@@ -325,16 +355,12 @@ class BlobCache:
         return data
 
     def has(self, digest: bytes) -> bool:
-        return self.path(digest).exists()
+        return digest in self._memory or self.path(digest).exists()
 
     def remove(self, digests: Iterable[bytes]) -> None:
         for d in digests:
-            self.path(d).unlink(missing_ok=True)
-
-    def digests(self) -> set[bytes]:
-        found = set()
-        for name in os.listdir(self.directory):
-            if len(name) == 32:
-                with contextlib.suppress(ValueError):
-                    found.add(bytes.fromhex(name))
-        return found
+            data = self._memory.pop(d, None)
+            if data is not None:
+                self.memory_bytes -= len(data)
+            else:
+                self.path(d).unlink(missing_ok=True)

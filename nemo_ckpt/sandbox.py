@@ -2,9 +2,10 @@
 
 A session may own a directory on its node (under ``CheckpointConfig.sandbox_root``).
 When one of its turns commits, its holder records the directory's tree with ``scan``:
-it walks the directory, re-reads only the files whose size, mtime, ctime or inode
-changed since the session's previous tree, and puts their content into the node's
-``nemo_ckpt.blobs.BlobCache`` under its digest. A snapshot then stores the trees and
+it walks the directory, re-reads only the files whose size, mtime, ctime, inode or mode
+changed since the session's previous tree, puts their content into the node's
+``nemo_ckpt.blobs.BlobCache`` under its digest, and encodes again only the directories
+along a change. A snapshot then stores the trees and
 writes only the blobs its store lacks; a restore rebuilds each directory with
 ``materialize``.
 
@@ -41,7 +42,8 @@ import xxhash
 
 from nemo_ckpt.errors import SandboxError
 
-__all__ = ["DIR", "FILE", "LINK", "Entry", "Tree", "TreeStats", "ScanResult", "Seen",
+__all__ = ["DIR", "FILE", "LINK", "Entry", "Tree", "TreeStats", "ScanResult", "Seen", "Listing",
+           "Listings",
            "EncodedTree", "scan", "encode_tree", "decode_tree", "materialize", "tree_digests",
            "tree_stats", "diff_trees", "MAX_DEPTH"]
 
@@ -71,10 +73,11 @@ MAX_DEPTH = 256  # directories deeper than this are refused when a stored tree i
 
 @dataclass(frozen=True, slots=True)
 class Seen:
-    """What ``scan`` remembers of a file between scans, to skip re-reading it: its key
-    and its entry, which an unchanged file keeps (the same object, not a copy)."""
+    """What ``scan`` remembers of one entry between scans, to skip re-reading it: its key
+    and its entry, which an unchanged entry keeps (the same object, not a copy). A
+    directory's entry carries its tree object's digest and length."""
 
-    key: tuple[int, int, int, int] | None  # (size, mtime_ns, ctime_ns, inode); None: re-read
+    key: tuple[int, int, int, int, int] | None  # (size, mtime_ns, ctime_ns, inode, mode)
     entry: Entry
 
     @property
@@ -82,84 +85,190 @@ class Seen:
         return self.entry.data
 
 
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """What ``scan`` remembers of one directory: its entries by name, its tree object,
+    and the digests, count and bytes of the files directly in it. A directory whose
+    entries are all unchanged keeps its listing (the same object)."""
+
+    entries: dict[str, Seen]
+    digest: bytes
+    size: int
+    files: frozenset[bytes]
+    file_count: int
+    file_bytes: int
+
+
+# A scan's memory of a tree: relative directory path ("" for the top one) -> listing.
+Listings = dict[str, Listing]
+
+
 @dataclass(slots=True)
 class ScanResult:
     """A directory's tree as of one scan, and what the next scan may skip."""
 
-    tree: Tree
-    seen: dict[str, Seen]
+    listings: Listings
+    objects: dict[bytes, bytes]  # the tree objects this scan encoded (new or changed)
     files_read: int
     bytes_read: int
 
+    @property
+    def root(self) -> bytes:
+        return self.listings[""].digest
 
-def scan(directory: Path, previous: dict[str, Seen] | None,
+    @property
+    def root_size(self) -> int:
+        return self.listings[""].size
+
+    def blobs(self) -> frozenset[bytes]:
+        """Every blob the tree references: its tree objects and its files."""
+        listings = self.listings.values()
+        return frozenset({x.digest for x in listings}).union(*(x.files for x in listings))
+
+    def file_count(self) -> int:
+        return sum(x.file_count for x in self.listings.values())
+
+    def file_bytes(self) -> int:
+        return sum(x.file_bytes for x in self.listings.values())
+
+    def tree(self) -> Tree:
+        """The tree as one mapping of relative paths (see ``Tree``)."""
+        tree: Tree = {}
+        for directory, listing in self.listings.items():
+            prefix = directory + "/" if directory else ""
+            for name, seen in listing.entries.items():
+                e = seen.entry
+                tree[prefix + name] = Entry(DIR, e.mode, 0, b"") if e.kind == DIR else e
+        return tree
+
+
+def scan(directory: Path, previous: Listings | None,
          store: Callable[[str], tuple[bytes, int]], now_ns: int | None = None
          ) -> ScanResult:
-    """Record ``directory``'s tree. Files whose (size, mtime, ctime, inode) match
-    ``previous`` keep their digest; every other file is handed to ``store(path)``, which
-    reads it, keeps its content and returns its digest and length. A file changed
-    within a timestamp tick of ``now_ns`` (the scan's start) is re-read next time.
+    """Record ``directory``'s tree. Entries whose (size, mtime, ctime, inode, mode) match
+    ``previous`` keep their entry, and a directory whose entries all do keeps its tree
+    object; every other file is handed to ``store(path)``, which reads it, keeps its
+    content and returns its digest and length. A file changed within a timestamp tick
+    of ``now_ns`` (the scan's start) is re-read next time.
 
-    Raises ``SandboxError`` naming the path of a device, FIFO or socket, or when
-    ``directory`` is not a directory."""
+    Raises ``SandboxError`` naming the path of a device, FIFO or socket, of a directory
+    deeper than ``MAX_DEPTH``, or when ``directory`` is not a directory."""
     try:
         top = os.lstat(directory)
     except OSError as exc:
         raise SandboxError(f"sandbox directory {directory} cannot be read ({exc})") from None
     if not stat.S_ISDIR(top.st_mode):
         raise SandboxError(f"sandbox directory {directory} is not a directory")
-    previous = previous or {}
-    racy_after = (time.time_ns() if now_ns is None else now_ns) - _RACY_NS
-    tree: Tree = {}
-    seen: dict[str, Seen] = {}
-    files_read = bytes_read = 0
-    pending: list[tuple[str, str]] = [(os.fspath(directory), "")]
-    # The loop below runs once per file at every turn commit (benchmarks/sandboxes.py):
-    # an unchanged file costs its stat, one lookup and two stores, no new object.
-    previous_get = previous.get
-    regular, fmt_bits = stat.S_IFREG, 0o170000
-    while pending:
-        path, prefix = pending.pop()
+    scanner = _Scanner(directory, previous or {}, store,
+                       (time.time_ns() if now_ns is None else now_ns) - _RACY_NS)
+    scanner.directory(os.fspath(directory), "", 0)
+    return ScanResult(scanner.listings, scanner.objects, scanner.files_read,
+                      scanner.bytes_read)
+
+
+_NOT_SEEN = Seen(None, Entry(-1, 0, 0, b""))
+
+
+class _Scanner:
+    """One scan (see ``scan``): directories depth first, each encoded after its
+    subdirectories, and only when one of its entries changed."""
+
+    def __init__(self, top: Path, previous: Listings,
+                 store: Callable[[str], tuple[bytes, int]], racy_after: int) -> None:
+        self.top = top
+        self.previous = previous
+        self.store = store
+        self.racy_after = racy_after
+        self.listings: Listings = {}
+        self.objects: dict[bytes, bytes] = {}
+        self.files_read = self.bytes_read = 0
+
+    def directory(self, path: str, rel: str, depth: int) -> Listing:
+        if depth > MAX_DEPTH:
+            raise SandboxError(f"sandbox {self.top} holds {path}, deeper than {MAX_DEPTH} "
+                               f"directories; a restore would refuse it")
+        old = self.previous.get(rel)
+        old_entries = old.entries if old is not None else {}
+        old_get = old_entries.get
+        entries: dict[str, Seen] = {}
+        # ``changed``: the tree object differs; ``renewed``: only what the next scan may
+        # skip does (a racy file, re-read with the same content).
+        changed = old is None
+        renewed = False
+        prefix = rel + "/" if rel else ""
         try:
-            entries = list(os.scandir(path))
+            items = list(os.scandir(path))
         except OSError as exc:
             raise SandboxError(f"sandbox directory {path} cannot be listed ({exc})") from None
-        for item in entries:
-            rel = prefix + item.name
+        if len(items) != len(old_entries):
+            changed = True  # with every name found below, the names are the same ones
+        # This loop runs once per entry at every turn commit (benchmarks/sandboxes.py):
+        # an unchanged file costs its stat, one lookup, one comparison and one store.
+        regular, fmt_bits = stat.S_IFREG, 0o170000
+        for item in items:
+            name = item.name
             st = item.stat(follow_symlinks=False)
             mode = st.st_mode
+            seen = old_get(name, _NOT_SEEN)
             if mode & fmt_bits == regular:
-                key: tuple[int, int, int, int] | None = (
-                    st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-                old = previous_get(rel)
-                if old is not None and old.key == key and old.entry.mode == mode & 0o7777:
-                    seen[rel] = old  # not racy when recorded, and unchanged since
-                    tree[rel] = old.entry
+                key: tuple[int, int, int, int, int] | None = (
+                    st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, mode)
+                if seen.key == key:
+                    entries[name] = seen  # not racy when recorded, and unchanged since
                     continue
-                size = st.st_size
-                if old is not None and old.key == key:
-                    digest = old.entry.data  # only its mode changed
-                else:
-                    digest, size = store(item.path)
-                    files_read += 1
-                    bytes_read += size
-                if size != st.st_size or max(st.st_mtime_ns, st.st_ctime_ns) >= racy_after:
+                digest, size = self.store(item.path)
+                self.files_read += 1
+                self.bytes_read += size
+                if size != st.st_size or max(st.st_mtime_ns, st.st_ctime_ns) \
+                        >= self.racy_after:
                     key = None  # written while read, or maybe again within the same tick
                 entry = Entry(FILE, mode & 0o7777, size, digest)
-                seen[rel] = Seen(key, entry)
-                tree[rel] = entry
             elif stat.S_ISDIR(mode):
-                tree[rel] = Entry(DIR, stat.S_IMODE(mode), 0, b"")
-                pending.append((item.path, rel + "/"))
+                sub = self.directory(item.path, prefix + name, depth + 1)
+                key = None
+                entry = Entry(DIR, stat.S_IMODE(mode), sub.size, sub.digest)
+                if seen.entry == entry:
+                    entries[name] = seen
+                    continue
             elif stat.S_ISLNK(mode):
+                key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, mode)
+                if seen.key == key:
+                    entries[name] = seen
+                    continue
                 target = os.fsencode(os.readlink(item.path))
-                tree[rel] = Entry(LINK, 0o777, len(target), target)
+                entry = Entry(LINK, 0o777, len(target), target)
             else:
                 raise SandboxError(
-                    f"sandbox {directory} holds {item.path}, a {_special_kind(mode)}: a "
+                    f"sandbox {self.top} holds {item.path}, a {_special_kind(mode)}: a "
                     f"sandbox may hold files, directories and symlinks only; remove it "
                     f"before the turn commits")
-    return ScanResult(tree, seen, files_read, bytes_read)
+            if seen.entry == entry:
+                renewed = True
+                entries[name] = Seen(key, seen.entry)
+            else:
+                changed = True
+                entries[name] = Seen(key, entry)
+        if old is not None and not changed:
+            listing = old if not renewed else Listing(
+                entries, old.digest, old.size, old.files, old.file_count, old.file_bytes)
+        else:
+            listing = self._encode(entries)
+        self.listings[rel] = listing
+        return listing
+
+    def _encode(self, entries: dict[str, Seen]) -> Listing:
+        rows = []
+        files = []
+        for name in sorted(entries):
+            e = entries[name].entry
+            rows.append([name, e.kind, e.mode, e.size, e.data])
+            if e.kind == FILE:
+                files.append(e)
+        data = msgpack.packb(rows, use_bin_type=True)
+        digest = _digest(data)
+        self.objects[digest] = data
+        return Listing(entries, digest, len(data), frozenset(e.data for e in files),
+                       len(files), sum(e.size for e in files))
 
 
 def _special_kind(mode: int) -> str:

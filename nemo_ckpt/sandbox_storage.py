@@ -142,8 +142,10 @@ def persist_blobs(store: BlobStore, cache: BlobCache, needed: Iterable[bytes],
     store.wait_for_collection(clock=clock, deadline=deadline)
     written = BlobsWritten()
     for digest in sorted(store.missing(needed)):
-        source = cache.path(digest)
-        if not source.exists():
+        source: Path | bytes | None = cache.held(digest)
+        if source is None:
+            source = cache.path(digest)
+        if isinstance(source, Path) and not source.exists():
             raise SandboxError(
                 f"blob {digest.hex()} of a captured sandbox is neither in the blob store "
                 f"{store.where} nor in this holder's cache {cache.directory}; something "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ from nemo_ckpt.sandbox import (
     DIR,
     FILE,
     LINK,
+    MAX_DEPTH,
     decode_tree,
     diff_trees,
     encode_tree,
@@ -43,7 +46,7 @@ def test_a_scan_records_files_directories_links_and_modes(tmp_path: Path) -> Non
     repo = _repo(tmp_path / "repo")
     cache = BlobCache(tmp_path / "cache")
     result = scan(repo, None, cache.store_file)
-    tree = result.tree
+    tree = result.tree()
     assert sorted(tree) == ["README", "empty", "escape", "link", "run.sh", "src", "src/pkg",
                             "src/pkg/mod.py"]
     assert tree["run.sh"].kind == FILE and tree["run.sh"].mode == 0o755
@@ -59,14 +62,14 @@ def test_a_rescan_rereads_only_the_files_that_changed(tmp_path: Path) -> None:
     cache = BlobCache(tmp_path / "cache")
     first = scan(repo, None, cache.store_file)
     # A scan well after the files' last change: none of them is racy any more.
-    settled = scan(repo, first.seen, cache.store_file, now_ns=time.time_ns() + 10**9)
+    settled = scan(repo, first.listings, cache.store_file, now_ns=time.time_ns() + 10**9)
     assert settled.files_read == 3  # the first scan's files were all racy
     (repo / "README").write_text("edited\n")
-    again = scan(repo, settled.seen, cache.store_file)
+    again = scan(repo, settled.listings, cache.store_file)
     assert again.files_read == 1 and again.bytes_read == len(b"edited\n")
-    assert diff_trees(settled.tree, again.tree) == {"added": [], "removed": [],
+    assert diff_trees(settled.tree(), again.tree()) == {"added": [], "removed": [],
                                                     "changed": ["README"]}
-    assert cache.read(again.tree["README"].data) == b"edited\n"
+    assert cache.read(again.tree()["README"].data) == b"edited\n"
 
 
 def test_a_file_rewritten_within_the_same_tick_is_still_seen(tmp_path: Path) -> None:
@@ -77,8 +80,99 @@ def test_a_file_rewritten_within_the_same_tick_is_still_seen(tmp_path: Path) -> 
     f.write_bytes(b"one")
     first = scan(repo, None, cache.store_file)
     f.write_bytes(b"two")  # same size, likely the same mtime tick
-    second = scan(repo, first.seen, cache.store_file)
-    assert cache.read(second.tree["a"].data) == b"two"
+    second = scan(repo, first.listings, cache.store_file)
+    assert cache.read(second.tree()["a"].data) == b"two"
+
+
+def _mutate(rng: random.Random, repo: Path) -> None:
+    """One random change of the kinds a rollout makes."""
+    files = sorted(p for p in repo.rglob("*") if p.is_file() and not p.is_symlink())
+    dirs = [repo, *sorted(p for p in repo.rglob("*") if p.is_dir() and not p.is_symlink())]
+    op = rng.choice(["create", "edit", "edit", "rename", "delete", "mkdir", "rmtree",
+                     "chmod", "link", "swap"])
+    where = rng.choice(dirs)
+    if op == "create" or not files:
+        (where / f"f{rng.randrange(10**6)}").write_bytes(rng.randbytes(rng.randrange(64)))
+        return
+    f = rng.choice(files)
+    if op == "edit":  # often the same size
+        f.write_bytes(rng.randbytes(f.stat().st_size or 1))
+    elif op == "rename":
+        f.rename(where / f"r{rng.randrange(10**6)}")
+    elif op == "delete":
+        f.unlink()
+    elif op == "mkdir":
+        (where / f"d{rng.randrange(10**6)}").mkdir()
+    elif op == "rmtree" and where != repo:
+        shutil.rmtree(where)
+    elif op == "chmod":
+        f.chmod(rng.choice([0o600, 0o644, 0o755]))
+    elif op == "link":
+        link = where / f"l{rng.randrange(10**6)}"
+        link.symlink_to(rng.choice(["..", f.name, "/etc/passwd"]))
+    elif op == "swap":  # a file becomes a directory of the same name
+        f.unlink()
+        f.mkdir()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_incremental_scan_records_the_same_tree_as_a_fresh_one(
+        tmp_path: Path, seed: int) -> None:
+    repo = _repo(tmp_path / "repo")
+    cache = BlobCache(tmp_path / "cache")
+    rng = random.Random(seed)
+    previous = scan(repo, None, cache.store_file)
+    for _ in range(40):
+        for _ in range(rng.randrange(1, 4)):
+            _mutate(rng, repo)
+        if rng.random() < 0.3:
+            time.sleep(0.025)  # past the racy window: unchanged files are skipped
+        incremental = scan(repo, previous.listings, cache.store_file)
+        fresh = scan(repo, None, cache.store_file)
+        assert incremental.tree() == fresh.tree()
+        assert (incremental.root, incremental.root_size) == (fresh.root, fresh.root_size)
+        assert incremental.blobs() == fresh.blobs()
+        assert (incremental.file_count(), incremental.file_bytes()) == (
+            fresh.file_count(), fresh.file_bytes())
+        assert encode_tree(fresh.tree()).root == fresh.root
+        previous = incremental
+
+
+def test_a_rescan_of_an_unchanged_directory_reads_and_encodes_nothing(
+        tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    cache = BlobCache(tmp_path / "cache")
+    first = scan(repo, None, cache.store_file, now_ns=time.time_ns() + 10**9)
+    (repo / "src" / "pkg" / "mod.py").write_text("changed\n")
+    again = scan(repo, first.listings, cache.store_file, now_ns=time.time_ns() + 10**9)
+    assert (again.files_read, len(again.objects)) == (1, 3)  # src/pkg, src and the top
+    assert again.listings["empty"] is first.listings["empty"]
+    still = scan(repo, again.listings, cache.store_file, now_ns=time.time_ns() + 10**9)
+    assert (still.files_read, still.objects) == (0, {})
+
+
+def test_a_directory_deeper_than_a_restore_allows_is_refused_at_the_scan(
+        tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    deep = repo.joinpath(*["d"] * (MAX_DEPTH + 1))
+    deep.mkdir(parents=True)
+    with pytest.raises(SandboxError, match=f"deeper than {MAX_DEPTH} directories"):
+        scan(repo, None, BlobCache(tmp_path / "cache").store_file)
+
+
+def test_the_cache_holds_small_blobs_in_memory_up_to_its_budget(tmp_path: Path) -> None:
+    cache = BlobCache(tmp_path / "cache", memory_budget=100, memory_blob_max=50)
+    small, large = b"s" * 40, b"l" * 60
+    for data in (small, large, b"t" * 40, b"u" * 40):
+        cache.put(digest_of(data), data)
+    on_disk = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    # The first two small ones fit the budget; the large one and the third go to files.
+    assert on_disk == sorted(digest_of(d).hex() for d in (large, b"u" * 40))
+    assert cache.held(digest_of(small)) == small and cache.memory_bytes == 80
+    assert all(cache.read(digest_of(d)) == d for d in (small, large, b"t" * 40, b"u" * 40))
+    cache.remove([digest_of(small), digest_of(large)])
+    assert cache.memory_bytes == 40 and not cache.has(digest_of(small))
+    assert not cache.has(digest_of(large))
 
 
 def test_a_fifo_or_socket_in_a_sandbox_is_refused_naming_its_path(tmp_path: Path) -> None:
@@ -106,7 +200,7 @@ def test_materialize_rebuilds_the_directory_byte_for_byte(tmp_path: Path) -> Non
     repo = _repo(tmp_path / "repo")
     (repo / "empty").chmod(0o500)  # a read-only directory is filled before its mode is set
     cache = BlobCache(tmp_path / "cache")
-    tree = scan(repo, None, cache.store_file).tree
+    tree = scan(repo, None, cache.store_file).tree()
     encoded = encode_tree(tree)
     decoded, objects = decode_tree(encoded.root, encoded.root_size,
                                    lambda d, n: encoded.objects[d], "test")
@@ -152,16 +246,16 @@ def test_a_changed_file_costs_new_tree_objects_only_along_its_path(tmp_path: Pat
         (repo / f"dir{i}").mkdir()
         (repo / f"dir{i}" / "f").write_text(str(i))
     cache = BlobCache(tmp_path / "cache")
-    before = encode_tree(scan(repo, None, cache.store_file).tree)
+    before = encode_tree(scan(repo, None, cache.store_file).tree())
     (repo / "src" / "pkg" / "mod.py").write_text("changed\n")
-    after = encode_tree(scan(repo, None, cache.store_file).tree)
+    after = encode_tree(scan(repo, None, cache.store_file).tree())
     new = set(after.objects) - set(before.objects)
     assert len(after.objects) == 24 and len(new) == 3  # ., src and src/pkg
 
 
 def test_the_blob_store_writes_only_what_it_lacks_and_refuses_a_damaged_blob(
         tmp_path: Path) -> None:
-    cache = BlobCache(tmp_path / "cache")
+    cache = BlobCache(tmp_path / "cache", memory_budget=0)  # every blob in a file
     src = tmp_path / "f"
     src.write_bytes(b"content")
     digest, _ = cache.store_file(str(src))
@@ -170,6 +264,11 @@ def test_the_blob_store_writes_only_what_it_lacks_and_refuses_a_damaged_blob(
     store.put(digest, cache.path(digest))
     assert store.missing([digest]) == set()
     assert store.digests() == {digest}
+    held = b"held in memory"
+    assert store.put(digest_of(held), held) == len(held)
+    with pytest.raises(BlobCorruptedError, match="no longer matches its digest"):
+        store.put(digest_of(b"other"), held)
+    assert store.digests() == {digest, digest_of(held)}
     assert store.read(digest, 7) == b"content"
     blob = Path(store.describe(digest))
     blob.write_bytes(b"CONTENT")
