@@ -964,7 +964,7 @@ class CheckpointCoordinator:
         handle = self._transport.create_holder(
             instance_id, node_id,
             {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s,
-             "max_retired_marks": cfg.max_retired_marks,
+             "max_retired_marks": cfg.max_retired_marks, "namespace": cfg.namespace,
              "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
              "blob_root": None if self._blob_store() is None
              else join_location(str(cfg.checkpoint_root), BLOB_DIR)})

@@ -18,8 +18,9 @@ Layout under ``sandbox_root`` (the same path on every node):
     <sandbox_root>/<anything>/...             sessions' directories (the worker's)
     <sandbox_root>/<capture key>              a restored session's directory (or
                                               <capture key>.<restore id> if that is taken)
-    <sandbox_root>/.nemo-ckpt/<instance>/blobs    the cache
-    <sandbox_root>/.nemo-ckpt/<instance>/restore-<id>/<capture key>   a restore's staging
+    <sandbox_root>/.nemo-ckpt/<namespace>/<instance>/blobs      the cache's files
+    <sandbox_root>/.nemo-ckpt/<namespace>/<instance>/restore-<id>/<capture key>
+                                              a restore's staging
 """
 
 from __future__ import annotations
@@ -99,13 +100,15 @@ class Sandboxes:
     """The sandboxes of one holder (see the module docstring)."""
 
     def __init__(self, instance_id: str, sandbox_root: str | None,
-                 blob_root: str | None) -> None:
+                 blob_root: str | None, namespace: str = "nemo_ckpt") -> None:
         self.instance_id = instance_id
         self.root = None if sandbox_root is None else Path(os.path.abspath(sandbox_root))
         self.blob_root = blob_root
+        # Jobs of other namespaces may share the root and their instances' names.
         self._private = None if self.root is None else \
-            self.root / PRIVATE_DIR / safe_name_part(instance_id)
+            self.root / PRIVATE_DIR / safe_name_part(namespace) / safe_name_part(instance_id)
         self._cache: BlobCache | None = None
+        self._cache_lock = threading.Lock()
         self._by_rollout: dict[str, Sandbox] = {}
         self._refs: Counter[bytes] = Counter()
         self._unreferenced: set[bytes] = set()
@@ -126,10 +129,16 @@ class Sandboxes:
 
     @property
     def cache(self) -> BlobCache:
-        if self._cache is None:
-            assert self._private is not None
-            self._cache = BlobCache(self._private / "blobs")
-        return self._cache
+        """The cache, made on first use (blocking): what an earlier holder of this
+        instance left (its cache, a restore's staging) is removed first, as nothing
+        live refers to it and a file of it may not have survived a crash whole."""
+        with self._cache_lock:
+            if self._cache is None:
+                assert self._private is not None
+                if self._private.exists():
+                    shutil.rmtree(self._private)
+                self._cache = BlobCache(self._private / "blobs")
+            return self._cache
 
     def probe(self) -> None:
         """Make the cache folder and write and remove a file in it (check_startup):

@@ -206,6 +206,7 @@ class SessionHolder:
         watch_period_s: float = 0.1,
         sandbox_root: str | None = None,
         blob_root: str | None = None,
+        namespace: str = "nemo_ckpt",
     ) -> None:
         self.instance_id = instance_id
         self.node_id = node_id
@@ -221,7 +222,7 @@ class SessionHolder:
         self._table = SessionTable(instance_id)
         self._turns: dict[str, _Turn] = {}  # capture key -> turn in flight
         # The sessions' sandbox directories, and the node cache of their files.
-        self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root)
+        self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root, namespace)
         self._aborted_tokens: OrderedDict[str, None] = OrderedDict()
         # Retire marks, monotone as NeMo Gym's: rollout id -> the highest attempt retired;
         # every attempt up to it is refused until RL forgets it.

@@ -3,7 +3,7 @@
 Two places hold blobs:
 
 - ``BlobCache``, in each holder (small blobs in memory, the rest in
-  ``<sandbox_root>/.nemo-ckpt/<instance>/blobs``): what a turn commit's scan read, kept
+  ``<sandbox_root>/.nemo-ckpt/<namespace>/<instance>/blobs``): what a turn commit's scan read, kept
   until no live session of that holder references it. Not fsynced: it only serves the
   holder's live sessions and its next snapshots, which die with the holder anyway.
 - ``BlobStore``, shared by every snapshot under a checkpoint root

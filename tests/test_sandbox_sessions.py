@@ -530,3 +530,42 @@ def test_check_startup_refuses_a_sandbox_root_a_holder_cannot_write(tmp_path: Pa
         job.run(scenario())
     finally:
         job.close()
+
+
+def test_jobs_sharing_a_sandbox_root_keep_their_node_caches_apart(tmp_path: Path) -> None:
+    from actors.sandboxes import Sandboxes
+
+    root = tmp_path / "sandboxes"
+    big = os.urandom(2 << 20)  # past the in-memory tier: kept in a file of the cache
+    boxes = {}
+    for ns in ("job-a", "job-b"):
+        d = root / ns / "r0"
+        d.mkdir(parents=True)
+        (d / "data.bin").write_bytes(big)
+        (d / f"only-{ns}").write_text(ns)
+        boxes[ns] = Sandboxes("holder-0", str(root), str(tmp_path / "ckpt" / "blobs"), ns)
+        boxes[ns].install("r0", d, boxes[ns].record(d, None))
+    a, b = boxes["job-a"], boxes["job-b"]
+    b.drop("r0")  # job B's session ends and its holder sweeps its cache
+    assert b.sweep() > 0 and not b.cache.has(digest_of(big))
+    assert a.cache.has(digest_of(big)) and a.cache.path(digest_of(big)).exists()
+    assert a.cache.directory != b.cache.directory
+
+
+def test_a_new_holder_removes_what_an_earlier_holder_of_its_instance_left(
+        tmp_path: Path) -> None:
+    from actors.sandboxes import Sandboxes
+
+    root = tmp_path / "sandboxes"
+    d = root / "r0"
+    d.mkdir(parents=True)
+    (d / "data.bin").write_bytes(os.urandom(2 << 20))
+    dead = Sandboxes("holder-0", str(root), None, "job")
+    dead.record(d, None)
+    left = sorted(p.name for p in dead.cache.directory.iterdir())
+    staging = dead.cache.directory.parent / "restore-r1" / "r0-a1"
+    staging.mkdir(parents=True)  # a restore killed while it materialized
+    assert len(left) == 1
+    fresh = Sandboxes("holder-0", str(root), None, "job")
+    assert list(fresh.cache.directory.iterdir()) == [] and not staging.parent.exists()
+    assert (d / "data.bin").exists()  # the session's own directory is the worker's
