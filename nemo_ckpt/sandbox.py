@@ -21,10 +21,11 @@ What a tree may hold, and what it never does:
 
 Encoded, as git does: one *tree object* per directory, a blob of its own (so a changed
 file costs new objects only along its path, not the whole listing), each the msgpack
-``[[name, kind, mode, size, data], ...]`` sorted by name; ``kind`` is 0 for a directory
-(``data`` its tree object's digest, ``size`` that object's length), 1 for a file
-(``data`` its 16-byte XXH3-128 digest), 2 for a link (``data`` its target, UTF-8 with
-surrogate escapes). A session's tree is named by its top object's digest and length.
+``[[name, kind, mode, size, data], ...]`` sorted by name, deflated (zlib) when that is
+shorter; ``kind`` is 0 for a directory (``data`` its tree object's digest, ``size`` that
+object's length), 1 for a file (``data`` its 16-byte XXH3-128 digest), 2 for a link
+(``data`` its target, UTF-8 with surrogate escapes). A session's tree is named by its top
+object's digest and length.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +47,7 @@ from nemo_ckpt.errors import SandboxError
 __all__ = ["DIR", "FILE", "LINK", "Entry", "Tree", "TreeStats", "ScanResult", "Seen", "Listing",
            "Listings",
            "EncodedTree", "scan", "encode_tree", "decode_tree", "materialize", "tree_digests",
-           "tree_stats", "diff_trees", "MAX_DEPTH"]
+           "tree_stats", "diff_trees", "pack_tree_object", "MAX_DEPTH"]
 
 DIR, FILE, LINK = 0, 1, 2
 _KIND_NAMES = {DIR: "directory", FILE: "file", LINK: "symlink"}
@@ -69,6 +71,7 @@ class Entry:
 # directory's entry carries no data here (its tree object's digest is the encoding's).
 Tree = dict[str, Entry]
 MAX_DEPTH = 256  # directories deeper than this are refused when a stored tree is read
+_INFLATE_RATIO = 32  # rows hold a random 16-byte digest each: they never deflate this far
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +267,7 @@ class _Scanner:
             rows.append([name, e.kind, e.mode, e.size, e.data])
             if e.kind == FILE:
                 files.append(e)
-        data = msgpack.packb(rows, use_bin_type=True)
+        data = pack_tree_object(rows)
         digest = _digest(data)
         self.objects[digest] = data
         return Listing(entries, digest, len(data), frozenset(e.data for e in files),
@@ -296,6 +299,34 @@ def _digest(data: bytes) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+def pack_tree_object(rows: list[list[Any]]) -> bytes:
+    """A tree object as stored: its rows in msgpack, deflated (zlib) when that is
+    shorter. A changed file costs a new object for every directory along its path, a
+    listing each; deflating shrinks their names, modes and sizes, not the digests
+    (``benchmarks/sandboxes.py``: the store)."""
+    packed = msgpack.packb(rows, use_bin_type=True)
+    deflated = zlib.compress(packed, 6)
+    return deflated if len(deflated) < len(packed) else packed
+
+
+def _inflate(data: bytes, where: str) -> bytes:
+    """A stored tree object's msgpack: deflated (it starts with zlib's 0x78), or as
+    written before tree objects were deflated (a msgpack array). Bounded: a tree
+    object never inflates past ``_INFLATE_RATIO`` times its length (plus 1 MiB)."""
+    if data[:1] != b"\x78":
+        return data
+    inflater = zlib.decompressobj()
+    limit = _INFLATE_RATIO * len(data) + (1 << 20)
+    try:
+        out = inflater.decompress(data, limit)
+    except zlib.error as exc:
+        raise SandboxError(f"a tree object of {where} does not inflate ({exc})") from None
+    if inflater.unconsumed_tail or not inflater.eof or inflater.unused_data:
+        raise SandboxError(f"a tree object of {where} is not one whole deflated object "
+                           f"of at most {limit} bytes")
+    return out
+
+
 def encode_tree(tree: Tree) -> EncodedTree:
     """``tree``'s tree objects (see the module docstring), deepest directories first."""
     children: dict[str, list[tuple[str, str]]] = {"": []}
@@ -315,7 +346,7 @@ def encode_tree(tree: Tree) -> EncodedTree:
                 rows.append([name, DIR, e.mode, size, digest])
             else:
                 rows.append([name, e.kind, e.mode, e.size, e.data])
-        data = msgpack.packb(rows, use_bin_type=True)
+        data = pack_tree_object(rows)
         digest = _digest(data)
         objects[digest] = data
         encoded[directory] = (digest, len(data))
@@ -339,7 +370,7 @@ def decode_tree(root: bytes, size: int, fetch: Callable[[bytes, int], bytes], wh
         objects[digest] = length
         data = fetch(digest, length)
         try:
-            rows = msgpack.unpackb(data, raw=False, use_list=True)
+            rows = msgpack.unpackb(_inflate(data, where), raw=False, use_list=True)
         except (ValueError, msgpack.UnpackException) as exc:
             raise SandboxError(f"a tree object of {where} does not decode ({exc})") from None
         if not isinstance(rows, list):

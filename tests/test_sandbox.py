@@ -7,6 +7,7 @@ import random
 import shutil
 import socket
 import time
+import zlib
 from pathlib import Path
 
 import msgpack
@@ -19,6 +20,7 @@ from nemo_ckpt.sandbox import (
     FILE,
     LINK,
     MAX_DEPTH,
+    Entry,
     decode_tree,
     diff_trees,
     encode_tree,
@@ -230,6 +232,31 @@ def test_a_stored_name_that_would_leave_its_directory_is_refused(name: str) -> N
     root, size, objects = _objects([[name, FILE, 0o644, 1, b"\x00" * 16]])
     with pytest.raises(SandboxError, match="would leave its directory"):
         decode_tree(root, size, lambda d, n: objects[d], "r1")
+
+
+def test_tree_objects_are_stored_deflated_and_undeflated_ones_still_read(
+        tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for i in range(33):
+        (repo / f"mod{i:04d}.py").write_text(str(i))
+    encoded = encode_tree(scan(repo, None, BlobCache(tmp_path / "cache").store_file).tree())
+    top = encoded.objects[encoded.root]
+    assert top[:1] == b"\x78" and len(zlib.decompress(top)) > 1.3 * len(top)
+    decoded, _ = decode_tree(encoded.root, encoded.root_size,
+                             lambda d, n: encoded.objects[d], "r0")
+    assert sorted(decoded) == [f"mod{i:04d}.py" for i in range(33)]
+    # A small one is kept as plain msgpack rows, as every one was before: both read.
+    root, size, objects = _objects([["a", FILE, 0o644, 1, b"\x00" * 16]])
+    tree, _ = decode_tree(root, size, lambda d, n: objects[d], "r1")
+    assert tree == {"a": Entry(FILE, 0o644, 1, b"\x00" * 16)}
+
+
+def test_a_tree_object_that_inflates_past_its_bound_is_refused() -> None:
+    bomb = zlib.compress(msgpack.packb([["a" * (64 << 20), FILE, 0o644, 1, b"\x00" * 16]]), 9)
+    objects = {digest_of(bomb): bomb}
+    with pytest.raises(SandboxError, match="not one whole deflated object"):
+        decode_tree(digest_of(bomb), len(bomb), lambda d, n: objects[d], "r1")
 
 
 def test_a_stored_link_never_has_entries_below_it() -> None:
