@@ -11,7 +11,7 @@ sessions of one job (A); job B holds the same sessions without directories. Then
    timed in-process on a copy of a sandbox (the holder's own code, without the call);
 3. A's second snapshot: the bytes it wrote against a full copy of every directory, and
    the store against one repository plus the changed bytes;
-4. the pause of A against B's (alternated, medians);
+4. the pause of A against B's (alternately first, medians);
 5. A's snapshot restored into a fresh job with an empty node: the directories'
    materialization against writing the same files straight from memory.
 
@@ -40,7 +40,7 @@ from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.storage import read_manifest
 
-PAUSE_ROUNDS = 5
+PAUSE_ROUNDS = 15
 
 
 def make_repository(where: Path, files: int, file_bytes: int, seed: int = 0) -> int:
@@ -199,9 +199,12 @@ async def run(args: argparse.Namespace, work: Path) -> list[tuple[str, bool, str
                     f"({repo_bytes / 1e6:.1f} MB + {changed / 1e6:.1f} MB changed)"))
 
     with_dirs, without = [], []
-    for k in range(PAUSE_ROUNDS):
+    for k in range(PAUSE_ROUNDS):  # alternately first: neither always follows the other
+        if k % 2:
+            without.append(await pause_s(b, root / f"b-p{k}"))
         with_dirs.append(await pause_s(a, root / f"a-p{k}"))
-        without.append(await pause_s(b, root / f"b-p{k}"))
+        if not k % 2:
+            without.append(await pause_s(b, root / f"b-p{k}"))
     pa, pb = statistics.median(with_dirs), statistics.median(without)
     results.append(("pause with sandboxes <= 1.2x without", pa <= 1.2 * pb,
                     f"{pa * 1000:.1f} ms vs {pb * 1000:.1f} ms = {pa / pb:.2f}x (medians of "
