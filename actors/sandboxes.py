@@ -48,6 +48,7 @@ from nemo_ckpt.sandbox import (
 from nemo_ckpt.sandbox_storage import (
     BlobsWritten,
     persist_blobs,
+    read_blob,
     read_trees_file,
     write_trees_file,
 )
@@ -198,15 +199,15 @@ class Sandboxes:
         old = self._by_rollout.get(rollout_id)
         self._by_rollout[rollout_id] = Sandbox(directory, recorded)
         if old is None:
-            self._count(recorded, +1)
+            self._count(recorded.blobs, +1)
         else:  # a turn's new tree shares most of its blobs with the one it replaces
-            self._count_blobs(recorded.blobs - old.recorded.blobs, +1)
-            self._count_blobs(old.recorded.blobs - recorded.blobs, -1)
+            self._count(recorded.blobs - old.recorded.blobs, +1)
+            self._count(old.recorded.blobs - recorded.blobs, -1)
 
     def drop(self, rollout_id: str) -> Sandbox | None:
         old = self._by_rollout.pop(rollout_id, None)
         if old is not None:
-            self._count(old.recorded, -1)
+            self._count(old.recorded.blobs, -1)
         return old
 
     def forget_unused(self, recorded: Recorded) -> None:
@@ -215,10 +216,7 @@ class Sandboxes:
             if self._refs[d] <= 0:
                 self._unreferenced.add(d)
 
-    def _count(self, recorded: Recorded, delta: int) -> None:
-        self._count_blobs(recorded.blobs, delta)
-
-    def _count_blobs(self, blobs: Iterable[bytes], delta: int) -> None:
+    def _count(self, blobs: Iterable[bytes], delta: int) -> None:
         refs = self._refs
         for d in blobs:
             n = refs[d] + delta
@@ -295,10 +293,7 @@ class Sandboxes:
             data = verified.get(digest)
             if data is not None:
                 return data
-            data = cache.read(digest, size)
-            if data is None:
-                data = store.read(digest, size)
-                cache.put(digest, data)
+            data = read_blob(store, cache, digest, size)
             if held + len(data) <= _RESTORE_MEMORY:
                 verified[digest] = data
                 held += len(data)

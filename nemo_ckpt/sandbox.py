@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import xxhash
 
+from nemo_ckpt.blobs import digest_of
 from nemo_ckpt.errors import SandboxError
 
 __all__ = ["DIR", "FILE", "LINK", "Entry", "Tree", "TreeStats", "ScanResult", "Seen", "Listing",
@@ -82,10 +82,6 @@ class Seen:
 
     key: tuple[int, int, int, int, int] | None  # (size, mtime_ns, ctime_ns, inode, mode)
     entry: Entry
-
-    @property
-    def digest(self) -> bytes:
-        return self.entry.data
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +264,7 @@ class _Scanner:
             if e.kind == FILE:
                 files.append(e)
         data = pack_tree_object(rows)
-        digest = _digest(data)
+        digest = digest_of(data)
         self.objects[digest] = data
         return Listing(entries, digest, len(data), frozenset(e.data for e in files),
                        len(files), sum(e.size for e in files))
@@ -293,10 +289,6 @@ class EncodedTree:
     root: bytes
     root_size: int
     objects: dict[bytes, bytes]  # digest -> tree object, the top one included
-
-
-def _digest(data: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(data)
 
 
 def pack_tree_object(rows: list[list[Any]]) -> bytes:
@@ -347,7 +339,7 @@ def encode_tree(tree: Tree) -> EncodedTree:
             else:
                 rows.append([name, e.kind, e.mode, e.size, e.data])
         data = pack_tree_object(rows)
-        digest = _digest(data)
+        digest = digest_of(data)
         objects[digest] = data
         encoded[directory] = (digest, len(data))
     root, size = encoded[""]

@@ -32,7 +32,7 @@ from nemo_ckpt.manifest import Manifest, TreesEntry
 from nemo_ckpt.sandbox import FILE, Tree, decode_tree
 
 __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
-           "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree",
+           "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree", "read_blob",
            "SessionDirectory", "snapshot_directories", "verify_directories"]
 
 TREES_MAGIC = "nemo-ckpt-trees"
@@ -158,16 +158,18 @@ def fetch_tree(store: BlobStore, cache: BlobCache | None, digest: bytes, size: i
                where: str) -> tuple[Tree, dict[bytes, int]]:
     """The tree whose top object is ``digest``, its objects read from the cache or the
     store (verified, and kept in the cache), checked safe; and those objects."""
+    return decode_tree(digest, size, lambda d, n: read_blob(store, cache, d, n), where)
 
-    def fetch(d: bytes, n: int) -> bytes:
-        data = cache.read(d, n) if cache is not None else None
-        if data is None:
-            data = store.read(d, n)
-            if cache is not None:
-                cache.put(d, data)
-        return data
 
-    return decode_tree(digest, size, fetch, where)
+def read_blob(store: BlobStore, cache: BlobCache | None, digest: bytes, size: int) -> bytes:
+    """Blob ``digest`` (``size`` bytes), verified: from the cache if it holds it, else from
+    the store, then kept in the cache."""
+    data = cache.read(digest, size) if cache is not None else None
+    if data is None:
+        data = store.read(digest, size)
+        if cache is not None:
+            cache.put(digest, data)
+    return data
 
 
 @dataclass
