@@ -323,7 +323,10 @@ class _Job:
             raise self.failed
 
     async def wait_for_crash_point(self, snapshots: int) -> None:
-        """Until ``snapshots`` committed snapshots captured rollouts, then half a period."""
+        """Until ``snapshots`` committed snapshots captured rollouts, then half a period.
+
+        The half period ends early when every rollout finished.
+        """
         while self.captured_snapshots < snapshots:
             if self.done.is_set():
                 raise DemoError(
@@ -335,10 +338,10 @@ class _Job:
             self.snapshot_taken.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.snapshot_taken.wait(), 0.2)
-        await asyncio.sleep(self.options.snapshot_every_s / 2)
-        if self.done.is_set():
-            raise DemoError("every rollout finished before the crash; run more rollouts "
-                            "or turns")
+        # Rollouts finishing meanwhile (a slow or loaded machine) do not spoil the crash:
+        # the last snapshot holds them mid-rollout, so the restore still continues them.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.done.wait(), self.options.snapshot_every_s / 2)
 
     async def crash(self) -> DataPlaneStats:
         """Kill workers, holders, coordinator and data plane; drop every driver task.
