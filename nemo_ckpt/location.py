@@ -10,6 +10,7 @@ refused, with the URL to pass instead), and a folder stays a folder.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -58,6 +59,13 @@ def parse_location(path: str | os.PathLike[str]) -> Location:
     text = os.fspath(path)
     if not isinstance(text, str):
         raise CheckpointPathError(str(text), f"checkpoint path {text!r} is not text")
+    return _parse_text(text)
+
+
+# Every file operation parses its checkpoint path again, and a job uses a handful of
+# paths: parse each once (locations are frozen, so sharing them is safe).
+@functools.lru_cache(maxsize=1024)
+def _parse_text(text: str) -> Location:
     url = _URL.match(text)
     if url is None:
         collapsed = _COLLAPSED_URL.match(text)

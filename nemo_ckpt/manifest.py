@@ -22,6 +22,7 @@ rollout and the shard that holds it, and named each shard's hash with its algori
 
 from __future__ import annotations
 
+import functools
 import json
 import json.encoder
 import re
@@ -72,6 +73,7 @@ CONTENT_HASH_PATTERN = r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$"
 _SAFE_PART = re.compile(r"[^A-Za-z0-9_.-]")
 
 
+@functools.lru_cache(maxsize=4096)  # manifests and trees ask about the same names often
 def is_plain_file_name(name: str) -> bool:
     """Whether ``name`` names a file directly inside its folder, on any platform."""
     if not name or name in (".", ".."):

@@ -402,6 +402,8 @@ class Schedule:
             with contextlib.suppress(Exception):
                 loop.run_until_complete(asyncio.sleep(0))
             loop.close()
+            for actor in self.world.actors:  # their finished tasks: free them now
+                actor.tasks.clear()
         return Result(self.seed, self.violations, self.faults, self.trace)
 
     async def _main(self) -> None:

@@ -135,6 +135,10 @@ class SimActor:
         return f"<{self.kind} {self.name}#{self.serial}{'' if self.alive else ' dead'}>"
 
 
+# The context of the transport's own callbacks: they belong to no actor.
+_NO_ACTOR = contextvars.Context()
+
+
 class _SimClock:
     def __init__(self, world: SimWorld, actor: SimActor) -> None:
         self._world = world
@@ -207,12 +211,13 @@ class SimWorld:
     def _task_factory(self, loop: asyncio.AbstractEventLoop,
                       coro: Any) -> asyncio.Future[Any]:
         task = asyncio.Task(coro, loop=loop)
-        owner = contextvars.copy_context().get(current_actor)  # the creator's context
+        owner = current_actor.get()  # the factory runs in the creator's context
         if owner is not None:
             if not owner.alive:
                 task.cancel()
+            # Kept after they finish (a schedule is short): a done callback per task to
+            # drop it would cost the loop a turn each.
             owner.tasks.add(task)
-            task.add_done_callback(owner.tasks.discard)
         return task
 
     def spawn(self, actor: SimActor, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -272,7 +277,7 @@ class SimWorld:
                 del self.registry[key]
         current = asyncio.current_task(self.loop) if self.loop.is_running() else None
         for task in list(actor.tasks):
-            if task is not current:
+            if task is not current and not task.done():
                 task.cancel()
 
     def kill_node(self, node: str) -> None:
@@ -304,15 +309,16 @@ class SimWorld:
         if self.on_send is not None:
             self.on_send(caller, target, method, args)
         payload = pickle.dumps(args, protocol=5)
-        # The message travels on its own: neither the caller's death nor its
-        # cancellation stops it, as with a Ray call already sent.
-        contextvars.Context().run(self.loop.create_task,
-                                  self._travel(target, method, payload, done))
+        # The message travels on its own (timer callbacks, no task of the caller):
+        # neither the caller's death nor its cancellation stops it, as with a Ray call
+        # already sent. Callbacks rather than a task per message: the simulation's
+        # schedules are mostly event-loop turns.
+        self.loop.call_later(self._leg(target, method, False), self._arrive,
+                             target, method, payload, done, context=_NO_ACTOR)
         return done
 
-    async def _travel(self, target: SimActor, method: str, payload: bytes,
-                      done: asyncio.Future[Any]) -> None:
-        await asyncio.sleep(self._leg(target, method, False))
+    def _arrive(self, target: SimActor, method: str, payload: bytes,
+                done: asyncio.Future[Any]) -> None:
         if not target.alive:
             _settle(done, exc=ActorDied(f"{target} is dead"))
             return
@@ -323,30 +329,29 @@ class SimWorld:
                 _settle(done, exc=ActorDied(f"{target} died as {method} arrived"))
                 return
         run = self.spawn(target, getattr(target.obj, method)(*args))
-        try:
-            result: Any = await asyncio.shield(run)
-        except asyncio.CancelledError:
-            # The callee died (its tasks were cancelled), or cancelled its own call.
+        run.add_done_callback(lambda run: self._answer(target, method, run, done),
+                              context=_NO_ACTOR)
+
+    def _answer(self, target: SimActor, method: str, run: asyncio.Task[Any],
+                done: asyncio.Future[Any]) -> None:
+        """The callee's task ended: its answer travels back, unless it died first."""
+        if run.cancelled():  # the callee died (its tasks were cancelled), or cancelled it
             why = "died" if not target.alive else "cancelled its task"
             _settle(done, exc=ActorDied(f"{target} {why} during {method}"))
             return
-        except BaseException as exc:  # the callee raised: the caller gets it
-            if not target.alive:  # ... unless it died meanwhile: the dead never answer
-                _settle(done, exc=ActorDied(f"{target} died during {method}"))
-                return
-            await asyncio.sleep(self._leg(target, method, True))
-            _settle(done, exc=_copy_error(exc))
-            return
-        if not target.alive:
+        if not target.alive:  # the dead never answer
             _settle(done, exc=ActorDied(f"{target} died during {method}"))
             return
-        await asyncio.sleep(self._leg(target, method, True))
-        try:
-            copied = pickle.loads(pickle.dumps(result, protocol=5))
-        except Exception as exc:  # an unpicklable reply is a bug in the callee
-            _settle(done, exc=exc)
-            return
-        _settle(done, value=copied)
+        exc = run.exception()
+        if exc is not None:  # the callee raised: the caller gets a copy
+            reply: tuple[Any, BaseException | None] = (None, _copy_error(exc))
+        else:
+            try:  # copied as it leaves, as Ray serializes a return value
+                reply = (pickle.loads(pickle.dumps(run.result(), protocol=5)), None)
+            except Exception as error:  # an unpicklable reply is a bug in the callee
+                reply = (None, error)
+        self.loop.call_later(self._leg(target, method, True), _settle, done, *reply,
+                             context=_NO_ACTOR)
 
 
 def _settle(done: asyncio.Future[Any], value: Any = None,
@@ -426,7 +431,7 @@ class SimTransport:
             actor = self._world.new_actor(HOLDER, instance_id, node_id)
             actor.obj = SessionHolder(instance_id, node_id=node_id,
                                       runtime=self._world.runtime(actor),
-                                      watch_period_s=0.5, **options)
+                                      watch_period_s=1.0, **options)
             if actor.alive:
                 self._world.registry[key] = actor
         return Actor(HOLDER, instance_id, actor)
@@ -440,14 +445,31 @@ class SimTransport:
 
     async def _result(self, actor: Actor, method: str, done: asyncio.Future[Any],
                       timeout: float | None) -> Any:
+        # What ``wait_for(shield(done), timeout)`` does, with one future and one timer:
+        # the caller's cancellation or timeout leaves ``done`` (the call) running.
+        loop = self._world.loop
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        done.add_done_callback(wake)
+        timer = None if timeout is None else loop.call_later(timeout, wake)
         try:
-            if timeout is None:
-                return await asyncio.shield(done)
-            return await asyncio.wait_for(asyncio.shield(done), timeout)
-        except asyncio.TimeoutError:
-            raise unavailable_error(actor, method, timeout=timeout) from None
-        except ActorDied as exc:
+            await waiter
+        finally:
+            done.remove_done_callback(wake)
+            if timer is not None:
+                timer.cancel()
+        if not done.done():
+            raise unavailable_error(actor, method, timeout=timeout)
+        exc = done.exception()
+        if isinstance(exc, ActorDied):
             raise unavailable_error(actor, method, cause=exc) from exc
+        if exc is not None:
+            raise exc
+        return done.result()
 
     def send(self, actor: Actor, method: str, *args: Any) -> None:
         if self._me.alive:
