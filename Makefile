@@ -10,7 +10,7 @@ DEMO_ARGS ?=
 
 # The deterministic simulation's schedules per run (tests/simulation.py); a violation
 # prints its seed and the command that replays it.
-SIM_SCHEDULES ?= 8000
+SIM_SCHEDULES ?= 10000
 
 .PHONY: test install demo demo-s3
 

@@ -53,7 +53,7 @@ from tests.conftest import remove_node_and_wait
 SEED = 20261129
 IN_FLIGHT = 12  # rollouts running at once; new ones start until the faults are done
 TURNS = 8
-FAULTS = 42
+FAULTS = 50
 NODE_FAULTS = 4  # node removals and additions are slow (seconds each): a few of them
 
 pytestmark = pytest.mark.timeout(420)
