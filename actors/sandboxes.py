@@ -29,9 +29,10 @@ import os
 import shutil
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from nemo_ckpt.blobs import BlobCache, BlobStore
 from nemo_ckpt.errors import RestoreConflictError, SandboxError
@@ -91,10 +92,40 @@ class RestoredSandbox:
 
 @dataclass
 class SandboxCapture:
-    """The sandboxes of one snapshot's captured sessions (see ``Sandboxes.capture``)."""
+    """The sandboxes of one snapshot's captured sessions (see ``Sandboxes.capture``): the
+    live sandboxes as of the cut, and the captured sessions, ``(rollout_id, attempt)``
+    each. Their rows are made after the pause (``rows``), from this copy."""
 
-    rows: list[tuple[str, int, bytes, int]] = field(default_factory=list)
-    blobs: list[frozenset[bytes]] = field(default_factory=list)
+    boxes: dict[str, Sandbox]
+    sessions: Sequence[Session]
+
+    def any(self) -> bool:
+        """Whether a captured session owns a sandbox."""
+        boxes = self.boxes
+        return bool(boxes) and any(s.rollout_id in boxes for s in self.sessions)
+
+    def rows(self) -> tuple[list[tuple[str, int, bytes, int]], list[frozenset[bytes]]]:
+        """Per captured session with a sandbox, in order: ``(rollout_id, attempt, top
+        tree, tree size)``, and every blob its tree references."""
+        rows: list[tuple[str, int, bytes, int]] = []
+        blobs: list[frozenset[bytes]] = []
+        for session in self.sessions:
+            box = self.boxes.get(session.rollout_id)
+            if box is not None:
+                rec = box.recorded
+                rows.append((session.rollout_id, session.attempt, rec.tree, rec.tree_size))
+                blobs.append(rec.blobs)
+        return rows, blobs
+
+
+class Session(Protocol):
+    """A captured session, as a capture names it (the holder's ``Held``)."""
+
+    @property
+    def rollout_id(self) -> str: ...
+
+    @property
+    def attempt(self) -> int: ...
 
 
 class Sandboxes:
@@ -226,16 +257,12 @@ class Sandboxes:
                 del refs[d]
                 self._unreferenced.add(d)
 
-    def capture(self, sessions: Iterable[tuple[str, int]]) -> SandboxCapture:
-        """The trees of the captured sessions ``(rollout_id, attempt)``, in order."""
-        capture = SandboxCapture()
-        for rollout_id, attempt in sessions:
-            box = self._by_rollout.get(rollout_id)
-            if box is not None:
-                rec = box.recorded
-                capture.rows.append((rollout_id, attempt, rec.tree, rec.tree_size))
-                capture.blobs.append(rec.blobs)
-        return capture
+    def capture(self, sessions: Sequence[Session]) -> SandboxCapture:
+        """The sandboxes of the captured ``sessions``, as of now. Called in the pause, it
+        only copies the table (a turn installs a new ``Sandbox``, it never changes one):
+        walking every session's tree record here was most of what sandboxes added to
+        the pause (``benchmarks/sandboxes.py``)."""
+        return SandboxCapture(dict(self._by_rollout), sessions)
 
     # --- a snapshot's persist (blocking) -------------------------------------------
 
@@ -248,12 +275,13 @@ class Sandboxes:
         from nemo_ckpt.storage import folder_at
 
         store = BlobStore(self.blob_root, folder_at)
+        rows, refs = capture.rows()
         needed: set[bytes] = set()
-        for blobs in capture.blobs:
+        for blobs in refs:
             needed |= blobs
         written: BlobsWritten = persist_blobs(store, self.cache, needed, clock)
         return write_trees_file(directory, trees_file_name(snapshot_id, self.instance_id),
-                                self.instance_id, written.attribute(capture.rows, capture.blobs),
+                                self.instance_id, written.attribute(rows, refs),
                                 len(needed), written)
 
     # --- a restore (blocking, then bookkeeping) --------------------------------------

@@ -791,7 +791,7 @@ class SessionHolder:
             held = [h for h in held if id(h) not in busy]
         op.capture = held
         if len(self._sandboxes):
-            op.sandboxes = self._sandboxes.capture((h.rollout_id, h.attempt) for h in held)
+            op.sandboxes = self._sandboxes.capture(held)
         op.capture_report = CaptureReport(
             instance_id=self.instance_id,
             captured_msgpack=join_captured([h.row for h in held]),
@@ -1048,7 +1048,7 @@ class SessionHolder:
             name = shard_file_name(op.id, self.instance_id)
             names = [name]
             trees = None
-            if op.sandboxes is not None and op.sandboxes.rows:
+            if op.sandboxes is not None and op.sandboxes.any():
                 # Blobs first, then the trees file, then the shard: all before the manifest.
                 names.append(trees_file_name(op.id, self.instance_id))
                 try:
