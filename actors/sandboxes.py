@@ -93,8 +93,8 @@ class RestoredSandbox:
 @dataclass
 class SandboxCapture:
     """The sandboxes of one snapshot's captured sessions (see ``Sandboxes.capture``): the
-    live sandboxes as of the cut, and the captured sessions, ``(rollout_id, attempt)``
-    each. Their rows are made after the pause (``rows``), from this copy."""
+    live sandboxes as of the cut, and the captured sessions. Their rows are made after
+    the pause (``rows``), from this copy."""
 
     boxes: dict[str, Sandbox]
     sessions: Sequence[Session]
