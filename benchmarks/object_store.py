@@ -82,13 +82,13 @@ def bare_put(url: str, sizes: Sequence[int]) -> float:
     folder: Any = environment_folder(url)
     store = folder.store
     payloads = [os.urandom(n) for n in sizes]
-    names = [f"bare-put-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(sizes))]
+    keys = [folder.key(f"bare-put-{uuid.uuid4().hex[:8]}-{i}") for i in range(len(sizes))]
     with ThreadPoolExecutor(len(sizes)) as pool:
         t0 = time.perf_counter()
-        list(pool.map(lambda a: obstore.put(store, a[0], a[1]), zip(names, payloads,
+        list(pool.map(lambda a: obstore.put(store, a[0], a[1]), zip(keys, payloads,
                                                                    strict=True)))
         elapsed = time.perf_counter() - t0
-    obstore.delete(store, names)
+    obstore.delete(store, keys)
     return elapsed
 
 
@@ -98,7 +98,7 @@ def bare_get(url: str, names: Sequence[str]) -> float:
     store = folder.store
     with ThreadPoolExecutor(len(names)) as pool:
         t0 = time.perf_counter()
-        got = list(pool.map(lambda n: obstore.get(store, n).bytes(), names))
+        got = list(pool.map(lambda n: obstore.get(store, folder.key(n)).bytes(), names))
         elapsed = time.perf_counter() - t0
     del got
     return elapsed
@@ -117,16 +117,17 @@ class BareClient:
         self._payload = os.urandom(size)
 
     def put(self, url: str, name: str) -> None:
-        obstore.put(environment_folder(url).store, name,  # type: ignore[attr-defined]
-                    self._payload)
+        folder: Any = environment_folder(url)
+        obstore.put(folder.store, folder.key(name), self._payload)
         self._payload = b""
 
     def get(self, url: str, name: str) -> int:
-        store = environment_folder(url).store  # type: ignore[attr-defined]
-        return len(obstore.get(store, name).bytes())
+        folder: Any = environment_folder(url)
+        return len(obstore.get(folder.store, folder.key(name)).bytes())
 
     def delete(self, url: str, names: list[str]) -> None:
-        obstore.delete(environment_folder(url).store, names)  # type: ignore[attr-defined]
+        folder: Any = environment_folder(url)
+        obstore.delete(folder.store, [folder.key(n) for n in names])
 
 
 def _bare_clients(node_ids: Sequence[str]) -> list[Any]:

@@ -58,9 +58,10 @@ class _Reader:
         return bytes(self._reader.read(None if size is None or size < 0 else size))
 
 
-# Clients by location and the AWS_* environment they were made from: one per folder,
-# not one per call (each holds a connection pool), and a changed environment makes anew.
-_STORES: dict[tuple[ObjectLocation, tuple[tuple[str, str], ...]], Any] = {}
+# Clients by bucket and the AWS_* environment they were made from: one per bucket, not
+# one per folder or call. Making one loads the TLS roots and a connection pool, which
+# costs milliseconds, and every snapshot is a new prefix; a changed environment makes anew.
+_STORES: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
 _MAX_STORES = 64
 
 
@@ -69,13 +70,13 @@ def _store(location: ObjectLocation) -> Any:
         raise ValueError(f"no object store for {location.scheme}:// (only s3://)")
     from obstore.store import S3Store
 
-    key = (location, tuple(sorted((k, v) for k, v in os.environ.items()
-                                  if k.startswith("AWS_"))))
+    key = (location.bucket, tuple(sorted((k, v) for k, v in os.environ.items()
+                                         if k.startswith("AWS_"))))
     store = _STORES.get(key)
     if store is None:
         if len(_STORES) >= _MAX_STORES:
             _STORES.pop(next(iter(_STORES)))
-        store = _STORES[key] = S3Store(location.bucket, prefix=location.prefix or None)
+        store = _STORES[key] = S3Store(location.bucket)
     return store
 
 
@@ -90,13 +91,20 @@ class ObjectFolder:
 
     @property
     def store(self) -> Any:
-        """The obstore client (made from the environment on first use)."""
+        """The bucket's obstore client (made from the environment on first use); it
+        takes whole keys (``key``)."""
         return _store(self.location)
 
-    def _key(self, name: str) -> str:
+    def key(self, name: str) -> str:
+        """The whole key of file ``name`` of this folder in its bucket."""
         if not is_plain_file_name(name):
             raise ValueError(f"{name!r} is not a plain file name")
-        return name
+        prefix = self.location.prefix
+        return f"{prefix}/{name}" if prefix else name
+
+    @property
+    def _list_prefix(self) -> str | None:
+        return self.location.prefix or None
 
     def describe(self, name: str = "") -> str:
         return f"{self.location}/{name}" if name else str(self.location)
@@ -117,7 +125,7 @@ class ObjectFolder:
     def write_stream(self, name: str, fill: Callable[[Sink], None]) -> int:
         import obstore
 
-        key = self._key(name)
+        key = self.key(name)
         try:
             # Leaving the block with an exception aborts the upload: nothing appears.
             with obstore.open_writer(self.store, key, buffer_size=_PART_BYTES,
@@ -136,7 +144,7 @@ class ObjectFolder:
         import obstore
 
         try:
-            obstore.put(self.store, self._key(name), data, use_multipart=False)
+            obstore.put(self.store, self.key(name), data, use_multipart=False)
         except Exception as exc:
             if _is_store_error(exc):
                 raise self._write_error(name, exc) from exc
@@ -145,12 +153,12 @@ class ObjectFolder:
     def size(self, name: str) -> int:
         import obstore
 
-        return int(_reading(lambda: obstore.head(self.store, self._key(name)))["size"])
+        return int(_reading(lambda: obstore.head(self.store, self.key(name)))["size"])
 
     def read(self, name: str, limit: int | None = None) -> bytes:
         import obstore
 
-        key = self._key(name)
+        key = self.key(name)
         if limit is None:
             return bytes(_reading(lambda: obstore.get(self.store, key).bytes()))
         return bytes(_reading(lambda: obstore.get_range(self.store, key, start=0,
@@ -160,7 +168,7 @@ class ObjectFolder:
     def open_read(self, name: str) -> Iterator[BinaryIO]:
         import obstore
 
-        reader = _reading(lambda: obstore.open_reader(self.store, self._key(name)))
+        reader = _reading(lambda: obstore.open_reader(self.store, self.key(name)))
         try:
             yield cast(BinaryIO, _Reader(reader))
         finally:
@@ -169,20 +177,26 @@ class ObjectFolder:
     def names(self) -> list[str]:
         import obstore
 
-        # Only this folder's own files: no deeper "subfolders" (there are none).
-        listed = _reading(lambda: obstore.list_with_delimiter(self.store))
-        return [str(m["path"]).rsplit("/", 1)[-1] for m in listed["objects"]]
+        # Only this folder's own files: no deeper "subfolders" (there are none), and not
+        # the empty marker some servers (SeaweedFS) list under a prefix emptied of files.
+        prefix = self.location.prefix
+        listed = _reading(lambda: obstore.list_with_delimiter(
+            self.store, self._list_prefix))
+        return [str(m["path"]).rsplit("/", 1)[-1] for m in listed["objects"]
+                if m["path"] != prefix]
 
     def subfolders(self) -> list[str]:
         import obstore
 
-        listed = _reading(lambda: obstore.list_with_delimiter(self.store))
+        listed = _reading(lambda: obstore.list_with_delimiter(
+            self.store, self._list_prefix))
         return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in listed["common_prefixes"]]
 
     def remove(self, names: Iterable[str]) -> None:
         import obstore
 
-        keys = [self._key(n) for n in names]
+        names = list(names)
+        keys = [self.key(n) for n in names]
         for i in range(0, len(keys), _DELETE_BATCH):
             try:
                 obstore.delete(self.store, keys[i:i + _DELETE_BATCH])
@@ -190,7 +204,7 @@ class ObjectFolder:
                 pass
             except Exception as exc:
                 if _is_store_error(exc):
-                    raise self._write_error(keys[i], exc) from exc
+                    raise self._write_error(names[i], exc) from exc
                 raise
 
 

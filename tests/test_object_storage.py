@@ -102,6 +102,21 @@ def test_a_prefix_without_a_manifest_holds_no_snapshot(url: str) -> None:
         read_manifest(url)
 
 
+def test_snapshots_under_sibling_prefixes_of_one_bucket_see_only_their_own_objects(
+        url: str) -> None:
+    # One client serves the whole bucket: each folder's keys and listings must still
+    # stop at its own prefix, not at a sibling that merely starts with the same text.
+    write_snapshot(url, {"holder-0": [session("holder-0", "a")]})
+    write_snapshot(url + "2", {"holder-0": [session("holder-0", "b")]}, "snap-2")
+    assert objects(url) == ["manifest.json", shard_file_name("snap-1", "holder-0")]
+    assert objects(url + "2") == ["manifest.json", shard_file_name("snap-2", "holder-0")]
+    sibling = environment_folder(url + "2")
+    sibling.remove(sibling.names())
+    assert objects(url + "2") == []
+    assert objects(url) == ["manifest.json", shard_file_name("snap-1", "holder-0")]
+    assert [r.episode.rollout_id for r in read_snapshot(url).sessions["holder-0"]] == ["a"]
+
+
 def test_a_missing_shard_object_is_a_torn_snapshot(url: str) -> None:
     write_snapshot(url, {"holder-0": [session("holder-0", "a")],
                          "holder-1": [session("holder-1", "b")]})
@@ -117,10 +132,10 @@ def test_a_truncated_or_changed_shard_object_is_refused(url: str) -> None:
     folder: Any = environment_folder(url)
     shard = shard_file_name("snap-1", "holder-0")
     data = folder.read(shard)
-    obstore.put(folder.store, shard, data[:-10])
+    obstore.put(folder.store, folder.key(shard), data[:-10])
     with pytest.raises(ShardCorruptedError, match="it was truncated or overwritten"):
         read_snapshot(url)
-    obstore.put(folder.store, shard, data[:-1] + bytes([data[-1] ^ 1]))
+    obstore.put(folder.store, folder.key(shard), data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(ShardCorruptedError, match="its content changed after the snapshot"):
         read_snapshot(url)
 
@@ -132,7 +147,7 @@ def test_a_manifest_naming_a_key_outside_its_prefix_is_refused(url: str, name: s
     folder: Any = environment_folder(url)
     manifest = json.loads(folder.read("manifest.json"))
     manifest["shards"][0]["file"] = name
-    obstore.put(folder.store, "manifest.json", json.dumps(manifest).encode())
+    obstore.put(folder.store, folder.key("manifest.json"), json.dumps(manifest).encode())
     with pytest.raises(UnsafeShardNameError, match="refusing to read outside the snapshot"):
         read_manifest(url)
 
@@ -232,7 +247,7 @@ def test_the_cli_inspects_verifies_and_diffs_snapshots_in_a_bucket(
     # A damaged shard object fails verify, naming it by its URL.
     folder: Any = environment_folder(b)
     name = shard_file_name("snap-2", "holder-1")
-    obstore.put(folder.store, name, folder.read(name)[:-3])
+    obstore.put(folder.store, folder.key(name), folder.read(name)[:-3])
     assert main(["verify", b]) == 1
     err = capsys.readouterr().err
     assert err.splitlines()[0] == ("FAILED: snapshot snap-2 has 1 problem(s); a restore "
