@@ -135,6 +135,7 @@ class RestoreBegun:
     staging_keys: frozenset[str]
     placement: dict[str, str]  # instance id -> node id
     bytes_read: int
+    read_seconds: float  # the slowest holder's shard reads (``RestorePrepared``)
 
 
 @dataclass(eq=False)
@@ -156,6 +157,7 @@ class _Operation:
     # a snapshot only once the one before released it, so the order of captures.
     capture_order: int = 0
     committing: bool = False
+    read_seconds: float = 0.0  # a restore's slowest holder reading its shards
     released: float | None = None  # when the holders were told to reopen their gates
     outcome: Outcome | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -801,6 +803,7 @@ class CheckpointCoordinator:
                 f"({', '.join(f'{i}/{k}' for i, k in clash[:10])}"
                 f"{' ...' if len(clash) > 10 else ''}); retire or close them first, or "
                 f"restore into a fresh job")
+        op.read_seconds = max((p.read_seconds for p in prepared.values()), default=0.0)
         return RestoreBegun(
             restore_id=op.id,
             continued_attempts=frozenset(
@@ -809,6 +812,7 @@ class CheckpointCoordinator:
             staging_keys=frozenset().union(*(p.staging_keys for p in prepared.values())),
             placement=placement,
             bytes_read=sum(p.bytes_read for p in prepared.values()),
+            read_seconds=op.read_seconds,
         )
 
     async def commit_restore(self, restore_id: str) -> int:
@@ -837,6 +841,7 @@ class CheckpointCoordinator:
             raise
         self._close(op, Outcome.COMMITTED)
         self._metrics.observe("restore_duration", self._clock.monotonic() - op.started)
+        self._metrics.observe("restore_read", op.read_seconds)
         return sum(counts.values())
 
     # --- ledger operations --------------------------------------------------------------

@@ -43,6 +43,11 @@ def _metrics() -> dict[str, Any]:
             "nemo_ckpt_restore_duration_seconds",
             description="Restore duration, from reading the manifest to sessions live.",
             boundaries=_SECONDS_BUCKETS),
+        "restore_read": Histogram(
+            "nemo_ckpt_restore_read_seconds",
+            description="A restore's slowest holder reading its shards: fetched, verified, "
+                        "decoded into sessions.",
+            boundaries=_SECONDS_BUCKETS),
         "drain": Histogram(
             "nemo_ckpt_holder_drain_seconds",
             description="Seconds a holder waited for turns in flight at a pause.",

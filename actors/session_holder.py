@@ -881,6 +881,7 @@ class SessionHolder:
             shard_sessions = []
             keys: set[str] = set()
             read = 0
+            started = self._clock.monotonic()
             for entry in shards:
                 if entry.instance_id != self.instance_id:
                     raise HolderStateError(
@@ -910,6 +911,7 @@ class SessionHolder:
                     self._current_restore(restore_id)  # ended while materializing?
                 pending += held
                 shard_sessions.append((entry.file, msgpack.packb(pairs, use_bin_type=True)))
+            loaded = self._clock.monotonic()
             conflicts = sorted(h.rollout_id for h in pending
                                if self._table.of_rollout(h.rollout_id) is not None)
             if conflicts:
@@ -923,6 +925,7 @@ class SessionHolder:
                 instance_id=self.instance_id,
                 staging_keys=frozenset(keys),
                 bytes_read=read,
+                read_seconds=loaded - started,
                 shard_sessions=tuple(shard_sessions),
                 live_rollouts=msgpack.packb(self._table.rollouts(), use_bin_type=True),
             )

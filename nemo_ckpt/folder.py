@@ -72,6 +72,11 @@ class Folder(Protocol):
         """``name``'s bytes, or its first ``limit`` bytes."""
         ...
 
+    def read_view(self, name: str, limit: int | None = None) -> memoryview:
+        """``read`` as a read-only view: of the buffer the medium filled, where it hands
+        one over (a bucket's reply), so a shard is not copied once more to be read."""
+        ...
+
     def open_read(self, name: str) -> AbstractContextManager[BinaryIO]:
         """``name`` as a file object read from the start (for reading only a head)."""
         ...

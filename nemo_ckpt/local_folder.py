@@ -191,6 +191,9 @@ class LocalFolder:
                 return f.read()
             return f.read(limit)
 
+    def read_view(self, name: str, limit: int | None = None) -> memoryview:
+        return memoryview(self.read(name, limit))
+
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:
         with open(self._file(name), "rb") as f:

@@ -156,13 +156,16 @@ class ObjectFolder:
         return int(_reading(lambda: obstore.head(self.store, self.key(name)))["size"])
 
     def read(self, name: str, limit: int | None = None) -> bytes:
+        return bytes(self.read_view(name, limit))
+
+    def read_view(self, name: str, limit: int | None = None) -> memoryview:
         import obstore
 
         key = self.key(name)
         if limit is None:
-            return bytes(_reading(lambda: obstore.get(self.store, key).bytes()))
-        return bytes(_reading(lambda: obstore.get_range(self.store, key, start=0,
-                                                        length=limit)))
+            return memoryview(_reading(lambda: obstore.get(self.store, key).bytes()))
+        return memoryview(_reading(lambda: obstore.get_range(self.store, key, start=0,
+                                                             length=limit)))
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:

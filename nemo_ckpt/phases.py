@@ -144,6 +144,7 @@ class RestorePrepared:
     instance_id: str
     staging_keys: frozenset[str] = field(default_factory=frozenset)
     bytes_read: int = 0
+    read_seconds: float = 0.0  # its shards read, verified and decoded into sessions
     shard_sessions: tuple[tuple[str, bytes], ...] = ()
     live_rollouts: bytes = b"\x90"  # the rollouts live on the holder now, for conflicts
 

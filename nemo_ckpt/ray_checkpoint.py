@@ -162,6 +162,16 @@ class RayEnvironmentCheckpoint:
         self._open: str | None = None
         self._driver_id: str | None = None  # names this driver in its operation ids
         self._sequence = 0
+        self._last_restore: dict[str, float] | None = None
+
+    @property
+    def last_restore_metrics(self) -> dict[str, float] | None:
+        """Figures of the last restore that went live (None before one did), in seconds,
+        bytes and counts: ``bytes_read``; ``read_seconds``, the slowest holder's shard
+        reads (fetched, verified, decoded into sessions; the mirror of a snapshot's
+        ``persist_seconds``); ``restore_seconds``, ``restored()`` entered -> sessions live;
+        ``continued_rollouts``."""
+        return None if self._last_restore is None else dict(self._last_restore)
 
     @property
     def open_operation(self) -> str | None:
@@ -326,6 +336,8 @@ class RayEnvironmentCheckpoint:
         self._refuse_if_open("restore")
         restore_id = self._new_operation_id("restore")
         self._open = restore_id
+        clock = self._transport.runtime.clock
+        started = clock.monotonic()
         try:
             async with self._renewing(restore_id):  # from the start: reads can be long
                 try:
@@ -350,6 +362,10 @@ class RayEnvironmentCheckpoint:
                     raise live
                 if cancelled:
                     raise asyncio.CancelledError()
+            self._last_restore = {
+                "bytes_read": float(begun.bytes_read), "read_seconds": begun.read_seconds,
+                "restore_seconds": clock.monotonic() - started,
+                "continued_rollouts": float(len(begun.continued_attempts))}
             log.info("restore %s from %s: %d sessions live", restore_id, path, live)
         finally:
             self._open = None

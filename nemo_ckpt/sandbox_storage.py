@@ -15,7 +15,6 @@ durable before the manifest.
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -82,11 +81,12 @@ def write_trees_file(directory: Folder, name: str, instance_id: str, rows: list[
 
 def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str) -> list[TreeRow]:
     """A trees file's rows, once its length and hash match ``entry``."""
-    from nemo_ckpt.storage import read_verified
+    from nemo_ckpt.storage import ViewReader, read_verified
 
     path, data = read_verified(directory, entry)
     try:
-        unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False)
+        unpacker = msgpack.Unpacker(ViewReader(data), raw=False,
+                                    max_buffer_size=max(len(data), 1 << 20))
         header = unpacker.unpack()
         rows: Any = unpacker.unpack()
     except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:

@@ -22,7 +22,6 @@ into the same folder is refused instead of cleaned away.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 from collections.abc import Callable, Collection, Iterable
@@ -98,6 +97,7 @@ __all__ = [
     "content_hasher",
     "write_hashed",
     "read_verified",
+    "ViewReader",
 ]
 
 SHARD_MAGIC = "nemo-ckpt-shard"
@@ -513,7 +513,7 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     Shards of the older layout (a map per session) are read too.
     """
     path, data = _read_verified(directory, entry)
-    unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False,
+    unpacker = msgpack.Unpacker(ViewReader(data), raw=False, read_size=_UNPACK_READ_BYTES,
                                 max_buffer_size=max(len(data), 1 << 20))
     try:
         header = unpacker.unpack()
@@ -540,7 +540,7 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
                 raise _undecodable(path, "a session's body is not [turns, state]")
             start = tell()
             skip()
-            turns.append(data[start:tell()])
+            turns.append(bytes(data[start:tell()]))
             states.append(unpack())
     except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
         raise _undecodable(path, str(exc) or type(exc).__name__) from exc
@@ -582,9 +582,30 @@ def _undecodable(path: str, why: str) -> ShardCorruptedError:
               f"written by a different tool: restore an earlier checkpoint")
 
 
+# How much of a shard's view the unpacker copies in at a time: its buffer, reused.
+_UNPACK_READ_BYTES = 1 << 20
+
+
+class ViewReader:
+    """A read-only file over a view, for ``msgpack.Unpacker``: it copies in only what
+    it reads next, not the whole file (``io.BytesIO`` of a view copies all of it)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._at = 0
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._at
+        end = len(self._view) if size is None or size < 0 else min(len(self._view),
+                                                                     start + size)
+        self._at = end
+        return bytes(self._view[start:end])
+
+
 def _read_verified(directory: Folder | Path, entry: ShardEntry | TreesEntry
-                   ) -> tuple[str, bytes]:
-    """The bytes of shard ``entry``, once their length and hash match the manifest."""
+                   ) -> tuple[str, memoryview]:
+    """The bytes of shard ``entry``, once their length and hash match the manifest: a
+    view of the buffer they were read into (``ViewReader`` reads it as a file)."""
     folder = as_folder(directory)
     if not is_plain_file_name(entry.file):
         raise UnsafeShardNameError(
@@ -596,7 +617,7 @@ def _read_verified(directory: Folder | Path, entry: ShardEntry | TreesEntry
     try:
         # One request: a longer file shows as one byte too many (a bucket's HEAD first
         # would add a round trip to every shard); its true size only for the message.
-        data = folder.read(entry.file, entry.bytes + 1)
+        data = folder.read_view(entry.file, entry.bytes + 1)
         if len(data) != entry.bytes:
             size = folder.size(entry.file)
             raise ShardCorruptedError(

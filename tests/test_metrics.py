@@ -69,6 +69,7 @@ async def test_snapshot_restore_and_failure_metrics_are_exported(
         "ray_nemo_ckpt_snapshot_bytes_written_total": written,
         "ray_nemo_ckpt_captured_rollouts_total": 1,
         "ray_nemo_ckpt_restore_duration_seconds_count": 1,
+        "ray_nemo_ckpt_restore_read_seconds_count": 1,
         "ray_nemo_ckpt_holder_drain_seconds_count": 3,
     }
     def gauged(samples: list[tuple[str, dict[str, str], float]]) -> set[str | None]:

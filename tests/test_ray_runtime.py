@@ -329,12 +329,19 @@ async def test_restore_continues_each_rollout_on_its_instance_as_the_next_attemp
     ckpt.shutdown()  # the job dies: holders and coordinator gone, sessions lost
 
     fresh = RayEnvironmentCheckpoint(ckpt.config)
+    assert fresh.last_restore_metrics is None
     async with fresh.restored(path) as restored:
         assert restored.continued_attempts == {
             ("holder-0", "a", 0), ("holder-1", "b", 1), ("holder-2", "c", 0)}
+        assert fresh.last_restore_metrics is None, "not live yet"
         assert restored.staging_keys == {"a/row0", "a/row1", "b-a1/row0", "b-a1/row1",
                                          "c/row0", "c/row1"}
         assert {h.state for h in await fresh.holders()} == {HolderState.RESTORING}
+    figures = fresh.last_restore_metrics
+    assert figures is not None
+    assert figures["bytes_read"] == sum(s.bytes for s in read_manifest(path).shards)
+    assert figures["continued_rollouts"] == 3
+    assert 0 < figures["read_seconds"] < figures["restore_seconds"]
     holders = await fresh.holders()
     assert len({h.node_id for h in holders}) == 3, "one instance per node, as before"
     for inst, old in before.items():
