@@ -14,8 +14,11 @@ Per point (4 holders, one per simulated node; sessions of random bytes):
 - ``exit``: the block ends -> ``snapshot()`` returns (shards, then the manifest object);
 - ``restore``: the bytes over ``restored()`` entered -> exited into fresh holders
   (manifest, every shard read and verified, sessions installed), against ``obstore.get``
-  of each shard object, all at once, the same two ways (``node_get``, ``get``). A
-  baseline from actors is timed from this process, one Ray call included;
+  of each shard object, all at once, the same two ways (``node_get``, ``get``), and
+  from new actors (``fresh_node_get``: a restore reads into new processes). A baseline
+  from actors is timed from this process, one Ray call included. ``restore_read`` is
+  the bytes over the slowest holder's shard reads in the restore (fetched, verified,
+  decoded: ``last_restore_metrics["read_seconds"]``);
 - ``paused``: ``snapshot()`` called -> the last holder's turn gate seen open again
   (``GateProbe``), into the bucket and into a local folder, alternately per repetition.
 
