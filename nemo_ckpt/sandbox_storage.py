@@ -81,12 +81,11 @@ def write_trees_file(directory: Folder, name: str, instance_id: str, rows: list[
 
 def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str) -> list[TreeRow]:
     """A trees file's rows, once its length and hash match ``entry``."""
-    from nemo_ckpt.storage import ViewReader, read_verified
+    from nemo_ckpt.storage import read_verified, view_unpacker
 
     path, data = read_verified(directory, entry)
     try:
-        unpacker = msgpack.Unpacker(ViewReader(data), raw=False,
-                                    max_buffer_size=max(len(data), 1 << 20))
+        unpacker = view_unpacker(data)
         header = unpacker.unpack()
         rows: Any = unpacker.unpack()
     except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:

@@ -97,7 +97,7 @@ __all__ = [
     "content_hasher",
     "write_hashed",
     "read_verified",
-    "ViewReader",
+    "view_unpacker",
 ]
 
 SHARD_MAGIC = "nemo-ckpt-shard"
@@ -513,8 +513,7 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     Shards of the older layout (a map per session) are read too.
     """
     path, data = _read_verified(directory, entry)
-    unpacker = msgpack.Unpacker(ViewReader(data), raw=False, read_size=_UNPACK_READ_BYTES,
-                                max_buffer_size=max(len(data), 1 << 20))
+    unpacker = view_unpacker(data)
     try:
         header = unpacker.unpack()
         if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
@@ -586,9 +585,16 @@ def _undecodable(path: str, why: str) -> ShardCorruptedError:
 _UNPACK_READ_BYTES = 1 << 20
 
 
-class ViewReader:
-    """A read-only file over a view, for ``msgpack.Unpacker``: it copies in only what
-    it reads next, not the whole file (``io.BytesIO`` of a view copies all of it)."""
+def view_unpacker(view: memoryview) -> msgpack.Unpacker:
+    """A ``msgpack.Unpacker`` over a verified file's view, copying in only what it
+    decodes next (``io.BytesIO`` of a view copies all of it); an object may be as large
+    as the file."""
+    return msgpack.Unpacker(_ViewReader(view), raw=False, read_size=_UNPACK_READ_BYTES,
+                            max_buffer_size=max(len(view), 1 << 20))
+
+
+class _ViewReader:
+    """A read-only file over a view."""
 
     def __init__(self, view: memoryview) -> None:
         self._view = view
@@ -605,7 +611,7 @@ class ViewReader:
 def _read_verified(directory: Folder | Path, entry: ShardEntry | TreesEntry
                    ) -> tuple[str, memoryview]:
     """The bytes of shard ``entry``, once their length and hash match the manifest: a
-    view of the buffer they were read into (``ViewReader`` reads it as a file)."""
+    view of the buffer they were read into (``view_unpacker`` decodes it)."""
     folder = as_folder(directory)
     if not is_plain_file_name(entry.file):
         raise UnsafeShardNameError(
