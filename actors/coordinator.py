@@ -103,6 +103,9 @@ __all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "Resto
 
 log = logging.getLogger("nemo_ckpt.coordinator")
 T = TypeVar("T")
+# Of a claim's ttl, how much may pass since it was last written before the commit
+# writes it again: readers' clocks may run up to 10% faster than ours.
+_CLAIM_SAFE = 0.8
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,10 @@ class _Operation:
     # snapshot's hold on that store (``nemo_ckpt.blobs``), taken beside the pause.
     blob_ref: str | None = None
     blob_hold: asyncio.Future[None] | None = None
+    # When (this process's monotonic clock) the path's claim and the store's hold were
+    # last written: a renewal that failed leaves them standing for their ttl only.
+    claimed_at: float | None = None
+    held_at: float | None = None
 
 
 class CheckpointCoordinator:
@@ -339,15 +346,21 @@ class CheckpointCoordinator:
         if op is None:
             raise self._refusal(operation_id)
         op.lease_deadline = self._clock.monotonic() + self._config.lease_s
-        if op.kind == "snapshot" and op.captures is not None:
-            await self._claim(op)
-            if op.blob_hold is not None and op.blob_hold.done():
-                await self._hold_blobs(op)
+        # The holders first, and whatever the claims' writes do: a disk full for a few
+        # seconds must not lapse the holders' leases (the commit checks the claims).
         await self._fan(op.holders, "renew_lease",
                         lambda inst, h: self._transport.call(
                             h, "renew_lease", operation_id, self._config.lease_s,
                             timeout=self._config.phase_timeout_s),
                         tolerate_failures=True)
+        if op.kind == "snapshot" and op.captures is not None:
+            try:
+                await self._claim(op)
+                if op.blob_hold is not None and op.blob_hold.done():
+                    await self._hold_blobs(op)
+            except (OSError, NemoCkptError) as exc:
+                log.warning("%s: could not renew its claims (%s); they stand until their "
+                            "ttl, and the commit writes them again first", op.id, exc)
 
     async def abort(self, operation_id: str, checkpoint_path: str | None = None,
                     caller_error: str | None = None) -> str:
@@ -483,17 +496,42 @@ class CheckpointCoordinator:
     async def _claim(self, op: _Operation) -> None:
         """Claim (or renew the claim on) the operation's folder: refused while another
         job's snapshot is in progress there."""
+        start = self._clock.monotonic()
         await self._runtime.run_blocking(
             claim_path, environment_folder(op.path), op.id, self._owner, self._clock.wall(),
-            self._config.lease_s * 2)
+            self._claim_ttl)
+        op.claimed_at = start
+
+    @property
+    def _claim_ttl(self) -> float:
+        """How long a claim or a hold stands without a renewal."""
+        return self._config.lease_s * 2
+
+    async def _claims_hold(self, op: _Operation) -> None:
+        """Before the manifest: the path's claim and the store's hold must not have
+        lapsed since they were last written (their renewals may have failed). A claim
+        near its end is written again (refused if another job took the path meanwhile);
+        a hold that may have lapsed refuses the commit, since a collection may have
+        removed blobs the snapshot found present."""
+        safe = self._claim_ttl * _CLAIM_SAFE
+        if op.claimed_at is None or self._clock.monotonic() - op.claimed_at > safe:
+            await self._claim(op)
+        if op.blob_hold is not None and (
+                op.held_at is None or self._clock.monotonic() - op.held_at > safe):
+            raise LeaseExpiredError(
+                f"{op.id}: its hold on the blob store could not be renewed for more than "
+                f"{safe:g}s (a full or failing disk?), so a collection may have removed "
+                f"blobs it relies on; it was not committed: retry the snapshot")
 
     async def _hold_blobs(self, op: _Operation, first: bool = False) -> None:
         """Hold the blob store for the snapshot (or renew the hold): it relies on the
         blobs there until it commits, so no collection may run meanwhile."""
         store = self._blob_store()
         if store is not None:
+            start = self._clock.monotonic()
             await self._runtime.run_blocking(store.hold, op.id, self._owner,
-                                             self._clock.wall(), self._config.lease_s * 2)
+                                             self._clock.wall(), self._claim_ttl)
+            op.held_at = start
             if first and (self._collection is None or self._collection.done()):
                 # A collection of this job that this coordinator is not running was left
                 # by a predecessor that died in it: the holders need not wait it out.
@@ -648,6 +686,7 @@ class CheckpointCoordinator:
                 instances=list(op.holders), shards=shards,
                 restarted_rollouts=restarted, metrics=all_metrics, blob_store=op.blob_ref)
             await self._earlier_commits(op)
+            await self._claims_hold(op)
             async with self._path_lock(checkpoint_path):
                 await self._runtime.run_blocking(write_manifest, directory, manifest)
             await self._injected_delay("after_manifest")

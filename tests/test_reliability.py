@@ -33,8 +33,16 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sessions import Turn
-from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot, write_shard
+from nemo_ckpt.storage import (
+    claim_path,
+    environment_dir,
+    environment_folder,
+    read_manifest,
+    read_snapshot,
+    write_shard,
+)
 from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.testing.sim import EPOCH as EPOCH_OF_SIM
 from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 
@@ -493,6 +501,63 @@ def test_a_second_job_snapshotting_into_a_path_in_use_is_refused_not_cleaned(
         await world.sim.spawn(other_driver, _snapshot_plain(other, path))
         assert read_manifest(path).snapshot_id != loaded.manifest.snapshot_id
         read_snapshot(path)
+
+    world.run(scenario())
+
+
+def test_a_claim_write_failing_for_seconds_inside_the_block_still_commits(
+        world: World) -> None:
+    """The shared disk full for a few seconds while RL saves: the claim's renewals fail,
+    but the holders' leases are renewed on time, and the commit writes the claim again."""
+    path = world.path("ckpt")
+    full_until: list[float] = []
+
+    def disk_full(name: str, args: tuple[Any, ...]) -> str | None:
+        if name == "claim_path" and full_until and world.sim.loop.time() < full_until[0]:
+            return "fail"
+        return None
+
+    world.sim.io_faults = disk_full
+
+    async def scenario() -> None:
+        live = await world.populate()
+
+        async def block() -> None:  # longer than a lease, the claim unwritable for most
+            full_until.append(world.sim.loop.time() + CONFIG.lease_s * 1.5)
+            await asyncio.sleep(CONFIG.lease_s * 2)
+
+        await world.snapshot(path, live, block)
+        loaded = read_snapshot(path)
+        assert sum(len(v) for v in loaded.sessions.values()) == 6
+        assert set(world.states().values()) == {HolderState.RUNNING}
+
+    world.run(scenario())
+
+
+def test_a_commit_refuses_a_path_another_job_claimed_while_its_claim_could_not_be_renewed(
+        world: World) -> None:
+    path = world.path("ckpt")
+    failing: list[bool] = []
+    world.sim.io_faults = lambda name, args: "fail" if name == "claim_path" and failing \
+        else None
+
+    async def scenario() -> None:
+        live = await world.populate()
+        await world.snapshot(path, live)
+        first = read_manifest(path).snapshot_id
+
+        async def block() -> None:
+            failing.append(True)  # our renewals fail from here on, past the claim's ttl
+            await asyncio.sleep(CONFIG.lease_s * 2 * 1.1)
+            failing.clear()
+            # Another job, seeing a claim that was not renewed, took the path.
+            claim_path(environment_folder(path), "snapshot-other-1", "other-job",
+                       world.sim.loop.time() + EPOCH_OF_SIM, CONFIG.lease_s * 2)
+
+        with pytest.raises(CheckpointPathBusyError, match="two jobs must not"):
+            await world.snapshot(path, live, block)
+        assert read_manifest(path).snapshot_id == first  # the previous snapshot stands
+        assert set(world.states().values()) == {HolderState.RUNNING}
 
     world.run(scenario())
 
