@@ -184,7 +184,8 @@ async def measure_point(sessions: int, state_bytes: int, repeats: int, bucket_ro
 
     tag = uuid.uuid4().hex[:8]
     ns = f"objbench-{tag}"
-    config = CheckpointConfig(namespace=ns, drain_timeout_s=5.0, lease_s=300.0,
+    config = CheckpointConfig(allow_unchecked_snapshots=True,
+                              namespace=ns, drain_timeout_s=5.0, lease_s=300.0,
                               phase_timeout_s=300.0, persist_timeout_s=1200.0)
     ckpt = RayEnvironmentCheckpoint(config)
     point_url = f"{bucket_root}/s{sessions}-b{state_bytes}-{tag}"

@@ -103,8 +103,10 @@ async def _cluster_part(args: argparse.Namespace) -> None:
 
     C = _instrument()
     tag = uuid.uuid4().hex[:6]
-    cfg = CheckpointConfig(namespace=f"breakdown-{tag}", lease_s=120.0, phase_timeout_s=120.0)
-    cfg_r = CheckpointConfig(namespace=f"breakdown-{tag}-r", lease_s=120.0,
+    cfg = CheckpointConfig(allow_unchecked_snapshots=True,
+                           namespace=f"breakdown-{tag}", lease_s=120.0, phase_timeout_s=120.0)
+    cfg_r = CheckpointConfig(allow_unchecked_snapshots=True,
+                             namespace=f"breakdown-{tag}-r", lease_s=120.0,
                              phase_timeout_s=120.0)
     ckpt = RayEnvironmentCheckpoint(cfg)
     ckpt_r = RayEnvironmentCheckpoint(cfg_r)

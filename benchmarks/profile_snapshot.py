@@ -67,7 +67,8 @@ async def run(args: argparse.Namespace, out: Path) -> dict[str, Path]:
     from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
 
     ns = f"profile-{uuid.uuid4().hex[:6]}"
-    cfg = CheckpointConfig(namespace=ns, lease_s=120.0, phase_timeout_s=120.0)
+    cfg = CheckpointConfig(allow_unchecked_snapshots=True,
+                           namespace=ns, lease_s=120.0, phase_timeout_s=120.0)
     ckpt = RayEnvironmentCheckpoint(cfg)
     work = Path(tempfile.mkdtemp(prefix="nemo-ckpt-profile-"))
     spies: list[subprocess.Popen[bytes]] = []

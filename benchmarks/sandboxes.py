@@ -130,7 +130,8 @@ async def run(args: argparse.Namespace, work: Path) -> list[tuple[str, bool, str
           f"{time.perf_counter() - t:.1f} s")
 
     def config(namespace: str, sandboxes: bool) -> CheckpointConfig:
-        return CheckpointConfig(namespace=namespace, checkpoint_root=root,
+        return CheckpointConfig(allow_unchecked_snapshots=True,
+                                namespace=namespace, checkpoint_root=root,
                                 sandbox_root=sandbox_root if sandboxes else None,
                                 persist_timeout_s=3600, phase_timeout_s=600)
 

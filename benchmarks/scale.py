@@ -156,7 +156,8 @@ async def measure_scale_point(instances: int, sessions: int, repeats: int, workd
     from snapshot_bench import GateProbe, disk_write, holder_pid
 
     ns = f"scale-{uuid.uuid4().hex[:8]}"
-    config = CheckpointConfig(namespace=ns, drain_timeout_s=5.0, lease_s=600.0,
+    config = CheckpointConfig(allow_unchecked_snapshots=True,
+                              namespace=ns, drain_timeout_s=5.0, lease_s=600.0,
                               phase_timeout_s=600.0, persist_timeout_s=1200.0)
     ckpt = RayEnvironmentCheckpoint(config)
     restore_ns = f"{ns}-r"

@@ -374,7 +374,8 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
     """Every measurement of one grid point, on a cluster that has ``holders`` nodes."""
     tag = uuid.uuid4().hex[:8]
     ns = f"bench-{tag}"
-    config = CheckpointConfig(namespace=ns, drain_timeout_s=5.0, lease_s=120.0,
+    config = CheckpointConfig(allow_unchecked_snapshots=True,
+                              namespace=ns, drain_timeout_s=5.0, lease_s=120.0,
                               phase_timeout_s=120.0, persist_timeout_s=1200.0)
     ckpt = RayEnvironmentCheckpoint(config)
     point_dir = workdir / f"h{holders}-s{sessions}-b{state_bytes}-{tag}"

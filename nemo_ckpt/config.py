@@ -98,11 +98,32 @@ class CheckpointConfig(BaseModel):
                     "directories' files are kept once in <checkpoint_root>/blobs for every "
                     "snapshot under it.")
 
+    allow_unchecked_snapshots: bool = Field(
+        False,
+        description="Commit a snapshot whose block never called "
+                    "snapshot.check_against_cut(cut). Leave it off with RL's ledger: an "
+                    "unchecked snapshot may hold rollouts RL does not expect, and is "
+                    "refused with UncheckedSnapshotError. Turn it on only for a backend "
+                    "used without a data-plane cut (tests, a standalone environment "
+                    "service).")
+
     max_retired_marks: int = Field(
         100_000, gt=0,
         description="Retire marks a holder keeps (one per retired rollout, until RL "
                     "forgets it); beyond this the oldest go, and a zombie worker of that "
                     "rollout could open it again.")
+
+    @model_validator(mode="after")
+    def _roots_are_absolute(self) -> CheckpointConfig:
+        # Each node would resolve a relative folder against its own working directory.
+        for name in ("checkpoint_root", "sandbox_root"):
+            value = getattr(self, name)
+            if isinstance(value, Path) and not value.is_absolute():
+                raise ValueError(
+                    f"{name} {str(value)!r} is relative: the holders on other nodes would "
+                    f"resolve it against their own working directories; pass an absolute "
+                    f"path (os.path.abspath)")
+        return self
 
     @model_validator(mode="after")
     def _sandboxes_have_a_store(self) -> CheckpointConfig:

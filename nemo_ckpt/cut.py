@@ -13,7 +13,7 @@ captured sessions reference.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Collection, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Protocol, runtime_checkable
@@ -144,12 +144,10 @@ def check_rows_against_cut(
     """
     cut.require_live()
     restarting = restarting or {}
-    expected_eps = cut.expected_episodes()
+    expected_eps = _expected_episodes(cut)
     expected = {(inst, ep.rollout_id, ep.attempt)
                 for inst, eps in expected_eps.items() for ep in eps}
-    cut_rows = cut.staging_keys()
-    if not isinstance(cut_rows, (set, frozenset)):
-        cut_rows = frozenset(cut_rows)
+    cut_rows = _staging_keys(cut)
     held: set[tuple[str, str, int]] = set()
     referenced: set[str] = set()
     count = 0
@@ -171,6 +169,52 @@ def check_rows_against_cut(
                              for inst, rid, att in mid_turn),
         orphan_staging_keys=frozenset(cut_rows - referenced),
     )
+
+
+def _wrong_type(method: str, expected: str, got: object) -> TypeError:
+    return TypeError(
+        f"the cut's {method}() returned {type(got).__name__}, not {expected}; fix the "
+        f"adapter that wraps RL's cut (nemo_ckpt.cut.DataPlaneMutationCut says the types)")
+
+
+def _is_collection(value: object) -> bool:
+    """A set-like collection of items: not text, bytes or a mapping, whose iteration
+    would check characters or keys instead."""
+    return isinstance(value, Collection) and not isinstance(
+        value, (str, bytes, bytearray, memoryview, Mapping))
+
+
+# The types are checked on the containers and one item each: per-item checks would
+# cost the pause a Python loop over every row (a wrong item type still shows up as a
+# mismatch naming it).
+def _expected_episodes(cut: DataPlaneMutationCut) -> Mapping[str, Collection[EnvironmentEpisode]]:
+    found = cut.expected_episodes()
+    if not isinstance(found, Mapping):
+        raise _wrong_type("expected_episodes", "a mapping of instance id -> episodes", found)
+    for inst, eps in found.items():
+        if not isinstance(inst, str):
+            raise _wrong_type("expected_episodes", "a mapping keyed by instance id (str)",
+                              inst)
+        if not _is_collection(eps):
+            raise _wrong_type("expected_episodes",
+                              f"a frozenset of EnvironmentEpisode for {inst!r}", eps)
+        for ep in itertools.islice(eps, 1):
+            if not isinstance(ep, EnvironmentEpisode):
+                raise _wrong_type("expected_episodes",
+                                  f"a frozenset of EnvironmentEpisode for {inst!r} (an item "
+                                  f"is {type(ep).__name__})", eps)
+    return found
+
+
+def _staging_keys(cut: DataPlaneMutationCut) -> Set[str]:
+    found = cut.staging_keys()
+    if not _is_collection(found):
+        raise _wrong_type("staging_keys", "a frozenset of staging keys (str)", found)
+    for key in itertools.islice(found, 1):
+        if not isinstance(key, str):
+            raise _wrong_type("staging_keys", f"a frozenset of staging keys (str; an item "
+                                              f"is {type(key).__name__})", found)
+    return found if isinstance(found, (set, frozenset)) else frozenset(found)
 
 
 def _raise_differences(cut_rows: Set[str], expected: set[tuple[str, str, int]],

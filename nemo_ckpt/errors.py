@@ -96,6 +96,11 @@ class StaleCutError(NemoCkptError):
     """A data-plane cut was used after its barrier section exited."""
 
 
+class UncheckedSnapshotError(NemoCkptError):
+    """A snapshot's block ended without ``check_against_cut``: nothing proved that what
+    the backend captured matches RL's ledger, so it did not commit."""
+
+
 # --- reading a snapshot --------------------------------------------------------------
 
 

@@ -189,7 +189,10 @@ class LocalFolder:
         with open(self._file(name), "rb", buffering=0) as f:
             if limit is None:
                 return f.read()
-            return f.read(limit)
+            # A limit may come from a file (a manifest's length): a read of n bytes
+            # allocates n first, so never ask for more than is there (and one more,
+            # to show a file that grew).
+            return f.read(min(limit, os.fstat(f.fileno()).st_size + 1))
 
     def read_view(self, name: str, limit: int | None = None) -> memoryview:
         return memoryview(self.read(name, limit))

@@ -35,6 +35,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "load_json",
     "FORMAT_VERSION",
     "SANDBOX_FORMAT_VERSION",
     "TreesEntry",
@@ -71,6 +72,16 @@ BLOB_STORE_PATTERN = r"^(\.\./)+blobs$"
 CONTENT_HASH_PATTERN = r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$"
 
 _SAFE_PART = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def load_json(raw: bytes | str) -> Any:
+    """``json.loads`` of a file someone else may have written (a manifest, a claim):
+    nesting too deep for the parser is a ``ValueError``, like any other damage, rather
+    than a ``RecursionError`` that no caller expects."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None
 
 
 @functools.lru_cache(maxsize=4096)  # manifests and trees ask about the same names often

@@ -15,12 +15,14 @@ from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_rows_against_cut
 from nemo_ckpt.errors import (
     BackendUnavailableError,
+    CheckpointPathError,
     NemoCkptError,
     SnapshotInProgressError,
     StartupCheckError,
+    UncheckedSnapshotError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
-from nemo_ckpt.location import LocalLocation, join_location, parse_location
+from nemo_ckpt.location import LocalLocation, join_location, levels_below, parse_location
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderInfo, HolderState
 from nemo_ckpt.storage import PROBE_DIR, folder_at
@@ -267,7 +269,7 @@ class RayEnvironmentCheckpoint:
         even if this task is cancelled meanwhile (the cancellation is raised after it):
         a commit is never torn by an abort.
         """
-        path = str(parse_location(checkpoint_path))  # a folder, or a bucket's URL
+        path = self._checkpoint_location(checkpoint_path)  # a folder, or a URL
         self._refuse_if_open("snapshot")
         snapshot_id = self._new_operation_id("snap")
         self._open = snapshot_id
@@ -284,14 +286,16 @@ class RayEnvironmentCheckpoint:
                 # Not awaited, and it never raises: the writes overlap the caller's block.
                 self._transport.send(self._transport.coordinator(), "start_writes",
                                      snapshot_id)
+                given = snap if snap.captured_rollouts or snap.restarted_rollouts else None
                 try:
-                    yield snap if snap.captured_rollouts or snap.restarted_rollouts else None
+                    yield given
                 except BaseException as exc:
                     await self._abort(snapshot_id, path, exc)
                     raise
-                if snap.refused is not None:  # the caller caught the check's refusal
-                    await self._abort(snapshot_id, path, snap.refused)
-                    raise snap.refused
+                refused = snap.refused or self._unchecked(snap, given is not None, path)
+                if refused is not None:  # a check that raised (caught) or never ran
+                    await self._abort(snapshot_id, path, refused)
+                    raise refused
                 # The manifest carries what is known at commit; paused time ends at resume.
                 metrics = snap.metrics(clock.monotonic() - started)
                 committed = await self._commit_snapshot(snapshot_id, path, metrics,
@@ -303,6 +307,40 @@ class RayEnvironmentCheckpoint:
                      clock.monotonic() - started)
         finally:
             self._open = None
+
+    def _checkpoint_location(self, checkpoint_path: Path | str) -> str:
+        """``checkpoint_path`` as the actors are handed it, or ``CheckpointPathError``:
+        every node resolves it alike only when it is absolute, and the blob store and
+        ``check_startup``'s probes are the root's, so it must lie below the root."""
+        location = parse_location(checkpoint_path)
+        text = str(location)
+        if isinstance(location, LocalLocation) and not location.path.is_absolute():
+            raise CheckpointPathError(
+                text, f"checkpoint path {text!r} is relative: the holders on other nodes "
+                      f"would resolve it against their own working directories; pass an "
+                      f"absolute path (os.path.abspath)")
+        root = self.config.checkpoint_root
+        if root is not None and levels_below(root, text) is None:
+            raise CheckpointPathError(
+                text, f"checkpoint path {text} is not below CheckpointConfig.checkpoint_root "
+                      f"{root}; pass a path below the root (one per checkpoint, e.g. "
+                      f"{join_location(root, 'step-100')}), or set checkpoint_root to a "
+                      f"folder that holds it")
+        return text
+
+    def _unchecked(self, snap: RaySnapshot, yielded: bool, path: str
+                   ) -> UncheckedSnapshotError | None:
+        """The refusal of a snapshot whose block never checked it against the cut."""
+        if not yielded or snap.check_result is not None \
+                or self.config.allow_unchecked_snapshots:
+            return None
+        return UncheckedSnapshotError(
+            f"snapshot {snap.snapshot_id} into {path} was not committed: its block never "
+            f"called `await snapshot.check_against_cut(cut)` inside "
+            f"`async with data_plane_barrier.checkpoint() as cut:`, so nothing proved that "
+            f"the {snap.captured_rollouts} captured rollout(s) match RL's ledger; add the "
+            f"check, or set CheckpointConfig(allow_unchecked_snapshots=True) for a backend "
+            f"used without a data-plane cut")
 
     async def _commit_snapshot(self, snapshot_id: str, path: str, metrics: dict[str, float],
                                restarted: int) -> Any:
@@ -332,7 +370,7 @@ class RayEnvironmentCheckpoint:
         Sessions go live on a clean exit; on an exception (or a cancellation, or a
         commit that failed on some holder) every holder drops them: all or nothing.
         """
-        path = str(parse_location(checkpoint_path))  # a folder, or a bucket's URL
+        path = self._checkpoint_location(checkpoint_path)  # a folder, or a URL
         self._refuse_if_open("restore")
         restore_id = self._new_operation_id("restore")
         self._open = restore_id

@@ -57,6 +57,7 @@ from nemo_ckpt.manifest import (
     ShardEntry,
     TreesEntry,
     is_plain_file_name,
+    load_json,
     rollouts_by_shard,
     safe_name_part,
     shard_file_name,
@@ -291,7 +292,7 @@ def manifest_shard_files(directory: Folder | Path) -> set[str]:
     """The shard files the manifest in ``directory`` names now (none without one)."""
     folder = as_folder(directory)
     try:
-        data = json.loads(folder.read(MANIFEST_NAME))
+        data = load_json(folder.read(MANIFEST_NAME))
         files = {str(s["file"]) for s in data["shards"]}
         return files | {str(s["trees"]["file"]) for s in data["shards"] if s.get("trees")}
     except FileNotFoundError:
@@ -357,7 +358,7 @@ def read_claims(directory: Folder | Path) -> list[PathClaim]:
         if not (name.startswith(CLAIM_PREFIX) and name.endswith(".json")):
             continue
         try:
-            data = json.loads(folder.read(name))
+            data = load_json(folder.read(name))
             claims.append(PathClaim(str(data["operation"]), str(data["owner"]),
                                     float(data["expires_at"])))
         except (OSError, ValueError, KeyError, TypeError):
@@ -435,8 +436,8 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
         manifest = Manifest.model_validate_json(raw)
     except ValidationError as exc:
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as bad_json:
+            data = load_json(raw)
+        except ValueError as bad_json:  # not JSON, not UTF-8, or nested too deeply
             raise ManifestInvalidError(
                 path, f"{path} is not valid JSON ({bad_json}); the file is damaged: "
                       f"restore an earlier checkpoint"
@@ -706,8 +707,11 @@ def read_shard_index(directory: Folder | Path, entry: ShardEntry) -> list[Rollou
             folder.describe(), f"shard name {entry.file!r} is not a plain file name in "
                                f"{folder.describe()}")
     try:
+        # The manifest's length is a claim: the buffer (and msgpack's largest array or
+        # string, which it allocates as claimed) is bounded by what is there.
+        limit = max(min(entry.bytes, folder.size(entry.file)), 1 << 20)
         with folder.open_read(entry.file) as f:
-            unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=max(entry.bytes, 1 << 20))
+            unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=limit)
             header = unpacker.unpack()
             if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
                 raise _undecodable(path, "no nemo-ckpt shard header")
@@ -769,7 +773,7 @@ def manifest_snapshot_id(directory: Folder | Path) -> str | None:
     if match is not None:
         return str(json.loads(b'"' + match.group(1) + b'"'))
     try:
-        return str(json.loads(folder.read(MANIFEST_NAME))["snapshot_id"])
+        return str(load_json(folder.read(MANIFEST_NAME))["snapshot_id"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

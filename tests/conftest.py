@@ -99,10 +99,13 @@ def namespace() -> str:
 
 @pytest.fixture
 async def ckpt(cluster: Any, namespace: str, tmp_path: Any) -> AsyncIterator[Any]:
-    """A RayEnvironmentCheckpoint in a fresh namespace, with short deadlines."""
+    """A RayEnvironmentCheckpoint in a fresh namespace, with short deadlines. It commits
+    snapshots that no cut checked: these tests exercise the backend alone (the refusal of
+    unchecked snapshots is tested in test_fail_closed.py and test_ray_runtime.py)."""
     from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
 
-    config = CheckpointConfig(namespace=namespace, checkpoint_root=tmp_path,
+    config = CheckpointConfig(allow_unchecked_snapshots=True,
+                              namespace=namespace, checkpoint_root=tmp_path,
                               drain_timeout_s=1.0, lease_s=4.0, phase_timeout_s=10.0,
                               persist_timeout_s=30.0)
     checkpoint = RayEnvironmentCheckpoint(config)

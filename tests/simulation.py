@@ -220,10 +220,12 @@ class Result:
 class Driver:
     """One RL controller process: a pseudo-actor with its own RayEnvironmentCheckpoint."""
 
-    def __init__(self, sim: Schedule, name: str) -> None:
+    def __init__(self, sim: Schedule, name: str, config: CheckpointConfig | None = None
+                 ) -> None:
         self.actor = sim.world.new_actor("driver", name, "node-0")
-        self.ckpt = RayEnvironmentCheckpoint(sim.config,
-                                             sim.world.transport(self.actor, sim.config))
+        self.config = config or sim.config
+        self.ckpt = RayEnvironmentCheckpoint(self.config,
+                                             sim.world.transport(self.actor, self.config))
         self.name = name
         self.op_task: asyncio.Task[Any] | None = None
         self.record: OpRecord | None = None  # the operation it runs now
@@ -460,10 +462,12 @@ class Schedule:
         ckpt = driver.ckpt
         bad = checked and self.rng.random() < self.plan.bad_cut
         saved = None
+        held = False  # a snapshot of nothing yields None, which needs no check
         try:
             async with self._maybe_lock(checked):
                 async with ckpt.snapshot(Path(path)) as snap:
                     record.begun = self.now()
+                    held = snap is not None
                     if checked:
                         async with self.rl.checkpoint() as cut:
                             if snap is not None:
@@ -482,6 +486,9 @@ class Schedule:
                             saved = self.rl.state(record.op_id or "?")
                     await asyncio.sleep(self.rng.uniform(0.0, 1.5))  # RL saves its half
             record.outcome = "committed"
+            if held and not checked and not driver.config.allow_unchecked_snapshots:
+                self.violate(f"{record.op_id} committed, but its block never checked it "
+                             f"against a cut and its config does not allow that")
             if saved is not None:
                 self.rl.saves[path] = saved
             self.committed[path].append(record.op_id or "?")
@@ -526,7 +533,10 @@ class Schedule:
 
     async def _second_driver(self, at: float, k: int) -> None:
         await asyncio.sleep(at)
-        driver = Driver(self, f"second-{k}")
+        # Without RL's ledger: it takes no cut, and only some are allowed to commit so.
+        allowed = random.Random(f"unchecked-{self.seed}-{k}").random() < 0.5
+        driver = Driver(self, f"second-{k}", self.config.model_copy(
+            update={"allow_unchecked_snapshots": allowed}))
         self.log(f"{driver.name} starts")
         task = self.world.spawn(driver.actor, self._snapshot(
             driver, str(self.root / "C"), checked=False))

@@ -357,7 +357,8 @@ class Chaos:
 async def test_chaos_survives_every_fault_and_loses_nothing_committed(
     cluster: Any, namespace: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = CheckpointConfig(namespace=namespace, drain_timeout_s=0.5, lease_s=3.0,
+    config = CheckpointConfig(allow_unchecked_snapshots=True,
+                              namespace=namespace, drain_timeout_s=0.5, lease_s=3.0,
                               phase_timeout_s=10.0, persist_timeout_s=20.0)
     ckpt = RayEnvironmentCheckpoint(config)
     root = tmp_path / "snapshots"

@@ -102,6 +102,8 @@ MANIFEST_DAMAGE = {
                          "does not validate"),
     "escaping-shard-name": (lambda root: edit_manifest(root, escape_first_shard),
                             "not a plain file name"),
+    "deeply-nested-manifest": (lambda root: manifest_path(root).write_bytes(
+        b"[" * 200_000 + b"]" * 200_000), "nested too deeply"),
 }
 
 
@@ -263,6 +265,18 @@ def test_verify_reports_every_damaged_shard_not_only_the_first(
     assert f"{shard(root, 'holder-0')} has xxh3-128" in problems[0]
     assert f"{shard(root, 'holder-1')}, named in the manifest, is missing" in problems[1]
     assert f"{shard(root, 'holder-3')} is " in problems[2] and "truncated" in problems[2]
+
+
+def test_verify_of_a_shard_length_claimed_past_its_real_size_is_a_failed_shard(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    write_snapshot(root, {"holder-0": [session("holder-0", "r0")]})
+    edit_manifest(root, lambda d: d["shards"][0].update(bytes=10**15))
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == 1
+    assert [shard(root, "holder-0").name, "FAILED"] in [w[:2] for w in words(out)]
+    assert "the manifest says 1000000000000000" in err and "Traceback" not in err
 
 
 @pytest.fixture

@@ -442,7 +442,8 @@ async def test_a_coordinator_killed_after_the_manifest_rename_commits_and_resume
     """Case 1 (b). Pre-fix, the abort sent to the fresh coordinator removed the new shards
     (a torn snapshot) and ``snapshot()`` raised. A long lease tells the abort's resume
     from the lease's, with room for the fresh coordinator's start on a loaded machine."""
-    config = CheckpointConfig(namespace=namespace, drain_timeout_s=1.0, lease_s=30.0,
+    config = CheckpointConfig(allow_unchecked_snapshots=True,
+                              namespace=namespace, drain_timeout_s=1.0, lease_s=30.0,
                               phase_timeout_s=10.0, persist_timeout_s=30.0)
     async with job(config) as ckpt:
         live = await populate(ckpt)
@@ -719,7 +720,7 @@ async def test_a_folder_removed_mid_write_is_a_write_error(ckpt: Any, tmp_path: 
 async def test_a_persist_past_its_deadline_is_unavailable_and_cleans_up(
     cluster: Any, namespace: str, tmp_path: Path
 ) -> None:
-    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(
+    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(allow_unchecked_snapshots=True,
         namespace=namespace, drain_timeout_s=0.5, lease_s=4, persist_timeout_s=1.0))
     try:
         await ckpt.ensure_holders()
@@ -809,7 +810,8 @@ async def test_a_bad_snapshot_is_refused_and_no_holder_changes(
 async def test_invalid_input_from_environment_workers_is_refused(
     cluster: Any, namespace: str
 ) -> None:
-    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(namespace=namespace, max_state_bytes=1024))
+    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(allow_unchecked_snapshots=True,
+                                                     namespace=namespace, max_state_bytes=1024))
     try:
         await ckpt.ensure_holders()
         c = await client(ckpt, "holder-0")

@@ -35,7 +35,8 @@ def root(s3_server: S3Server) -> str:
 
 @pytest.fixture
 async def s3_ckpt(cluster: Any, namespace: str, root: str) -> AsyncIterator[Any]:
-    config = CheckpointConfig(namespace=namespace, checkpoint_root=root, drain_timeout_s=1.0,
+    config = CheckpointConfig(allow_unchecked_snapshots=True,
+                              namespace=namespace, checkpoint_root=root, drain_timeout_s=1.0,
                               lease_s=6.0, phase_timeout_s=10.0, persist_timeout_s=30.0)
     checkpoint = RayEnvironmentCheckpoint(config)
     try:

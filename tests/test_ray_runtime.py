@@ -30,6 +30,7 @@ from nemo_ckpt.errors import (
     SnapshotMismatchError,
     SnapshotNotFoundError,
     StartupCheckError,
+    UncheckedSnapshotError,
 )
 from nemo_ckpt.manifest import Manifest, RolloutEntry, shard_file_name
 from nemo_ckpt.phases import HolderState
@@ -258,6 +259,21 @@ async def test_a_rollout_held_by_two_instances_never_commits_even_unchecked(
     assert list(environment_dir(path).iterdir()) == []
 
 
+async def test_by_default_a_snapshot_nobody_checked_against_a_cut_is_refused(
+    ckpt: Any, tmp_path: Path
+) -> None:
+    strict = RayEnvironmentCheckpoint(ckpt.config.model_copy(
+        update={"allow_unchecked_snapshots": False}))
+    await play(await client(ckpt, "holder-0"), Ep("a", 0), 1)
+    path = tmp_path / "unchecked"
+    with pytest.raises(UncheckedSnapshotError, match="never called"):
+        async with strict.snapshot(path) as snap:
+            assert snap is not None
+    assert set((await states(ckpt)).values()) == {HolderState.RUNNING}
+    assert not (environment_dir(path) / "manifest.json").exists()
+    assert [p for p in environment_dir(path).iterdir() if not p.name.startswith(".")] == []
+
+
 async def test_a_snapshot_into_an_occupied_folder_replaces_it_atomically(
     ckpt: Any, tmp_path: Path
 ) -> None:
@@ -290,7 +306,8 @@ async def test_a_lapsed_lease_resumes_holders_and_the_commit_is_refused(
     cluster: Any, namespace: str, tmp_path: Path
 ) -> None:
     # Drive the coordinator by hand and never renew: as if the driver froze.
-    config = CheckpointConfig(namespace=namespace, lease_s=1.0, drain_timeout_s=0.2)
+    config = CheckpointConfig(allow_unchecked_snapshots=True,
+                              namespace=namespace, lease_s=1.0, drain_timeout_s=0.2)
     ckpt = RayEnvironmentCheckpoint(config)
     try:
         await ckpt.ensure_holders()
@@ -450,7 +467,8 @@ async def test_check_startup_refuses_a_root_the_holders_cannot_write(
 ) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(namespace=namespace,
+    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(allow_unchecked_snapshots=True,
+                                                     namespace=namespace,
                                                      checkpoint_root=blocker / "root"))
     try:
         with pytest.raises(StartupCheckError, match="holder-0 cannot write under") as err:
@@ -490,7 +508,8 @@ async def test_holder_names_live_in_the_configured_namespace(ckpt: Any) -> None:
 async def test_a_block_longer_than_the_lease_still_commits_thanks_to_renewals(
     cluster: Any, namespace: str, tmp_path: Path
 ) -> None:
-    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(namespace=namespace, lease_s=1.0,
+    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(allow_unchecked_snapshots=True,
+                                                     namespace=namespace, lease_s=1.0,
                                                      drain_timeout_s=0.2))
     try:
         await ckpt.ensure_holders()

@@ -323,6 +323,7 @@ def test_a_turn_cancelled_while_waiting_at_the_gate_leaves_nothing_behind(
         async with world.ckpt.snapshot(world.path("next")) as snap:  # no drain wait
             assert snap is not None and snap.restarted_rollouts == 0
             assert snap.metrics(0.0)["drain_seconds"] < 0.1
+            await snap.check_against_cut(cut_of(live))
         async with client.turn(ep) as turn:  # the session's turns go on
             turn.complete(b"t2", b"s3", [])
         assert [r.turns for r in await client.sessions() if r.episode == ep] == [

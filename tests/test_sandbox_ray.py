@@ -29,7 +29,8 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture
 async def sandbox_ckpt(cluster: Any, namespace: str, tmp_path: Path
                        ) -> AsyncIterator[RayEnvironmentCheckpoint]:
-    config = CheckpointConfig(namespace=namespace, checkpoint_root=tmp_path / "ckpt",
+    config = CheckpointConfig(allow_unchecked_snapshots=True,
+                              namespace=namespace, checkpoint_root=tmp_path / "ckpt",
                               sandbox_root=tmp_path / "sandboxes", drain_timeout_s=1.0,
                               lease_s=6.0, phase_timeout_s=10.0, persist_timeout_s=30.0)
     checkpoint = RayEnvironmentCheckpoint(config)

@@ -24,6 +24,7 @@ from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BlobCorruptedError,
     CheckpointPathBusyError,
+    CheckpointPathError,
     SandboxError,
     StartupCheckError,
 )
@@ -294,7 +295,8 @@ def test_sandboxes_need_a_checkpoint_root_and_snapshots_below_it(job: Job,
 
     async def scenario() -> None:
         await job.ckpt.ensure_holders()
-        with pytest.raises(SandboxError, match="is not below checkpoint_root"):
+        with pytest.raises(CheckpointPathError,
+                           match="is not below CheckpointConfig.checkpoint_root"):
             async with job.ckpt.snapshot(tmp_path / "elsewhere"):
                 pass
         assert not environment_dir(tmp_path / "elsewhere").exists() or not any(

@@ -39,10 +39,12 @@ from nemo_ckpt.storage import (
     claim_path,
     environment_dir,
     live_claims,
+    manifest_shard_files,
     manifest_snapshot_id,
     prepare_environment_dir,
     read_manifest,
     read_shard,
+    read_shard_index,
     read_snapshot,
     remove_snapshot_files,
     remove_unreferenced_files,
@@ -326,6 +328,34 @@ def test_a_manifest_that_does_not_parse_is_refused(snapshot_root: Path, garbage:
 def test_a_manifest_that_does_not_validate_is_refused(snapshot_root: Path, edit) -> None:  # type: ignore[no-untyped-def]
     edit_manifest(snapshot_root, edit)
     assert_refused(snapshot_root, ManifestInvalidError, "does not validate")
+
+
+@pytest.mark.parametrize("claimed", [10**15, 2**62])
+def test_a_shard_length_claimed_in_the_manifest_is_checked_not_allocated(
+        snapshot_root: Path, claimed: int) -> None:
+    """A length in a file is a claim: a manifest saying a shard holds a petabyte is
+    refused by the shard's real size, not by running out of memory."""
+    edit_manifest(snapshot_root, lambda d: d["shards"][0].update(bytes=claimed))
+    real = shard_path(snapshot_root).stat().st_size
+    assert_refused(snapshot_root, ShardCorruptedError, f"is {real} bytes",
+                   f"the manifest says {claimed}")
+    # inspect reads a shard's index without its hash: bounded by the real size too.
+    entry = read_manifest(snapshot_root).shards[0]
+    assert read_shard_index(environment_dir(snapshot_root), entry)
+
+
+def test_a_deeply_nested_manifest_is_refused_as_invalid_not_a_recursion_error(
+        snapshot_root: Path) -> None:
+    manifest_path(snapshot_root).write_bytes(b"[" * 200_000 + b"]" * 200_000)
+    assert_refused(snapshot_root, ManifestInvalidError, "is not valid JSON")
+    manifest_path(snapshot_root).write_bytes(
+        b'{"format_version": 3, "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+    assert_refused(snapshot_root, ManifestInvalidError)
+    # Clean-up and abort read the manifest too: a clean-up that cannot tell what it
+    # names removes nothing, and an abort finds no snapshot id there.
+    with pytest.raises(CheckpointPathError, match="nested too deeply.*nothing was removed"):
+        manifest_shard_files(environment_dir(snapshot_root))
+    assert manifest_snapshot_id(environment_dir(snapshot_root)) is None
 
 
 def test_a_deleted_shard_is_a_torn_snapshot(snapshot_root: Path) -> None:
