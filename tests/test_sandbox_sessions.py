@@ -688,3 +688,37 @@ def test_a_sparse_file_is_snapshotted_and_restored_with_its_holes_and_no_setuid_
         assert (restored / "build.sh").stat().st_mode & 0o7777 == 0o755
     finally:
         fresh.close()
+
+
+def test_what_a_file_read_again_or_a_refused_scan_kept_is_swept_from_the_node_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from actors.sandboxes import Sandboxes
+
+    d = tmp_path / "sandboxes" / "r0"
+    d.mkdir(parents=True)
+    log = d / "log"
+    log.write_bytes(os.urandom(2 << 20))  # kept in a file of the cache
+    boxes = Sandboxes("holder-0", str(tmp_path / "sandboxes"), None, "job")
+    real_store = boxes.cache.store
+    appends = [1]  # a process appends while the first read runs
+
+    def store(chunks: Any) -> tuple[bytes, int]:
+        result = real_store(chunks)
+        if appends[0]:
+            appends[0] -= 1
+            with open(log, "ab") as f:
+                f.write(os.urandom(100))
+        return result
+
+    monkeypatch.setattr(boxes.cache, "store", store)
+    cached = lambda: {p.name for p in boxes.cache.directory.iterdir()}  # noqa: E731
+    boxes.install("r0", d, boxes.record(d, None))
+    assert len(cached()) == 2  # the first read's content, and the one recorded
+    assert boxes.sweep() == 1
+    assert cached() == {digest_of(log.read_bytes()).hex()}
+    appends[0] = 10  # now it changes at every read: the scan is refused
+    with pytest.raises(SandboxError, match="changed each of the 3 times"):
+        boxes.record(d, boxes.get("r0").recorded)  # type: ignore[union-attr]
+    # Its first read found the recorded content; the next two, new content each.
+    assert len(cached()) == 3
+    assert boxes.sweep() == 2 and len(cached()) == 1  # only the live session's content
