@@ -1011,7 +1011,9 @@ class CheckpointCoordinator:
              "max_retired_marks": cfg.max_retired_marks, "namespace": cfg.namespace,
              "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
              "blob_root": None if self._blob_store() is None
-             else join_location(str(cfg.checkpoint_root), BLOB_DIR)})
+             else join_location(str(cfg.checkpoint_root), BLOB_DIR),
+             "sandbox_limits": cfg.sandbox_limits,
+             "sandbox_restore_setid": cfg.sandbox_restore_setid})
         info: HolderInfo = await self._transport.call(handle, "info",
                                                       timeout=cfg.phase_timeout_s)
         self._holders[instance_id] = handle

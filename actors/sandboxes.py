@@ -40,6 +40,7 @@ from nemo_ckpt.folder import Folder
 from nemo_ckpt.manifest import ShardEntry, TreesEntry, safe_name_part, trees_file_name
 from nemo_ckpt.sandbox import (
     Listings,
+    SandboxLimits,
     decode_tree,
     materialize,
     scan,
@@ -132,8 +133,11 @@ class Sandboxes:
     """The sandboxes of one holder (see the module docstring)."""
 
     def __init__(self, instance_id: str, sandbox_root: str | None,
-                 blob_root: str | None, namespace: str = "nemo_ckpt") -> None:
+                 blob_root: str | None, namespace: str = "nemo_ckpt",
+                 limits: SandboxLimits | None = None, restore_setid: bool = False) -> None:
         self.instance_id = instance_id
+        self.limits = limits or SandboxLimits()
+        self.restore_setid = restore_setid
         self.root = None if sandbox_root is None else Path(os.path.abspath(sandbox_root))
         self.blob_root = blob_root
         # Jobs of other namespaces may share the root and their instances' names.
@@ -145,8 +149,16 @@ class Sandboxes:
         self._refs: Counter[bytes] = Counter()
         self._unreferenced: set[bytes] = set()
         # Scans running in threads: a sweep waits for none of them, it is skipped (a
-        # scan may find a blob in the cache that the sweep is about to remove).
+        # scan may find a blob in the cache that the sweep is about to remove). The
+        # holder counts a scan from before its thread starts until its caller has the
+        # result; ``record`` counts it while its thread runs (it may outlive a cancelled
+        # caller). Both in ``finally``: a scan that fails never leaves one counted.
         self.scans_in_flight = 0
+        self._scans_running = 0
+        # Blobs a scan kept but its tree does not reference (a file read again because
+        # it changed, or a scan that failed), for the sweep; from threads, so locked.
+        self._orphans: set[bytes] = set()
+        self._scan_lock = threading.Lock()
         # Directories of an undone restore, to remove before any restore materializes
         # (its retry makes the same ones); the lock makes a restore wait for a removal
         # that a background thread has begun.
@@ -215,7 +227,29 @@ class Sandboxes:
         """Scan ``directory`` (re-reading only what changed since ``previous``), keep its
         new files and its new tree objects in the cache."""
         cache = self.cache
-        result = scan(directory, previous.listings if previous else None, cache.store_file)
+        kept: set[bytes] = set()
+        reads = 0
+
+        def store(chunks: Iterable[bytes]) -> tuple[bytes, int]:
+            nonlocal reads
+            reads += 1
+            digest, length = cache.store(chunks)
+            kept.add(digest)
+            return digest, length
+
+        with self._scan_lock:
+            self._scans_running += 1
+        try:
+            result = scan(directory, previous.listings if previous else None, store,
+                          limits=self.limits)
+        except BaseException:
+            self._orphan(kept)
+            raise
+        finally:
+            with self._scan_lock:
+                self._scans_running -= 1
+        if reads > result.files_read:  # some file was read again, or is gone
+            self._orphan(kept - result.blobs())
         if previous is not None and result.root == previous.tree:  # nothing changed
             return Recorded(result.listings, previous.tree, previous.tree_size,
                             previous.blobs, previous.file_count, previous.file_bytes)
@@ -240,6 +274,11 @@ class Sandboxes:
         if old is not None:
             self._count(old.recorded.blobs, -1)
         return old
+
+    def _orphan(self, digests: set[bytes]) -> None:
+        if digests:
+            with self._scan_lock:
+                self._orphans |= digests
 
     def forget_unused(self, recorded: Recorded) -> None:
         """A recording no session took (its turn was refused): its blobs may go."""
@@ -348,7 +387,7 @@ class Sandboxes:
             place = staging / safe_name_part(key)
             if os.path.lexists(place):
                 shutil.rmtree(place)
-            materialize(tree, place, fetch)
+            materialize(tree, place, fetch, allow_setid=self.restore_setid)
             stats = tree_stats(tree)
             restored.append(RestoredSandbox(
                 rollout_id, place, target,
@@ -392,9 +431,16 @@ class Sandboxes:
         """Remove the cached blobs no live session references; returns how many. Call
         it on the event loop, only while no snapshot or restore is open (their captures
         may still need them); it does nothing while a scan runs."""
-        if self.scans_in_flight or not self._unreferenced or self._private is None:
+        if self.scans_in_flight or self._private is None:
             return 0
-        gone = {d for d in self._unreferenced if self._refs.get(d, 0) <= 0}
-        self._unreferenced.clear()
-        self.cache.remove(gone)
+        with self._scan_lock:  # no scan starts while the cache loses blobs
+            if self._scans_running:
+                return 0
+            self._unreferenced |= self._orphans
+            self._orphans.clear()
+            if not self._unreferenced:
+                return 0
+            gone = {d for d in self._unreferenced if self._refs.get(d, 0) <= 0}
+            self._unreferenced.clear()
+            self.cache.remove(gone)
         return len(gone)

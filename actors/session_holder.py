@@ -83,6 +83,7 @@ from nemo_ckpt.phases import (
     RestorePrepared,
     join_captured,
 )
+from nemo_ckpt.sandbox import SandboxLimits
 from nemo_ckpt.sessions import SessionRecord, check_staging_keys
 from nemo_ckpt.storage import (
     PROBE_DIR,
@@ -207,6 +208,8 @@ class SessionHolder:
         sandbox_root: str | None = None,
         blob_root: str | None = None,
         namespace: str = "nemo_ckpt",
+        sandbox_limits: SandboxLimits | None = None,
+        sandbox_restore_setid: bool = False,
     ) -> None:
         self.instance_id = instance_id
         self.node_id = node_id
@@ -222,7 +225,8 @@ class SessionHolder:
         self._table = SessionTable(instance_id)
         self._turns: dict[str, _Turn] = {}  # capture key -> turn in flight
         # The sessions' sandbox directories, and the node cache of their files.
-        self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root, namespace)
+        self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root, namespace,
+                                    sandbox_limits, sandbox_restore_setid)
         self._aborted_tokens: OrderedDict[str, None] = OrderedDict()
         # Retire marks, monotone as NeMo Gym's: rollout id -> the highest attempt retired;
         # every attempt up to it is refused until RL forgets it.

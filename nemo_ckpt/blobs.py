@@ -50,7 +50,7 @@ BLOB_DIR = "blobs"
 COLLECTOR = "collector"  # the operation name of a collection's claim
 _CLAIM_PREFIX = ".claim-"
 _CHUNK = 4 << 20
-_WHOLE_READ = 8 << 20  # files up to this are read in one call
+_WHOLE_READ = 8 << 20  # content up to this is hashed and kept in one piece
 
 
 def digest_of(data: bytes | bytearray | memoryview) -> bytes:
@@ -288,28 +288,33 @@ class BlobCache:
         """``digest``'s content if it is held in memory."""
         return self._memory.get(digest)
 
-    def store_file(self, source: str) -> tuple[bytes, int]:
-        """Read ``source``, keep its content, and return its digest and length."""
-        with open(source, "rb", buffering=0) as f:
-            data = f.read(_WHOLE_READ + 1)
-            if len(data) <= _WHOLE_READ:
-                digest = digest_of(data)
-                self.put(digest, data)
-                return digest, len(data)
-            return self._store_stream(f, data)
+    def store(self, chunks: Iterable[bytes]) -> tuple[bytes, int]:
+        """Keep the content ``chunks`` make up, and return its digest and length. What the
+        chunks raise propagates, and nothing of that content is kept."""
+        head: list[bytes] = []
+        length = 0
+        it = iter(chunks)
+        for chunk in it:
+            head.append(chunk)
+            length += len(chunk)
+            if length > _WHOLE_READ:
+                return self._store_stream(head, it)
+        data = head[0] if len(head) == 1 else b"".join(head)
+        digest = digest_of(data)
+        self.put(digest, data)
+        return digest, length
 
-    def _store_stream(self, f: object, head: bytes) -> tuple[bytes, int]:
-        hasher = xxhash.xxh3_128(head)
+    def _store_stream(self, head: list[bytes], rest: Iterable[bytes]) -> tuple[bytes, int]:
+        hasher = xxhash.xxh3_128()
         tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
-        length = len(head)
+        length = 0
         try:
             with open(tmp, "xb") as out:
-                out.write(head)
-                read = f.read  # type: ignore[attr-defined]
-                while chunk := read(_CHUNK):
-                    hasher.update(chunk)
-                    out.write(chunk)
-                    length += len(chunk)
+                for chunks in (head, rest):
+                    for chunk in chunks:
+                        hasher.update(chunk)
+                        out.write(chunk)
+                        length += len(chunk)
             digest = hasher.digest()
             if self.has(digest):
                 tmp.unlink()

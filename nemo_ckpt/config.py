@@ -17,6 +17,7 @@ from pydantic import (
 
 from nemo_ckpt.errors import CheckpointPathError
 from nemo_ckpt.location import LocalLocation, parse_location
+from nemo_ckpt.sandbox import SandboxLimits
 
 __all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN"]
 
@@ -24,6 +25,7 @@ HOLDER_NAME_PREFIX = "nemo_ckpt_holder:"
 # Of a lease, the part kept free for a renewal to travel and be handled: the drain, one
 # renewal period and this margin must fit in a lease.
 LEASE_MARGIN = 0.1
+_LIMITS = SandboxLimits()
 
 
 def _as_location(value: object) -> Union[Path, str]:
@@ -97,6 +99,27 @@ class CheckpointConfig(BaseModel):
                     "make continued attempts' directories here. Needs checkpoint_root: the "
                     "directories' files are kept once in <checkpoint_root>/blobs for every "
                     "snapshot under it.")
+    sandbox_max_file_bytes: int = Field(
+        _LIMITS.file_bytes, gt=0,
+        description="Largest sandbox file a turn may leave, in bytes stored (a sparse "
+                    "file counts its data, not its holes); a larger one refuses the turn's "
+                    "commit with SandboxError. The default (1 GiB) fits a repository's "
+                    "largest files, a small model's weights or a dataset shard.")
+    sandbox_max_bytes: int = Field(
+        _LIMITS.sandbox_bytes, gt=0,
+        description="Most bytes one sandbox's files may hold (stored, as above); more "
+                    "refuse the turn's commit with SandboxError. The default (8 GiB) fits "
+                    "a large repository checkout with its build outputs and dependencies.")
+    sandbox_max_files: int = Field(
+        _LIMITS.files, gt=0,
+        description="Most entries (files, directories and links) one sandbox may hold; "
+                    "more refuse the turn's commit with SandboxError. The default "
+                    "(200,000) fits a large repository with its dependencies installed.")
+    sandbox_restore_setid: bool = Field(
+        False,
+        description="Let a restore recreate setuid and setgid files as captured; by "
+                    "default their setuid and setgid bits are dropped (the sandbox is "
+                    "written by model-generated code, and the holder may run as root).")
 
     allow_unchecked_snapshots: bool = Field(
         False,
@@ -148,6 +171,12 @@ class CheckpointConfig(BaseModel):
                 f"lease_renew_interval_s ({self.renew_interval_s}) must be at most half "
                 f"of lease_s ({self.lease_s}), so one late renewal does not lapse a lease")
         return self
+
+    @property
+    def sandbox_limits(self) -> SandboxLimits:
+        """What a turn's scan of a sandbox may record."""
+        return SandboxLimits(self.sandbox_max_file_bytes, self.sandbox_max_bytes,
+                             self.sandbox_max_files)
 
     @property
     def renew_interval_s(self) -> float:

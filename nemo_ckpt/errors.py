@@ -266,7 +266,8 @@ class StartupCheckError(NemoCkptError):
 
 class SandboxError(NemoCkptError):
     """A sandbox directory that cannot be recorded or restored: outside the sandbox root,
-    holding a device, FIFO or socket, or a stored tree whose paths would leave it."""
+    holding a device, FIFO or socket, a file that kept changing while it was read, past
+    one of the sandbox limits, or a stored tree whose paths would leave it."""
 
 
 class BlobCorruptedError(SnapshotReadError):

@@ -28,7 +28,7 @@ from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
 from nemo_ckpt.folder import Folder, Sink
 from nemo_ckpt.location import join_location, levels_below, parent_location
 from nemo_ckpt.manifest import Manifest, TreesEntry
-from nemo_ckpt.sandbox import FILE, Tree, decode_tree
+from nemo_ckpt.sandbox import FILE, SPARSE, Tree, decode_tree, sparse_layout
 
 __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
            "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree", "read_blob",
@@ -235,11 +235,13 @@ def verify_directories(checkpoint_path: str | Path, manifest: Manifest) -> list[
             problems.append(f"directory of {d.rollout_id}: {d.error}")
             continue
         for path, e in sorted(d.tree.items()):
-            if e.kind != FILE:
+            if e.kind not in (FILE, SPARSE):
                 continue
             if e.data not in checked:
                 try:
-                    store.read(e.data, e.size)
+                    data = store.read(e.data, e.size)
+                    if e.kind == SPARSE:
+                        sparse_layout(data, path)
                     checked[e.data] = None
                 except NemoCkptError as exc:
                     checked[e.data] = str(exc)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import random
 import shutil
 import socket
+import stat
 import time
 import zlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -20,7 +24,9 @@ from nemo_ckpt.sandbox import (
     FILE,
     LINK,
     MAX_DEPTH,
+    SPARSE,
     Entry,
+    SandboxLimits,
     decode_tree,
     diff_trees,
     encode_tree,
@@ -47,7 +53,7 @@ def _repo(root: Path) -> Path:
 def test_a_scan_records_files_directories_links_and_modes(tmp_path: Path) -> None:
     repo = _repo(tmp_path / "repo")
     cache = BlobCache(tmp_path / "cache")
-    result = scan(repo, None, cache.store_file)
+    result = scan(repo, None, cache.store)
     tree = result.tree()
     assert sorted(tree) == ["README", "empty", "escape", "link", "run.sh", "src", "src/pkg",
                             "src/pkg/mod.py"]
@@ -62,12 +68,12 @@ def test_a_scan_records_files_directories_links_and_modes(tmp_path: Path) -> Non
 def test_a_rescan_rereads_only_the_files_that_changed(tmp_path: Path) -> None:
     repo = _repo(tmp_path / "repo")
     cache = BlobCache(tmp_path / "cache")
-    first = scan(repo, None, cache.store_file)
+    first = scan(repo, None, cache.store)
     # A scan well after the files' last change: none of them is racy any more.
-    settled = scan(repo, first.listings, cache.store_file, now_ns=time.time_ns() + 10**9)
+    settled = scan(repo, first.listings, cache.store, now_ns=time.time_ns() + 10**9)
     assert settled.files_read == 3  # the first scan's files were all racy
     (repo / "README").write_text("edited\n")
-    again = scan(repo, settled.listings, cache.store_file)
+    again = scan(repo, settled.listings, cache.store)
     assert again.files_read == 1 and again.bytes_read == len(b"edited\n")
     assert diff_trees(settled.tree(), again.tree()) == {"added": [], "removed": [],
                                                     "changed": ["README"]}
@@ -80,9 +86,9 @@ def test_a_file_rewritten_within_the_same_tick_is_still_seen(tmp_path: Path) -> 
     f = repo / "a"
     cache = BlobCache(tmp_path / "cache")
     f.write_bytes(b"one")
-    first = scan(repo, None, cache.store_file)
+    first = scan(repo, None, cache.store)
     f.write_bytes(b"two")  # same size, likely the same mtime tick
-    second = scan(repo, first.listings, cache.store_file)
+    second = scan(repo, first.listings, cache.store)
     assert cache.read(second.tree()["a"].data) == b"two"
 
 
@@ -123,14 +129,14 @@ def test_an_incremental_scan_records_the_same_tree_as_a_fresh_one(
     repo = _repo(tmp_path / "repo")
     cache = BlobCache(tmp_path / "cache")
     rng = random.Random(seed)
-    previous = scan(repo, None, cache.store_file)
+    previous = scan(repo, None, cache.store)
     for _ in range(40):
         for _ in range(rng.randrange(1, 4)):
             _mutate(rng, repo)
         if rng.random() < 0.3:
             time.sleep(0.025)  # past the racy window: unchanged files are skipped
-        incremental = scan(repo, previous.listings, cache.store_file)
-        fresh = scan(repo, None, cache.store_file)
+        incremental = scan(repo, previous.listings, cache.store)
+        fresh = scan(repo, None, cache.store)
         assert incremental.tree() == fresh.tree()
         assert (incremental.root, incremental.root_size) == (fresh.root, fresh.root_size)
         assert incremental.blobs() == fresh.blobs()
@@ -144,12 +150,12 @@ def test_a_rescan_of_an_unchanged_directory_reads_and_encodes_nothing(
         tmp_path: Path) -> None:
     repo = _repo(tmp_path / "repo")
     cache = BlobCache(tmp_path / "cache")
-    first = scan(repo, None, cache.store_file, now_ns=time.time_ns() + 10**9)
+    first = scan(repo, None, cache.store, now_ns=time.time_ns() + 10**9)
     (repo / "src" / "pkg" / "mod.py").write_text("changed\n")
-    again = scan(repo, first.listings, cache.store_file, now_ns=time.time_ns() + 10**9)
+    again = scan(repo, first.listings, cache.store, now_ns=time.time_ns() + 10**9)
     assert (again.files_read, len(again.objects)) == (1, 3)  # src/pkg, src and the top
     assert again.listings["empty"] is first.listings["empty"]
-    still = scan(repo, again.listings, cache.store_file, now_ns=time.time_ns() + 10**9)
+    still = scan(repo, again.listings, cache.store, now_ns=time.time_ns() + 10**9)
     assert (still.files_read, still.objects) == (0, {})
 
 
@@ -159,7 +165,7 @@ def test_a_directory_deeper_than_a_restore_allows_is_refused_at_the_scan(
     deep = repo.joinpath(*["d"] * (MAX_DEPTH + 1))
     deep.mkdir(parents=True)
     with pytest.raises(SandboxError, match=f"deeper than {MAX_DEPTH} directories"):
-        scan(repo, None, BlobCache(tmp_path / "cache").store_file)
+        scan(repo, None, BlobCache(tmp_path / "cache").store)
 
 
 def test_the_cache_holds_small_blobs_in_memory_up_to_its_budget(tmp_path: Path) -> None:
@@ -183,7 +189,7 @@ def test_a_fifo_or_socket_in_a_sandbox_is_refused_naming_its_path(tmp_path: Path
     os.mkfifo(repo / "pipe")
     cache = BlobCache(tmp_path / "cache")
     with pytest.raises(SandboxError, match=r"pipe, a FIFO"):
-        scan(repo, None, cache.store_file)
+        scan(repo, None, cache.store)
     (repo / "pipe").unlink()
     short = Path("/tmp") / f"s{os.getpid()}"
     short.mkdir(exist_ok=True)
@@ -191,7 +197,7 @@ def test_a_fifo_or_socket_in_a_sandbox_is_refused_naming_its_path(tmp_path: Path
     try:
         sock.bind(str(short / "sock"))
         with pytest.raises(SandboxError, match=r"sock, a socket"):
-            scan(short, None, cache.store_file)
+            scan(short, None, cache.store)
     finally:
         sock.close()
         (short / "sock").unlink(missing_ok=True)
@@ -202,7 +208,7 @@ def test_materialize_rebuilds_the_directory_byte_for_byte(tmp_path: Path) -> Non
     repo = _repo(tmp_path / "repo")
     (repo / "empty").chmod(0o500)  # a read-only directory is filled before its mode is set
     cache = BlobCache(tmp_path / "cache")
-    tree = scan(repo, None, cache.store_file).tree()
+    tree = scan(repo, None, cache.store).tree()
     encoded = encode_tree(tree)
     decoded, objects = decode_tree(encoded.root, encoded.root_size,
                                    lambda d, n: encoded.objects[d], "test")
@@ -240,7 +246,7 @@ def test_tree_objects_are_stored_deflated_and_undeflated_ones_still_read(
     repo.mkdir()
     for i in range(33):
         (repo / f"mod{i:04d}.py").write_text(str(i))
-    encoded = encode_tree(scan(repo, None, BlobCache(tmp_path / "cache").store_file).tree())
+    encoded = encode_tree(scan(repo, None, BlobCache(tmp_path / "cache").store).tree())
     top = encoded.objects[encoded.root]
     assert top[:1] == b"\x78" and len(zlib.decompress(top)) > 1.3 * len(top)
     decoded, _ = decode_tree(encoded.root, encoded.root_size,
@@ -273,9 +279,9 @@ def test_a_changed_file_costs_new_tree_objects_only_along_its_path(tmp_path: Pat
         (repo / f"dir{i}").mkdir()
         (repo / f"dir{i}" / "f").write_text(str(i))
     cache = BlobCache(tmp_path / "cache")
-    before = encode_tree(scan(repo, None, cache.store_file).tree())
+    before = encode_tree(scan(repo, None, cache.store).tree())
     (repo / "src" / "pkg" / "mod.py").write_text("changed\n")
-    after = encode_tree(scan(repo, None, cache.store_file).tree())
+    after = encode_tree(scan(repo, None, cache.store).tree())
     new = set(after.objects) - set(before.objects)
     assert len(after.objects) == 24 and len(new) == 3  # ., src and src/pkg
 
@@ -283,9 +289,7 @@ def test_a_changed_file_costs_new_tree_objects_only_along_its_path(tmp_path: Pat
 def test_the_blob_store_writes_only_what_it_lacks_and_refuses_a_damaged_blob(
         tmp_path: Path) -> None:
     cache = BlobCache(tmp_path / "cache", memory_budget=0)  # every blob in a file
-    src = tmp_path / "f"
-    src.write_bytes(b"content")
-    digest, _ = cache.store_file(str(src))
+    digest, _ = cache.store([b"con", b"tent"])
     store = BlobStore(str(tmp_path / "root" / "blobs"), folder_at)
     assert store.missing([digest]) == {digest}
     store.put(digest, cache.path(digest))
@@ -320,3 +324,228 @@ def test_collection_and_snapshots_exclude_each_other(tmp_path: Path) -> None:
     store.end_collection()
     store.wait_for_collection(clock=lambda: 120.0)  # returns at once
     assert store.collection_until(200.0) is None
+
+
+# --- a hostile sandbox: what its processes change while the scan reads it ---------------
+
+def swap_before_open(monkeypatch: pytest.MonkeyPatch, name: str,
+                      swap: Callable[[], None]) -> list[bool]:
+    """Run ``swap`` once, when the scan first opens ``name``: after the listing and the
+    stat that found it, before the open (the window a process inside the sandbox races)."""
+    done: list[bool] = []
+
+    def hooked(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if not done and isinstance(path, (str, Path)) and os.path.basename(path) == name:
+                done.append(True)
+                swap()
+            return real(path, *args, **kwargs)
+        return call
+
+    for module, attr in ((os, "open"), (os, "scandir"), (builtins, "open")):
+        monkeypatch.setattr(module, attr, hooked(getattr(module, attr)))
+    return done
+
+
+def _secret(tmp_path: Path) -> Path:
+    secret = tmp_path / "outside" / "secret"
+    secret.parent.mkdir()
+    secret.write_bytes(b"the holder's secret")
+    return secret
+
+
+def test_a_file_swapped_for_a_symlink_after_the_listing_is_recorded_as_the_link(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = _repo(tmp_path / "repo")
+    secret = _secret(tmp_path)
+    victim = repo / "src" / "pkg" / "mod.py"
+
+    def swap() -> None:
+        victim.unlink()
+        victim.symlink_to(secret)
+
+    cache = BlobCache(tmp_path / "cache")
+    done = swap_before_open(monkeypatch, "mod.py", swap)
+    tree = scan(repo, None, cache.store).tree()
+    assert done
+    assert tree["src/pkg/mod.py"] == Entry(LINK, 0o777, len(bytes(secret)), bytes(secret))
+    assert cache.read(digest_of(secret.read_bytes())) is None  # never read
+
+
+def test_a_directory_swapped_for_a_symlink_after_the_listing_is_never_walked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = _repo(tmp_path / "repo")
+    secret = _secret(tmp_path)
+
+    def swap() -> None:
+        shutil.rmtree(repo / "src")
+        (repo / "src").symlink_to(secret.parent)
+
+    cache = BlobCache(tmp_path / "cache")
+    done = swap_before_open(monkeypatch, "src", swap)
+    tree = scan(repo, None, cache.store).tree()
+    assert done
+    assert tree["src"].kind == LINK and not any(p.startswith("src/") for p in tree)
+    assert cache.read(digest_of(secret.read_bytes())) is None
+
+
+@pytest.mark.timeout(5)
+def test_a_file_swapped_for_a_fifo_refuses_the_scan_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = _repo(tmp_path / "repo")
+
+    def swap() -> None:
+        (repo / "README").unlink()
+        os.mkfifo(repo / "README")  # no writer: a blocking open would wait for ever
+
+    done = swap_before_open(monkeypatch, "README", swap)
+    with pytest.raises(SandboxError, match=r"README, a FIFO that replaced a file"):
+        scan(repo, None, BlobCache(tmp_path / "cache").store)
+    assert done
+
+
+def test_a_file_that_changes_while_it_is_read_is_read_again(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    log = repo / "log"
+    log.write_bytes(b"first line\n")
+    cache = BlobCache(tmp_path / "cache")
+    reads: list[bytes] = []
+
+    def store(chunks: Iterable[bytes]) -> tuple[bytes, int]:
+        digest, length = cache.store(chunks)
+        reads.append(digest)
+        if len(reads) == 1:  # a process appends while the scan reads
+            with open(log, "ab") as f:
+                f.write(b"second line\n")
+        return digest, length
+
+    tree = scan(repo, None, store).tree()
+    assert cache.read(tree["log"].data) == b"first line\nsecond line\n"
+    assert len(reads) == 2
+
+
+def test_a_file_that_keeps_changing_while_it_is_read_refuses_the_scan_naming_it(
+        tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    log = repo / "log"
+    log.write_bytes(b"x")
+    cache = BlobCache(tmp_path / "cache")
+
+    def store(chunks: Iterable[bytes]) -> tuple[bytes, int]:
+        result = cache.store(chunks)
+        with open(log, "ab") as f:
+            f.write(b"x")
+        return result
+
+    with pytest.raises(SandboxError, match=r"repo/log changed each of the 3 times"):
+        scan(repo, None, store)
+
+
+@pytest.mark.parametrize(("limits", "message"), [
+    (SandboxLimits(file_bytes=100),
+     r"big, 101 bytes to store, more than sandbox_max_file_bytes \(100\)"),
+    (SandboxLimits(sandbox_bytes=150),
+     r"more than sandbox_max_bytes \(150\) bytes of files \(.*repo/(a|big|c) passes it\)"),
+    (SandboxLimits(files=5),
+     r"more than sandbox_max_files \(5\) entries .*repo/d/\w is one too many"),
+])
+def test_each_sandbox_limit_refuses_the_scan_naming_the_limit_and_the_path(
+        tmp_path: Path, limits: SandboxLimits, message: str) -> None:
+    repo = tmp_path / "repo"
+    (repo / "d").mkdir(parents=True)
+    (repo / "big").write_bytes(b"b" * 101)
+    (repo / "a").write_bytes(b"a" * 40)
+    (repo / "c").write_bytes(b"c" * 40)
+    for name in "xyz":
+        (repo / "d" / name).write_bytes(b"")
+    with pytest.raises(SandboxError, match=message):
+        scan(repo, None, BlobCache(tmp_path / "cache").store, limits=limits)
+    scan(repo, None, BlobCache(tmp_path / "cache2").store)  # the defaults fit
+
+
+def sparse_file(path: Path, apparent: int, extents: dict[int, bytes]) -> None:
+    with open(path, "wb") as f:
+        f.truncate(apparent)
+        for offset, data in extents.items():
+            f.seek(offset)
+            f.write(data)
+
+
+def _data_of(path: Path) -> dict[int, bytes]:
+    """A file's data extents, read without its holes."""
+    out = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size, pos = os.fstat(fd).st_size, 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            out[start] = os.pread(fd, end - start, start)
+            pos = end
+    finally:
+        os.close(fd)
+    return out
+
+
+def same_content(a: Path, b: Path) -> bool:
+    """Whether two files of the same size read the same, checked where either holds data
+    (a hole reads as zeros), without reading their holes."""
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    for one, other in ((a, b), (b, a)):
+        with open(other, "rb") as f:
+            for offset, data in _data_of(one).items():
+                f.seek(offset)
+                if f.read(len(data)) != data:
+                    return False
+    return True
+
+
+def test_a_sparse_file_is_stored_without_its_holes_and_restored_with_them(
+        tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    image = repo / "disk.img"
+    sparse_file(image, 1 << 30, {0: b"boot" * 1024, 512 << 20: b"middle" * 1000,
+                                  (1 << 30) - 4096: b"e" * 4096})
+    cache = BlobCache(tmp_path / "cache")
+    result = scan(repo, None, cache.store)
+    entry = result.tree()["disk.img"]
+    assert entry.kind == SPARSE and entry.size < 64 << 10  # the data, not the holes
+    assert result.file_bytes() == result.bytes_read == entry.size  # what counts and is read
+    blob = cache.read(entry.data, entry.size)
+    assert blob is not None
+    materialize(result.tree(), tmp_path / "out", lambda d, n: cache.read(d, n))
+    out = tmp_path / "out" / "disk.img"
+    assert out.stat().st_size == 1 << 30
+    assert out.stat().st_blocks * 512 < 1 << 20  # the holes are holes again
+    assert same_content(out, image)
+    again = scan(tmp_path / "out", None, cache.store).tree()
+    assert again["disk.img"] == entry  # the same layout, the same blob
+
+
+def test_a_damaged_sparse_layout_is_refused_by_the_restore(tmp_path: Path) -> None:
+    header = msgpack.packb([1, 100, [90, 20]])  # an extent past the apparent size
+    blob = header + b"d" * 20
+    tree = {"f": Entry(SPARSE, 0o644, len(blob), digest_of(blob))}
+    with pytest.raises(SandboxError, match="has a malformed layout"):
+        materialize(tree, tmp_path / "out", lambda d, n: blob)
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_restore_drops_setuid_and_setgid_bits_unless_allowed(
+        tmp_path: Path, allow: bool) -> None:
+    content = b"#!/bin/sh\nid\n"
+    tree = {"suid": Entry(FILE, 0o4755, len(content), digest_of(content)),
+            "sgid": Entry(FILE, 0o2755, len(content), digest_of(content))}
+    materialize(tree, tmp_path / "out", lambda d, n: content, allow_setid=allow)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
+    if allow:  # (setgid stays only for a group of ours, as chmod allows)
+        assert modes["suid"] == 0o4755 and modes["sgid"] & ~0o2000 == 0o755
+    else:
+        assert modes == {"suid": 0o755, "sgid": 0o755}

@@ -35,22 +35,23 @@ from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import EPOCH, SimWorld
 from nemo_ckpt.testing.toy_env import directory_listing
 from nemo_ckpt.transport import COORDINATOR, HOLDER
+from tests.test_sandbox import same_content, sparse_file, swap_before_open
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _config(tmp_path: Path) -> CheckpointConfig:
+def _config(tmp_path: Path, **options: Any) -> CheckpointConfig:
     return CheckpointConfig(namespace="job", drain_timeout_s=1.0, lease_s=6.0,
                             phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=20.0,
                             checkpoint_root=tmp_path / "ckpt",
-                            sandbox_root=tmp_path / "sandboxes")
+                            sandbox_root=tmp_path / "sandboxes", **options)
 
 
 class Job:
     """One in-process job: a driver, holders on two nodes, a worker's clients."""
 
-    def __init__(self, tmp_path: Path, seed: int = 0) -> None:
-        self.config = _config(tmp_path)
+    def __init__(self, tmp_path: Path, seed: int = 0, **options: Any) -> None:
+        self.config = _config(tmp_path, **options)
         self.sim = SimWorld(seed=seed, nodes=2)
         self.sim.message_delay = lambda target, method, reply: 0.001
         self.driver = self.sim.new_actor("driver", "driver", "node-0")
@@ -579,3 +580,147 @@ def test_a_new_holder_removes_what_an_earlier_holder_of_its_instance_left(
     fresh = Sandboxes("holder-0", str(root), None, "job")
     assert list(fresh.cache.directory.iterdir()) == [] and not staging.parent.exists()
     assert (d / "data.bin").exists()  # the session's own directory is the worker's
+
+
+# --- a hostile sandbox ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_a_fifo_swapped_in_during_a_commit_refuses_the_turn_at_once_and_the_sweep_still_runs(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        ep, d = next(iter(dirs.items()))
+        instance = ep.rollout_id.split("-r")[0]
+        client = await job.client(instance)
+        boxes = job.holders()[instance]._sandboxes
+        old, extra = os.urandom(2 << 20), os.urandom(2 << 20)  # kept in the cache's files
+        for t, content in enumerate((old, os.urandom(2 << 20))):
+            async with client.turn(ep) as turn:
+                (d / "data.bin").write_bytes(content)
+                turn.complete(f"t{t}".encode(), f"s{t + 1}".encode())
+        assert boxes.cache.has(digest_of(old))  # unreferenced now, not swept yet
+
+        def swap() -> None:
+            (d / "README.md").unlink()
+            os.mkfifo(d / "README.md")  # no writer: a blocking open would wait for ever
+
+        done = swap_before_open(monkeypatch, "README.md", swap)
+        with pytest.raises(SandboxError, match=r"README.md, a FIFO that replaced a file"):
+            async with client.turn(ep) as turn:
+                (d / "extra.bin").write_bytes(extra)
+                (d / "README.md").write_text("# edited\n")  # read at the commit
+                turn.complete(b"t2", b"s3")
+        assert done
+        record = await client.get(ep)
+        assert (record.turns, record.state) == ((b"t0", b"t1"), b"s2")
+        assert boxes.scans_in_flight == 0
+        await asyncio.sleep(2.0)  # the holder's watchdog sweeps the node cache
+        assert not boxes.cache.has(digest_of(old))
+        assert not boxes.cache.has(digest_of(extra))  # kept by the refused scan, if read
+        (d / "README.md").unlink()
+        async with client.turn(ep) as turn:  # the session is not stuck mid-turn
+            turn.complete(b"t2", b"s3")
+        assert (await client.get(ep)).state == b"s3"
+
+    job.run(scenario())
+
+
+def test_a_turn_past_a_configured_sandbox_limit_is_refused_naming_it(tmp_path: Path) -> None:
+    job = Job(tmp_path, sandbox_max_file_bytes=1000)
+    try:
+        async def scenario() -> None:
+            live, dirs = await _open_with_directories(job, rollouts=1)
+            ep, d = next(iter(dirs.items()))
+            client = await job.client(ep.rollout_id.split("-r")[0])
+            with pytest.raises(SandboxError, match=r"model.bin, 1001 bytes to store, more "
+                                                   r"than sandbox_max_file_bytes \(1000\)"):
+                async with client.turn(ep) as turn:
+                    (d / "model.bin").write_bytes(b"w" * 1001)
+                    turn.complete(b"t", b"s1")
+            assert (await client.get(ep)).state == b"s0"
+
+        job.run(scenario())
+    finally:
+        job.close()
+
+
+def test_a_sparse_file_is_snapshotted_and_restored_with_its_holes_and_no_setuid_bit(
+        tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    path = tmp_path / "ckpt" / "step-1"
+    try:
+        async def first_run() -> Ep:
+            live, dirs = await _open_with_directories(job, rollouts=1)
+            ep, d = next(iter(dirs.items()))
+            client = await job.client(ep.rollout_id.split("-r")[0])
+            async with client.turn(ep) as turn:
+                sparse_file(d / "disk.img", 1 << 30, {4096: b"data" * 1000,
+                                                       900 << 20: b"more" * 1000})
+                (d / "build.sh").chmod(0o4755)
+                turn.complete(b"t", b"s1")
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut(live, set()))
+            return ep
+
+        ep = job.run(first_run())
+    finally:
+        job.close()
+    stored = sum(Path(_store(tmp_path).describe(x)).stat().st_size
+                 for x in _store(tmp_path).digests())
+    assert stored < 1 << 20  # the data extents, not the GiB of holes
+    original = tmp_path / "original.img"
+    os.rename(tmp_path / "sandboxes" / "work" / ep.capture_key / "disk.img", original)
+    shutil.rmtree(tmp_path / "sandboxes")
+    fresh = Job(tmp_path, seed=1)
+    try:
+        async def restore() -> Path:
+            async with fresh.ckpt.restored(path):
+                pass
+            instance = ep.rollout_id.split("-r")[0]
+            record = await (await fresh.client(instance)).get(Ep(ep.rollout_id, 1))
+            assert record.directory is not None
+            return Path(record.directory)
+
+        restored = fresh.run(restore())
+        image = restored / "disk.img"
+        assert image.stat().st_size == 1 << 30 and image.stat().st_blocks * 512 < 1 << 20
+        assert same_content(image, original)
+        assert (restored / "build.sh").stat().st_mode & 0o7777 == 0o755
+    finally:
+        fresh.close()
+
+
+def test_what_a_file_read_again_or_a_refused_scan_kept_is_swept_from_the_node_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from actors.sandboxes import Sandboxes
+
+    d = tmp_path / "sandboxes" / "r0"
+    d.mkdir(parents=True)
+    log = d / "log"
+    log.write_bytes(os.urandom(2 << 20))  # kept in a file of the cache
+    boxes = Sandboxes("holder-0", str(tmp_path / "sandboxes"), None, "job")
+    real_store = boxes.cache.store
+    appends = [1]  # a process appends while the first read runs
+
+    def store(chunks: Any) -> tuple[bytes, int]:
+        result = real_store(chunks)
+        if appends[0]:
+            appends[0] -= 1
+            with open(log, "ab") as f:
+                f.write(os.urandom(100))
+        return result
+
+    monkeypatch.setattr(boxes.cache, "store", store)
+    cached = lambda: {p.name for p in boxes.cache.directory.iterdir()}  # noqa: E731
+    boxes.install("r0", d, boxes.record(d, None))
+    assert len(cached()) == 2  # the first read's content, and the one recorded
+    assert boxes.sweep() == 1
+    assert cached() == {digest_of(log.read_bytes()).hex()}
+    appends[0] = 10  # now it changes at every read: the scan is refused
+    with pytest.raises(SandboxError, match="changed each of the 3 times"):
+        boxes.record(d, boxes.get("r0").recorded)  # type: ignore[union-attr]
+    # Its first read found the recorded content; the next two, new content each.
+    assert len(cached()) == 3
+    assert boxes.sweep() == 2 and len(cached()) == 1  # only the live session's content
