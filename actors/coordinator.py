@@ -56,9 +56,15 @@ from nemo_ckpt.collection import (
     collect_quietly,
     committed_snapshots,
 )
-from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.config import (
+    ADOPTED_FIELDS,
+    DRIVER_FIELDS,
+    CheckpointConfig,
+    config_differences,
+)
 from nemo_ckpt.errors import (
     BackendUnavailableError,
+    ConfigMismatchError,
     LeaseExpiredError,
     NemoCkptError,
     OperationAbortedError,
@@ -206,6 +212,43 @@ class CheckpointCoordinator:
         # (their paths, as that collection found them, tell).
         self._garbage_possible = True
         self._snapshots_seen: frozenset[str] = frozenset()
+
+    # --- the job's config ------------------------------------------------------------
+
+    async def attach(self, config: CheckpointConfig) -> None:
+        """A driver's first call: its ``config`` against the one this coordinator and the
+        holders it finds were made with (a restarted driver finds them alive, made by
+        whoever created them). Deadlines are adopted from the newest driver; any other
+        difference is refused with ``ConfigMismatchError`` naming each field
+        (``nemo_ckpt.config.ADOPTED_FIELDS`` says which are which)."""
+        fixed = config_differences(
+            self._config, config,
+            frozenset(CheckpointConfig.model_fields) - DRIVER_FIELDS - ADOPTED_FIELDS)
+        problems = [f"{name} is {theirs!r} there, {ours!r} in yours"
+                    for name, (theirs, ours) in fixed.items()]
+        if not problems:
+            wanted = self._holder_options()
+            async with self._placement_lock:
+                infos = await self._discover()
+            for info in sorted(infos, key=_instance_order):
+                differ = sorted(k for k, v in info.options.items()
+                                if k in wanted and wanted[k] != v)
+                problems += [f"{info.instance_id} was made with {k}={info.options[k]!r}, "
+                             f"yours gives {wanted[k]!r}" for k in differ]
+        if problems:
+            raise ConfigMismatchError(
+                f"namespace {self._config.namespace!r} already runs nemo-ckpt actors made "
+                f"with another CheckpointConfig: {'; '.join(problems)}. Use the job's "
+                f"values, end the old job's actors first "
+                f"(RayEnvironmentCheckpoint(old_config).shutdown()), or give this job a "
+                f"namespace of its own")
+        adopted = config_differences(self._config, config, ADOPTED_FIELDS)
+        if adopted:
+            log.warning("a driver attached with other deadlines; adopting them: %s",
+                        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in adopted.items()))
+            self._config = CheckpointConfig.model_validate({
+                **self._config.model_dump(),
+                **{k: getattr(config, k) for k in ADOPTED_FIELDS | DRIVER_FIELDS}})
 
     # --- holders ---------------------------------------------------------------------
 
@@ -1003,17 +1046,20 @@ class CheckpointCoordinator:
             raise BackendUnavailableError("no alive Ray node to place a holder on")
         return min(load, key=lambda n: (load[n], n))
 
+    def _holder_options(self) -> dict[str, Any]:
+        """The ``SessionHolder`` keyword arguments this job's holders are made with."""
+        cfg = self._config
+        return {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s,
+                "max_retired_marks": cfg.max_retired_marks, "namespace": cfg.namespace,
+                "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
+                "blob_root": None if self._blob_store() is None
+                else join_location(str(cfg.checkpoint_root), BLOB_DIR),
+                "sandbox_limits": cfg.sandbox_limits,
+                "sandbox_restore_setid": cfg.sandbox_restore_setid}
+
     async def _create_holder(self, instance_id: str, node_id: str) -> HolderInfo:
         cfg = self._config
-        handle = self._transport.create_holder(
-            instance_id, node_id,
-            {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s,
-             "max_retired_marks": cfg.max_retired_marks, "namespace": cfg.namespace,
-             "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
-             "blob_root": None if self._blob_store() is None
-             else join_location(str(cfg.checkpoint_root), BLOB_DIR),
-             "sandbox_limits": cfg.sandbox_limits,
-             "sandbox_restore_setid": cfg.sandbox_restore_setid})
+        handle = self._transport.create_holder(instance_id, node_id, self._holder_options())
         info: HolderInfo = await self._transport.call(handle, "info",
                                                       timeout=cfg.phase_timeout_s)
         self._holders[instance_id] = handle

@@ -213,6 +213,11 @@ class SessionHolder:
     ) -> None:
         self.instance_id = instance_id
         self.node_id = node_id
+        self._options: dict[str, Any] = {
+            "max_state_bytes": max_state_bytes, "turn_timeout_s": turn_timeout_s,
+            "max_retired_marks": max_retired_marks, "namespace": namespace,
+            "sandbox_root": sandbox_root, "blob_root": blob_root,
+            "sandbox_limits": sandbox_limits, "sandbox_restore_setid": sandbox_restore_setid}
         self._runtime = runtime or Runtime()
         self._clock = self._runtime.clock
         self._metrics = self._runtime.metrics
@@ -403,7 +408,7 @@ class SessionHolder:
             operation_id=None if op is None else op.id,
             lease_expires_in_s=None if op is None else self._lease_left(),
             sessions=len(self._table), turns_in_flight=len(self._turns),
-            last_snapshot_id=self._last_snapshot_id,
+            last_snapshot_id=self._last_snapshot_id, options=dict(self._options),
         )
 
     @property

@@ -19,7 +19,8 @@ from nemo_ckpt.errors import CheckpointPathError
 from nemo_ckpt.location import LocalLocation, parse_location
 from nemo_ckpt.sandbox import SandboxLimits
 
-__all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN"]
+__all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN", "DRIVER_FIELDS",
+           "ADOPTED_FIELDS", "config_differences"]
 
 HOLDER_NAME_PREFIX = "nemo_ckpt_holder:"
 # Of a lease, the part kept free for a renewal to travel and be handled: the drain, one
@@ -182,3 +183,23 @@ class CheckpointConfig(BaseModel):
     def renew_interval_s(self) -> float:
         """The lease renewal period in effect."""
         return self.lease_renew_interval_s or self.lease_s / 3
+
+
+# A job's actors outlive its driver: a restarted driver finds them by name, made with
+# the config of whoever created them. What each field is to them:
+# - read by the driver alone: never compared;
+DRIVER_FIELDS = frozenset({"allow_unchecked_snapshots", "lease_renew_interval_s"})
+# - the coordinator's deadlines, read afresh by every operation: the newest driver's
+#   are adopted (each operation hands the holders its own drain and lease);
+ADOPTED_FIELDS = frozenset({"drain_timeout_s", "lease_s", "phase_timeout_s",
+                            "persist_timeout_s"})
+# - everything else (where checkpoints and sandboxes live, the holders' limits) was
+#   built into running actors: a difference is refused (``ConfigMismatchError``).
+
+
+def config_differences(theirs: CheckpointConfig, ours: CheckpointConfig,
+                       fields: frozenset[str] | None = None) -> dict[str, tuple[object, object]]:
+    """The fields (of ``fields``, or all) whose values differ: name -> (theirs, ours)."""
+    names = CheckpointConfig.model_fields.keys() if fields is None else fields
+    return {name: (getattr(theirs, name), getattr(ours, name)) for name in sorted(names)
+            if getattr(theirs, name) != getattr(ours, name)}

@@ -257,6 +257,11 @@ class RestoreConflictError(NemoCkptError):
     """A restored rollout is already live on the holder it would be restored to."""
 
 
+class ConfigMismatchError(NemoCkptError):
+    """The job's running actors were made with another ``CheckpointConfig`` than the
+    caller's, in a field they cannot change while they run."""
+
+
 class StartupCheckError(NemoCkptError):
     """The deployment cannot recover as configured; the message lists every reason."""
 

@@ -18,6 +18,7 @@ and a restore these, carrying the restore id::
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,9 @@ class HolderInfo:
     sessions: int
     turns_in_flight: int
     last_snapshot_id: str | None
+    # What it was made with (``CheckpointCoordinator._holder_options``): a holder found
+    # alive keeps them, whatever config the coordinator that finds it has.
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -165,6 +165,7 @@ class RayEnvironmentCheckpoint:
         self._driver_id: str | None = None  # names this driver in its operation ids
         self._sequence = 0
         self._last_restore: dict[str, float] | None = None
+        self._attached = False  # whether the coordinator has compared our config
 
     @property
     def last_restore_metrics(self) -> dict[str, float] | None:
@@ -474,9 +475,18 @@ class RayEnvironmentCheckpoint:
         return self._transport_
 
     async def _call(self, method: str, *args: Any) -> Any:
-        """Call the coordinator (errors as ``Transport.call`` raises them)."""
+        """Call the coordinator (errors as ``Transport.call`` raises them), attached first:
+        a coordinator found alive was made with someone's config
+        (``CheckpointCoordinator.attach``)."""
         transport = self._transport
-        return await transport.call(transport.coordinator(), method, *args)
+        try:
+            if not self._attached:
+                await transport.call(transport.coordinator(), "attach", self.config)
+                self._attached = True
+            return await transport.call(transport.coordinator(), method, *args)
+        except BackendUnavailableError:
+            self._attached = False  # another coordinator may answer next: attach to it
+            raise
 
     def _new_operation_id(self, kind: str) -> str:
         runtime = self._transport.runtime
