@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 from typing import Any, cast
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors import metrics
@@ -50,6 +51,23 @@ class RayMetrics:
 def is_ray_unavailable(error: BaseException) -> bool:
     """Whether ``error`` is Ray saying an actor died, is unreachable, or timed out."""
     return isinstance(error, (RayActorError, GetTimeoutError))
+
+
+@dataclass(frozen=True)
+class _Handle:
+    """A Ray actor handle and the Ray session (the driver's job) it was made in: a
+    handle does not outlive ``ray.shutdown()``; a new session looks the name up again."""
+
+    ref: Any
+    session: str
+
+
+def _session() -> str:
+    return str(ray.get_runtime_context().get_job_id())
+
+
+async def _raise(error: BaseException) -> Any:
+    raise error
 
 
 class RayTransport:
@@ -88,8 +106,10 @@ class RayTransport:
         return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
 
     def coordinator(self) -> Actor:
+        self._require_ray()
+        if self._coordinator is not None and self._coordinator.ref.session != _session():
+            self._coordinator = None  # made before ray.shutdown(): find it again by name
         if self._coordinator is None:
-            self._require_ray()
             # Pinned beside the driver (hard affinity: soft affinity was seen to spill
             # onto worker nodes), so losing a worker node never takes the coordinator.
             ref = CheckpointCoordinatorActor.options(
@@ -98,7 +118,7 @@ class RayTransport:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self.local_node(),
                                                                    soft=False),
             ).remote(self._config)
-            self._coordinator = Actor(COORDINATOR, COORDINATOR, ref)
+            self._coordinator = Actor(COORDINATOR, COORDINATOR, _Handle(ref, _session()))
         return self._coordinator
 
     def _names(self) -> list[str]:
@@ -111,18 +131,18 @@ class RayTransport:
         for name in self._names():
             if name.startswith(HOLDER_NAME_PREFIX):
                 instance_id = name[len(HOLDER_NAME_PREFIX):]
-                with contextlib.suppress(ValueError):  # died between listing and lookup
-                    found[instance_id] = Actor(
-                        HOLDER, instance_id, ray.get_actor(name, namespace=self.namespace))
+                handle = self.holder(instance_id)  # None: died between listing and lookup
+                if handle is not None:
+                    found[instance_id] = handle
         return found
 
     def holder(self, instance_id: str) -> Actor | None:
         self._require_ray()
         try:
-            return Actor(HOLDER, instance_id, ray.get_actor(HOLDER_NAME_PREFIX + instance_id,
-                                                            namespace=self.namespace))
+            ref = ray.get_actor(HOLDER_NAME_PREFIX + instance_id, namespace=self.namespace)
         except ValueError:
             return None
+        return Actor(HOLDER, instance_id, _Handle(ref, _session()))
 
     def create_holder(self, instance_id: str, node_id: str, options: dict[str, Any]) -> Actor:
         self._require_ray()
@@ -131,11 +151,32 @@ class RayTransport:
             lifetime="detached", get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(instance_id, **options)
-        return Actor(HOLDER, instance_id, ref)
+        return Actor(HOLDER, instance_id, _Handle(ref, _session()))
+
+    def _current(self, actor: Actor) -> Actor:
+        """``actor``, or its name looked up again if its handle is of an ended Ray
+        session (nothing was sent through it in this one, so nothing ran)."""
+        self._require_ray()
+        if actor.ref.session == _session():
+            return actor
+        if actor.kind == COORDINATOR:
+            return self.coordinator()
+        found = self.holder(actor.name)
+        if found is None:
+            raise unavailable_error(actor, "its lookup")
+        return found
 
     def call(self, actor: Actor, method: str, *args: Any,
              timeout: float | None = None) -> Any:
-        ref = getattr(actor.ref, method).remote(*args)  # sent now, awaited or not
+        try:
+            actor = self._current(actor)
+            ref = getattr(actor.ref.ref, method).remote(*args)  # sent now, awaited or not
+        except BackendUnavailableError as exc:
+            return _raise(exc)
+        except TypeError:
+            raise  # arguments that do not fit the method: a bug, not an outage
+        except Exception as exc:  # Ray refused to submit it: it never ran
+            return _raise(unavailable_error(actor, method, cause=exc))
         return self._result(actor, method, ref, timeout)
 
     async def _result(self, actor: Actor, method: str, ref: Any, timeout: float | None) -> Any:
@@ -150,17 +191,22 @@ class RayTransport:
             if isinstance(cause, BaseException):
                 raise cause from None
             raise
-        except (RayActorError, GetTimeoutError) as exc:
+        except RayError as exc:
+            # An actor dead or unreachable (ActorUnavailableError: the call may or may
+            # not have run), a call cancelled, an owner or object lost, a full object
+            # store: the callee is out of reach, and the caller learns what a mutating
+            # call did from its operation's record (the driver's abort answers it).
             if actor.kind == COORDINATOR:
                 self._coordinator = None  # the next call finds or creates a new one
             raise unavailable_error(actor, method, cause=exc) from exc
 
     def send(self, actor: Actor, method: str, *args: Any) -> None:
-        getattr(actor.ref, method).remote(*args)
+        with contextlib.suppress(Exception):  # forgotten: its errors are dropped anyway
+            getattr(self._current(actor).ref.ref, method).remote(*args)
 
     def kill(self, actor: Actor) -> None:
-        with contextlib.suppress(ValueError):
-            ray.kill(actor.ref, no_restart=True)
+        with contextlib.suppress(ValueError, BackendUnavailableError):
+            ray.kill(self._current(actor).ref.ref, no_restart=True)
         if actor.kind == COORDINATOR:
             self._coordinator = None
 

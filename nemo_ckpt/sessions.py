@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
+from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.transport import Actor, Transport
 
@@ -264,7 +265,9 @@ class SessionClient:
     """
 
     def __init__(self, holder: Actor, transport: Transport) -> None:
-        self._holder = holder
+        # None once a call found it dead or unreachable: the next call looks its
+        # instance's name up again (check_startup may have made a successor).
+        self._holder: Actor | None = holder
         self._transport = transport
         self.instance_id = holder.name
         # An async actor may run calls out of order, so a session's next turn waits for
@@ -311,8 +314,24 @@ class SessionClient:
                 f"starting environment workers")
         return cls(handles[here[0]], transport)
 
-    def _call(self, method: str, *args: Any) -> Any:
-        return self._transport.call(self._holder, method, *args)
+    def _call(self, method: str, *args: Any) -> Awaitable[Any]:
+        """Send ``method`` to the instance's holder now; its result's awaitable."""
+        if self._holder is None:
+            self._holder = self._transport.holder(self.instance_id)
+            if self._holder is None:
+                raise BackendUnavailableError(
+                    f"holder {self.instance_id} is not running (its process or node died); "
+                    f"retry once RayEnvironmentCheckpoint.check_startup() or "
+                    f"ensure_holders() has started its successor")
+        return self._result(self._holder, self._transport.call(self._holder, method, *args))
+
+    async def _result(self, holder: Actor, call: Awaitable[Any]) -> Any:
+        try:
+            return await call
+        except BackendUnavailableError:
+            if self._holder is holder:
+                self._holder = None
+            raise
 
     async def open(self, episode: EnvironmentEpisode, state: bytes = b"",
                    directory: str | os.PathLike[str] | None = None) -> SessionRecord:
@@ -377,6 +396,8 @@ class SessionClient:
             sent = self._call("abort_turn", episode, token)
         except asyncio.CancelledError:
             return  # this process is going away; its turns end at turn_timeout_s
+        except Exception:  # no holder to abort at: its turns died with it
+            return
         done = asyncio.ensure_future(sent)
         self._aborting[key] = done
 

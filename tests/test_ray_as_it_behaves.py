@@ -1,0 +1,80 @@
+"""Ray as it really behaves (issue 29), on the session's real multi-node cluster: a
+client whose holder was killed, handles across ``ray.shutdown()`` and ``ray.init()``, a
+restarted driver that finds the job's actors alive with another config."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
+from nemo_ckpt.config import HOLDER_NAME_PREFIX
+from nemo_ckpt.errors import BackendUnavailableError, ConfigMismatchError
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.storage import read_snapshot
+from tests.test_faults import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_a_client_whose_holder_was_killed_reaches_its_successor(ckpt: Any) -> None:
+    """Case 4: an OOM kill of a holder; check_startup makes its successor; the worker's
+    existing client, which held the dead handle, gets through without reconnecting."""
+    ns = ckpt.config.namespace
+    c = await SessionClient.connect("holder-1", namespace=ns)
+    await c.open(Ep("lost", 0), b"s")
+    ray.kill(ray.get_actor(HOLDER_NAME_PREFIX + "holder-1", namespace=ns), no_restart=True)
+    with pytest.raises(BackendUnavailableError, match="holder-1"):
+        await c.open(Ep("a", 0), b"s")
+
+    async def successor_runs() -> bool:
+        try:
+            await ckpt.check_startup()
+            await c.open(Ep("a", 0), b"s")
+        except BackendUnavailableError:
+            return False  # Ray has not released the dead holder's name yet
+        return True
+
+    await wait_until(successor_runs, 60, "the same client to reach holder-1's successor")
+    assert [r.episode for r in await c.sessions()] == [Ep("a", 0)]  # "lost" died with it
+
+
+async def test_a_checkpoint_and_a_client_work_on_across_ray_shutdown_and_init(
+        ckpt: Any, cluster: Any, tmp_path: Path) -> None:
+    """Case 5: handles belong to one Ray session; the same objects find the job's
+    detached actors again by name in the next one, and say what to do in between."""
+    ns = ckpt.config.namespace
+    c = await SessionClient.connect("holder-0", namespace=ns)
+    await c.open(Ep("a", 0), b"s")
+    ray.shutdown()
+    try:
+        with pytest.raises(BackendUnavailableError, match=r"call ray.init\(\)"):
+            await ckpt.ensure_holders()
+    finally:
+        ray.init(address=cluster.address, log_to_driver=False)
+    assert len(await ckpt.ensure_holders()) == 3
+    async with ckpt.snapshot(tmp_path / "after") as snap:
+        assert snap is not None
+    assert [s.episode for s in read_snapshot(tmp_path / "after").sessions["holder-0"]] == [
+        Ep("a", 0)]
+    assert [r.episode for r in await c.sessions()] == [Ep("a", 0)]
+
+
+async def test_a_restarted_driver_with_another_config_is_refused_or_its_deadlines_adopted(
+        ckpt: Any, tmp_path: Path) -> None:
+    """Case 6: the first driver's coordinator lives on (detached); a second driver's
+    lease is adopted, a different max_state_bytes refused, naming the field."""
+    await ckpt.ensure_holders()
+    longer = RayEnvironmentCheckpoint(ckpt.config.model_copy(update={"lease_s": 12.0}))
+    async with longer.snapshot(tmp_path / "long") as snap:
+        assert snap is None  # no sessions: nothing to check
+        await asyncio.sleep(ckpt.config.lease_s * 1.5)  # past the first driver's lease
+    read_snapshot(tmp_path / "long")
+    other = RayEnvironmentCheckpoint(CheckpointConfig(
+        **{**ckpt.config.model_dump(), "max_state_bytes": 1234}))
+    with pytest.raises(ConfigMismatchError, match="max_state_bytes is .* 1234 in yours"):
+        await other.ensure_holders()
