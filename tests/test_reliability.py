@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
+from nemo_ckpt.claims import STALE_FACTOR
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -493,6 +494,49 @@ def test_a_second_job_snapshotting_into_a_path_in_use_is_refused_not_cleaned(
         await world.sim.spawn(other_driver, _snapshot_plain(other, path))
         assert read_manifest(path).snapshot_id != loaded.manifest.snapshot_id
         read_snapshot(path)
+
+    world.run(scenario())
+
+
+@pytest.mark.parametrize("offset", [-86_400.0, 86_400.0], ids=["behind", "ahead"])
+def test_a_second_job_whose_clock_is_skewed_takes_over_a_path_only_from_a_job_that_died(
+        world: World, offset: float) -> None:
+    # Issue 23, case 1: the other job's clock, a day behind or ahead, decides nothing;
+    # only a claim it has watched unchanged for the claim's ttl, on its own clock, goes.
+    path = world.path("shared")
+    other_config = CheckpointConfig(**{**CONFIG.model_dump(), "namespace": "other-job"})
+    other_driver = world.sim.new_actor("driver", "other-driver", "node-0")
+    other = world.checkpoint(other_driver, other_config)
+    ttl = 2 * CONFIG.lease_s
+
+    async def scenario() -> None:
+        live = await world.populate()
+        await other.ensure_holders()
+        coordinators = {a.obj._owner.split("@")[0]: a for a in world.sim.live(COORDINATOR)}
+        coordinators["other-job"].clock_offset = offset
+
+        async def second_job() -> None:
+            await world.sim.spawn(other_driver, _snapshot_plain(other, path))
+
+        async def block() -> None:
+            for _ in range(3):  # renewed while it runs: refused, however long watched
+                with pytest.raises(CheckpointPathBusyError, match="two jobs must not"):
+                    await second_job()
+                await asyncio.sleep(ttl)
+            # The first job's coordinator dies mid-snapshot: its claim stays, unrenewed.
+            world.sim.kill(coordinators["job"])
+            with pytest.raises(CheckpointPathBusyError, match="two jobs must not"):
+                await second_job()
+            await asyncio.sleep(ttl * STALE_FACTOR - 2)
+            with pytest.raises(CheckpointPathBusyError, match="two jobs must not"):
+                await second_job()
+            await asyncio.sleep(3)
+            await second_job()
+
+        with pytest.raises(NemoCkptError):  # the first job's snapshot lost its coordinator
+            await world.snapshot(path, live, block)
+        loaded = read_snapshot(path)  # the other job's: its holders hold no session
+        assert loaded.manifest.instances and not any(loaded.sessions.values())
 
     world.run(scenario())
 
