@@ -42,6 +42,9 @@ RATE_TOLERANCE = 0.1
 STALE_FACTOR = 1.2
 # The ttl of a claim an older nemo-ckpt wrote (two leases of the default lease_s).
 LEGACY_TTL_S = 60.0
+# Folders a watch remembers, the least recently read forgotten first: a folder forgotten
+# only makes its claims look new again, live, so this bounds memory, not safety.
+_MAX_FOLDERS = 1024
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class ClaimWatch:
         now = self.clock()
         left: dict[str, float] = {}
         with self._lock:
-            before = self._seen.get(where, {})
+            before = self._seen.pop(where, {})
             seen: dict[str, tuple[tuple[str, str], float]] = {}
             for claim in claims:
                 stamp = (claim.owner, claim.beat)
@@ -105,8 +108,8 @@ class ClaimWatch:
                 left[claim.operation] = since + STALE_FACTOR * claim.ttl_s - now
             if seen:
                 self._seen[where] = seen
-            else:
-                self._seen.pop(where, None)
+                if len(self._seen) > _MAX_FOLDERS:
+                    del self._seen[next(iter(self._seen))]
         return left
 
     def live(self, where: str, claims: Iterable[Claim]) -> list[Claim]:
