@@ -616,8 +616,8 @@ def _cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except CheckpointPathBusyError as exc:
         # Claims are judged on this host's clock only: one seen for the first time is
         # live, so only watching tells a snapshot that died from one that runs.
-        hint = ("; retry after they commit, or pass --wait SECONDS to watch the claims "
-                "that long" if not args.wait else "")
+        hint = ("; run gc again later, or with --wait SECONDS to watch the claims that "
+                "long" if not args.wait else "")
         print(f"{PROG} gc: {_one_line(exc)}{hint}", file=err)
         return 1
     except NemoCkptError as exc:

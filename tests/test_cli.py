@@ -446,7 +446,7 @@ def test_gc_refuses_a_held_store_at_once_and_with_wait_collects_once_the_hold_is
     assert main(["gc", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "in use by snapshot(s) ['snap-dead']" in err
-    assert "retry after they commit, or pass --wait SECONDS" in err
+    assert "run gc again later, or with --wait SECONDS" in err
     assert stray in store.digests()
     assert main(["gc", str(tmp_path), "--wait", "10"]) == 0
     assert "removed 1 unreferenced blob(s)" in capsys.readouterr().out

@@ -450,7 +450,7 @@ def test_nemo_ckpt_gc_removes_unreferenced_blobs_and_says_what(job: Job, tmp_pat
     assert main(["gc", str(tmp_path / "ckpt")]) == 1
     err = capsys.readouterr().err
     assert "in use by snapshot(s) ['snap-x']" in err
-    assert "retry after they commit, or pass --wait SECONDS" in err
+    assert "run gc again later, or with --wait SECONDS" in err
 
 
 def test_a_gc_whose_clock_is_far_ahead_removes_no_blob_a_running_snapshot_relies_on(
