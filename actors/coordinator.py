@@ -50,6 +50,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.collection import (
     CollectionReport,
     RefsCache,
@@ -190,6 +191,10 @@ class CheckpointCoordinator:
         self._clock = transport.runtime.clock
         self._metrics = transport.runtime.metrics
         self._owner = f"{config.namespace}@{transport.cluster_id}"
+        # Other writers' claims (paths, the blob store), judged on this process's clock:
+        # kept for the coordinator's life, as only a claim seen before can be found
+        # abandoned (nemo_ckpt.claims).
+        self._claim_watch = ClaimWatch(self._clock.monotonic)
         self._holders: dict[str, Actor] = {}  # instance id -> actor handle
         self._holder_nodes: dict[str, str] = {}  # instance id -> node id
         self._ops: dict[str, _Operation] = {}  # open operations
@@ -541,7 +546,7 @@ class CheckpointCoordinator:
         job's snapshot is in progress there."""
         start = self._clock.monotonic()
         await self._runtime.run_blocking(
-            claim_path, environment_folder(op.path), op.id, self._owner, self._clock.wall(),
+            claim_path, environment_folder(op.path), op.id, self._owner, self._claim_watch,
             self._claim_ttl)
         op.claimed_at = start
 
@@ -573,7 +578,7 @@ class CheckpointCoordinator:
         if store is not None:
             start = self._clock.monotonic()
             await self._runtime.run_blocking(store.hold, op.id, self._owner,
-                                             self._clock.wall(), self._claim_ttl)
+                                             self._claim_ttl)
             op.held_at = start
             if first and (self._collection is None or self._collection.done()):
                 # A collection of this job that this coordinator is not running was left
@@ -614,7 +619,7 @@ class CheckpointCoordinator:
                 self._garbage_possible = False
                 report = await self._runtime.run_blocking(
                     collect_quietly, str(root), self._owner, self._refs_cache,
-                    self._clock.wall, lambda: bool(self._ops))
+                    self._clock.monotonic, lambda: bool(self._ops), self._claim_watch)
                 if report is None or report.interrupted:
                     self._garbage_possible = True  # the next commit tries again
                 else:
@@ -787,7 +792,7 @@ class CheckpointCoordinator:
         ours = {o.id for o in self._ops.values()}
 
         def clean() -> list[str]:
-            protect = live_claims(directory, self._owner, self._clock.wall(), ours)
+            protect = live_claims(directory, self._owner, self._claim_watch, ours)
             release_claim(directory, op.id)
             for claim in read_claims(directory):
                 if claim.operation not in protect:

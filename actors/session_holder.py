@@ -1066,7 +1066,7 @@ class SessionHolder:
                 try:
                     trees = await self._runtime.run_blocking(
                         self._sandboxes.persist, op.sandboxes, directory, op.id,
-                        self._clock.wall)
+                        self._clock.monotonic)
                 except BaseException:
                     await self._runtime.run_blocking(remove_files, directory, names)
                     raise

@@ -26,12 +26,14 @@ others' after, so of two that overlap at least one sees the other:
 4) (collector: after a commit, or ``nemo-ckpt gc``) ``begin_collection()``: refused while
    any snapshot holds the store; then removes blobs no committed manifest references,
    each removal within its claim's life; ``end_collection()``.
+
+Claims carry no time to compare: each reader judges them on its own monotonic clock
+(``nemo_ckpt.claims``), so a host whose clock is ahead cannot take a live hold as over.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import uuid
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import xxhash
 
+from nemo_ckpt.claims import STALE_FACTOR, Claim, ClaimWatch, decode_claim, encode_claim
 from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError
 from nemo_ckpt.folder import Folder, Sink
 from nemo_ckpt.location import join_location
@@ -69,6 +72,7 @@ class BlobStore:
         self._folder_at = folder_at
         self._root = folder_at(where)
         self._folders: dict[str, Folder] = {}
+        self._collecting: bytes | None = None  # this collection's claim as last written
 
     def _folder(self, prefix: str) -> Folder:
         folder = self._folders.get(prefix)
@@ -177,85 +181,150 @@ class BlobStore:
 
     # --- claims (see the module docstring) ---------------------------------------------
 
-    def _claims(self) -> dict[str, tuple[str, float]]:
-        claims: dict[str, tuple[str, float]] = {}
+    def _claims(self) -> dict[str, tuple[Claim, bytes]]:
+        """Every readable claim, by operation, with the bytes it was read from."""
+        claims: dict[str, tuple[Claim, bytes]] = {}
         for name in self._root.names():
             if not (name.startswith(_CLAIM_PREFIX) and name.endswith(".json")):
                 continue
             try:
-                data = json.loads(self._root.read(name))
-                claims[str(data["operation"])] = (str(data["owner"]), float(data["expires_at"]))
+                data = self._root.read(name)
+                claim = decode_claim(data)
             except (OSError, ValueError, KeyError, TypeError):
                 continue
+            claims[claim.operation] = (claim, data)
         return claims
 
-    def _write_claim(self, operation: str, owner: str, expires_at: float) -> None:
-        self._root.prepare()
-        self._root.write_bytes(_claim_name(operation), json.dumps(
-            {"operation": operation, "owner": owner, "expires_at": expires_at}).encode(),
-            sync=False)
+    def _observe(self, watch: ClaimWatch) -> tuple[dict[str, tuple[Claim, bytes]],
+                                                    dict[str, float]]:
+        claims = self._claims()
+        return claims, watch.observe(self.where, [c for c, _ in claims.values()])
 
-    def hold(self, operation: str, owner: str, now: float, ttl_s: float) -> None:
-        """A snapshot relies on the store until ``now + ttl_s`` (repeat to renew)."""
-        self._write_claim(operation, owner, now + ttl_s)
+    def hold(self, operation: str, owner: str, ttl_s: float) -> None:
+        """A snapshot relies on the store for ``ttl_s`` seconds (repeat to renew)."""
+        self._root.prepare()
+        data, _ = encode_claim(operation, owner, ttl_s)
+        self._root.write_bytes(_claim_name(operation), data, sync=False)
 
     def release(self, operation: str) -> None:
         self._root.remove([_claim_name(operation)])
 
-    def collection_until(self, now: float) -> float | None:
-        """When the live collection's claim expires, or None if none is live."""
-        claim = self._claims().get(COLLECTOR)
-        return claim[1] if claim is not None and claim[1] > now else None
+    def live_collection(self, watch: ClaimWatch) -> Claim | None:
+        """The collection's claim, unless none is there or ``watch`` has seen it
+        unchanged for its ttl (its collector died)."""
+        claims, left = self._observe(watch)
+        found = claims.get(COLLECTOR)
+        return found[0] if found is not None and left[COLLECTOR] > 0 else None
 
-    def wait_for_collection(self, clock: Callable[[], float] = time.time,
+    def wait_for_collection(self, clock: Callable[[], float] = time.monotonic,
                             sleep: Callable[[float], None] = time.sleep,
                             deadline: float | None = None) -> None:
         """Return once no collection runs (call it after ``hold``): a collection that
-        began before the hold may still remove blobs, so none may be relied on yet."""
-        while (until := self.collection_until(clock())) is not None:
+        began before the hold may still remove blobs, so none may be relied on yet. A
+        collection's claim ends when its collector drops it, or once seen unchanged for
+        its ttl on ``clock`` (this process's monotonic clock; ``deadline`` is on it)."""
+        watch = ClaimWatch(clock)
+        while True:
+            claims, left = self._observe(watch)
+            if COLLECTOR not in claims or left[COLLECTOR] <= 0:
+                return
             if deadline is not None and clock() >= deadline:
                 raise CheckpointPathBusyError(
-                    f"the blob store {self.where} is being collected until {until:.0f} "
-                    f"(epoch seconds); the snapshot cannot rely on it before then")
-            sleep(min(0.05, max(0.0, until - clock())))
+                    f"the blob store {self.where} is being collected by "
+                    f"{claims[COLLECTOR][0].owner}; the snapshot cannot rely on it "
+                    f"before that ends (or its claim is seen unchanged for "
+                    f"{left[COLLECTOR]:.0f}s more)")
+            sleep(min(0.05, left[COLLECTOR]))
 
-    def begin_collection(self, owner: str, now: float, ttl_s: float) -> float:
-        """Claim the store for a collection until ``now + ttl_s`` and return that time,
-        or ``CheckpointPathBusyError`` while a snapshot holds it or another collection
-        runs."""
-        others = {op: c for op, c in self._claims().items() if c[1] > now}
-        if COLLECTOR in others:
-            raise CheckpointPathBusyError(
-                f"the blob store {self.where} is already being collected by "
-                f"{others[COLLECTOR][0]}")
-        until = now + ttl_s
-        self._write_claim(COLLECTOR, owner, until)
-        holding = sorted(op for op, (_, exp) in self._claims().items()
-                         if op != COLLECTOR and exp > now)
+    def begin_collection(self, owner: str, ttl_s: float, watch: ClaimWatch) -> None:
+        """Claim the store for a collection of ``ttl_s`` seconds (renew it within that,
+        on the collector's own clock), or ``CheckpointPathBusyError`` while a snapshot
+        holds it or another collection runs, as ``watch`` judges them: a claim it sees
+        for the first time is live. On a local folder two collectors cannot both begin
+        (an exclusive create); on a bucket the claim is advisory (docs/DESIGN.md)."""
+        name = _claim_name(COLLECTOR)
+        self._root.prepare()
+        claims, left = self._observe(watch)
+        if COLLECTOR in claims:
+            claim, data = claims[COLLECTOR]
+            if left[COLLECTOR] > 0:
+                raise self._busy_collecting(claim.owner, left[COLLECTOR])
+            # Abandoned: its collector died. Drop exactly the write judged so.
+            remove_if = getattr(self._root, "remove_if", None)
+            if remove_if is not None:
+                if not remove_if(name, data):
+                    raise self._busy_collecting(claim.owner, claim.ttl_s * STALE_FACTOR)
+            else:
+                self._root.remove([name])
+        data, _ = encode_claim(COLLECTOR, owner, ttl_s)
+        create_new = getattr(self._root, "create_new", None)
+        if create_new is not None:
+            if not create_new(name, data):
+                raise self._busy_collecting("another collector", ttl_s * STALE_FACTOR)
+        else:
+            self._root.write_bytes(name, data, sync=False)
+        self._collecting = data
+        claims, left = self._observe(watch)
+        mine = claims.get(COLLECTOR)
+        if mine is None or mine[1] != data:  # a bucket: another collector wrote since
+            self._collecting = None
+            raise self._busy_collecting(mine[0].owner if mine else "another collector",
+                                        ttl_s * STALE_FACTOR)
+        holding = {op: left[op] for op in claims if op != COLLECTOR and left[op] > 0}
         if holding:
             self.end_collection()
             raise CheckpointPathBusyError(
-                f"the blob store {self.where} is in use by snapshot(s) {holding[:5]}; "
-                f"collect once they have committed or lapsed")
-        return until
+                f"the blob store {self.where} is in use by snapshot(s) "
+                f"{sorted(holding)[:5]}; collect once they have committed (a hold whose "
+                f"snapshot died is taken as abandoned once seen unchanged for "
+                f"{max(holding.values()):.0f}s more)")
 
-    def renew_collection(self, owner: str, now: float, ttl_s: float) -> float:
-        """Extend this collection's claim (a snapshot that held the store meanwhile
-        waits for it to end); returns the new expiry."""
-        self._write_claim(COLLECTOR, owner, now + ttl_s)
-        return now + ttl_s
+    def _busy_collecting(self, owner: str, left_s: float) -> CheckpointPathBusyError:
+        return CheckpointPathBusyError(
+            f"the blob store {self.where} is already being collected by {owner} (a "
+            f"collection whose collector died is taken as abandoned once its claim is "
+            f"seen unchanged for {left_s:.0f}s more)")
+
+    def renew_collection(self, owner: str, ttl_s: float) -> None:
+        """Extend this collection's claim by ``ttl_s`` seconds from now (a snapshot that
+        held the store meanwhile waits for it to end); ``CheckpointPathBusyError`` if
+        the claim is no longer this collection's (it overran, and another took it)."""
+        name = _claim_name(COLLECTOR)
+        try:
+            current: bytes | None = self._root.read(name)
+        except FileNotFoundError:
+            current = None
+        if current is None or current != self._collecting:
+            self._collecting = None
+            raise CheckpointPathBusyError(
+                f"the collection of {self.where} lost its claim (it was renewed too late "
+                f"and dropped); run it again")
+        data, _ = encode_claim(COLLECTOR, owner, ttl_s)
+        self._root.write_bytes(name, data, sync=False)
+        self._collecting = data
 
     def end_collection(self) -> None:
-        self.release(COLLECTOR)
+        """Drop this collection's claim (not another collector's that replaced it)."""
+        data, self._collecting = self._collecting, None
+        if data is None:
+            return
+        name = _claim_name(COLLECTOR)
+        remove_if = getattr(self._root, "remove_if", None)
+        if remove_if is not None:
+            remove_if(name, data)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            if self._root.read(name) == data:
+                self.release(COLLECTOR)
 
     def clear_dead_collection(self, owner: str) -> bool:
         """Drop a collection claim of ``owner`` that its owner knows it is not running
         (a predecessor coordinator that died mid-collection): snapshots need not wait
-        for it to expire. Returns whether there was one."""
+        for it to be seen abandoned. Returns whether there was one."""
         claim = self._claims().get(COLLECTOR)
-        if claim is None or claim[0] != owner:
+        if claim is None or claim[0].owner != owner:
             return False
-        self.end_collection()
+        self.release(COLLECTOR)
         return True
 
 

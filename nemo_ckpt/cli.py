@@ -4,7 +4,8 @@
     nemo-ckpt verify PATH             every check a restore makes, without Ray
     nemo-ckpt diff A B                rollouts added, finished and advanced from A to B
     nemo-ckpt status                  the holders of a running job
-    nemo-ckpt gc ROOT [--dry-run]     remove sandbox blobs no committed snapshot references
+    nemo-ckpt gc ROOT [--dry-run] [--wait SECONDS]
+                                      remove sandbox blobs no committed snapshot references
 
 ``PATH`` is the checkpoint path handed to ``snapshot()``: the folder that holds
 ``environment/``. Expected failures (no snapshot, a damaged one, no cluster) print one
@@ -35,7 +36,7 @@ from nemo_ckpt.manifest import (
     rollouts_by_shard,
     shard_problems,
 )
-from nemo_ckpt.options import checkpoint_path, non_empty, positive_float
+from nemo_ckpt.options import checkpoint_path, non_empty, non_negative_float, positive_float
 from nemo_ckpt.phases import HolderInfo
 from nemo_ckpt.sandbox import diff_trees, tree_stats
 from nemo_ckpt.sandbox_storage import snapshot_directories, verify_directories
@@ -608,10 +609,17 @@ def _cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from nemo_ckpt.collection import collect_blobs
-    from nemo_ckpt.errors import NemoCkptError
+    from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError
 
     try:
-        report = collect_blobs(args.root, dry_run=args.dry_run)
+        report = collect_blobs(args.root, dry_run=args.dry_run, wait_s=args.wait)
+    except CheckpointPathBusyError as exc:
+        # Claims are judged on this host's clock only: one seen for the first time is
+        # live, so only watching tells a snapshot that died from one that runs.
+        hint = ("; run gc again later, or with --wait SECONDS to watch the claims that "
+                "long" if not args.wait else "")
+        print(f"{PROG} gc: {_one_line(exc)}{hint}", file=err)
+        return 1
     except NemoCkptError as exc:
         print(f"{PROG} gc: {_one_line(exc)}", file=err)
         return 1
@@ -685,14 +693,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gc", help="remove sandbox blobs no committed snapshot references",
                        description="Collect ROOT/blobs: remove every blob that no committed "
                                    "snapshot under ROOT references. Refused (exit 1) while a "
-                                   "snapshot is in progress there, or when a snapshot's "
-                                   "trees cannot be read (nothing is removed then). Safe "
-                                   "beside a running job: live sessions keep their files "
-                                   "in their node's cache.")
+                                   "snapshot is in progress there (or another collection "
+                                   "runs), or when a snapshot's trees cannot be read "
+                                   "(nothing is removed then). Safe beside a running job: "
+                                   "live sessions keep their files in their node's cache.")
     p.add_argument("root", metavar="ROOT", type=checkpoint_path,
                    help="the checkpoint root (CheckpointConfig.checkpoint_root)")
     p.add_argument("--dry-run", action="store_true",
                    help="count what would be removed; remove nothing")
+    p.add_argument("--wait", type=non_negative_float, default=0.0, metavar="SECONDS",
+                   help="while snapshots hold the store, watch their claims for up to this "
+                        "long and collect once they have committed, or once a claim is "
+                        "seen unchanged for its ttl (its job died); default 0: refuse at "
+                        "once")
     p.set_defaults(run=_cmd_gc)
     return parser
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotReadError
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.location import join_location
@@ -44,6 +45,7 @@ log = logging.getLogger("nemo_ckpt.collection")
 # failed to land, or a stall, must not let a removal run past the claim).
 _MARGIN_S = 5.0
 _MAX_DEPTH = 8  # how deep below the root snapshots are looked for
+_WAIT_POLL_S = 1.0  # how often a collection told to wait tries the store again
 
 
 @dataclass
@@ -118,26 +120,52 @@ def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None
 
 
 def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.0,
-                  dry_run: bool = False, clock: Callable[[], float] = time.time,
+                  dry_run: bool = False, clock: Callable[[], float] = time.monotonic,
                   cache: RefsCache | None = None,
-                  should_stop: Callable[[], bool] = lambda: False) -> CollectionReport:
+                  should_stop: Callable[[], bool] = lambda: False,
+                  watch: ClaimWatch | None = None, wait_s: float = 0.0,
+                  sleep: Callable[[float], None] = time.sleep) -> CollectionReport:
     """Collect the blob store under ``root`` (see the module docstring). Raises
     ``CheckpointPathBusyError`` while a snapshot holds the store or another collection
     runs, and a ``SnapshotReadError`` naming the snapshot whose references could not be
     read (nothing is removed then). ``should_stop`` is asked between steps: true (a
-    snapshot of this job began) ends the collection early, ``interrupted``."""
+    snapshot of this job began) ends the collection early, ``interrupted``.
+
+    Time is this process's own: ``clock`` is a monotonic clock (a fake one in tests),
+    on which the collection renews its claim and ``watch`` (by default a new one on
+    ``clock``) judges the others' claims. A claim seen for the first time is live, so a
+    busy store is retried, watching, for up to ``wait_s`` seconds (``sleep`` between
+    tries) before the refusal: long enough, a hold whose snapshot died is seen
+    abandoned."""
     where = join_location(root, BLOB_DIR)
     store = BlobStore(where, folder_at)
     report = CollectionReport(store=where, dry_run=dry_run)
     owner = owner or f"collector-{uuid.uuid4().hex[:8]}"
-    # A short claim, renewed as the work goes: one left by a collector that died blocks
-    # snapshots' writes for at most ttl_s.
-    until = store.begin_collection(owner, clock(), ttl_s)
+    watch = watch or ClaimWatch(clock)
+    give_up = clock() + wait_s
+    while True:
+        # A short claim, renewed as the work goes: one left by a collector that died
+        # blocks snapshots' writes for about ttl_s. It runs out ttl_s after the write, on
+        # this clock: read before the write, ``until`` errs early.
+        until = clock() + ttl_s
+        try:
+            store.begin_collection(owner, ttl_s, watch)
+            break
+        except CheckpointPathBusyError as exc:
+            left = give_up - clock()
+            if left <= 0:
+                if wait_s > 0:
+                    raise CheckpointPathBusyError(f"{exc}; gave up after waiting "
+                                                  f"{wait_s:g}s") from exc
+                raise
+            sleep(min(_WAIT_POLL_S, left))
 
     def keep_claim() -> None:
         nonlocal until
         if clock() > until - ttl_s / 2:
-            until = store.renew_collection(owner, clock(), ttl_s)
+            renewed = clock() + ttl_s
+            store.renew_collection(owner, ttl_s)
+            until = renewed
 
     try:
         referenced: set[bytes] = set()
@@ -184,13 +212,15 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
 
 
 def collect_quietly(root: str | Path, owner: str, cache: RefsCache,
-                    clock: Callable[[], float] = time.time,
-                    should_stop: Callable[[], bool] = lambda: False
-                    ) -> CollectionReport | None:
-    """``collect_blobs`` after a commit: a busy store or an unreadable snapshot skips it
-    (the next commit, or ``nemo-ckpt gc``, tries again), with a log line."""
+                    clock: Callable[[], float] = time.monotonic,
+                    should_stop: Callable[[], bool] = lambda: False,
+                    watch: ClaimWatch | None = None) -> CollectionReport | None:
+    """``collect_blobs`` after a commit, at once: a busy store or an unreadable snapshot
+    skips it (the next commit, or ``nemo-ckpt gc``, tries again), with a log line.
+    ``watch``: the caller's, kept across collections (see ``collect_blobs``)."""
     try:
-        return collect_blobs(root, owner, cache=cache, clock=clock, should_stop=should_stop)
+        return collect_blobs(root, owner, cache=cache, clock=clock, should_stop=should_stop,
+                             watch=watch)
     except (NemoCkptError, OSError) as exc:
         log.info("blob collection under %s skipped: %s", root, exc)
         return None

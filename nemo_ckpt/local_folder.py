@@ -182,6 +182,43 @@ class LocalFolder:
                 tmp.unlink(missing_ok=True)
             raise SnapshotWriteError(target, write_failure(target, exc)) from exc
 
+    def create_new(self, name: str, data: bytes) -> bool:
+        """Write ``name`` whole (not fsynced) unless it exists: whether it was created.
+        Exclusive, so of two callers one wins (a link fails on an existing name; a
+        bucket has no such write, so ``Folder`` does not promise it)."""
+        target = self._file(name)
+        tmp = self.path / f".{name}{TMP_MARK}{uuid.uuid4().hex}"
+        try:
+            tmp.write_bytes(data)
+            os.link(tmp, target)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise SnapshotWriteError(target, write_failure(target, exc)) from exc
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+    def remove_if(self, name: str, data: bytes) -> bool:
+        """Remove ``name`` if it holds exactly ``data``: whether it did. Exclusive, as
+        ``create_new``: the file is renamed away first, so a writer that replaced it
+        meanwhile keeps its own (put back by a link)."""
+        target = self._file(name)
+        aside = self.path / f".{name}{TMP_MARK}{uuid.uuid4().hex}"
+        try:
+            os.rename(target, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            if aside.read_bytes() == data:
+                return True
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, target)
+            return False
+        finally:
+            aside.unlink(missing_ok=True)
+
     def size(self, name: str) -> int:
         return self._file(name).stat().st_size
 

@@ -132,12 +132,12 @@ class BlobsWritten:
 
 
 def persist_blobs(store: BlobStore, cache: BlobCache, needed: Iterable[bytes],
-                  clock: Callable[[], float] = time.time,
+                  clock: Callable[[], float] = time.monotonic,
                   deadline: float | None = None) -> BlobsWritten:
     """Make every blob of ``needed`` durable in ``store``, copying from ``cache`` those it
     lacks. Call it with the store held by the snapshot (``BlobStore.hold``): it first
-    waits out a collection that began before the hold (``clock`` is the wall clock the
-    claims are written in)."""
+    waits out a collection that began before the hold, judged on ``clock``, this
+    process's monotonic clock (``deadline`` is on it; ``BlobStore.wait_for_collection``)."""
     store.wait_for_collection(clock=clock, deadline=deadline)
     written = BlobsWritten()
     for digest in sorted(store.missing(needed)):

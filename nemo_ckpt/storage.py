@@ -14,9 +14,10 @@ most its own length in memory. Each refusal has its own exception class (see
 
 Committed is final: a file the manifest at a path names is never removed by anything
 here until a newer manifest replaces it. Operations in progress hold a *claim* on the
-folder (``.claim-<operation>.json``: its owner and an expiry it renews), so that a
-commit's clean-up leaves another operation's files alone and a second job's snapshot
-into the same folder is refused instead of cleaned away.
+folder (``.claim-<operation>.json``: its owner, a ttl and a beat it renews, judged on
+the reader's own clock: ``nemo_ckpt.claims``), so that a commit's clean-up leaves
+another operation's files alone and a second job's snapshot into the same folder is
+refused instead of cleaned away.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import msgpack
 import xxhash
 from pydantic import ValidationError
 
+from nemo_ckpt.claims import Claim, ClaimWatch, decode_claim, encode_claim
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     CheckpointPathError,
@@ -334,16 +336,8 @@ def remove_unreferenced_files(directory: Folder | Path,
 # --- claims of operations in progress -----------------------------------------------
 
 CLAIM_PREFIX = ".claim-"
-
-
-@dataclass(frozen=True)
-class PathClaim:
-    """An operation in progress in a checkpoint folder: who runs it, and until when
-    (epoch seconds) the claim holds unless renewed."""
-
-    operation: str
-    owner: str
-    expires_at: float
+# An operation in progress in a checkpoint folder (``nemo_ckpt.claims``).
+PathClaim = Claim
 
 
 def _claim_name(operation_id: str) -> str:
@@ -358,40 +352,43 @@ def read_claims(directory: Folder | Path) -> list[PathClaim]:
         if not (name.startswith(CLAIM_PREFIX) and name.endswith(".json")):
             continue
         try:
-            data = load_json(folder.read(name))
-            claims.append(PathClaim(str(data["operation"]), str(data["owner"]),
-                                    float(data["expires_at"])))
+            claims.append(decode_claim(folder.read(name)))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return claims
 
 
-def live_claims(directory: Folder | Path, owner: str, now: float,
+def live_claims(directory: Folder | Path, owner: str, watch: ClaimWatch,
                 ours: Collection[str]) -> set[str]:
-    """The operations whose files must stay: claims of other owners that have not
-    expired, and ``ours`` (this owner's operations open now). A claim of this owner that
-    is not in ``ours`` was left by a predecessor that died: it protects nothing."""
-    return {c.operation for c in read_claims(directory)
-            if (c.owner != owner and c.expires_at > now) or c.operation in ours}
-
-
-def claim_path(directory: Folder | Path, operation_id: str, owner: str, now: float,
-               ttl_s: float) -> None:
-    """Claim ``directory`` for ``operation_id`` until ``now + ttl_s``; calling it again
-    renews the claim. Refuses with ``CheckpointPathBusyError`` while another owner's
-    claim holds (another job snapshots here). This owner's own operations need no
-    refusal: its holders run one at a time, and clean-up spares the ones open."""
+    """The operations whose files must stay: claims of other owners that ``watch`` has
+    not seen unchanged for their ttl, and ``ours`` (this owner's operations open now). A
+    claim of this owner that is not in ``ours`` was left by a predecessor that died: it
+    protects nothing."""
     folder = as_folder(directory)
-    for claim in read_claims(folder):
-        if claim.operation == operation_id or claim.expires_at <= now:
-            continue
-        if claim.owner != owner:
+    claims = read_claims(folder)
+    live = {c.operation for c in watch.live(folder.describe(), claims)}
+    return {c.operation for c in claims
+            if (c.owner != owner and c.operation in live) or c.operation in ours}
+
+
+def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: ClaimWatch,
+               ttl_s: float) -> None:
+    """Claim ``directory`` for ``operation_id`` for ``ttl_s`` seconds; calling it again
+    renews the claim. Refuses with ``CheckpointPathBusyError`` while another owner's
+    claim is live: one ``watch`` has not seen unchanged for its ttl (so a claim seen for
+    the first time refuses; keep one watch per job). This owner's own operations need
+    no refusal: its holders run one at a time, and clean-up spares the ones open."""
+    folder = as_folder(directory)
+    claims = [c for c in read_claims(folder) if c.operation != operation_id]
+    left = watch.observe(folder.describe(), claims)
+    for claim in claims:
+        if claim.owner != owner and left[claim.operation] > 0:
             raise CheckpointPathBusyError(
-                f"{folder.describe()} is in use by {claim.operation} of {claim.owner} (its "
-                f"claim holds for {claim.expires_at - now:.0f}s more): two jobs must not "
-                f"write snapshots into one checkpoint path; give each job its own path")
-    data = json.dumps({"operation": operation_id, "owner": owner,
-                       "expires_at": now + ttl_s}).encode()
+                f"{folder.describe()} is in use by {claim.operation} of {claim.owner}: two "
+                f"jobs must not write snapshots into one checkpoint path; give each job "
+                f"its own path (a claim whose job died is taken as abandoned once this "
+                f"job has seen it unchanged for {left[claim.operation]:.0f}s more)")
+    data, _ = encode_claim(operation_id, owner, ttl_s)
     folder.write_bytes(_claim_name(operation_id), data, sync=False)
 
 

@@ -17,10 +17,11 @@ import xxhash
 
 from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import SessionClient
+from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
 from nemo_ckpt.cli import main, run_status
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.manifest import shard_file_name
-from nemo_ckpt.storage import environment_dir, read_snapshot, write_shard
+from nemo_ckpt.storage import environment_dir, folder_at, read_snapshot, write_shard
 from nemo_ckpt.testing import StaticCut
 from tests.conftest import alive_node_ids
 from tests.test_storage import (
@@ -445,6 +446,28 @@ def test_diff_with_an_unreadable_side_is_one_line_on_stderr_and_exit_1(
         assert (code, out) == (1, "")
         assert len(err.splitlines()) == 1
         assert err.startswith("nemo-ckpt diff: error: ") and needle in err and str(root) in err
+
+
+# --- gc ---------------------------------------------------------------------------------
+
+
+def test_gc_refuses_a_held_store_at_once_and_with_wait_collects_once_the_hold_is_seen_dead(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = BlobStore(str(tmp_path / BLOB_DIR), folder_at)
+    stray = digest_of(b"nobody references this")
+    store.put(stray, b"nobody references this")
+    store.hold("snap-dead", "a-job-that-died", ttl_s=0.05)
+    assert main(["gc", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "in use by snapshot(s) ['snap-dead']" in err
+    assert "run gc again later, or with --wait SECONDS" in err
+    assert stray in store.digests()
+    assert main(["gc", str(tmp_path), "--wait", "10"]) == 0
+    assert "removed 1 unreferenced blob(s)" in capsys.readouterr().out
+    assert store.digests() == set()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gc", str(tmp_path), "--wait", "-1"])
+    assert exit_info.value.code == 2
 
 
 # --- the entry points ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from nemo_ckpt.errors import CheckpointPathError, UncheckedSnapshotError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import read_manifest, read_snapshot
-from tests.test_reliability import CONFIG, World, cut_of, files
+from tests.test_reliability import CONFIG, World, files
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,12 +107,13 @@ def test_a_relative_snapshot_or_restore_path_is_refused_at_the_call(
 def test_a_snapshot_or_restore_path_outside_the_root_is_refused_naming_both(
         world: World) -> None:
     root = world.path("root")
-    config = CheckpointConfig(**{**CONFIG.model_dump(), "checkpoint_root": root})
+    config = CheckpointConfig(**{**CONFIG.model_dump(), "checkpoint_root": root,
+                                 "namespace": "rooted-job"})
     ckpt = world.checkpoint(world.driver, config)
     outside = world.path("elsewhere")
 
     async def scenario() -> None:
-        live = await world.populate()
+        await ckpt.ensure_holders()
         with pytest.raises(CheckpointPathError,
                            match=f"{outside} is not below CheckpointConfig.checkpoint_root "
                                  f"{root}"):
@@ -123,10 +124,8 @@ def test_a_snapshot_or_restore_path_outside_the_root_is_refused_naming_both(
                 async with ckpt.restored(sneaky):
                     pass
         assert not outside.exists()
-        # Below the root, it works.
-        async with ckpt.snapshot(root / "step-1") as snap:
-            assert snap is not None
-            await snap.check_against_cut(cut_of(live))
+        async with ckpt.snapshot(root / "step-1"):  # below the root, it works
+            pass
         read_snapshot(root / "step-1")
 
     world.run(scenario())

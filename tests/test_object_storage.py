@@ -15,7 +15,10 @@ from typing import Any
 import obstore
 import pytest
 
+from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.errors import (
+    CheckpointPathBusyError,
     ShardCorruptedError,
     SnapshotNotFoundError,
     SnapshotWriteError,
@@ -23,11 +26,13 @@ from nemo_ckpt.errors import (
     UnsafeShardNameError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.location import join_location
 from nemo_ckpt.manifest import Manifest, encode_manifest, shard_file_name
 from nemo_ckpt.sessions import SessionRecord
 from nemo_ckpt.storage import (
     claim_path,
     environment_folder,
+    folder_at,
     live_claims,
     manifest_snapshot_id,
     read_manifest,
@@ -169,12 +174,12 @@ def test_a_newer_manifest_replaces_the_older_and_clean_up_spares_claimed_operati
         url: str) -> None:
     write_snapshot(url, {"holder-0": [session("holder-0", "a")]}, "snap-1")
     folder = environment_folder(url)
-    claim_path(folder, "snap-3", "job-b", now=100.0, ttl_s=60.0)
+    claim_path(folder, "snap-3", "job-b", ClaimWatch(), ttl_s=60.0)
     write_shard(folder, shard_file_name("snap-3", "holder-0"), "holder-0",
                 [session("holder-0", "c")])
     write_snapshot(url, {"holder-0": [session("holder-0", "b")]}, "snap-2")
     assert read_manifest(url).snapshot_id == "snap-2"
-    protect = live_claims(folder, "job-a", now=120.0, ours=())
+    protect = live_claims(folder, "job-a", ClaimWatch(), ours=())
     assert protect == {"snap-3"}
     removed = remove_unreferenced_files(folder, protect)
     assert removed == [shard_file_name("snap-1", "holder-0")]
@@ -184,6 +189,26 @@ def test_a_newer_manifest_replaces_the_older_and_clean_up_spares_claimed_operati
     assert remove_snapshot_files(folder, "snap-2") is True
     release_claim(folder, "snap-2")
     assert objects(url) == sorted([shard_file_name("snap-2", "holder-0"), "manifest.json"])
+
+
+def test_on_a_bucket_the_collection_claim_is_advisory_and_judged_on_the_readers_clock(
+        url: str) -> None:
+    # No exclusive create on a bucket: a collector refuses a claim it sees live, and
+    # takes one over once watched unchanged for its ttl (docs/DESIGN.md).
+    store = BlobStore(join_location(url, BLOB_DIR), folder_at)
+    now = [0.0]
+    watch = ClaimWatch(lambda: now[0])
+    store.hold("snap-1", "job-a", ttl_s=10)
+    with pytest.raises(CheckpointPathBusyError, match=r"in use by snapshot\(s\) \['snap-1'\]"):
+        store.begin_collection("gc-1", ttl_s=10, watch=watch)
+    now[0] += 10 * STALE_FACTOR + 1  # snap-1's job died: its hold never changed
+    store.begin_collection("gc-1", ttl_s=10, watch=watch)
+    other = BlobStore(join_location(url, BLOB_DIR), folder_at)
+    with pytest.raises(CheckpointPathBusyError, match="already being collected by gc-1"):
+        other.begin_collection("gc-2", ttl_s=10, watch=ClaimWatch())
+    store.end_collection()
+    store.release("snap-1")
+    assert folder_at(join_location(url, BLOB_DIR)).names() == []
 
 
 @pytest.fixture

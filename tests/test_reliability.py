@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
+from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -42,7 +43,6 @@ from nemo_ckpt.storage import (
     write_shard,
 )
 from nemo_ckpt.testing.data_plane import StaticCut
-from nemo_ckpt.testing.sim import EPOCH as EPOCH_OF_SIM
 from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 
@@ -551,14 +551,61 @@ def test_a_commit_refuses_a_path_another_job_claimed_while_its_claim_could_not_b
             failing.append(True)  # our renewals fail from here on, past the claim's ttl
             await asyncio.sleep(CONFIG.lease_s * 2 * 1.1)
             failing.clear()
-            # Another job, seeing a claim that was not renewed, took the path.
-            claim_path(environment_folder(path), "snapshot-other-1", "other-job",
-                       world.sim.loop.time() + EPOCH_OF_SIM, CONFIG.lease_s * 2)
+            # Another job, having watched our claim unchanged for its ttl, took the path.
+            watched = [0.0]
+            watch = ClaimWatch(clock=lambda: watched[0])
+            with pytest.raises(CheckpointPathBusyError):  # seen for the first time: live
+                claim_path(environment_folder(path), "snapshot-other-1", "other-job", watch,
+                           CONFIG.lease_s * 2)
+            watched[0] += CONFIG.lease_s * 2 * 2
+            claim_path(environment_folder(path), "snapshot-other-1", "other-job", watch,
+                       CONFIG.lease_s * 2)
 
         with pytest.raises(CheckpointPathBusyError, match="two jobs must not"):
             await world.snapshot(path, live, block)
         assert read_manifest(path).snapshot_id == first  # the previous snapshot stands
         assert set(world.states().values()) == {HolderState.RUNNING}
+
+
+@pytest.mark.parametrize("offset", [-86_400.0, 86_400.0], ids=["behind", "ahead"])
+def test_a_second_job_whose_clock_is_skewed_takes_over_a_path_only_from_a_job_that_died(
+        world: World, offset: float) -> None:
+    # Issue 23, case 1: the other job's clock, a day behind or ahead, decides nothing;
+    # only a claim it has watched unchanged for the claim's ttl, on its own clock, goes.
+    path = world.path("shared")
+    other_config = CheckpointConfig(**{**CONFIG.model_dump(), "namespace": "other-job"})
+    other_driver = world.sim.new_actor("driver", "other-driver", "node-0")
+    other = world.checkpoint(other_driver, other_config)
+    ttl = 2 * CONFIG.lease_s
+
+    async def scenario() -> None:
+        live = await world.populate()
+        await other.ensure_holders()
+        coordinators = {a.obj._owner.split("@")[0]: a for a in world.sim.live(COORDINATOR)}
+        coordinators["other-job"].clock_offset = offset
+
+        async def second_job() -> None:
+            await world.sim.spawn(other_driver, _snapshot_plain(other, path))
+
+        async def block() -> None:
+            for _ in range(3):  # renewed while it runs: refused, however long watched
+                with pytest.raises(CheckpointPathBusyError, match="two jobs must not"):
+                    await second_job()
+                await asyncio.sleep(ttl)
+            # The first job's coordinator dies mid-snapshot: its claim stays, unrenewed.
+            world.sim.kill(coordinators["job"])
+            with pytest.raises(CheckpointPathBusyError, match="two jobs must not"):
+                await second_job()
+            await asyncio.sleep(ttl * STALE_FACTOR - 2)
+            with pytest.raises(CheckpointPathBusyError, match="two jobs must not"):
+                await second_job()
+            await asyncio.sleep(3)
+            await second_job()
+
+        with pytest.raises(NemoCkptError):  # the first job's snapshot lost its coordinator
+            await world.snapshot(path, live, block)
+        loaded = read_snapshot(path)  # the other job's: its holders hold no session
+        assert loaded.manifest.instances and not any(loaded.sessions.values())
 
     world.run(scenario())
 

@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from nemo_ckpt.blobs import BlobCache, BlobStore, digest_of
+from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError, SandboxError
 from nemo_ckpt.sandbox import (
     DIR,
@@ -312,18 +313,19 @@ def test_the_blob_store_writes_only_what_it_lacks_and_refuses_a_damaged_blob(
 
 def test_collection_and_snapshots_exclude_each_other(tmp_path: Path) -> None:
     store = BlobStore(str(tmp_path / "blobs"), folder_at)
-    store.hold("snap-1", "job-a", now=100.0, ttl_s=60)
+    watch = ClaimWatch()
+    store.hold("snap-1", "job-a", ttl_s=60)
     with pytest.raises(CheckpointPathBusyError, match=r"in use by snapshot\(s\) \['snap-1'\]"):
-        store.begin_collection("gc", now=110.0, ttl_s=30)
-    assert store.collection_until(110.0) is None  # the refused collection left no claim
+        store.begin_collection("gc", ttl_s=30, watch=watch)
+    assert store.live_collection(watch) is None  # the refused collection left no claim
     store.release("snap-1")
-    until = store.begin_collection("gc", now=110.0, ttl_s=30)
-    assert store.collection_until(120.0) == until
+    store.begin_collection("gc", ttl_s=30, watch=watch)
+    assert store.live_collection(watch) is not None
     with pytest.raises(CheckpointPathBusyError, match="being collected"):
         store.wait_for_collection(clock=lambda: 120.0, sleep=lambda s: None, deadline=100.0)
     store.end_collection()
     store.wait_for_collection(clock=lambda: 120.0)  # returns at once
-    assert store.collection_until(200.0) is None
+    assert store.live_collection(watch) is None
 
 
 # --- a hostile sandbox: what its processes change while the scan reads it ---------------

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import threading
-import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.blobs import BlobStore, digest_of
+from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.cli import main, verify_snapshot
 from nemo_ckpt.collection import collect_blobs, committed_snapshots, snapshot_refs
 from nemo_ckpt.config import CheckpointConfig
@@ -449,9 +449,99 @@ def test_nemo_ckpt_gc_removes_unreferenced_blobs_and_says_what(job: Job, tmp_pat
     out = capsys.readouterr().out
     assert "1 committed snapshot(s)" in out and "removed 1 unreferenced blob(s) (22 B)" in out
     assert len(store.digests()) == kept
-    store.hold("snap-x", "other-job", now=time.time(), ttl_s=60)
+    store.hold("snap-x", "other-job", ttl_s=60)
     assert main(["gc", str(tmp_path / "ckpt")]) == 1
-    assert "in use by snapshot(s) ['snap-x']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "in use by snapshot(s) ['snap-x']" in err
+    assert "run gc again later, or with --wait SECONDS" in err
+
+
+def test_a_gc_whose_clock_is_far_ahead_removes_no_blob_a_running_snapshot_relies_on(
+        job: Job, tmp_path: Path, capsys: Any) -> None:
+    """Issue 23, case 1: the blobs of an unchanged sandbox were written by an older
+    snapshot that retention removed; the running snapshot found them present and wrote
+    no copy. A gc on a host whose clock runs 13 s ahead of the coordinator's (over two
+    leases) must not take the snapshot's hold as over."""
+    root = tmp_path / "ckpt"
+    old, new = root / "old", root / "new"
+
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        cut = StaticCut(live, set())
+        async with job.ckpt.snapshot(old) as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut)
+        await _coordinator(job).collection_done()
+        async with job.ckpt.snapshot(new) as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut)
+            while not any("-trees" in p.name for p in environment_dir(new).iterdir()):
+                await asyncio.sleep(0.1)  # the holders persisted: they found every blob
+            shutil.rmtree(old)  # retention drops the older snapshot
+            ahead = 2 * job.config.lease_s + 1
+            with pytest.raises(CheckpointPathBusyError, match=r"in use by snapshot\(s\)"):
+                collect_blobs(root, clock=lambda: EPOCH + job.sim.loop.time() + ahead)
+            assert main(["gc", str(root)]) == 1
+            assert "in use by snapshot(s)" in capsys.readouterr().err
+
+    job.run(scenario())
+    store = _store(tmp_path)
+    assert store.missing(snapshot_refs(str(new), store)) == set()
+    assert verify_snapshot(new).ok
+    assert main(["verify", str(new)]) == 0
+
+
+def test_gc_told_to_wait_collects_once_a_dead_snapshots_hold_is_seen_unchanged_for_its_ttl(
+        job: Job, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
+            assert snap is not None
+            await snap.check_against_cut(StaticCut(live, set()))
+        await _coordinator(job).collection_done()
+
+    job.run(scenario())
+    store = _store(tmp_path)
+    stray = digest_of(b"nobody references this")
+    store.put(stray, b"nobody references this")
+    store.hold("snap-dead", "a-job-that-died", ttl_s=60)
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    with pytest.raises(CheckpointPathBusyError, match="gave up after waiting 30s"):
+        collect_blobs(tmp_path / "ckpt", clock=lambda: now[0], sleep=sleep, wait_s=30)
+    assert stray in store.digests()
+    now[0] = 0.0
+    report = collect_blobs(tmp_path / "ckpt", clock=lambda: now[0], sleep=sleep, wait_s=100)
+    assert report.removed == 1 and stray not in store.digests()
+    assert 60 * STALE_FACTOR <= now[0] < 60 * STALE_FACTOR + 2
+
+
+def test_gc_told_to_wait_never_collects_under_a_hold_that_is_renewed(
+        job: Job, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
+            assert snap is not None
+            await snap.check_against_cut(StaticCut(live, set()))
+        await _coordinator(job).collection_done()
+
+    job.run(scenario())
+    store = _store(tmp_path)
+    stray = digest_of(b"nobody references this")
+    store.put(stray, b"nobody references this")
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:  # meanwhile the snapshot renews its hold
+        now[0] += seconds
+        store.hold("snap-live", "a-job-that-runs", ttl_s=10)
+
+    store.hold("snap-live", "a-job-that-runs", ttl_s=10)
+    with pytest.raises(CheckpointPathBusyError, match="snap-live"):
+        collect_blobs(tmp_path / "ckpt", clock=lambda: now[0], sleep=sleep, wait_s=300)
+    assert stray in store.digests()
 
 
 # --- the CLI ------------------------------------------------------------------------------
@@ -512,15 +602,14 @@ def test_a_collection_left_by_a_dead_coordinator_does_not_hold_up_the_next_snaps
         live, dirs = await _open_with_directories(job, rollouts=1)
         coordinator = _coordinator(job)
         store = _store(tmp_path)
-        now = EPOCH + job.sim.loop.time()
         # What a coordinator of this job that died mid-collection leaves behind.
-        store.begin_collection(coordinator._owner, now, ttl_s=3600)
+        store.begin_collection(coordinator._owner, ttl_s=3600, watch=ClaimWatch())
         started = job.sim.loop.time()
         async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
             assert snap is not None
             await snap.check_against_cut(StaticCut(live, set()))
         assert job.sim.loop.time() - started < 10  # not the claim's hour
-        assert store.collection_until(EPOCH + job.sim.loop.time()) is None
+        assert store.live_collection(ClaimWatch()) is None
         assert read_manifest(tmp_path / "ckpt" / "a").format_version == 4
 
     job.run(scenario())

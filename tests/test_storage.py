@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -12,6 +13,9 @@ import msgpack
 import pytest
 import xxhash
 
+from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.claims import LEGACY_TTL_S, STALE_FACTOR, ClaimWatch
+from nemo_ckpt.collection import collect_blobs
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     CheckpointPathError,
@@ -38,10 +42,12 @@ from nemo_ckpt.sessions import SessionRecord
 from nemo_ckpt.storage import (
     claim_path,
     environment_dir,
+    folder_at,
     live_claims,
     manifest_shard_files,
     manifest_snapshot_id,
     prepare_environment_dir,
+    read_claims,
     read_manifest,
     read_shard,
     read_shard_index,
@@ -90,6 +96,19 @@ def write_snapshot(root: Path, by_instance: dict[str, list[SessionRecord]],
     )
     write_manifest(directory, manifest)
     return manifest
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def tree(root: Path) -> dict[str, bytes]:
@@ -589,7 +608,7 @@ def test_an_abort_removes_its_own_files_and_nothing_else(tmp_path: Path) -> None
     committed = tree(tmp_path)
     write_shard(directory, shard_file_name("snap-2", "holder-0"), "holder-0",
                 [session("holder-0", "b")])
-    claim_path(directory, "snap-2", "job@cluster", now=100.0, ttl_s=60.0)
+    claim_path(directory, "snap-2", "job@cluster", ClaimWatch(), ttl_s=60.0)
     assert remove_snapshot_files(directory, "snap-2") is False
     assert tree(tmp_path) == committed
 
@@ -597,16 +616,61 @@ def test_an_abort_removes_its_own_files_and_nothing_else(tmp_path: Path) -> None
 def test_another_jobs_live_claim_refuses_a_snapshot_into_the_same_path(tmp_path: Path) -> None:
     # Case 11: two jobs snapshotting into one path are refused, not cleaned.
     directory = prepare_environment_dir(tmp_path)
-    claim_path(directory, "snap-a", "job-a@c1", now=100.0, ttl_s=60.0)
-    claim_path(directory, "snap-a", "job-a@c1", now=150.0, ttl_s=60.0)  # a renewal
+    job_a, job_b = ClaimWatch(FakeClock(1_000.0)), ClaimWatch(FakeClock(5.0))
+    claim_path(directory, "snap-a", "job-a@c1", job_a, ttl_s=60.0)
+    claim_path(directory, "snap-a", "job-a@c1", job_a, ttl_s=60.0)  # a renewal
     with pytest.raises(CheckpointPathBusyError, match="in use by snap-a of job-a@c1") as info:
-        claim_path(directory, "snap-b", "job-b@c2", now=200.0, ttl_s=60.0)
+        claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)
     assert not info.value.retriable
-    claim_path(directory, "snap-a2", "job-a@c1", now=200.0, ttl_s=60.0)  # its own job: fine
-    assert live_claims(directory, "job-b@c2", now=200.0, ours=()) == {"snap-a", "snap-a2"}
-    # Expired (its job died): no longer a claim.
-    claim_path(directory, "snap-b", "job-b@c2", now=400.0, ttl_s=60.0)
-    assert live_claims(directory, "job-b@c2", now=400.0, ours={"snap-b"}) == {"snap-b"}
+    claim_path(directory, "snap-a2", "job-a@c1", job_a, ttl_s=60.0)  # its own job: fine
+    assert live_claims(directory, "job-b@c2", job_b, ours=()) == {"snap-a", "snap-a2"}
+    # A claim of job-a's that job-a does not run now was left by its predecessor.
+    assert live_claims(directory, "job-a@c1", job_a, ours={"snap-a"}) == {"snap-a"}
+
+
+def test_a_claim_is_taken_over_only_once_watched_unchanged_for_its_ttl_whatever_the_wall_clocks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 23, case 1: another host's clock has any offset; only the reader's own
+    # monotonic clock, watching the claim's beat, decides.
+    directory = prepare_environment_dir(tmp_path)
+    job_a, clock_b = ClaimWatch(FakeClock(0.0)), FakeClock(0.0)
+    job_b = ClaimWatch(clock_b)
+    claim_path(directory, "snap-a", "job-a@c1", job_a, ttl_s=60.0)
+    real_time = time.time
+    for skew in (86_400.0, -86_400.0):  # the readers' wall clock a day ahead, a day behind
+        monkeypatch.setattr(time, "time", lambda skew=skew: real_time() + skew)
+        with pytest.raises(CheckpointPathBusyError, match="in use by snap-a of job-a@c1"):
+            claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)
+    clock_b.advance(60.0)
+    claim_path(directory, "snap-a", "job-a@c1", job_a, ttl_s=60.0)  # job-a renews: alive
+    clock_b.advance(60.0)
+    with pytest.raises(CheckpointPathBusyError, match="unchanged for 72s more"):
+        claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)  # seen anew
+    assert live_claims(directory, "job-b@c2", job_b, ours=()) == {"snap-a"}
+    clock_b.advance(60.0 * STALE_FACTOR - 1)  # job-a died: its beat stays
+    with pytest.raises(CheckpointPathBusyError, match="unchanged for 1s more"):
+        claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)
+    clock_b.advance(2.0)
+    assert live_claims(directory, "job-b@c2", job_b, ours=()) == set()
+    claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)
+    assert {c.operation for c in read_claims(directory)} == {"snap-a", "snap-b"}
+
+
+def test_a_claim_an_older_nemo_ckpt_wrote_is_judged_by_watching_not_by_its_expiry(
+        tmp_path: Path) -> None:
+    directory = prepare_environment_dir(tmp_path)
+    old = {"operation": "snap-old", "owner": "old-job@c0", "expires_at": 1.0}  # long past
+    (directory / ".claim-snap-old.json").write_text(json.dumps(old))
+    clock = FakeClock(0.0)
+    watch = ClaimWatch(clock)
+    with pytest.raises(CheckpointPathBusyError, match="in use by snap-old of old-job@c0"):
+        claim_path(directory, "snap-b", "job-b@c2", watch, ttl_s=60.0)
+    clock.advance(LEGACY_TTL_S * STALE_FACTOR - 1)
+    old["expires_at"] = 2.0  # its job renewed it
+    (directory / ".claim-snap-old.json").write_text(json.dumps(old))
+    assert live_claims(directory, "job-b@c2", watch, ours=()) == {"snap-old"}
+    clock.advance(LEGACY_TTL_S * STALE_FACTOR + 1)
+    claim_path(directory, "snap-b", "job-b@c2", watch, ttl_s=60.0)
 
 
 def test_a_shard_is_not_decoded_before_its_hash_matches(tmp_path: Path) -> None:
@@ -643,3 +707,69 @@ def test_a_crafted_shard_holding_a_rollout_twice_is_refused(tmp_path: Path) -> N
         read_snapshot(root)
     problems = shard_problems({"r": 0, "s": 0}, [("r", 0), ("r", 3)], name)
     assert any("twice" in p for p in problems) and any("lacks rollouts" in p for p in problems)
+
+
+# --- the blob store's claims, judged on the reader's clock (issue 23, case 1) ------------
+
+
+def _store_with_garbage(root: Path) -> BlobStore:
+    store = BlobStore(str(root / BLOB_DIR), folder_at)
+    store.put(digest_of(b"garbage"), b"garbage")
+    return store
+
+
+def test_a_holder_whose_clock_is_a_day_ahead_still_waits_for_a_running_collection(
+        tmp_path: Path) -> None:
+    store = _store_with_garbage(tmp_path)
+    collector = FakeClock(1_000.0)
+    holder = FakeClock(1_000.0 + 86_400.0)
+    waited: list[float] = []
+
+    def a_snapshot_relies_on_the_store_now() -> bool:
+        start = holder()
+        with pytest.raises(CheckpointPathBusyError, match="is being collected by gc-1"):
+            store.wait_for_collection(clock=holder, sleep=holder.advance, deadline=start + 5)
+        waited.append(holder() - start)
+        return True  # the collector stops for the snapshot
+
+    report = collect_blobs(tmp_path, owner="gc-1", clock=collector,
+                           should_stop=a_snapshot_relies_on_the_store_now)
+    assert report.interrupted and len(waited) == 1 and 5 <= waited[0] < 5.1
+    store.wait_for_collection(clock=holder, sleep=holder.advance)  # over: returns at once
+    assert store.missing([digest_of(b"garbage")]) == set()
+
+
+def test_a_holder_waits_out_a_dead_collectors_claim_for_its_ttl_on_its_own_clock(
+        tmp_path: Path) -> None:
+    store = _store_with_garbage(tmp_path)
+    # Left by a collector of an older nemo-ckpt that died: an expiry a year ahead.
+    claim = {"operation": "collector", "owner": "gc-old", "expires_at": time.time() + 3e7}
+    (tmp_path / BLOB_DIR / ".claim-collector.json").write_text(json.dumps(claim))
+    holder = FakeClock(0.0)
+    store.wait_for_collection(clock=holder, sleep=holder.advance, deadline=600.0)
+    assert LEGACY_TTL_S * STALE_FACTOR <= holder() < LEGACY_TTL_S * STALE_FACTOR + 0.1
+
+
+def test_two_collectors_never_both_run_and_a_dead_ones_claim_is_taken_over_after_its_ttl(
+        tmp_path: Path) -> None:
+    store_a = _store_with_garbage(tmp_path)
+    store_b = BlobStore(str(tmp_path / BLOB_DIR), folder_at)
+    clock_b = FakeClock(0.0)
+    watch_b = ClaimWatch(clock_b)
+    store_a.begin_collection("gc-a", ttl_s=30, watch=ClaimWatch())
+    with pytest.raises(CheckpointPathBusyError, match="already being collected by gc-a"):
+        store_b.begin_collection("gc-b", ttl_s=30, watch=watch_b)
+    clock_b.advance(30 * STALE_FACTOR - 1)  # gc-a stalls: its claim unchanged
+    with pytest.raises(CheckpointPathBusyError, match="already being collected by gc-a"):
+        store_b.begin_collection("gc-b", ttl_s=30, watch=watch_b)
+    clock_b.advance(2)
+    store_b.begin_collection("gc-b", ttl_s=30, watch=watch_b)
+    # gc-a wakes up: its claim is gone, so it stops, and leaves gc-b's claim alone.
+    with pytest.raises(CheckpointPathBusyError, match="lost its claim"):
+        store_a.renew_collection("gc-a", ttl_s=30)
+    store_a.end_collection()
+    live = store_b.live_collection(ClaimWatch())
+    assert live is not None and live.owner == "gc-b"
+    store_b.end_collection()
+    assert store_b.live_collection(ClaimWatch()) is None
+    assert [n for n in os.listdir(tmp_path / BLOB_DIR) if n.startswith(".")] == []
