@@ -106,6 +106,7 @@ class Plan:
     catch_mismatch: bool
     raise_in_restore: bool
     sandboxes: bool
+    clock_skew_s: float
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -135,6 +136,7 @@ class Plan:
             raise_in_restore=rng.random() < 0.15,
             # Its own draw: the plans of every other seed stay as they were.
             sandboxes=random.Random(f"sandboxes-{seed}").random() < 0.2,
+            clock_skew_s=random.Random(f"skew-{seed}").choice([0.0, 60.0, 3 * 3600.0]),
         )
 
 
@@ -235,6 +237,10 @@ class Schedule:
         self.seed = seed
         self.plan = Plan.make(seed)
         self.world = SimWorld(seed, self.plan.nodes)
+        # Every process's clocks: a steady offset (hours either way), a rate within 10%.
+        self.world.clock_skew_s = self.plan.clock_skew_s
+        self.world.clock_rate = 0.1
+        self.world.call_deadline_s = CONFIG.persist_timeout_s
         self.root = root
         self.sandbox_root = root / "sandboxes" if self.plan.sandboxes else None
         self.config = CONFIG if self.sandbox_root is None else CONFIG.model_copy(
