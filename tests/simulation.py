@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import multiprocessing
@@ -48,7 +49,9 @@ from nemo_ckpt.errors import (
     SnapshotMismatchError,
     is_retriable,
 )
+from nemo_ckpt.errors import SnapshotWriteError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.local_folder import LocalFolder, write_failure
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
 from nemo_ckpt.sandbox_storage import verify_directories
@@ -107,6 +110,10 @@ class Plan:
     raise_in_restore: bool
     sandboxes: bool
     clock_skew_s: float
+    disk_after: float  # chance a write or removal raises after it happened
+    disk_read_fail: float  # chance a read raises EIO
+    enospc: list[tuple[float, float]]  # (from, seconds): every write finds the disk full
+    long_save: bool  # RL's own save inside the block outlasts a lease
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -137,7 +144,74 @@ class Plan:
             # Its own draw: the plans of every other seed stay as they were.
             sandboxes=random.Random(f"sandboxes-{seed}").random() < 0.2,
             clock_skew_s=random.Random(f"skew-{seed}").choice([0.0, 60.0, 3 * 3600.0]),
+            **_world_plan(seed),
         )
+
+
+def _world_plan(seed: int) -> dict[str, Any]:
+    """The faults of the world outside the protocol's model (issue 23), drawn apart so
+    that every other draw of a seed stays as it was."""
+    rng = random.Random(f"world-{seed}")
+    enospc = []
+    if rng.random() < 0.2:
+        enospc.append((round(rng.uniform(0.5, 9.0), 3), round(rng.uniform(2.0, 9.0), 3)))
+    return dict(
+        disk_after=rng.choice([0.0, 0.0, 0.0, 0.05]),
+        disk_read_fail=rng.choice([0.0, 0.0, 0.0, 0.0, 0.02]),
+        enospc=enospc,
+        long_save=rng.random() < 0.15,
+    )
+
+
+# --- disk faults at every Folder call -------------------------------------------------
+
+
+class DiskFaults:
+    """Faults at every ``Folder`` call an actor makes in a blocking call (every folder
+    here is a ``LocalFolder``, so its methods are wrapped, once per process): writes
+    (shards, manifests, path claims, blob-store holds and collection claims, blobs) and
+    removals that raise after they happened (the file is in place, or gone), reads that
+    raise EIO, and windows of virtual time in which every write finds the disk full.
+    Errors are raised as the folder raises them (``SnapshotWriteError``, ``OSError``)."""
+
+    active: Schedule | None = None
+    _installed = False
+
+    @classmethod
+    def install(cls, schedule: Schedule) -> None:
+        cls.active = schedule
+        if cls._installed:
+            return
+        cls._installed = True
+        for method, kind in (("prepare", "write"), ("write_stream", "write"),
+                             ("write_bytes", "write"), ("remove", "remove"),
+                             ("read", "read"), ("names", "read")):
+            setattr(LocalFolder, method, cls._wrap(getattr(LocalFolder, method), kind))
+
+    @classmethod
+    def _wrap(cls, original: Any, kind: str) -> Any:
+        def faulty(folder: LocalFolder, *args: Any, **kwargs: Any) -> Any:
+            schedule = cls.active
+            if schedule is None or schedule.world.running is None:
+                return original(folder, *args, **kwargs)  # the checkers' own calls
+            target = folder.describe(args[0] if args and isinstance(args[0], str) else "")
+            fault = schedule.disk_fault(kind, target)
+            if fault == "enospc":
+                raise SnapshotWriteError(target, write_failure(
+                    target, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+            if fault == "eio":
+                raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected): {target}")
+            result = original(folder, *args, **kwargs)
+            if fault == "after":
+                error = OSError(errno.EIO, f"{os.strerror(errno.EIO)} after the fsync and "
+                                           f"the rename (injected)")
+                if kind == "write":
+                    raise SnapshotWriteError(target, write_failure(target, error))
+                raise error
+            return result
+
+        faulty.__name__ = original.__name__
+        return faulty
 
 
 # --- RL's side: ledger, staging rows, barrier, saves ------------------------------------
@@ -271,6 +345,8 @@ class Schedule:
         self.end_in_flight: dict[tuple[int, str], int] = defaultdict(int)
         self.turn_aborts_in_flight: dict[str, int] = defaultdict(int)  # by turn token
         self._install_io_faults()
+        self.enospc_hit: set[int] = set()  # windows that refused a write
+        DiskFaults.install(self)
         self.world.on_send = self._on_send
         self.world.on_deliver = self._on_deliver
         self.world.after_io = self._after_io
@@ -376,6 +452,37 @@ class Schedule:
 
         self.world.io_faults = decide
         self.world.io_cost = cost
+
+    def disk_fault(self, kind: str, target: str) -> str | None:
+        """What the disk does to this ``kind`` of call on ``target`` now (``DiskFaults``)."""
+        plan, now = self.plan, self.now()
+        if kind == "write":
+            for k, (start, seconds) in enumerate(plan.enospc):
+                if start <= now <= start + seconds:
+                    if k not in self.enospc_hit:
+                        self.enospc_hit.add(k)
+                        self.faults += 1
+                        self.log(f"fault: the disk is full from {start:.1f}s for "
+                                 f"{seconds:.1f}s")
+                    return "enospc"
+        if kind in ("write", "remove") and plan.disk_after and \
+                self.rng.random() < plan.disk_after:
+            self.faults += 1
+            self.log(f"fault: a {kind} of {Path(target).name} raises after it happened")
+            return "after"
+        if kind == "read" and plan.disk_read_fail and self.rng.random() < plan.disk_read_fail:
+            self.faults += 1
+            self.log(f"fault: a read of {Path(target).name} raises EIO")
+            return "eio"
+        return None
+
+    def _full_disk_during(self, record: OpRecord) -> tuple[float, float] | None:
+        """A window of full disk within ``record``'s life that ended before its end."""
+        end = record.end if record.end is not None else self.now()
+        for k, (start, seconds) in enumerate(self.plan.enospc):
+            if k in self.enospc_hit and record.start <= start + seconds <= end:
+                return start, seconds
+        return None
 
     def killed_since(self, start: float, kinds: Iterable[str]) -> bool:
         kinds = set(kinds)
@@ -486,7 +593,9 @@ class Schedule:
                                     if not (self.plan.catch_mismatch and bad):
                                         raise
                             saved = self.rl.state(record.op_id or "?")
-                    await asyncio.sleep(self.rng.uniform(0.0, 1.5))  # RL saves its half
+                    await asyncio.sleep(  # RL saves its half
+                        CONFIG.lease_s * self.rng.uniform(1.2, 2.0) if self.plan.long_save
+                        else self.rng.uniform(0.0, 1.5))
             record.outcome = "committed"
             if saved is not None:
                 self.rl.saves[path] = saved
@@ -859,7 +968,15 @@ class Schedule:
             self.violate(f"{record.op_id} failed ({type(exc).__name__}) but left {paused} "
                          f"paused for it")
         if isinstance(exc, LeaseExpiredError) and not self._stalled(record):
-            self.violate(f"{record.op_id} lost its lease although nothing stalled its renewals")
+            full = self._full_disk_during(record)
+            if full is not None:
+                self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
+                             f"driver renewed on time: the disk was full from "
+                             f"{full[0]:.1f}s for {full[1]:.1f}s, and recovered before the "
+                             f"commit")
+            else:
+                self.violate(f"{record.op_id} lost its lease although nothing stalled its "
+                             f"renewals")
 
     def _stalled(self, record: OpRecord) -> bool:
         """Whether a fault could have stopped the lease renewals of ``record``."""
