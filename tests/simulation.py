@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -41,22 +42,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_ckpt.blobs import BlobCache
+from nemo_ckpt.collection import collect_blobs, committed_snapshots
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     LeaseExpiredError,
     NemoCkptError,
     SnapshotMismatchError,
+    SnapshotWriteError,
     is_retriable,
 )
-from nemo_ckpt.errors import SnapshotWriteError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.local_folder import LocalFolder, write_failure
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
 from nemo_ckpt.sandbox_storage import verify_directories
 from nemo_ckpt.sessions import SessionClient, SessionRecord
-from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot
+from nemo_ckpt.storage import (
+    claim_path,
+    environment_dir,
+    read_claims,
+    read_manifest,
+    read_snapshot,
+    release_claim,
+)
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import COORDINATOR, HOLDER
@@ -114,6 +124,12 @@ class Plan:
     disk_read_fail: float  # chance a read raises EIO
     enospc: list[tuple[float, float]]  # (from, seconds): every write finds the disk full
     long_save: bool  # RL's own save inside the block outlasts a lease
+    gc_every: float  # a gc process collects the store every ~this many seconds (0: none)
+    retention: list[float]  # when a user's script removes the oldest committed snapshot
+    second_job: list[float]  # when another job claims a path of this one
+    hostile: float  # chance a file being scanned is swapped by the sandbox's own process
+    sparse: bool  # a turn makes a sparse file
+    damage: str | None  # a copy of a committed manifest, damaged: "huge" or "nested"
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -160,6 +176,14 @@ def _world_plan(seed: int) -> dict[str, Any]:
         disk_read_fail=rng.choice([0.0, 0.0, 0.0, 0.0, 0.02]),
         enospc=enospc,
         long_save=rng.random() < 0.15,
+        gc_every=rng.choice([0.0, 0.0, 1.0, 2.5]),
+        retention=sorted(round(rng.uniform(1.0, 9.0), 3)
+                         for _ in range(rng.choice([0, 0, 1, 2]))),
+        second_job=sorted(round(rng.uniform(0.5, 9.0), 3)
+                          for _ in range(rng.choice([0, 0, 0, 1]))),
+        hostile=rng.choice([0.0, 0.0, 0.0, 0.1]),
+        sparse=rng.random() < 0.05,
+        damage=rng.choice([None] * 20 + ["huge", "nested"]),
     )
 
 
@@ -212,6 +236,38 @@ class DiskFaults:
 
         faulty.__name__ = original.__name__
         return faulty
+
+
+# --- a hostile process inside a sandbox -----------------------------------------------
+
+SECRET = b"the-secret-outside-every-sandbox"
+SPARSE_BYTES = 32 << 20
+
+
+class HostileSandbox:
+    """The process inside a sandbox (model-generated code), acting just before the node
+    cache reads a file the scan found: it swaps the file for a symlink to a secret file
+    outside every sandbox, for a FIFO, or changes it. ``BlobCache.store_file`` is what the
+    scan calls for each file it reads, so it is wrapped (once per process) here alone."""
+
+    active: Schedule | None = None
+    _installed = False
+
+    @classmethod
+    def install(cls, schedule: Schedule) -> None:
+        cls.active = schedule
+        if cls._installed:
+            return
+        cls._installed = True
+        original = BlobCache.store_file
+
+        def store_file(cache: BlobCache, source: Any, *args: Any, **kwargs: Any) -> Any:
+            schedule = cls.active
+            if schedule is not None and schedule.plan.hostile:
+                schedule.swap(os.fsdecode(source))
+            return original(cache, source, *args, **kwargs)
+
+        BlobCache.store_file = store_file  # type: ignore[method-assign]
 
 
 # --- RL's side: ledger, staging rows, barrier, saves ------------------------------------
@@ -347,6 +403,12 @@ class Schedule:
         self._install_io_faults()
         self.enospc_hit: set[int] = set()  # windows that refused a write
         DiskFaults.install(self)
+        HostileSandbox.install(self)
+        self.blocked: list[str] = []  # blocking calls the guard found waiting
+        self.world.on_blocked = self._on_blocked
+        self.secret = root / "secret.txt"
+        self.secret.write_bytes(SECRET + f"-{seed}".encode())
+        self.retired: set[str] = set()  # paths a user's retention script removed
         self.world.on_send = self._on_send
         self.world.on_deliver = self._on_deliver
         self.world.after_io = self._after_io
@@ -527,8 +589,11 @@ class Schedule:
         monitor = asyncio.ensure_future(self._monitor())
         seconds = [asyncio.ensure_future(self._second_driver(t, k))
                    for k, t in enumerate(self.plan.second_driver)]
+        outside = [asyncio.ensure_future(c) for c in self._outside_actors()]
         await self._drive()
         injector.cancel()
+        for task in outside:
+            task.cancel()
         for task in seconds:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(task, CONFIG.lease_s * 3)
@@ -647,6 +712,119 @@ class Schedule:
             driver, str(self.root / "C"), checked=False))
         with contextlib.suppress(BaseException):
             await task
+
+    # --- outside actors: gc from another host, retention, a second job ---------------------
+
+    def _outside_actors(self) -> list[Any]:
+        plan, out = self.plan, []
+        if self.sandbox_root is not None:
+            if plan.gc_every:
+                out.append(self._gc_process())
+            out += [self._retention(at) for at in plan.retention]
+        out += [self._second_job(at, k) for k, at in enumerate(plan.second_job)]
+        return out
+
+    async def _gc_process(self) -> None:
+        """``nemo-ckpt gc ROOT`` run now and then from another host (its own clocks)."""
+        actor = self.world.new_actor("gc", "gc", "gc-host")
+        actor.alive = True  # a host outside the Ray cluster
+        runtime = self.world.runtime(actor)
+        while True:
+            await asyncio.sleep(self.plan.gc_every * self.rng.uniform(0.5, 1.5))
+            self.faults += 1
+            self.log(f"gc from another host (its clock {actor.wall_offset:+.0f}s)")
+            try:
+                report = await runtime.run_blocking(
+                    collect_blobs, str(self.root), "gc-cli", 30.0, False, runtime.clock.wall)
+            except (NemoCkptError, OSError) as exc:
+                self.log(f"gc: {type(exc).__name__}: {_short(exc)}")
+            else:
+                self.log(f"gc removed {report.removed} blobs")
+
+    async def _retention(self, at: float) -> None:
+        """A user's retention script removes the oldest committed snapshot folder that no
+        operation of this job writes now (rm -rf), then collects."""
+        await asyncio.sleep(at)
+        running = {r.path for r in self.ops if r.end is None}
+        for path in sorted(self.committed, key=lambda p: self.committed[p] and
+                           self.committed[p][-1] or ""):
+            if path in running or not self.committed[path] or \
+                    not (environment_dir(path) / "manifest.json").exists():
+                continue
+            self.faults += 1
+            self.log(f"retention removes {Path(path).name} ({self.committed[path][-1]})")
+            shutil.rmtree(path, ignore_errors=True)
+            self.retired.add(path)
+            self.committed.pop(path)
+            self.rl.saves.pop(path, None)
+            return
+
+    async def _second_job(self, at: float, k: int) -> None:
+        """Another job (another owner, its own clocks) claims a path this job writes."""
+        await asyncio.sleep(at)
+        actor = self.world.new_actor("job2", f"job2-{k}", "job2-host")
+        actor.alive = True  # a host outside the Ray cluster
+        runtime = self.world.runtime(actor)
+        path = self.root / self.rng.choice(["A", "B"])
+        folder = environment_dir(path)
+        op_id = f"job2-op-{k}"
+        self.faults += 1
+        try:
+            await runtime.run_blocking(folder.mkdir, 0o777, True, True)
+            await runtime.run_blocking(claim_path, folder, op_id, "job-2",
+                                       runtime.clock.wall(), CONFIG.lease_s * 2)
+        except NemoCkptError as exc:
+            self.log(f"job 2's claim of {path.name} refused: {_short(exc)}")
+            return
+        # This job's claims there that its coordinator wrote within their time to live,
+        # by true time: live, whatever either clock says.
+        now = self.now()
+        fresh = {args[1] for t, _, name, args, _ in self.world.io_log
+                 if name == "claim_path" and len(args) > 1 and now - t < CONFIG.lease_s * 2}
+        running = {r.op_id for r in self.ops if r.end is None and r.op_id}
+        ours = [c.operation for c in read_claims(folder)
+                if c.operation in running and c.operation in fresh]
+        if ours:
+            self.violate(f"a second job claimed {path.name} while {ours[0]} of this job "
+                         f"held it: two jobs write one checkpoint path (their clocks differ "
+                         f"by {actor.wall_offset - self._coordinator_offset():+.0f}s)")
+        self.log(f"job 2 holds {path.name}")
+        with contextlib.suppress(Exception):
+            await asyncio.sleep(CONFIG.lease_s)
+            await runtime.run_blocking(release_claim, folder, op_id)
+
+    def _coordinator_offset(self) -> float:
+        live = self.world.live(COORDINATOR)
+        return live[0].wall_offset if live else 0.0
+
+    def swap(self, source: str) -> None:
+        """The sandbox's own process acts on ``source`` as the scan is about to read it
+        (``HostileSandbox``); never on ``state``, which the turns check."""
+        path = Path(source)
+        if path.name == "state" or self.rng.random() >= self.plan.hostile:
+            return
+        kind = self.rng.choice(["link", "link", "fifo", "change"])
+        self.faults += 1
+        self.log(f"fault: the sandbox's process swaps {path.name} for a {kind}")
+        with contextlib.suppress(OSError):
+            if kind == "change":
+                with open(path, "ab") as f:
+                    f.write(b"changed while read")
+                return
+            path.unlink()
+            if kind == "link":
+                path.symlink_to(self.secret)
+            else:
+                os.mkfifo(path)
+                self.world.fifos.append(source)
+
+    def _check_world(self) -> None:
+        _check_world_of(self)
+
+    def _on_blocked(self, actor: SimActor, name: str, where: str) -> None:
+        """From the guard's thread: a blocking call has not returned."""
+        self.blocked.append(f"a call waits past its deadline: {name} of {actor.name} "
+                            f"blocked in {where}")
 
     # --- crash and restore -------------------------------------------------------------------
 
@@ -837,6 +1015,11 @@ class Schedule:
             self.violate(f"the directory of {ep.capture_key} holds state {found!r} at turn "
                          f"{t}, its session {before!r}")
         (directory / f"t{t}").write_bytes(b"x" * (t + 1))
+        if self.plan.sparse and t == 1 and not (directory / "sparse").exists():
+            self.faults += 1
+            self.log(f"a turn of {ep.capture_key} makes a sparse file")
+            with open(directory / "sparse", "wb") as f:
+                f.truncate(SPARSE_BYTES)
         (directory / "state").write_bytes(after)
         with contextlib.suppress(FileNotFoundError):
             (directory / f"t{t - 2}").unlink()
@@ -1113,6 +1296,9 @@ class Schedule:
 
     async def _check_final(self) -> None:
         """Past every lease and turn deadline."""
+        for message in self.blocked:
+            self.violate(message)
+        self._check_world()
         for info in await self.holder_infos():
             if info.state is not HolderState.RUNNING:
                 self.violate(f"{info.instance_id} is {info.state.value} for "
@@ -1167,6 +1353,85 @@ class Schedule:
                     data.snapshot_id
                 if sid in self.failed_checks:
                     self.violate(f"a manifest was written for {sid}, whose check failed")
+
+
+def _check_world_of(schedule: Schedule) -> None:
+    """The invariants of the world outside the protocol (issue 23): every committed
+    snapshot's blobs are there; nothing outside a sandbox was read into one; a sandbox's
+    sparse file is not stored densely; a damaged manifest is refused with the project's
+    error."""
+    root = schedule.root
+    if schedule.sandbox_root is not None:
+        for path in committed_snapshots(root):
+            try:
+                manifest = read_manifest(path)
+            except Exception:
+                continue  # reported by the checks of each path
+            for problem in verify_directories(path, manifest)[:1]:
+                schedule.violate(f"committed snapshot {manifest.snapshot_id} at "
+                                 f"{Path(path).name} references a blob that is missing or "
+                                 f"damaged: {problem}")
+        secret = schedule.secret.read_bytes()
+        for holder in schedule.world.actors:
+            boxes = getattr(holder.obj, "_sandboxes", None)
+            cache = getattr(boxes, "_cache", None)
+            if cache is not None and any(secret in b for b in cache._memory.values()):
+                schedule.violate(f"the secret file outside every sandbox was read into "
+                                 f"the node cache of {holder.name} (memory)")
+        for where, _, files in os.walk(root):
+            for name in files:
+                path = Path(where) / name
+                if path == schedule.secret:
+                    continue
+                try:
+                    info = path.lstat()
+                    if not stat.S_ISREG(info.st_mode):
+                        continue
+                    if info.st_size >= SPARSE_BYTES // 2 and \
+                            info.st_blocks * 512 >= SPARSE_BYTES // 2:
+                        schedule.violate(f"a sparse file made in a turn ({SPARSE_BYTES >> 20} "
+                                         f"MiB apparent, no blocks) was copied densely: "
+                                         f"{path.relative_to(root)} takes "
+                                         f"{info.st_blocks * 512 >> 20} MiB")
+                    if info.st_size < 4096 and secret in path.read_bytes():
+                        schedule.violate(f"the secret file outside every sandbox was read "
+                                         f"into one: {path.relative_to(root)} holds it")
+                except OSError:
+                    continue
+    if schedule.plan.damage is not None:
+        _check_damaged_manifest(schedule)
+
+
+def _check_damaged_manifest(schedule: Schedule) -> None:
+    """A copy of a committed snapshot whose manifest is damaged (a shard length of 1e15,
+    or nesting thousands deep) is refused with a nemo-ckpt error, not a traceback."""
+    committed = [p for p in committed_snapshots(schedule.root)]
+    if not committed:
+        return
+    copy = schedule.root / "damaged"
+    shutil.copytree(environment_dir(committed[0]), environment_dir(copy))
+    manifest = environment_dir(copy) / "manifest.json"
+    kind = schedule.plan.damage
+    if kind == "huge":
+        data = json.loads(manifest.read_bytes())
+        if not data.get("shards"):
+            return
+        data["shards"][0]["bytes"] = 10**15
+        manifest.write_text(json.dumps(data))
+    else:
+        manifest.write_text("[" * 100_000 + "]" * 100_000)
+    schedule.faults += 1
+    try:
+        read_snapshot(str(copy))
+    except NemoCkptError:
+        pass
+    except BaseException as exc:
+        what = "a shard length of 1e15" if kind == "huge" else "nested 100,000 deep"
+        schedule.violate(f"a damaged manifest ({what}) made read_snapshot raise "
+                         f"{type(exc).__name__}, not a nemo-ckpt error")
+    else:
+        schedule.violate(f"a damaged manifest ({kind}) was read as a snapshot")
+    shutil.rmtree(copy, ignore_errors=True)
 
 
 # Which reviewed case (issue 11) a violation shows, by its wording.
