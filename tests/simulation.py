@@ -336,6 +336,7 @@ class OpRecord:
     start: float
     op_id: str | None = None
     begun: float | None = None  # when the driver's snapshot began (holders captured)
+    body_end: float | None = None  # when the caller's block ended (RL saved its half)
     end: float | None = None
     outcome: str = "running"
     check_failed: bool = False
@@ -410,6 +411,7 @@ class Schedule:
         self.secret.write_bytes(SECRET + f"-{seed}".encode())
         self.retired: set[str] = set()  # paths a user's retention script removed
         self.path_claimed_by_job2: dict[str, float] = {}  # path -> when
+        self.dense_reported: set[Path] = set()
         self.world.on_send = self._on_send
         self.world.on_deliver = self._on_deliver
         self.world.after_io = self._after_io
@@ -662,6 +664,7 @@ class Schedule:
                     await asyncio.sleep(  # RL saves its half
                         CONFIG.lease_s * self.rng.uniform(1.2, 2.0) if self.plan.long_save
                         else self.rng.uniform(0.0, 1.5))
+                    record.body_end = self.now()
             record.outcome = "committed"
             if saved is not None:
                 self.rl.saves[path] = saved
@@ -679,6 +682,23 @@ class Schedule:
         finally:
             record.end = self.now()
             driver.record = None
+            self._check_deadlines(record)
+
+    def _check_deadlines(self, record: OpRecord) -> None:
+        """A snapshot's entry and its commit return within their configured deadlines
+        (with a margin of a lease: messages, retries, a slow link)."""
+        cfg = self.config
+        entry = cfg.drain_timeout_s + 3 * cfg.phase_timeout_s + cfg.lease_s
+        if record.begun is not None and record.begun - record.start > entry:
+            self.violate(f"a call waits past its deadline: the snapshot {record.op_id} took "
+                         f"{record.begun - record.start:.1f}s to begin (drain and phase "
+                         f"deadlines: {entry - cfg.lease_s:g}s)")
+        commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + cfg.lease_s
+        if record.body_end is not None and record.end is not None and \
+                record.end - record.body_end > commit:
+            self.violate(f"a call waits past its deadline: the commit of {record.op_id} took "
+                         f"{record.end - record.body_end:.1f}s after its block ended (persist "
+                         f"and phase deadlines: {commit - cfg.lease_s:g}s)")
 
     @contextlib.asynccontextmanager
     async def _maybe_lock(self, take: bool) -> AsyncIterator[None]:
@@ -1129,6 +1149,8 @@ class Schedule:
                          f"names {named}")
         if record.check_failed:
             self.violate(f"{record.op_id} committed although its check against the cut failed")
+        if self.plan.sparse and self.sandbox_root is not None:
+            _check_dense(self)
 
     def _captured_later(self, record: OpRecord) -> set[str | None]:
         """The snapshots into the same path that captured after ``record`` did: a
@@ -1393,19 +1415,34 @@ def _check_world_of(schedule: Schedule) -> None:
                     info = path.lstat()
                     if not stat.S_ISREG(info.st_mode):
                         continue
-                    if info.st_size >= SPARSE_BYTES // 2 and \
-                            info.st_blocks * 512 >= SPARSE_BYTES // 2:
-                        schedule.violate(f"a sparse file made in a turn ({SPARSE_BYTES >> 20} "
-                                         f"MiB apparent, no blocks) was copied densely: "
-                                         f"{path.relative_to(root)} takes "
-                                         f"{info.st_blocks * 512 >> 20} MiB")
                     if info.st_size < 4096 and secret in path.read_bytes():
                         schedule.violate(f"the secret file outside every sandbox was read "
                                          f"into one: {path.relative_to(root)} holds it")
                 except OSError:
                     continue
+    if schedule.plan.sparse:
+        _check_dense(schedule)
     if schedule.plan.damage is not None:
         _check_damaged_manifest(schedule)
+
+
+def _check_dense(schedule: Schedule) -> None:
+    """No copy of a sandbox's sparse file (in the node caches, the blob store or a
+    restored directory) takes its apparent size: the holes stay holes. Checked after
+    each commit too (retention and the caches' sweep may remove them later)."""
+    root, reported = schedule.root, schedule.dense_reported
+    for where, _, files in os.walk(root):
+        for name in files:
+            path = Path(where) / name
+            with contextlib.suppress(OSError):
+                info = path.lstat()
+                if stat.S_ISREG(info.st_mode) and info.st_size >= SPARSE_BYTES // 2 and \
+                        info.st_blocks * 512 >= SPARSE_BYTES // 2 and path not in reported:
+                    reported.add(path)
+                    schedule.violate(f"a sparse file made in a turn ({SPARSE_BYTES >> 20} MiB "
+                                     f"apparent, no blocks) was copied densely: "
+                                     f"{path.relative_to(root)} takes "
+                                     f"{info.st_blocks * 512 >> 20} MiB")
 
 
 def _check_damaged_manifest(schedule: Schedule) -> None:
