@@ -544,10 +544,10 @@ class Schedule:
         return None
 
     def _full_disk_during(self, record: OpRecord) -> tuple[float, float] | None:
-        """A window of full disk within ``record``'s life that ended before its end."""
+        """A window of full disk that overlapped ``record``'s life."""
         end = record.end if record.end is not None else self.now()
         for k, (start, seconds) in enumerate(self.plan.enospc):
-            if k in self.enospc_hit and record.start <= start + seconds <= end:
+            if k in self.enospc_hit and start <= end and record.start <= start + seconds:
                 return start, seconds
         return None
 
@@ -848,7 +848,7 @@ class Schedule:
     def _on_blocked(self, actor: SimActor, name: str, where: str) -> None:
         """From the guard's thread: a blocking call has not returned."""
         self.blocked.append(f"a call waits past its deadline: {name} of {actor.name} "
-                            f"blocked in {where}")
+                            f"blocked in {where} (at t={self.now():.4f})")
 
     # --- crash and restore -------------------------------------------------------------------
 
@@ -1179,10 +1179,11 @@ class Schedule:
         if isinstance(exc, LeaseExpiredError) and not self._stalled(record):
             full = self._full_disk_during(record)
             if full is not None:
+                over = full[0] + full[1] < self.now()
                 self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
                              f"driver renewed on time: the renewals' claim write met a disk "
-                             f"full from {full[0]:.1f}s for {full[1]:.1f}s, which recovered "
-                             f"before the commit")
+                             f"full from {full[0]:.1f}s for {full[1]:.1f}s"
+                             + (", which recovered before the commit" if over else ""))
             elif self.path_claimed_by_job2.get(record.path, float("inf")) <= (
                     record.end if record.end is not None else self.now()):
                 self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
@@ -1483,7 +1484,8 @@ def _check_damaged_manifest(schedule: Schedule) -> None:
 CASES = [
     ("23.1 committed snapshot references a missing blob", ("references a blob that is",)),
     ("23.2 a file outside the sandbox read into one", ("the secret file outside every",)),
-    ("23.3 a call blocked past its deadline", ("a call waits past its deadline",)),
+    ("23.3 a scan blocked on a FIFO", ("opening a FIFO",)),
+    ("23.9 a call waits past its deadline (not on a FIFO)", ("a call waits past its deadline",)),
     ("23.4 lease lost although renewed on time", ("although its driver renewed on time",)),
     ("23.5 a sparse file copied densely", ("was copied densely",)),
     ("23.6 a damaged manifest raised a traceback", ("a damaged manifest",)),

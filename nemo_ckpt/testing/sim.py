@@ -215,11 +215,13 @@ class _Guard:
             if stage == 1:
                 world.thread_skip = world.call_deadline_s
                 continue
-            where = self._where()
-            if stage == 2 and world.on_blocked is not None and world.running is not None:
-                world.on_blocked(world.running, world.running_name, where)
+            where, running, name = self._where(), world.running, world.running_name
             world.thread_skip = 10 * 3600.0
-            world.unblock()
+            fifos = world.unblock()
+            if stage == 2 and world.on_blocked is not None and running is not None:
+                if fifos:
+                    where += f", opening a FIFO ({fifos} opened for writing to free it)"
+                world.on_blocked(running, name, where)
 
     def _where(self) -> str:
         """The innermost function of the project that the blocked call is in."""
@@ -411,15 +413,19 @@ class SimWorld:
                   exc: BaseException | None = None) -> None:
         self.loop.call_later(rest, _settle, done, value, exc, context=_NO_ACTOR)
 
-    def unblock(self) -> None:
+    def unblock(self) -> int:
         """Let a blocked call go on: a FIFO's open returns once a writer opened it (and
-        a read then sees its end); a wait on a clock sees ``thread_skip``."""
+        a read then sees its end); a wait on a clock sees ``thread_skip``. Returns how
+        many FIFOs had a reader waiting."""
+        freed = 0
         for path in self.fifos:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
             except OSError:
                 continue  # no reader waits on it, or it is gone
             os.close(fd)
+            freed += 1
+        return freed
 
     def kill(self, actor: SimActor) -> None:
         """Kill one actor incarnation: its tasks are cancelled, its calls fail."""
