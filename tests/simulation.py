@@ -412,6 +412,8 @@ class Schedule:
         self.retired: set[str] = set()  # paths a user's retention script removed
         self.path_claimed_by_job2: dict[str, float] = {}  # path -> when
         self.dense_reported: set[Path] = set()
+        # (when, blobs removed, the gc's clock minus the coordinator's) of each gc pass
+        self.gc_removals: list[tuple[float, int, float]] = []
         self.world.on_send = self._on_send
         self.world.on_deliver = self._on_deliver
         self.world.after_io = self._after_io
@@ -763,6 +765,9 @@ class Schedule:
                 self.log(f"gc: {type(exc).__name__}: {_short(exc)}")
             else:
                 self.log(f"gc removed {report.removed} blobs")
+                if report.removed:
+                    self.gc_removals.append((self.now(), report.removed, actor.wall_offset
+                                             - self._coordinator_offset()))
 
     async def _retention(self, at: float) -> None:
         """A user's retention script removes the oldest committed snapshot folder that no
@@ -836,8 +841,8 @@ class Schedule:
                     f.write(b"changed while read")
                 return
             path.unlink()
-            if kind == "link":
-                path.symlink_to(self.secret)
+            if kind == "link":  # relative: a tree records the same link on every replay
+                path.symlink_to(os.path.relpath(self.secret, path.parent))
             else:
                 os.mkfifo(path)
                 self.world.fifos.append(source)
@@ -1399,9 +1404,12 @@ def _check_world_of(schedule: Schedule) -> None:
                 continue  # reported by the checks of each path
             problems = verify_directories(path, manifest)
             if problems:
+                gcs = "".join(f"; a gc from another host, its clock {skew:+.0f}s from the "
+                              f"coordinator's, removed {n} blobs at t={t:.2f}"
+                              for t, n, skew in schedule.gc_removals)
                 schedule.violate(f"committed snapshot {manifest.snapshot_id} at "
                                  f"{Path(path).name} references a blob that is missing or "
-                                 f"damaged ({len(problems)} problem(s)): {problems[0]}")
+                                 f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}")
         secret = schedule.secret.read_bytes()
         for holder in schedule.world.actors:
             boxes = getattr(holder.obj, "_sandboxes", None)
