@@ -173,7 +173,7 @@ class _SimClock:
 
 # Real seconds a blocking call may take before the guard acts: sim calls take
 # milliseconds, so this only trips on a call that waits for something that never comes.
-GUARD_S = 1.0
+GUARD_S = 0.5
 
 
 class _Guard:
