@@ -12,6 +12,16 @@ block or not), an exception inside ``restored()``. In a fifth of the schedules t
 rollouts own sandbox directories, which every turn changes and checks against the
 session's state, and every committed snapshot's directories must verify blob by blob.
 
+The world outside the protocol (issue 23): blocking work runs as threads that outlive
+their cancelled callers; every process has its own clocks (offsets up to hours, rates
+within 10%); every ``Folder`` call may fail after it happened, reads may fail, and the
+disk may be full for seconds (``DiskFaults``); a gc from another host, a retention
+script, a second job, and a hostile process inside the sandboxes act meanwhile
+(``HostileSandbox``); a copy of a committed manifest is damaged. Its invariants: no
+committed snapshot references a missing blob, nothing outside a sandbox is read into
+one, sparse files stay sparse, no call waits past its deadline, damaged data is the
+project's error.
+
     .venv/bin/python -m tests.simulation                  # 10,000 schedules on 2 processes
     .venv/bin/python -m tests.simulation --replay SEED    # one schedule, with its trace
 
