@@ -468,7 +468,7 @@ class CheckpointCoordinator:
             try:
                 committed = await self._runtime.run_blocking(
                     remove_snapshot_files, environment_folder(op.path), op.id)
-            except OSError as exc:
+            except (OSError, NemoCkptError) as exc:
                 log.warning("could not remove the files of %s: %s", op.id, exc)
                 return
             if committed:  # the manifest's rename happened before a later step failed

@@ -43,7 +43,12 @@ from pathlib import Path
 import xxhash
 
 from nemo_ckpt.claims import STALE_FACTOR, Claim, ClaimWatch, decode_claim, encode_claim
-from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError
+from nemo_ckpt.errors import (
+    BlobCorruptedError,
+    CheckpointPathBusyError,
+    CheckpointPathError,
+    NemoCkptError,
+)
 from nemo_ckpt.folder import Folder, Sink
 from nemo_ckpt.location import join_location
 
@@ -135,6 +140,11 @@ class BlobStore:
                 folder.describe(name),
                 f"blob {folder.describe(name)} is missing from the blob store, but a "
                 f"snapshot references it: restore an earlier checkpoint") from None
+        except OSError as exc:
+            raise CheckpointPathError(
+                folder.describe(name), f"cannot read blob {folder.describe(name)}: "
+                                       f"{exc.strerror or exc}; check the filesystem or "
+                                       f"bucket and its permissions") from exc
         if (size is not None and len(data) != size) or digest_of(data) != digest:
             raise BlobCorruptedError(
                 folder.describe(name),
@@ -258,16 +268,24 @@ class BlobStore:
                 self._root.remove([name])
         data, _ = encode_claim(COLLECTOR, owner, ttl_s)
         create_new = getattr(self._root, "create_new", None)
-        if create_new is not None:
-            if not create_new(name, data):
-                raise self._busy_collecting("another collector", ttl_s * STALE_FACTOR)
-        else:
-            self._root.write_bytes(name, data, sync=False)
+        try:
+            if create_new is not None:
+                if not create_new(name, data):
+                    raise self._busy_collecting("another collector", ttl_s * STALE_FACTOR)
+            else:
+                self._root.write_bytes(name, data, sync=False)
+        except (OSError, NemoCkptError) as exc:
+            if not isinstance(exc, CheckpointPathBusyError):
+                # The write may have landed before it failed: a claim no collector runs
+                # under would hold every snapshot's persist for its ttl.
+                self._drop_own(name, data)
+            raise
         self._collecting = data
         claims, left = self._observe(watch)
         mine = claims.get(COLLECTOR)
         if mine is None or mine[1] != data:  # a bucket: another collector wrote since
             self._collecting = None
+            self._drop_own(name, data)  # or it did not read back: ours must not linger
             raise self._busy_collecting(mine[0].owner if mine else "another collector",
                                         ttl_s * STALE_FACTOR)
         holding = {op: left[op] for op in claims if op != COLLECTOR and left[op] > 0}
@@ -278,6 +296,16 @@ class BlobStore:
                 f"{sorted(holding)[:5]}; collect once they have committed (a hold whose "
                 f"snapshot died is taken as abandoned once seen unchanged for "
                 f"{max(holding.values()):.0f}s more)")
+
+    def _drop_own(self, name: str, data: bytes) -> None:
+        """Remove the claim ``name`` if it is still the one this process wrote as
+        ``data`` (best effort: it expires by itself otherwise)."""
+        with contextlib.suppress(OSError, NemoCkptError):
+            remove_if = getattr(self._root, "remove_if", None)
+            if remove_if is not None:
+                remove_if(name, data)
+            elif self._root.read(name) == data:
+                self._root.remove([name])
 
     def _busy_collecting(self, owner: str, left_s: float) -> CheckpointPathBusyError:
         return CheckpointPathBusyError(

@@ -24,7 +24,9 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Protocol
 
-__all__ = ["Folder", "Sink"]
+from nemo_ckpt.errors import CheckpointPathError
+
+__all__ = ["Folder", "Sink", "unlistable"]
 
 
 class Sink(Protocol):
@@ -82,7 +84,8 @@ class Folder(Protocol):
         ...
 
     def names(self) -> list[str]:
-        """Every file in the folder (none when it does not exist)."""
+        """Every file in the folder (none when it does not exist); ``CheckpointPathError``
+        when it cannot be listed."""
         ...
 
     def subfolders(self) -> list[str]:
@@ -93,3 +96,10 @@ class Folder(Protocol):
     def remove(self, names: Iterable[str]) -> None:
         """Remove ``names``; missing ones are fine."""
         ...
+
+
+def unlistable(folder: str, exc: OSError) -> CheckpointPathError:
+    """The error of a listing that failed (a disk error, permissions, a store that does
+    not answer), naming the folder and the cause."""
+    return CheckpointPathError(folder, f"cannot list {folder}: {exc.strerror or exc}; check "
+                                       f"the filesystem or bucket and its permissions")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from nemo_ckpt.errors import SnapshotWriteError
-from nemo_ckpt.folder import Sink
+from nemo_ckpt.folder import Sink, unlistable
 from nemo_ckpt.manifest import is_plain_file_name
 
 __all__ = ["LocalFolder", "TMP_MARK"]
@@ -244,14 +244,23 @@ class LocalFolder:
             return [entry.name for entry in self.path.iterdir()]
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as exc:
+            raise unlistable(str(self.path), exc) from exc
 
     def subfolders(self) -> list[str]:
         try:
             return [entry.name for entry in self.path.iterdir() if entry.is_dir()]
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as exc:
+            raise unlistable(str(self.path), exc) from exc
 
     def remove(self, names: Iterable[str]) -> None:
         # Not fsynced: a removal lost to a crash leaves a file the next clean-up removes.
         for name in names:
-            self._file(name).unlink(missing_ok=True)
+            target = self._file(name)
+            try:
+                target.unlink(missing_ok=True)
+            except OSError as exc:
+                raise SnapshotWriteError(target, f"could not remove {target}: "
+                                                 f"{exc.strerror or exc}") from exc

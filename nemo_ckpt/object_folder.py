@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 from nemo_ckpt.errors import SnapshotWriteError
-from nemo_ckpt.folder import Sink
+from nemo_ckpt.folder import Sink, unlistable
 from nemo_ckpt.location import ObjectLocation
 from nemo_ckpt.manifest import is_plain_file_name
 
@@ -178,22 +178,27 @@ class ObjectFolder:
             reader.close()
 
     def names(self) -> list[str]:
-        import obstore
 
         # Only this folder's own files: no deeper "subfolders" (there are none), and not
         # the empty marker some servers (SeaweedFS) list under a prefix emptied of files.
         prefix = self.location.prefix
-        listed = _reading(lambda: obstore.list_with_delimiter(
-            self.store, self._list_prefix))
+        listed = self._listing()
         return [str(m["path"]).rsplit("/", 1)[-1] for m in listed["objects"]
                 if m["path"] != prefix]
 
     def subfolders(self) -> list[str]:
+        listed = self._listing()
+        return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in listed["common_prefixes"]]
+
+    def _listing(self) -> Any:
         import obstore
 
-        listed = _reading(lambda: obstore.list_with_delimiter(
-            self.store, self._list_prefix))
-        return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in listed["common_prefixes"]]
+        try:
+            return _reading(lambda: obstore.list_with_delimiter(self.store, self._list_prefix))
+        except FileNotFoundError:
+            return {"objects": [], "common_prefixes": []}
+        except OSError as exc:
+            raise unlistable(self.describe(), exc) from exc
 
     def remove(self, names: Iterable[str]) -> None:
         import obstore

@@ -12,6 +12,16 @@ block or not), an exception inside ``restored()``. In a fifth of the schedules t
 rollouts own sandbox directories, which every turn changes and checks against the
 session's state, and every committed snapshot's directories must verify blob by blob.
 
+The world outside the protocol (issue 23): blocking work runs as threads that outlive
+their cancelled callers; every process has its own clocks (offsets up to hours, rates
+within 10%); every ``Folder`` call may fail after it happened, reads may fail, and the
+disk may be full for seconds (``DiskFaults``); a gc from another host, a retention
+script, a second job, and a hostile process inside the sandboxes act meanwhile
+(``HostileSandbox``); a copy of a committed manifest is damaged. Its invariants: no
+committed snapshot references a missing blob, nothing outside a sandbox is read into
+one, sparse files stay sparse, no call waits past its deadline, damaged data is the
+project's error.
+
     .venv/bin/python -m tests.simulation                  # 10,000 schedules on 2 processes
     .venv/bin/python -m tests.simulation --replay SEED    # one schedule, with its trace
 
@@ -25,12 +35,14 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import multiprocessing
 import os
 import random
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -40,20 +52,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_ckpt.collection import collect_blobs, committed_snapshots
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     LeaseExpiredError,
     NemoCkptError,
     SnapshotMismatchError,
+    SnapshotWriteError,
     is_retriable,
 )
+from nemo_ckpt.folder import unlistable
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.local_folder import LocalFolder, write_failure
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
+from nemo_ckpt.sandbox import _Scanner
 from nemo_ckpt.sandbox_storage import verify_directories
 from nemo_ckpt.sessions import SessionClient, SessionRecord
-from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot
+from nemo_ckpt.storage import (
+    claim_path,
+    environment_dir,
+    read_claims,
+    read_manifest,
+    read_snapshot,
+    release_claim,
+)
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import COORDINATOR, HOLDER
@@ -106,6 +130,17 @@ class Plan:
     catch_mismatch: bool
     raise_in_restore: bool
     sandboxes: bool
+    clock_skew_s: float
+    disk_after: float  # chance a write or removal raises after it happened
+    disk_read_fail: float  # chance a read raises EIO
+    enospc: list[tuple[float, float]]  # (from, seconds): every write finds the disk full
+    long_save: bool  # RL's own save inside the block outlasts a lease
+    gc_every: float  # a gc process collects the store every ~this many seconds (0: none)
+    retention: list[float]  # when a user's script removes the oldest committed snapshot
+    second_job: list[float]  # when another job claims a path of this one
+    hostile: float  # chance a file being scanned is swapped by the sandbox's own process
+    sparse: bool  # a turn makes a sparse file
+    damage: str | None  # a copy of a committed manifest, damaged: "huge" or "nested"
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -135,7 +170,124 @@ class Plan:
             raise_in_restore=rng.random() < 0.15,
             # Its own draw: the plans of every other seed stay as they were.
             sandboxes=random.Random(f"sandboxes-{seed}").random() < 0.2,
+            clock_skew_s=random.Random(f"skew-{seed}").choice([0.0, 60.0, 3 * 3600.0]),
+            **_world_plan(seed),
         )
+
+
+def _world_plan(seed: int) -> dict[str, Any]:
+    """The faults of the world outside the protocol's model (issue 23), drawn apart so
+    that every other draw of a seed stays as it was."""
+    rng = random.Random(f"world-{seed}")
+    enospc = []
+    if rng.random() < 0.2:
+        enospc.append((round(rng.uniform(0.5, 9.0), 3), round(rng.uniform(2.0, 9.0), 3)))
+    return dict(
+        disk_after=rng.choice([0.0, 0.0, 0.0, 0.05]),
+        disk_read_fail=rng.choice([0.0, 0.0, 0.0, 0.0, 0.02]),
+        enospc=enospc,
+        long_save=rng.random() < (0.6 if enospc else 0.15),
+        gc_every=rng.choice([0.0, 0.0, 1.0, 2.5]),
+        retention=sorted(round(rng.uniform(1.0, 9.0), 3)
+                         for _ in range(rng.choice([0, 0, 1, 2]))),
+        second_job=sorted(round(rng.uniform(0.5, 9.0), 3)
+                          for _ in range(rng.choice([0, 0, 0, 1]))),
+        hostile=rng.choice([0.0, 0.0, 0.0, 0.1]),
+        sparse=rng.random() < 0.05,
+        damage=rng.choice([None] * 20 + ["huge", "nested"]),
+    )
+
+
+# --- disk faults at every Folder call -------------------------------------------------
+
+
+class DiskFaults:
+    """Faults at every ``Folder`` call an actor makes in a blocking call (every folder
+    here is a ``LocalFolder``, so its methods are wrapped, once per process): writes
+    (shards, manifests, path claims, blob-store holds and collection claims, blobs) and
+    removals that raise after they happened (the file is in place, or gone), reads that
+    raise EIO, and windows of virtual time in which every write finds the disk full.
+    Errors are raised as the folder raises them (``Folder``'s contract: a write or a
+    removal ``SnapshotWriteError``, a listing ``CheckpointPathError``, a read ``OSError``)."""
+
+    active: Schedule | None = None
+    _installed = False
+
+    @classmethod
+    def install(cls, schedule: Schedule) -> None:
+        cls.active = schedule
+        if cls._installed:
+            return
+        cls._installed = True
+        for method, kind in (("prepare", "write"), ("write_stream", "write"),
+                             ("write_bytes", "write"), ("remove", "remove"),
+                             ("read", "read"), ("names", "read")):
+            setattr(LocalFolder, method, cls._wrap(getattr(LocalFolder, method), kind))
+
+    @staticmethod
+    def _as_raised(method: str, target: str, error: OSError) -> Exception:
+        if method == "names":
+            return unlistable(target, error)
+        if method == "read":
+            return error
+        return SnapshotWriteError(target, write_failure(target, error))
+
+    @classmethod
+    def _wrap(cls, original: Any, kind: str) -> Any:
+        def faulty(folder: LocalFolder, *args: Any, **kwargs: Any) -> Any:
+            schedule = cls.active
+            if schedule is None or schedule.world.running is None:
+                return original(folder, *args, **kwargs)  # the checkers' own calls
+            target = folder.describe(args[0] if args and isinstance(args[0], str) else "")
+            fault = schedule.disk_fault(kind, target)
+            if fault == "enospc":
+                raise SnapshotWriteError(target, write_failure(
+                    target, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+            if fault == "eio":
+                raise cls._as_raised(original.__name__, target, OSError(
+                    errno.EIO, f"{os.strerror(errno.EIO)} (injected): {target}"))
+            result = original(folder, *args, **kwargs)
+            if fault == "after":
+                raise cls._as_raised(original.__name__, target, OSError(
+                    errno.EIO, f"{os.strerror(errno.EIO)} after the fsync and the rename "
+                               f"(injected)"))
+            return result
+
+        faulty.__name__ = original.__name__
+        return faulty
+
+
+# --- a hostile process inside a sandbox -----------------------------------------------
+
+SECRET = b"the-secret-outside-every-sandbox"
+SPARSE_BYTES = 32 << 20
+
+
+class HostileSandbox:
+    """The process inside a sandbox (model-generated code), acting just before the scan
+    opens a file it listed: it swaps the file for a symlink to a secret file outside
+    every sandbox, for a FIFO, or changes it. The scan's ``_Scanner._file`` opens each
+    listed file (``nemo_ckpt/sandbox.py``), so it is wrapped (once per process) here alone."""
+
+    active: Schedule | None = None
+    _installed = False
+
+    @classmethod
+    def install(cls, schedule: Schedule) -> None:
+        cls.active = schedule
+        if cls._installed:
+            return
+        cls._installed = True
+        original = _Scanner._file
+
+        def read_file(scanner: _Scanner, fd: int, name: str, path: str, *args: Any,
+                      **kwargs: Any) -> Any:
+            schedule = cls.active
+            if schedule is not None and schedule.plan.hostile:
+                schedule.swap(os.fsdecode(path))
+            return original(scanner, fd, name, path, *args, **kwargs)
+
+        _Scanner._file = read_file  # type: ignore[method-assign]
 
 
 # --- RL's side: ledger, staging rows, barrier, saves ------------------------------------
@@ -204,6 +356,7 @@ class OpRecord:
     start: float
     op_id: str | None = None
     begun: float | None = None  # when the driver's snapshot began (holders captured)
+    body_end: float | None = None  # when the caller's block ended (RL saved its half)
     end: float | None = None
     outcome: str = "running"
     check_failed: bool = False
@@ -237,6 +390,10 @@ class Schedule:
         self.seed = seed
         self.plan = Plan.make(seed)
         self.world = SimWorld(seed, self.plan.nodes)
+        # Every process's clocks: a steady offset (hours either way), a rate within 10%.
+        self.world.clock_skew_s = self.plan.clock_skew_s
+        self.world.clock_rate = 0.1
+        self.world.call_deadline_s = CONFIG.persist_timeout_s
         self.root = root
         self.sandbox_root = root / "sandboxes" if self.plan.sandboxes else None
         self.config = CONFIG if self.sandbox_root is None else CONFIG.model_copy(
@@ -267,6 +424,18 @@ class Schedule:
         self.end_in_flight: dict[tuple[int, str], int] = defaultdict(int)
         self.turn_aborts_in_flight: dict[str, int] = defaultdict(int)  # by turn token
         self._install_io_faults()
+        self.enospc_hit: set[int] = set()  # windows that refused a write
+        DiskFaults.install(self)
+        HostileSandbox.install(self)
+        self.blocked: list[str] = []  # blocking calls the guard found waiting
+        self.world.on_blocked = self._on_blocked
+        self.secret = root / "secret.txt"
+        self.secret.write_bytes(SECRET + f"-{seed}".encode())
+        self.retired: set[str] = set()  # paths a user's retention script removed
+        self.path_claimed_by_job2: dict[str, float] = {}  # path -> when
+        self.dense_reported: set[Path] = set()
+        # (when, blobs removed, the gc's clock minus the coordinator's) of each gc pass
+        self.gc_removals: list[tuple[float, int, float]] = []
         self.world.on_send = self._on_send
         self.world.on_deliver = self._on_deliver
         self.world.after_io = self._after_io
@@ -326,10 +495,12 @@ class Schedule:
         return self.world.loop.time()
 
     def log(self, message: str) -> None:
-        if self.tracing:
+        if self.tracing:  # the scratch root differs between runs of one seed
+            message = message.replace(str(self.root), "ROOT")
             self.trace.append(f"{self.now():9.4f}  {message}")
 
     def violate(self, message: str) -> None:
+        message = message.replace(str(self.root), "ROOT")
         self.violations.append(f"t={self.now():.4f}: {message}")
         self.log(f"VIOLATION {message}")
 
@@ -372,6 +543,37 @@ class Schedule:
 
         self.world.io_faults = decide
         self.world.io_cost = cost
+
+    def disk_fault(self, kind: str, target: str) -> str | None:
+        """What the disk does to this ``kind`` of call on ``target`` now (``DiskFaults``)."""
+        plan, now = self.plan, self.now()
+        if kind == "write":
+            for k, (start, seconds) in enumerate(plan.enospc):
+                if start <= now <= start + seconds:
+                    if k not in self.enospc_hit:
+                        self.enospc_hit.add(k)
+                        self.faults += 1
+                        self.log(f"fault: the disk is full from {start:.1f}s for "
+                                 f"{seconds:.1f}s")
+                    return "enospc"
+        if kind in ("write", "remove") and plan.disk_after and \
+                self.rng.random() < plan.disk_after:
+            self.faults += 1
+            self.log(f"fault: a {kind} of {Path(target).name} raises after it happened")
+            return "after"
+        if kind == "read" and plan.disk_read_fail and self.rng.random() < plan.disk_read_fail:
+            self.faults += 1
+            self.log(f"fault: a read of {Path(target).name} raises EIO")
+            return "eio"
+        return None
+
+    def _full_disk_during(self, record: OpRecord) -> tuple[float, float] | None:
+        """A window of full disk that overlapped ``record``'s life."""
+        end = record.end if record.end is not None else self.now()
+        for k, (start, seconds) in enumerate(self.plan.enospc):
+            if k in self.enospc_hit and start <= end and record.start <= start + seconds:
+                return start, seconds
+        return None
 
     def killed_since(self, start: float, kinds: Iterable[str]) -> bool:
         kinds = set(kinds)
@@ -416,8 +618,11 @@ class Schedule:
         monitor = asyncio.ensure_future(self._monitor())
         seconds = [asyncio.ensure_future(self._second_driver(t, k))
                    for k, t in enumerate(self.plan.second_driver)]
+        outside = [asyncio.ensure_future(c) for c in self._outside_actors()]
         await self._drive()
         injector.cancel()
+        for task in outside:
+            task.cancel()
         for task in seconds:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(task, CONFIG.lease_s * 3)
@@ -484,7 +689,10 @@ class Schedule:
                                     if not (self.plan.catch_mismatch and bad):
                                         raise
                             saved = self.rl.state(record.op_id or "?")
-                    await asyncio.sleep(self.rng.uniform(0.0, 1.5))  # RL saves its half
+                    await asyncio.sleep(  # RL saves its half
+                        CONFIG.lease_s * self.rng.uniform(1.2, 2.0) if self.plan.long_save
+                        else self.rng.uniform(0.0, 1.5))
+                    record.body_end = self.now()
             record.outcome = "committed"
             if held and not checked and not driver.config.allow_unchecked_snapshots:
                 self.violate(f"{record.op_id} committed, but its block never checked it "
@@ -505,6 +713,23 @@ class Schedule:
         finally:
             record.end = self.now()
             driver.record = None
+            self._check_deadlines(record)
+
+    def _check_deadlines(self, record: OpRecord) -> None:
+        """A snapshot's entry and its commit return within their configured deadlines
+        (with a margin of a lease: messages, retries, a slow link)."""
+        cfg = self.config
+        entry = cfg.drain_timeout_s + 3 * cfg.phase_timeout_s + cfg.lease_s
+        if record.begun is not None and record.begun - record.start > entry:
+            self.violate(f"a call waits past its deadline: the snapshot {record.op_id} took "
+                         f"{record.begun - record.start:.1f}s to begin (drain and phase "
+                         f"deadlines: {entry - cfg.lease_s:g}s)")
+        commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + cfg.lease_s
+        if record.body_end is not None and record.end is not None and \
+                record.end - record.body_end > commit:
+            self.violate(f"a call waits past its deadline: the commit of {record.op_id} took "
+                         f"{record.end - record.body_end:.1f}s after its block ended (persist "
+                         f"and phase deadlines: {commit - cfg.lease_s:g}s)")
 
     @contextlib.asynccontextmanager
     async def _maybe_lock(self, take: bool) -> AsyncIterator[None]:
@@ -542,6 +767,123 @@ class Schedule:
             driver, str(self.root / "C"), checked=False))
         with contextlib.suppress(BaseException):
             await task
+
+    # --- outside actors: gc from another host, retention, a second job ---------------------
+
+    def _outside_actors(self) -> list[Any]:
+        plan, out = self.plan, []
+        if self.sandbox_root is not None:
+            if plan.gc_every:
+                out.append(self._gc_process())
+            out += [self._retention(at) for at in plan.retention]
+        out += [self._second_job(at, k) for k, at in enumerate(plan.second_job)]
+        return out
+
+    async def _gc_process(self) -> None:
+        """``nemo-ckpt gc ROOT`` run now and then from another host (its own clocks)."""
+        actor = self.world.new_actor("gc", "gc", "gc-host")
+        actor.alive = True  # a host outside the Ray cluster
+        runtime = self.world.runtime(actor)
+        while True:
+            await asyncio.sleep(self.plan.gc_every * self.rng.uniform(0.5, 1.5))
+            self.faults += 1
+            self.log(f"gc from another host (its clock {actor.wall_offset:+.0f}s)")
+            try:
+                report = await runtime.run_blocking(
+                    collect_blobs, str(self.root), "gc-cli", 30.0, False, runtime.clock.wall)
+            except (NemoCkptError, OSError) as exc:
+                self.log(f"gc: {type(exc).__name__}: {_short(exc)}")
+            else:
+                self.log(f"gc removed {report.removed} blobs")
+                if report.removed:
+                    self.gc_removals.append((self.now(), report.removed, actor.wall_offset
+                                             - self._coordinator_offset()))
+
+    async def _retention(self, at: float) -> None:
+        """A user's retention script removes the oldest committed snapshot folder that no
+        operation of this job writes now (rm -rf), then collects."""
+        await asyncio.sleep(at)
+        running = {r.path for r in self.ops if r.end is None}
+        for path in sorted(self.committed, key=lambda p: self.committed[p] and
+                           self.committed[p][-1] or ""):
+            if path in running or not self.committed[path] or \
+                    not (environment_dir(path) / "manifest.json").exists():
+                continue
+            self.faults += 1
+            self.log(f"retention removes {Path(path).name} ({self.committed[path][-1]})")
+            shutil.rmtree(path, ignore_errors=True)
+            self.retired.add(path)
+            self.committed.pop(path)
+            self.rl.saves.pop(path, None)
+            return
+
+    async def _second_job(self, at: float, k: int) -> None:
+        """Another job (another owner, its own clocks) claims a path this job writes."""
+        await asyncio.sleep(at)
+        actor = self.world.new_actor("job2", f"job2-{k}", "job2-host")
+        actor.alive = True  # a host outside the Ray cluster
+        runtime = self.world.runtime(actor)
+        path = self.root / self.rng.choice(["A", "B"])
+        folder = environment_dir(path)
+        op_id = f"job2-op-{k}"
+        self.faults += 1
+        try:
+            await runtime.run_blocking(folder.mkdir, 0o777, True, True)
+            await runtime.run_blocking(claim_path, folder, op_id, "job-2",
+                                       runtime.clock.wall(), CONFIG.lease_s * 2)
+        except NemoCkptError as exc:
+            self.log(f"job 2's claim of {path.name} refused: {_short(exc)}")
+            return
+        # This job's claims there that its coordinator wrote within their time to live,
+        # by true time: live, whatever either clock says.
+        now = self.now()
+        fresh = {args[1] for t, _, name, args, _ in self.world.io_log
+                 if name == "claim_path" and len(args) > 1 and now - t < CONFIG.lease_s * 2}
+        running = {r.op_id for r in self.ops if r.end is None and r.op_id}
+        ours = [c.operation for c in read_claims(folder)
+                if c.operation in running and c.operation in fresh]
+        if ours:
+            self.violate(f"a second job claimed {path.name} while {ours[0]} of this job "
+                         f"held it: two jobs write one checkpoint path (their clocks differ "
+                         f"by {actor.wall_offset - self._coordinator_offset():+.0f}s)")
+        self.log(f"job 2 holds {path.name}")
+        self.path_claimed_by_job2.setdefault(str(path), self.now())
+        with contextlib.suppress(Exception):
+            await asyncio.sleep(CONFIG.lease_s)
+            await runtime.run_blocking(release_claim, folder, op_id)
+
+    def _coordinator_offset(self) -> float:
+        live = self.world.live(COORDINATOR)
+        return live[0].wall_offset if live else 0.0
+
+    def swap(self, source: str) -> None:
+        """The sandbox's own process acts on ``source`` as the scan is about to read it
+        (``HostileSandbox``); never on ``state``, which the turns check."""
+        path = Path(source)
+        if path.name == "state" or self.rng.random() >= self.plan.hostile:
+            return
+        kind = self.rng.choice(["link", "link", "fifo", "change"])
+        self.faults += 1
+        self.log(f"fault: the sandbox's process swaps {path.name} for a {kind}")
+        with contextlib.suppress(OSError):
+            if kind == "change":
+                with open(path, "ab") as f:
+                    f.write(b"changed while read")
+                return
+            path.unlink()
+            if kind == "link":  # relative: a tree records the same link on every replay
+                path.symlink_to(os.path.relpath(self.secret, path.parent))
+            else:
+                os.mkfifo(path)
+                self.world.fifos.append(source)
+
+    def _check_world(self) -> None:
+        _check_world_of(self)
+
+    def _on_blocked(self, actor: SimActor, name: str, where: str) -> None:
+        """From the guard's thread: a blocking call has not returned."""
+        self.blocked.append(f"a call waits past its deadline: {name} of {actor.name} "
+                            f"blocked in {where} (at t={self.now():.4f})")
 
     # --- crash and restore -------------------------------------------------------------------
 
@@ -605,8 +947,8 @@ class Schedule:
                 break
             if again is not None:
                 # A retry may meet a fault of its own: a restore's materialization that
-                # fails (injected) refuses that retry, and rightly.
-                injected = "injected failure" in str(again)
+                # fails, or a disk read error (injected), refuses that retry, and rightly.
+                injected = "injected" in str(again)
                 if not (is_retriable(again) or injected or self.killed_since(
                         record.start, (COORDINATOR, "driver", HOLDER))):
                     self.violate(f"the retry of a failed restore failed: "
@@ -732,6 +1074,11 @@ class Schedule:
             self.violate(f"the directory of {ep.capture_key} holds state {found!r} at turn "
                          f"{t}, its session {before!r}")
         (directory / f"t{t}").write_bytes(b"x" * (t + 1))
+        if self.plan.sparse and t == 1 and not (directory / "sparse").exists():
+            self.faults += 1
+            self.log(f"a turn of {ep.capture_key} makes a sparse file")
+            with open(directory / "sparse", "wb") as f:
+                f.truncate(SPARSE_BYTES)
         (directory / "state").write_bytes(after)
         with contextlib.suppress(FileNotFoundError):
             (directory / f"t{t - 2}").unlink()
@@ -839,6 +1186,8 @@ class Schedule:
                          f"names {named}")
         if record.check_failed:
             self.violate(f"{record.op_id} committed although its check against the cut failed")
+        if self.plan.sparse and self.sandbox_root is not None:
+            _check_dense(self)
 
     def _captured_later(self, record: OpRecord) -> set[str | None]:
         """The snapshots into the same path that captured after ``record`` did: a
@@ -863,7 +1212,22 @@ class Schedule:
             self.violate(f"{record.op_id} failed ({type(exc).__name__}) but left {paused} "
                          f"paused for it")
         if isinstance(exc, LeaseExpiredError) and not self._stalled(record):
-            self.violate(f"{record.op_id} lost its lease although nothing stalled its renewals")
+            full = self._full_disk_during(record)
+            if full is not None:
+                over = full[0] + full[1] < self.now()
+                self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
+                             f"driver renewed on time: the renewals' claim write met a disk "
+                             f"full from {full[0]:.1f}s for {full[1]:.1f}s"
+                             + (", which recovered before the commit" if over else ""))
+            elif self.path_claimed_by_job2.get(record.path, float("inf")) <= (
+                    record.end if record.end is not None else self.now()):
+                self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
+                             f"driver renewed on time: the renewals' claim of the path was "
+                             f"refused (a second job claimed it), and the holders' renewal "
+                             f"was skipped with it")
+            else:
+                self.violate(f"{record.op_id} lost its lease although nothing stalled its "
+                             f"renewals")
 
     def _stalled(self, record: OpRecord) -> bool:
         """Whether a fault could have stopped the lease renewals of ``record``."""
@@ -1000,6 +1364,9 @@ class Schedule:
 
     async def _check_final(self) -> None:
         """Past every lease and turn deadline."""
+        for message in self.blocked:
+            self.violate(message)
+        self._check_world()
         for info in await self.holder_infos():
             if info.state is not HolderState.RUNNING:
                 self.violate(f"{info.instance_id} is {info.state.value} for "
@@ -1033,10 +1400,7 @@ class Schedule:
                 self.violate(f"{Path(path).name}: the manifest does not verify: "
                              f"{type(exc).__name__}: {_short(exc)}")
                 continue
-            sid = loaded.manifest.snapshot_id
-            for problem in verify_directories(path, loaded.manifest):
-                self.violate(f"{Path(path).name}: {sid}'s directories do not verify: "
-                             f"{problem}")
+            sid = loaded.manifest.snapshot_id  # its directories: ``_check_world_of``
             if sid in self.failed_checks:
                 self.violate(f"{Path(path).name}: {sid} is committed although its check "
                              f"failed")
@@ -1056,8 +1420,115 @@ class Schedule:
                     self.violate(f"a manifest was written for {sid}, whose check failed")
 
 
-# Which reviewed case (issue 11) a violation shows, by its wording.
+def _check_world_of(schedule: Schedule) -> None:
+    """The invariants of the world outside the protocol (issue 23): every committed
+    snapshot's blobs are there; nothing outside a sandbox was read into one; a sandbox's
+    sparse file is not stored densely; a damaged manifest is refused with the project's
+    error."""
+    root = schedule.root
+    if schedule.sandbox_root is not None:
+        for path in committed_snapshots(root):
+            try:
+                manifest = read_manifest(path)
+            except Exception:
+                continue  # reported by the checks of each path
+            problems = verify_directories(path, manifest)
+            if problems:
+                gcs = "".join(f"; a gc from another host, its clock {skew:+.0f}s from the "
+                              f"coordinator's, removed {n} blobs at t={t:.2f}"
+                              for t, n, skew in schedule.gc_removals)
+                schedule.violate(f"committed snapshot {manifest.snapshot_id} at "
+                                 f"{Path(path).name} references a blob that is missing or "
+                                 f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}")
+        secret = schedule.secret.read_bytes()
+        for holder in schedule.world.actors:
+            boxes = getattr(holder.obj, "_sandboxes", None)
+            cache = getattr(boxes, "_cache", None)
+            if cache is not None and any(secret in b for b in cache._memory.values()):
+                schedule.violate(f"the secret file outside every sandbox was read into "
+                                 f"the node cache of {holder.name} (memory)")
+        for where, _, files in os.walk(root):
+            for name in files:
+                path = Path(where) / name
+                if path == schedule.secret:
+                    continue
+                try:
+                    info = path.lstat()
+                    if not stat.S_ISREG(info.st_mode):
+                        continue
+                    if info.st_size < 4096 and secret in path.read_bytes():
+                        schedule.violate(f"the secret file outside every sandbox was read "
+                                         f"into one: {path.relative_to(root)} holds it")
+                except OSError:
+                    continue
+    if schedule.plan.sparse:
+        _check_dense(schedule)
+    if schedule.plan.damage is not None:
+        _check_damaged_manifest(schedule)
+
+
+def _check_dense(schedule: Schedule) -> None:
+    """No copy of a sandbox's sparse file (in the node caches, the blob store or a
+    restored directory) takes its apparent size: the holes stay holes. Checked after
+    each commit too (retention and the caches' sweep may remove them later)."""
+    root, reported = schedule.root, schedule.dense_reported
+    for where, _, files in os.walk(root):
+        for name in files:
+            path = Path(where) / name
+            with contextlib.suppress(OSError):
+                info = path.lstat()
+                if stat.S_ISREG(info.st_mode) and info.st_size >= SPARSE_BYTES // 2 and \
+                        info.st_blocks * 512 >= SPARSE_BYTES // 2 and path not in reported:
+                    reported.add(path)
+                    schedule.violate(f"a sparse file made in a turn ({SPARSE_BYTES >> 20} MiB "
+                                     f"apparent, no blocks) was copied densely: "
+                                     f"{path.relative_to(root)} takes "
+                                     f"{info.st_blocks * 512 >> 20} MiB")
+
+
+def _check_damaged_manifest(schedule: Schedule) -> None:
+    """A copy of a committed snapshot whose manifest is damaged (a shard length of 1e15,
+    or nesting thousands deep) is refused with a nemo-ckpt error, not a traceback."""
+    committed = [p for p in committed_snapshots(schedule.root)]
+    if not committed:
+        return
+    copy = schedule.root / "damaged"
+    shutil.copytree(environment_dir(committed[0]), environment_dir(copy))
+    manifest = environment_dir(copy) / "manifest.json"
+    kind = schedule.plan.damage
+    if kind == "huge":
+        data = json.loads(manifest.read_bytes())
+        if not data.get("shards"):
+            return
+        data["shards"][0]["bytes"] = 10**15
+        manifest.write_text(json.dumps(data))
+    else:
+        manifest.write_text("[" * 100_000 + "]" * 100_000)
+    schedule.faults += 1
+    try:
+        read_snapshot(str(copy))
+    except NemoCkptError:
+        pass
+    except BaseException as exc:
+        what = "a shard length of 1e15" if kind == "huge" else "nested 100,000 deep"
+        schedule.violate(f"a damaged manifest ({what}) made read_snapshot raise "
+                         f"{type(exc).__name__}, not a nemo-ckpt error")
+    else:
+        schedule.violate(f"a damaged manifest ({kind}) was read as a snapshot")
+    shutil.rmtree(copy, ignore_errors=True)
+
+
+# Which reviewed case (issue 11, then issue 23) a violation shows, by its wording.
 CASES = [
+    ("23.1 committed snapshot references a missing blob", ("references a blob that is",)),
+    ("23.2 a file outside the sandbox read into one", ("the secret file outside every",)),
+    ("23.3 a scan blocked on a FIFO", ("opening a FIFO",)),
+    ("23.9 a call waits past its deadline (not on a FIFO)", ("a call waits past its deadline",)),
+    ("23.4 lease lost although renewed on time", ("although its driver renewed on time",)),
+    ("23.5 a sparse file copied densely", ("was copied densely",)),
+    ("23.6 a damaged manifest raised a traceback", ("a damaged manifest",)),
+    ("23.7 two jobs hold one checkpoint path", ("a second job claimed",)),
+    ("23.8 a disk error escaped as OSError", ("raised OSError, not a nemo-ckpt error",)),
     ("1 committed snapshot lost", ("does not verify", "but no manifest is there",
                                    "was committed last, but")),
     ("2 holders left paused by a failed operation", ("paused for it", "restoring for it")),

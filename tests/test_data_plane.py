@@ -64,11 +64,9 @@ async def test_the_cut_waits_for_mutations_in_flight_and_includes_them() -> None
     await dp.dispatch("r1", "holder-0")
     write = asyncio.ensure_future(dp.write_staging("r1/t0000", {"tokens": [7]}))
     await asyncio.sleep(0.05)  # the write passed the barrier and is in flight
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+    assert not write.done()  # still in flight as the cut is asked for (latency 0.3 s)
     async with barrier.checkpoint() as cut:
         assert write.done(), "the cut was taken while a mutation was still in flight"
-        assert loop.time() - started >= 0.2
         assert cut.staging_keys() == frozenset({"r1/t0000"})
         assert cut.rows_written == 1
 

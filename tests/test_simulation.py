@@ -4,14 +4,18 @@ schedules run in ``make test`` as their own step (``python -m tests.simulation``
 
 from __future__ import annotations
 
+import asyncio
 import io
+import os
 import re
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import pytest
 
 from actors.session_holder import SessionHolder
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint, RaySnapshot
+from nemo_ckpt.testing.sim import SimActor, SimWorld
 from tests import simulation
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,3 +62,61 @@ def test_a_snapshot_committed_despite_its_failed_check_is_caught(
     total, _, bad = simulation.run_many(0, 150, jobs=1)
     cases = {simulation.case_of(v) for r in bad for v in r.violations}
     assert "10 refused snapshot committed" in cases
+
+
+def _blocking_world() -> tuple[SimWorld, SimActor]:
+    world = SimWorld(seed=7, nodes=1)
+    actor = world.new_actor("worker", "w", "node-0")
+    return world, actor
+
+
+def test_blocking_work_outlives_its_cancelled_caller(tmp_path: Path) -> None:
+    world, actor = _blocking_world()
+    runtime = world.runtime(actor)
+    target = tmp_path / "written"
+
+    async def main() -> None:
+        caller = world.spawn(actor, runtime.run_blocking(target.write_bytes, b"done"))
+        await asyncio.sleep(0)
+        caller.cancel()  # before the thread got to it
+        await asyncio.sleep(1.0)
+        assert caller.cancelled()
+
+    world.loop.run_until_complete(main())
+    world.loop.close()
+    assert target.read_bytes() == b"done"
+    assert [name for _, _, name, _, _ in world.io_log] == ["write_bytes"]
+
+
+def test_a_call_that_blocks_for_ever_is_reported_and_unblocked(tmp_path: Path) -> None:
+    world, actor = _blocking_world()
+    runtime = world.runtime(actor)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    world.fifos.append(str(fifo))
+    reports: list[tuple[str, str, str]] = []
+    world.on_blocked = lambda a, name, where: reports.append((a.name, name, where))
+
+    def read_all(path: Path) -> bytes:
+        return path.read_bytes()  # opening a FIFO with no writer waits for one
+
+    result = world.loop.run_until_complete(world.spawn(actor, runtime.run_blocking(
+        read_all, fifo)))
+    world.loop.close()
+    assert result == b""
+    assert len(reports) == 1 and reports[0][:2] == ("w", "read_all")
+    assert "opening a FIFO" in reports[0][2]
+
+
+def test_every_process_reads_its_own_clocks() -> None:
+    world = SimWorld(seed=11, nodes=2)
+    world.clock_skew_s, world.clock_rate = 3600.0, 0.1
+    a, b = world.new_actor("holder", "a", "node-0"), world.new_actor("holder", "b", "node-1")
+    clock_a, clock_b = world.runtime(a).clock, world.runtime(b).clock
+    start = (clock_a.wall(), clock_b.wall(), clock_a.monotonic(), clock_b.monotonic())
+    world.loop.advance(100.0)
+    wall_a, wall_b = clock_a.wall() - start[0], clock_b.wall() - start[1]
+    assert abs(start[0] - start[1]) > 1.0  # steady offsets differ
+    assert 90.0 <= wall_a <= 110.0 and 90.0 <= wall_b <= 110.0 and wall_a != wall_b
+    assert clock_a.monotonic() - start[2] == pytest.approx(wall_a)  # one rate, both clocks
+    world.loop.close()

@@ -3,7 +3,7 @@ seeded transport: the world the deterministic simulation (``tests/simulation.py`
 
 - ``VirtualTimeLoop`` is an asyncio loop whose clock jumps to the next timer whenever
   nothing is ready, so a lease of 30 s costs microseconds, and a run is a pure function of
-  its seed (no threads, no wall time).
+  its seed (no wall time; one guard thread only watches for a call that blocks).
 - ``SimWorld`` holds nodes and actors. Every actor (holder, coordinator, and the driver
   and environment workers as pseudo-actors) has its own clock offset, and every task it
   starts is its own: killing it cancels them all, as a process death would.
@@ -12,8 +12,16 @@ seeded transport: the world the deterministic simulation (``tests/simulation.py`
   an async actor's calls), runs as a task of the callee, and its result travels back
   after another delay. Arguments and results are pickled on the way, as between
   processes. A caller that stops waiting (timeout, cancellation) does not stop the call.
-- ``Runtime.run_blocking`` runs file work inline after a seeded virtual cost, and lets
-  the world fail or tear chosen writes (``SimWorld.io_faults``).
+- ``Runtime.run_blocking`` is a thread model: the work runs at a seeded later virtual
+  time (two calls in flight run in a seeded order, one call at a time), whether or not
+  its caller still waits (a thread outlives its cancelled caller; it dies with its
+  process), and its result reaches the caller as an event after the rest of its seeded
+  cost. The world may fail or tear chosen calls (``SimWorld.io_faults``). A call that
+  does not return within ``GUARD_S`` real seconds is reported (``SimWorld.on_blocked``)
+  and unblocked (``SimWorld.unblock``): see ``_Guard``.
+- Every actor has its own clocks (``SimActor``): a steady offset of its wall clock, a
+  monotonic clock of its own origin, a rate that differs a little from true time, and
+  jumps (``clock_offset``).
 
 Files are real (a temporary folder per world), so the format code is the real one.
 """
@@ -22,9 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import pickle
 import random
 import selectors
+import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,7 +139,10 @@ class SimActor:
     node: str
     obj: Any = None
     alive: bool = True
-    clock_offset: float = 0.0
+    clock_offset: float = 0.0  # jumps (both clocks), on top of the steady model below
+    wall_offset: float = 0.0  # its host's wall clock minus true time, steady
+    mono_origin: float = 0.0  # its monotonic clock at virtual time 0
+    rate: float = 1.0  # seconds its clocks count per true second
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     serial: int = 0
 
@@ -144,11 +159,83 @@ class _SimClock:
         self._world = world
         self._actor = actor
 
+    def _elapsed(self) -> float:
+        actor = self._actor
+        return self._world.loop.time() * actor.rate + actor.clock_offset + (
+            self._world.thread_skip if self._world.running is actor else 0.0)
+
     def monotonic(self) -> float:
-        return self._world.loop.time() + self._actor.clock_offset
+        return self._actor.mono_origin + self._elapsed()
 
     def wall(self) -> float:
-        return EPOCH + self.monotonic()
+        return EPOCH + self._actor.wall_offset + self._elapsed()
+
+
+# Real seconds a blocking call may take before the guard acts: sim calls take
+# milliseconds, so this only trips on a call that waits for something that never comes.
+GUARD_S = 0.5
+
+
+class _Guard:
+    """Watches the one blocking call running now, from a daemon thread. A call still
+    running after ``GUARD_S`` first sees its actor's clocks move on (``thread_skip``:
+    virtual time does not pass while a call runs, so a wait on a clock would spin);
+    after another ``GUARD_S`` it is reported and unblocked."""
+
+    def __init__(self) -> None:
+        self.world: SimWorld | None = None
+        self.serial = 0  # counts the calls run
+        self.busy = False  # whether one runs now
+        self.thread_id = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self, world: SimWorld) -> None:
+        self.world = world
+        self.thread_id = threading.get_ident()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._watch, daemon=True,
+                                            name="sim-blocking-guard")
+            self._thread.start()
+
+    def _watch(self) -> None:
+        seen, since, stage = 0, 0.0, 0
+        while True:
+            time.sleep(GUARD_S / 4)
+            serial, world = self.serial, self.world
+            if not self.busy or world is None:
+                seen, stage = 0, 0
+                continue
+            now = time.monotonic()
+            if serial != seen:
+                seen, since, stage = serial, now, 0
+                continue
+            if now - since < GUARD_S * (stage + 1):
+                continue
+            stage += 1
+            if stage == 1:
+                world.thread_skip = world.call_deadline_s
+                continue
+            where, running, name = self._where(), world.running, world.running_name
+            world.thread_skip = 10 * 3600.0
+            fifos = world.unblock()
+            if stage == 2 and world.on_blocked is not None and running is not None:
+                if fifos:
+                    where += f", opening a FIFO ({fifos} opened for writing to free it)"
+                world.on_blocked(running, name, where)
+
+    def _where(self) -> str:
+        """The innermost function of the project that the blocked call is in."""
+        frame = sys._current_frames().get(self.thread_id)
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith(("nemo_ckpt", "actors")) and \
+                    not module.startswith("nemo_ckpt.testing"):
+                return f"{frame.f_code.co_name} ({module}:{frame.f_lineno})"
+            frame = frame.f_back
+        return "?"
+
+
+_GUARD = _Guard()
 
 
 # What a blocking call may suffer, decided per call by ``SimWorld.io_faults``:
@@ -188,6 +275,21 @@ class SimWorld:
         self.on_send: Callable[[SimActor, SimActor, str, tuple[Any, ...]], None] | None = None
         self.on_deliver: Callable[[SimActor, str, tuple[Any, ...]], None] | None = None
         self.after_io: Callable[[SimActor, str], None] | None = None
+        # The blocking call running now (by whom, which function), for the guard and the
+        # fault-injecting wrappers: ``None`` outside one.
+        self.running: SimActor | None = None
+        self.running_name = ""
+        self.thread_skip = 0.0  # how far the running call's clocks moved on (``_Guard``)
+        self.call_deadline_s = 30.0  # virtual seconds a blocked call's clocks move on first
+        # Called (from the guard's thread) with (actor, function, where it waits) when a
+        # blocking call did not return; then ``unblock`` runs.
+        self.on_blocked: Callable[[SimActor, str, str], None] | None = None
+        self.fifos: list[str] = []  # FIFOs made by the world's actors: ``unblock`` opens them
+        # A steady clock model per new actor: seconds of wall-clock offset either way,
+        # and the fraction its clocks' rate may differ (0: every clock true).
+        self.clock_skew_s = 0.0
+        self.clock_rate = 0.0
+        self._clock_rng = random.Random(f"clocks-{seed}")
 
     def _leg(self, target: SimActor, method: str, reply: bool) -> float:
         """The delay of one message leg (a call or its answer); slow ones are noted."""
@@ -231,10 +333,20 @@ class SimWorld:
     def new_actor(self, kind: str, name: str, node: str) -> SimActor:
         self._serial += 1
         actor = SimActor(kind, name, node, serial=self._serial)
+        self.set_clock(actor)
         self.actors.append(actor)
         if not self.nodes.get(node, False):
             actor.alive = False  # scheduled onto a dead node: it never starts
         return actor
+
+    def set_clock(self, actor: SimActor) -> None:
+        """Give ``actor`` its host's steady clock model (``clock_skew_s``, ``clock_rate``)."""
+        rng = self._clock_rng
+        actor.mono_origin = rng.uniform(0.0, 1e6)  # its host booted whenever
+        if self.clock_skew_s:
+            actor.wall_offset = rng.uniform(-self.clock_skew_s, self.clock_skew_s)
+        if self.clock_rate:
+            actor.rate = 1.0 + rng.uniform(-self.clock_rate, self.clock_rate)
 
     def runtime(self, actor: SimActor) -> Runtime:
         return Runtime(clock=_SimClock(self, actor), metrics=NoMetrics(),
@@ -243,28 +355,77 @@ class SimWorld:
 
     def _blocking_runner(self, actor: SimActor) -> Callable[..., Awaitable[Any]]:
         async def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:
-            name = getattr(fn, "__name__", repr(fn))
             if not actor.alive:
                 raise asyncio.CancelledError()  # a dead process does nothing more
-            await asyncio.sleep(self.io_cost(name))
-            decision = self.io_faults(name, args)
-            if decision == "fail":
-                from nemo_ckpt.errors import SnapshotWriteError
-
-                raise SnapshotWriteError(str(args[0]) if args else "?",
-                                         f"injected failure of {name}")
-            if decision == "tear":
-                self.kill(actor)
-                raise IoFault(f"{actor} died in the middle of {name}")
-            result = fn(*args)
-            self.io_log.append((self.loop.time(), actor.name, name, args, result))
-            if self.after_io is not None:
-                self.after_io(actor, name)
-                if not actor.alive:
-                    raise IoFault(f"{actor} died right after {name}")
-            return result
+            name = getattr(fn, "__name__", repr(fn))
+            done = self.loop.create_future()
+            # Nobody may wait for it any more (a cancelled caller): its error is dropped.
+            done.add_done_callback(_retrieve)
+            cost = self.io_cost(name)
+            start = self.rng.uniform(0.0, cost)
+            self.loop.call_later(start, self._execute, actor, fn, name, args, done,
+                                 cost - start, context=_NO_ACTOR)
+            return await asyncio.shield(done)
 
         return run_blocking
+
+    def _execute(self, actor: SimActor, fn: Callable[..., Any], name: str,
+                 args: tuple[Any, ...], done: asyncio.Future[Any], rest: float) -> None:
+        """The thread runs ``fn`` now; its caller hears of it ``rest`` seconds later."""
+        if not actor.alive:  # the thread died with its process
+            done.cancel()
+            return
+        decision = self.io_faults(name, args)
+        if decision == "fail":
+            from nemo_ckpt.errors import SnapshotWriteError
+
+            self._complete(done, rest, exc=SnapshotWriteError(
+                str(args[0]) if args else "?", f"injected failure of {name}"))
+            return
+        if decision == "tear":
+            self.kill(actor)
+            done.set_exception(IoFault(f"{actor} died in the middle of {name}"))
+            return
+        guard = _GUARD
+        if guard.world is not self:
+            guard.start(self)
+        self.running, self.running_name = actor, name
+        guard.serial += 1
+        guard.busy = True
+        try:
+            result = fn(*args)
+        except Exception as exc:
+            self._complete(done, rest, exc=exc)
+            return
+        finally:
+            guard.busy = False
+            self.running = None
+            self.thread_skip = 0.0  # a blocked call's clocks moved on (``_Guard``): no more
+        self.io_log.append((self.loop.time(), actor.name, name, args, result))
+        if self.after_io is not None:
+            self.after_io(actor, name)
+            if not actor.alive:
+                done.set_exception(IoFault(f"{actor} died right after {name}"))
+                return
+        self._complete(done, rest, value=result)
+
+    def _complete(self, done: asyncio.Future[Any], rest: float, value: Any = None,
+                  exc: BaseException | None = None) -> None:
+        self.loop.call_later(rest, _settle, done, value, exc, context=_NO_ACTOR)
+
+    def unblock(self) -> int:
+        """Let a blocked call go on: a FIFO's open returns once a writer opened it (and
+        a read then sees its end); a wait on a clock sees ``thread_skip``. Returns how
+        many FIFOs had a reader waiting."""
+        freed = 0
+        for path in self.fifos:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                continue  # no reader waits on it, or it is gone
+            os.close(fd)
+            freed += 1
+        return freed
 
     def kill(self, actor: SimActor) -> None:
         """Kill one actor incarnation: its tasks are cancelled, its calls fail."""
@@ -352,6 +513,11 @@ class SimWorld:
                 reply = (None, error)
         self.loop.call_later(self._leg(target, method, True), _settle, done, *reply,
                              context=_NO_ACTOR)
+
+
+def _retrieve(done: asyncio.Future[Any]) -> None:
+    if not done.cancelled():
+        done.exception()
 
 
 def _settle(done: asyncio.Future[Any], value: Any = None,
