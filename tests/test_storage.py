@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -773,3 +775,44 @@ def test_two_collectors_never_both_run_and_a_dead_ones_claim_is_taken_over_after
     store_b.end_collection()
     assert store_b.live_collection(ClaimWatch()) is None
     assert [n for n in os.listdir(tmp_path / BLOB_DIR) if n.startswith(".")] == []
+
+
+# --- disk errors are the project's errors -------------------------------------------------
+
+
+def test_a_folder_that_cannot_be_listed_or_cleaned_raises_a_nemo_ckpt_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EIO while listing a snapshot folder (claims, clean-up) or removing from it
+    reached the driver as a bare OSError; it is one of the documented classes."""
+    folder = folder_at(tmp_path)
+    (tmp_path / "f").write_bytes(b"x")
+
+    def eio(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(Path, "iterdir", eio)
+    with pytest.raises(CheckpointPathError, match=f"cannot list {tmp_path}: Input/output"):
+        folder.names()
+    with pytest.raises(CheckpointPathError, match="cannot list"):
+        folder.subfolders()
+    monkeypatch.setattr(Path, "unlink", eio)
+    with pytest.raises(SnapshotWriteError, match=f"could not remove {tmp_path / 'f'}"):
+        folder.remove(["f"])
+
+
+def test_a_collection_claim_whose_write_landed_but_raised_is_not_left_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left behind, it held every snapshot's persist until it was judged abandoned."""
+    store = BlobStore(str(tmp_path / BLOB_DIR), folder_at)
+    root = tmp_path / BLOB_DIR
+    real = type(folder_at(root)).create_new
+
+    def landed_then_failed(self: Any, name: str, data: bytes) -> bool:
+        real(self, name, data)
+        raise SnapshotWriteError(self.path / name, "EIO after the link (injected)")
+
+    monkeypatch.setattr(type(folder_at(root)), "create_new", landed_then_failed)
+    with pytest.raises(SnapshotWriteError, match="after the link"):
+        store.begin_collection("gc", 30.0, ClaimWatch())
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".claim-")]
+    store.wait_for_collection(deadline=time.monotonic())  # nothing to wait for
