@@ -93,6 +93,7 @@ from nemo_ckpt.phases import (
 )
 from nemo_ckpt.sandbox_storage import blob_store_of, blob_store_ref
 from nemo_ckpt.storage import (
+    claim_beat,
     claim_path,
     environment_folder,
     folder_at,
@@ -179,6 +180,9 @@ class _Operation:
     # last written: a renewal that failed leaves them standing for their ttl only.
     claimed_at: float | None = None
     held_at: float | None = None
+    # Every beat this incarnation wrote (or tried to write) the path's claim with: a claim
+    # with another beat, or none, means another incarnation aborted the operation.
+    claim_beats: set[str] = field(default_factory=set)
 
 
 class CheckpointCoordinator:
@@ -191,6 +195,10 @@ class CheckpointCoordinator:
         self._clock = transport.runtime.clock
         self._metrics = transport.runtime.metrics
         self._owner = f"{config.namespace}@{transport.cluster_id}"
+        # This incarnation: Ray may declare a coordinator dead that runs again later (a
+        # stalled node), beside its successor of the same owner; their claims differ.
+        self._incarnation = self._runtime.token()[:16]
+        self._collector = f"{self._owner}#{self._incarnation}"
         # Other writers' claims (paths, the blob store), judged on this process's clock:
         # kept for the coordinator's life, as only a claim seen before can be found
         # abandoned (nemo_ckpt.claims).
@@ -312,9 +320,11 @@ class CheckpointCoordinator:
         """Fault-injection seam for tests and drills: make ``phase`` take ``seconds``
         longer, so a fault (a kill, a cancellation) can be aimed at it. Phases:
         begin_snapshot (before the holders are asked), commit_snapshot (before the
-        shards are awaited), after_manifest (the manifest renamed, holders not yet
-        resumed), commit_restore (before the holders are asked). 0 removes it."""
-        known = {"begin_snapshot", "commit_snapshot", "after_manifest", "commit_restore"}
+        shards are awaited), before_manifest (every shard durable, the manifest not yet
+        written), after_manifest (the manifest renamed, holders not yet resumed),
+        commit_restore (before the holders are asked). 0 removes it."""
+        known = {"begin_snapshot", "commit_snapshot", "before_manifest", "after_manifest",
+                 "commit_restore"}
         if phase not in known:
             raise ValueError(f"unknown phase {phase!r}; one of {sorted(known)}")
         self._injected_delays[phase] = seconds
@@ -545,9 +555,11 @@ class CheckpointCoordinator:
         """Claim (or renew the claim on) the operation's folder: refused while another
         job's snapshot is in progress there."""
         start = self._clock.monotonic()
+        beat = self._runtime.token()
+        op.claim_beats.add(beat)  # before the write: it may land and still raise
         await self._runtime.run_blocking(
             claim_path, environment_folder(op.path), op.id, self._owner, self._claim_watch,
-            self._claim_ttl)
+            self._claim_ttl, self._incarnation, beat)
         op.claimed_at = start
 
     @property
@@ -556,11 +568,20 @@ class CheckpointCoordinator:
         return self._config.lease_s * 2
 
     async def _claims_hold(self, op: _Operation) -> None:
-        """Before the manifest: the path's claim and the store's hold must not have
-        lapsed since they were last written (their renewals may have failed). A claim
-        near its end is written again (refused if another job took the path meanwhile);
-        a hold that may have lapsed refuses the commit, since a collection may have
-        removed blobs the snapshot found present."""
+        """Before the manifest: the path's claim must still be one this incarnation
+        wrote (fencing: a successor that took this one for dead aborts by removing it),
+        and it and the store's hold must not have lapsed since they were last written
+        (their renewals may have failed). A claim near its end is written again (refused
+        if another job took the path meanwhile); a hold that may have lapsed refuses the
+        commit, since a collection may have removed blobs the snapshot found present."""
+        beat = await self._runtime.run_blocking(claim_beat, environment_folder(op.path),
+                                                op.id)
+        if beat not in op.claim_beats:
+            # Fenced: its claim is gone or rewritten, so another incarnation of this
+            # coordinator (this one was taken for dead) aborted it and removed its files.
+            raise OperationAbortedError(
+                f"{op.id} was aborted by another coordinator of this job while this one "
+                f"was taken for dead (its node stalled?); it was not committed")
         safe = self._claim_ttl * _CLAIM_SAFE
         if op.claimed_at is None or self._clock.monotonic() - op.claimed_at > safe:
             await self._claim(op)
@@ -584,7 +605,7 @@ class CheckpointCoordinator:
                 # A collection of this job that this coordinator is not running was left
                 # by a predecessor that died in it: the holders need not wait it out.
                 if await self._runtime.run_blocking(store.clear_dead_collection,
-                                                    self._owner):
+                                                    self._collector):
                     log.warning("dropped the blob store's collection claim that a previous "
                                 "coordinator of this job left when it died")
 
@@ -618,7 +639,7 @@ class CheckpointCoordinator:
                     return
                 self._garbage_possible = False
                 report = await self._runtime.run_blocking(
-                    collect_quietly, str(root), self._owner, self._refs_cache,
+                    collect_quietly, str(root), self._collector, self._refs_cache,
                     self._clock.monotonic, lambda: bool(self._ops), self._claim_watch)
                 if report is None or report.interrupted:
                     self._garbage_possible = True  # the next commit tries again
@@ -734,6 +755,7 @@ class CheckpointCoordinator:
                 instances=list(op.holders), shards=shards,
                 restarted_rollouts=restarted, metrics=all_metrics, blob_store=op.blob_ref)
             await self._earlier_commits(op)
+            await self._injected_delay("before_manifest")
             await self._claims_hold(op)
             async with self._path_lock(checkpoint_path):
                 await self._runtime.run_blocking(write_manifest, directory, manifest)
@@ -792,7 +814,8 @@ class CheckpointCoordinator:
         ours = {o.id for o in self._ops.values()}
 
         def clean() -> list[str]:
-            protect = live_claims(directory, self._owner, self._claim_watch, ours)
+            protect = live_claims(directory, self._owner, self._claim_watch, ours,
+                                  self._incarnation)
             release_claim(directory, op.id)
             for claim in read_claims(directory):
                 if claim.operation not in protect:

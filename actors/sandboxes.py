@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Protocol
 
 from nemo_ckpt.blobs import BlobCache, BlobStore
+from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import RestoreConflictError, SandboxError
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.manifest import ShardEntry, TreesEntry, safe_name_part, trees_file_name
@@ -164,6 +165,9 @@ class Sandboxes:
         # that a background thread has begun.
         self._doomed: list[Path] = []
         self._doomed_lock = threading.Lock()
+        # What this holder saw of the store's collection claim, across persists: a claim
+        # a dead collector left is taken as abandoned once seen unchanged for its ttl.
+        self._collection_watch: ClaimWatch | None = None
 
     def __len__(self) -> int:
         return len(self._by_rollout)
@@ -318,7 +322,10 @@ class Sandboxes:
         needed: set[bytes] = set()
         for blobs in refs:
             needed |= blobs
-        written: BlobsWritten = persist_blobs(store, self.cache, needed, clock)
+        if self._collection_watch is None or self._collection_watch.clock != clock:
+            self._collection_watch = ClaimWatch(clock)
+        written: BlobsWritten = persist_blobs(store, self.cache, needed, clock,
+                                              watch=self._collection_watch)
         return write_trees_file(directory, trees_file_name(snapshot_id, self.instance_id),
                                 self.instance_id, written.attribute(rows, refs),
                                 len(needed), written)

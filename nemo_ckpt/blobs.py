@@ -192,15 +192,25 @@ class BlobStore:
     # --- claims (see the module docstring) ---------------------------------------------
 
     def _claims(self) -> dict[str, tuple[Claim, bytes]]:
-        """Every readable claim, by operation, with the bytes it was read from."""
+        """Every claim, by operation, with the bytes it was read from (one gone since the
+        listing, or not a claim at all, is skipped). A claim that cannot be read raises
+        ``CheckpointPathError``: skipped, a hold could let a collection remove what its
+        snapshot relies on."""
         claims: dict[str, tuple[Claim, bytes]] = {}
         for name in self._root.names():
             if not (name.startswith(_CLAIM_PREFIX) and name.endswith(".json")):
                 continue
             try:
                 data = self._root.read(name)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                where = self._root.describe(name)
+                raise CheckpointPathError(where, f"cannot read the claim {where}: "
+                                                 f"{exc.strerror or exc}") from exc
+            try:
                 claim = decode_claim(data)
-            except (OSError, ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):
                 continue
             claims[claim.operation] = (claim, data)
         return claims
@@ -228,12 +238,15 @@ class BlobStore:
 
     def wait_for_collection(self, clock: Callable[[], float] = time.monotonic,
                             sleep: Callable[[float], None] = time.sleep,
-                            deadline: float | None = None) -> None:
+                            deadline: float | None = None,
+                            watch: ClaimWatch | None = None) -> None:
         """Return once no collection runs (call it after ``hold``): a collection that
         began before the hold may still remove blobs, so none may be relied on yet. A
         collection's claim ends when its collector drops it, or once seen unchanged for
-        its ttl on ``clock`` (this process's monotonic clock; ``deadline`` is on it)."""
-        watch = ClaimWatch(clock)
+        its ttl on ``clock`` (this process's monotonic clock; ``deadline`` is on it).
+        ``watch``, on ``clock``, kept by the caller across waits: a claim it saw before
+        is taken as abandoned sooner than by a new one."""
+        watch = watch or ClaimWatch(clock)
         while True:
             claims, left = self._observe(watch)
             if COLLECTOR not in claims or left[COLLECTOR] <= 0:
@@ -281,11 +294,18 @@ class BlobStore:
                 self._drop_own(name, data)
             raise
         self._collecting = data
-        claims, left = self._observe(watch)
+        try:
+            claims, left = self._observe(watch)
+        except BaseException:
+            # Ours must not linger with no collection behind it: every snapshot's
+            # persist would wait on it until it is taken as abandoned.
+            self._collecting = None
+            self._drop_own(name, data)
+            raise
         mine = claims.get(COLLECTOR)
         if mine is None or mine[1] != data:  # a bucket: another collector wrote since
             self._collecting = None
-            self._drop_own(name, data)  # or it did not read back: ours must not linger
+            self._drop_own(name, data)
             raise self._busy_collecting(mine[0].owner if mine else "another collector",
                                         ttl_s * STALE_FACTOR)
         holding = {op: left[op] for op in claims if op != COLLECTOR and left[op] > 0}
@@ -347,8 +367,9 @@ class BlobStore:
 
     def clear_dead_collection(self, owner: str) -> bool:
         """Drop a collection claim of ``owner`` that its owner knows it is not running
-        (a predecessor coordinator that died mid-collection): snapshots need not wait
-        for it to be seen abandoned. Returns whether there was one."""
+        (a collection of this coordinator incarnation that ended without its release):
+        snapshots need not wait for it to be seen abandoned. Returns whether there was
+        one. A predecessor incarnation's claim is another owner's: it may run again."""
         claim = self._claims().get(COLLECTOR)
         if claim is None or claim[0].owner != owner:
             return False

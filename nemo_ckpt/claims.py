@@ -58,14 +58,20 @@ class Claim:
     owner: str
     ttl_s: float
     beat: str
+    # Which incarnation of the owner's coordinator wrote it ("" when unknown): one that
+    # Ray declared dead may run again, and must not take a successor's claims for its
+    # own leftovers.
+    incarnation: str = ""
 
 
-def encode_claim(operation: str, owner: str, ttl_s: float) -> tuple[bytes, str]:
-    """A new write of the claim, and its beat."""
-    beat = uuid.uuid4().hex
+def encode_claim(operation: str, owner: str, ttl_s: float, incarnation: str = "",
+                 beat: str | None = None) -> tuple[bytes, str]:
+    """A new write of the claim, and its beat (``beat``, or a fresh one)."""
+    beat = beat or uuid.uuid4().hex
     # expires_at: only for readers of nemo-ckpt before the beat (see the module docstring).
     return json.dumps({"operation": operation, "owner": owner, "ttl_s": ttl_s,
-                       "beat": beat, "expires_at": time.time() + ttl_s}).encode(), beat
+                       "beat": beat, "incarnation": incarnation,
+                       "expires_at": time.time() + ttl_s}).encode(), beat
 
 
 def decode_claim(data: bytes) -> Claim:
@@ -78,7 +84,8 @@ def decode_claim(data: bytes) -> Claim:
     ttl_s = float(fields["ttl_s"])
     if not 0 <= ttl_s < math.inf:
         raise ValueError(f"a claim's ttl of {ttl_s!r}")
-    return Claim(str(fields["operation"]), str(fields["owner"]), ttl_s, str(fields["beat"]))
+    return Claim(str(fields["operation"]), str(fields["owner"]), ttl_s, str(fields["beat"]),
+                 str(fields.get("incarnation", "")))
 
 
 class ClaimWatch:

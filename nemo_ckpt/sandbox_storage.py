@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobCache, BlobStore
+from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
 from nemo_ckpt.folder import Folder, Sink
 from nemo_ckpt.location import join_location, levels_below, parent_location
@@ -133,12 +134,13 @@ class BlobsWritten:
 
 def persist_blobs(store: BlobStore, cache: BlobCache, needed: Iterable[bytes],
                   clock: Callable[[], float] = time.monotonic,
-                  deadline: float | None = None) -> BlobsWritten:
+                  deadline: float | None = None,
+                  watch: ClaimWatch | None = None) -> BlobsWritten:
     """Make every blob of ``needed`` durable in ``store``, copying from ``cache`` those it
     lacks. Call it with the store held by the snapshot (``BlobStore.hold``): it first
     waits out a collection that began before the hold, judged on ``clock``, this
     process's monotonic clock (``deadline`` is on it; ``BlobStore.wait_for_collection``)."""
-    store.wait_for_collection(clock=clock, deadline=deadline)
+    store.wait_for_collection(clock=clock, deadline=deadline, watch=watch)
     written = BlobsWritten()
     for digest in sorted(store.missing(needed)):
         source: Path | bytes | None = cache.held(digest)

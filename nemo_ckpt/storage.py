@@ -95,6 +95,7 @@ __all__ = [
     "claim_path",
     "release_claim",
     "live_claims",
+    "claim_beat",
     "LoadedSnapshot",
     "CONTENT_HASH",
     "content_hasher",
@@ -345,34 +346,62 @@ def _claim_name(operation_id: str) -> str:
 
 
 def read_claims(directory: Folder | Path) -> list[PathClaim]:
-    """Every readable claim in ``directory`` (a half-written one is skipped)."""
+    """Every claim in ``directory`` (one gone since the listing, or not a claim at all,
+    is skipped). A claim that cannot be read raises ``CheckpointPathError``: skipped, it
+    could let a clean-up remove the files of the operation it protects."""
     folder = as_folder(directory)
     claims: list[PathClaim] = []
     for name in folder.names():
         if not (name.startswith(CLAIM_PREFIX) and name.endswith(".json")):
             continue
         try:
-            claims.append(decode_claim(folder.read(name)))
-        except (OSError, ValueError, KeyError, TypeError):
+            data = folder.read(name)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            where = folder.describe(name)
+            raise CheckpointPathError(where, f"cannot read the claim {where}: "
+                                             f"{exc.strerror or exc}") from exc
+        try:
+            claims.append(decode_claim(data))
+        except (ValueError, KeyError, TypeError):
             continue
     return claims
 
 
 def live_claims(directory: Folder | Path, owner: str, watch: ClaimWatch,
-                ours: Collection[str]) -> set[str]:
-    """The operations whose files must stay: claims of other owners that ``watch`` has
-    not seen unchanged for their ttl, and ``ours`` (this owner's operations open now). A
-    claim of this owner that is not in ``ours`` was left by a predecessor that died: it
-    protects nothing."""
+                ours: Collection[str], incarnation: str = "") -> set[str]:
+    """The operations whose files must stay: ``ours`` (this incarnation's operations
+    open now), and every other claim ``watch`` has not seen unchanged for its ttl:
+    another owner's, or one of this owner's other incarnations (Ray may have declared a
+    coordinator dead that runs again; a successor's claims are not its leftovers). Only
+    a claim of this very incarnation outside ``ours`` protects nothing: its operation
+    ended here."""
     folder = as_folder(directory)
     claims = read_claims(folder)
     live = {c.operation for c in watch.live(folder.describe(), claims)}
     return {c.operation for c in claims
-            if (c.owner != owner and c.operation in live) or c.operation in ours}
+            if c.operation in ours or (c.operation in live and (
+                c.owner != owner or not incarnation or c.incarnation != incarnation))}
+
+
+def claim_beat(directory: Folder | Path, operation_id: str) -> str | None:
+    """The beat of ``operation_id``'s claim as it is now, None when there is none."""
+    folder = as_folder(directory)
+    try:
+        return decode_claim(folder.read(_claim_name(operation_id))).beat
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return ""  # not a claim any writer of ours made
+    except OSError as exc:
+        where = folder.describe(_claim_name(operation_id))
+        raise CheckpointPathError(where, f"cannot read the claim {where}: "
+                                         f"{exc.strerror or exc}") from exc
 
 
 def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: ClaimWatch,
-               ttl_s: float) -> None:
+               ttl_s: float, incarnation: str = "", beat: str | None = None) -> None:
     """Claim ``directory`` for ``operation_id`` for ``ttl_s`` seconds; calling it again
     renews the claim. Refuses with ``CheckpointPathBusyError`` while another owner's
     claim is live: one ``watch`` has not seen unchanged for its ttl (so a claim seen for
@@ -388,7 +417,7 @@ def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: C
                 f"jobs must not write snapshots into one checkpoint path; give each job "
                 f"its own path (a claim whose job died is taken as abandoned once this "
                 f"job has seen it unchanged for {left[claim.operation]:.0f}s more)")
-    data, _ = encode_claim(operation_id, owner, ttl_s)
+    data, _ = encode_claim(operation_id, owner, ttl_s, incarnation, beat)
     folder.write_bytes(_claim_name(operation_id), data, sync=False)
 
 

@@ -41,10 +41,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _config(tmp_path: Path, **options: Any) -> CheckpointConfig:
-    return CheckpointConfig(namespace="job", drain_timeout_s=1.0, lease_s=6.0,
-                            phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=20.0,
-                            checkpoint_root=tmp_path / "ckpt",
-                            sandbox_root=tmp_path / "sandboxes", **options)
+    return CheckpointConfig(**{
+        "namespace": "job", "drain_timeout_s": 1.0, "lease_s": 6.0, "phase_timeout_s": 3.0,
+        "persist_timeout_s": 15.0, "turn_timeout_s": 20.0,
+        "checkpoint_root": tmp_path / "ckpt", "sandbox_root": tmp_path / "sandboxes",
+        **options})
 
 
 class Job:
@@ -596,14 +597,14 @@ def test_the_cli_shows_checks_and_diffs_each_sessions_directory(job: Job, tmp_pa
     assert "does not match its digest" in err
 
 
-def test_a_collection_left_by_a_dead_coordinator_does_not_hold_up_the_next_snapshot(
+def test_a_collection_this_coordinator_left_does_not_hold_up_the_next_snapshot(
         job: Job, tmp_path: Path) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
         coordinator = _coordinator(job)
         store = _store(tmp_path)
-        # What a coordinator of this job that died mid-collection leaves behind.
-        store.begin_collection(coordinator._owner, ttl_s=3600, watch=ClaimWatch())
+        # What a collection of this coordinator that ended without its release leaves.
+        store.begin_collection(coordinator._collector, ttl_s=3600, watch=ClaimWatch())
         started = job.sim.loop.time()
         async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
             assert snap is not None
@@ -613,6 +614,33 @@ def test_a_collection_left_by_a_dead_coordinator_does_not_hold_up_the_next_snaps
         assert read_manifest(tmp_path / "ckpt" / "a").format_version == 4
 
     job.run(scenario())
+
+
+def test_a_collection_a_predecessor_coordinator_left_is_waited_out_not_dropped(
+        tmp_path: Path) -> None:
+    """Issue 29, case 1: the predecessor Ray declared dead may run again and go on
+    removing blobs; its claim is another incarnation's, waited out as a dead
+    collector's (its ttl, seen unchanged), never dropped under it."""
+    job = Job(tmp_path, persist_timeout_s=120.0)
+    try:
+        async def scenario() -> None:
+            live, dirs = await _open_with_directories(job, rollouts=1)
+            store = _store(tmp_path)
+            predecessor = f"{_coordinator(job)._owner}#older"
+            store.begin_collection(predecessor, ttl_s=30.0, watch=ClaimWatch())
+            claim = store.live_collection(ClaimWatch())
+            async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut(live, set()))
+                assert store.live_collection(ClaimWatch()) == claim  # not dropped
+            # The holders waited it out (the wait itself, on their clocks:
+            # tests/test_storage.py, ..._waits_out_a_dead_collectors_claim_...).
+            assert read_manifest(tmp_path / "ckpt" / "a").format_version == 4
+            assert store.live_collection(ClaimWatch()) == claim
+
+        job.run(scenario())
+    finally:
+        job.close()
 
 
 def test_check_startup_refuses_a_sandbox_root_a_holder_cannot_write(tmp_path: Path) -> None:

@@ -624,10 +624,25 @@ def test_another_jobs_live_claim_refuses_a_snapshot_into_the_same_path(tmp_path:
     with pytest.raises(CheckpointPathBusyError, match="in use by snap-a of job-a@c1") as info:
         claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)
     assert not info.value.retriable
-    claim_path(directory, "snap-a2", "job-a@c1", job_a, ttl_s=60.0)  # its own job: fine
+    claim_path(directory, "snap-a2", "job-a@c1", job_a, ttl_s=60.0, incarnation="i1")
     assert live_claims(directory, "job-b@c2", job_b, ours=()) == {"snap-a", "snap-a2"}
-    # A claim of job-a's that job-a does not run now was left by its predecessor.
-    assert live_claims(directory, "job-a@c1", job_a, ours={"snap-a"}) == {"snap-a"}
+    # A claim this very incarnation wrote, of an operation it does not run now, ended
+    # here: it protects nothing.
+    assert live_claims(directory, "job-a@c1", job_a, ours=set(), incarnation="i1") \
+        == {"snap-a"}
+
+
+def test_a_claim_of_another_incarnation_of_the_same_job_protects_until_watched_stale(
+        tmp_path: Path) -> None:
+    """Issue 29, case 1: a coordinator Ray declared dead may run again beside its
+    successor; neither's clean-up takes the other's claims for its own leftovers."""
+    directory = prepare_environment_dir(tmp_path)
+    clock = FakeClock(0.0)
+    watch = ClaimWatch(clock)
+    claim_path(directory, "snap-new", "job@c", ClaimWatch(), ttl_s=60.0, incarnation="new")
+    assert live_claims(directory, "job@c", watch, ours=(), incarnation="old") == {"snap-new"}
+    clock.advance(60.0 * STALE_FACTOR + 1)  # its successor died too, and stopped renewing
+    assert live_claims(directory, "job@c", watch, ours=(), incarnation="old") == set()
 
 
 def test_a_claim_is_taken_over_only_once_watched_unchanged_for_its_ttl_whatever_the_wall_clocks(
