@@ -831,3 +831,25 @@ def test_a_collection_claim_whose_write_landed_but_raised_is_not_left_behind(
         store.begin_collection("gc", 30.0, ClaimWatch())
     assert not [p.name for p in root.iterdir() if p.name.startswith(".claim-")]
     store.wait_for_collection(deadline=time.monotonic())  # nothing to wait for
+
+
+def test_a_claim_that_cannot_be_read_stops_a_collection_instead_of_being_skipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skipped, a snapshot's hold let a collection remove blobs it relied on."""
+    store = BlobStore(str(tmp_path / BLOB_DIR), folder_at)
+    store.hold("snap-1", "job@c", 60.0)
+    local = type(folder_at(tmp_path))
+    real_read = local.read
+
+    def eio_on_claims(self: Any, name: str, limit: int | None = None) -> bytes:
+        if name.startswith(".claim-snap"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_read(self, name, limit)
+
+    monkeypatch.setattr(local, "read", eio_on_claims)
+    with pytest.raises(CheckpointPathError, match="cannot read the claim .*claim-snap-1"):
+        store.begin_collection("gc", 30.0, ClaimWatch())
+    directory = prepare_environment_dir(tmp_path / "ckpt")
+    claim_path(directory, "snap-2", "job@c", ClaimWatch(), 60.0)
+    with pytest.raises(CheckpointPathError, match="cannot read the claim"):
+        live_claims(directory, "job@c", ClaimWatch(), ours=())
