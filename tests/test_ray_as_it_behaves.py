@@ -1,24 +1,69 @@
 """Ray as it really behaves (issue 29), on the session's real multi-node cluster: a
-client whose holder was killed, handles across ``ray.shutdown()`` and ``ray.init()``, a
-restarted driver that finds the job's actors alive with another config."""
+coordinator incarnation that runs again after its successor took over, a client whose
+holder was killed, handles across ``ray.shutdown()`` and ``ray.init()``, a restarted
+driver that finds the job's actors alive with another config."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 
+from actors.coordinator import CheckpointCoordinator
+from actors.ray_transport import RayTransport
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
-from nemo_ckpt.errors import BackendUnavailableError, ConfigMismatchError
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    ConfigMismatchError,
+    SnapshotNotFoundError,
+)
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.storage import read_snapshot
+from nemo_ckpt.operations import new_operation_id
+from nemo_ckpt.storage import read_manifest, read_snapshot
 from tests.test_faults import wait_until
 
 pytestmark = pytest.mark.timeout(120)
+
+
+async def test_a_zombie_coordinators_late_commit_spares_the_next_snapshot(
+        ckpt: Any, tmp_path: Path) -> None:
+    """Case 1: a coordinator incarnation the job took for dead (its node stalled right
+    after its manifest's rename) finishes that commit while the job, through the named
+    coordinator, snapshots into the same path: its clean-up must not remove the new
+    snapshot's shards (it took their claim for its own dead predecessor's)."""
+    ns = ckpt.config.namespace
+    path = tmp_path / "ckpt"
+    for inst in ("holder-0", "holder-1"):
+        c = await SessionClient.connect(inst, namespace=ns)
+        await c.open(Ep(f"{inst}-r", 0), b"s")
+    async with ckpt.snapshot(path):
+        pass
+    zombie = CheckpointCoordinator(ckpt.config, RayTransport(ckpt.config))
+    op = new_operation_id("snap", time.time(), "olddrivr", 1)
+    await zombie.begin_snapshot(op, str(path))
+    await zombie.start_writes(op)
+    await zombie.inject_delay("after_manifest", 4.0)
+    late = asyncio.ensure_future(zombie.commit_snapshot(op, str(path), {}, 0))
+    await wait_until(lambda: _manifest_names(path, op), 30, "the zombie's manifest")
+
+    async with ckpt.snapshot(path):  # the stalled incarnation runs again meanwhile
+        await asyncio.wait_for(asyncio.shield(late), 30)
+    loaded = read_snapshot(path)  # every shard its manifest names is there
+    assert loaded.manifest.snapshot_id != op
+    assert sorted(s.episode.rollout_id for v in loaded.sessions.values() for s in v) == [
+        "holder-0-r", "holder-1-r"]
+
+
+async def _manifest_names(path: Path, op: str) -> bool:
+    try:
+        return read_manifest(path).snapshot_id == op
+    except SnapshotNotFoundError:
+        return False
 
 
 async def test_a_client_whose_holder_was_killed_reaches_its_successor(ckpt: Any) -> None:
