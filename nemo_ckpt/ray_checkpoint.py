@@ -33,6 +33,8 @@ __all__ = ["RayEnvironmentCheckpoint", "RaySnapshot"]
 log = logging.getLogger("nemo_ckpt")
 # retire/forget are idempotent: a restarted coordinator or a lost holder is retried.
 _LEDGER_OP_TRIES = 4
+# How often an abort looks the coordinator's name up again while it resolves to the dead.
+_NAME_RETRY_S = 0.25
 
 
 class RaySnapshot:
@@ -500,12 +502,30 @@ class RayEnvironmentCheckpoint:
         ("committed" if its commit won), or None if the coordinator could not be reached
         (the holders then end it by their lease)."""
         answer, _ = await _finish(asyncio.ensure_future(
-            self._call("abort", op_id, path, type(cause).__name__)))
+            self._abort_reaching(op_id, path, cause)))
         if isinstance(answer, BaseException):
             log.warning("abort of %s after %s also failed: %s", op_id,
                         type(cause).__name__, answer)
             return None
         return str(answer)
+
+    async def _abort_reaching(self, op_id: str, path: str | None, cause: BaseException
+                              ) -> Any:
+        """The abort, sent again while it finds the coordinator unavailable: after a
+        node's loss, Ray releases the dead coordinator's name only once it has declared
+        it dead, and until then the name resolves to it. Within a lease (and a phase)
+        the abort reaches the successor, so the surviving holders resume at once, not by
+        their lease, and the next attempt finds the successor. An abort is idempotent:
+        it answers the operation's outcome."""
+        clock = self._transport.runtime.clock
+        deadline = clock.monotonic() + self.config.lease_s + self.config.phase_timeout_s
+        while True:
+            try:
+                return await self._call("abort", op_id, path, type(cause).__name__)
+            except BackendUnavailableError:
+                if clock.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(_NAME_RETRY_S)
 
     def _refuse_if_open(self, what: str) -> None:
         if self._open is not None:
