@@ -24,7 +24,15 @@ from actors.heap import HeapTrimmer, freeze_startup_objects
 from actors.session_holder import SessionHolder
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.errors import BackendUnavailableError
-from nemo_ckpt.transport import COORDINATOR, HOLDER, Actor, Runtime, unavailable_error
+from nemo_ckpt.transport import (
+    CONTROL_GROUP,
+    COORDINATOR,
+    HOLDER,
+    Actor,
+    Runtime,
+    concurrency_group,
+    unavailable_error,
+)
 
 __all__ = [
     "CheckpointCoordinatorActor",
@@ -68,6 +76,13 @@ def _session() -> str:
 
 async def _raise(error: BaseException) -> Any:
     raise error
+
+
+def _method(actor: Actor, method: str) -> Any:
+    """``actor``'s remote ``method``, in its concurrency group (``concurrency_group``)."""
+    remote = getattr(actor.ref.ref, method)
+    group = concurrency_group(actor.kind, method)
+    return remote if group is None else remote.options(concurrency_group=group)
 
 
 class RayTransport:
@@ -149,6 +164,7 @@ class RayTransport:
         ref = SessionHolderActor.options(
             name=HOLDER_NAME_PREFIX + instance_id, namespace=self.namespace,
             lifetime="detached", get_if_exists=True,
+            max_concurrency=self._config.holder_turn_slots,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(instance_id, **options)
         return Actor(HOLDER, instance_id, _Handle(ref, _session()))
@@ -170,7 +186,7 @@ class RayTransport:
              timeout: float | None = None) -> Any:
         try:
             actor = self._current(actor)
-            ref = getattr(actor.ref.ref, method).remote(*args)  # sent now, awaited or not
+            ref = _method(actor, method).remote(*args)  # sent now, awaited or not
         except BackendUnavailableError as exc:
             return _raise(exc)
         except TypeError:
@@ -202,7 +218,7 @@ class RayTransport:
 
     def send(self, actor: Actor, method: str, *args: Any) -> None:
         with contextlib.suppress(Exception):  # forgotten: its errors are dropped anyway
-            getattr(self._current(actor).ref.ref, method).remote(*args)
+            _method(self._current(actor), method).remote(*args)
 
     def kill(self, actor: Actor) -> None:
         with contextlib.suppress(ValueError, BackendUnavailableError):
@@ -237,7 +253,14 @@ class _RayCheckpointCoordinator(CheckpointCoordinator):
 
 def _holder_options() -> dict[str, Any]:
     # No CPU reserved: a holder must fit on any node, beside the environment workers.
-    return {"num_cpus": 0, "max_concurrency": 10_000, "max_restarts": 0}
+    # Session calls run in the default slots (max_concurrency, set per job from
+    # CheckpointConfig.holder_turn_slots); control calls in their own group.
+    return {"num_cpus": 0, "max_concurrency": 10_000, "max_restarts": 0,
+            "concurrency_groups": {CONTROL_GROUP: _CONTROL_SLOTS}}
+
+
+# Control calls a holder runs at once: one operation's calls at a time, plus status.
+_CONTROL_SLOTS = 64
 
 
 # ray.remote's overloads do not type actor options; the handles are dynamic anyway.

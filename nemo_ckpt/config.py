@@ -131,6 +131,13 @@ class CheckpointConfig(BaseModel):
                     "used without a data-plane cut (tests, a standalone environment "
                     "service).")
 
+    holder_turn_slots: int = Field(
+        10_000, gt=0,
+        description="Session calls (turns waiting at a paused holder's gate included) a "
+                    "holder runs at once; more wait in Ray's queue. Control calls (pause, "
+                    "release, renewals, persist, abort) have slots of their own, so a "
+                    "full turn queue never delays a snapshot.")
+
     max_retired_marks: int = Field(
         100_000, gt=0,
         description="Retire marks a holder keeps (one per retired rollout, until RL "

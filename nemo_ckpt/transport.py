@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 __all__ = [
+    "CONTROL_GROUP",
     "COORDINATOR",
+    "SESSION_METHODS",
+    "concurrency_group",
     "HOLDER",
     "Actor",
     "Clock",
@@ -111,6 +114,24 @@ class Runtime:
 
 HOLDER = "holder"
 COORDINATOR = "coordinator"
+
+# A holder serves two kinds of calls: environment workers' session calls, which may wait
+# at a paused holder's gate in any number, and the coordinator's control calls (pause,
+# release, renewals, persist, abort, restore, status). A transport with a limit on
+# concurrent calls (Ray's max_concurrency) gives control calls their own slots, so they
+# never queue behind waiting turns.
+CONTROL_GROUP = "control"
+SESSION_METHODS = frozenset({
+    "open_session", "open_sessions", "get_session", "begin_turn", "commit_turn",
+    "abort_turn", "close_session", "sessions"})
+
+
+def concurrency_group(kind: str, method: str) -> str | None:
+    """The group of slots a call of ``method`` on an actor of ``kind`` runs in: None for
+    the actor's default slots (a holder's session calls; every coordinator call)."""
+    if kind == HOLDER and method not in SESSION_METHODS:
+        return CONTROL_GROUP
+    return None
 
 
 @dataclass(frozen=True)

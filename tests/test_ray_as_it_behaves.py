@@ -123,3 +123,36 @@ async def test_a_restarted_driver_with_another_config_is_refused_or_its_deadline
         **{**ckpt.config.model_dump(), "max_state_bytes": 1234}))
     with pytest.raises(ConfigMismatchError, match="max_state_bytes is .* 1234 in yours"):
         await other.ensure_holders()
+
+
+async def test_control_calls_never_queue_behind_more_waiting_turns_than_a_holder_runs(
+        ckpt: Any, tmp_path: Path) -> None:
+    """Case 3: with more turns waiting at a paused holder's gate than its session slots,
+    release, renewals and persist still run at once: the snapshot commits, well within
+    its lease, and the waiting turns then run."""
+    config = ckpt.config.model_copy(update={
+        "namespace": ckpt.config.namespace + "-slots", "holder_turn_slots": 8,
+        "checkpoint_root": tmp_path})
+    small = RayEnvironmentCheckpoint(config)
+    try:
+        await small.ensure_holders()
+        c = await SessionClient.connect("holder-0", namespace=config.namespace)
+        episodes = [Ep(f"r{k}", 0) for k in range(30)]
+        await c.open_many((ep, b"s") for ep in episodes)
+
+        async def turn(ep: Ep) -> None:
+            async with c.turn(ep) as t:
+                t.complete(b"t", b"s2", [])
+
+        started = asyncio.get_running_loop().time()
+        async with small.snapshot(tmp_path / "s") as snap:
+            assert snap is not None
+            waiting = [asyncio.ensure_future(turn(ep)) for ep in episodes]
+            await asyncio.sleep(1.0)  # every turn sent: 8 run (at the gate), 22 queue
+            assert not any(w.done() for w in waiting)
+        assert asyncio.get_running_loop().time() - started < config.lease_s
+        await asyncio.wait_for(asyncio.gather(*waiting), 30)
+        assert read_manifest(tmp_path / "s").snapshot_id == snap.snapshot_id
+        assert all(len(r.turns) == 1 for r in await c.sessions())
+    finally:
+        small.shutdown()
