@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import threading
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -234,13 +237,53 @@ class RayTransport:
         self._coordinator = None
 
 
+class _HomeLoop:
+    """One event loop, on a thread of its own, that runs all of a holder's code. Ray
+    runs each concurrency group of an async actor on an event loop of its own, but a
+    holder's state (its turn gate, its conditions, its tasks) belongs to one loop: each
+    call, whichever group's slot Ray gave it, runs here."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="holder-loop",
+                         daemon=True).start()
+
+    async def run(self, call: Coroutine[Any, Any, Any]) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self.loop))
+
+
+async def _sync_call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return method(*args, **kwargs)
+
+
+def _on_home_loop(name: str) -> Any:
+    """``SessionHolder.<name>`` as a Ray method in its concurrency group, run on the
+    holder's home loop."""
+    original = getattr(SessionHolder, name)
+    if inspect.iscoroutinefunction(original):
+        async def call(self: _RaySessionHolder, *args: Any, **kwargs: Any) -> Any:
+            return await self._home.run(original(self, *args, **kwargs))
+    else:
+        async def call(self: _RaySessionHolder, *args: Any, **kwargs: Any) -> Any:
+            return await self._home.run(_sync_call(original, self, *args, **kwargs))
+    call.__name__ = call.__qualname__ = name
+    group = concurrency_group(HOLDER, name)
+    return call if group is None else ray.method(concurrency_group=group)(call)
+
+
 class _RaySessionHolder(SessionHolder):
     """A holder in its own Ray actor process, on the node it was pinned to."""
 
     def __init__(self, instance_id: str, **options: Any) -> None:
+        self._home = _HomeLoop()
         super().__init__(instance_id, node_id=ray.get_runtime_context().get_node_id(),
                          runtime=Runtime(metrics=RayMetrics()), trimmer=HeapTrimmer(),
                          **options)
+
+
+for _name, _member in inspect.getmembers(SessionHolder, inspect.isfunction):
+    if not _name.startswith("_"):
+        setattr(_RaySessionHolder, _name, _on_home_loop(_name))
 
 
 class _RayCheckpointCoordinator(CheckpointCoordinator):

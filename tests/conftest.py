@@ -92,6 +92,18 @@ def remove_node_and_wait(cluster: Any, node: Any, timeout_s: float = 30.0) -> No
 
 
 @pytest.fixture
+def extra_node(cluster: Any) -> Iterator[Any]:
+    """A worker node added for this test and removed (if still there) afterwards."""
+    node = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    try:
+        yield node
+    finally:
+        if node in cluster.worker_nodes:
+            remove_node_and_wait(cluster, node)
+
+
+@pytest.fixture
 def namespace() -> str:
     """A Ray namespace of this test's own."""
     return f"t-{uuid.uuid4().hex[:10]}"

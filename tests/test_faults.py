@@ -292,18 +292,6 @@ async def test_a_holder_killed_during_restore_leaves_nothing_and_the_snapshot_re
         fresh.shutdown()
 
 
-@pytest.fixture
-def extra_node(cluster: Any) -> Iterator[Any]:
-    """A worker node added for this test and removed (if still there) afterwards."""
-    node = cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    try:
-        yield node
-    finally:
-        if node in cluster.worker_nodes:
-            remove_node_and_wait(cluster, node)
-
-
 async def instance_on(ckpt: RayEnvironmentCheckpoint, node_id: str) -> str:
     (inst,) = [h.instance_id for h in await ckpt.ensure_holders() if h.node_id == node_id]
     return inst

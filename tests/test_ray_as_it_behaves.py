@@ -6,15 +6,18 @@ driver that finds the job's actors alive with another config."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.coordinator import CheckpointCoordinator
-from actors.ray_transport import RayTransport
+from actors.ray_transport import CheckpointCoordinatorActor, RayTransport
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import (
@@ -24,6 +27,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.operations import new_operation_id
+from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import read_manifest, read_snapshot
 from tests.test_faults import wait_until
 
@@ -156,3 +160,40 @@ async def test_control_calls_never_queue_behind_more_waiting_turns_than_a_holder
         assert all(len(r.turns) == 1 for r in await c.sessions())
     finally:
         small.shutdown()
+
+
+async def test_after_the_coordinators_node_is_lost_the_abort_resumes_the_survivors_at_once(
+        ckpt: Any, cluster: Any, extra_node: Any, tmp_path: Path) -> None:
+    """Case 2: the coordinator's node is removed inside a snapshot's block. Until Ray
+    declares the node dead, the coordinator's name resolves to the dead actor; the
+    abort keeps looking it up, reaches the successor, and the surviving holders resume
+    long before their lease; the next attempt works at once."""
+    config = ckpt.config.model_copy(update={
+        "namespace": ckpt.config.namespace + "-lost", "lease_s": 30.0,
+        "checkpoint_root": tmp_path})
+    # The coordinator on the node to be lost (a driver there would have put it there).
+    CheckpointCoordinatorActor.options(
+        name=config.coordinator_name, namespace=config.namespace, lifetime="detached",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(extra_node.node_id, soft=False),
+    ).remote(config)
+    job = RayEnvironmentCheckpoint(config)
+    try:
+        await job.ensure_holders()
+        coordinator = ray.get_actor(config.coordinator_name, namespace=config.namespace)
+        pid = await coordinator.__ray_call__.remote(lambda self: os.getpid())
+        c = await SessionClient.connect("holder-0", namespace=config.namespace)
+        await c.open(Ep("r", 0), b"s")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(BackendUnavailableError):
+            async with job.snapshot(tmp_path / "a"):
+                cluster.remove_node(extra_node, allow_graceful=False)
+                os.kill(pid, signal.SIGKILL)  # a worker may outlive its raylet briefly
+        holder0 = ray.get_actor(HOLDER_NAME_PREFIX + "holder-0", namespace=config.namespace)
+        assert (await holder0.info.remote()).state is HolderState.RUNNING
+        assert asyncio.get_running_loop().time() - started < config.lease_s
+        async with job.snapshot(tmp_path / "b") as snap:  # the next attempt, at once
+            assert snap is not None
+        assert [s.episode for s in read_snapshot(tmp_path / "b").sessions["holder-0"]] == [
+            Ep("r", 0)]
+    finally:
+        job.shutdown()
