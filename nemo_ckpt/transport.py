@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 __all__ = [
+    "CONTROL_METHODS",
     "COORDINATOR",
     "HOLDER",
     "Actor",
@@ -111,6 +112,13 @@ class Runtime:
 
 HOLDER = "holder"
 COORDINATOR = "coordinator"
+
+# The holder's methods that run an operation (pause, persist, renew, resume, abort):
+# they must never wait for a concurrency slot behind turns waiting at a paused
+# holder's gate, so they belong in a concurrency group of their own.
+CONTROL_METHODS = frozenset({
+    "pause", "begin", "capture", "release", "renew_lease", "start_persist",
+    "finish_persist", "resume", "abort", "prepare_restore", "commit_restore", "info"})
 
 
 @dataclass(frozen=True)
