@@ -1612,13 +1612,13 @@ class Schedule:
             if not (env / "manifest.json").exists():
                 if self.committed.get(path):
                     self.violate(f"{Path(path).name}: committed {self.committed[path][-1]} "
-                                 f"but no manifest is there now")
+                                 f"but no manifest is there now{self._zombie_work(0.0)}")
                 continue
             try:
                 loaded = read_snapshot(path)
             except Exception as exc:
                 self.violate(f"{Path(path).name}: the manifest does not verify: "
-                             f"{type(exc).__name__}: {_short(exc)}")
+                             f"{type(exc).__name__}: {_short(exc)}{self._zombie_work(0.0)}")
                 continue
             sid = loaded.manifest.snapshot_id  # its directories: ``_check_world_of``
             if sid in self.failed_checks:
@@ -1659,7 +1659,8 @@ def _check_world_of(schedule: Schedule) -> None:
                               for t, n, skew in schedule.gc_removals)
                 schedule.violate(f"committed snapshot {manifest.snapshot_id} at "
                                  f"{Path(path).name} references a blob that is missing or "
-                                 f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}")
+                                 f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}"
+                                 f"{schedule._zombie_work(0.0)}")
         secret = schedule.secret.read_bytes()
         for holder in schedule.world.actors:
             boxes = getattr(holder.obj, "_sandboxes", None)
