@@ -386,6 +386,7 @@ class OpRecord:
     path: str
     start: float
     op_id: str | None = None
+    entered: float | None = None  # when RL's lock was taken and the snapshot called
     begun: float | None = None  # when the driver's snapshot began (holders captured)
     body_end: float | None = None  # when the caller's block ended (RL saved its half)
     end: float | None = None
@@ -495,18 +496,19 @@ class Schedule:
         self.manifests_written = 0
         # Blocking calls of zombies (declared dead, running again): (when, actor, function).
         self.zombie_io: list[tuple[float, SimActor, str]] = []
-        # Control calls that waited for a slot behind turns: (when, holder, method,
-        # operation, seconds waited, begin_turn calls ahead, limit).
-        self.queued_behind_turns: list[tuple[float, str, str, str, float, int, int]] = []
+        # Control calls that waited for a slot behind session calls (turns, opens):
+        # (when, holder, method, operation, seconds waited, session calls ahead, limit).
+        self.queued_behind_turns: list[tuple[float, str, str, str, float, str, int]] = []
 
     def _on_queued(self, target: SimActor, method: str, args: tuple[Any, ...],
-                   waited: float, turns: int, limit: int) -> None:
+                   waited: float, ahead: tuple[str, ...], limit: int) -> None:
+        turns = _session_calls(ahead)
         if method in CONTROL_METHODS and turns:
             op = args[0] if args and isinstance(args[0], str) else "?"
             self.queued_behind_turns.append((self.now(), target.name, method, op, waited,
                                              turns, limit))
             self.log(f"{method}({op}) to {target} waited {waited:.2f}s for a slot behind "
-                     f"{turns} begin_turn call(s)")
+                     f"{turns}")
 
     def _stall(self, actors: list[SimActor], seconds: float, node: str | None,
                why: str) -> None:
@@ -791,6 +793,7 @@ class Schedule:
         held = False  # a snapshot of nothing yields None, which needs no check
         try:
             async with self._maybe_lock(checked):
+                record.entered = self.now()
                 async with ckpt.snapshot(Path(path)) as snap:
                     record.begun = self.now()
                     held = snap is not None
@@ -842,16 +845,19 @@ class Schedule:
         """A snapshot's entry and its commit return within their driver's configured
         deadlines (with a margin of a lease: messages, retries, a slow link)."""
         entry = cfg.drain_timeout_s + 3 * cfg.phase_timeout_s + cfg.lease_s
-        if record.begun is not None and record.begun - record.start > entry:
+        # From the call, not from the wait for RL's own lock (its retires may be slow).
+        called = record.entered if record.entered is not None else record.start
+        if record.begun is not None and record.begun - called > entry:
             self.violate(f"a call waits past its deadline: the snapshot {record.op_id} took "
-                         f"{record.begun - record.start:.1f}s to begin (drain and phase "
-                         f"deadlines: {entry - cfg.lease_s:g}s)")
+                         f"{record.begun - called:.1f}s to begin (drain and phase "
+                         f"deadlines: {entry - cfg.lease_s:g}s){self._queue_note(record.op_id)}")
         commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + cfg.lease_s
         if record.body_end is not None and record.end is not None and \
                 record.end - record.body_end > commit:
             self.violate(f"a call waits past its deadline: the commit of {record.op_id} took "
                          f"{record.end - record.body_end:.1f}s after its block ended (persist "
-                         f"and phase deadlines: {commit - cfg.lease_s:g}s)")
+                         f"and phase deadlines: {commit - cfg.lease_s:g}s)"
+                         f"{self._queue_note(record.op_id)}")
 
     @contextlib.asynccontextmanager
     async def _maybe_lock(self, take: bool) -> AsyncIterator[None]:
@@ -1403,13 +1409,14 @@ class Schedule:
                 self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
                              f"driver renewed on time: the renewals' claim write met a disk "
                              f"full from {full[0]:.1f}s for {full[1]:.1f}s"
-                             + (", which recovered before the commit" if over else ""))
+                             + (", which recovered before the commit" if over else "")
+                             + self._queue_note(record.op_id))
             elif self.path_claimed_by_job2.get(record.path, float("inf")) <= (
                     record.end if record.end is not None else self.now()):
                 self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
                              f"driver renewed on time: the renewals' claim of the path was "
                              f"refused (a second job claimed it), and the holders' renewal "
-                             f"was skipped with it")
+                             f"was skipped with it{self._queue_note(record.op_id)}")
             else:
                 self.violate(f"{record.op_id} lost its lease although nothing stalled its "
                              f"renewals{self._queue_note(record.op_id)}")
@@ -1542,14 +1549,15 @@ class Schedule:
                  in self.queued_behind_turns if op == op_id}
         for actor in self.world.live(HOLDER):
             for queue in actor.queues.values():
-                for method, payload, _, _, turns in queue:
-                    args = pickle.loads(payload) if method in CONTROL_METHODS and turns else ()
+                for method, payload, _, _, ahead in queue:
+                    args = pickle.loads(payload) if method in CONTROL_METHODS and \
+                        _session_calls(ahead) else ()
                     if args and args[0] == op_id:
                         waits.add(f"{method} at {actor.name}")
         if not waits:
             return ""
-        return (f"; a control call queued behind turns waiting at the gate, in the holder's "
-                f"one concurrency group: {sorted(waits)}")
+        return (f"; a control call queued behind turns and opens waiting at the gate, in the "
+                f"holder's one concurrency group: {sorted(waits)}")
 
     def _check_control_not_queued(self) -> None:
         """A holder's control calls (pause, release, renewals, persist, resume, abort) do
@@ -1562,9 +1570,9 @@ class Schedule:
             record = next((r for r in self.ops if r.op_id == op), None)
             outcome = f"; {op} ended {record.outcome}" if record is not None else ""
             self.violate(f"a control call queued behind turns: {method}({op}) waited "
-                         f"{waited:.1f}s for a slot at {holder} behind {turns} begin_turn "
-                         f"call(s) waiting at its gate, in one concurrency group of limit "
-                         f"{limit} (until t={when:.2f}){outcome}")
+                         f"{waited:.1f}s for a slot at {holder} behind {turns} (workers' "
+                         f"session calls, held by its paused gate), in one concurrency group "
+                         f"of limit {limit} (until t={when:.2f}){outcome}")
 
     async def _check_settled(self) -> None:
         """The drivers stopped and messages landed, well within a lease: no holder waits
@@ -1638,6 +1646,16 @@ class Schedule:
                     data.snapshot_id
                 if sid in self.failed_checks:
                     self.violate(f"a manifest was written for {sid}, whose check failed")
+
+
+def _session_calls(methods: tuple[str, ...]) -> str:
+    """The workers' session calls (turns, opens: they wait at a paused holder's gate)
+    among ``methods``, counted by method; "" if none."""
+    counts: dict[str, int] = defaultdict(int)
+    for method in methods:
+        if method not in CONTROL_METHODS:
+            counts[method] += 1
+    return ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
 
 
 def _check_world_of(schedule: Schedule) -> None:

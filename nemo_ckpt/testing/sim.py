@@ -162,9 +162,10 @@ class SimActor:
     stalled_until: float = 0.0  # its node is frozen until then: nothing it does shows
     inbox: list[asyncio.Future[Any]] = field(default_factory=list)  # calls sent to it
     # Per concurrency group: the methods running now, and the calls waiting for a slot
-    # (method, args, answer, queued at, begin_turn calls ahead of it).
+    # (method, args, answer, queued at, the methods of the calls ahead of it).
     running: dict[str, list[str]] = field(default_factory=dict)
-    queues: dict[str, deque[tuple[str, bytes, asyncio.Future[Any], float, int]]] = field(
+    queues: dict[str, deque[tuple[str, bytes, asyncio.Future[Any], float, tuple[str, ...]]]] \
+        = field(
         default_factory=dict)
 
     @property
@@ -325,10 +326,10 @@ class SimWorld:
         self.zombie_life: Callable[[SimActor], float] = lambda a: 0.0
         # The limit of concurrent calls of ``actor`` in a concurrency group (None: none).
         self.concurrency: Callable[[SimActor, str], int | None] = lambda a, g: None
-        # Called with (callee, method, args, seconds waited, begin_turn calls that were
-        # ahead of it, the group's limit) as a call that waited for a slot starts.
-        self.on_queued: Callable[[SimActor, str, tuple[Any, ...], float, int, int], None] \
-            | None = None
+        # Called with (callee, method, args, seconds waited, the methods of the calls
+        # that were ahead of it, the group's limit) as a call that waited for a slot starts.
+        self.on_queued: Callable[[SimActor, str, tuple[Any, ...], float, tuple[str, ...],
+                                  int], None] | None = None
         self.declared: list[tuple[float, SimActor]] = []  # Ray declared it dead, alive
         self.stalls: list[tuple[float, float, list[SimActor]]] = []  # (from, to, whom)
 
@@ -617,8 +618,7 @@ class SimWorld:
             running.append(method)
             self._run(target, method, args, done, group)
             return
-        turns = running.count("begin_turn") + sum(q[0] == "begin_turn" for q in queue)
-        queue.append((method, payload, done, now, turns))
+        queue.append((method, payload, done, now, (*running, *(q[0] for q in queue))))
 
     def _run(self, target: SimActor, method: str, args: tuple[Any, ...],
              done: asyncio.Future[Any], group: str | None) -> None:
@@ -632,13 +632,13 @@ class SimWorld:
         running = target.running[group]
         limit = self.concurrency(target, group) or 1
         while queue and len(running) < limit:
-            method, payload, done, since, turns = queue.popleft()
+            method, payload, done, since, ahead = queue.popleft()
             if not target.alive:
                 self._fail(done, target, f"{target} died while {method} waited for a slot")
                 continue
             args = pickle.loads(payload)
             if self.on_queued is not None:
-                self.on_queued(target, method, args, self.loop.time() - since, turns, limit)
+                self.on_queued(target, method, args, self.loop.time() - since, ahead, limit)
             running.append(method)
             self._run(target, method, args, done, group)
 
