@@ -22,6 +22,16 @@ committed snapshot references a missing blob, nothing outside a sandbox is read 
 one, sparse files stay sparse, no call waits past its deadline, damaged data is the
 project's error.
 
+Ray as it behaves (issue 29; ``_ray_plan``): a death is noticed late, and the name resolves
+to the dead actor until Ray releases it; a stalled node (or the coordinator's process,
+once right after a manifest's rename) is declared dead past Ray's detection delay, and
+runs again as a zombie whose work still reaches files and holders; a holder admits a few
+concurrent calls in its one concurrency group (``nemo_ckpt.testing.sim.method_group``),
+with more workers' turns than that; a restarted driver brings another config. Its
+invariants: no zombie's clean-up tears a newer snapshot (case 29.1), no abort or next
+call fails only because it met the dead coordinator's name (29.2), no control call waits
+behind turns (29.3), no driver with another config commits.
+
     .venv/bin/python -m tests.simulation                  # 10,000 schedules on 2 processes
     .venv/bin/python -m tests.simulation --replay SEED    # one schedule, with its trace
 

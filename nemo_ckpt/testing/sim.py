@@ -22,6 +22,12 @@ seeded transport: the world the deterministic simulation (``tests/simulation.py`
 - Every actor has its own clocks (``SimActor``): a steady offset of its wall clock, a
   monotonic clock of its own origin, a rate that differs a little from true time, and
   jumps (``clock_offset``).
+- Ray as it behaves: a death is noticed after ``death_delay`` (calls to the dead fail
+  then, or at their timeout) and its name resolves to the dead actor until released;
+  ``stall`` freezes actors (their messages, answers and blocking work wait), and a stall
+  past its detection delay makes Ray declare them dead: their calls fail and their names
+  are released, yet they run again as zombies once the stall ends; each actor admits
+  ``concurrency`` calls per group (``method_group``), the rest wait in FIFO order.
 
 Files are real (a temporary folder per world), so the format code is the real one.
 """
