@@ -157,6 +157,7 @@ class Plan:
     detect_s: float  # seconds of a stall after which Ray declares the stalled dead
     stalls: list[tuple[float, str, float]]  # (when, "coordinator" or "node", seconds)
     stall_manifest: int | None  # the coordinator stalls after its n-th manifest rename
+    coordinator_node_dies: float | None  # when the coordinator and its node's holders die
     turn_limit: int | None  # a holder's concurrent calls in its (turn) group
     successor_config: str | None  # a restarted driver's config: "lease" or "mismatch"
 
@@ -236,6 +237,8 @@ def _ray_plan(seed: int) -> dict[str, Any]:
         stall_manifest=rng.choice([None, None, None, 1, 1, 2]),
         turn_limit=rng.choice([None] * 6 + [2, 3, 4]),
         successor_config=rng.choice([None] * 6 + ["lease", "lease", "mismatch"]),
+        coordinator_node_dies=random.Random(f"ray-node-{seed}").choice(
+            [None] * 6 + [round(random.Random(f"ray-at-{seed}").uniform(0.3, 9.0), 3)]),
     )
 
 
@@ -531,8 +534,22 @@ class Schedule:
 
     async def _inject_stalls(self) -> None:
         start = self.now()
-        for at, kind, seconds in self.plan.stalls:
+        faults = list(self.plan.stalls)
+        if self.plan.coordinator_node_dies is not None:
+            faults.append((self.plan.coordinator_node_dies, "coordinator_node", 0.0))
+        for at, kind, seconds in sorted(faults):
             await asyncio.sleep(max(0.0, start + at - self.now()))
+            if kind == "coordinator_node":  # issue 29 case 2: the node is removed
+                for coordinator in self.world.live(COORDINATOR):
+                    node = coordinator.node
+                    actors = [a for a in self.world.live(COORDINATOR) + self.world.live(HOLDER)
+                              if a.node == node]
+                    self.faults += 1
+                    self.fired.append((self.now(), "kill_coordinator"))
+                    self.log(f"fault: the coordinator's node {node} is removed: {actors} die")
+                    for actor in actors:
+                        self.world.kill(actor)
+                continue
             if kind == "coordinator":
                 actors = self.world.live(COORDINATOR)
                 if actors:
