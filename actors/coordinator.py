@@ -93,7 +93,6 @@ from nemo_ckpt.phases import (
 )
 from nemo_ckpt.sandbox_storage import blob_store_of, blob_store_ref
 from nemo_ckpt.storage import (
-    claim_beat,
     claim_path,
     environment_folder,
     folder_at,
@@ -205,6 +204,7 @@ class CheckpointCoordinator:
         self._claim_watch = ClaimWatch(self._clock.monotonic)
         self._holders: dict[str, Actor] = {}  # instance id -> actor handle
         self._holder_nodes: dict[str, str] = {}  # instance id -> node id
+        self._registered: dict[str, Actor] = {}  # every holder the last discovery listed
         self._ops: dict[str, _Operation] = {}  # open operations
         self._history = OperationHistory()
         self._committed: OrderedDict[str, SnapshotCommitted] = OrderedDict()
@@ -447,7 +447,9 @@ class CheckpointCoordinator:
             return known.value
         self._history.record(operation_id, Outcome.ABORTED)
         await self._discover()
-        await self._fan(self._holders, "abort",
+        # Every registered holder, answering or not: one slow to answer its info (a
+        # stalled link) may still be paused for this operation.
+        await self._fan(self._registered, "abort",
                         lambda inst, h: self._transport.call(
                             h, "abort", operation_id, timeout=self._config.phase_timeout_s),
                         tolerate_failures=True)
@@ -465,7 +467,17 @@ class CheckpointCoordinator:
             await op.closed.wait()
             return
         self._close(op, outcome)
-        await self._fan(op.holders, "abort",
+        # Every holder it involved, and every holder registered now: a holder made since
+        # (its predecessor died) may have been paused by a late call of this operation
+        # (a coordinator taken for dead that runs again); the abort it records refuses
+        # any later one.
+        targets = dict(op.holders)
+        for inst, handle in self._transport.holders().items():
+            if inst not in targets:
+                targets[inst] = handle
+            elif targets[inst].ref != handle.ref:  # another incarnation of it now
+                targets[f"{inst} (now)"] = handle
+        await self._fan(targets, "abort",
                         lambda inst, h: self._transport.call(
                             h, "abort", op.id, timeout=self._config.phase_timeout_s),
                         tolerate_failures=True)
@@ -556,10 +568,13 @@ class CheckpointCoordinator:
         job's snapshot is in progress there."""
         start = self._clock.monotonic()
         beat = self._runtime.token()
+        # A renewal only renews: a claim this incarnation no longer has was removed by
+        # a successor's abort (fenced), and must not come back.
+        renewing = frozenset(op.claim_beats) if op.claim_beats else None
         op.claim_beats.add(beat)  # before the write: it may land and still raise
         await self._runtime.run_blocking(
             claim_path, environment_folder(op.path), op.id, self._owner, self._claim_watch,
-            self._claim_ttl, self._incarnation, beat)
+            self._claim_ttl, self._incarnation, beat, renewing)
         op.claimed_at = start
 
     @property
@@ -568,20 +583,11 @@ class CheckpointCoordinator:
         return self._config.lease_s * 2
 
     async def _claims_hold(self, op: _Operation) -> None:
-        """Before the manifest: the path's claim must still be one this incarnation
-        wrote (fencing: a successor that took this one for dead aborts by removing it),
-        and it and the store's hold must not have lapsed since they were last written
-        (their renewals may have failed). A claim near its end is written again (refused
-        if another job took the path meanwhile); a hold that may have lapsed refuses the
-        commit, since a collection may have removed blobs the snapshot found present."""
-        beat = await self._runtime.run_blocking(claim_beat, environment_folder(op.path),
-                                                op.id)
-        if beat not in op.claim_beats:
-            # Fenced: its claim is gone or rewritten, so another incarnation of this
-            # coordinator (this one was taken for dead) aborted it and removed its files.
-            raise OperationAbortedError(
-                f"{op.id} was aborted by another coordinator of this job while this one "
-                f"was taken for dead (its node stalled?); it was not committed")
+        """Before the manifest: the path's claim and the store's hold must not have
+        lapsed since they were last written (their renewals may have failed). A claim
+        near its end is written again (refused if another job took the path meanwhile);
+        a hold that may have lapsed refuses the commit, since a collection may have
+        removed blobs the snapshot found present."""
         safe = self._claim_ttl * _CLAIM_SAFE
         if op.claimed_at is None or self._clock.monotonic() - op.claimed_at > safe:
             await self._claim(op)
@@ -758,7 +764,10 @@ class CheckpointCoordinator:
             await self._injected_delay("before_manifest")
             await self._claims_hold(op)
             async with self._path_lock(checkpoint_path):
-                await self._runtime.run_blocking(write_manifest, directory, manifest)
+                # Fenced: a successor that took this incarnation for dead and aborted the
+                # snapshot removed its claim (``write_manifest`` checks in the same call).
+                await self._runtime.run_blocking(write_manifest, directory, manifest,
+                                                 (op.id, frozenset(op.claim_beats)))
             await self._injected_delay("after_manifest")
         except BaseException as exc:
             self._count_failure("snapshot", exc)
@@ -1027,6 +1036,7 @@ class CheckpointCoordinator:
 
     async def _discover(self) -> list[HolderInfo]:
         found = self._transport.holders()
+        self._registered = found
         results = await asyncio.gather(
             *(self._transport.call(h, "info", timeout=self._config.phase_timeout_s)
               for h in found.values()),

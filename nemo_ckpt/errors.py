@@ -172,10 +172,16 @@ class SnapshotWriteError(NemoCkptError):
 class BackendUnavailableError(NemoCkptError):
     """A holder or the coordinator was unreachable, died, or missed a deadline.
 
-    Nothing RL holds has changed; the caller may retry the snapshot.
+    Nothing RL holds has changed; the caller may retry the snapshot. ``unreachable``
+    names the kind of actor a transport could not reach or that missed its deadline
+    ("coordinator" or "holder"; None when the callee raised it, reporting another),
+    and ``timed_out`` whether it missed a deadline (it may still be running the call)
+    rather than being found dead.
     """
 
     retriable = True
+    unreachable: str | None = None
+    timed_out = False
 
 
 class HolderStateError(NemoCkptError):

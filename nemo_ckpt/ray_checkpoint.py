@@ -26,15 +26,17 @@ from nemo_ckpt.location import LocalLocation, join_location, levels_below, parse
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderInfo, HolderState
 from nemo_ckpt.storage import PROBE_DIR, folder_at
-from nemo_ckpt.transport import Transport
+from nemo_ckpt.transport import COORDINATOR, Transport
 
 __all__ = ["RayEnvironmentCheckpoint", "RaySnapshot"]
 
 log = logging.getLogger("nemo_ckpt")
 # retire/forget are idempotent: a restarted coordinator or a lost holder is retried.
 _LEDGER_OP_TRIES = 4
-# How often an abort looks the coordinator's name up again while it resolves to the dead.
+# How often a call looks the coordinator's name up again while it resolves to the dead.
 _NAME_RETRY_S = 0.25
+# Calls whose outcome, when the coordinator died under them, only the abort can tell.
+_OUTCOME_CALLS = frozenset({"commit_snapshot", "commit_restore"})
 
 
 class RaySnapshot:
@@ -479,16 +481,26 @@ class RayEnvironmentCheckpoint:
     async def _call(self, method: str, *args: Any) -> Any:
         """Call the coordinator (errors as ``Transport.call`` raises them), attached first:
         a coordinator found alive was made with someone's config
-        (``CheckpointCoordinator.attach``)."""
+        (``CheckpointCoordinator.attach``). A call that finds the coordinator dead is sent
+        again, within a lease and a phase, while Ray may still resolve its name to the
+        dead actor (until it has declared the actor's node dead): the next attempt after
+        a coordinator's loss then finds its successor. A commit is not: its outcome is
+        learned from the abort (``_commit_snapshot``)."""
         transport = self._transport
-        try:
-            if not self._attached:
-                await transport.call(transport.coordinator(), "attach", self.config)
-                self._attached = True
-            return await transport.call(transport.coordinator(), method, *args)
-        except BackendUnavailableError:
-            self._attached = False  # another coordinator may answer next: attach to it
-            raise
+        clock = transport.runtime.clock
+        deadline = clock.monotonic() + self._name_wait_s
+        while True:
+            try:
+                if not self._attached:
+                    await transport.call(transport.coordinator(), "attach", self.config)
+                    self._attached = True
+                return await transport.call(transport.coordinator(), method, *args)
+            except BackendUnavailableError as exc:
+                self._attached = False  # another coordinator may answer next: attach to it
+                if exc.unreachable != COORDINATOR or exc.timed_out \
+                        or method in _OUTCOME_CALLS or clock.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(_NAME_RETRY_S)
 
     def _new_operation_id(self, kind: str) -> str:
         runtime = self._transport.runtime
@@ -501,31 +513,21 @@ class RayEnvironmentCheckpoint:
         """Abort ``op_id`` everywhere, even from a cancelled task, and return its outcome
         ("committed" if its commit won), or None if the coordinator could not be reached
         (the holders then end it by their lease)."""
+        # ``_call`` sends it again while the coordinator's name resolves to the dead:
+        # the survivors resume at once after a node's loss, not by their lease.
         answer, _ = await _finish(asyncio.ensure_future(
-            self._abort_reaching(op_id, path, cause)))
+            self._call("abort", op_id, path, type(cause).__name__)))
         if isinstance(answer, BaseException):
             log.warning("abort of %s after %s also failed: %s", op_id,
                         type(cause).__name__, answer)
             return None
         return str(answer)
 
-    async def _abort_reaching(self, op_id: str, path: str | None, cause: BaseException
-                              ) -> Any:
-        """The abort, sent again while it finds the coordinator unavailable: after a
-        node's loss, Ray releases the dead coordinator's name only once it has declared
-        it dead, and until then the name resolves to it. Within a lease (and a phase)
-        the abort reaches the successor, so the surviving holders resume at once, not by
-        their lease, and the next attempt finds the successor. An abort is idempotent:
-        it answers the operation's outcome."""
-        clock = self._transport.runtime.clock
-        deadline = clock.monotonic() + self.config.lease_s + self.config.phase_timeout_s
-        while True:
-            try:
-                return await self._call("abort", op_id, path, type(cause).__name__)
-            except BackendUnavailableError:
-                if clock.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(_NAME_RETRY_S)
+    @property
+    def _name_wait_s(self) -> float:
+        """How long a call waits for the coordinator's name to stop resolving to a dead
+        incarnation: past a lease, the holders have resumed by themselves anyway."""
+        return self.config.lease_s + self.config.phase_timeout_s
 
     def _refuse_if_open(self, what: str) -> None:
         if self._open is not None:

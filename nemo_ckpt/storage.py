@@ -39,6 +39,7 @@ from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     CheckpointPathError,
     ManifestInvalidError,
+    OperationAbortedError,
     ShardCorruptedError,
     SnapshotNotFoundError,
     SnapshotReadError,
@@ -277,13 +278,27 @@ def write_shard_parts(directory: Folder | Path, name: str, instance_id: str, ind
                       sessions=count)
 
 
-def write_manifest(directory: Folder | Path, manifest: Manifest | bytes) -> None:
+def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
+                   fence: tuple[str, Collection[str]] | None = None) -> None:
     """Commit the snapshot: write ``manifest.json`` durably. Call it after every shard.
 
-    ``manifest`` is a ``Manifest`` or its JSON from ``encode_manifest``."""
+    ``manifest`` is a ``Manifest`` or its JSON from ``encode_manifest``. ``fence``,
+    ``(operation id, beats)``: first require the operation's claim to hold one of the
+    beats its writer wrote, or raise ``OperationAbortedError``: a coordinator taken for
+    dead that runs again finds its claim removed by its successor's abort. Checked here,
+    in the same call as the write, so a stall cannot fall between them on the caller's
+    side; a folder offers no conditional rename to close the rest (a bucket's
+    conditional writes would)."""
+    folder = as_folder(directory)
+    if fence is not None:
+        operation_id, beats = fence
+        if claim_beat(folder, operation_id) not in beats:
+            raise OperationAbortedError(
+                f"{operation_id} was aborted by another coordinator of this job while this "
+                f"one was taken for dead (its node stalled?); it was not committed")
     # Compact: it is written while the holders are paused; `nemo-ckpt inspect` reads it.
     data = manifest if isinstance(manifest, bytes) else manifest.model_dump_json().encode()
-    as_folder(directory).write_bytes(MANIFEST_NAME, data)
+    folder.write_bytes(MANIFEST_NAME, data)
 
 
 def remove_files(directory: Folder | Path, names: Iterable[str]) -> None:
@@ -401,14 +416,24 @@ def claim_beat(directory: Folder | Path, operation_id: str) -> str | None:
 
 
 def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: ClaimWatch,
-               ttl_s: float, incarnation: str = "", beat: str | None = None) -> None:
+               ttl_s: float, incarnation: str = "", beat: str | None = None,
+               renewing: Collection[str] | None = None) -> None:
     """Claim ``directory`` for ``operation_id`` for ``ttl_s`` seconds; calling it again
     renews the claim. Refuses with ``CheckpointPathBusyError`` while another owner's
     claim is live: one ``watch`` has not seen unchanged for its ttl (so a claim seen for
     the first time refuses; keep one watch per job). This owner's own operations need
-    no refusal: its holders run one at a time, and clean-up spares the ones open."""
+    no refusal: its holders run one at a time, and clean-up spares the ones open.
+    ``renewing``, the beats the caller wrote it with: a renewal, refused with
+    ``OperationAbortedError`` when the claim is gone or another's (a successor that
+    took the caller for dead aborted the operation: its claim must not come back)."""
     folder = as_folder(directory)
-    claims = [c for c in read_claims(folder) if c.operation != operation_id]
+    found = read_claims(folder)
+    if renewing is not None and not any(
+            c.operation == operation_id and c.beat in renewing for c in found):
+        raise OperationAbortedError(
+            f"{operation_id} was aborted by another coordinator of this job while this one "
+            f"was taken for dead (its node stalled?); its claim is not renewed")
+    claims = [c for c in found if c.operation != operation_id]
     left = watch.observe(folder.describe(), claims)
     for claim in claims:
         if claim.owner != owner and left[claim.operation] > 0:

@@ -154,14 +154,19 @@ def unavailable_error(actor: Actor, method: str, *, timeout: float | None = None
     coordinator = actor.kind == COORDINATOR
     who = "the nemo-ckpt coordinator" if coordinator else f"holder {actor.name}"
     if timeout is not None:
-        return BackendUnavailableError(
+        error = BackendUnavailableError(
             f"{who} did not finish {method} within {timeout:.1f}s; it is overloaded or its "
             f"node is unreachable; retry")
-    what = f" ({type(cause).__name__})" if cause is not None else ""
-    consequence = ("holders resume by their lease; retry" if coordinator else
-                   "its node or process died; its sessions are lost and their rollouts "
-                   "restart")
-    return BackendUnavailableError(f"{who} is unreachable during {method}{what}; {consequence}")
+        error.timed_out = True
+    else:
+        what = f" ({type(cause).__name__})" if cause is not None else ""
+        consequence = ("holders resume by their lease; retry" if coordinator else
+                       "its node or process died; its sessions are lost and their rollouts "
+                       "restart")
+        error = BackendUnavailableError(
+            f"{who} is unreachable during {method}{what}; {consequence}")
+    error.unreachable = actor.kind
+    return error
 
 
 class Transport(Protocol):

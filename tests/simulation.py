@@ -22,6 +22,16 @@ committed snapshot references a missing blob, nothing outside a sandbox is read 
 one, sparse files stay sparse, no call waits past its deadline, damaged data is the
 project's error.
 
+Ray as it behaves (issue 29; ``_ray_plan``): a death is noticed late, and the name resolves
+to the dead actor until Ray releases it; a stalled node (or the coordinator's process,
+once right after a manifest's rename) is declared dead past Ray's detection delay, and
+runs again as a zombie whose work still reaches files and holders; a holder admits a few
+concurrent calls in its one concurrency group (``nemo_ckpt.testing.sim.method_group``),
+with more workers' turns than that; a restarted driver brings another config. Its
+invariants: no zombie's clean-up tears a newer snapshot (case 29.1), no abort or next
+call fails only because it met the dead coordinator's name (29.2), no control call waits
+behind turns (29.3), no driver with another config commits.
+
     .venv/bin/python -m tests.simulation                  # 10,000 schedules on 2 processes
     .venv/bin/python -m tests.simulation --replay SEED    # one schedule, with its trace
 
@@ -40,6 +50,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import random
 import shutil
 import stat
@@ -53,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_ckpt.collection import collect_blobs, committed_snapshots
-from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     LeaseExpiredError,
@@ -80,7 +91,7 @@ from nemo_ckpt.storage import (
 )
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import SimActor, SimWorld
-from nemo_ckpt.transport import COORDINATOR, HOLDER
+from nemo_ckpt.transport import COORDINATOR, HOLDER, SESSION_METHODS
 
 CONFIG = CheckpointConfig(namespace="sim", drain_timeout_s=1.0, lease_s=6.0,
                           phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=10.0)
@@ -141,6 +152,14 @@ class Plan:
     hostile: float  # chance a file being scanned is swapped by the sandbox's own process
     sparse: bool  # a turn makes a sparse file
     damage: str | None  # a copy of a committed manifest, damaged: "huge" or "nested"
+    # Ray as it behaves (issue 29), drawn apart too (``_ray_plan``):
+    slow_death: bool  # callers learn of a death late; the name points at the dead
+    detect_s: float  # seconds of a stall after which Ray declares the stalled dead
+    stalls: list[tuple[float, str, float]]  # (when, "coordinator" or "node", seconds)
+    stall_manifest: int | None  # the coordinator stalls after its n-th manifest rename
+    coordinator_node_dies: float | None  # when the coordinator and its node's holders die
+    turn_limit: int | None  # a holder's concurrent calls in its (turn) group
+    successor_config: str | None  # a restarted driver's config: "lease" or "mismatch"
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -157,7 +176,7 @@ class Plan:
         for _ in range(rng.choice([0, 0, 1, 1, 2])):
             kind = rng.choice(sorted(TRIGGERS))
             triggers.append((kind, rng.choice(TRIGGERS[kind]), rng.randint(1, 3)))
-        return cls(
+        plan = cls(
             seed=seed, nodes=rng.choice([2, 3]), rollouts_per_node=rng.randint(1, 3),
             turns=rng.randint(2, 5), ops=ops, faults=faults, triggers=triggers,
             second_driver=sorted(round(rng.uniform(0.2, 6.0), 3)
@@ -171,8 +190,12 @@ class Plan:
             # Its own draw: the plans of every other seed stay as they were.
             sandboxes=random.Random(f"sandboxes-{seed}").random() < 0.2,
             clock_skew_s=random.Random(f"skew-{seed}").choice([0.0, 60.0, 3 * 3600.0]),
-            **_world_plan(seed),
+            **_world_plan(seed), **_ray_plan(seed),
         )
+        if plan.turn_limit is not None:  # more turns waiting at a gate than slots
+            plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
+                                         + random.Random(f"turns-{seed}").randint(1, 3))
+        return plan
 
 
 def _world_plan(seed: int) -> dict[str, Any]:
@@ -195,6 +218,27 @@ def _world_plan(seed: int) -> dict[str, Any]:
         hostile=rng.choice([0.0, 0.0, 0.0, 0.1]),
         sparse=rng.random() < 0.05,
         damage=rng.choice([None] * 20 + ["huge", "nested"]),
+    )
+
+
+def _ray_plan(seed: int) -> dict[str, Any]:
+    """What real Ray does that an ideal transport does not (issue 29): deaths noticed
+    late, stalled nodes declared dead that run again, concurrency limits, a restarted
+    driver with another config."""
+    rng = random.Random(f"ray-{seed}")
+    detect = round(rng.uniform(1.0, 4.0), 3)
+    stalls = sorted((round(rng.uniform(0.3, 9.0), 3), rng.choice(["coordinator", "node"]),
+                     round(rng.uniform(0.3, 10.0), 3))
+                    for _ in range(rng.choice([0, 0, 0, 0, 1, 1, 2])))
+    return dict(
+        slow_death=rng.random() < 0.5,
+        detect_s=detect,
+        stalls=stalls,
+        stall_manifest=rng.choice([None, None, None, 1, 1, 2]),
+        turn_limit=rng.choice([None] * 6 + [2, 3, 4]),
+        successor_config=rng.choice([None] * 6 + ["lease", "lease", "mismatch"]),
+        coordinator_node_dies=random.Random(f"ray-node-{seed}").choice(
+            [None] * 6 + [round(random.Random(f"ray-at-{seed}").uniform(0.3, 9.0), 3)]),
     )
 
 
@@ -355,11 +399,15 @@ class OpRecord:
     path: str
     start: float
     op_id: str | None = None
+    entered: float | None = None  # when RL's lock was taken and the snapshot called
     begun: float | None = None  # when the driver's snapshot began (holders captured)
     body_end: float | None = None  # when the caller's block ended (RL saved its half)
     end: float | None = None
     outcome: str = "running"
     check_failed: bool = False
+    abort_sent: float | None = None  # when its driver first sent its abort
+    # Its driver's calls that met a coordinator dead (or declared dead) as they were sent.
+    dead_calls: list[tuple[float, str, SimActor]] = field(default_factory=list)
 
 
 @dataclass
@@ -380,6 +428,9 @@ class Driver:
         self.ckpt = RayEnvironmentCheckpoint(self.config,
                                              sim.world.transport(self.actor, self.config))
         self.name = name
+        # The fields its config has that the job's does not (a restarted driver's).
+        self.differs = sorted(k for k in CheckpointConfig.model_fields
+                              if getattr(self.config, k) != getattr(sim.config, k))
         self.op_task: asyncio.Task[Any] | None = None
         self.record: OpRecord | None = None  # the operation it runs now
         sim.drivers[self.actor] = self
@@ -439,6 +490,77 @@ class Schedule:
         self.world.on_send = self._on_send
         self.world.on_deliver = self._on_deliver
         self.world.after_io = self._after_io
+        self._install_ray()
+
+    def _install_ray(self) -> None:
+        """Ray as it behaves (issue 29): deaths noticed late, zombies, concurrency
+        limits. Its own RNG, so the other draws of a seed stay as they were."""
+        plan, rng = self.plan, random.Random(f"ray-run-{self.seed}")
+        self.ray_rng = rng
+        if plan.slow_death:
+            self.world.death_delay = lambda actor: (rng.uniform(0.2, 3.0),
+                                                    rng.uniform(0.0, 2.0))
+        self.world.zombie_life = lambda actor: rng.uniform(0.5, 6.0)
+        limit = plan.turn_limit
+        if limit is not None:
+            self.world.concurrency = lambda actor, group: (
+                limit if actor.kind == HOLDER and group == "default" else None)
+        self.world.on_queued = self._on_queued
+        self.manifests_written = 0
+        # Blocking calls of zombies (declared dead, running again): (when, actor, function).
+        self.zombie_io: list[tuple[float, SimActor, str]] = []
+        # Control calls that waited for a slot behind session calls (turns, opens):
+        # (when, holder, method, operation, seconds waited, session calls ahead, limit).
+        self.queued_behind_turns: list[tuple[float, str, str, str, float, str, int]] = []
+
+    def _on_queued(self, target: SimActor, method: str, args: tuple[Any, ...],
+                   waited: float, ahead: tuple[str, ...], limit: int) -> None:
+        turns = _session_calls(ahead)
+        if method not in SESSION_METHODS and turns:
+            op = args[0] if args and isinstance(args[0], str) else "?"
+            self.queued_behind_turns.append((self.now(), target.name, method, op, waited,
+                                             turns, limit))
+            self.log(f"{method}({op}) to {target} waited {waited:.2f}s for a slot behind "
+                     f"{turns}")
+
+    def _stall(self, actors: list[SimActor], seconds: float, node: str | None,
+               why: str) -> None:
+        detect = self.plan.detect_s
+        self.faults += 1
+        self.fired.append((self.now(), f"stall:{why}"))
+        declared = f"; Ray declares it dead at {detect:.1f}s" if seconds > detect else ""
+        self.log(f"fault: {why}: {actors} stall for {seconds:.1f}s{declared}")
+        self.world.stall(actors, seconds, detect, node)
+
+    async def _inject_stalls(self) -> None:
+        start = self.now()
+        faults = list(self.plan.stalls)
+        if self.plan.coordinator_node_dies is not None:
+            faults.append((self.plan.coordinator_node_dies, "coordinator_node", 0.0))
+        for at, kind, seconds in sorted(faults):
+            await asyncio.sleep(max(0.0, start + at - self.now()))
+            if kind == "coordinator_node":  # issue 29 case 2: the node is removed
+                for coordinator in self.world.live(COORDINATOR):
+                    node = coordinator.node
+                    actors = [a for a in self.world.live(COORDINATOR) + self.world.live(HOLDER)
+                              if a.node == node]
+                    self.faults += 1
+                    self.fired.append((self.now(), "kill_coordinator"))
+                    self.log(f"fault: the coordinator's node {node} is removed: {actors} die")
+                    for actor in actors:
+                        self.world.kill(actor)
+                continue
+            if kind == "coordinator":
+                actors = self.world.live(COORDINATOR)
+                if actors:
+                    self._stall(actors, seconds, None, "the coordinator's process stalls")
+                continue
+            nodes = [n for n in self.world.alive_nodes() if n != "node-0"]
+            if nodes:
+                node = self.ray_rng.choice(nodes)
+                actors = [a for a in self.world.actors if a.node == node and a.alive
+                          and a.noticed_at is None]
+                self._stall(actors, seconds, node, f"node {node} stalls")
 
     def _trigger(self, kind: str, method: str) -> bool:
         """Whether a planned trigger fires now (each fires once, at its n-th call)."""
@@ -465,6 +587,16 @@ class Schedule:
             self.world.kill(target)
 
     def _after_io(self, actor: SimActor, name: str) -> None:
+        if actor.zombie:
+            self.zombie_io.append((self.now(), actor, name))
+        if actor.kind == COORDINATOR and name == "write_manifest" and actor.noticed_at is None:
+            self.manifests_written += 1
+            if self.manifests_written == self.plan.stall_manifest:
+                # Issue 29 case 1: the node stalls past Ray's health checks right after
+                # the rename; the process runs again later.
+                seconds = self.plan.detect_s + self.ray_rng.uniform(0.2, 4.0)
+                self._stall([actor], seconds, None,
+                            "the coordinator's node stalls right after a manifest's rename")
         if actor.kind in (HOLDER, COORDINATOR) and self._trigger("kill_after_io", name):
             self.log(f"fault: {actor} is killed right after {name}")
             self.world.kill(actor)
@@ -479,6 +611,12 @@ class Schedule:
         driver = self.drivers.get(caller)
         if driver is None:
             return
+        record = driver.record
+        if record is not None and callee.kind == COORDINATOR:
+            if method == "abort" and record.abort_sent is None:
+                record.abort_sent = self.now()
+            if not callee.alive or callee.noticed_at is not None:
+                record.dead_calls.append((self.now(), method, callee))
         if driver.record is not None and driver.record.op_id is None \
                 and method in ("begin_snapshot", "prepare_restore") and args:
             driver.record.op_id = args[0]
@@ -576,8 +714,10 @@ class Schedule:
         return None
 
     def killed_since(self, start: float, kinds: Iterable[str]) -> bool:
+        """Whether an actor of ``kinds`` died, or Ray declared it dead, after ``start``."""
         kinds = set(kinds)
-        return any(t > start and a.kind in kinds for t, a in self.world.kills)
+        return any(t > start and a.kind in kinds
+                   for t, a in self.world.kills + self.world.declared)
 
     # --- inspection (in-process, not through the transport) ---------------------------------
 
@@ -608,6 +748,8 @@ class Schedule:
             loop.close()
             for actor in self.world.actors:  # their finished tasks: free them now
                 actor.tasks.clear()
+                actor.inbox.clear()
+                actor.queues.clear()
         return Result(self.seed, self.violations, self.faults, self.trace)
 
     async def _main(self) -> None:
@@ -615,12 +757,14 @@ class Schedule:
         await self.driver.ckpt.ensure_holders()
         await self._start_workers(fresh=True)
         injector = asyncio.ensure_future(self._inject_faults())
+        stalls = asyncio.ensure_future(self._inject_stalls())
         monitor = asyncio.ensure_future(self._monitor())
         seconds = [asyncio.ensure_future(self._second_driver(t, k))
                    for k, t in enumerate(self.plan.second_driver)]
         outside = [asyncio.ensure_future(c) for c in self._outside_actors()]
         await self._drive()
         injector.cancel()
+        stalls.cancel()
         for task in outside:
             task.cancel()
         for task in seconds:
@@ -656,8 +800,14 @@ class Schedule:
         if self.driver is not None and self.driver.actor.alive:
             return self.driver
         await asyncio.sleep(self.rng.uniform(0.1, 2.0))
-        self.driver = Driver(self, f"driver-{len(self.world.actors)}")
-        self.log(f"{self.driver.name} starts (successor)")
+        config = None
+        if self.plan.successor_config == "lease":  # adopted by the live coordinator
+            config = self.config.model_copy(update={"lease_s": 9.0})
+        elif self.plan.successor_config == "mismatch":  # refused: ConfigMismatchError
+            config = self.config.model_copy(update={"max_state_bytes": 1 << 20})
+        self.driver = Driver(self, f"driver-{len(self.world.actors)}", config)
+        self.log(f"{self.driver.name} starts (successor, config differs in "
+                 f"{self.driver.differs})")
         return self.driver
 
     async def _snapshot(self, driver: Driver, path: str, checked: bool) -> None:
@@ -670,6 +820,7 @@ class Schedule:
         held = False  # a snapshot of nothing yields None, which needs no check
         try:
             async with self._maybe_lock(checked):
+                record.entered = self.now()
                 async with ckpt.snapshot(Path(path)) as snap:
                     record.begun = self.now()
                     held = snap is not None
@@ -702,34 +853,38 @@ class Schedule:
             self.committed[path].append(record.op_id or "?")
             self.log(f"{record.op_id} committed")
             self._check_commit(record)
+            self._check_one_config(driver, record)
         except BaseException as exc:
             record.outcome = type(exc).__name__
             self.log(f"{record.op_id} failed: {type(exc).__name__}: {_short(exc)}")
             if not isinstance(exc, asyncio.CancelledError):
                 self._check_error_kind(exc, f"snapshot {record.op_id}")
+                self._check_dead_name(record, exc)
                 await self._check_failed_snapshot(record, exc)
             if not isinstance(exc, (Exception, asyncio.CancelledError)):
                 raise
         finally:
             record.end = self.now()
             driver.record = None
-            self._check_deadlines(record)
+            self._check_deadlines(record, driver.config)
 
-    def _check_deadlines(self, record: OpRecord) -> None:
-        """A snapshot's entry and its commit return within their configured deadlines
-        (with a margin of a lease: messages, retries, a slow link)."""
-        cfg = self.config
+    def _check_deadlines(self, record: OpRecord, cfg: CheckpointConfig) -> None:
+        """A snapshot's entry and its commit return within their driver's configured
+        deadlines (with a margin of a lease: messages, retries, a slow link)."""
         entry = cfg.drain_timeout_s + 3 * cfg.phase_timeout_s + cfg.lease_s
-        if record.begun is not None and record.begun - record.start > entry:
+        # From the call, not from the wait for RL's own lock (its retires may be slow).
+        called = record.entered if record.entered is not None else record.start
+        if record.begun is not None and record.begun - called > entry:
             self.violate(f"a call waits past its deadline: the snapshot {record.op_id} took "
-                         f"{record.begun - record.start:.1f}s to begin (drain and phase "
-                         f"deadlines: {entry - cfg.lease_s:g}s)")
+                         f"{record.begun - called:.1f}s to begin (drain and phase "
+                         f"deadlines: {entry - cfg.lease_s:g}s){self._queue_note(record.op_id)}")
         commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + cfg.lease_s
         if record.body_end is not None and record.end is not None and \
                 record.end - record.body_end > commit:
             self.violate(f"a call waits past its deadline: the commit of {record.op_id} took "
                          f"{record.end - record.body_end:.1f}s after its block ended (persist "
-                         f"and phase deadlines: {commit - cfg.lease_s:g}s)")
+                         f"and phase deadlines: {commit - cfg.lease_s:g}s)"
+                         f"{self._queue_note(record.op_id)}")
 
     @contextlib.asynccontextmanager
     async def _maybe_lock(self, take: bool) -> AsyncIterator[None]:
@@ -905,7 +1060,13 @@ class Schedule:
         if self.driver is not None:
             self.world.kill(self.driver.actor)
         self.rollout_tasks.clear()
-        loaded = read_snapshot(path)
+        try:
+            loaded = read_snapshot(path)
+        except NemoCkptError as exc:
+            self.violate(f"{saved.snapshot_id} committed but its snapshot does not verify "
+                         f"at the restore: {type(exc).__name__}: {_short(exc)}"
+                         f"{self._zombie_work(0.0)}")
+            return
         # RL's half, restored inside restored(): every unfinished rollout of the cut either
         # continues (captured) or starts over as its next attempt.
         self.rl = SimRL()
@@ -1171,13 +1332,37 @@ class Schedule:
 
     # --- invariants ---------------------------------------------------------------------------
 
+    def _check_one_config(self, driver: Driver, record: OpRecord) -> None:
+        """A driver whose config differs from the job's in a field that is not adopted
+        never commits through actors made with the job's (ConfigMismatchError)."""
+        fixed = [k for k in driver.differs if k not in ADOPTED_FIELDS | DRIVER_FIELDS]
+        made = [a.obj._config for a in self.world.live(COORDINATOR)]
+        if fixed and any(getattr(c, k) != getattr(driver.config, k)
+                         for c in made for k in fixed):
+            self.violate(f"{record.op_id} committed through a coordinator made with "
+                         f"another config ({', '.join(fixed)} differ): nothing refused it")
+
+    def _zombie_work(self, since: float) -> str:
+        """What coordinators Ray had declared dead did after ``since``, for a message."""
+        work = [(t, a, name) for t, a, name in self.zombie_io
+                if t >= since and a.kind == COORDINATOR]
+        if not work:
+            return ""
+        t, actor, name = work[-1]
+        declared = next(d for d, a in self.world.declared if a is actor)
+        return (f"; a zombie coordinator ({actor}, declared dead at t={declared:.2f} after "
+                f"its node stalled, then run again) ran {name} there at t={t:.2f}: its "
+                f"clean-up took the newer snapshot's claim for a dead predecessor's and "
+                f"removed its files")
+
     def _check_commit(self, record: OpRecord) -> None:
         """A snapshot the driver saw commit is the manifest at its path, complete."""
         try:
             loaded = read_snapshot(record.path)
         except Exception as exc:
             self.violate(f"{record.op_id} committed but its snapshot does not verify: "
-                         f"{type(exc).__name__}: {_short(exc)}")
+                         f"{type(exc).__name__}: {_short(exc)}"
+                         f"{self._zombie_work(record.start)}")
             return
         named = loaded.manifest.snapshot_id
         later = self._captured_later(record)
@@ -1197,10 +1382,34 @@ class Schedule:
         return {r.op_id for r in self.ops if r.path == record.path and r.begun is not None
                 and r.begun > record.begun}
 
-    async def _check_failed_snapshot(self, record: OpRecord, exc: BaseException) -> None:
-        """A failed snapshot resumed every holder before its error reached the driver."""
-        if self.killed_since(record.start, (COORDINATOR, "driver")):
+    def _check_dead_name(self, record: OpRecord, exc: BaseException) -> None:
+        """An operation begun after the coordinator died (its death noticed before) does
+        not fail only because its calls still met the dead actor's name."""
+        if not isinstance(exc, BackendUnavailableError) or not record.dead_calls:
             return
+        if "the nemo-ckpt coordinator" not in str(exc):
+            return  # it failed on a holder (a fault of its own), after reaching a coordinator
+        when, method, dead = record.dead_calls[0]
+        died = [t for t, a in self.world.kills + self.world.declared if a is dead]
+        if not died or died[0] >= record.start or \
+                self.killed_since(record.start, (COORDINATOR,)):
+            return
+        self.violate(f"{record.op_id or 'the ' + record.kind + ' of ' + record.driver} "
+                     f"failed (BackendUnavailableError) because its "
+                     f"{method} met the dead coordinator's name: {dead} died at "
+                     f"t={died[0]:.2f}, before the operation began, and the name still "
+                     f"resolved to it at t={when:.2f}")
+
+    async def _check_failed_snapshot(self, record: OpRecord, exc: BaseException) -> None:
+        """A failed snapshot resumed every holder before its error reached the driver,
+        even after its coordinator died, so long as no coordinator died after its
+        driver's abort went out (the abort finds the successor)."""
+        if self.killed_since(record.start, ("driver",)):
+            return
+        after_abort = record.abort_sent if record.abort_sent is not None else self.now()
+        if self.killed_since(after_abort - 1e-9, (COORDINATOR,)):
+            return
+        coordinator_died = self.killed_since(record.start, (COORDINATOR,))
         paused = []
         for actor in self.world.live(HOLDER):
             info = await self._ask(actor, "info")
@@ -1208,9 +1417,20 @@ class Schedule:
                     and not self.end_in_flight[(actor.serial, info.operation_id)]:
                 paused.append(info.instance_id)
                 self.paused_reported.add((actor.serial, info.operation_id))
-        if paused:
+        if paused and coordinator_died:
+            dead = [(t, a) for t, a in self.world.kills + self.world.declared
+                    if a.kind == COORDINATOR and t > record.start]
+            met = [m for _, m, _ in record.dead_calls]
+            self.violate(f"{record.op_id} failed ({type(exc).__name__}) after its "
+                         f"coordinator {dead[0][1]} died at t={dead[0][0]:.2f}, and its abort "
+                         f"met the dead coordinator's name ({len(met)} call(s) to the dead "
+                         f"actor: {sorted(set(met))}): it left {paused} paused for it until "
+                         f"their lease{self._queue_note(record.op_id)}")
+        elif paused:
             self.violate(f"{record.op_id} failed ({type(exc).__name__}) but left {paused} "
-                         f"paused for it")
+                         f"paused for it{self._queue_note(record.op_id)}")
+        if coordinator_died:
+            return
         if isinstance(exc, LeaseExpiredError) and not self._stalled(record):
             full = self._full_disk_during(record)
             if full is not None:
@@ -1218,22 +1438,23 @@ class Schedule:
                 self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
                              f"driver renewed on time: the renewals' claim write met a disk "
                              f"full from {full[0]:.1f}s for {full[1]:.1f}s"
-                             + (", which recovered before the commit" if over else ""))
+                             + (", which recovered before the commit" if over else "")
+                             + self._queue_note(record.op_id))
             elif self.path_claimed_by_job2.get(record.path, float("inf")) <= (
                     record.end if record.end is not None else self.now()):
                 self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
                              f"driver renewed on time: the renewals' claim of the path was "
                              f"refused (a second job claimed it), and the holders' renewal "
-                             f"was skipped with it")
+                             f"was skipped with it{self._queue_note(record.op_id)}")
             else:
                 self.violate(f"{record.op_id} lost its lease although nothing stalled its "
-                             f"renewals")
+                             f"renewals{self._queue_note(record.op_id)}")
 
     def _stalled(self, record: OpRecord) -> bool:
         """Whether a fault could have stopped the lease renewals of ``record``."""
         end = record.end if record.end is not None else self.now()
         return any(record.start <= at <= end and (
-            kind.startswith(("clock_jump", "cancel")) or kind in ("kill_coordinator",
+            kind.startswith(("clock_jump", "cancel", "stall")) or kind in ("kill_coordinator",
                                                                   "kill_driver"))
             for at, kind in self.fired) \
             or any(record.start - CONFIG.lease_s <= at <= end
@@ -1332,13 +1553,15 @@ class Schedule:
                 if arrived is not None and ended is not None and arrived > ended:
                     self.violate(f"{actor.name} is {state.value} for {op_id}: "
                                  f"its begin arrived after its abort or resume, and a late "
-                                 f"call paused it again")
+                                 f"call paused it again{self._queue_note(op_id)}")
                 elif record.outcome == "CancelledError":
                     self.violate(f"{actor.name} is still {state.value} for "
-                                 f"{op_id} after its driver was cancelled")
+                                 f"{op_id} after its driver was cancelled"
+                                 f"{self._queue_note(op_id)}")
                 else:
                     self.violate(f"{op_id} failed ({record.outcome}) but left "
-                                 f"['{actor.name}'] {state.value} for it")
+                                 f"['{actor.name}'] {state.value} for it"
+                                 f"{self._queue_note(op_id)}")
 
     def _exempt(self, op_id: str | None) -> bool:
         """A holder may stay paused for an operation until its lease lapses only when the
@@ -1347,6 +1570,38 @@ class Schedule:
         if record is None:
             return True  # an id no driver here made (a dead driver's late message)
         return self.killed_since(record.start, (COORDINATOR, "driver"))
+
+    def _queue_note(self, op_id: str | None) -> str:
+        """Why ``op_id``'s holders may have stayed paused: its control calls waited (or
+        wait now) for a concurrency slot behind turns waiting at a holder's gate."""
+        waits = {f"{method} at {holder}" for _, holder, method, op, _, _, _
+                 in self.queued_behind_turns if op == op_id}
+        for actor in self.world.live(HOLDER):
+            for queue in actor.queues.values():
+                for method, payload, _, _, ahead in queue:
+                    args = pickle.loads(payload) if method not in SESSION_METHODS and \
+                        _session_calls(ahead) else ()
+                    if args and args[0] == op_id:
+                        waits.add(f"{method} at {actor.name}")
+        if not waits:
+            return ""
+        return (f"; a control call queued behind turns and opens waiting at the gate, in the "
+                f"holder's one concurrency group: {sorted(waits)}")
+
+    def _check_control_not_queued(self) -> None:
+        """A holder's control calls (pause, release, renewals, persist, resume, abort) do
+        not wait for a concurrency slot behind turns waiting at its gate."""
+        seen = set()
+        for when, holder, method, op, waited, turns, limit in self.queued_behind_turns:
+            if waited <= GRACE_S or op in seen:
+                continue
+            seen.add(op)
+            record = next((r for r in self.ops if r.op_id == op), None)
+            outcome = f"; {op} ended {record.outcome}" if record is not None else ""
+            self.violate(f"a control call queued behind turns: {method}({op}) waited "
+                         f"{waited:.1f}s for a slot at {holder} behind {turns} (workers' "
+                         f"session calls, held by its paused gate), in one concurrency group "
+                         f"of limit {limit} (until t={when:.2f}){outcome}")
 
     async def _check_settled(self) -> None:
         """The drivers stopped and messages landed, well within a lease: no holder waits
@@ -1366,11 +1621,13 @@ class Schedule:
         """Past every lease and turn deadline."""
         for message in self.blocked:
             self.violate(message)
+        self._check_control_not_queued()
         self._check_world()
         for info in await self.holder_infos():
             if info.state is not HolderState.RUNNING:
                 self.violate(f"{info.instance_id} is {info.state.value} for "
-                             f"{info.operation_id} past its lease")
+                             f"{info.operation_id} past its lease"
+                             f"{self._queue_note(info.operation_id)}")
             if info.turns_in_flight:
                 self.violate(f"{info.instance_id} has {info.turns_in_flight} turn(s) in "
                              f"flight past the turn deadline")
@@ -1392,13 +1649,13 @@ class Schedule:
             if not (env / "manifest.json").exists():
                 if self.committed.get(path):
                     self.violate(f"{Path(path).name}: committed {self.committed[path][-1]} "
-                                 f"but no manifest is there now")
+                                 f"but no manifest is there now{self._zombie_work(0.0)}")
                 continue
             try:
                 loaded = read_snapshot(path)
             except Exception as exc:
                 self.violate(f"{Path(path).name}: the manifest does not verify: "
-                             f"{type(exc).__name__}: {_short(exc)}")
+                             f"{type(exc).__name__}: {_short(exc)}{self._zombie_work(0.0)}")
                 continue
             sid = loaded.manifest.snapshot_id  # its directories: ``_check_world_of``
             if sid in self.failed_checks:
@@ -1420,6 +1677,16 @@ class Schedule:
                     self.violate(f"a manifest was written for {sid}, whose check failed")
 
 
+def _session_calls(methods: tuple[str, ...]) -> str:
+    """The workers' session calls (turns, opens: they wait at a paused holder's gate)
+    among ``methods``, counted by method; "" if none."""
+    counts: dict[str, int] = defaultdict(int)
+    for method in methods:
+        if method in SESSION_METHODS:
+            counts[method] += 1
+    return ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
+
+
 def _check_world_of(schedule: Schedule) -> None:
     """The invariants of the world outside the protocol (issue 23): every committed
     snapshot's blobs are there; nothing outside a sandbox was read into one; a sandbox's
@@ -1439,7 +1706,8 @@ def _check_world_of(schedule: Schedule) -> None:
                               for t, n, skew in schedule.gc_removals)
                 schedule.violate(f"committed snapshot {manifest.snapshot_id} at "
                                  f"{Path(path).name} references a blob that is missing or "
-                                 f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}")
+                                 f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}"
+                                 f"{schedule._zombie_work(0.0)}")
         secret = schedule.secret.read_bytes()
         for holder in schedule.world.actors:
             boxes = getattr(holder.obj, "_sandboxes", None)
@@ -1518,8 +1786,14 @@ def _check_damaged_manifest(schedule: Schedule) -> None:
     shutil.rmtree(copy, ignore_errors=True)
 
 
-# Which reviewed case (issue 11, then issue 23) a violation shows, by its wording.
+# Which reviewed case (issue 11, then 23, then 29) a violation shows, by its wording.
 CASES = [
+    ("29.1 a zombie coordinator's clean-up removed a newer snapshot's files",
+     ("a zombie coordinator",)),
+    ("29.2 a call after the coordinator's death met its dead name",
+     ("met the dead coordinator's name",)),
+    ("29.3 control calls queued behind waiting turns", ("a control call queued behind",)),
+    ("29.6 a driver with another config committed", ("made with another config",)),
     ("23.1 committed snapshot references a missing blob", ("references a blob that is",)),
     ("23.2 a file outside the sandbox read into one", ("the secret file outside every",)),
     ("23.3 a scan blocked on a FIFO", ("opening a FIFO",)),

@@ -10,19 +10,24 @@ import os
 import re
 from contextlib import redirect_stdout
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from actors.session_holder import SessionHolder
+from nemo_ckpt.config import HOLDER_NAME_PREFIX
+from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint, RaySnapshot
+from nemo_ckpt.testing import sim
 from nemo_ckpt.testing.sim import SimActor, SimWorld
+from nemo_ckpt.transport import HOLDER, Actor
 from tests import simulation
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_a_seed_replays_exactly() -> None:
-    for seed in (3, 26, 574):
+    for seed in (3, 26, 574, 20, 4):  # 20: a zombie coordinator; 4: calls wait for slots
         first = simulation.run_one(seed, tracing=True)
         again = simulation.run_one(seed, tracing=True)
         assert first.trace == again.trace and first.trace
@@ -120,3 +125,111 @@ def test_every_process_reads_its_own_clocks() -> None:
     assert 90.0 <= wall_a <= 110.0 and 90.0 <= wall_b <= 110.0 and wall_a != wall_b
     assert clock_a.monotonic() - start[2] == pytest.approx(wall_a)  # one rate, both clocks
     world.loop.close()
+
+
+class _Echo:
+    """A callee whose calls take ``seconds`` and note when they ran."""
+
+    def __init__(self, world: SimWorld, log: list[tuple[str, float]]) -> None:
+        self._world, self._log = world, log
+
+    async def work(self, name: str, seconds: float) -> str:
+        self._log.append((name, self._world.loop.time()))
+        await asyncio.sleep(seconds)
+        return name
+
+
+def _callee_world(log: list[tuple[str, float]]) -> tuple[SimWorld, SimActor, SimActor]:
+    world = SimWorld(seed=5, nodes=2)
+    world.message_delay = lambda target, method, reply: 0.01
+    caller = world.new_actor("driver", "d", "node-0")
+    callee = world.new_actor(HOLDER, "h", "node-1")
+    callee.obj = _Echo(world, log)
+    world.registry[("sim", HOLDER_NAME_PREFIX + "h")] = callee
+    return world, caller, callee
+
+
+def test_a_death_is_noticed_late_and_the_name_resolves_to_the_dead_actor_meanwhile() -> None:
+    world, caller, callee = _callee_world([])
+    world.death_delay = lambda actor: (2.0, 1.0)
+    transport = world.transport(caller, simulation.CONFIG)
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        world.kill(callee)
+        handle = transport.holder("h")
+        assert handle is not None and handle.ref is callee  # the dead incarnation
+        with pytest.raises(BackendUnavailableError):
+            await transport.call(handle, "work", "late", 0.0)
+        seen["failed at"] = world.loop.time()
+        seen["name at 2.5s"] = transport.holder("h")
+        await asyncio.sleep(1.0)
+        seen["name at 3.5s"] = transport.holder("h")
+
+    world.loop.run_until_complete(main())
+    world.loop.close()
+    assert seen["failed at"] == pytest.approx(2.0)
+    assert seen["name at 2.5s"] is not None and seen["name at 3.5s"] is None
+
+
+def test_a_stalled_actor_declared_dead_runs_again_as_a_zombie() -> None:
+    log: list[tuple[str, float]] = []
+    world, caller, callee = _callee_world(log)
+    world.zombie_life = lambda actor: 1.0
+    transport = world.transport(caller, simulation.CONFIG)
+    handle = Actor(HOLDER, "h", callee)
+
+    async def main() -> None:
+        world.stall([callee], seconds=5.0, detect=1.0)
+        with pytest.raises(BackendUnavailableError):  # held by the stall, failed at 1s
+            await transport.call(handle, "work", "held", 0.0)
+        assert world.loop.time() == pytest.approx(1.0)
+        assert transport.holder("h") is None and callee.zombie
+        zombie = world.transport(callee, simulation.CONFIG)
+        other = world.new_actor(HOLDER, "o", "node-0")
+        other.obj = _Echo(world, log)
+        await asyncio.sleep(4.5)  # the stall is over: the zombie works and calls out
+        assert await zombie.call(Actor(HOLDER, "o", other), "work", "from zombie", 0.0) \
+            == "from zombie"
+        await asyncio.sleep(2.0)
+
+    world.loop.run_until_complete(main())
+    world.loop.close()
+    assert [name for name, _ in log] == ["held", "from zombie"]
+    assert log[0][1] == pytest.approx(5.0)  # the held call ran as the node thawed
+    assert not callee.alive  # its raylet found out, and killed it
+
+
+def test_calls_beyond_a_groups_limit_wait_in_order_at_the_callee() -> None:
+    log: list[tuple[str, float]] = []
+    world, caller, callee = _callee_world(log)
+    world.concurrency = lambda actor, group: 1
+    queued: list[tuple[str, tuple[str, ...]]] = []
+    world.on_queued = lambda target, method, args, waited, ahead, limit: queued.append(
+        (args[0], ahead))
+    transport = world.transport(caller, simulation.CONFIG)
+    handle = Actor(HOLDER, "h", callee)
+
+    async def main() -> list[str]:
+        calls = [transport.call(handle, "work", f"c{k}", 1.0) for k in range(3)]
+        return list(await asyncio.gather(*calls))
+
+    assert world.loop.run_until_complete(main()) == ["c0", "c1", "c2"]
+    world.loop.close()
+    assert [round(t) for _, t in log] == [0, 1, 2]  # one at a time, first come first
+    assert queued == [("c1", ("work",)), ("c2", ("work", "work"))]
+
+
+def test_control_calls_behind_turns_are_found_unless_they_have_a_group_of_their_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Case 29.3: the groups are the real actors' (nemo_ckpt.transport.concurrency_group);
+    # with every call in one group, as before the fix, the simulation finds the queue.
+    seeds = [s for s in range(60) if simulation.Plan.make(s).turn_limit is not None][:6]
+
+    def cases() -> set[str]:
+        return {simulation.case_of(v) for seed in seeds
+                for v in simulation.run_one(seed).violations}
+
+    assert "29.3 control calls queued behind waiting turns" not in cases()
+    monkeypatch.setattr(sim, "method_group", lambda kind, method: "default")
+    assert "29.3 control calls queued behind waiting turns" in cases()

@@ -22,6 +22,12 @@ seeded transport: the world the deterministic simulation (``tests/simulation.py`
 - Every actor has its own clocks (``SimActor``): a steady offset of its wall clock, a
   monotonic clock of its own origin, a rate that differs a little from true time, and
   jumps (``clock_offset``).
+- Ray as it behaves: a death is noticed after ``death_delay`` (calls to the dead fail
+  then, or at their timeout) and its name resolves to the dead actor until released;
+  ``stall`` freezes actors (their messages, answers and blocking work wait), and a stall
+  past its detection delay makes Ray declare them dead: their calls fail and their names
+  are released, yet they run again as zombies once the stall ends; each actor admits
+  ``concurrency`` calls per group (``method_group``), the rest wait in FIFO order.
 
 Files are real (a temporary folder per world), so the format code is the real one.
 """
@@ -37,6 +43,7 @@ import selectors
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +57,13 @@ from nemo_ckpt.transport import (
     Actor,
     NoMetrics,
     Runtime,
+    concurrency_group,
     unavailable_error,
 )
 
 __all__ = [
     "ActorDied",
+    "method_group",
     "IoFault",
     "SimActor",
     "SimTransport",
@@ -118,6 +127,14 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             self._now += seconds
 
 
+def method_group(kind: str, method: str) -> str:
+    """The concurrency group an actor's ``method`` runs in at its callee (Ray's
+    concurrency groups, each with its own limit), as the real actors declare them
+    (``nemo_ckpt.transport.concurrency_group``): a holder's control calls apart from
+    its session calls."""
+    return concurrency_group(kind, method) or "default"
+
+
 class ActorDied(Exception):
     """The callee died before it answered (what Ray reports as an actor error)."""
 
@@ -145,9 +162,26 @@ class SimActor:
     rate: float = 1.0  # seconds its clocks count per true second
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     serial: int = 0
+    # When its callers learn that Ray declared it dead (its calls fail from then on);
+    # None while Ray thinks it alive. An actor alive past it is a zombie.
+    noticed_at: float | None = None
+    stalled_until: float = 0.0  # its node is frozen until then: nothing it does shows
+    inbox: list[asyncio.Future[Any]] = field(default_factory=list)  # calls sent to it
+    # Per concurrency group: the methods running now, and the calls waiting for a slot
+    # (method, args, answer, queued at, the methods of the calls ahead of it).
+    running: dict[str, list[str]] = field(default_factory=dict)
+    queues: dict[str, deque[tuple[str, bytes, asyncio.Future[Any], float, tuple[str, ...]]]] \
+        = field(
+        default_factory=dict)
+
+    @property
+    def zombie(self) -> bool:
+        return self.alive and self.noticed_at is not None
 
     def __repr__(self) -> str:
-        return f"<{self.kind} {self.name}#{self.serial}{'' if self.alive else ' dead'}>"
+        state = "" if self.alive and self.noticed_at is None else (
+            " zombie" if self.alive else " dead")
+        return f"<{self.kind} {self.name}#{self.serial}{state}>"
 
 
 # The context of the transport's own callbacks: they belong to no actor.
@@ -290,6 +324,20 @@ class SimWorld:
         self.clock_skew_s = 0.0
         self.clock_rate = 0.0
         self._clock_rng = random.Random(f"clocks-{seed}")
+        # Slow death (as Ray notices it): seconds after a death until its callers learn
+        # of it, and until its name is released after that (0, 0: at once).
+        self.death_delay: Callable[[SimActor], tuple[float, float]] = lambda a: (0.0, 0.0)
+        # Seconds a zombie (declared dead, then thawed) runs before its node's raylet
+        # finds out and kills it.
+        self.zombie_life: Callable[[SimActor], float] = lambda a: 0.0
+        # The limit of concurrent calls of ``actor`` in a concurrency group (None: none).
+        self.concurrency: Callable[[SimActor, str], int | None] = lambda a, g: None
+        # Called with (callee, method, args, seconds waited, the methods of the calls
+        # that were ahead of it, the group's limit) as a call that waited for a slot starts.
+        self.on_queued: Callable[[SimActor, str, tuple[Any, ...], float, tuple[str, ...],
+                                  int], None] | None = None
+        self.declared: list[tuple[float, SimActor]] = []  # Ray declared it dead, alive
+        self.stalls: list[tuple[float, float, list[SimActor]]] = []  # (from, to, whom)
 
     def _leg(self, target: SimActor, method: str, reply: bool) -> float:
         """The delay of one message leg (a call or its answer); slow ones are noted."""
@@ -375,6 +423,11 @@ class SimWorld:
         if not actor.alive:  # the thread died with its process
             done.cancel()
             return
+        frozen = actor.stalled_until - self.loop.time()
+        if frozen > 0:  # its node is stalled: the thread runs once it thaws
+            self.loop.call_later(frozen, self._execute, actor, fn, name, args, done, rest,
+                                 context=_NO_ACTOR)
+            return
         decision = self.io_faults(name, args)
         if decision == "fail":
             from nemo_ckpt.errors import SnapshotWriteError
@@ -428,18 +481,70 @@ class SimWorld:
         return freed
 
     def kill(self, actor: SimActor) -> None:
-        """Kill one actor incarnation: its tasks are cancelled, its calls fail."""
+        """Kill one actor incarnation: its tasks are cancelled; its callers learn of it
+        after ``death_delay`` (its calls fail then, or at their timeout), and its name
+        resolves to the dead actor until it is released after that."""
         if not actor.alive:
             return
         actor.alive = False
-        self.kills.append((self.loop.time(), actor))
-        for key, registered in list(self.registry.items()):
-            if registered is actor:
-                del self.registry[key]
+        now = self.loop.time()
+        self.kills.append((now, actor))
+        if actor.noticed_at is None:  # a zombie's death was declared already
+            notice, release = self.death_delay(actor)
+            actor.noticed_at = now + notice
+            self._release(actor, notice + release)
         current = asyncio.current_task(self.loop) if self.loop.is_running() else None
         for task in list(actor.tasks):
             if task is not current and not task.done():
                 task.cancel()
+
+    def _release(self, actor: SimActor, after: float) -> None:
+        """Ray releases ``actor``'s name ``after`` seconds from now."""
+        if after > 0:
+            self.loop.call_later(after, self._release, actor, 0.0, context=_NO_ACTOR)
+            return
+        for key, registered in list(self.registry.items()):
+            if registered is actor:
+                del self.registry[key]
+
+    def _fail(self, done: asyncio.Future[Any], target: SimActor, why: str) -> None:
+        """Fail a call to ``target`` as unavailable once its death is noticed."""
+        wait = 0.0 if target.noticed_at is None else target.noticed_at - self.loop.time()
+        if wait > 0:
+            self.loop.call_later(wait, _settle, done, None, ActorDied(why),
+                                 context=_NO_ACTOR)
+        else:
+            _settle(done, exc=ActorDied(why))
+
+    def stall(self, actors: list[SimActor], seconds: float, detect: float,
+              node: str | None = None) -> None:
+        """Freeze ``actors`` (a stalled node: their messages, answers and blocking work
+        wait) for ``seconds``. A stall longer than ``detect`` makes Ray declare them dead
+        (and ``node``, if given) at ``detect``: their calls fail, their names are
+        released, and after the stall they run again as zombies for ``zombie_life``."""
+        now = self.loop.time()
+        for actor in actors:
+            actor.stalled_until = max(actor.stalled_until, now + seconds)
+        self.stalls.append((now, now + seconds, list(actors)))
+        if seconds > detect:
+            self.loop.call_later(detect, self._declare, list(actors), node,
+                                 context=_NO_ACTOR)
+
+    def _declare(self, actors: list[SimActor], node: str | None) -> None:
+        now = self.loop.time()
+        if node is not None:
+            self.nodes[node] = False
+        for actor in actors:
+            if not actor.alive or actor.noticed_at is not None:
+                continue
+            actor.noticed_at = now
+            self.declared.append((now, actor))
+            self._release(actor, self.death_delay(actor)[1])
+            for done in actor.inbox:
+                _settle(done, exc=ActorDied(f"{actor} was declared dead"))
+            actor.inbox.clear()
+            life = max(0.0, actor.stalled_until - now) + self.zombie_life(actor)
+            self.loop.call_later(life, self.kill, actor, context=_NO_ACTOR)
 
     def kill_node(self, node: str) -> None:
         self.nodes[node] = False
@@ -456,7 +561,8 @@ class SimWorld:
         return [n for n, alive in self.nodes.items() if alive]
 
     def live(self, kind: str) -> list[SimActor]:
-        return [a for a in self.actors if a.kind == kind and a.alive]
+        """The actors of ``kind`` alive that Ray has not declared dead (no zombies)."""
+        return [a for a in self.actors if a.kind == kind and a.alive and a.noticed_at is None]
 
     def transport(self, actor: SimActor, config: CheckpointConfig) -> SimTransport:
         return SimTransport(self, actor, config)
@@ -470,38 +576,90 @@ class SimWorld:
         if self.on_send is not None:
             self.on_send(caller, target, method, args)
         payload = pickle.dumps(args, protocol=5)
+        inbox = target.inbox
+        if len(inbox) > 256:
+            inbox[:] = [f for f in inbox if not f.done()]
+        inbox.append(done)
         # The message travels on its own (timer callbacks, no task of the caller):
         # neither the caller's death nor its cancellation stops it, as with a Ray call
         # already sent. Callbacks rather than a task per message: the simulation's
-        # schedules are mostly event-loop turns.
-        self.loop.call_later(self._leg(target, method, False), self._arrive,
-                             target, method, payload, done, context=_NO_ACTOR)
+        # schedules are mostly event-loop turns. A stalled caller's message leaves as it
+        # thaws.
+        delay = self._leg(target, method, False)
+        frozen = caller.stalled_until - self.loop.time()
+        self.loop.call_later(delay + frozen if frozen > 0 else delay, self._arrive,
+                             target, method, payload, done, False, context=_NO_ACTOR)
         return done
 
     def _arrive(self, target: SimActor, method: str, payload: bytes,
-                done: asyncio.Future[Any]) -> None:
+                done: asyncio.Future[Any], held: bool) -> None:
         if not target.alive:
-            _settle(done, exc=ActorDied(f"{target} is dead"))
+            self._fail(done, target, f"{target} is dead")
+            return
+        now = self.loop.time()
+        if not held and target.noticed_at is not None and now >= target.noticed_at:
+            # Ray declared it dead: nothing more reaches it (what reached its node before
+            # runs as it thaws, ``held``).
+            _settle(done, exc=ActorDied(f"{target} was declared dead"))
+            return
+        frozen = target.stalled_until - now
+        if frozen > 0:
+            self.loop.call_later(frozen, self._arrive, target, method, payload, done, True,
+                                 context=_NO_ACTOR)
             return
         args = pickle.loads(payload)
         if self.on_deliver is not None:
             self.on_deliver(target, method, args)
             if not target.alive:
-                _settle(done, exc=ActorDied(f"{target} died as {method} arrived"))
+                self._fail(done, target, f"{target} died as {method} arrived")
                 return
+        group = method_group(target.kind, method)
+        limit = self.concurrency(target, group)
+        if limit is None:
+            self._run(target, method, args, done, None)
+            return
+        running = target.running.setdefault(group, [])
+        queue = target.queues.setdefault(group, deque())
+        if len(running) < limit and not queue:
+            running.append(method)
+            self._run(target, method, args, done, group)
+            return
+        queue.append((method, payload, done, now, (*running, *(q[0] for q in queue))))
+
+    def _run(self, target: SimActor, method: str, args: tuple[Any, ...],
+             done: asyncio.Future[Any], group: str | None) -> None:
         run = self.spawn(target, getattr(target.obj, method)(*args))
-        run.add_done_callback(lambda run: self._answer(target, method, run, done),
+        run.add_done_callback(lambda run: self._answer(target, method, run, done, group),
                               context=_NO_ACTOR)
 
+    def _next(self, target: SimActor, group: str) -> None:
+        """A slot of ``group`` freed: the call waiting longest takes it (FIFO)."""
+        queue = target.queues[group]
+        running = target.running[group]
+        limit = self.concurrency(target, group) or 1
+        while queue and len(running) < limit:
+            method, payload, done, since, ahead = queue.popleft()
+            if not target.alive:
+                self._fail(done, target, f"{target} died while {method} waited for a slot")
+                continue
+            args = pickle.loads(payload)
+            if self.on_queued is not None:
+                self.on_queued(target, method, args, self.loop.time() - since, ahead, limit)
+            running.append(method)
+            self._run(target, method, args, done, group)
+
     def _answer(self, target: SimActor, method: str, run: asyncio.Task[Any],
-                done: asyncio.Future[Any]) -> None:
+                done: asyncio.Future[Any], group: str | None = None) -> None:
         """The callee's task ended: its answer travels back, unless it died first."""
+        if group is not None:
+            target.running[group].remove(method)
+            self._next(target, group)
         if run.cancelled():  # the callee died (its tasks were cancelled), or cancelled it
             why = "died" if not target.alive else "cancelled its task"
-            _settle(done, exc=ActorDied(f"{target} {why} during {method}"))
+            self._fail(done, target, f"{target} {why} during {method}")
             return
         if not target.alive:  # the dead never answer
-            _settle(done, exc=ActorDied(f"{target} died during {method}"))
+            self._fail(done, target, f"{target} died during {method}")
             return
         exc = run.exception()
         if exc is not None:  # the callee raised: the caller gets a copy
@@ -511,7 +669,9 @@ class SimWorld:
                 reply = (pickle.loads(pickle.dumps(run.result(), protocol=5)), None)
             except Exception as error:  # an unpicklable reply is a bug in the callee
                 reply = (None, error)
-        self.loop.call_later(self._leg(target, method, True), _settle, done, *reply,
+        delay = self._leg(target, method, True)
+        frozen = target.stalled_until - self.loop.time()
+        self.loop.call_later(delay + frozen if frozen > 0 else delay, _settle, done, *reply,
                              context=_NO_ACTOR)
 
 
