@@ -178,22 +178,23 @@ async def test_after_the_coordinators_node_is_lost_the_abort_resumes_the_survivo
     ).remote(config)
     job = RayEnvironmentCheckpoint(config)
     try:
-        await job.ensure_holders()
+        survivor = next(h.instance_id for h in await job.ensure_holders()
+                        if h.node_id != extra_node.node_id)
         coordinator = ray.get_actor(config.coordinator_name, namespace=config.namespace)
         pid = await coordinator.__ray_call__.remote(lambda self: os.getpid())
-        c = await SessionClient.connect("holder-0", namespace=config.namespace)
+        c = await SessionClient.connect(survivor, namespace=config.namespace)
         await c.open(Ep("r", 0), b"s")
         started = asyncio.get_running_loop().time()
         with pytest.raises(BackendUnavailableError):
             async with job.snapshot(tmp_path / "a"):
                 cluster.remove_node(extra_node, allow_graceful=False)
                 os.kill(pid, signal.SIGKILL)  # a worker may outlive its raylet briefly
-        holder0 = ray.get_actor(HOLDER_NAME_PREFIX + "holder-0", namespace=config.namespace)
-        assert (await holder0.info.remote()).state is HolderState.RUNNING
+        held = ray.get_actor(HOLDER_NAME_PREFIX + survivor, namespace=config.namespace)
+        assert (await held.info.remote()).state is HolderState.RUNNING
         assert asyncio.get_running_loop().time() - started < config.lease_s
         async with job.snapshot(tmp_path / "b") as snap:  # the next attempt, at once
             assert snap is not None
-        assert [s.episode for s in read_snapshot(tmp_path / "b").sessions["holder-0"]] == [
+        assert [s.episode for s in read_snapshot(tmp_path / "b").sessions[survivor]] == [
             Ep("r", 0)]
     finally:
         job.shutdown()

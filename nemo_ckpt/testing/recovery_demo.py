@@ -788,7 +788,9 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
         directories_compared=len(compared),
         mismatched_directories=bad_directories,
         snapshot_bytes_written=tuple(s.bytes_written for s in snapshots),
-        snapshot_new_blob_bytes=tuple(s.new_blob_bytes for s in snapshots),
+        # Of the snapshots that captured rollouts: one taken before any session opened
+        # holds nothing, so writes nothing.
+        snapshot_new_blob_bytes=tuple(s.new_blob_bytes for s in snapshots if s.captured),
         nodes=len(nodes),
         seed=options.seed,
         crash_run_seconds=crash_seconds,
