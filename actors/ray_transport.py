@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -237,6 +238,9 @@ class RayTransport:
         self._coordinator = None
 
 
+_SWITCH_INTERVAL_S = 0.0005
+
+
 class _HomeLoop:
     """One event loop, on a thread of its own, that runs all of a holder's code. Ray
     runs each concurrency group of an async actor on an event loop of its own, but a
@@ -244,6 +248,9 @@ class _HomeLoop:
     call, whichever group's slot Ray gave it, runs here."""
 
     def __init__(self) -> None:
+        # A call now crosses threads twice (Ray's loop, this one): hand the GIL over
+        # sooner than the default 5 ms, or each crossing may wait that long.
+        sys.setswitchinterval(_SWITCH_INTERVAL_S)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="holder-loop",
                          daemon=True).start()
