@@ -104,6 +104,18 @@ def extra_node(cluster: Any) -> Iterator[Any]:
 
 
 @pytest.fixture
+def world(tmp_path: Any) -> Iterator[Any]:
+    """An in-process cluster under virtual time (``tests.test_reliability.World``)."""
+    from tests.test_reliability import World
+
+    w = World(tmp_path)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture
 def namespace() -> str:
     """A Ray namespace of this test's own."""
     return f"t-{uuid.uuid4().hex[:10]}"

@@ -5,7 +5,7 @@ adapter returning the wrong types. In-process, under virtual time, as
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +20,6 @@ from nemo_ckpt.storage import read_manifest, read_snapshot
 from tests.test_reliability import CONFIG, World, files
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 def test_a_snapshot_whose_block_never_checked_the_cut_is_refused_and_the_last_one_stands(

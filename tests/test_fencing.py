@@ -7,8 +7,6 @@ in ``tests/test_ray_as_it_behaves.py``."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -21,15 +19,6 @@ from nemo_ckpt.transport import COORDINATOR
 from tests.test_reliability import CONFIG, World
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 def zombie(world: World) -> CheckpointCoordinator:

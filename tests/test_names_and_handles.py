@@ -4,9 +4,6 @@ under virtual time, as ``tests/test_reliability.py``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from nemo_ckpt.errors import BackendUnavailableError
@@ -17,15 +14,6 @@ from nemo_ckpt.transport import COORDINATOR, HOLDER
 from tests.test_reliability import CONFIG, World
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 def test_a_client_whose_holder_was_killed_reaches_its_successor_once_it_runs(

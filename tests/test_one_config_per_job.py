@@ -5,8 +5,6 @@ virtual time, as ``tests/test_reliability.py``."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,15 +17,6 @@ from nemo_ckpt.transport import COORDINATOR
 from tests.test_reliability import CONFIG, World, cut_of
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 def restarted_driver(world: World, **changes: Any) -> Any:
