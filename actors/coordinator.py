@@ -50,7 +50,9 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.claims import ClaimWatch
+from nemo_ckpt.cleanup import remove_snapshot_files, remove_unreferenced_files
 from nemo_ckpt.collection import (
     CollectionReport,
     RefsCache,
@@ -84,6 +86,7 @@ from nemo_ckpt.manifest import (
     shard_problems,
 )
 from nemo_ckpt.operations import HISTORY_SIZE, OperationHistory, Outcome
+from nemo_ckpt.path_claims import claim_path, live_claims, read_claims, release_claim
 from nemo_ckpt.phases import (
     CaptureReport,
     HolderInfo,
@@ -92,18 +95,7 @@ from nemo_ckpt.phases import (
     instance_sort_key,
 )
 from nemo_ckpt.sandbox_storage import blob_store_of, blob_store_ref
-from nemo_ckpt.storage import (
-    claim_path,
-    environment_folder,
-    folder_at,
-    live_claims,
-    read_claims,
-    read_manifest,
-    release_claim,
-    remove_snapshot_files,
-    remove_unreferenced_files,
-    write_manifest,
-)
+from nemo_ckpt.snapshot_files import read_manifest, write_manifest
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "RestoreBegun"]

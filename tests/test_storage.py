@@ -16,7 +16,14 @@ import pytest
 import xxhash
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.checkpoint_folder import environment_dir, folder_at, prepare_environment_dir
 from nemo_ckpt.claims import LEGACY_TTL_S, STALE_FACTOR, ClaimWatch
+from nemo_ckpt.cleanup import (
+    manifest_shard_files,
+    manifest_snapshot_id,
+    remove_snapshot_files,
+    remove_unreferenced_files,
+)
 from nemo_ckpt.collection import collect_blobs
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
@@ -40,26 +47,10 @@ from nemo_ckpt.manifest import (
     shard_file_name,
     shard_problems,
 )
-from nemo_ckpt.sessions import SessionRecord
-from nemo_ckpt.storage import (
-    claim_path,
-    environment_dir,
-    folder_at,
-    live_claims,
-    manifest_shard_files,
-    manifest_snapshot_id,
-    prepare_environment_dir,
-    read_claims,
-    read_manifest,
-    read_shard,
-    read_shard_index,
-    read_snapshot,
-    remove_snapshot_files,
-    remove_unreferenced_files,
-    snapshot_rollouts,
-    write_manifest,
-    write_shard,
-)
+from nemo_ckpt.path_claims import claim_path, live_claims, read_claims
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.shards import read_shard, read_shard_index, write_shard
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
 
 
 def session(inst: str, rid: str, attempt: int = 0, state: bytes = b"s", turns: int = 2
