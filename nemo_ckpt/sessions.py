@@ -28,11 +28,13 @@ __all__ = ["SessionClient", "Turn", "register_default_transport"]
 _default_transport: Callable[[str], Transport] | None = None
 
 
-def register_default_transport(factory: Callable[[str], Transport]) -> None:
+def register_default_transport(factory: Callable[[str], Transport]
+                               ) -> Callable[[str], Transport] | None:
     """Make ``factory(namespace)`` the transport of ``SessionClient.connect`` calls that
-    pass none (``nemo_ckpt.ray_checkpoint`` registers Ray's)."""
+    pass none (``nemo_ckpt.ray_checkpoint`` registers Ray's); returns the one it replaces."""
     global _default_transport
-    _default_transport = factory
+    previous, _default_transport = _default_transport, factory
+    return previous
 
 
 class Turn:
