@@ -18,7 +18,8 @@ import xxhash
 from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import SessionClient
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
-from nemo_ckpt.cli import main, run_status
+from nemo_ckpt.cli.main import main
+from nemo_ckpt.cli.status import run_status
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.manifest import shard_file_name
 from nemo_ckpt.storage import environment_dir, folder_at, read_snapshot, write_shard

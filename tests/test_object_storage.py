@@ -249,7 +249,7 @@ def test_a_server_killed_mid_persist_fails_the_write_and_the_previous_snapshot_s
 
 def test_the_cli_inspects_verifies_and_diffs_snapshots_in_a_bucket(
         url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from nemo_ckpt.cli import main
+    from nemo_ckpt.cli.main import main
 
     a, b = f"{url}/step-1", f"{url}/step-2"
     write_snapshot(a, {"holder-0": [session("holder-0", "a")],
