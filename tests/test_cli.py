@@ -508,6 +508,18 @@ def test_the_installed_console_script_and_python_m_run_the_cli(
     assert done.stderr.startswith("nemo-ckpt inspect: error: no environment snapshot at ")
 
 
+def test_inspect_verify_and_diff_run_without_importing_ray(snap_a: Path, snap_b: Path) -> None:
+    # A fresh interpreter: this one has imported Ray already.
+    script = ("import sys\n"
+              "from nemo_ckpt.cli.main import main\n"
+              "codes = [main([c, *sys.argv[1:2]]) for c in ('inspect', 'verify')]\n"
+              "codes.append(main(['diff', *sys.argv[1:]]))\n"
+              "print(codes, 'ray' in sys.modules, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(snap_a), str(snap_b)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stderr.splitlines()[-1] == "[0, 0, 0] False", done.stderr
+
+
 def test_status_against_an_address_where_nothing_answers_fails_fast_with_one_line() -> None:
     script = Path(sys.executable).with_name("nemo-ckpt")
     started = time.monotonic()

@@ -1,5 +1,5 @@
 """Snapshots in an S3 bucket, against a real S3-compatible server (SeaweedFS, started by
-the tests on 127.0.0.1; ``nemo_ckpt/testing/s3_server.py``): the same guarantees as in a
+the tests on 127.0.0.1; ``tests/s3_server.py``): the same guarantees as in a
 folder, through ``nemo_ckpt.object_folder``."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from nemo_ckpt.storage import (
     write_manifest,
     write_shard,
 )
-from nemo_ckpt.testing.s3_server import BUCKET, S3Server
+from tests.s3_server import BUCKET, S3Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -316,9 +316,10 @@ def test_the_server_command_runs_a_command_against_its_bucket_and_stops_after_it
               "sys.exit(3)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     done = subprocess.run(
-        [sys.executable, "-m", "nemo_ckpt.testing.s3_server", "--data-dir", str(tmp_path),
+        [sys.executable, "-m", "tests.s3_server", "--data-dir", str(tmp_path),
          "--", sys.executable, "-c", script],
-        capture_output=True, text=True, timeout=80, env=env)
+        capture_output=True, text=True, timeout=80, env=env,
+        cwd=Path(__file__).resolve().parent.parent)  # where tests.s3_server imports from
     assert done.returncode == 3, done.stderr
     endpoint, read = done.stdout.split()
     assert read == "b'hello'"
@@ -331,7 +332,7 @@ def test_the_server_command_runs_a_command_against_its_bucket_and_stops_after_it
 
 def test_the_server_command_without_a_command_is_a_usage_error(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from nemo_ckpt.testing.s3_server import main
+    from tests.s3_server import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--"])
