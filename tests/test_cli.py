@@ -19,12 +19,15 @@ from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import SessionClient
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
 from nemo_ckpt.cli.main import main
-from nemo_ckpt.cli.status import run_status
+from nemo_ckpt.cli.status import HolderStatus, holder_status, run_status
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.manifest import shard_file_name
+from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage import environment_dir, folder_at, read_snapshot, write_shard
 from nemo_ckpt.testing import StaticCut
+from nemo_ckpt.transport import HOLDER
 from tests.conftest import alive_node_ids
+from tests.test_reliability import CONFIG, World
 from tests.test_storage import (
     edit_manifest,
     flip_middle_byte,
@@ -550,6 +553,31 @@ def test_status_refuses_a_bad_option_as_a_usage_error_before_ray_starts(
     assert exit_.value.code == 2 and out == ""
     assert err.startswith("usage: nemo-ckpt status")
     assert f"nemo-ckpt status: error: {message}" in err
+
+
+# --- status through the transport (the in-process world, virtual time) ------------------
+
+
+def test_holder_status_names_a_dead_holder_and_one_that_does_not_answer_in_time(
+        world: World) -> None:
+    # Ray keeps a dead actor's name a while: status still finds the holder, its call fails.
+    world.sim.death_delay = lambda actor: (0.0, 60.0)
+
+    async def scenario() -> list[HolderStatus]:
+        await world.populate()
+        holders = {a.name: a for a in world.sim.live(HOLDER)}
+        world.sim.kill(holders["holder-1"])
+        world.sim.stall([holders["holder-2"]], seconds=30.0, detect=60.0)
+        return await holder_status(world.sim.transport(world.driver, CONFIG), timeout_s=2.0)
+
+    found = world.run(scenario())
+    assert [(h.instance_id, h.error) for h in found] == [
+        ("holder-0", None),
+        ("holder-1", "unreachable (ActorDied)"),
+        ("holder-2", "no answer within 2s"),
+    ]
+    info = found[0].info
+    assert info is not None and info.state is HolderState.RUNNING and info.sessions == 2
 
 
 # --- status (live holders on the session's cluster) -------------------------------------
