@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -102,13 +103,15 @@ def _cluster_view(namespace: str) -> tuple[dict[str, dict[str, Any]], bool]:
 def run_status(namespace: str, timeout_s: float = 10.0, out: TextIO | None = None,
                err: TextIO | None = None, address: str | None = None) -> int:
     """Print the holders of ``namespace``; needs Ray initialized (it neither inits nor
-    shuts down) and no event loop running in this thread. Exit code 0 when every holder
-    answered, 1 when none exists or any did not answer. ``address`` is the cluster as
-    the user named it, for messages (default: the GCS address Ray connected to)."""
+    shuts down). Exit code 0 when every holder answered, 1 when none exists or any did
+    not answer. ``address`` is the cluster as the user named it, for messages (default:
+    the GCS address Ray connected to)."""
     out = out or sys.stdout
     err = err or sys.stderr
     transport = _ray_transport(namespace)
-    holders = asyncio.run(holder_status(transport, timeout_s))
+    # On a thread of its own: the caller may be running an event loop (a notebook).
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        holders = thread.submit(asyncio.run, holder_status(transport, timeout_s)).result()
     if not holders:
         gcs = transport.cluster_id
         where = gcs if address is None else repr(address) if address == gcs \
