@@ -36,7 +36,7 @@ demo: $(STAMP)
 # The same run with its checkpoints in a bucket of a local S3-compatible server
 # (SeaweedFS, from the test extra), started for the run and stopped after it.
 demo-s3: $(STAMP)
-	$(PY) -m nemo_ckpt.testing.s3_server -- \
+	$(PY) -m tests.s3_server -- \
 		$(PY) examples/turn_level_recovery.py --checkpoint-dir s3://ckpt/demo $(DEMO_ARGS)
 
 # The snapshot benchmark (benchmarks/README.md): the full grid, ~4-6 min on 2 cores.

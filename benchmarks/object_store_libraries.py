@@ -41,7 +41,7 @@ def _load_server_module() -> Any:
     # that has the three libraries and the `weed` binary on PATH.
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "nemo_ckpt" / "testing" / "s3_server.py"
+    path = Path(__file__).resolve().parent.parent / "tests" / "s3_server.py"
     spec = importlib.util.spec_from_file_location("s3_server", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

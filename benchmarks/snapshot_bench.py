@@ -1012,7 +1012,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     objects = None
     try:
         if args.object_store:
-            from nemo_ckpt.testing.s3_server import BUCKET, S3Server
+            from tests.s3_server import BUCKET, S3Server
 
             # Before the cluster: its workers find the server through the AWS_* environment.
             server = S3Server(workdir / "s3")

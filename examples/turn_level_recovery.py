@@ -39,7 +39,7 @@ from nemo_ckpt.options import (
     positive_float,
     writable_folder_problem,
 )
-from nemo_ckpt.testing.recovery_demo import (
+from recovery_demo import (
     DemoError,
     DemoOptions,
     DemoProgress,

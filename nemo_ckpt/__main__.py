@@ -1,5 +1,5 @@
 """``python -m nemo_ckpt``: the same as the ``nemo-ckpt`` console script."""
 
-from nemo_ckpt.cli import main
+from nemo_ckpt.cli.main import main
 
 raise SystemExit(main())

@@ -21,10 +21,10 @@ WORKER_NODES = 2
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A SeaweedFS server on 127.0.0.1 (``nemo_ckpt/testing/s3_server.py``), its bucket
+    """A SeaweedFS server on 127.0.0.1 (``tests/s3_server.py``), its bucket
     reachable through the ``AWS_*`` environment of this process and of every Ray worker
     started after it (the cluster fixture starts after it)."""
-    from nemo_ckpt.testing.s3_server import S3Server
+    from tests.s3_server import S3Server
 
     server = S3Server(tmp_path_factory.mktemp("s3"))
     saved = {k: os.environ.get(k) for k in server.env()}

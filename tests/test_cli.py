@@ -19,13 +19,17 @@ from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import SessionClient
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
 from nemo_ckpt.checkpoint_folder import environment_dir, folder_at
-from nemo_ckpt.cli import main, run_status
+from nemo_ckpt.cli.main import main
+from nemo_ckpt.cli.status import HolderStatus, holder_status, run_status
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.manifest import shard_file_name
+from nemo_ckpt.phases import HolderState
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_snapshot
 from nemo_ckpt.testing import StaticCut
+from nemo_ckpt.transport import HOLDER
 from tests.conftest import alive_node_ids
+from tests.test_reliability import CONFIG, World
 from tests.test_storage import (
     edit_manifest,
     flip_middle_byte,
@@ -509,6 +513,18 @@ def test_the_installed_console_script_and_python_m_run_the_cli(
     assert done.stderr.startswith("nemo-ckpt inspect: error: no environment snapshot at ")
 
 
+def test_inspect_verify_and_diff_run_without_importing_ray(snap_a: Path, snap_b: Path) -> None:
+    # A fresh interpreter: this one has imported Ray already.
+    script = ("import sys\n"
+              "from nemo_ckpt.cli.main import main\n"
+              "codes = [main([c, *sys.argv[1:2]]) for c in ('inspect', 'verify')]\n"
+              "codes.append(main(['diff', *sys.argv[1:]]))\n"
+              "print(codes, 'ray' in sys.modules, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(snap_a), str(snap_b)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stderr.splitlines()[-1] == "[0, 0, 0] False", done.stderr
+
+
 def test_status_against_an_address_where_nothing_answers_fails_fast_with_one_line() -> None:
     script = Path(sys.executable).with_name("nemo-ckpt")
     started = time.monotonic()
@@ -539,6 +555,31 @@ def test_status_refuses_a_bad_option_as_a_usage_error_before_ray_starts(
     assert exit_.value.code == 2 and out == ""
     assert err.startswith("usage: nemo-ckpt status")
     assert f"nemo-ckpt status: error: {message}" in err
+
+
+# --- status through the transport (the in-process world, virtual time) ------------------
+
+
+def test_holder_status_names_a_dead_holder_and_one_that_does_not_answer_in_time(
+        world: World) -> None:
+    # Ray keeps a dead actor's name a while: status still finds the holder, its call fails.
+    world.sim.death_delay = lambda actor: (0.0, 60.0)
+
+    async def scenario() -> list[HolderStatus]:
+        await world.populate()
+        holders = {a.name: a for a in world.sim.live(HOLDER)}
+        world.sim.kill(holders["holder-1"])
+        world.sim.stall([holders["holder-2"]], seconds=30.0, detect=60.0)
+        return await holder_status(world.sim.transport(world.driver, CONFIG), timeout_s=2.0)
+
+    found = world.run(scenario())
+    assert [(h.instance_id, h.error) for h in found] == [
+        ("holder-0", None),
+        ("holder-1", "unreachable (ActorDied)"),
+        ("holder-2", "no answer within 2s"),
+    ]
+    info = found[0].info
+    assert info is not None and info.state is HolderState.RUNNING and info.sessions == 2
 
 
 # --- status (live holders on the session's cluster) -------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +235,25 @@ async def test_restore_names_a_missing_or_corrupt_file(tmp_path: Path) -> None:
     (tmp_path / DATA_PLANE_FILE).write_text('{"format": "something else"}')
     with pytest.raises(DataPlaneFileError, match="not a valid data-plane file"):
         await barrier.restore(tmp_path, RestoredEnvironmentRollouts())
+
+
+# --- importing without Ray ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_nemo_ckpt_testing_imports_ray_only_when_an_actor_class_is_asked_for() -> None:
+    # A fresh interpreter: this one has imported Ray already.
+    script = (
+        "import sys\n"
+        "import nemo_ckpt.testing, nemo_ckpt.testing.sim\n"
+        "from nemo_ckpt.testing import ReferenceDataPlane, StaticCut, reference_trajectory\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+        "from nemo_ckpt.testing import DataPlaneActor\n"
+        "print('ray' in sys.modules, type(DataPlaneActor).__name__)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[]", "True ActorClass(ReferenceDataPlane)"]
 
 
 # --- the Ray actor ------------------------------------------------------------------------

@@ -13,18 +13,15 @@ from typing import Any
 
 import pytest
 
+from examples.recovery_demo import DemoError, DemoOptions, latest_committed_snapshot, run_demo
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.testing import (
     DATA_PLANE_FILE,
-    DemoError,
-    DemoOptions,
     ToyState,
     initial_state,
-    latest_committed_snapshot,
     ordered_staging_keys,
     reference_trajectory,
-    run_demo,
     step,
 )
 
@@ -123,7 +120,7 @@ async def test_a_crashed_run_restores_mid_rollout_and_ends_like_the_crash_free_r
 async def test_a_crashed_run_restores_from_a_bucket_and_writes_nothing_local(
         cluster: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
-    from nemo_ckpt.testing.s3_server import BUCKET
+    from tests.s3_server import BUCKET
 
     monkeypatch.chdir(tmp_path)
     root = f"s3://{BUCKET}/demo-test"

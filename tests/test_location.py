@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from nemo_ckpt import CheckpointConfig
-from nemo_ckpt.cli import main
+from nemo_ckpt.cli.main import main
 from nemo_ckpt.errors import CheckpointPathError
 from nemo_ckpt.location import LocalLocation, ObjectLocation, join_location, parse_location
 

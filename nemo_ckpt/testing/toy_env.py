@@ -19,6 +19,7 @@ turn's record, so a rollout's final directory is as much a pure function as its 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -40,7 +41,7 @@ __all__ = [
     "RolloutTask",
     "RolloutOutcome",
     "ToyEnvWorker",
-    "ToyEnvWorkerActor",
+    "toy_env_worker_actor_class",
     "initial_state",
     "step",
     "staging_key",
@@ -395,14 +396,21 @@ async def _write_row(data_plane: Any, key: str, row: Any) -> None:
         await data_plane.write_staging.remote(key, row)
 
 
-def _make_actor() -> Any:
+@functools.cache
+def toy_env_worker_actor_class() -> Any:
+    """``ToyEnvWorker`` as a Ray actor class, made on first use."""
+    # Not at import, so that importing this module (and nemo_ckpt.testing) imports
+    # no Ray.
     import ray
 
     # No CPU reserved: the toy's work is sleeping; real workers would ask for CPUs.
     return cast(Any, ray.remote)(num_cpus=0, max_restarts=0, max_concurrency=1000)(ToyEnvWorker)
 
 
-ToyEnvWorkerActor: Any = _make_actor()
+def __getattr__(name: str) -> Any:
+    if name == "ToyEnvWorkerActor":  # ToyEnvWorker as a Ray actor class
+        return toy_env_worker_actor_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def start_env_workers(node_ids: Iterable[str], per_node: int = 1,
@@ -411,7 +419,7 @@ def start_env_workers(node_ids: Iterable[str], per_node: int = 1,
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return {
-        node: [ToyEnvWorkerActor.options(
+        node: [toy_env_worker_actor_class().options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         ).remote(turn_seconds) for _ in range(per_node)]
         for node in node_ids

@@ -8,7 +8,7 @@ local clusters pass on to every worker they start.
 As a command, it runs another command with the server up and that environment set, then
 stops the server (``make demo-s3``)::
 
-    python -m nemo_ckpt.testing.s3_server [--data-dir DIR] -- COMMAND [ARG ...]
+    python -m tests.s3_server [--data-dir DIR] -- COMMAND [ARG ...]
 
 The bucket is ``ckpt``; without ``--data-dir`` its data goes with the server.
 """
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``COMMAND`` with a server up and its ``AWS_*`` environment; return its exit
     code. The server stops however the command ends."""
     p = argparse.ArgumentParser(
-        prog="python -m nemo_ckpt.testing.s3_server",
+        prog="python -m tests.s3_server",
         description="Run COMMAND with a local S3-compatible server (SeaweedFS) on "
                     f"127.0.0.1 and its AWS_* environment set; the bucket is {BUCKET}.")
     p.add_argument("--data-dir", type=Path, default=None,

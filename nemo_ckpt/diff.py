@@ -1,0 +1,77 @@
+"""Comparing two snapshots rollout by rollout, and their rollouts' directories.
+
+``nemo-ckpt diff`` renders a ``SnapshotDiff``; tests and users build one directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nemo_ckpt.manifest import Manifest
+from nemo_ckpt.phases import instance_sort_key
+from nemo_ckpt.sandbox import diff_trees
+from nemo_ckpt.sandbox_storage import snapshot_directories
+from nemo_ckpt.shards import RolloutIndexEntry
+
+__all__ = ["SnapshotDiff", "compare_directories", "diff_manifests", "rollout_sort_key"]
+
+
+def rollout_sort_key(r: RolloutIndexEntry) -> tuple[tuple[int, str], str]:
+    """Rollouts by instance (as the runtime orders instances), then by id."""
+    return instance_sort_key(r.instance_id), r.rollout_id
+
+
+@dataclass(frozen=True)
+class SnapshotDiff:
+    """How snapshot B differs from snapshot A, rollout by rollout (matched by rollout id).
+
+    ``added`` are in B only; ``finished`` are in A only (they completed, or were
+    retired or dropped, in between); ``continued`` pairs A's entry with B's.
+    """
+
+    a: Manifest
+    b: Manifest
+    added: tuple[RolloutIndexEntry, ...]
+    finished: tuple[RolloutIndexEntry, ...]
+    continued: tuple[tuple[RolloutIndexEntry, RolloutIndexEntry], ...]
+    # rollout id -> {"added"|"removed"|"changed": paths}, for continued rollouts whose
+    # directory changed (or could not be read: {"error": [why]})
+    directories: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+
+    @property
+    def turns_advanced(self) -> int:
+        """Turns run in between by the rollouts present in both."""
+        return sum(b.turns - a.turns for a, b in self.continued)
+
+
+def diff_manifests(a: Manifest, b: Manifest, rollouts_a: list[RolloutIndexEntry],
+                   rollouts_b: list[RolloutIndexEntry]) -> SnapshotDiff:
+    """Compare two snapshots, given their manifests and their rollouts
+    (``snapshot_rollouts``)."""
+    in_a = {r.rollout_id: r for r in rollouts_a}
+    in_b = {r.rollout_id: r for r in rollouts_b}
+    return SnapshotDiff(
+        a=a, b=b,
+        added=tuple(sorted((r for k, r in in_b.items() if k not in in_a),
+                           key=rollout_sort_key)),
+        finished=tuple(sorted((r for k, r in in_a.items() if k not in in_b),
+                              key=rollout_sort_key)),
+        continued=tuple(sorted(((in_a[k], r) for k, r in in_b.items() if k in in_a),
+                               key=lambda pair: rollout_sort_key(pair[1]))),
+    )
+
+
+def compare_directories(diff: SnapshotDiff, path_a: Path | str, path_b: Path | str) -> None:
+    """Fill ``diff.directories`` with the paths each continued rollout's directory
+    added, removed and changed from A (at ``path_a``) to B (at ``path_b``)."""
+    dirs_a, _ = snapshot_directories(path_a, diff.a)
+    dirs_b, _ = snapshot_directories(path_b, diff.b)
+    for ra, rb in diff.continued:
+        da, db = dirs_a.get(ra.rollout_id), dirs_b.get(rb.rollout_id)
+        if da is None or db is None:
+            continue
+        if da.tree is None or db.tree is None:
+            diff.directories[rb.rollout_id] = {"error": [da.error or db.error or "?"]}
+        elif da.tree_digest != db.tree_digest:
+            diff.directories[rb.rollout_id] = diff_trees(da.tree, db.tree)
