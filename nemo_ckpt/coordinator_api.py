@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import CaptureReport, HolderInfo, PauseReport
+from nemo_ckpt.transport import Transport
 
 __all__ = [
     "CoordinatorApi",
@@ -98,10 +99,21 @@ class CoordinatorApi(Protocol):
 
 class CoordinatorCalls:
     """``CoordinatorApi``'s calls through ``invoke(method, *args)``, which carries a call
-    to the coordinator and returns its answer."""
+    to the coordinator and returns its answer; ``start_writes`` is a one-way message,
+    sent through ``tell(method, *args)``, as the driver never waits for it."""
 
-    def __init__(self, invoke: Callable[..., Awaitable[Any]]) -> None:
+    def __init__(self, invoke: Callable[..., Awaitable[Any]],
+                 tell: Callable[..., None] | None = None) -> None:
         self._invoke = invoke
+        self._tell = tell
+
+    @classmethod
+    def direct(cls, transport: Transport, timeout: float | None = None) -> CoordinatorCalls:
+        """Calls to the transport's coordinator, each with ``timeout``, sent once."""
+        return cls(lambda method, *args: transport.call(
+                       transport.coordinator(), method, *args, timeout=timeout),
+                   lambda method, *args: transport.send(transport.coordinator(), method,
+                                                        *args))
 
     def attach(self, config: CheckpointConfig) -> Awaitable[None]:
         return self._invoke("attach", config)
@@ -129,8 +141,10 @@ class CoordinatorCalls:
                        ) -> Awaitable[SnapshotBegun]:
         return self._invoke("begin_snapshot", snapshot_id, checkpoint_path)
 
-    def start_writes(self, snapshot_id: str) -> Awaitable[None]:
-        return self._invoke("start_writes", snapshot_id)
+    def start_writes(self, snapshot_id: str) -> None:
+        if self._tell is None:
+            raise TypeError("these calls were made without a way to send a message")
+        self._tell("start_writes", snapshot_id)
 
     def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
                         metrics: dict[str, float], restarted: int
