@@ -11,7 +11,7 @@ The coordinator routes each call to its parts:
 - ``actors.holder_registry.HolderRegistry``: the holders, their placement, the fan-out
   (a failure that several holders report carries each one's error:
   ``nemo_ckpt.errors.aggregate``);
-- ``actors.path_claims.PathClaims``: the claims on snapshot folders and the clean-up;
+- ``actors.claimed_folders.ClaimedFolders``: the claims on snapshot folders and the clean-up;
 - ``actors.blob_collector.BlobCollector``: snapshots' holds on the blob store and its
   collection;
 - ``nemo_ckpt.restore_plan``: a restore's shard assignment and checks, pure.
@@ -57,6 +57,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from actors.blob_collector import BlobCollector
+from actors.claimed_folders import ClaimedFolders
 from actors.holder_registry import HolderRegistry
 from actors.operation_states import (
     Aborted,
@@ -75,7 +76,6 @@ from actors.operation_states import (
     Unseen,
 )
 from actors.operation_table import OperationTable
-from actors.path_claims import PathClaims
 from nemo_ckpt.blobs import BLOB_DIR
 from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.collection import CollectionReport
@@ -144,7 +144,7 @@ class CheckpointCoordinator:
         self.operations = OperationTable(config.lease_s)
         self.holders = HolderRegistry(transport, lambda: self._config.phase_timeout_s,
                                       self._holder_options)
-        self.path_claims = PathClaims(self._runtime, self._owner, self._incarnation,
+        self.folders = ClaimedFolders(self._runtime, self._owner, self._incarnation,
                                       claim_watch, lambda: self._claim_ttl)
         self.blobs = BlobCollector(
             None if config.sandbox_root is None or config.checkpoint_root is None
@@ -289,7 +289,7 @@ class CheckpointCoordinator:
             tolerate_failures=True)
         if isinstance(op, SnapshotOperation) and op.captured is not None:
             try:
-                await self.path_claims.claim(op)
+                await self.folders.claim(op)
                 if op.blob_hold is not None and op.blob_hold.done():
                     await self._hold_blobs(op)
             except (OSError, NemoCkptError) as exc:
@@ -447,7 +447,7 @@ class CheckpointCoordinator:
     async def _prepare_and_claim(self, op: SnapshotOperation) -> None:
         assert op.path is not None
         await self._runtime.run_blocking(environment_folder(op.path).prepare)
-        await self.path_claims.claim(op)
+        await self.folders.claim(op)
 
     @property
     def _claim_ttl(self) -> float:
@@ -460,9 +460,9 @@ class CheckpointCoordinator:
         near its end is written again (refused if another job took the path meanwhile);
         a hold that may have lapsed refuses the commit, since a collection may have
         removed blobs the snapshot found present."""
-        if self.path_claims.stale(op.claimed_at):
-            await self.path_claims.claim(op)
-        if op.blob_hold is not None and self.path_claims.stale(op.held_at):
+        if self.folders.stale(op.claimed_at):
+            await self.folders.claim(op)
+        if op.blob_hold is not None and self.folders.stale(op.held_at):
             raise LeaseExpiredError(
                 f"{op.id}: its hold on the blob store could not be renewed for too long "
                 f"(a full or failing disk?), so a collection may have removed blobs it "
@@ -566,7 +566,7 @@ class CheckpointCoordinator:
             await self._earlier_commits(op, captured.order)
             await self._injected_delay("before_manifest")
             await self._claims_hold(op)
-            async with self.path_claims.lock(checkpoint_path):
+            async with self.folders.lock(checkpoint_path):
                 # Fenced: a successor that took this incarnation for dead and aborted the
                 # snapshot removed its claim (``write_manifest`` checks in the same call).
                 await self._runtime.run_blocking(write_manifest, directory, manifest,
@@ -589,7 +589,7 @@ class CheckpointCoordinator:
         await self.holders.fan(op.holders, "resume",
                                lambda inst, h: self._calls(h).resume(snapshot_id),
                                tolerate_failures=True)
-        removed = await self.path_claims.clean_up(
+        removed = await self.folders.clean_up(
             op, [o.id for o in self.operations.open_ones()])
         await self.blobs.release(op.id)
         if removed:  # an older snapshot's files went: its blobs may be garbage now

@@ -1643,7 +1643,7 @@ class Schedule:
             if table:  # every operation ended, with one outcome each
                 self.violate(f"the coordinator still holds "
                              f"{sorted(o.id for o in table.open_ones())} past every lease")
-            if table.bounds()["history"] > 64 or coordinator.path_claims.locks_held:
+            if table.bounds()["history"] > 64 or coordinator.folders.locks_held:
                 self.violate("the coordinator remembers more than its bounds")
         for path in sorted({r.path for r in self.ops}):
             env = environment_dir(path)

@@ -743,7 +743,7 @@ def test_an_abandoned_operation_is_reaped_and_histories_stay_bounded(world: Worl
             await world.snapshot(world.path("y"), live)
         bounds = coord.operations.bounds()
         assert bounds["history"] <= 64 and bounds["results"] <= 64 and bounds["open"] == 0
-        assert coord.path_claims.locks_held == 0
+        assert coord.folders.locks_held == 0
         for holder in world.holders().values():
             assert holder.bounds()["history"] <= 64
 

@@ -28,7 +28,7 @@ from nemo_ckpt.storage import (
 )
 from nemo_ckpt.transport import Runtime
 
-__all__ = ["CLAIM_SAFE", "PathClaims"]
+__all__ = ["CLAIM_SAFE", "ClaimedFolders"]
 
 log = logging.getLogger("nemo_ckpt.coordinator")
 # Of a claim's ttl, how much may pass since it was last written before the commit
@@ -36,7 +36,7 @@ log = logging.getLogger("nemo_ckpt.coordinator")
 CLAIM_SAFE = 0.8
 
 
-class PathClaims:
+class ClaimedFolders:
     """This coordinator's claims on snapshot folders, and the folders' locks."""
 
     def __init__(self, runtime: Runtime, owner: str, incarnation: str,
