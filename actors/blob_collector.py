@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.checkpoint_folder import folder_at
 from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.collection import (
     CollectionReport,
@@ -25,7 +26,6 @@ from nemo_ckpt.collection import (
 )
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.location import join_location
-from nemo_ckpt.storage import folder_at
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["BlobCollector"]

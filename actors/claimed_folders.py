@@ -1,7 +1,7 @@
 """The coordinator's claims on snapshot folders, its clean-up after a commit, and the
 per-folder lock that keeps a manifest's rename and a clean-up apart.
 
-A snapshot claims its folder (``nemo_ckpt.storage.claim_path``) beside the pause and
+A snapshot claims its folder (``nemo_ckpt.path_claims.claim_path``) beside the pause and
 renews the claim with its lease; the claim carries this coordinator's incarnation and a
 beat redrawn at each write, so a successor that took this incarnation for dead and
 aborted the snapshot fences it (the manifest's write checks the beat). After a commit,
@@ -16,16 +16,11 @@ import logging
 from collections.abc import AsyncIterator, Callable, Collection
 
 from actors.operation_states import SnapshotOperation
+from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.claims import ClaimWatch
+from nemo_ckpt.cleanup import remove_unreferenced_files
 from nemo_ckpt.errors import NemoCkptError
-from nemo_ckpt.storage import (
-    claim_path,
-    environment_folder,
-    live_claims,
-    read_claims,
-    release_claim,
-    remove_unreferenced_files,
-)
+from nemo_ckpt.path_claims import claim_path, live_claims, read_claims, release_claim
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["CLAIM_SAFE", "ClaimedFolders"]

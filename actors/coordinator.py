@@ -77,7 +77,9 @@ from actors.operation_states import (
 )
 from actors.operation_table import OperationTable
 from nemo_ckpt.blobs import BLOB_DIR
+from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.claims import ClaimWatch
+from nemo_ckpt.cleanup import remove_snapshot_files
 from nemo_ckpt.collection import CollectionReport
 from nemo_ckpt.config import (
     ADOPTED_FIELDS,
@@ -107,12 +109,7 @@ from nemo_ckpt.phases import (
 )
 from nemo_ckpt.restore_plan import assign_shards, verify_prepared
 from nemo_ckpt.sandbox_storage import blob_store_of, blob_store_ref
-from nemo_ckpt.storage import (
-    environment_folder,
-    read_manifest,
-    remove_snapshot_files,
-    write_manifest,
-)
+from nemo_ckpt.snapshot_files import read_manifest, write_manifest
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "RestoreBegun"]

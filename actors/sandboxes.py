@@ -315,7 +315,7 @@ class Sandboxes:
         if self.blob_root is None:
             raise SandboxError(f"{self.instance_id}: sessions own sandboxes but no blob "
                                f"store is configured (CheckpointConfig.checkpoint_root)")
-        from nemo_ckpt.storage import folder_at
+        from nemo_ckpt.checkpoint_folder import folder_at
 
         store = BlobStore(self.blob_root, folder_at)
         rows, refs = capture.rows()
@@ -349,7 +349,7 @@ class Sandboxes:
         if blob_store is None:
             raise SandboxError(f"{self.instance_id}: shard {entry.file} holds sandbox "
                                f"directories, but its manifest names no blob store")
-        from nemo_ckpt.storage import folder_at
+        from nemo_ckpt.checkpoint_folder import folder_at
 
         self.remove_doomed()  # an undone restore's directories: its retry makes them again
         store = BlobStore(blob_store, folder_at)

@@ -53,6 +53,8 @@ import msgpack
 from actors.heap import collector_paused
 from actors.sandboxes import Recorded, RestoredSandbox, SandboxCapture, Sandboxes
 from actors.session_table import Held, SessionTable
+from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
+from nemo_ckpt.cleanup import remove_files
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     HolderBusyError,
@@ -84,15 +86,8 @@ from nemo_ckpt.phases import (
     join_captured,
 )
 from nemo_ckpt.sandbox import SandboxLimits
-from nemo_ckpt.sessions import SessionRecord, check_staging_keys
-from nemo_ckpt.storage import (
-    PROBE_DIR,
-    ShardParts,
-    folder_at,
-    read_shard_parts,
-    remove_files,
-    write_shard_parts,
-)
+from nemo_ckpt.session_record import SessionRecord, check_staging_keys
+from nemo_ckpt.shards import ShardParts, read_shard_parts, write_shard_parts
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["SessionHolder", "Trimmer"]

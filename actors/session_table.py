@@ -1,7 +1,7 @@
 """The sessions one holder keeps, each held encoded, as a shard stores it.
 
 A holder's memory should be its sessions' bytes. So each live session is one small
-slotted ``Held``: its rollout id, its attempt, and three ``bytes`` (``nemo_ckpt.sessions``):
+slotted ``Held``: its rollout id, its attempt, and three ``bytes`` (``nemo_ckpt.session_record``):
 
 - ``row``, its index entry ``[rollout_id, attempt, staging keys, turns, earlier keys]``,
   which a capture joins and the shard's index is made of;
@@ -29,7 +29,7 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.sessions import NO_TURNS, SessionRecord, encode_row, encode_turns, record_of
+from nemo_ckpt.session_record import NO_TURNS, SessionRecord, encode_row, encode_turns, record_of
 
 __all__ = ["Held", "SessionTable"]
 

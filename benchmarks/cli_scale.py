@@ -21,10 +21,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.manifest import encode_manifest, shard_file_name
-from nemo_ckpt.sessions import SessionRecord
-from nemo_ckpt.storage import environment_folder, write_manifest, write_shard
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.shards import write_shard
+from nemo_ckpt.snapshot_files import write_manifest
 
 INSTANCES = 4
 

@@ -173,8 +173,8 @@ async def _entry_split(namespace: str, instances: list[str], repeats: int,
     round; the writes start afterwards in both. Alternating, same holders, sessions."""
     import ray
 
+    from nemo_ckpt.checkpoint_folder import prepare_environment_dir
     from nemo_ckpt.config import HOLDER_NAME_PREFIX
-    from nemo_ckpt.storage import prepare_environment_dir
 
     handles = [ray.get_actor(HOLDER_NAME_PREFIX + i, namespace=namespace) for i in instances]
     for r in range(2 * repeats):
@@ -212,7 +212,8 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
 
     def new_operation_id(kind: str) -> str:
         return _new_id(kind, time.time(), uuid.uuid4().hex, 1)
-    from nemo_ckpt.storage import environment_dir, read_manifest
+    from nemo_ckpt.checkpoint_folder import environment_dir
+    from nemo_ckpt.snapshot_files import read_manifest
 
     manifest = read_manifest(path)
     directory = environment_dir(path)
@@ -251,7 +252,7 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
 
 def _read_in_process(job: tuple[str, str, Any]) -> None:
     how, directory, entry = job
-    from nemo_ckpt.storage import read_shard
+    from nemo_ckpt.shards import read_shard
 
     if how == "nothing":  # starts the pool's processes before the clock
         return
@@ -275,9 +276,10 @@ def _persist_seconds(committed: Any) -> float:
 
 def _shard_part(args: argparse.Namespace) -> None:
     """One holder's shard, written and read piece by piece, no Ray."""
+    from nemo_ckpt.hashed_files import CONTENT_HASH, content_hasher
     from nemo_ckpt.interfaces import EnvironmentEpisode
-    from nemo_ckpt.sessions import SessionRecord
-    from nemo_ckpt.storage import CONTENT_HASH, content_hasher, read_shard, write_shard
+    from nemo_ckpt.session_record import SessionRecord
+    from nemo_ckpt.shards import read_shard, write_shard
 
     n, size = args.sessions, args.state_bytes
     blob = os.urandom(size + 4096)
@@ -339,7 +341,7 @@ def _shard_part(args: argparse.Namespace) -> None:
 
 def _decode(data: bytes) -> list[Any]:
     """Decode a shard's bytes: its msgpack objects, then a SessionRecord per session."""
-    from nemo_ckpt.sessions import SessionRecord
+    from nemo_ckpt.session_record import SessionRecord
 
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1 << 20))
     unpacker.feed(data)

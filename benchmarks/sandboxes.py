@@ -38,7 +38,7 @@ from actors.sandboxes import Sandboxes
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.storage import read_manifest
+from nemo_ckpt.snapshot_files import read_manifest
 
 PAUSE_ROUNDS = 15
 

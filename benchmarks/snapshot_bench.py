@@ -61,8 +61,9 @@ import ray
 
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
+from nemo_ckpt.hashed_files import write_hashed as _write_durably
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.storage import SHARD_MAGIC, SHARD_VERSION, _write_durably
+from nemo_ckpt.shards import SHARD_MAGIC, SHARD_VERSION
 
 log = logging.getLogger("snapshot_bench")
 

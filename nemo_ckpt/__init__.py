@@ -14,7 +14,8 @@ from nemo_ckpt.interfaces import (
     RestoredEnvironmentRollouts,
 )
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint, RaySnapshot
-from nemo_ckpt.sessions import SessionClient, SessionRecord, Turn
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.sessions import SessionClient, Turn
 
 __all__ = [
     "CheckpointConfig",

@@ -27,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
+from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.connect import ray_address
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
 from nemo_ckpt.manifest import (
@@ -40,13 +41,8 @@ from nemo_ckpt.options import checkpoint_path, non_empty, non_negative_float, po
 from nemo_ckpt.phases import HolderInfo
 from nemo_ckpt.sandbox import diff_trees, tree_stats
 from nemo_ckpt.sandbox_storage import snapshot_directories, verify_directories
-from nemo_ckpt.storage import (
-    RolloutIndexEntry,
-    environment_folder,
-    read_manifest,
-    read_shard,
-    snapshot_rollouts,
-)
+from nemo_ckpt.shards import RolloutIndexEntry, read_shard
+from nemo_ckpt.snapshot_files import read_manifest, snapshot_rollouts
 
 __all__ = [
     "main",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotReadError
 from nemo_ckpt.folder import Folder
@@ -34,7 +35,7 @@ from nemo_ckpt.location import join_location
 from nemo_ckpt.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
 from nemo_ckpt.sandbox import tree_digests
 from nemo_ckpt.sandbox_storage import blob_store_of, fetch_tree, read_trees_file
-from nemo_ckpt.storage import environment_folder, folder_at, read_manifest
+from nemo_ckpt.snapshot_files import read_manifest
 
 __all__ = ["CollectionReport", "collect_blobs", "collect_quietly", "committed_snapshots",
            "snapshot_refs", "RefsCache"]

@@ -1,8 +1,9 @@
 """The folder a snapshot is written to and read from, whatever holds it.
 
-``nemo_ckpt.storage`` owns the format (what is written, in which order, how it is
-verified); a ``Folder`` owns the bytes' durability in one place: a folder on a shared
-filesystem (``nemo_ckpt.local_folder``), or a prefix in an object-store bucket.
+The format's modules own what is written, in which order, how it is verified
+(``nemo_ckpt.shards``, ``nemo_ckpt.snapshot_files``, ``nemo_ckpt.hashed_files``); a
+``Folder`` owns the bytes' durability in one place: a folder on a shared filesystem
+(``nemo_ckpt.local_folder``), or a prefix in an object-store bucket.
 
 The order a snapshot uses a folder, which is what makes a manifest the commit point:
 

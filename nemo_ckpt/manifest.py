@@ -13,7 +13,7 @@ Format versions: 4 (written when sessions own sandbox directories) is 3 plus, pe
 the file of its sessions' directory trees (``TreesEntry``) and, once, where the blob store
 that holds their files lies relative to the checkpoint path (``blob_store``); a snapshot
 without directories is still written as 3, which earlier releases read. 3 lists no
-rollouts: each shard holds its own index (one row per session, ``nemo_ckpt.storage``),
+rollouts: each shard holds its own index (one row per session, ``nemo_ckpt.shards``),
 so the manifest stays a few kilobytes at a million rollouts. 2 (still read) listed every
 rollout and the shard that holds it, and named each shard's hash with its algorithm
 (XXH3-128 by default); 1 (still read) carried a bare SHA-256 per shard, read as

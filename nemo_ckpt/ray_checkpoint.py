@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.coordinator_api import CoordinatorCalls
 from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_rows_against_cut
@@ -26,10 +27,10 @@ from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.location import LocalLocation, join_location, levels_below, parse_location
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderInfo, HolderState
-from nemo_ckpt.storage import PROBE_DIR, folder_at
+from nemo_ckpt.sessions import register_default_transport
 from nemo_ckpt.transport import COORDINATOR, Transport
 
-__all__ = ["RayEnvironmentCheckpoint", "RaySnapshot"]
+__all__ = ["RayEnvironmentCheckpoint", "RaySnapshot", "ray_transport"]
 
 log = logging.getLogger("nemo_ckpt")
 # retire/forget are idempotent: a restarted coordinator or a lost holder is retried.
@@ -477,9 +478,7 @@ class RayEnvironmentCheckpoint:
     @property
     def _transport(self) -> Transport:
         if self._transport_ is None:
-            from actors.ray_transport import RayTransport
-
-            self._transport_ = RayTransport(self.config)
+            self._transport_ = ray_transport(self.config)
         return self._transport_
 
     async def _call(self, method: str, *args: Any) -> Any:
@@ -594,3 +593,15 @@ async def _finish(future: asyncio.Future[Any]) -> tuple[Any, bool]:
         return asyncio.CancelledError(), True
     error = future.exception()
     return (error if error is not None else future.result()), cancelled
+
+
+def ray_transport(config: CheckpointConfig) -> Transport:
+    """Ray's transport for ``config``'s namespace (Ray is imported here, when first used)."""
+    from actors.ray_transport import RayTransport
+
+    return RayTransport(config)
+
+
+# A worker's SessionClient.connect() without a transport reaches its holder over Ray; the
+# core's sessions module does not import the Ray side itself.
+register_default_transport(lambda namespace: ray_transport(CheckpointConfig(namespace=namespace)))

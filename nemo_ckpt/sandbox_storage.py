@@ -24,9 +24,11 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobCache, BlobStore
+from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
 from nemo_ckpt.folder import Folder, Sink
+from nemo_ckpt.hashed_files import read_verified, view_unpacker, write_hashed
 from nemo_ckpt.location import join_location, levels_below, parent_location
 from nemo_ckpt.manifest import Manifest, TreesEntry
 from nemo_ckpt.sandbox import FILE, SPARSE, Tree, decode_tree, sparse_layout
@@ -67,8 +69,6 @@ def blob_store_of(checkpoint_path: str | Path, manifest: Manifest) -> str | None
 def write_trees_file(directory: Folder, name: str, instance_id: str, rows: list[TreeRow],
                      blobs: int, written: BlobsWritten) -> TreesEntry:
     """Write a holder's trees file (see the module docstring) durably; its entry."""
-    from nemo_ckpt.storage import write_hashed
-
     def fill(sink: Sink) -> None:
         packer = msgpack.Packer(use_bin_type=True)
         sink.write(packer.pack({"format": TREES_MAGIC, "version": TREES_VERSION,
@@ -82,8 +82,6 @@ def write_trees_file(directory: Folder, name: str, instance_id: str, rows: list[
 
 def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str) -> list[TreeRow]:
     """A trees file's rows, once its length and hash match ``entry``."""
-    from nemo_ckpt.storage import read_verified, view_unpacker
-
     path, data = read_verified(directory, entry)
     try:
         unpacker = view_unpacker(data)
@@ -192,8 +190,6 @@ def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest
     """Every captured session's directory by rollout id, and the trees files that do not
     read (file -> why). Trees and trees files are verified as they are read; the files'
     blobs are not read here (``verify_directories`` does)."""
-    from nemo_ckpt.storage import environment_folder, folder_at
-
     where = blob_store_of(checkpoint_path, manifest)
     found: dict[str, SessionDirectory] = {}
     unreadable: dict[str, str] = {}
@@ -223,8 +219,6 @@ def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest
 def verify_directories(checkpoint_path: str | Path, manifest: Manifest) -> list[str]:
     """Every problem with the directories a restore of this snapshot would materialize:
     trees files, trees, and every file blob (read and hashed, each once)."""
-    from nemo_ckpt.storage import folder_at
-
     directories, unreadable = snapshot_directories(checkpoint_path, manifest)
     problems = [f"trees file {name}: {why}" for name, why in sorted(unreadable.items())]
     where = blob_store_of(checkpoint_path, manifest)

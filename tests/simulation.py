@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.collection import collect_blobs, committed_snapshots
 from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig
 from nemo_ckpt.errors import (
@@ -76,19 +77,14 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.folder import unlistable
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.local_folder import LocalFolder, write_failure
+from nemo_ckpt.path_claims import claim_path, read_claims, release_claim
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
 from nemo_ckpt.sandbox import _Scanner
 from nemo_ckpt.sandbox_storage import verify_directories
-from nemo_ckpt.sessions import SessionClient, SessionRecord
-from nemo_ckpt.storage import (
-    claim_path,
-    environment_dir,
-    read_claims,
-    read_manifest,
-    read_snapshot,
-    release_claim,
-)
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.sessions import SessionClient
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import COORDINATOR, HOLDER, SESSION_METHODS

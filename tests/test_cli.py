@@ -18,10 +18,12 @@ import xxhash
 from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import SessionClient
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.cli import main, run_status
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.manifest import shard_file_name
-from nemo_ckpt.storage import environment_dir, folder_at, read_snapshot, write_shard
+from nemo_ckpt.shards import write_shard
+from nemo_ckpt.snapshot_files import read_snapshot
 from nemo_ckpt.testing import StaticCut
 from tests.conftest import alive_node_ids
 from tests.test_storage import (

@@ -13,7 +13,7 @@ import pytest
 from actors.coordinator import CheckpointCoordinator
 from nemo_ckpt.errors import OperationAbortedError
 from nemo_ckpt.operations import new_operation_id
-from nemo_ckpt.storage import read_manifest, read_snapshot
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.sim import EPOCH
 from nemo_ckpt.transport import COORDINATOR
 from tests.test_reliability import CONFIG, World

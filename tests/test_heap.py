@@ -14,7 +14,8 @@ from actors import heap
 from actors.heap import CALL_OVERHEAD_BYTES, HeapTrimmer
 from actors.session_holder import SessionHolder
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.sessions import SessionClient, SessionRecord
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.sessions import SessionClient
 
 pytestmark = pytest.mark.timeout(60)
 

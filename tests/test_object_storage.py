@@ -16,7 +16,9 @@ import obstore
 import pytest
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
+from nemo_ckpt.cleanup import manifest_snapshot_id, remove_snapshot_files, remove_unreferenced_files
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     ShardCorruptedError,
@@ -28,22 +30,10 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.location import join_location
 from nemo_ckpt.manifest import Manifest, encode_manifest, shard_file_name
-from nemo_ckpt.sessions import SessionRecord
-from nemo_ckpt.storage import (
-    claim_path,
-    environment_folder,
-    folder_at,
-    live_claims,
-    manifest_snapshot_id,
-    read_manifest,
-    read_snapshot,
-    release_claim,
-    remove_snapshot_files,
-    remove_unreferenced_files,
-    snapshot_rollouts,
-    write_manifest,
-    write_shard,
-)
+from nemo_ckpt.path_claims import claim_path, live_claims, release_claim
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.shards import write_shard
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
 from nemo_ckpt.testing.s3_server import BUCKET, S3Server
 
 pytestmark = pytest.mark.timeout(120)
@@ -310,7 +300,7 @@ def test_the_server_command_runs_a_command_against_its_bucket_and_stops_after_it
     import sys
 
     script = ("import os, sys\n"
-              "from nemo_ckpt.storage import folder_at\n"
+              "from nemo_ckpt.checkpoint_folder import folder_at\n"
               f"folder_at('s3://{BUCKET}/cmd').write_bytes('f', b'hello')\n"
               f"print(os.environ['AWS_ENDPOINT_URL'], folder_at('s3://{BUCKET}/cmd').read('f'))\n"
               "sys.exit(3)\n")

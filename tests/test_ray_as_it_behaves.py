@@ -28,7 +28,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.storage import read_manifest, read_snapshot
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from tests.test_faults import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
+from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
@@ -32,16 +33,11 @@ from nemo_ckpt.errors import (
     StaleSnapshotError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.path_claims import claim_path
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sessions import Turn
-from nemo_ckpt.storage import (
-    claim_path,
-    environment_dir,
-    environment_folder,
-    read_manifest,
-    read_snapshot,
-    write_shard,
-)
+from nemo_ckpt.shards import write_shard
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import COORDINATOR, HOLDER
@@ -806,7 +802,7 @@ def test_retriability_is_a_property_of_each_error_class_and_the_docs_list_it() -
 
 
 def test_a_turn_refuses_staging_keys_that_are_not_strings_at_once() -> None:
-    from nemo_ckpt.sessions import SessionRecord
+    from nemo_ckpt.session_record import SessionRecord
 
     turn = Turn(SessionRecord("holder-0", Ep("r", 0)))
     with pytest.raises(TypeError, match=r"not one str \('row-1'\); pass \[key\]"):

@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from nemo_ckpt.blobs import BlobCache, BlobStore, digest_of
+from nemo_ckpt.checkpoint_folder import folder_at
 from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError, SandboxError
 from nemo_ckpt.sandbox import (
@@ -34,7 +35,6 @@ from nemo_ckpt.sandbox import (
     materialize,
     scan,
 )
-from nemo_ckpt.storage import folder_at
 from nemo_ckpt.testing.toy_env import directory_listing
 
 

@@ -19,7 +19,7 @@ from nemo_ckpt.cli import verify_snapshot
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.storage import read_manifest
+from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.testing.toy_env import directory_listing
 from tests.conftest import alive_node_ids, remove_node_and_wait
 

@@ -17,6 +17,7 @@ import pytest
 
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.blobs import BlobStore, digest_of
+from nemo_ckpt.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.cli import main, verify_snapshot
 from nemo_ckpt.collection import collect_blobs, committed_snapshots, snapshot_refs
@@ -30,7 +31,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.storage import environment_dir, folder_at, read_manifest
+from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import EPOCH, SimWorld
 from nemo_ckpt.testing.toy_env import directory_listing

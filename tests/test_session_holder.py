@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from actors.session_holder import SessionHolder
+from nemo_ckpt.checkpoint_folder import prepare_environment_dir
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     HolderBusyError,
@@ -28,8 +29,9 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.sessions import encode_turns
-from nemo_ckpt.storage import prepare_environment_dir, read_manifest, read_shard
+from nemo_ckpt.session_record import encode_turns
+from nemo_ckpt.shards import read_shard
+from nemo_ckpt.snapshot_files import read_manifest
 
 pytestmark = pytest.mark.timeout(30)
 

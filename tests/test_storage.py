@@ -16,7 +16,13 @@ import pytest
 import xxhash
 
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.checkpoint_folder import environment_dir, folder_at, prepare_environment_dir
 from nemo_ckpt.claims import LEGACY_TTL_S, STALE_FACTOR, ClaimWatch
+from nemo_ckpt.cleanup import (
+    manifest_shard_files,
+    manifest_snapshot_id,
+    remove_unreferenced_files,
+)
 from nemo_ckpt.collection import collect_blobs
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
@@ -40,26 +46,10 @@ from nemo_ckpt.manifest import (
     shard_file_name,
     shard_problems,
 )
-from nemo_ckpt.sessions import SessionRecord
-from nemo_ckpt.storage import (
-    claim_path,
-    environment_dir,
-    folder_at,
-    live_claims,
-    manifest_shard_files,
-    manifest_snapshot_id,
-    prepare_environment_dir,
-    read_claims,
-    read_manifest,
-    read_shard,
-    read_shard_index,
-    read_snapshot,
-    remove_snapshot_files,
-    remove_unreferenced_files,
-    snapshot_rollouts,
-    write_manifest,
-    write_shard,
-)
+from nemo_ckpt.path_claims import claim_path, live_claims
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.shards import read_shard, read_shard_index, write_shard
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
 
 
 def session(inst: str, rid: str, attempt: int = 0, state: bytes = b"s", turns: int = 2
@@ -574,120 +564,7 @@ def test_a_format_3_shard_holding_a_rollout_twice_or_in_two_shards_is_refused(
         read_snapshot(tmp_path / "two")
 
 
-# --- issue 11: committed is final, claims, bounded decoding, one verification -------------
-
-
-def test_a_late_clean_up_never_removes_what_a_newer_manifest_names(tmp_path: Path) -> None:
-    # The clean-up reads what the manifest names now, not what its own commit wrote.
-    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="first")
-    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "b")]}, snapshot_id="second")
-    remove_unreferenced_files(environment_dir(tmp_path))  # "first"'s clean-up, late
-    assert [r.episode.rollout_id for r in read_snapshot(tmp_path).sessions["holder-0"]] == ["b"]
-
-
-def test_a_clean_up_spares_the_files_of_operations_in_progress(tmp_path: Path) -> None:
-    directory = prepare_environment_dir(tmp_path)
-    busy = write_shard(directory, shard_file_name("snap-busy", "holder-0"), "holder-0",
-                       [session("holder-0", "x")])
-    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="done")
-    assert remove_unreferenced_files(directory, protect={"snap-busy"}) == []
-    assert (directory / busy.file).is_file()
-    assert remove_unreferenced_files(directory) == [busy.file]
-
-
-def test_an_abort_never_removes_the_committed_snapshot(tmp_path: Path) -> None:
-    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="snap-9")
-    before = tree(tmp_path)
-    assert remove_snapshot_files(environment_dir(tmp_path), "snap-9") is True
-    assert tree(tmp_path) == before
-    read_snapshot(tmp_path)
-    assert manifest_snapshot_id(environment_dir(tmp_path)) == "snap-9"
-
-
-def test_an_abort_removes_its_own_files_and_nothing_else(tmp_path: Path) -> None:
-    write_snapshot(tmp_path, {"holder-0": [session("holder-0", "a")]}, snapshot_id="snap-1")
-    directory = environment_dir(tmp_path)
-    committed = tree(tmp_path)
-    write_shard(directory, shard_file_name("snap-2", "holder-0"), "holder-0",
-                [session("holder-0", "b")])
-    claim_path(directory, "snap-2", "job@cluster", ClaimWatch(), ttl_s=60.0)
-    assert remove_snapshot_files(directory, "snap-2") is False
-    assert tree(tmp_path) == committed
-
-
-def test_another_jobs_live_claim_refuses_a_snapshot_into_the_same_path(tmp_path: Path) -> None:
-    # Case 11: two jobs snapshotting into one path are refused, not cleaned.
-    directory = prepare_environment_dir(tmp_path)
-    job_a, job_b = ClaimWatch(FakeClock(1_000.0)), ClaimWatch(FakeClock(5.0))
-    claim_path(directory, "snap-a", "job-a@c1", job_a, ttl_s=60.0)
-    claim_path(directory, "snap-a", "job-a@c1", job_a, ttl_s=60.0)  # a renewal
-    with pytest.raises(CheckpointPathBusyError, match="in use by snap-a of job-a@c1") as info:
-        claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)
-    assert not info.value.retriable
-    claim_path(directory, "snap-a2", "job-a@c1", job_a, ttl_s=60.0, incarnation="i1")
-    assert live_claims(directory, "job-b@c2", job_b, ours=()) == {"snap-a", "snap-a2"}
-    # A claim this very incarnation wrote, of an operation it does not run now, ended
-    # here: it protects nothing.
-    assert live_claims(directory, "job-a@c1", job_a, ours=set(), incarnation="i1") \
-        == {"snap-a"}
-
-
-def test_a_claim_of_another_incarnation_of_the_same_job_protects_until_watched_stale(
-        tmp_path: Path) -> None:
-    """Issue 29, case 1: a coordinator Ray declared dead may run again beside its
-    successor; neither's clean-up takes the other's claims for its own leftovers."""
-    directory = prepare_environment_dir(tmp_path)
-    clock = FakeClock(0.0)
-    watch = ClaimWatch(clock)
-    claim_path(directory, "snap-new", "job@c", ClaimWatch(), ttl_s=60.0, incarnation="new")
-    assert live_claims(directory, "job@c", watch, ours=(), incarnation="old") == {"snap-new"}
-    clock.advance(60.0 * STALE_FACTOR + 1)  # its successor died too, and stopped renewing
-    assert live_claims(directory, "job@c", watch, ours=(), incarnation="old") == set()
-
-
-def test_a_claim_is_taken_over_only_once_watched_unchanged_for_its_ttl_whatever_the_wall_clocks(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Issue 23, case 1: another host's clock has any offset; only the reader's own
-    # monotonic clock, watching the claim's beat, decides.
-    directory = prepare_environment_dir(tmp_path)
-    job_a, clock_b = ClaimWatch(FakeClock(0.0)), FakeClock(0.0)
-    job_b = ClaimWatch(clock_b)
-    claim_path(directory, "snap-a", "job-a@c1", job_a, ttl_s=60.0)
-    real_time = time.time
-    for skew in (86_400.0, -86_400.0):  # the readers' wall clock a day ahead, a day behind
-        monkeypatch.setattr(time, "time", lambda skew=skew: real_time() + skew)
-        with pytest.raises(CheckpointPathBusyError, match="in use by snap-a of job-a@c1"):
-            claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)
-    clock_b.advance(60.0)
-    claim_path(directory, "snap-a", "job-a@c1", job_a, ttl_s=60.0)  # job-a renews: alive
-    clock_b.advance(60.0)
-    with pytest.raises(CheckpointPathBusyError, match="unchanged for 72s more"):
-        claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)  # seen anew
-    assert live_claims(directory, "job-b@c2", job_b, ours=()) == {"snap-a"}
-    clock_b.advance(60.0 * STALE_FACTOR - 1)  # job-a died: its beat stays
-    with pytest.raises(CheckpointPathBusyError, match="unchanged for 1s more"):
-        claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)
-    clock_b.advance(2.0)
-    assert live_claims(directory, "job-b@c2", job_b, ours=()) == set()
-    claim_path(directory, "snap-b", "job-b@c2", job_b, ttl_s=60.0)
-    assert {c.operation for c in read_claims(directory)} == {"snap-a", "snap-b"}
-
-
-def test_a_claim_an_older_nemo_ckpt_wrote_is_judged_by_watching_not_by_its_expiry(
-        tmp_path: Path) -> None:
-    directory = prepare_environment_dir(tmp_path)
-    old = {"operation": "snap-old", "owner": "old-job@c0", "expires_at": 1.0}  # long past
-    (directory / ".claim-snap-old.json").write_text(json.dumps(old))
-    clock = FakeClock(0.0)
-    watch = ClaimWatch(clock)
-    with pytest.raises(CheckpointPathBusyError, match="in use by snap-old of old-job@c0"):
-        claim_path(directory, "snap-b", "job-b@c2", watch, ttl_s=60.0)
-    clock.advance(LEGACY_TTL_S * STALE_FACTOR - 1)
-    old["expires_at"] = 2.0  # its job renewed it
-    (directory / ".claim-snap-old.json").write_text(json.dumps(old))
-    assert live_claims(directory, "job-b@c2", watch, ours=()) == {"snap-old"}
-    clock.advance(LEGACY_TTL_S * STALE_FACTOR + 1)
-    claim_path(directory, "snap-b", "job-b@c2", watch, ttl_s=60.0)
+# --- bounded decoding, one verification (issue 11) ------------------------------------
 
 
 def test_a_shard_is_not_decoded_before_its_hash_matches(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
+from nemo_ckpt.checkpoint_folder import folder_at
 from nemo_ckpt.errors import (
     NemoCkptError,
     SnapshotInProgressError,
@@ -51,7 +52,6 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.location import as_path_or_url
-from nemo_ckpt.storage import folder_at
 
 __all__ = [
     "StaticCut",

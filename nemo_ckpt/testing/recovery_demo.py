@@ -49,6 +49,7 @@ from typing import Any, Optional, cast
 import ray
 
 from nemo_ckpt.blobs import BLOB_DIR
+from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -60,7 +61,7 @@ from nemo_ckpt.location import (
     parse_location,
 )
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
-from nemo_ckpt.storage import environment_folder, folder_at, read_manifest
+from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import (
     DATA_PLANE_FILE,
     DataPlaneBarrier,

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Optional, cast
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.sessions import SessionClient, SessionRecord
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.sessions import SessionClient
 
 __all__ = [
     "TOOLS",

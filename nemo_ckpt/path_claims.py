@@ -1,0 +1,121 @@
+"""Claims on a checkpoint folder: which operations are in progress there.
+
+Operations in progress hold a *claim* on the folder (``.claim-<operation>.json``: its
+owner, a ttl and a beat it renews, judged on the reader's own clock:
+``nemo_ckpt.claims``), so that a commit's clean-up leaves another operation's files alone
+(``nemo_ckpt.cleanup``) and a second job's snapshot into the same folder is refused
+instead of cleaned away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+from nemo_ckpt.checkpoint_folder import as_folder
+from nemo_ckpt.claims import Claim, ClaimWatch, decode_claim, encode_claim
+from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, OperationAbortedError
+from nemo_ckpt.folder import Folder
+from nemo_ckpt.manifest import safe_name_part
+
+__all__ = ["CLAIM_PREFIX", "PathClaim", "claim_beat", "claim_path", "live_claims",
+           "read_claims", "release_claim"]
+
+CLAIM_PREFIX = ".claim-"
+# An operation in progress in a checkpoint folder (``nemo_ckpt.claims``).
+PathClaim = Claim
+
+
+def _claim_name(operation_id: str) -> str:
+    return f"{CLAIM_PREFIX}{safe_name_part(operation_id)}.json"
+
+
+def read_claims(directory: Folder | Path) -> list[PathClaim]:
+    """Every claim in ``directory`` (one gone since the listing, or not a claim at all,
+    is skipped). A claim that cannot be read raises ``CheckpointPathError``: skipped, it
+    could let a clean-up remove the files of the operation it protects."""
+    folder = as_folder(directory)
+    claims: list[PathClaim] = []
+    for name in folder.names():
+        if not (name.startswith(CLAIM_PREFIX) and name.endswith(".json")):
+            continue
+        try:
+            data = folder.read(name)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            where = folder.describe(name)
+            raise CheckpointPathError(where, f"cannot read the claim {where}: "
+                                             f"{exc.strerror or exc}") from exc
+        try:
+            claims.append(decode_claim(data))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return claims
+
+
+def live_claims(directory: Folder | Path, owner: str, watch: ClaimWatch,
+                ours: Collection[str], incarnation: str = "") -> set[str]:
+    """The operations whose files must stay: ``ours`` (this incarnation's operations
+    open now), and every other claim ``watch`` has not seen unchanged for its ttl:
+    another owner's, or one of this owner's other incarnations (Ray may have declared a
+    coordinator dead that runs again; a successor's claims are not its leftovers). Only
+    a claim of this very incarnation outside ``ours`` protects nothing: its operation
+    ended here."""
+    folder = as_folder(directory)
+    claims = read_claims(folder)
+    live = {c.operation for c in watch.live(folder.describe(), claims)}
+    return {c.operation for c in claims
+            if c.operation in ours or (c.operation in live and (
+                c.owner != owner or not incarnation or c.incarnation != incarnation))}
+
+
+def claim_beat(directory: Folder | Path, operation_id: str) -> str | None:
+    """The beat of ``operation_id``'s claim as it is now, None when there is none."""
+    folder = as_folder(directory)
+    try:
+        return decode_claim(folder.read(_claim_name(operation_id))).beat
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return ""  # not a claim any writer of ours made
+    except OSError as exc:
+        where = folder.describe(_claim_name(operation_id))
+        raise CheckpointPathError(where, f"cannot read the claim {where}: "
+                                         f"{exc.strerror or exc}") from exc
+
+
+def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: ClaimWatch,
+               ttl_s: float, incarnation: str = "", beat: str | None = None,
+               renewing: Collection[str] | None = None) -> None:
+    """Claim ``directory`` for ``operation_id`` for ``ttl_s`` seconds; calling it again
+    renews the claim. Refuses with ``CheckpointPathBusyError`` while another owner's
+    claim is live: one ``watch`` has not seen unchanged for its ttl (so a claim seen for
+    the first time refuses; keep one watch per job). This owner's own operations need
+    no refusal: its holders run one at a time, and clean-up spares the ones open.
+    ``renewing``, the beats the caller wrote it with: a renewal, refused with
+    ``OperationAbortedError`` when the claim is gone or another's (a successor that
+    took the caller for dead aborted the operation: its claim must not come back)."""
+    folder = as_folder(directory)
+    found = read_claims(folder)
+    if renewing is not None and not any(
+            c.operation == operation_id and c.beat in renewing for c in found):
+        raise OperationAbortedError(
+            f"{operation_id} was aborted by another coordinator of this job while this one "
+            f"was taken for dead (its node stalled?); its claim is not renewed")
+    claims = [c for c in found if c.operation != operation_id]
+    left = watch.observe(folder.describe(), claims)
+    for claim in claims:
+        if claim.owner != owner and left[claim.operation] > 0:
+            raise CheckpointPathBusyError(
+                f"{folder.describe()} is in use by {claim.operation} of {claim.owner}: two "
+                f"jobs must not write snapshots into one checkpoint path; give each job "
+                f"its own path (a claim whose job died is taken as abandoned once this "
+                f"job has seen it unchanged for {left[claim.operation]:.0f}s more)")
+    data, _ = encode_claim(operation_id, owner, ttl_s, incarnation, beat)
+    folder.write_bytes(_claim_name(operation_id), data, sync=False)
+
+
+def release_claim(directory: Folder | Path, operation_id: str) -> None:
+    """Drop the claim of ``operation_id``, if any."""
+    as_folder(directory).remove([_claim_name(operation_id)])

@@ -1,0 +1,199 @@
+"""A session's record and its row codec: the rollout state an environment backend keeps
+between turns, as it is captured, written to a shard and restored.
+
+``SessionRecord`` is the pure data of one session. Turn records and environment state
+are opaque bytes that the environment serializes itself; nemo-ckpt never unpickles
+anything. Holders keep a session encoded (its row, its turns blob, its state) and
+shards store it so; the functions below convert between the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from nemo_ckpt.interfaces import EnvironmentEpisode
+
+__all__ = ["SessionRecord", "check_staging_keys", "encode_row", "encode_turns", "body_head",
+           "bin_header", "record_parts", "record_of", "NO_TURNS"]
+
+
+def check_staging_keys(staging_keys: Iterable[str], where: str) -> frozenset[str]:
+    """``staging_keys`` as a frozenset, or TypeError: a collection of non-empty strings,
+    not one string (whose letters would each become a key)."""
+    if isinstance(staging_keys, (str, bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"staging keys of {where} must be a collection of strings, not one "
+            f"{type(staging_keys).__name__} ({staging_keys!r}); pass [key]")
+    try:
+        keys = frozenset(staging_keys)
+    except TypeError:
+        raise TypeError(f"staging keys of {where} must be a collection of strings, not "
+                        f"{type(staging_keys).__name__}") from None
+    bad = [k for k in keys if not isinstance(k, str) or not k]
+    if bad:
+        raise TypeError(f"staging keys of {where} must be non-empty strings; got "
+                        f"{sorted(map(repr, bad))[:5]}")
+    return keys
+
+
+# slots: a holder keeps one record per live session; without a __dict__ a record is one
+# 64-byte object instead of an object plus a dict, which pickling (every reply) builds.
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    """One session: an episode, the turns it has run and the environment's state.
+
+    Attributes:
+        instance_id: The session-holder instance that owns the rollout.
+        episode: The attempt this session runs.
+        turns: One opaque record per committed turn, oldest first, over all attempts.
+        state: The environment's state after the last committed turn.
+        staging_keys: Every token-capture staging row the session's turns wrote, over
+            all its attempts.
+        earlier_capture_keys: Capture keys of the attempts before this one, oldest first.
+        directory: The sandbox directory the session owns on its node, if any (after a
+            restore, the one the restore made for this attempt).
+    """
+
+    instance_id: str
+    episode: EnvironmentEpisode
+    turns: tuple[bytes, ...] = ()
+    state: bytes = b""
+    staging_keys: frozenset[str] = frozenset()
+    earlier_capture_keys: tuple[str, ...] = ()
+    directory: str | None = None
+
+    def continued(self) -> SessionRecord:
+        """This session as a restore installs it: the next attempt, keeping its turns,
+        state and staging keys, and remembering this attempt's capture key."""
+        return SessionRecord(
+            instance_id=self.instance_id,
+            episode=self.episode.next_attempt(),
+            turns=self.turns,
+            state=self.state,
+            staging_keys=self.staging_keys,
+            earlier_capture_keys=(*self.earlier_capture_keys, self.episode.capture_key),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack-ready map of plain types."""
+        return {
+            "instance_id": self.instance_id,
+            "rollout_id": self.episode.rollout_id,
+            "attempt": self.episode.attempt,
+            "turns": list(self.turns),
+            "state": self.state,
+            "staging_keys": sorted(self.staging_keys),
+            "earlier_capture_keys": list(self.earlier_capture_keys),
+        }
+
+    @classmethod
+    def from_wire(cls, data: Any) -> SessionRecord:
+        """Rebuild a record from ``to_wire``'s map; raises ValueError on any other shape."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a session record must be a map, not {type(data).__name__}")
+        try:
+            turns = data["turns"]
+            state = data["state"]
+            keys = data["staging_keys"]
+            earlier = data["earlier_capture_keys"]
+            instance_id = data["instance_id"]
+            episode = EnvironmentEpisode(data["rollout_id"], data["attempt"])
+        except KeyError as exc:
+            raise ValueError(f"a session record lacks the field {exc.args[0]!r}") from None
+        if not isinstance(instance_id, str) or not instance_id:
+            raise ValueError("a session record's instance_id must be a non-empty string")
+        if not isinstance(turns, list) or not all(isinstance(t, bytes) for t in turns):
+            raise ValueError("a session record's turns must be a list of bytes")
+        if not isinstance(state, bytes):
+            raise ValueError("a session record's state must be bytes")
+        for name, seq in (("staging_keys", keys), ("earlier_capture_keys", earlier)):
+            if not isinstance(seq, list) or not all(isinstance(k, str) for k in seq):
+                raise ValueError(f"a session record's {name} must be a list of strings")
+        return cls(
+            instance_id=instance_id,
+            episode=episode,
+            turns=tuple(turns),
+            state=state,
+            staging_keys=frozenset(keys),
+            earlier_capture_keys=tuple(earlier),
+        )
+
+
+# --- a session as holders keep it and shards store it (format 3) ---------------------------
+#
+# row:    msgpack [rollout_id, attempt, [staging keys, sorted], turns, [earlier keys]]
+#         what a capture reports, and the shard's index entry: small, read without the
+#         session's bytes
+# turns:  msgpack [turn record, ...]: the turn records, kept encoded
+# state:  the environment's state, the bytes object as it arrived
+# A shard stores a session's body as the msgpack array [turns, state]: its turns blob,
+# then the state as a bin object, so a holder writes and reads it without re-encoding.
+
+NO_TURNS = b"\x90"  # msgpack's empty array: the turns of a session just opened
+
+
+def encode_row(rollout_id: str, attempt: int, staging_keys: Iterable[str], turns: int,
+               earlier_capture_keys: Iterable[str]) -> bytes:
+    """A session's row (see above)."""
+    return _PACK([rollout_id, attempt, sorted(staging_keys), turns,
+                  list(earlier_capture_keys)])
+
+
+def encode_turns(turns: Iterable[bytes]) -> bytes:
+    """A session's turns blob (see above)."""
+    turns = list(turns)
+    return _PACK(turns) if turns else NO_TURNS
+
+
+def body_head(turns_blob: bytes, state_length: int) -> bytes:
+    """What precedes the state in a session's body: the array header, the turns blob,
+    the state's bin header."""
+    return b"\x92" + turns_blob + bin_header(state_length)
+
+
+def bin_header(n: int) -> bytes:
+    """msgpack's header of a bin object of ``n`` bytes (bin 8, 16 or 32)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def record_parts(record: SessionRecord) -> tuple[bytes, bytes, bytes]:
+    """``(row, turns blob, state)`` of ``record``."""
+    ep = record.episode
+    return (encode_row(ep.rollout_id, ep.attempt, record.staging_keys, len(record.turns),
+                       record.earlier_capture_keys),
+            encode_turns(record.turns), bytes(record.state))
+
+
+def record_of(instance_id: str, row: Any, turns_blob: bytes, state: bytes) -> SessionRecord:
+    """The ``SessionRecord`` of a decoded row, its turns blob and its state; ValueError on
+    any other shape (a shard is verified by its hash before this runs, so this only
+    catches a file some other tool wrote)."""
+    try:
+        rollout_id, attempt, keys, turns, earlier = row
+        turn_records = msgpack.unpackb(turns_blob, raw=False, use_list=True)
+    except (TypeError, ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"a session row or its turns have the wrong shape ({exc})") from None
+    if not isinstance(turn_records, list) or len(turn_records) != turns \
+            or not all(isinstance(t, bytes) for t in turn_records):
+        raise ValueError(f"session {rollout_id!r} says {turns} turns but holds other turn "
+                         f"records")
+    if not isinstance(state, bytes):
+        raise ValueError(f"the state of session {rollout_id!r} is not bytes")
+    for name, seq in (("staging keys", keys), ("earlier capture keys", earlier)):
+        if not isinstance(seq, list) or not all(isinstance(k, str) for k in seq):
+            raise ValueError(f"the {name} of session {rollout_id!r} are not a list of "
+                             f"strings")
+    return SessionRecord(instance_id, EnvironmentEpisode(rollout_id, attempt),
+                         tuple(turn_records), state, frozenset(keys), tuple(earlier))
+
+
+def _PACK(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)

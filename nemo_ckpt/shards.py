@@ -1,0 +1,262 @@
+"""A shard: one holder's sessions in one file, written from their encoded parts as holders
+keep them (``nemo_ckpt.session_record``) and read back verified.
+
+A shard is a stream of msgpack objects: a header map, the index (one row per session,
+readable without the rest), then each session's body, ``[turns, state]``. Reading
+verifies the whole file's length and hash first (``nemo_ckpt.hashed_files``), then what
+it holds against its manifest entry; each refusal has its own exception class (see
+``nemo_ckpt.errors``), and a refused read changes nothing on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgpack
+
+from nemo_ckpt.checkpoint_folder import as_folder
+from nemo_ckpt.errors import (
+    CheckpointPathError,
+    ShardCorruptedError,
+    TornSnapshotError,
+    UnsafeShardNameError,
+)
+from nemo_ckpt.folder import Folder, Sink
+from nemo_ckpt.hashed_files import read_verified, view_unpacker, write_hashed
+from nemo_ckpt.manifest import ShardEntry, is_plain_file_name
+from nemo_ckpt.session_record import SessionRecord, body_head, record_of, record_parts
+
+__all__ = ["SHARD_MAGIC", "SHARD_VERSION", "RolloutIndexEntry", "ShardParts", "read_shard",
+           "read_shard_index", "read_shard_parts", "write_shard", "write_shard_parts"]
+
+SHARD_MAGIC = "nemo-ckpt-shard"
+# Shard layouts: 3 (written): a header, the index (one row per session), then one
+# payload per session (``nemo_ckpt.session_record``); 1 (read): a header, then one map per
+# session (manifest formats 1 and 2).
+SHARD_VERSION = 3
+# Pieces of a shard's small sessions are joined into about this much before they go to
+# the folder's sink; a state at least _DIRECT_WRITE long goes by reference, uncopied.
+_DIRECT_WRITE = 16 << 10
+_SMALL_PIECE_BUFFER = 256 << 10
+
+
+def write_shard(
+    directory: Folder | Path, name: str, instance_id: str, sessions: Iterable[SessionRecord]
+) -> ShardEntry:
+    """Write ``sessions`` of ``instance_id`` as shard ``name`` (see ``write_shard_parts``)."""
+    rows, bodies = [], []
+    for record in sessions:
+        if record.instance_id != instance_id:
+            raise ValueError(
+                f"session {record.episode.capture_key} belongs to "
+                f"{record.instance_id}, not to shard instance {instance_id}"
+            )
+        row, turns_blob, state = record_parts(record)
+        rows.append(row)
+        bodies.append((turns_blob, state))
+    index = msgpack.Packer().pack_array_header(len(rows)) + b"".join(rows)
+    return write_shard_parts(directory, name, instance_id, index, len(rows), bodies)
+
+
+def write_shard_parts(directory: Folder | Path, name: str, instance_id: str, index: bytes,
+                      count: int, bodies: Iterable[tuple[bytes, bytes]]) -> ShardEntry:
+    """Write one shard from sessions already encoded, as holders keep them, and return
+    its manifest entry: ``index`` is the msgpack array of the ``count`` sessions' rows
+    (a capture's ``captured_msgpack``), ``bodies`` yields each one's turns blob and state
+    in the same order.
+
+    The shard is a stream of msgpack objects: a header map, the index, then each
+    session's body, ``[turns, state]``. It is joined from those bytes as they are (big
+    states by reference): nothing is re-encoded, no list per session is built (at a
+    million small sessions each would be memory the snapshot adds), and the index can
+    be read without the bodies.
+    """
+
+    def fill(w: Sink) -> None:
+        packer = msgpack.Packer(use_bin_type=True)
+        w.write(packer.pack({"format": SHARD_MAGIC, "version": SHARD_VERSION,
+                             "instance_id": instance_id, "sessions": count}))
+        # Written as it is (by reference when big): the capture already holds it.
+        w.write(index)
+        batch: list[bytes] = []
+        size = 0
+        written = 0
+        for turns_blob, state in bodies:
+            written += 1
+            head = body_head(turns_blob, len(state))
+            if len(state) >= _DIRECT_WRITE:  # big: by reference, without a copy
+                batch.append(head)
+                w.write(b"".join(batch), copy=True)
+                w.write(state)
+                batch, size = [], 0
+                continue
+            batch += (head, state)
+            size += len(head) + len(state)
+            if size >= _SMALL_PIECE_BUFFER:
+                w.write(b"".join(batch), copy=True)
+                batch, size = [], 0
+        if batch:
+            w.write(b"".join(batch), copy=True)
+        if written != count:
+            raise ValueError(f"shard {name}: an index of {count} sessions, "
+                             f"{written} bodies")
+
+    length, digest = write_hashed(directory, name, fill)
+    return ShardEntry(file=name, bytes=length, content_hash=digest, instance_id=instance_id,
+                      sessions=count)
+
+
+@dataclass(frozen=True)
+class ShardParts:
+    """A verified shard's sessions, still encoded: each one's decoded row
+    (``[rollout_id, attempt, staging keys, turns, earlier capture keys]``), its turns
+    blob and its state, in the shard's order."""
+
+    instance_id: str
+    rows: list[list[Any]]
+    turns: list[bytes]
+    states: list[bytes]
+
+    def records(self) -> list[SessionRecord]:
+        """Every session as a ``SessionRecord`` (decodes every turns blob)."""
+        return [record_of(self.instance_id, row, turns, state)
+                for row, turns, state in zip(self.rows, self.turns, self.states, strict=True)]
+
+
+def read_shard(directory: Folder | Path, entry: ShardEntry) -> list[SessionRecord]:
+    """Read and verify one shard (``read_shard_parts``), every session decoded."""
+    parts = read_shard_parts(directory, entry)
+    path = as_folder(directory).describe(entry.file)
+    try:
+        return parts.records()
+    except ValueError as exc:
+        raise _undecodable(path, str(exc)) from exc
+
+
+def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
+    """Read one shard and verify its length and hash, then split it into sessions.
+
+    Nothing is decoded before the whole file's hash matches the manifest's: a damaged
+    or crafted file of N bytes costs N bytes of memory, never the objects it could
+    unpack into. Then only the index is decoded; each session's turns are a slice of
+    the file and its state one bytes object.
+    Shards of the older layout (a map per session) are read too.
+    """
+    path, data = read_verified(directory, entry)
+    unpacker = view_unpacker(data)
+    try:
+        header = unpacker.unpack()
+        if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
+            raise _undecodable(path, "no nemo-ckpt shard header")
+        if header.get("instance_id") != entry.instance_id:
+            raise _undecodable(path, f"header {header!r} does not fit the manifest entry "
+                                     f"for {entry.instance_id}")
+        if header.get("version") == 1:
+            return _legacy_parts(path, entry, unpacker, len(data))
+        if header.get("version") != SHARD_VERSION:
+            raise _undecodable(path, f"shard layout {header.get('version')!r} is not one "
+                                     f"this nemo-ckpt reads")
+        rows = unpacker.unpack()
+        if not isinstance(rows, list) or len(rows) != entry.sessions \
+                or header.get("sessions") != entry.sessions:
+            raise _undecodable(path, f"its index does not hold the {entry.sessions} "
+                                     f"sessions the manifest says")
+        turns, states = [], []
+        read_array_header, skip, tell, unpack = (unpacker.read_array_header, unpacker.skip,
+                                                 unpacker.tell, unpacker.unpack)
+        for _ in range(entry.sessions):
+            if read_array_header() != 2:
+                raise _undecodable(path, "a session's body is not [turns, state]")
+            start = tell()
+            skip()
+            turns.append(bytes(data[start:tell()]))
+            states.append(unpack())
+    except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
+        raise _undecodable(path, str(exc) or type(exc).__name__) from exc
+    if unpacker.tell() != len(data):
+        raise _undecodable(path, f"{len(data) - unpacker.tell()} trailing bytes")
+    if any(type(state) is not bytes for state in states):
+        raise _undecodable(path, "a session's state is not bytes")
+    return ShardParts(entry.instance_id, rows, turns, states)
+
+
+def _legacy_parts(path: str, entry: ShardEntry, unpacker: msgpack.Unpacker,
+                  length: int) -> ShardParts:
+    """The sessions of a layout-1 shard (one map per session), as parts."""
+    rows: list[list[Any]] = []
+    turns: list[bytes] = []
+    states: list[bytes] = []
+    for obj in unpacker:
+        try:
+            record = SessionRecord.from_wire(obj)
+        except ValueError as exc:
+            raise _undecodable(path, str(exc)) from exc
+        if record.instance_id != entry.instance_id:
+            raise _undecodable(path, f"session of {record.instance_id} in a shard of "
+                                     f"{entry.instance_id}")
+        row, turns_blob, state = record_parts(record)
+        rows.append(msgpack.unpackb(row, raw=False, use_list=True))
+        turns.append(turns_blob)
+        states.append(state)
+    if unpacker.tell() != length:
+        raise _undecodable(path, f"{length - unpacker.tell()} trailing bytes do not decode")
+    if len(rows) != entry.sessions:
+        raise _undecodable(path, f"{len(rows)} sessions, manifest says {entry.sessions}")
+    return ShardParts(entry.instance_id, rows, turns, states)
+
+
+def _undecodable(path: str, why: str) -> ShardCorruptedError:
+    return ShardCorruptedError(
+        path, f"shard {path} matches its hash but does not decode ({why}); it was "
+              f"written by a different tool: restore an earlier checkpoint")
+
+
+class RolloutIndexEntry(NamedTuple):
+    """One captured rollout, as a shard's index (or a format-2 manifest) lists it."""
+
+    instance_id: str
+    rollout_id: str
+    attempt: int
+    turns: int
+    staging_keys: list[str]
+    shard: str
+
+
+def read_shard_index(directory: Folder | Path, entry: ShardEntry) -> list[RolloutIndexEntry]:
+    """The rollouts a shard's index lists, read without its payloads and without
+    verifying its hash (``inspect`` and ``diff``; a restore and ``verify`` verify)."""
+    folder = as_folder(directory)
+    path = folder.describe(entry.file)
+    if not is_plain_file_name(entry.file):
+        raise UnsafeShardNameError(
+            folder.describe(), f"shard name {entry.file!r} is not a plain file name in "
+                               f"{folder.describe()}")
+    try:
+        # The manifest's length is a claim: the buffer (and msgpack's largest array or
+        # string, which it allocates as claimed) is bounded by what is there.
+        limit = max(min(entry.bytes, folder.size(entry.file)), 1 << 20)
+        with folder.open_read(entry.file) as f:
+            unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=limit)
+            header = unpacker.unpack()
+            if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
+                raise _undecodable(path, "no nemo-ckpt shard header")
+            if header.get("version") == 1:  # no index: every session has to be read
+                rows = read_shard_parts(folder, entry).rows
+            else:
+                rows = unpacker.unpack()
+    except FileNotFoundError:
+        raise TornSnapshotError(path, f"shard {path}, named in the manifest, is missing"
+                                ) from None
+    except OSError as exc:
+        raise CheckpointPathError(path, f"cannot read shard {path}: {exc.strerror or exc}"
+                                  ) from exc
+    except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
+        raise _undecodable(path, str(exc) or type(exc).__name__) from exc
+    try:
+        return [RolloutIndexEntry(entry.instance_id, row[0], row[1], row[3], list(row[2]),
+                                  entry.file) for row in rows]
+    except (TypeError, IndexError) as exc:
+        raise _undecodable(path, f"its index has rows of the wrong shape ({exc})") from exc

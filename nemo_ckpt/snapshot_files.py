@@ -1,0 +1,197 @@
+"""A snapshot in its folder: the manifest, written last as the commit point and read
+first, and the whole snapshot read and verified.
+
+The manifest is written last, so a folder without one holds no snapshot, whatever shards
+it has. Reading verifies before it returns: the manifest's version and schema, every
+shard name, then every shard (``nemo_ckpt.shards``) against the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from nemo_ckpt.checkpoint_folder import as_folder, environment_folder
+from nemo_ckpt.errors import (
+    CheckpointPathError,
+    ManifestInvalidError,
+    OperationAbortedError,
+    ShardCorruptedError,
+    SnapshotNotFoundError,
+    SnapshotReadError,
+    UnsafeShardNameError,
+    UnsupportedFormatVersionError,
+)
+from nemo_ckpt.folder import Folder
+from nemo_ckpt.manifest import (
+    ENVIRONMENT_DIR,
+    MANIFEST_NAME,
+    SHARD_PREFIX,
+    SUPPORTED_FORMAT_VERSIONS,
+    Manifest,
+    is_plain_file_name,
+    load_json,
+    rollouts_by_shard,
+    shard_problems,
+    upgrade_v1,
+)
+from nemo_ckpt.path_claims import claim_beat
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.shards import RolloutIndexEntry, read_shard, read_shard_index
+
+__all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollouts",
+           "write_manifest"]
+
+
+def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
+                   fence: tuple[str, Collection[str]] | None = None) -> None:
+    """Commit the snapshot: write ``manifest.json`` durably. Call it after every shard.
+
+    ``manifest`` is a ``Manifest`` or its JSON from ``encode_manifest``. ``fence``,
+    ``(operation id, beats)``: first require the operation's claim to hold one of the
+    beats its writer wrote, or raise ``OperationAbortedError``: a coordinator taken for
+    dead that runs again finds its claim removed by its successor's abort. Checked here,
+    in the same call as the write, so a stall cannot fall between them on the caller's
+    side; a folder offers no conditional rename to close the rest (a bucket's
+    conditional writes would)."""
+    folder = as_folder(directory)
+    if fence is not None:
+        operation_id, beats = fence
+        if claim_beat(folder, operation_id) not in beats:
+            raise OperationAbortedError(
+                f"{operation_id} was aborted by another coordinator of this job while this "
+                f"one was taken for dead (its node stalled?); it was not committed")
+    # Compact: it is written while the holders are paused; `nemo-ckpt inspect` reads it.
+    data = manifest if isinstance(manifest, bytes) else manifest.model_dump_json().encode()
+    folder.write_bytes(MANIFEST_NAME, data)
+
+
+def read_manifest(checkpoint_path: Path | str) -> Manifest:
+    """Read and validate the manifest of the snapshot at ``checkpoint_path``.
+
+    Raises one of ``SnapshotNotFoundError``, ``CheckpointPathError``,
+    ``UnsupportedFormatVersionError``, ``ManifestInvalidError`` or
+    ``UnsafeShardNameError``. Shards are not read; see ``read_snapshot``.
+    """
+    folder = environment_folder(checkpoint_path)
+    problem = folder.problem()
+    if problem is not None:
+        raise CheckpointPathError(
+            folder.describe(), f"checkpoint path {checkpoint_path} cannot hold a snapshot: "
+                               f"{problem}; pass the folder that snapshot() was given (the "
+                               f"one holding {ENVIRONMENT_DIR}/)")
+    path = folder.describe(MANIFEST_NAME)
+    try:
+        raw = folder.read(MANIFEST_NAME)
+    except FileNotFoundError:
+        detail = ""
+        if any(name.startswith(SHARD_PREFIX) for name in folder.names()):
+            detail = ("Shards are present without a manifest: a snapshot was interrupted "
+                      "before it committed.")
+        raise SnapshotNotFoundError(folder.describe(), detail) from None
+    except OSError as exc:
+        raise CheckpointPathError(
+            path, f"cannot read {path}: {exc.strerror or exc}; check its permissions"
+        ) from exc
+
+    try:
+        # The happy path parses once; only a refusal parses again, to say why.
+        manifest = Manifest.model_validate_json(raw)
+    except ValidationError as exc:
+        try:
+            data = load_json(raw)
+        except ValueError as bad_json:  # not JSON, not UTF-8, or nested too deeply
+            raise ManifestInvalidError(
+                path, f"{path} is not valid JSON ({bad_json}); the file is damaged: "
+                      f"restore an earlier checkpoint"
+            ) from exc
+        upgraded = upgrade_v1(data)
+        if upgraded is not data:
+            try:
+                manifest = Manifest.model_validate_json(json.dumps(upgraded))
+            except ValidationError as v1_exc:
+                exc = v1_exc
+            else:
+                return _check_shard_names(path, folder, manifest)
+        version = data.get("format_version") if isinstance(data, dict) else None
+        if isinstance(version, int) and not isinstance(version, bool) \
+                and version not in SUPPORTED_FORMAT_VERSIONS:
+            raise UnsupportedFormatVersionError(
+                path, f"{path} has format version {version}, but this nemo-ckpt reads only "
+                      f"{sorted(SUPPORTED_FORMAT_VERSIONS)}; restore with the nemo-ckpt "
+                      f"version that wrote it, or a newer one"
+            ) from exc
+        raise ManifestInvalidError(
+            path, f"{path} does not validate as a nemo-ckpt manifest: {exc}; the file is "
+                  f"damaged or not ours: restore an earlier checkpoint"
+        ) from exc
+    return _check_shard_names(path, folder, manifest)
+
+
+def _check_shard_names(path: str, folder: Folder, manifest: Manifest) -> Manifest:
+    for shard in manifest.shards:
+        for name in (shard.file, shard.trees.file if shard.trees else shard.file):
+            if not is_plain_file_name(name):
+                raise UnsafeShardNameError(
+                    path, f"{path} names shard {name!r}, which is not a plain file name "
+                          f"in {folder.describe()}; refusing to read outside the snapshot "
+                          f"folder. The manifest was tampered with or damaged: restore an "
+                          f"earlier checkpoint")
+    return manifest
+
+
+@dataclass(frozen=True)
+class LoadedSnapshot:
+    """A snapshot read and fully verified: its manifest and every session, by instance."""
+
+    manifest: Manifest
+    sessions: dict[str, list[SessionRecord]]
+
+
+def read_snapshot(checkpoint_path: Path | str) -> LoadedSnapshot:
+    """Read and verify the whole snapshot at ``checkpoint_path``.
+
+    Every instance listed in the manifest appears in ``sessions``, holding nothing or
+    not. Raises a ``SnapshotReadError`` subclass on the first refusal.
+    """
+    manifest = read_manifest(checkpoint_path)
+    directory = environment_folder(checkpoint_path)
+    sessions: dict[str, list[SessionRecord]] = {i: [] for i in manifest.instances}
+    listed = rollouts_by_shard(manifest)
+    seen: dict[str, str] = {}  # rollout id -> the shard that holds it
+    for shard in manifest.shards:
+        records = read_shard(directory, shard)
+        where = directory.describe(shard.file)
+        pairs = [(r.episode.rollout_id, r.episode.attempt) for r in records]
+        problems = shard_problems(None if listed is None else listed.get(shard.file, {}),
+                                  pairs, where)
+        problems += [f"rollout {rid!r} is in two shards, {seen[rid]} and {shard.file}; "
+                     f"restore an earlier checkpoint" for rid, _ in pairs if rid in seen]
+        if problems:
+            raise ShardCorruptedError(where, "; ".join(problems))
+        seen.update((rid, shard.file) for rid, _ in pairs)
+        sessions[shard.instance_id] += records
+    return LoadedSnapshot(manifest=manifest, sessions=sessions)
+
+
+def snapshot_rollouts(checkpoint_path: Path | str, manifest: Manifest
+                      ) -> tuple[list[RolloutIndexEntry], dict[str, str]]:
+    """Every captured rollout of a snapshot, and the shards whose index could not be
+    read (file -> why). A format-2 manifest lists them itself; a format-3 snapshot keeps
+    them in its shards' indexes, read here without the payloads."""
+    if manifest.format_version < 3:
+        return [RolloutIndexEntry(r.instance_id, r.rollout_id, r.attempt, r.turns,
+                                  list(r.staging_keys), r.shard) for r in manifest.rollouts], {}
+    directory = environment_folder(checkpoint_path)
+    rollouts: list[RolloutIndexEntry] = []
+    unreadable: dict[str, str] = {}
+    for shard in manifest.shards:
+        try:
+            rollouts += read_shard_index(directory, shard)
+        except SnapshotReadError as exc:
+            unreadable[shard.file] = str(exc)
+    return rollouts, unreadable
