@@ -1,9 +1,10 @@
 """A session holder's interface as its callers see it: typed, whatever carries the call.
 
 ``HolderControl`` is what the coordinator calls (the phases of a snapshot and a restore,
-the ledger operations, probes); ``actors.session_holder.SessionHolder`` implements it,
-and ``actors.ray_transport`` has mypy check that it does. The holder's own docstring
-states the order of the calls. ``HolderCalls`` makes the same calls through a
+the ledger operations, probes), ``HolderSessions`` what an environment worker's
+``SessionClient`` calls; ``actors.session_holder.SessionHolder`` implements both, and
+``actors.ray_transport`` has mypy check that it does. The holder's own docstring
+states the order of the calls. ``HolderCalls`` and ``SessionCalls`` make the same calls through a
 ``Transport`` (``nemo_ckpt.transport``), so a caller names a method and its arguments
 once, checked by mypy, and the transport (Ray, or the simulation's seeded one) keeps its
 control over delivery.
@@ -11,7 +12,7 @@ control over delivery.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -23,9 +24,10 @@ from nemo_ckpt.phases import (
     PersistReport,
     RestorePrepared,
 )
+from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.transport import Actor, Transport
 
-__all__ = ["HolderCalls", "HolderControl"]
+__all__ = ["HolderCalls", "HolderControl", "HolderSessions", "SessionCalls"]
 
 
 class HolderControl(Protocol):
@@ -121,3 +123,67 @@ class HolderCalls:
 
     def forget(self, episodes: list[EnvironmentEpisode]) -> Awaitable[list[str]]:
         return self._call("forget", episodes)
+
+
+# A batch of sessions to open: ``(episode, initial state)`` or with the sandbox directory.
+OpeningSessions = list[tuple[EnvironmentEpisode, bytes] |
+                       tuple[EnvironmentEpisode, bytes, str | None]]
+
+
+class HolderSessions(Protocol):
+    """The calls an environment worker makes of the holder on its node."""
+
+    async def open_session(self, episode: EnvironmentEpisode, state: bytes = b"",
+                           directory: str | None = None) -> SessionRecord: ...
+
+    async def open_sessions(self, sessions: OpeningSessions) -> int: ...
+
+    async def get_session(self, episode: EnvironmentEpisode | str) -> SessionRecord: ...
+
+    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionRecord: ...
+
+    async def commit_turn(self, episode: EnvironmentEpisode, token: str, record: bytes,
+                          state: bytes, staging_keys: Iterable[str] = ()
+                          ) -> SessionRecord: ...
+
+    async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None: ...
+
+    async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord: ...
+
+    async def sessions(self) -> list[SessionRecord]: ...
+
+
+class SessionCalls:
+    """``HolderSessions``' calls through ``invoke(method, *args)``, which carries a call
+    to the worker's holder (the client's, which looks the holder up again after its
+    death) and returns its answer."""
+
+    def __init__(self, invoke: Callable[..., Awaitable[Any]]) -> None:
+        self._invoke = invoke
+
+    def open_session(self, episode: EnvironmentEpisode, state: bytes = b"",
+                     directory: str | None = None) -> Awaitable[SessionRecord]:
+        return self._invoke("open_session", episode, state, directory)
+
+    def open_sessions(self, sessions: OpeningSessions) -> Awaitable[int]:
+        return self._invoke("open_sessions", sessions)
+
+    def get_session(self, episode: EnvironmentEpisode | str) -> Awaitable[SessionRecord]:
+        return self._invoke("get_session", episode)
+
+    def begin_turn(self, episode: EnvironmentEpisode, token: str) -> Awaitable[SessionRecord]:
+        return self._invoke("begin_turn", episode, token)
+
+    def commit_turn(self, episode: EnvironmentEpisode, token: str, record: bytes,
+                    state: bytes, staging_keys: Iterable[str] = ()
+                    ) -> Awaitable[SessionRecord]:
+        return self._invoke("commit_turn", episode, token, record, state, staging_keys)
+
+    def abort_turn(self, episode: EnvironmentEpisode, token: str) -> Awaitable[None]:
+        return self._invoke("abort_turn", episode, token)
+
+    def close_session(self, episode: EnvironmentEpisode | str) -> Awaitable[SessionRecord]:
+        return self._invoke("close_session", episode)
+
+    def sessions(self) -> Awaitable[list[SessionRecord]]:
+        return self._invoke("sessions")
