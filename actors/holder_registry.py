@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from nemo_ckpt.errors import BackendUnavailableError, aggregate
+from nemo_ckpt.holder_api import HolderCalls
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
 from nemo_ckpt.restore_plan import least_loaded_node
 from nemo_ckpt.transport import Actor, Transport
@@ -63,7 +64,7 @@ class HolderRegistry:
         found = self._transport.holders()
         self._registered = found
         results = await asyncio.gather(
-            *(self._transport.call(h, "info", timeout=self._timeout())
+            *(HolderCalls(self._transport, h, self._timeout()).info()
               for h in found.values()),
             return_exceptions=True)
         infos = []
@@ -121,8 +122,7 @@ class HolderRegistry:
 
     async def create(self, instance_id: str, node_id: str) -> HolderInfo:
         handle = self._transport.create_holder(instance_id, node_id, self._options())
-        info: HolderInfo = await self._transport.call(handle, "info",
-                                                      timeout=self._timeout())
+        info = await HolderCalls(self._transport, handle, self._timeout()).info()
         self._holders[instance_id] = handle
         self._nodes[instance_id] = info.node_id
         log.info("created holder %s on node %s", instance_id, node_id)
