@@ -50,32 +50,24 @@ and of a restore (driven by ``RayEnvironmentCheckpoint.restored``):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections import Counter
-from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any
 
 from actors.blob_collector import BlobCollector
 from actors.claimed_folders import ClaimedFolders
+from actors.coordinator_parts import INJECTABLE_PHASES, CoordinatorParts
 from actors.holder_registry import HolderRegistry
 from actors.operation_states import (
     Aborted,
-    Committed,
     FoundCommitted,
     Operation,
-    RestoreCommitting,
     RestoreOperation,
-    RestorePreparing,
-    RestoreVerified,
-    SnapshotBeginning,
-    SnapshotCaptured,
-    SnapshotCommitting,
     SnapshotOperation,
-    SnapshotWriting,
     Unseen,
 )
 from actors.operation_table import OperationTable
+from actors.restores import Restores
+from actors.snapshots import Snapshots
 from nemo_ckpt.blobs import BLOB_DIR
 from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.claims import ClaimWatch
@@ -91,40 +83,26 @@ from nemo_ckpt.coordinator_api import RestoreBegun, SnapshotBegun, SnapshotCommi
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     ConfigMismatchError,
-    LeaseExpiredError,
     NemoCkptError,
-    StaleSnapshotError,
 )
-from nemo_ckpt.holder_api import HolderCalls
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.location import join_location
-from nemo_ckpt.manifest import ShardEntry, encode_manifest
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import (
-    CaptureReport,
     HolderInfo,
-    PauseReport,
-    RestorePrepared,
     instance_sort_key,
 )
-from nemo_ckpt.restore_plan import assign_shards, verify_prepared
-from nemo_ckpt.sandbox_storage import blob_store_of, blob_store_ref
-from nemo_ckpt.snapshot_files import read_manifest, write_manifest
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "RestoreBegun"]
 
 log = logging.getLogger("nemo_ckpt.coordinator")
-OpT = TypeVar("OpT", bound=Operation)
-INJECTABLE_PHASES = frozenset({"begin_snapshot", "commit_snapshot", "before_manifest",
-                               "after_manifest", "commit_restore"})
 
 
 class CheckpointCoordinator:
     """Fans pause, snapshot and restore out to the session holders."""
 
     def __init__(self, config: CheckpointConfig, transport: Transport) -> None:
-        self._config = config
         self._transport = transport
         self._runtime = transport.runtime
         self._clock = transport.runtime.clock
@@ -138,25 +116,31 @@ class CheckpointCoordinator:
         # kept for the coordinator's life, as only a claim seen before can be found
         # abandoned (nemo_ckpt.claims).
         claim_watch = ClaimWatch(self._clock.monotonic)
-        self.operations = OperationTable(config.lease_s)
-        self.holders = HolderRegistry(transport, lambda: self._config.phase_timeout_s,
-                                      self._holder_options)
-        self.folders = ClaimedFolders(self._runtime, self._owner, self._incarnation,
-                                      claim_watch, lambda: self._claim_ttl)
-        self.blobs = BlobCollector(
-            None if config.sandbox_root is None or config.checkpoint_root is None
-            else str(config.checkpoint_root),
-            self._runtime, self._owner, self.collector_name, claim_watch,
-            lambda: bool(self.operations))
-        self._background: set[asyncio.Future[Any]] = set()  # kept so they are not collected
+        operations = OperationTable(config.lease_s)
+        self._parts = CoordinatorParts(
+            config=config, transport=transport, operations=operations,
+            holders=HolderRegistry(transport, lambda: self._config.phase_timeout_s,
+                                   self._holder_options),
+            folders=ClaimedFolders(self._runtime, self._owner, self._incarnation,
+                                   claim_watch, lambda: self._parts.claim_ttl),
+            blobs=BlobCollector(
+                None if config.sandbox_root is None or config.checkpoint_root is None
+                else str(config.checkpoint_root),
+                self._runtime, self._owner, self.collector_name, claim_watch,
+                lambda: bool(operations)),
+            open=self._open, abort=self._abort)
+        self.operations = operations
+        self.holders = self._parts.holders
+        self.folders = self._parts.folders
+        self.blobs = self._parts.blobs
+        self._calls = self._parts.calls
+        self._snapshots = Snapshots(self._parts)
+        self._restores = Restores(self._parts)
         self._reaper: asyncio.Task[None] | None = None
-        self._injected_delays: dict[str, float] = {}
-        self._captures_done = 0
 
-    def _calls(self, holder: Actor, timeout: float | None = None) -> HolderCalls:
-        """Typed calls to one holder, with a control call's timeout unless given."""
-        return HolderCalls(self._transport, holder,
-                           self._config.phase_timeout_s if timeout is None else timeout)
+    @property
+    def _config(self) -> CheckpointConfig:
+        return self._parts.config
 
     # --- the job's config ------------------------------------------------------------
 
@@ -191,7 +175,7 @@ class CheckpointCoordinator:
         if adopted:
             log.warning("a driver attached with other deadlines; adopting them: %s",
                         ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in adopted.items()))
-            self._config = CheckpointConfig.model_validate({
+            self._parts.config = CheckpointConfig.model_validate({
                 **self._config.model_dump(),
                 **{k: getattr(config, k) for k in ADOPTED_FIELDS | DRIVER_FIELDS}})
             self.operations.lease_s = self._config.lease_s
@@ -245,16 +229,11 @@ class CheckpointCoordinator:
         commit_restore (before the holders are asked). 0 removes it."""
         if phase not in INJECTABLE_PHASES:
             raise ValueError(f"unknown phase {phase!r}; one of {sorted(INJECTABLE_PHASES)}")
-        self._injected_delays[phase] = seconds
-
-    async def _injected_delay(self, phase: str) -> None:
-        seconds = self._injected_delays.get(phase, 0.0)
-        if seconds > 0:
-            await asyncio.sleep(seconds)
+        self._parts.delays[phase] = seconds
 
     # --- operations: leases, aborts ---------------------------------------------------
 
-    def _open(self, op: OpT) -> OpT:
+    def _open(self, op: Operation) -> Operation:
         self.operations.open(op)
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.ensure_future(self._reap())
@@ -284,14 +263,8 @@ class CheckpointCoordinator:
             op.holders, "renew_lease",
             lambda inst, h: self._calls(h).renew_lease(operation_id, self._config.lease_s),
             tolerate_failures=True)
-        if isinstance(op, SnapshotOperation) and op.captured is not None:
-            try:
-                await self.folders.claim(op)
-                if op.blob_hold is not None and op.blob_hold.done():
-                    await self._hold_blobs(op)
-            except (OSError, NemoCkptError) as exc:
-                log.warning("%s: could not renew its claims (%s); they stand until their "
-                            "ttl, and the commit writes them again first", op.id, exc)
+        if isinstance(op, SnapshotOperation):
+            await self._snapshots.renew_claims(op)
 
     async def abort(self, operation_id: str, checkpoint_path: str | None = None,
                     caller_error: str | None = None) -> str:
@@ -310,12 +283,12 @@ class CheckpointCoordinator:
             known = self.operations.outcome(operation_id)
             if known is not None:
                 if caller_error is not None:
-                    self._count_failure("snapshot" if checkpoint_path else "restore",
+                    self._parts.count_failure("snapshot" if checkpoint_path else "restore",
                                         caller_error)
                 return known.value
             op = self._unseen(operation_id, checkpoint_path)
         if caller_error is not None:
-            self._count_failure(op.kind, caller_error)
+            self._parts.count_failure(op.kind, caller_error)
         if op.committing:  # commit and abort exclude each other: the commit decides
             await op.closed.wait()
         else:
@@ -376,309 +349,35 @@ class CheckpointCoordinator:
                                lambda inst, h: self._calls(h).abort(op.id),
                                tolerate_failures=True)
 
-    # --- snapshot ---------------------------------------------------------------------
+    # --- snapshot and restore (actors.snapshots, actors.restores) ---------------------
 
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
-        """Claim the path, pause every holder and capture.
+        """Claim the path, pause every holder and capture (``Snapshots.begin``)."""
+        return await self._snapshots.begin(snapshot_id, checkpoint_path)
 
-        This is the pause's hot path: the holder set is the one known since the last
-        discovery, re-discovered only when the alive nodes changed, and each holder
-        pauses and captures in one call (``SessionHolder.begin``). The writes start at
-        ``start_writes``, which the driver sends once it has this answer (benchmarks/
-        README.md says what starting them earlier cost the answer). ``finish_persist``
-        starts any write whose start message has not arrived.
-        """
-        now = self._clock.monotonic()
-        op = self._open(SnapshotOperation(snapshot_id, checkpoint_path, now,
-                                          now + self._config.lease_s, SnapshotBeginning()))
-        cfg = self._config
-        claimed: asyncio.Future[None] | None = None
-        try:
-            op.holders = await self.holders.known()
-            directory = environment_folder(checkpoint_path)
-            if self.blobs.store is not None:
-                assert cfg.checkpoint_root is not None  # the config requires it
-                op.blob_ref = blob_store_ref(cfg.checkpoint_root, checkpoint_path)
-            await self._injected_delay("begin_snapshot")
-            if op.outcome is not None:  # aborted before any holder was asked: ask none
-                raise self.operations.refusal(snapshot_id)
-            # The claim runs beside the pause, not before it: no shard is written before
-            # the claim holds (writes start after this returns), and on a bucket its
-            # list, reads and put would otherwise add round trips to every pause. A
-            # refused claim aborts the snapshot like any failure here: holders resume.
-            claimed = asyncio.ensure_future(self._prepare_and_claim(op))
-            if self.blobs.store is not None:
-                # Not awaited here: no holder relies on the store before it holds (the
-                # writes start after it, and the commit awaits it), and its file work
-                # would otherwise lengthen every pause.
-                op.blob_hold = asyncio.ensure_future(self._hold_blobs(op, first=True))
-                op.blob_hold.add_done_callback(lambda f: f.cancelled() or f.exception())
-            begun: dict[str, tuple[PauseReport, CaptureReport]] = await self.holders.fan(
-                op.holders, "pause_capture",
-                lambda inst, h: self._calls(
-                    h, cfg.drain_timeout_s + cfg.phase_timeout_s).begin(
-                        snapshot_id, cfg.drain_timeout_s, cfg.lease_s, str(directory)),
-                op_id=snapshot_id)
-            # Shielded: a cancelled begin must not cancel the claim under its thread,
-            # whose put would then land after the abort's clean-up.
-            await asyncio.shield(claimed)
-            if op.outcome is not None:  # aborted meanwhile: its abort reached every holder
-                raise self.operations.refusal(snapshot_id)
-        except BaseException as exc:
-            if claimed is not None and not claimed.done():
-                # Its thread runs on; the abort's clean-up must not race its put.
-                await asyncio.wait([claimed])
-            if claimed is not None and claimed.done() and not claimed.cancelled():
-                claimed.exception()  # retrieved: the first error is the one raised
-            self._count_failure("snapshot", exc)
-            await self._abort(op, Outcome.ABORTED)
-            raise
-        self._captures_done += 1
-        captured = SnapshotCaptured(tuple(c for _, c in begun.values()), self._captures_done)
-        self.operations.set_state(op, captured)
-        return SnapshotBegun(
-            snapshot_id=snapshot_id, instances=tuple(op.holders),
-            pauses=tuple(p for p, _ in begun.values()), captures=captured.captures,
-            entry_seconds=self._clock.monotonic() - op.started)
+    async def start_writes(self, snapshot_id: str) -> None:
+        """Start every holder's write of the snapshot; never raises."""
+        await self._snapshots.start_writes(snapshot_id)
 
-    async def _prepare_and_claim(self, op: SnapshotOperation) -> None:
-        assert op.path is not None
-        await self._runtime.run_blocking(environment_folder(op.path).prepare)
-        await self.folders.claim(op)
-
-    @property
-    def _claim_ttl(self) -> float:
-        """How long a claim or a hold stands without a renewal."""
-        return self._config.lease_s * 2
-
-    async def _claims_hold(self, op: SnapshotOperation) -> None:
-        """Before the manifest: the path's claim and the store's hold must not have
-        lapsed since they were last written (their renewals may have failed). A claim
-        near its end is written again (refused if another job took the path meanwhile);
-        a hold that may have lapsed refuses the commit, since a collection may have
-        removed blobs the snapshot found present."""
-        if self.folders.stale(op.claimed_at):
-            await self.folders.claim(op)
-        if op.blob_hold is not None and self.folders.stale(op.held_at):
-            raise LeaseExpiredError(
-                f"{op.id}: its hold on the blob store could not be renewed for too long "
-                f"(a full or failing disk?), so a collection may have removed blobs it "
-                f"relies on; it was not committed: retry the snapshot")
-
-    async def _hold_blobs(self, op: SnapshotOperation, first: bool = False) -> None:
-        """Hold the blob store for the snapshot (or renew the hold): it relies on the
-        blobs there until it commits, so no collection may run meanwhile."""
-        held_at = await self.blobs.hold(op.id, self._claim_ttl, first)
-        if held_at is not None:
-            op.held_at = held_at
+    async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                              metrics: dict[str, float], restarted: int) -> SnapshotCommitted:
+        """Wait for every shard, write the manifest last, then resume every holder
+        (``Snapshots.commit``)."""
+        return await self._snapshots.commit(snapshot_id, checkpoint_path, metrics, restarted)
 
     async def collection_done(self) -> CollectionReport | None:
         """Wait for the blob store's collection in progress, if any; the last one's
         report."""
         return await self.blobs.done()
 
-    async def start_writes(self, snapshot_id: str) -> None:
-        """Start every holder's write of the snapshot; waits for none. Never raises:
-        whatever fails here fails the commit (``finish_persist`` starts a write that did
-        not start)."""
-        op = self.operations.get(snapshot_id)
-        if not isinstance(op, SnapshotOperation) or type(op.state) is not SnapshotCaptured:
-            return
-        assert isinstance(op.state, SnapshotCaptured)
-        self.operations.set_state(op, SnapshotWriting(op.state.captures, op.state.order))
-        if op.blob_hold is not None and not op.blob_hold.done():
-            hold = op.blob_hold
-
-            async def after_hold() -> None:
-                with contextlib.suppress(Exception):  # its error fails the commit
-                    await asyncio.shield(hold)
-                    if op.outcome is None:
-                        for handle in op.holders.values():
-                            self._calls(handle).start_persist(snapshot_id)
-
-            task = asyncio.ensure_future(after_hold())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-            return
-        for handle in op.holders.values():
-            self._calls(handle).start_persist(snapshot_id)
-
-    async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                              metrics: dict[str, float], restarted: int) -> SnapshotCommitted:
-        """Wait for every shard, write the manifest last, then resume every holder.
-
-        A repeated commit gets the first one's answer; a commit of an operation that
-        was aborted (or lapsed) is refused with that outcome's error."""
-        op = self.operations.get(snapshot_id)
-        if op is None:
-            result = self.operations.result(snapshot_id)
-            if isinstance(result, SnapshotCommitted):
-                return result
-            raise self.operations.refusal(snapshot_id)
-        if op.committing:
-            await op.closed.wait()
-            return await self.commit_snapshot(snapshot_id, checkpoint_path, metrics,
-                                              restarted)
-        if not isinstance(op, SnapshotOperation) or op.captured is None:
-            raise StaleSnapshotError(f"commit of {snapshot_id} before its begin finished")
-        captured = op.captured
-        # The backend resumes as the exit begins: the capture is an immutable copy, so
-        # turns may run while the shards are written; the commit still waits for every
-        # shard and the manifest, and a failure still aborts the snapshot.
-        for handle in op.holders.values():
-            self._calls(handle).release(snapshot_id)
-        # The check that no rollout was captured by two instances starts now, after the
-        # release went out: a thread that decodes every capture holds this process's
-        # GIL meanwhile. Its error is raised by the await below; an abort cancels it.
-        unique = asyncio.ensure_future(self._runtime.run_blocking(
-            _check_captured_once, captured.captures))
-        unique.add_done_callback(lambda f: f.cancelled() or f.exception())
-        committing = SnapshotCommitting(captured.captures, captured.order,
-                                        released=self._clock.monotonic(),
-                                        unique_check=unique)
-        self.operations.set_state(op, committing)
-        directory = environment_folder(checkpoint_path)
-        try:
-            await self._injected_delay("commit_snapshot")
-            if op.blob_hold is not None:  # no holder relies on the store before it holds
-                await asyncio.shield(op.blob_hold)
-            persists = await self.holders.fan(
-                op.holders, "finish_persist",
-                lambda inst, h: self._calls(h, self._config.persist_timeout_s)
-                .finish_persist(snapshot_id),
-                op_id=snapshot_id)
-            shards: list[ShardEntry] = [s for p in persists.values() for s in p.shards]
-            all_metrics = dict(metrics)
-            all_metrics.update(
-                persist_seconds=max((p.persist_seconds for p in persists.values()),
-                                    default=0.0),
-                bytes_written=float(sum(p.bytes_written for p in persists.values())),
-            )
-            rollouts = await unique
-            manifest = encode_manifest(
-                snapshot_id=snapshot_id,
-                created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
-                instances=list(op.holders), shards=shards,
-                restarted_rollouts=restarted, metrics=all_metrics, blob_store=op.blob_ref)
-            await self._earlier_commits(op, captured.order)
-            await self._injected_delay("before_manifest")
-            await self._claims_hold(op)
-            async with self.folders.lock(checkpoint_path):
-                # Fenced: a successor that took this incarnation for dead and aborted the
-                # snapshot removed its claim (``write_manifest`` checks in the same call).
-                await self._runtime.run_blocking(write_manifest, directory, manifest,
-                                                 (op.id, frozenset(op.claim_beats)))
-            await self._injected_delay("after_manifest")
-        except BaseException as exc:
-            self._count_failure("snapshot", exc)
-            await self._abort(op, Outcome.ABORTED)
-            if not isinstance(op.state, FoundCommitted):
-                raise
-            # Only the manifest's write can fail after its rename (the folder's fsync):
-            # the manifest names this snapshot, so it is committed, and final.
-            log.warning("commit of %s raised after its manifest was renamed into place "
-                        "(%s); it is committed", snapshot_id, exc)
-        else:
-            self.operations.set_state(op, Committed())
-        self._record_commit(op, committing.released, all_metrics, rollouts, restarted)
-        # Committed: resume first; the older snapshots' files are garbage from here on
-        # and their removal must not lengthen the pause.
-        await self.holders.fan(op.holders, "resume",
-                               lambda inst, h: self._calls(h).resume(snapshot_id),
-                               tolerate_failures=True)
-        removed = await self.folders.clean_up(
-            op, [o.id for o in self.operations.open_ones()])
-        await self.blobs.release(op.id)
-        if removed:  # an older snapshot's files went: its blobs may be garbage now
-            self.blobs.garbage_possible()
-        self.blobs.start()
-        result = SnapshotCommitted(metrics=all_metrics, rollouts=rollouts,
-                                   shards=len(shards), removed_files=tuple(removed))
-        self.operations.keep_result(snapshot_id, result)
-        return result
-
-    async def _earlier_commits(self, op: SnapshotOperation, order: int) -> None:
-        """Wait until every snapshot into the same folder captured before ``op`` has
-        ended. Holders resume as a commit begins, so a second snapshot can capture and
-        commit while the first still writes: its manifest must not be replaced by the
-        older one's. An earlier snapshot whose driver is gone ends at its lease."""
-        assert op.path is not None
-        directory = environment_folder(op.path)
-        while True:
-            earlier = [o for o in self.operations.open_ones()
-                       if isinstance(o, SnapshotOperation) and o is not op
-                       and o.captured is not None and o.captured.order < order
-                       and o.path is not None and environment_folder(o.path) == directory]
-            if not earlier:
-                return
-            await earlier[0].closed.wait()
-
-    # --- restore ----------------------------------------------------------------------
-
     async def prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
-        """Verify the snapshot and have each instance's holder load it, nothing live yet."""
-        now = self._clock.monotonic()
-        op = self._open(RestoreOperation(restore_id, checkpoint_path, now,
-                                         now + self._config.lease_s, RestorePreparing()))
-        try:
-            return await self._prepare_restore(op, checkpoint_path)
-        except BaseException as exc:
-            self._count_failure("restore", exc)
-            await self._abort(op, Outcome.ABORTED)
-            raise
-
-    async def _prepare_restore(self, op: Operation, checkpoint_path: str) -> RestoreBegun:
-        manifest = await self._runtime.run_blocking(read_manifest, checkpoint_path)
-        placement = await self.holders.place(list(manifest.instances))
-        op.holders = self.holders.handles
-        if op.outcome is not None:
-            raise self.operations.refusal(op.id)
-        directory = str(environment_folder(checkpoint_path))
-        blob_store = blob_store_of(checkpoint_path, manifest)
-        shards_of = assign_shards(manifest, op.holders, checkpoint_path)
-        prepared: dict[str, RestorePrepared] = await self.holders.fan(
-            op.holders, "prepare_restore",
-            lambda inst, h: self._calls(h, self._config.persist_timeout_s).prepare_restore(
-                op.id, directory, shards_of[inst], self._config.lease_s, blob_store),
-            op_id=op.id)
-        if op.outcome is not None:
-            raise self.operations.refusal(op.id)
-        verified = verify_prepared(manifest, directory, checkpoint_path, prepared)
-        self.operations.set_state(op, RestoreVerified(verified.read_seconds))
-        return RestoreBegun(
-            restore_id=op.id, continued_attempts=verified.continued_attempts,
-            staging_keys=verified.staging_keys, placement=placement,
-            bytes_read=verified.bytes_read, read_seconds=verified.read_seconds)
+        """Verify the snapshot and have each instance's holder load it, nothing live yet
+        (``Restores.prepare``)."""
+        return await self._restores.prepare(restore_id, checkpoint_path)
 
     async def commit_restore(self, restore_id: str) -> int:
-        """Make every restored session live. Returns how many. If any holder fails, the
-        ones that went live drop the restored sessions again (all or nothing)."""
-        op = self.operations.get(restore_id)
-        if op is None:
-            if self.operations.outcome(restore_id) is Outcome.COMMITTED:
-                return 0
-            raise self.operations.refusal(restore_id)
-        if op.committing:
-            await op.closed.wait()
-            return await self.commit_restore(restore_id)
-        if not isinstance(op.state, RestoreVerified):
-            raise StaleSnapshotError(f"commit of {restore_id} before its prepare finished")
-        read_seconds = op.state.read_seconds
-        self.operations.set_state(op, RestoreCommitting(read_seconds))
-        try:
-            await self._injected_delay("commit_restore")
-            counts = await self.holders.fan(
-                op.holders, "commit_restore",
-                lambda inst, h: self._calls(h).commit_restore(restore_id),
-                op_id=restore_id)
-        except BaseException as exc:
-            self._count_failure("restore", exc)
-            await self._abort(op, Outcome.ABORTED)
-            raise
-        self.operations.set_state(op, Committed())
-        self._metrics.observe("restore_duration", self._clock.monotonic() - op.started)
-        self._metrics.observe("restore_read", read_seconds)
-        return sum(counts.values())
+        """Make every restored session live, all or nothing (``Restores.commit``)."""
+        return await self._restores.commit(restore_id)
 
     # --- ledger operations --------------------------------------------------------------
 
@@ -706,36 +405,3 @@ class CheckpointCoordinator:
             await self.holders.ensure()
             dropped = await self.holders.fan(self.holders.handles, what, call)
         return sorted(k for keys in dropped.values() for k in keys)
-
-    # --- figures ------------------------------------------------------------------------
-
-    def _record_commit(self, op: Operation, released: float, figures: dict[str, float],
-                       captured: int, restarted: int) -> None:
-        now = self._clock.monotonic()
-        self._metrics.observe("snapshot_duration", now - op.started)
-        # Holders pause at the start of begin_snapshot and are released as the commit
-        # begins, so that span bounds their paused time.
-        self._metrics.observe("paused", released - op.started)
-        self._metrics.inc("bytes_written", figures.get("bytes_written", 0.0))
-        self._metrics.inc("captured", float(captured))
-        self._metrics.inc("restarted", float(restarted))
-
-    def _count_failure(self, operation: str, error: BaseException | str) -> None:
-        kind = error if isinstance(error, str) else type(error).__name__
-        self._metrics.inc("failures", 1.0, tags={"operation": operation, "kind": kind})
-
-
-def _check_captured_once(captures: tuple[CaptureReport, ...]) -> int:
-    """How many sessions the captures hold, or ValueError naming the rollouts that two
-    instances captured (the same rollout running on two holders), which a snapshot
-    must not commit even when nobody checked it against a cut. At set speed: the
-    rollout ids are compared as a whole, named only when some repeat."""
-    ids = [row[0] for c in captures for row in c.rows()]
-    if len(set(ids)) == len(ids):
-        return len(ids)
-    twice = sorted(i for i, n in Counter(ids).items() if n > 1)
-    raise ValueError(
-        f"rollouts captured twice: {twice[:10]}{' ...' if len(twice) > 10 else ''}: "
-        f"each was captured by more than one instance, so the same rollout runs on two "
-        f"holders; retire the extra attempt, and check snapshots against the "
-        f"data-plane cut, which names them")
