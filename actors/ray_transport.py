@@ -27,7 +27,9 @@ from actors.coordinator import CheckpointCoordinator
 from actors.heap import HeapTrimmer, freeze_startup_objects
 from actors.session_holder import SessionHolder
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
+from nemo_ckpt.coordinator_api import CoordinatorApi
 from nemo_ckpt.errors import BackendUnavailableError
+from nemo_ckpt.holder_api import HolderControl, HolderSessions
 from nemo_ckpt.transport import (
     CONTROL_GROUP,
     COORDINATOR,
@@ -312,6 +314,11 @@ def _holder_options() -> dict[str, Any]:
 # Control calls a holder runs at once: one operation's calls at a time, plus status.
 _CONTROL_SLOTS = 64
 
+
+# mypy checks here that the actors implement the interfaces their callers are typed by.
+_HOLDER_INTERFACE: type[HolderControl] = SessionHolder
+_HOLDER_SESSIONS: type[HolderSessions] = SessionHolder
+_COORDINATOR_INTERFACE: type[CoordinatorApi] = CheckpointCoordinator
 
 # ray.remote's overloads do not type actor options; the handles are dynamic anyway.
 SessionHolderActor: Any = cast(Any, ray.remote)(**_holder_options())(_RaySessionHolder)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.coordinator_api import CoordinatorCalls
 from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_rows_against_cut
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -171,6 +172,9 @@ class RayEnvironmentCheckpoint:
         self._sequence = 0
         self._last_restore: dict[str, float] | None = None
         self._attached = False  # whether the coordinator has compared our config
+        self._coordinator = CoordinatorCalls(
+            self._call, lambda method, *args: self._transport.send(
+                self._transport.coordinator(), method, *args))
 
     @property
     def last_restore_metrics(self) -> dict[str, float] | None:
@@ -203,7 +207,7 @@ class RayEnvironmentCheckpoint:
         """
         problems: list[str] = []
         warnings: list[str] = []
-        holders = await self._call("ensure_holders")
+        holders = await self._coordinator.ensure_holders()
         alive = set(self._transport.alive_nodes())
         hosted = {h.node_id for h in holders}
         for node in sorted(alive - hosted):
@@ -224,7 +228,7 @@ class RayEnvironmentCheckpoint:
             warnings.append("config.checkpoint_root is not set, so nothing checked that "
                             "every holder can write checkpoints where the driver reads them")
         else:
-            probes = await self._call("probe_storage", str(root))
+            probes = await self._coordinator.probe_storage(str(root))
             for inst, result in sorted(probes.items()):
                 if result.startswith("error: "):
                     problems.append(f"{inst} cannot write under {root}: {result[7:]}")
@@ -247,7 +251,7 @@ class RayEnvironmentCheckpoint:
                 with contextlib.suppress(OSError):
                     (Path(root) / PROBE_DIR).rmdir()
         if self.config.sandbox_root is not None:
-            for _, result in sorted((await self._call("probe_sandboxes")).items()):
+            for _, result in sorted((await self._coordinator.probe_sandboxes()).items()):
                 if result:
                     problems.append(result[7:])
         cfg = self.config
@@ -284,14 +288,13 @@ class RayEnvironmentCheckpoint:
         try:
             async with self._renewing(snapshot_id):  # from the start: phases can be long
                 try:
-                    begun = await self._call("begin_snapshot", snapshot_id, path)
+                    begun = await self._coordinator.begin_snapshot(snapshot_id, path)
                 except BaseException as exc:
                     await self._abort(snapshot_id, path, exc)
                     raise
                 snap = RaySnapshot(begun)
                 # Not awaited, and it never raises: the writes overlap the caller's block.
-                self._transport.send(self._transport.coordinator(), "start_writes",
-                                     snapshot_id)
+                self._coordinator.start_writes(snapshot_id)
                 given = snap if snap.captured_rollouts or snap.restarted_rollouts else None
                 try:
                     yield given
@@ -354,7 +357,7 @@ class RayEnvironmentCheckpoint:
         aborted, and the abort's answer decides: the commit may have won after all (its
         coordinator died right after the manifest's rename)."""
         answer, cancelled = await _finish(asyncio.ensure_future(
-            self._call("commit_snapshot", snapshot_id, path, metrics, restarted)))
+            self._coordinator.commit_snapshot(snapshot_id, path, metrics, restarted)))
         if isinstance(answer, BaseException):
             outcome = await self._abort(snapshot_id, path, answer)
             if outcome != "committed":
@@ -385,7 +388,7 @@ class RayEnvironmentCheckpoint:
         try:
             async with self._renewing(restore_id):  # from the start: reads can be long
                 try:
-                    begun = await self._call("prepare_restore", restore_id, path)
+                    begun = await self._coordinator.prepare_restore(restore_id, path)
                 except BaseException as exc:
                     await self._abort(restore_id, None, exc)
                     raise
@@ -397,7 +400,7 @@ class RayEnvironmentCheckpoint:
                     await self._abort(restore_id, None, exc)
                     raise
                 live, cancelled = await _finish(asyncio.ensure_future(
-                    self._call("commit_restore", restore_id)))
+                    self._coordinator.commit_restore(restore_id)))
                 if isinstance(live, BaseException):
                     # Some holders may have gone live: the abort makes them drop it again.
                     await self._abort(restore_id, None, live)
@@ -448,9 +451,10 @@ class RayEnvironmentCheckpoint:
         return await self._ledger_op("forget", list(episodes))
 
     async def _ledger_op(self, op: str, episodes: list[EnvironmentEpisode]) -> list[str]:
+        call = self._coordinator.retire if op == "retire" else self._coordinator.forget
         for attempt in range(_LEDGER_OP_TRIES):
             try:
-                return await self._call(op, episodes)
+                return await call(episodes)
             except BackendUnavailableError:
                 if attempt == _LEDGER_OP_TRIES - 1:
                     raise
@@ -459,11 +463,11 @@ class RayEnvironmentCheckpoint:
 
     async def holders(self) -> list[HolderInfo]:
         """Every live holder: instance, node, state, sessions, lease."""
-        return await self._call("holder_infos")
+        return await self._coordinator.holder_infos()
 
     async def ensure_holders(self) -> list[HolderInfo]:
         """Create the coordinator and a holder on every alive node that lacks one."""
-        return await self._call("ensure_holders")
+        return await self._coordinator.ensure_holders()
 
     def shutdown(self) -> None:
         """Kill the coordinator and every holder of this namespace (their sessions go)."""
@@ -491,7 +495,7 @@ class RayEnvironmentCheckpoint:
         while True:
             try:
                 if not self._attached:
-                    await transport.call(transport.coordinator(), "attach", self.config)
+                    await CoordinatorCalls.direct(transport).attach(self.config)
                     self._attached = True
                 return await transport.call(transport.coordinator(), method, *args)
             except BackendUnavailableError as exc:
@@ -515,7 +519,7 @@ class RayEnvironmentCheckpoint:
         # ``_call`` sends it again while the coordinator's name resolves to the dead:
         # the survivors resume at once after a node's loss, not by their lease.
         answer, _ = await _finish(asyncio.ensure_future(
-            self._call("abort", op_id, path, type(cause).__name__)))
+            self._coordinator.abort(op_id, path, type(cause).__name__)))
         if isinstance(answer, BaseException):
             log.warning("abort of %s after %s also failed: %s", op_id,
                         type(cause).__name__, answer)
@@ -542,8 +546,8 @@ class RayEnvironmentCheckpoint:
 
         async def renew_once() -> None:
             try:
-                await self._transport.call(self._transport.coordinator(), "renew", op_id,
-                                           timeout=self.config.lease_s)
+                await CoordinatorCalls.direct(self._transport,
+                                              self.config.lease_s).renew(op_id)
             except Exception as exc:
                 log.debug("lease renewal of %s failed: %s", op_id, exc)
 

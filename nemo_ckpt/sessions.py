@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_ckpt.errors import BackendUnavailableError, SessionNotFoundError
+from nemo_ckpt.holder_api import HolderCalls, SessionCalls
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import instance_sort_key
 from nemo_ckpt.session_record import SessionRecord, check_staging_keys
@@ -106,6 +107,7 @@ class SessionClient:
         # An async actor may run calls out of order, so a session's next turn waits for
         # the abort of its last one.
         self._aborting: dict[str, asyncio.Future[Any]] = {}
+        self._holder_calls = SessionCalls(self._call)
 
     @classmethod
     async def connect(
@@ -135,7 +137,7 @@ class SessionClient:
         infos = {}
         for inst, handle in handles.items():
             with contextlib.suppress(Exception):
-                infos[inst] = await transport.call(handle, "info")
+                infos[inst] = await HolderCalls(transport, handle, None).info()
         here = sorted((i for i, info in infos.items() if info.node_id == node),
                       key=instance_sort_key)
         if not here:
@@ -170,17 +172,17 @@ class SessionClient:
         sandbox directory it owns (inside ``CheckpointConfig.sandbox_root``, on this
         node). Its tree is recorded now and at every turn commit; a restore gives the
         continued attempt its copy (``SessionRecord.directory``)."""
-        return await self._call("open_session", episode, state,
-                                None if directory is None else os.fspath(directory))
+        return await self._holder_calls.open_session(
+            episode, state, None if directory is None else os.fspath(directory))
 
     async def open_many(self, sessions: Iterable[tuple[EnvironmentEpisode, bytes]]) -> int:
         """Open many sessions in one call: ``(episode, initial state)`` each, all or none
         (a batch of rollouts, a group of samples per prompt). Returns how many."""
-        return int(await self._call("open_sessions", list(sessions)))
+        return int(await self._holder_calls.open_sessions(list(sessions)))
 
     async def get(self, episode: EnvironmentEpisode) -> SessionRecord:
         """The live session of ``episode``."""
-        return await self._call("get_session", episode.capture_key)
+        return await self._holder_calls.get_session(episode.capture_key)
 
     @contextlib.asynccontextmanager
     async def turn(self, episode: EnvironmentEpisode) -> AsyncIterator[Turn]:
@@ -195,7 +197,7 @@ class SessionClient:
             await asyncio.wait([pending])
         token = self._transport.runtime.token()
         try:
-            session = await self._call("begin_turn", episode, token)
+            session = await self._holder_calls.begin_turn(episode, token)
         except BaseException:
             self._abort(episode, token)  # its begin may still be on its way
             raise
@@ -212,8 +214,8 @@ class SessionClient:
                 f"state, staging_keys); nothing was recorded")
         record, state, keys = turn._result
         try:
-            turn.session = await self._call("commit_turn", episode, token, record, state,
-                                            keys)
+            turn.session = await self._holder_calls.commit_turn(episode, token, record,
+                                                               state, keys)
         except BaseException:
             self._abort(episode, token)  # a no-op if the commit landed
             raise
@@ -224,7 +226,7 @@ class SessionClient:
         ``turn_timeout_s`` and the next begin reports what is wrong."""
         key = episode.capture_key
         try:
-            sent = self._call("abort_turn", episode, token)
+            sent = self._holder_calls.abort_turn(episode, token)
         except asyncio.CancelledError:
             return  # this process is going away; its turns end at turn_timeout_s
         except Exception:  # no holder to abort at: its turns died with it
@@ -241,8 +243,8 @@ class SessionClient:
 
     async def close(self, episode: EnvironmentEpisode) -> SessionRecord:
         """Close ``episode``'s finished session and return its final record."""
-        return await self._call("close_session", episode.capture_key)
+        return await self._holder_calls.close_session(episode.capture_key)
 
     async def sessions(self) -> list[SessionRecord]:
         """Every live session of this instance."""
-        return await self._call("sessions")
+        return await self._holder_calls.sessions()

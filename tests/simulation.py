@@ -1635,10 +1635,11 @@ class Schedule:
                 self.violate(f"{actor.name} remembers more than its bounds: {bounds}")
         for actor in self.world.live(COORDINATOR):
             coordinator = actor.obj
-            if coordinator._ops:  # every operation ended, with one outcome each
-                self.violate(f"the coordinator still holds {sorted(coordinator._ops)} "
-                             f"past every lease")
-            if len(coordinator._history) > 64 or coordinator._path_locks:
+            table = coordinator.operations
+            if table:  # every operation ended, with one outcome each
+                self.violate(f"the coordinator still holds "
+                             f"{sorted(o.id for o in table.open_ones())} past every lease")
+            if table.bounds()["history"] > 64 or coordinator.folders.locks_held:
                 self.violate("the coordinator remembers more than its bounds")
         for path in sorted({r.path for r in self.ops}):
             env = environment_dir(path)

@@ -5,6 +5,7 @@ virtual time, as ``tests/test_reliability.py``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -27,6 +28,8 @@ def restarted_driver(world: World, **changes: Any) -> Any:
 
 def test_a_restarted_driver_with_a_longer_lease_has_it_adopted_by_the_live_coordinator(
         world: World, caplog: pytest.LogCaptureFixture) -> None:
+    # Its own level: the simulation's runner silences the package's loggers.
+    caplog.set_level(logging.WARNING, logger="nemo_ckpt.coordinator")
     path = world.path("ckpt")
     second = restarted_driver(world, lease_s=30.0, drain_timeout_s=2.0)
 

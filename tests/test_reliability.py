@@ -728,17 +728,18 @@ def test_an_abandoned_operation_is_reaped_and_histories_stay_bounded(world: Worl
         # A driver that begins a snapshot and vanishes: never renews, never commits.
         await transport.call(coordinator, "begin_snapshot",
                              "snap-20261201T000000-0badf00d-000001", str(world.path("x")))
-        assert coord._ops and set(world.states().values()) == {HolderState.PAUSED}
+        assert coord.operations and set(world.states().values()) == {HolderState.PAUSED}
         await asyncio.sleep(CONFIG.lease_s + 2)
-        assert coord._ops == {} and set(world.states().values()) == {HolderState.RUNNING}
+        assert not coord.operations and set(world.states().values()) == {HolderState.RUNNING}
         with pytest.raises(LeaseExpiredError, match="lease of snap-20261201T000000-0badf00d"):
             await transport.call(coordinator, "commit_snapshot",
                                  "snap-20261201T000000-0badf00d-000001",
                                  str(world.path("x")), {}, 0)
         for _ in range(80):
             await world.snapshot(world.path("y"), live)
-        assert len(coord._history) <= 64 and len(coord._committed) <= 64
-        assert coord._ops == {} and coord._path_locks == {}
+        bounds = coord.operations.bounds()
+        assert bounds["history"] <= 64 and bounds["results"] <= 64 and bounds["open"] == 0
+        assert coord.folders.locks_held == 0
         for holder in world.holders().values():
             assert holder.bounds()["history"] <= 64
 

@@ -606,7 +606,7 @@ def test_a_collection_this_coordinator_left_does_not_hold_up_the_next_snapshot(
         coordinator = _coordinator(job)
         store = _store(tmp_path)
         # What a collection of this coordinator that ended without its release leaves.
-        store.begin_collection(coordinator._collector, ttl_s=3600, watch=ClaimWatch())
+        store.begin_collection(coordinator.collector_name, ttl_s=3600, watch=ClaimWatch())
         started = job.sim.loop.time()
         async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
             assert snap is not None

@@ -1,0 +1,142 @@
+"""The coordinator's side of the blob store: snapshots' holds on it, and its collection.
+
+A snapshot whose sessions may own sandboxes holds the root's blob store
+(``nemo_ckpt.blobs``) from its pause to its end, since it relies on the blobs it found
+present; no collection runs while any hold stands. After a commit that may have made
+blobs garbage (an older snapshot replaced or removed, one aborted after writing), the
+store is collected in the background (``nemo_ckpt.collection``): one collection at a
+time, and one more when a commit lands while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.checkpoint_folder import folder_at
+from nemo_ckpt.claims import ClaimWatch
+from nemo_ckpt.collection import (
+    CollectionReport,
+    RefsCache,
+    collect_quietly,
+    committed_snapshots,
+)
+from nemo_ckpt.errors import NemoCkptError
+from nemo_ckpt.location import join_location
+from nemo_ckpt.transport import Runtime
+
+__all__ = ["BlobCollector"]
+
+log = logging.getLogger("nemo_ckpt.coordinator")
+
+
+class BlobCollector:
+    """Holds and collects the blob store of one checkpoint root."""
+
+    def __init__(self, root: str | None, runtime: Runtime, owner: str, collector: str,
+                 claim_watch: ClaimWatch, busy: Callable[[], bool]) -> None:
+        """``root`` is the checkpoint root when sessions may own sandboxes (else None:
+        no store); ``collector`` names this incarnation in the store's collection claim;
+        ``busy`` tells whether an operation is open (a collection yields to it)."""
+        self._root = root
+        self._runtime = runtime
+        self._clock = runtime.clock
+        self._owner = owner
+        self._collector = collector
+        self._claim_watch = claim_watch
+        self._busy = busy
+        self._collection: asyncio.Future[Any] | None = None
+        self._collect_again = False
+        self._refs_cache: RefsCache = {}  # committed snapshots' references, by id
+        self.last: CollectionReport | None = None
+        # Whether blobs may have become garbage since the last collection: a commit
+        # replaced an older snapshot, one aborted after writing, or snapshots went
+        # (their paths, as that collection found them, tell).
+        self._garbage_possible = True
+        self._snapshots_seen: frozenset[str] = frozenset()
+
+    @property
+    def store(self) -> BlobStore | None:
+        """The root's store of sandbox files, when sessions may own sandboxes."""
+        if self._root is None:
+            return None
+        return BlobStore(join_location(self._root, BLOB_DIR), folder_at)
+
+    def garbage_possible(self) -> None:
+        """Blobs may have lost their last reference: the next collection looks."""
+        self._garbage_possible = True
+
+    async def hold(self, op_id: str, ttl: float, first: bool) -> float | None:
+        """Hold the store for the snapshot ``op_id`` (or renew its hold); returns when
+        (this process's monotonic clock) the hold was written, or None without a store.
+        The first hold of a snapshot also drops a collection claim a predecessor of this
+        job left when it died: the holders need not wait it out."""
+        store = self.store
+        if store is None:
+            return None
+        start = self._clock.monotonic()
+        await self._runtime.run_blocking(store.hold, op_id, self._owner, ttl)
+        if first and (self._collection is None or self._collection.done()):
+            if await self._runtime.run_blocking(store.clear_dead_collection,
+                                                self._collector):
+                log.warning("dropped the blob store's collection claim that a previous "
+                            "coordinator of this job left when it died")
+        return start
+
+    async def release(self, op_id: str) -> None:
+        """Drop the snapshot's hold; one that cannot be removed expires by itself."""
+        store = self.store
+        if store is None:
+            return
+        try:
+            await self._runtime.run_blocking(store.release, op_id)
+        except (OSError, NemoCkptError) as exc:
+            log.warning("could not release the blob store's claim of %s: %s", op_id, exc)
+
+    def start(self) -> None:
+        """Collect the store in the background, if it may hold garbage."""
+        root = self._root
+        if root is None:
+            return
+        if self._collection is not None and not self._collection.done():
+            self._collect_again = True
+            return
+
+        async def run() -> None:
+            while True:
+                self._collect_again = False
+                snapshots = frozenset(await self._runtime.run_blocking(
+                    committed_snapshots, root))
+                if not self._garbage_possible and snapshots >= self._snapshots_seen:
+                    # Nothing replaced, aborted or removed since the last collection: no
+                    # blob can have lost its last reference. (Collecting anyway costs a
+                    # listing of the store and every new snapshot's trees, in this
+                    # process, beside the next pause.)
+                    self._snapshots_seen = snapshots
+                    return
+                self._garbage_possible = False
+                report = await self._runtime.run_blocking(
+                    collect_quietly, root, self._collector, self._refs_cache,
+                    self._clock.monotonic, self._busy, self._claim_watch)
+                if report is None or report.interrupted:
+                    self._garbage_possible = True  # the next commit tries again
+                else:
+                    self.last = report
+                    self._snapshots_seen = frozenset(report.snapshots)
+                    if report.removed:
+                        log.info("collected %d blobs (%d bytes) from %s", report.removed,
+                                 report.removed_bytes, report.store)
+                if not self._collect_again:
+                    return
+
+        self._collection = asyncio.ensure_future(run())
+        self._collection.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def done(self) -> CollectionReport | None:
+        """Wait for the collection in progress, if any; the last one's report."""
+        while self._collection is not None and not self._collection.done():
+            await asyncio.wait([self._collection])
+        return self.last

@@ -1,0 +1,103 @@
+"""The coordinator's side of a restore: read the manifest, place every instance, have
+the holders read and verify their shards (``prepare``), then make every restored
+session live, all or nothing (``commit``). The order of these calls is stated in
+``actors.coordinator``'s docstring; the plan itself, pure, in ``nemo_ckpt.restore_plan``.
+"""
+
+from __future__ import annotations
+
+from actors.coordinator_parts import CoordinatorParts
+from actors.operation_states import (
+    Committed,
+    Operation,
+    RestoreCommitting,
+    RestoreOperation,
+    RestorePreparing,
+    RestoreVerified,
+)
+from nemo_ckpt.checkpoint_folder import environment_folder
+from nemo_ckpt.coordinator_api import RestoreBegun
+from nemo_ckpt.errors import StaleSnapshotError
+from nemo_ckpt.operations import Outcome
+from nemo_ckpt.phases import RestorePrepared
+from nemo_ckpt.restore_plan import assign_shards, verify_prepared
+from nemo_ckpt.sandbox_storage import blob_store_of
+from nemo_ckpt.snapshot_files import read_manifest
+
+__all__ = ["Restores"]
+
+
+class Restores:
+    """The restore phases of one coordinator."""
+
+    def __init__(self, parts: CoordinatorParts) -> None:
+        self._parts = parts
+        self._runtime = parts.transport.runtime
+        self._clock = self._runtime.clock
+        self._metrics = self._runtime.metrics
+
+    async def prepare(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
+        """Verify the snapshot and have each instance's holder load it, nothing live yet."""
+        now = self._clock.monotonic()
+        op = self._parts.opened(RestoreOperation(restore_id, checkpoint_path, now,
+                                         now + self._parts.config.lease_s, RestorePreparing()))
+        try:
+            return await self._prepare_restore(op, checkpoint_path)
+        except BaseException as exc:
+            self._parts.count_failure("restore", exc)
+            await self._parts.abort(op, Outcome.ABORTED)
+            raise
+
+    async def _prepare_restore(self, op: Operation, checkpoint_path: str) -> RestoreBegun:
+        cfg = self._parts.config
+        manifest = await self._runtime.run_blocking(read_manifest, checkpoint_path)
+        placement = await self._parts.holders.place(list(manifest.instances))
+        op.holders = self._parts.holders.handles
+        if op.outcome is not None:
+            raise self._parts.operations.refusal(op.id)
+        directory = str(environment_folder(checkpoint_path))
+        blob_store = blob_store_of(checkpoint_path, manifest)
+        shards_of = assign_shards(manifest, op.holders, checkpoint_path)
+        prepared: dict[str, RestorePrepared] = await self._parts.holders.fan(
+            op.holders, "prepare_restore",
+            lambda inst, h: self._parts.calls(h, cfg.persist_timeout_s).prepare_restore(
+                op.id, directory, shards_of[inst], cfg.lease_s, blob_store),
+            op_id=op.id)
+        if op.outcome is not None:
+            raise self._parts.operations.refusal(op.id)
+        verified = verify_prepared(manifest, directory, checkpoint_path, prepared)
+        self._parts.operations.set_state(op, RestoreVerified(verified.read_seconds))
+        return RestoreBegun(
+            restore_id=op.id, continued_attempts=verified.continued_attempts,
+            staging_keys=verified.staging_keys, placement=placement,
+            bytes_read=verified.bytes_read, read_seconds=verified.read_seconds)
+
+    async def commit(self, restore_id: str) -> int:
+        """Make every restored session live. Returns how many. If any holder fails, the
+        ones that went live drop the restored sessions again (all or nothing)."""
+        op = self._parts.operations.get(restore_id)
+        if op is None:
+            if self._parts.operations.outcome(restore_id) is Outcome.COMMITTED:
+                return 0
+            raise self._parts.operations.refusal(restore_id)
+        if op.committing:
+            await op.closed.wait()
+            return await self.commit(restore_id)
+        if not isinstance(op.state, RestoreVerified):
+            raise StaleSnapshotError(f"commit of {restore_id} before its prepare finished")
+        read_seconds = op.state.read_seconds
+        self._parts.operations.set_state(op, RestoreCommitting(read_seconds))
+        try:
+            await self._parts.injected_delay("commit_restore")
+            counts = await self._parts.holders.fan(
+                op.holders, "commit_restore",
+                lambda inst, h: self._parts.calls(h).commit_restore(restore_id),
+                op_id=restore_id)
+        except BaseException as exc:
+            self._parts.count_failure("restore", exc)
+            await self._parts.abort(op, Outcome.ABORTED)
+            raise
+        self._parts.operations.set_state(op, Committed())
+        self._metrics.observe("restore_duration", self._clock.monotonic() - op.started)
+        self._metrics.observe("restore_read", read_seconds)
+        return sum(counts.values())

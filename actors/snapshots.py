@@ -1,0 +1,321 @@
+"""The coordinator's side of a snapshot: claim the path and pause and capture on every
+holder (``begin``), start every holder's write (``start_writes``), then wait for every
+shard, write the manifest last and resume the holders (``commit``). The order of these
+calls is stated in ``actors.coordinator``'s docstring; the states a snapshot passes
+through, in ``actors.operation_states``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Any
+
+from actors.coordinator_parts import CoordinatorParts
+from actors.operation_states import (
+    Committed,
+    FoundCommitted,
+    Operation,
+    SnapshotBeginning,
+    SnapshotCaptured,
+    SnapshotCommitting,
+    SnapshotOperation,
+    SnapshotWriting,
+)
+from nemo_ckpt.checkpoint_folder import environment_folder
+from nemo_ckpt.coordinator_api import SnapshotBegun, SnapshotCommitted
+from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
+from nemo_ckpt.manifest import ShardEntry, encode_manifest
+from nemo_ckpt.operations import Outcome
+from nemo_ckpt.phases import CaptureReport, PauseReport
+from nemo_ckpt.sandbox_storage import blob_store_ref
+from nemo_ckpt.snapshot_files import write_manifest
+
+__all__ = ["Snapshots"]
+
+log = logging.getLogger("nemo_ckpt.coordinator")
+
+
+class Snapshots:
+    """The snapshot phases of one coordinator."""
+
+    def __init__(self, parts: CoordinatorParts) -> None:
+        self._parts = parts
+        self._runtime = parts.transport.runtime
+        self._clock = self._runtime.clock
+        self._metrics = self._runtime.metrics
+        self._captures_done = 0
+        self._background: set[asyncio.Future[Any]] = set()  # kept so they are not collected
+
+    async def renew_claims(self, op: SnapshotOperation) -> None:
+        """With the lease: the path's claim and the blob store's hold, once captured.
+        A failed write is left to the commit, which writes them again first."""
+        if op.captured is None:
+            return
+        try:
+            await self._parts.folders.claim(op)
+            if op.blob_hold is not None and op.blob_hold.done():
+                await self.hold_blobs(op)
+        except (OSError, NemoCkptError) as exc:
+            log.warning("%s: could not renew its claims (%s); they stand until their "
+                        "ttl, and the commit writes them again first", op.id, exc)
+
+    async def begin(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
+        """Claim the path, pause every holder and capture.
+
+        This is the pause's hot path: the holder set is the one known since the last
+        discovery, re-discovered only when the alive nodes changed, and each holder
+        pauses and captures in one call (``SessionHolder.begin``). The writes start at
+        ``start_writes``, which the driver sends once it has this answer (benchmarks/
+        README.md says what starting them earlier cost the answer). ``finish_persist``
+        starts any write whose start message has not arrived.
+        """
+        now = self._clock.monotonic()
+        op = self._parts.opened(SnapshotOperation(snapshot_id, checkpoint_path, now,
+                                          now + self._parts.config.lease_s, SnapshotBeginning()))
+        cfg = self._parts.config
+        claimed: asyncio.Future[None] | None = None
+        try:
+            op.holders = await self._parts.holders.known()
+            directory = environment_folder(checkpoint_path)
+            if self._parts.blobs.store is not None:
+                assert cfg.checkpoint_root is not None  # the config requires it
+                op.blob_ref = blob_store_ref(cfg.checkpoint_root, checkpoint_path)
+            await self._parts.injected_delay("begin_snapshot")
+            if op.outcome is not None:  # aborted before any holder was asked: ask none
+                raise self._parts.operations.refusal(snapshot_id)
+            # The claim runs beside the pause, not before it: no shard is written before
+            # the claim holds (writes start after this returns), and on a bucket its
+            # list, reads and put would otherwise add round trips to every pause. A
+            # refused claim aborts the snapshot like any failure here: holders resume.
+            claimed = asyncio.ensure_future(self._prepare_and_claim(op))
+            if self._parts.blobs.store is not None:
+                # Not awaited here: no holder relies on the store before it holds (the
+                # writes start after it, and the commit awaits it), and its file work
+                # would otherwise lengthen every pause.
+                op.blob_hold = asyncio.ensure_future(self.hold_blobs(op, first=True))
+                op.blob_hold.add_done_callback(lambda f: f.cancelled() or f.exception())
+            begun: dict[str, tuple[PauseReport, CaptureReport]] = await self._parts.holders.fan(
+                op.holders, "pause_capture",
+                lambda inst, h: self._parts.calls(
+                    h, cfg.drain_timeout_s + cfg.phase_timeout_s).begin(
+                        snapshot_id, cfg.drain_timeout_s, cfg.lease_s, str(directory)),
+                op_id=snapshot_id)
+            # Shielded: a cancelled begin must not cancel the claim under its thread,
+            # whose put would then land after the abort's clean-up.
+            await asyncio.shield(claimed)
+            if op.outcome is not None:  # aborted meanwhile: its abort reached every holder
+                raise self._parts.operations.refusal(snapshot_id)
+        except BaseException as exc:
+            if claimed is not None and not claimed.done():
+                # Its thread runs on; the abort's clean-up must not race its put.
+                await asyncio.wait([claimed])
+            if claimed is not None and claimed.done() and not claimed.cancelled():
+                claimed.exception()  # retrieved: the first error is the one raised
+            self._parts.count_failure("snapshot", exc)
+            await self._parts.abort(op, Outcome.ABORTED)
+            raise
+        self._captures_done += 1
+        captured = SnapshotCaptured(tuple(c for _, c in begun.values()), self._captures_done)
+        self._parts.operations.set_state(op, captured)
+        return SnapshotBegun(
+            snapshot_id=snapshot_id, instances=tuple(op.holders),
+            pauses=tuple(p for p, _ in begun.values()), captures=captured.captures,
+            entry_seconds=self._clock.monotonic() - op.started)
+
+    async def _prepare_and_claim(self, op: SnapshotOperation) -> None:
+        assert op.path is not None
+        await self._runtime.run_blocking(environment_folder(op.path).prepare)
+        await self._parts.folders.claim(op)
+
+    @property
+    def _claim_ttl(self) -> float:
+        """How long a claim or a hold stands without a renewal."""
+        return self._parts.config.lease_s * 2
+
+    async def _claims_hold(self, op: SnapshotOperation) -> None:
+        """Before the manifest: the path's claim and the store's hold must not have
+        lapsed since they were last written (their renewals may have failed). A claim
+        near its end is written again (refused if another job took the path meanwhile);
+        a hold that may have lapsed refuses the commit, since a collection may have
+        removed blobs the snapshot found present."""
+        if self._parts.folders.stale(op.claimed_at):
+            await self._parts.folders.claim(op)
+        if op.blob_hold is not None and self._parts.folders.stale(op.held_at):
+            raise LeaseExpiredError(
+                f"{op.id}: its hold on the blob store could not be renewed for too long "
+                f"(a full or failing disk?), so a collection may have removed blobs it "
+                f"relies on; it was not committed: retry the snapshot")
+
+    async def hold_blobs(self, op: SnapshotOperation, first: bool = False) -> None:
+        """Hold the blob store for the snapshot (or renew the hold): it relies on the
+        blobs there until it commits, so no collection may run meanwhile."""
+        held_at = await self._parts.blobs.hold(op.id, self._parts.claim_ttl, first)
+        if held_at is not None:
+            op.held_at = held_at
+
+    async def start_writes(self, snapshot_id: str) -> None:
+        """Start every holder's write of the snapshot; waits for none. Never raises:
+        whatever fails here fails the commit (``finish_persist`` starts a write that did
+        not start)."""
+        op = self._parts.operations.get(snapshot_id)
+        if not isinstance(op, SnapshotOperation) or type(op.state) is not SnapshotCaptured:
+            return
+        assert isinstance(op.state, SnapshotCaptured)
+        self._parts.operations.set_state(op, SnapshotWriting(op.state.captures, op.state.order))
+        if op.blob_hold is not None and not op.blob_hold.done():
+            hold = op.blob_hold
+
+            async def after_hold() -> None:
+                with contextlib.suppress(Exception):  # its error fails the commit
+                    await asyncio.shield(hold)
+                    if op.outcome is None:
+                        for handle in op.holders.values():
+                            self._parts.calls(handle).start_persist(snapshot_id)
+
+            task = asyncio.ensure_future(after_hold())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return
+        for handle in op.holders.values():
+            self._parts.calls(handle).start_persist(snapshot_id)
+
+    async def commit(self, snapshot_id: str, checkpoint_path: str,
+                     metrics: dict[str, float], restarted: int) -> SnapshotCommitted:
+        """Wait for every shard, write the manifest last, then resume every holder.
+
+        A repeated commit gets the first one's answer; a commit of an operation that
+        was aborted (or lapsed) is refused with that outcome's error."""
+        op = self._parts.operations.get(snapshot_id)
+        if op is None:
+            result = self._parts.operations.result(snapshot_id)
+            if isinstance(result, SnapshotCommitted):
+                return result
+            raise self._parts.operations.refusal(snapshot_id)
+        if op.committing:
+            await op.closed.wait()
+            return await self.commit(snapshot_id, checkpoint_path, metrics, restarted)
+        if not isinstance(op, SnapshotOperation) or op.captured is None:
+            raise StaleSnapshotError(f"commit of {snapshot_id} before its begin finished")
+        captured = op.captured
+        # The backend resumes as the exit begins: the capture is an immutable copy, so
+        # turns may run while the shards are written; the commit still waits for every
+        # shard and the manifest, and a failure still aborts the snapshot.
+        for handle in op.holders.values():
+            self._parts.calls(handle).release(snapshot_id)
+        # The check that no rollout was captured by two instances starts now, after the
+        # release went out: a thread that decodes every capture holds this process's
+        # GIL meanwhile. Its error is raised by the await below; an abort cancels it.
+        unique = asyncio.ensure_future(self._runtime.run_blocking(
+            _check_captured_once, captured.captures))
+        unique.add_done_callback(lambda f: f.cancelled() or f.exception())
+        committing = SnapshotCommitting(captured.captures, captured.order,
+                                        released=self._clock.monotonic(),
+                                        unique_check=unique)
+        self._parts.operations.set_state(op, committing)
+        directory = environment_folder(checkpoint_path)
+        try:
+            await self._parts.injected_delay("commit_snapshot")
+            if op.blob_hold is not None:  # no holder relies on the store before it holds
+                await asyncio.shield(op.blob_hold)
+            persists = await self._parts.holders.fan(
+                op.holders, "finish_persist",
+                lambda inst, h: self._parts.calls(h, self._parts.config.persist_timeout_s)
+                .finish_persist(snapshot_id),
+                op_id=snapshot_id)
+            shards: list[ShardEntry] = [s for p in persists.values() for s in p.shards]
+            all_metrics = dict(metrics)
+            all_metrics.update(
+                persist_seconds=max((p.persist_seconds for p in persists.values()),
+                                    default=0.0),
+                bytes_written=float(sum(p.bytes_written for p in persists.values())),
+            )
+            rollouts = await unique
+            manifest = encode_manifest(
+                snapshot_id=snapshot_id,
+                created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
+                instances=list(op.holders), shards=shards,
+                restarted_rollouts=restarted, metrics=all_metrics, blob_store=op.blob_ref)
+            await self._earlier_commits(op, captured.order)
+            await self._parts.injected_delay("before_manifest")
+            await self._claims_hold(op)
+            async with self._parts.folders.lock(checkpoint_path):
+                # Fenced: a successor that took this incarnation for dead and aborted the
+                # snapshot removed its claim (``write_manifest`` checks in the same call).
+                await self._runtime.run_blocking(write_manifest, directory, manifest,
+                                                 (op.id, frozenset(op.claim_beats)))
+            await self._parts.injected_delay("after_manifest")
+        except BaseException as exc:
+            self._parts.count_failure("snapshot", exc)
+            await self._parts.abort(op, Outcome.ABORTED)
+            if not isinstance(op.state, FoundCommitted):
+                raise
+            # Only the manifest's write can fail after its rename (the folder's fsync):
+            # the manifest names this snapshot, so it is committed, and final.
+            log.warning("commit of %s raised after its manifest was renamed into place "
+                        "(%s); it is committed", snapshot_id, exc)
+        else:
+            self._parts.operations.set_state(op, Committed())
+        self._record_commit(op, committing.released, all_metrics, rollouts, restarted)
+        # Committed: resume first; the older snapshots' files are garbage from here on
+        # and their removal must not lengthen the pause.
+        await self._parts.holders.fan(op.holders, "resume",
+                               lambda inst, h: self._parts.calls(h).resume(snapshot_id),
+                               tolerate_failures=True)
+        removed = await self._parts.folders.clean_up(
+            op, [o.id for o in self._parts.operations.open_ones()])
+        await self._parts.blobs.release(op.id)
+        if removed:  # an older snapshot's files went: its blobs may be garbage now
+            self._parts.blobs.garbage_possible()
+        self._parts.blobs.start()
+        result = SnapshotCommitted(metrics=all_metrics, rollouts=rollouts,
+                                   shards=len(shards), removed_files=tuple(removed))
+        self._parts.operations.keep_result(snapshot_id, result)
+        return result
+
+    async def _earlier_commits(self, op: SnapshotOperation, order: int) -> None:
+        """Wait until every snapshot into the same folder captured before ``op`` has
+        ended. Holders resume as a commit begins, so a second snapshot can capture and
+        commit while the first still writes: its manifest must not be replaced by the
+        older one's. An earlier snapshot whose driver is gone ends at its lease."""
+        assert op.path is not None
+        directory = environment_folder(op.path)
+        while True:
+            earlier = [o for o in self._parts.operations.open_ones()
+                       if isinstance(o, SnapshotOperation) and o is not op
+                       and o.captured is not None and o.captured.order < order
+                       and o.path is not None and environment_folder(o.path) == directory]
+            if not earlier:
+                return
+            await earlier[0].closed.wait()
+
+
+    def _record_commit(self, op: Operation, released: float, figures: dict[str, float],
+                       captured: int, restarted: int) -> None:
+        now = self._clock.monotonic()
+        self._metrics.observe("snapshot_duration", now - op.started)
+        # Holders pause at the start of begin_snapshot and are released as the commit
+        # begins, so that span bounds their paused time.
+        self._metrics.observe("paused", released - op.started)
+        self._metrics.inc("bytes_written", figures.get("bytes_written", 0.0))
+        self._metrics.inc("captured", float(captured))
+        self._metrics.inc("restarted", float(restarted))
+
+
+def _check_captured_once(captures: tuple[CaptureReport, ...]) -> int:
+    """How many sessions the captures hold, or ValueError naming the rollouts that two
+    instances captured (the same rollout running on two holders), which a snapshot
+    must not commit even when nobody checked it against a cut. At set speed: the
+    rollout ids are compared as a whole, named only when some repeat."""
+    ids = [row[0] for c in captures for row in c.rows()]
+    if len(set(ids)) == len(ids):
+        return len(ids)
+    twice = sorted(i for i, n in Counter(ids).items() if n > 1)
+    raise ValueError(
+        f"rollouts captured twice: {twice[:10]}{' ...' if len(twice) > 10 else ''}: "
+        f"each was captured by more than one instance, so the same rollout runs on two "
+        f"holders; retire the extra attempt, and check snapshots against the "
+        f"data-plane cut, which names them")

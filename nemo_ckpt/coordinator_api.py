@@ -1,0 +1,166 @@
+"""The coordinator's interface as the driver sees it, and what its phases answer.
+
+``CoordinatorApi`` is what ``RayEnvironmentCheckpoint`` calls;
+``actors.coordinator.CheckpointCoordinator`` implements it (``actors.ray_transport`` has
+mypy check that it does), and its module docstring states the order of the calls.
+``CoordinatorCalls`` makes those calls through whatever carries them to the one named
+coordinator (the driver's retrying call), each method named once and typed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.phases import CaptureReport, HolderInfo, PauseReport
+from nemo_ckpt.transport import Transport
+
+__all__ = [
+    "CoordinatorApi",
+    "CoordinatorCalls",
+    "RestoreBegun",
+    "SnapshotBegun",
+    "SnapshotCommitted",
+]
+
+
+@dataclass(frozen=True)
+class SnapshotBegun:
+    """The aggregate capture of every holder, handed to the driver at the yield."""
+
+    snapshot_id: str
+    instances: tuple[str, ...]
+    pauses: tuple[PauseReport, ...]
+    captures: tuple[CaptureReport, ...]
+    entry_seconds: float
+
+
+@dataclass(frozen=True)
+class SnapshotCommitted:
+    """What the commit wrote, in brief: the driver needs no per-session data back."""
+
+    metrics: dict[str, float]
+    rollouts: int
+    shards: int
+    removed_files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RestoreBegun:
+    """What a prepared restore will continue, and where each instance landed."""
+
+    restore_id: str
+    continued_attempts: frozenset[tuple[str, str, int]]
+    staging_keys: frozenset[str]
+    placement: dict[str, str]  # instance id -> node id
+    bytes_read: int
+    read_seconds: float  # the slowest holder's shard reads (``RestorePrepared``)
+
+
+class CoordinatorApi(Protocol):
+    """The calls a driver makes of the coordinator."""
+
+    async def attach(self, config: CheckpointConfig) -> None: ...
+
+    async def ensure_holders(self) -> list[HolderInfo]: ...
+
+    async def holder_infos(self) -> list[HolderInfo]: ...
+
+    async def probe_storage(self, root: str) -> dict[str, str]: ...
+
+    async def probe_sandboxes(self) -> dict[str, str]: ...
+
+    async def renew(self, operation_id: str) -> None: ...
+
+    async def abort(self, operation_id: str, checkpoint_path: str | None = None,
+                    caller_error: str | None = None) -> str: ...
+
+    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str
+                             ) -> SnapshotBegun: ...
+
+    async def start_writes(self, snapshot_id: str) -> None: ...
+
+    async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                              metrics: dict[str, float], restarted: int
+                              ) -> SnapshotCommitted: ...
+
+    async def prepare_restore(self, restore_id: str, checkpoint_path: str
+                              ) -> RestoreBegun: ...
+
+    async def commit_restore(self, restore_id: str) -> int: ...
+
+    async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
+
+    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
+
+
+class CoordinatorCalls:
+    """``CoordinatorApi``'s calls through ``invoke(method, *args)``, which carries a call
+    to the coordinator and returns its answer; ``start_writes`` is a one-way message,
+    sent through ``tell(method, *args)``, as the driver never waits for it."""
+
+    def __init__(self, invoke: Callable[..., Awaitable[Any]],
+                 tell: Callable[..., None] | None = None) -> None:
+        self._invoke = invoke
+        self._tell = tell
+
+    @classmethod
+    def direct(cls, transport: Transport, timeout: float | None = None) -> CoordinatorCalls:
+        """Calls to the transport's coordinator, each with ``timeout``, sent once."""
+        return cls(lambda method, *args: transport.call(
+                       transport.coordinator(), method, *args, timeout=timeout),
+                   lambda method, *args: transport.send(transport.coordinator(), method,
+                                                        *args))
+
+    def attach(self, config: CheckpointConfig) -> Awaitable[None]:
+        return self._invoke("attach", config)
+
+    def ensure_holders(self) -> Awaitable[list[HolderInfo]]:
+        return self._invoke("ensure_holders")
+
+    def holder_infos(self) -> Awaitable[list[HolderInfo]]:
+        return self._invoke("holder_infos")
+
+    def probe_storage(self, root: str) -> Awaitable[dict[str, str]]:
+        return self._invoke("probe_storage", root)
+
+    def probe_sandboxes(self) -> Awaitable[dict[str, str]]:
+        return self._invoke("probe_sandboxes")
+
+    def renew(self, operation_id: str) -> Awaitable[None]:
+        return self._invoke("renew", operation_id)
+
+    def abort(self, operation_id: str, checkpoint_path: str | None = None,
+              caller_error: str | None = None) -> Awaitable[str]:
+        return self._invoke("abort", operation_id, checkpoint_path, caller_error)
+
+    def begin_snapshot(self, snapshot_id: str, checkpoint_path: str
+                       ) -> Awaitable[SnapshotBegun]:
+        return self._invoke("begin_snapshot", snapshot_id, checkpoint_path)
+
+    def start_writes(self, snapshot_id: str) -> None:
+        if self._tell is None:
+            raise TypeError("these calls were made without a way to send a message")
+        self._tell("start_writes", snapshot_id)
+
+    def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                        metrics: dict[str, float], restarted: int
+                        ) -> Awaitable[SnapshotCommitted]:
+        return self._invoke("commit_snapshot", snapshot_id, checkpoint_path, metrics,
+                            restarted)
+
+    def prepare_restore(self, restore_id: str, checkpoint_path: str
+                        ) -> Awaitable[RestoreBegun]:
+        return self._invoke("prepare_restore", restore_id, checkpoint_path)
+
+    def commit_restore(self, restore_id: str) -> Awaitable[int]:
+        return self._invoke("commit_restore", restore_id)
+
+    def retire(self, episodes: list[EnvironmentEpisode]) -> Awaitable[list[str]]:
+        return self._invoke("retire", episodes)
+
+    def forget(self, episodes: list[EnvironmentEpisode]) -> Awaitable[list[str]]:
+        return self._invoke("forget", episodes)

@@ -1,0 +1,189 @@
+"""A session holder's interface as its callers see it: typed, whatever carries the call.
+
+``HolderControl`` is what the coordinator calls (the phases of a snapshot and a restore,
+the ledger operations, probes), ``HolderSessions`` what an environment worker's
+``SessionClient`` calls; ``actors.session_holder.SessionHolder`` implements both, and
+``actors.ray_transport`` has mypy check that it does. The holder's own docstring
+states the order of the calls. ``HolderCalls`` and ``SessionCalls`` make the same calls through a
+``Transport`` (``nemo_ckpt.transport``), so a caller names a method and its arguments
+once, checked by mypy, and the transport (Ray, or the simulation's seeded one) keeps its
+control over delivery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol
+
+from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.manifest import ShardEntry
+from nemo_ckpt.phases import (
+    CaptureReport,
+    HolderInfo,
+    PauseReport,
+    PersistReport,
+    RestorePrepared,
+)
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.transport import Actor, Transport
+
+__all__ = ["HolderCalls", "HolderControl", "HolderSessions", "SessionCalls"]
+
+
+class HolderControl(Protocol):
+    """The calls the coordinator makes of a session holder."""
+
+    async def info(self) -> HolderInfo: ...
+
+    async def probe_storage(self, root: str) -> str: ...
+
+    async def probe_sandbox(self) -> None: ...
+
+    async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
+                    directory: str) -> tuple[PauseReport, CaptureReport]: ...
+
+    async def renew_lease(self, operation_id: str, lease_s: float) -> float: ...
+
+    async def release(self, snapshot_id: str) -> None: ...
+
+    async def start_persist(self, snapshot_id: str, directory: str | None = None) -> None: ...
+
+    async def finish_persist(self, snapshot_id: str) -> PersistReport: ...
+
+    async def resume(self, snapshot_id: str) -> None: ...
+
+    async def abort(self, operation_id: str) -> None: ...
+
+    async def prepare_restore(self, restore_id: str, where: str,
+                              shards: list[ShardEntry], lease_s: float,
+                              blob_store: str | None = None) -> RestorePrepared: ...
+
+    async def commit_restore(self, restore_id: str) -> int: ...
+
+    async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
+
+    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
+
+
+class HolderCalls:
+    """``HolderControl``'s calls to one holder through a transport, each with
+    ``timeout`` (None: the transport's default); ``release`` and ``start_persist`` are
+    one-way messages here, as the coordinator never waits for them."""
+
+    def __init__(self, transport: Transport, holder: Actor, timeout: float | None) -> None:
+        self._transport = transport
+        self._holder = holder
+        self._timeout = timeout
+
+    def _call(self, method: str, *args: Any) -> Awaitable[Any]:
+        return self._transport.call(self._holder, method, *args, timeout=self._timeout)
+
+    def info(self) -> Awaitable[HolderInfo]:
+        return self._call("info")
+
+    def probe_storage(self, root: str) -> Awaitable[str]:
+        return self._call("probe_storage", root)
+
+    def probe_sandbox(self) -> Awaitable[None]:
+        return self._call("probe_sandbox")
+
+    def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
+              directory: str) -> Awaitable[tuple[PauseReport, CaptureReport]]:
+        return self._call("begin", snapshot_id, drain_timeout_s, lease_s, directory)
+
+    def renew_lease(self, operation_id: str, lease_s: float) -> Awaitable[float]:
+        return self._call("renew_lease", operation_id, lease_s)
+
+    def release(self, snapshot_id: str) -> None:
+        self._transport.send(self._holder, "release", snapshot_id)
+
+    def start_persist(self, snapshot_id: str) -> None:
+        self._transport.send(self._holder, "start_persist", snapshot_id)
+
+    def finish_persist(self, snapshot_id: str) -> Awaitable[PersistReport]:
+        return self._call("finish_persist", snapshot_id)
+
+    def resume(self, snapshot_id: str) -> Awaitable[None]:
+        return self._call("resume", snapshot_id)
+
+    def abort(self, operation_id: str) -> Awaitable[None]:
+        return self._call("abort", operation_id)
+
+    def prepare_restore(self, restore_id: str, where: str, shards: list[ShardEntry],
+                        lease_s: float, blob_store: str | None = None
+                        ) -> Awaitable[RestorePrepared]:
+        return self._call("prepare_restore", restore_id, where, shards, lease_s,
+                          blob_store)
+
+    def commit_restore(self, restore_id: str) -> Awaitable[int]:
+        return self._call("commit_restore", restore_id)
+
+    def retire(self, episodes: list[EnvironmentEpisode]) -> Awaitable[list[str]]:
+        return self._call("retire", episodes)
+
+    def forget(self, episodes: list[EnvironmentEpisode]) -> Awaitable[list[str]]:
+        return self._call("forget", episodes)
+
+
+# A batch of sessions to open: ``(episode, initial state)`` or with the sandbox directory.
+OpeningSessions = list[tuple[EnvironmentEpisode, bytes] |
+                       tuple[EnvironmentEpisode, bytes, str | None]]
+
+
+class HolderSessions(Protocol):
+    """The calls an environment worker makes of the holder on its node."""
+
+    async def open_session(self, episode: EnvironmentEpisode, state: bytes = b"",
+                           directory: str | None = None) -> SessionRecord: ...
+
+    async def open_sessions(self, sessions: OpeningSessions) -> int: ...
+
+    async def get_session(self, episode: EnvironmentEpisode | str) -> SessionRecord: ...
+
+    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionRecord: ...
+
+    async def commit_turn(self, episode: EnvironmentEpisode, token: str, record: bytes,
+                          state: bytes, staging_keys: Iterable[str] = ()
+                          ) -> SessionRecord: ...
+
+    async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None: ...
+
+    async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord: ...
+
+    async def sessions(self) -> list[SessionRecord]: ...
+
+
+class SessionCalls:
+    """``HolderSessions``' calls through ``invoke(method, *args)``, which carries a call
+    to the worker's holder (the client's, which looks the holder up again after its
+    death) and returns its answer."""
+
+    def __init__(self, invoke: Callable[..., Awaitable[Any]]) -> None:
+        self._invoke = invoke
+
+    def open_session(self, episode: EnvironmentEpisode, state: bytes = b"",
+                     directory: str | None = None) -> Awaitable[SessionRecord]:
+        return self._invoke("open_session", episode, state, directory)
+
+    def open_sessions(self, sessions: OpeningSessions) -> Awaitable[int]:
+        return self._invoke("open_sessions", sessions)
+
+    def get_session(self, episode: EnvironmentEpisode | str) -> Awaitable[SessionRecord]:
+        return self._invoke("get_session", episode)
+
+    def begin_turn(self, episode: EnvironmentEpisode, token: str) -> Awaitable[SessionRecord]:
+        return self._invoke("begin_turn", episode, token)
+
+    def commit_turn(self, episode: EnvironmentEpisode, token: str, record: bytes,
+                    state: bytes, staging_keys: Iterable[str] = ()
+                    ) -> Awaitable[SessionRecord]:
+        return self._invoke("commit_turn", episode, token, record, state, staging_keys)
+
+    def abort_turn(self, episode: EnvironmentEpisode, token: str) -> Awaitable[None]:
+        return self._invoke("abort_turn", episode, token)
+
+    def close_session(self, episode: EnvironmentEpisode | str) -> Awaitable[SessionRecord]:
+        return self._invoke("close_session", episode)
+
+    def sessions(self) -> Awaitable[list[SessionRecord]]:
+        return self._invoke("sessions")

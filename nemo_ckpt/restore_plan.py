@@ -1,0 +1,94 @@
+"""A restore's plan, apart from any I/O: where instances go, which shards each holder
+reads, and whether what the holders read may go live.
+
+The coordinator (``actors.coordinator``) reads the manifest, asks the holders to read
+their shards, and hands what they report here; each function is a pure decision, so
+the whole plan is tested without actors.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
+from nemo_ckpt.manifest import Manifest, ShardEntry, rollouts_by_shard, shard_problems
+from nemo_ckpt.phases import RestorePrepared
+
+__all__ = ["VerifiedRestore", "assign_shards", "least_loaded_node", "verify_prepared"]
+
+
+def least_loaded_node(alive_nodes: Iterable[str], holder_nodes: Iterable[str]) -> str:
+    """The alive node that hosts the fewest holders (ties: the smallest id)."""
+    load = {n: 0 for n in alive_nodes}
+    for node in holder_nodes:
+        if node in load:
+            load[node] += 1
+    if not load:
+        raise BackendUnavailableError("no alive Ray node to place a holder on")
+    return min(load, key=lambda n: (load[n], n))
+
+
+def assign_shards(manifest: Manifest, instances: Iterable[str],
+                  checkpoint_path: str) -> dict[str, list[ShardEntry]]:
+    """Each placed instance's shards; refused if a shard's instance has no holder."""
+    shards_of: dict[str, list[ShardEntry]] = {i: [] for i in instances}
+    for shard in manifest.shards:
+        if shard.instance_id not in shards_of:
+            raise BackendUnavailableError(
+                f"no holder could be placed for instance {shard.instance_id} of "
+                f"{checkpoint_path}; retry once the cluster has a node for it")
+        shards_of[shard.instance_id].append(shard)
+    return shards_of
+
+
+@dataclass(frozen=True)
+class VerifiedRestore:
+    """What a prepared restore will continue, once every check passed."""
+
+    continued_attempts: frozenset[tuple[str, str, int]]  # (instance, rollout, attempt)
+    staging_keys: frozenset[str]
+    bytes_read: int
+    read_seconds: float  # the slowest holder's shard reads
+
+
+def verify_prepared(manifest: Manifest, directory: str, checkpoint_path: str,
+                    prepared: Mapping[str, RestorePrepared]) -> VerifiedRestore:
+    """Check what the holders read against the manifest, shard by shard (the check
+    ``nemo-ckpt verify`` makes), that no rollout goes live twice, and that none of them
+    is live now on any holder. Raises ``ShardCorruptedError`` or
+    ``RestoreConflictError``, naming every problem found."""
+    listed = rollouts_by_shard(manifest)
+    by_shard = {p.instance_id: p.sessions_by_shard() for p in prepared.values()}
+    problems = [problem for shards in by_shard.values() for file, sessions in shards
+                for problem in shard_problems(
+                    None if listed is None else listed.get(file, {}), sessions,
+                    f"{directory}/{file}")]
+    continued = {inst: [pair for _, pairs in shards for pair in pairs]
+                 for inst, shards in by_shard.items()}
+    restored = [rid for pairs in continued.values() for rid, _ in pairs]
+    if len(set(restored)) != len(restored):
+        twice = sorted(r for r, n in Counter(restored).items() if n > 1)
+        problems.append(f"rollouts held by two shards of {directory}: {twice[:10]}; "
+                        f"restore an earlier checkpoint")
+    if problems:
+        raise ShardCorruptedError(directory, "; ".join(problems))
+    # Nothing is live yet: a rollout live on any holder refuses the whole restore.
+    restoring = set(restored)
+    clash = sorted({(p.instance_id, rid) for p in prepared.values()
+                    for rid in p.live() if rid in restoring})
+    if clash:
+        raise RestoreConflictError(
+            f"cannot restore {checkpoint_path}: rollouts it holds are live now "
+            f"({', '.join(f'{i}/{k}' for i, k in clash[:10])}"
+            f"{' ...' if len(clash) > 10 else ''}); retire or close them first, or "
+            f"restore into a fresh job")
+    return VerifiedRestore(
+        continued_attempts=frozenset(
+            (inst, rid, attempt) for inst, pairs in continued.items()
+            for rid, attempt in pairs),
+        staging_keys=frozenset().union(*(p.staging_keys for p in prepared.values())),
+        bytes_read=sum(p.bytes_read for p in prepared.values()),
+        read_seconds=max((p.read_seconds for p in prepared.values()), default=0.0),
+    )

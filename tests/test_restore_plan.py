@@ -1,0 +1,94 @@
+"""A restore's plan decided without actors: placement, shard assignment, and the checks
+of what the holders read (``nemo_ckpt.restore_plan``)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import msgpack
+import pytest
+
+from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
+from nemo_ckpt.manifest import Manifest, ShardEntry, encode_manifest
+from nemo_ckpt.phases import RestorePrepared
+from nemo_ckpt.restore_plan import (
+    assign_shards,
+    least_loaded_node,
+    verify_prepared,
+)
+
+HASH = "xxh3-128:" + "0" * 32
+
+
+def _shard(instance: str, sessions: int) -> ShardEntry:
+    return ShardEntry(file=f"shard-{instance}.msgpack", bytes=10, content_hash=HASH,
+                      instance_id=instance, sessions=sessions)
+
+
+def _manifest(*shards: ShardEntry, instances: list[str] | None = None) -> Manifest:
+    return Manifest.model_validate_json(encode_manifest(
+        snapshot_id="snap-1", created_at=datetime.now(timezone.utc),
+        instances=instances or sorted({s.instance_id for s in shards}),
+        shards=list(shards), restarted_rollouts=0, metrics={}))
+
+
+def _prepared(instance: str, sessions: list[tuple[str, int]], live: tuple[str, ...] = (),
+              staging: frozenset[str] = frozenset(), read_seconds: float = 0.1
+              ) -> RestorePrepared:
+    return RestorePrepared(
+        instance_id=instance, staging_keys=staging, bytes_read=100 * len(sessions),
+        read_seconds=read_seconds,
+        shard_sessions=((f"shard-{instance}.msgpack", msgpack.packb(sessions)),),
+        live_rollouts=msgpack.packb(list(live)))
+
+
+def test_a_new_holder_goes_to_the_alive_node_with_the_fewest_holders() -> None:
+    assert least_loaded_node(["n1", "n2", "n3"], ["n1", "n1", "n3", "gone"]) == "n2"
+    assert least_loaded_node(["n2", "n1"], ["n1", "n2"]) == "n1"  # ties: smallest id
+
+
+def test_placement_with_no_alive_node_is_refused_as_unavailable() -> None:
+    with pytest.raises(BackendUnavailableError, match="no alive Ray node"):
+        least_loaded_node([], ["n1"])
+
+
+def test_each_instance_reads_only_its_own_shards() -> None:
+    manifest = _manifest(_shard("holder-0", 2), _shard("holder-1", 1))
+    shards = assign_shards(manifest, ["holder-0", "holder-1", "holder-2"], "/ckpt/a")
+    assert {i: [s.file for s in ss] for i, ss in shards.items()} == {
+        "holder-0": ["shard-holder-0.msgpack"], "holder-1": ["shard-holder-1.msgpack"],
+        "holder-2": []}
+
+
+def test_a_shard_whose_instance_has_no_holder_refuses_the_restore() -> None:
+    manifest = _manifest(_shard("holder-0", 1), _shard("holder-1", 1))
+    with pytest.raises(BackendUnavailableError, match="instance holder-1 of /ckpt/a"):
+        assign_shards(manifest, ["holder-0"], "/ckpt/a")
+
+
+def test_what_the_holders_read_becomes_the_continued_attempts() -> None:
+    manifest = _manifest(_shard("holder-0", 2), _shard("holder-1", 1))
+    verified = verify_prepared(manifest, "/ckpt/a/environment", "/ckpt/a", {
+        "holder-0": _prepared("holder-0", [("r0", 0), ("r1", 2)], staging=frozenset({"k"}),
+                              read_seconds=0.5),
+        "holder-1": _prepared("holder-1", [("r2", 1)], read_seconds=0.2)})
+    assert verified.continued_attempts == {("holder-0", "r0", 0), ("holder-0", "r1", 2),
+                                           ("holder-1", "r2", 1)}
+    assert verified.staging_keys == {"k"}
+    assert verified.bytes_read == 300 and verified.read_seconds == 0.5
+
+
+def test_a_rollout_in_two_shards_is_refused_as_corrupt() -> None:
+    manifest = _manifest(_shard("holder-0", 1), _shard("holder-1", 1))
+    with pytest.raises(ShardCorruptedError, match=r"rollouts held by two shards .*\['r0'\]"):
+        verify_prepared(manifest, "/ckpt/a/environment", "/ckpt/a", {
+            "holder-0": _prepared("holder-0", [("r0", 0)]),
+            "holder-1": _prepared("holder-1", [("r0", 0)])})
+
+
+def test_a_rollout_live_now_refuses_the_restore_naming_its_holder() -> None:
+    manifest = _manifest(_shard("holder-0", 1), _shard("holder-1", 1))
+    with pytest.raises(RestoreConflictError, match=r"live now \(holder-1/r0\)"):
+        verify_prepared(manifest, "/ckpt/a/environment", "/ckpt/a", {
+            "holder-0": _prepared("holder-0", [("r0", 0)]),
+            "holder-1": _prepared("holder-1", [("r5", 0)], live=["r0", "r9"])})
