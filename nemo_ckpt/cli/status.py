@@ -19,6 +19,7 @@ from nemo_ckpt.cli.render import PROG, table
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.connect import ray_address
 from nemo_ckpt.errors import BackendUnavailableError
+from nemo_ckpt.holder_api import HolderCalls
 from nemo_ckpt.options import non_empty, positive_float
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
 from nemo_ckpt.transport import Actor, Transport
@@ -65,7 +66,7 @@ async def holder_status(transport: Transport, timeout_s: float = 10.0) -> list[H
 
     async def ask(instance_id: str, holder: Actor) -> HolderStatus:
         try:
-            info: HolderInfo = await transport.call(holder, "info", timeout=timeout_s)
+            info = await HolderCalls(transport, holder, timeout_s).info()
         except BackendUnavailableError as exc:
             if exc.unreachable is None:
                 raise  # the holder itself raised it: a bug, not an outage
