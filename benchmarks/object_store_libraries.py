@@ -12,7 +12,7 @@ a multipart upload that an exception aborts, ranged reads.
 obstore is a dependency; the others are not. Install them beside it to run this:
 
     .venv/bin/pip install s3fs pyarrow
-    .venv/bin/python benchmarks/object_store_libraries.py --repeats 5
+    .venv/bin/python -m benchmarks.object_store_libraries --repeats 5
 
 or from a scratch virtualenv with the three (``pip install obstore s3fs pyarrow``), with
 ``.venv/bin`` on ``PATH`` for the server's binary.
