@@ -275,9 +275,9 @@ def _shard_part(args: argparse.Namespace) -> None:
             entry = write_shard(work, f"shard-{r}.msgpack", "holder-0", records)
             rec("write_shard (total)", time.perf_counter() - t)
             t = time.perf_counter()
-            packer = msgpack.Packer(use_bin_type=True)
-            data = b"".join(packer.pack(x.to_wire()) for x in records)
-            rec("  msgpack pack of every record (+ join)", time.perf_counter() - t)
+            data = _encode(records)
+            rec("  encode every record: index rows, turns, bodies (+ join)",
+                time.perf_counter() - t)
             t = time.perf_counter()
             content_hasher().update(data)
             rec(f"  {CONTENT_HASH} of the shard (the content hash)", time.perf_counter() - t)
@@ -300,8 +300,8 @@ def _shard_part(args: argparse.Namespace) -> None:
             content_hasher().update(raw)
             rec(f"  {CONTENT_HASH} of what was read", time.perf_counter() - t)
             t = time.perf_counter()
-            _decode(raw)
-            rec("  msgpack decode + SessionRecord.from_wire of what was read",
+            _decode(raw, "holder-0")
+            rec("  decode header, index and bodies + a SessionRecord each",
                 time.perf_counter() - t)
             del raw
             for p in work.iterdir():
@@ -317,13 +317,37 @@ def _shard_part(args: argparse.Namespace) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _decode(data: bytes) -> list[Any]:
-    """Decode a shard's bytes: its msgpack objects, then a SessionRecord per session."""
-    from nemo_ckpt.sessions import SessionRecord
+def _encode(records: list[Any]) -> bytes:
+    """A shard's index and bodies as ``write_shard`` encodes them (no header, no hash)."""
+    from nemo_ckpt.sessions import body_head, record_parts
 
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1 << 20))
-    unpacker.feed(data)
-    return [SessionRecord.from_wire(o) for o in list(unpacker)[1:]]
+    rows: list[bytes] = []
+    bodies: list[bytes] = []
+    for record in records:
+        row, turns_blob, state = record_parts(record)
+        rows.append(row)
+        bodies += (body_head(turns_blob, len(state)), state)
+    return (msgpack.Packer().pack_array_header(len(rows)) + b"".join(rows)
+            + b"".join(bodies))
+
+
+def _decode(data: bytes, instance_id: str) -> list[Any]:
+    """Decode a shard's bytes as ``read_shard`` does once their hash matched: the header,
+    the index, each session's ``[turns, state]``, then a SessionRecord per session."""
+    from nemo_ckpt.sessions import record_of
+    from nemo_ckpt.storage import view_unpacker
+
+    unpacker = view_unpacker(memoryview(data))
+    unpacker.unpack()  # the header
+    rows = unpacker.unpack()
+    records = []
+    for row in rows:
+        unpacker.read_array_header()
+        start = unpacker.tell()
+        unpacker.skip()
+        turns_blob = data[start:unpacker.tell()]
+        records.append(record_of(instance_id, row, turns_blob, unpacker.unpack()))
+    return records
 
 
 def main() -> int:
