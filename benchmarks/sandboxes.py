@@ -266,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sandboxes = 100
     work = Path(tempfile.mkdtemp(prefix="nemo-ckpt-sandboxes-"))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # A new instance of its own, even where another cluster on this machine would be
+    # joined by default.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     try:
         results = asyncio.run(run(args, work))
