@@ -32,9 +32,9 @@ from nemo_ckpt.interfaces import EnvironmentEpisode
 MiB = 1 << 20
 _DISK_CHUNK = 4 * MiB  # the same chunk size the shard writer uses
 # Opens in flight per holder while populating (asyncio.gather over Ray calls). More in
-# flight is barely faster on 2 cores, but leaves the holders' heaps larger: each call's
-# buffers are freed into the allocator, not to the OS (10k x 1 KiB into one holder: RSS
-# grows 3.0x the state with 50 in flight, 9.1x with 2000).
+# flight is barely faster on a small machine, but leaves the holders' heaps larger: each
+# call's buffers are freed into the allocator, not to the OS, and would count as the
+# holder's memory.
 POPULATE_IN_FLIGHT_PER_HOLDER = 64
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -94,8 +94,8 @@ async def populate(namespace: str, instances: Sequence[str], sessions: int,
 
     Each open is one ``SessionClient.open`` call (one Ray actor call); the driver keeps
     POPULATE_IN_FLIGHT_PER_HOLDER of them in flight per holder with asyncio.gather.
-    (Opening from a task pinned on each node was no faster on 2 cores: about 1.5-2k
-    opens/s either way, bound by the per-call work of Ray and the holders.)
+    (Opening from a task pinned on each node was no faster: the per-call work of Ray and
+    the holders bounds it either way.)
     """
     rng = random.Random(seed)
     blob = rng.randbytes(state_bytes + 4096)

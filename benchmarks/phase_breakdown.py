@@ -36,10 +36,33 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import ray
+import ray.cloudpickle as cp
 
+from actors.coordinator import CheckpointCoordinator
+from actors.ray_transport import RayTransport
 from benchmarks.common import LocalCluster, MiB, PhaseLog, evict_from_page_cache, populate
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
+from nemo_ckpt.config import HOLDER_NAME_PREFIX
+from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.operations import new_operation_id as _new_id
+from nemo_ckpt.sessions import SessionRecord, body_head, record_of, record_parts
+from nemo_ckpt.storage import (
+    CONTENT_HASH,
+    content_hasher,
+    environment_dir,
+    prepare_environment_dir,
+    read_manifest,
+    read_shard,
+    view_unpacker,
+    write_shard,
+)
 
 _timings: dict[str, list[float]] = {}
+
+
+def new_operation_id(kind: str) -> str:
+    return _new_id(kind, time.time(), uuid.uuid4().hex, 1)
 
 
 def _record(key: str, seconds: float) -> None:
@@ -62,16 +85,7 @@ def _record_call(call: str, seconds: float, phase: str, lines: dict[str, dict[st
 
 
 async def _cluster_part(args: argparse.Namespace) -> None:
-    import ray.cloudpickle as cp
 
-    from actors.coordinator import CheckpointCoordinator
-    from actors.ray_transport import RayTransport
-    from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
-    from nemo_ckpt.interfaces import EnvironmentEpisode
-    from nemo_ckpt.operations import new_operation_id as _new_id
-
-    def new_operation_id(kind: str) -> str:
-        return _new_id(kind, time.time(), uuid.uuid4().hex, 1)
 
     tag = uuid.uuid4().hex[:6]
     cfg = CheckpointConfig(allow_unchecked_snapshots=True,
@@ -151,10 +165,7 @@ async def _entry_split(namespace: str, instances: list[str], repeats: int,
     """The holders' side of the pause, called directly (no coordinator): one ``begin``
     round (pause and capture in one call each) against a pause round then a capture
     round; the writes start afterwards in both. Alternating, same holders, sessions."""
-    import ray
 
-    from nemo_ckpt.config import HOLDER_NAME_PREFIX
-    from nemo_ckpt.storage import prepare_environment_dir
 
     handles = [ray.get_actor(HOLDER_NAME_PREFIX + i, namespace=namespace) for i in instances]
     for r in range(2 * repeats):
@@ -184,15 +195,7 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
     directly (no coordinator), with the shards evicted from the page cache or warm, into
     fresh holders or ones that restored before; and the same shards read by one process
     each at once, bare or through ``read_shard``, without Ray."""
-    import ray
 
-    from nemo_ckpt import RayEnvironmentCheckpoint
-    from nemo_ckpt.config import HOLDER_NAME_PREFIX
-    from nemo_ckpt.operations import new_operation_id as _new_id
-
-    def new_operation_id(kind: str) -> str:
-        return _new_id(kind, time.time(), uuid.uuid4().hex, 1)
-    from nemo_ckpt.storage import environment_dir, read_manifest
 
     manifest = read_manifest(path)
     directory = environment_dir(path)
@@ -231,7 +234,6 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
 
 def _read_in_process(job: tuple[str, str, Any]) -> None:
     how, directory, entry = job
-    from nemo_ckpt.storage import read_shard
 
     if how == "nothing":  # starts the pool's processes before the clock
         return
@@ -255,10 +257,6 @@ def _persist_seconds(committed: Any) -> float:
 
 def _shard_part(args: argparse.Namespace) -> None:
     """One holder's shard, written and read piece by piece, no Ray."""
-    from nemo_ckpt.interfaces import EnvironmentEpisode
-    from nemo_ckpt.sessions import SessionRecord
-    from nemo_ckpt.storage import CONTENT_HASH, content_hasher, read_shard, write_shard
-
     n, size = args.sessions, args.state_bytes
     blob = os.urandom(size + 4096)
     records = [SessionRecord("holder-0", EnvironmentEpisode(f"rollout-{k:06d}", 0), (),
@@ -319,8 +317,6 @@ def _shard_part(args: argparse.Namespace) -> None:
 
 def _encode(records: list[Any]) -> bytes:
     """A shard's index and bodies as ``write_shard`` encodes them (no header, no hash)."""
-    from nemo_ckpt.sessions import body_head, record_parts
-
     rows: list[bytes] = []
     bodies: list[bytes] = []
     for record in records:
@@ -334,9 +330,6 @@ def _encode(records: list[Any]) -> bytes:
 def _decode(data: bytes, instance_id: str) -> list[Any]:
     """Decode a shard's bytes as ``read_shard`` does once their hash matched: the header,
     the index, each session's ``[turns, state]``, then a SessionRecord per session."""
-    from nemo_ckpt.sessions import record_of
-    from nemo_ckpt.storage import view_unpacker
-
     unpacker = view_unpacker(memoryview(data))
     unpacker.unpack()  # the header
     rows = unpacker.unpack()
@@ -363,7 +356,6 @@ def main() -> int:
     if args.shard_only:
         _shard_part(args)
         return 0
-    import ray
 
     cluster = LocalCluster(2048 * MiB)
     try:
