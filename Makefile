@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check nemo_ckpt actors tests examples
+	$(VENV)/bin/ruff check nemo_ckpt actors tests examples benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m tests.simulation --schedules $(SIM_SCHEDULES)
 	$(PY) -m pytest
@@ -47,4 +47,4 @@ demo-s3: $(STAMP)
 BENCH_ARGS ?=
 .PHONY: bench
 bench: $(STAMP)
-	$(PY) benchmarks/snapshot_bench.py $(BENCH_ARGS) --json bench-results.json
+	$(PY) -m benchmarks.snapshot_bench $(BENCH_ARGS) --json bench-results.json

@@ -5,7 +5,7 @@ into a temporary folder, the way holders write it (``write_shard``, then the man
 then runs ``nemo-ckpt inspect`` and ``nemo-ckpt verify`` on it, each in a fresh process
 as a user would (output to /dev/null), and prints their wall time and peak memory.
 
-    .venv/bin/python benchmarks/cli_scale.py --sessions 1000000
+    .venv/bin/python -m benchmarks.cli_scale --sessions 1000000
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 holder does (``actors.session_table``), captures them and writes their shard, and prints
 the resident cost per session and what the capture and the write add at their peak.
 
-    .venv/bin/python benchmarks/holder_memory.py --sessions 250000 --state-bytes 1024
+    .venv/bin/python -m benchmarks.holder_memory --sessions 250000 --state-bytes 1024
 
-The benchmark's ``holder peak`` (``snapshot_bench.py --scale``) measures the same in a
+The benchmark's ``holder peak`` (``benchmarks.snapshot_bench --scale``) measures the same in a
 real holder process, where Ray's own buffers come on top; this separates the two.
 """
 
@@ -18,12 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from actors.session_holder import write_held_shard  # noqa: E402
-from actors.session_table import Held, SessionTable  # noqa: E402
-from nemo_ckpt.interfaces import EnvironmentEpisode  # noqa: E402
-from nemo_ckpt.phases import join_captured  # noqa: E402
+from actors.session_holder import write_held_shard
+from actors.session_table import Held, SessionTable
+from nemo_ckpt.checkpoint_folder import folder_at
+from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.phases import join_captured
 
 
 def _status(field: str) -> int:
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     index = join_captured([h.row for h in held])
     captured = _status("VmRSS") - base
     with tempfile.TemporaryDirectory() as tmp:
-        write_held_shard(Path(tmp), "shard.msgpack", "holder-0", held, index)
+        write_held_shard(folder_at(Path(tmp)), "shard.msgpack", "holder-0", held, index)
     peak = _status("VmHWM") - base
     print(f"{n} sessions x {args.state_bytes} B, {state / 2**20:.1f} MiB of state")
     print(f"  resident:            {resident / state:.3f} x the state "

@@ -1,8 +1,8 @@
-"""The object-store series of the snapshot benchmark (``snapshot_bench.py --object-store``):
-snapshots into an ``s3://`` bucket of a local S3-compatible server (SeaweedFS, started for
-the run by ``nemo_ckpt.testing.s3_server``), against the client library's own put and get
-of the same bytes to the same server, and against a snapshot into a local folder, in one
-run.
+"""The object-store series of the snapshot benchmark (``python -m benchmarks.snapshot_bench
+--object-store``): snapshots into an ``s3://`` bucket of a local S3-compatible server
+(SeaweedFS, started for the run by ``tests.s3_server``), against the client
+library's own put and get of the same bytes to the same server, and against a snapshot
+into a local folder, in one run.
 
 Per point (4 holders, one per simulated node; sessions of random bytes):
 
@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import statistics
 import time
 import uuid
 from collections.abc import Sequence
@@ -44,7 +43,15 @@ import obstore
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
+from benchmarks.common import (
+    bench_config,
+    format_table,
+    median,
+    probed_snapshot,
+    restore_once,
+    target,
+)
+from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.manifest import Manifest
@@ -55,10 +62,6 @@ POINTS = ((1_000, 64 * 1024), (4_000, 64 * 1024), (10_000, 1024))
 QUICK_POINTS = ((1_000, 64 * 1024),)
 OPEN_BATCH = 500
 MB = 1e6
-
-
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs))
 
 
 async def _populate(clients: Sequence[SessionClient], sessions: int, state_bytes: int) -> None:
@@ -181,13 +184,9 @@ async def _bare_gets(clients: Sequence[Any], node_ids: Sequence[str], url: str,
 
 async def measure_point(sessions: int, state_bytes: int, repeats: int, bucket_root: str,
                         workdir: Path) -> dict[str, Any]:
-    from snapshot_bench import _restore_once, probed_snapshot
-
     tag = uuid.uuid4().hex[:8]
     ns = f"objbench-{tag}"
-    config = CheckpointConfig(allow_unchecked_snapshots=True,
-                              namespace=ns, drain_timeout_s=5.0, lease_s=300.0,
-                              phase_timeout_s=300.0, persist_timeout_s=1200.0)
+    config = bench_config(ns, 300.0)
     ckpt = RayEnvironmentCheckpoint(config)
     point_url = f"{bucket_root}/s{sessions}-b{state_bytes}-{tag}"
     local_dir = workdir / f"obj-local-{tag}"
@@ -229,7 +228,7 @@ async def measure_point(sessions: int, state_bytes: int, repeats: int, bucket_ro
             if r % 2 == 1:
                 rep.update(await _bare_gets(bare, node_ids, url, list(sizes)))
             for kind, where in (("s3", url), ("local", local_dir / f"snap-{r}")):
-                rep.update({f"{kind}_{k}": v for k, v in (await _restore_once(
+                rep.update({f"{kind}_{k}": v for k, v in (await restore_once(
                     config, f"{ns}-{kind}{r}", where, sessions, False)).items()})
             if r % 2 == 0:
                 rep.update(await _bare_gets(bare, node_ids, url, list(sizes)))
@@ -262,32 +261,32 @@ def _record(sessions: int, state_bytes: int, reps: list[dict[str, float]]) -> di
 
     def ratio(a: Sequence[float], b: Sequence[float]) -> float:
         # Per repetition (the baseline ran beside it), then the median.
-        return round(_median([x / y for x, y in zip(a, b, strict=True)]), 3)
+        return round(median([x / y for x, y in zip(a, b, strict=True)]), 3)
 
     out: dict[str, Any] = {
         "holders": 4, "sessions": sessions, "state_bytes": state_bytes, "bytes": int(b),
         "repeats": len(reps), "reps": reps,
-        "persist_mb_s": round(_median(persist_mb_s), 1),
-        "bare_put_mb_s": round(_median(put_mb_s), 1),
-        "restore_mb_s": round(_median(restore_mb_s), 1),
-        "bare_get_mb_s": round(_median(get_mb_s), 1),
-        "node_put_mb_s": round(_median(node_put_mb_s), 1),
-        "node_get_mb_s": round(_median(node_get_mb_s), 1),
-        "fresh_node_get_mb_s": round(_median(fresh_get_mb_s), 1),
+        "persist_mb_s": round(median(persist_mb_s), 1),
+        "bare_put_mb_s": round(median(put_mb_s), 1),
+        "restore_mb_s": round(median(restore_mb_s), 1),
+        "bare_get_mb_s": round(median(get_mb_s), 1),
+        "node_put_mb_s": round(median(node_put_mb_s), 1),
+        "node_get_mb_s": round(median(node_get_mb_s), 1),
+        "fresh_node_get_mb_s": round(median(fresh_get_mb_s), 1),
         "persist_ratio_to_put": ratio(persist_mb_s, put_mb_s),
         "restore_ratio_to_get": ratio(restore_mb_s, get_mb_s),
         "persist_ratio_to_node_put": ratio(persist_mb_s, node_put_mb_s),
         "restore_ratio_to_node_get": ratio(restore_mb_s, node_get_mb_s),
         "restore_ratio_to_fresh_node_get": ratio(restore_mb_s, fresh_get_mb_s),
-        "restore_read_mb_s": round(_median(read_mb_s), 1),
+        "restore_read_mb_s": round(median(read_mb_s), 1),
         "restore_read_ratio_to_node_get": ratio(read_mb_s, node_get_mb_s),
         "restore_read_ratio_to_fresh_node_get": ratio(read_mb_s, fresh_get_mb_s),
     }
     for key in ("entry_ms", "exit_ms", "paused_ms", "persist_ms", "restore_ms",
                 "restore_prepare_ms", "restore_read_ms"):
         for kind in ("s3", "local"):
-            out[f"{kind}_{key}_median"] = round(_median([r[f"{kind}_{key}"] for r in reps]), 1)
-    out["paused_ratio_to_local"] = round(_median(
+            out[f"{kind}_{key}_median"] = round(median([r[f"{kind}_{key}"] for r in reps]), 1)
+    out["paused_ratio_to_local"] = round(median(
         [r["s3_paused_ms"] / r["local_paused_ms"] for r in reps]), 3)
     return out
 
@@ -320,11 +319,10 @@ def object_store_targets(series: dict[str, Any]) -> list[dict[str, Any]]:
     for p in series["points"]:
         point = f"4h x {p['sessions']} x {p['state_bytes'] // 1024}KiB s3"
         for name in ("persist_ratio_to_node_put", "restore_ratio_to_node_get"):
-            out.append({"target": name, "point": point, "value": p[name], "limit": ">= 0.7",
-                        "holds": p[name] >= 0.7})
-        out.append({"target": "paused_ratio_to_local (s3 / folder)", "point": point,
-                    "value": p["paused_ratio_to_local"], "limit": f"<= {PAUSE_SLACK}",
-                    "holds": p["paused_ratio_to_local"] <= PAUSE_SLACK})
+            out.append(target(name, point, p[name], p[name] >= 0.7, ">= 0.7"))
+        out.append(target("paused_ratio_to_local (s3 / folder)", point,
+                          p["paused_ratio_to_local"],
+                          p["paused_ratio_to_local"] <= PAUSE_SLACK, f"<= {PAUSE_SLACK}"))
     return out
 
 
@@ -341,9 +339,7 @@ def format_object_store(series: dict[str, Any]) -> str:
              str(p["s3_exit_ms_median"]), str(p["local_exit_ms_median"]),
              str(p["s3_restore_ms_median"]), str(p["local_restore_ms_median"])]
             for p in series["points"]]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"object store ({series['library']}, local SeaweedFS; medians; throughput in "
              f"MB/s, times in ms; ratios against the node baselines)"]
-    for r in [head, *rows]:
-        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    lines += format_table(head, rows)
     return "\n".join(lines)

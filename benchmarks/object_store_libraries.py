@@ -1,5 +1,5 @@
 """Which S3 client library nemo-ckpt writes through: obstore, s3fs (fsspec) and pyarrow.fs,
-measured against one local SeaweedFS server (``nemo_ckpt.testing.s3_server``) in one run.
+measured against one local SeaweedFS server (``tests.s3_server``) in one run.
 
 For each library, with the same bytes (random, so nothing compresses):
 - ``put 1x64MB`` and ``get 1x64MB``: one object, one call;
@@ -12,7 +12,7 @@ a multipart upload that an exception aborts, ranged reads.
 obstore is a dependency; the others are not. Install them beside it to run this:
 
     .venv/bin/pip install s3fs pyarrow
-    .venv/bin/python benchmarks/object_store_libraries.py --repeats 5
+    .venv/bin/python -m benchmarks.object_store_libraries --repeats 5
 
 or from a scratch virtualenv with the three (``pip install obstore s3fs pyarrow``), with
 ``.venv/bin`` on ``PATH`` for the server's binary.

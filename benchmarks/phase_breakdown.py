@@ -3,17 +3,19 @@
 benchmarks/README.md's bottleneck analysis).
 
 It runs the coordinator's own code (``actors.coordinator.CheckpointCoordinator``, a plain
-asyncio class) inside this process instead of as an actor, wraps its phases with timers,
-and drives real holders on a local multi-node cluster. Ray's pickling of the values the
-coordinator actor would return to the driver is timed separately (the same
+asyncio class) inside this process instead of as an actor, and drives real holders on a
+local multi-node cluster. Each holder phase (``pause_capture`` and ``finish_persist`` of
+a snapshot, ``prepare_restore`` and ``commit_restore`` of a restore) is timed by the
+coordinator's own phase log line (``benchmarks.common.PhaseLog``): the phase, its
+slowest and its fastest holder. The rest of each coordinator call, its own work around
+the holders (discovery, the folder and its claim, the manifest, the resume, clean-up),
+is the call's time on this process's clock minus its phase's. Ray's pickling of the
+values the coordinator actor would return to the driver is timed separately (the same
 ``ray.cloudpickle`` round trip). A second part times a shard's write and read paths
-(``nemo_ckpt.storage``) piece by piece in this process, with no Ray at all.
+(``nemo_ckpt.shards``) piece by piece in this process, with no Ray at all.
 
-    python benchmarks/phase_breakdown.py --holders 4 --sessions 10000 --state-bytes 1024
-    python benchmarks/phase_breakdown.py --shard-only --sessions 2500 --state-bytes 65536
-
-It wraps private parts of the runtime (``CheckpointCoordinator._fan``), so it is a
-diagnostic, not a test: if the runtime's structure changes, some rows may disappear.
+    python -m benchmarks.phase_breakdown --holders 4 --sessions 10000 --state-bytes 1024
+    python -m benchmarks.phase_breakdown --shard-only --sessions 2500 --state-bytes 65536
 """
 
 from __future__ import annotations
@@ -30,78 +32,55 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import ray
+import ray.cloudpickle as cp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import snapshot_bench as sb  # noqa: E402  (the benchmark's cluster and populate helpers)
+from actors.coordinator import CheckpointCoordinator
+from actors.ray_transport import RayTransport
+from benchmarks.common import LocalCluster, MiB, PhaseLog, evict_from_page_cache, populate
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
+from nemo_ckpt.checkpoint_folder import environment_dir, prepare_environment_dir
+from nemo_ckpt.config import HOLDER_NAME_PREFIX
+from nemo_ckpt.hashed_files import CONTENT_HASH, content_hasher, view_unpacker
+from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.operations import new_operation_id as _new_id
+from nemo_ckpt.session_record import SessionRecord, body_head, record_of, record_parts
+from nemo_ckpt.shards import read_shard, write_shard
+from nemo_ckpt.snapshot_files import read_manifest
 
 _timings: dict[str, list[float]] = {}
+
+
+def new_operation_id(kind: str) -> str:
+    return _new_id(kind, time.time(), uuid.uuid4().hex, 1)
 
 
 def _record(key: str, seconds: float) -> None:
     _timings.setdefault(key, []).append(seconds * 1e3)
 
 
-def _timed_sync(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            _record(name, time.perf_counter() - t)
-    return wrapper
-
-
-def _instrument() -> Any:
-    """Wrap the coordinator's phases with timers; returns the coordinator module."""
-    from actors import coordinator as C
-
-    fan = C.CheckpointCoordinator._fan
-
-    async def timed_fan(self: Any, instances: Any, what: str, *a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return await fan(self, instances, what, *a, **k)
-        finally:
-            _record(f"  fan-out {what}", time.perf_counter() - t)
-
-    C.CheckpointCoordinator._fan = timed_fan  # type: ignore[method-assign]
-    ensure = C.CheckpointCoordinator.ensure_holders
-
-    async def timed_ensure(self: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return await ensure(self)
-        finally:
-            _record("  ensure_holders (discovery)", time.perf_counter() - t)
-
-    C.CheckpointCoordinator.ensure_holders = timed_ensure  # type: ignore[method-assign]
-    for name in ("prepare_environment_dir", "write_manifest", "remove_unreferenced_files",
-                 "read_manifest", "encode_manifest", "_encode_rollouts"):
-        if hasattr(C, name):
-            setattr(C, name, _timed_sync(f"  {name}", getattr(C, name)))
-    C.CheckpointCoordinator._alive_node_ids = _timed_sync(  # type: ignore[method-assign]
-        "  ray.nodes() (alive nodes)", C.CheckpointCoordinator._alive_node_ids)
-    return C
+def _record_call(call: str, seconds: float, phase: str, lines: dict[str, dict[str, Any]]
+                 ) -> None:
+    """A coordinator call's time, its holder phase from the phase's log line, and the
+    coordinator's own work around the phase (the call's time minus the phase's)."""
+    _record(call, seconds)
+    line = lines.get(phase)
+    if line is None:  # the coordinator logged no such phase: nothing to split
+        return
+    holders = line["holders"].values()
+    _record(f"  phase {phase} (log line)", line["seconds"])
+    _record(f"    {phase}: slowest holder", max(holders))
+    _record(f"    {phase}: fastest holder", min(holders))
+    _record(f"  around {phase}: the coordinator's own work", seconds - line["seconds"])
 
 
 async def _cluster_part(args: argparse.Namespace) -> None:
-    import ray.cloudpickle as cp
 
-    from actors.ray_transport import RayTransport
-    from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
-    from nemo_ckpt.interfaces import EnvironmentEpisode
-    from nemo_ckpt.operations import new_operation_id as _new_id
 
-    def new_operation_id(kind: str) -> str:
-        return _new_id(kind, time.time(), uuid.uuid4().hex, 1)
-
-    C = _instrument()
     tag = uuid.uuid4().hex[:6]
     cfg = CheckpointConfig(allow_unchecked_snapshots=True,
                            namespace=f"breakdown-{tag}", lease_s=120.0, phase_timeout_s=120.0)
@@ -115,46 +94,55 @@ async def _cluster_part(args: argparse.Namespace) -> None:
         infos = await ckpt.ensure_holders()
         await ckpt_r.ensure_holders()
         instances = [i.instance_id for i in infos]
-        t = await sb.populate(cfg.namespace, instances, args.sessions, args.state_bytes, 0)
+        t = await populate(cfg.namespace, instances, args.sessions, args.state_bytes, 0)
         print(f"{len(instances)} holders, {args.sessions} sessions x {args.state_bytes} B "
               f"(populated in {t:.1f} s)")
-        coord = C.CheckpointCoordinator(cfg, RayTransport(cfg))
-        coord_r = C.CheckpointCoordinator(cfg_r, RayTransport(cfg_r))
-        for r in range(args.repeats + 1):  # the first is a warm-up
-            if r == 1:
-                _timings.clear()
-            sid = new_operation_id("snap")
-            path = str(work / f"s{r % 2}")
-            t0 = time.perf_counter()
-            begun = await coord.begin_snapshot(sid, path)
-            t1 = time.perf_counter()
-            await coord.start_writes(sid)  # as the driver does at the yield
-            committed = await coord.commit_snapshot(sid, path, {"x": 0.0}, 0)
-            t2 = time.perf_counter()
-            _record("begin_snapshot (pause, capture; writes started)", t1 - t0)
-            _record("commit_snapshot (finish persist, manifest, resume)", t2 - t1)
-            _record("  holders' persist_seconds (max)", _persist_seconds(committed))
-            for what, value in (("SnapshotBegun", begun), ("SnapshotCommitted", committed)):
-                ta = time.perf_counter()
-                blob = cp.dumps(value)
-                tb = time.perf_counter()
-                cp.loads(blob)
-                tc = time.perf_counter()
-                _record(f"ray pickle {what} ({len(blob) / 1e6:.2f} MB)", tb - ta)
-                _record(f"ray unpickle {what} in the driver", tc - tb)
-            rid = new_operation_id("restore")
-            t0 = time.perf_counter()
-            prepared = await coord_r.prepare_restore(rid, path)
-            t1 = time.perf_counter()
-            await coord_r.commit_restore(rid)
-            t2 = time.perf_counter()
-            _record("prepare_restore (manifest, verify and load shards)", t1 - t0)
-            _record("commit_restore (sessions live)", t2 - t1)
-            await coord_r.forget([EnvironmentEpisode(rid_, att).next_attempt()
-                                  for _i, rid_, att in prepared.continued_attempts])
+        coord = CheckpointCoordinator(cfg, RayTransport(cfg))
+        coord_r = CheckpointCoordinator(cfg_r, RayTransport(cfg_r))
+        with PhaseLog() as phases:
+            for r in range(args.repeats + 1):  # the first is a warm-up
+                if r == 1:
+                    _timings.clear()
+                sid = new_operation_id("snap")
+                path = str(work / f"s{r % 2}")
+                t0 = time.perf_counter()
+                begun = await coord.begin_snapshot(sid, path)
+                t1 = time.perf_counter()
+                await coord.start_writes(sid)  # as the driver does at the yield
+                committed = await coord.commit_snapshot(sid, path, {"x": 0.0}, 0)
+                t2 = time.perf_counter()
+                lines = phases.of(sid)
+                _record_call("begin_snapshot (pause, capture; writes started)", t1 - t0,
+                             "pause_capture", lines)
+                _record_call("commit_snapshot (finish persist, manifest, resume)", t2 - t1,
+                             "finish_persist", lines)
+                _record("  holders' persist_seconds (max)", _persist_seconds(committed))
+                for what, value in (("SnapshotBegun", begun),
+                                    ("SnapshotCommitted", committed)):
+                    ta = time.perf_counter()
+                    blob = cp.dumps(value)
+                    tb = time.perf_counter()
+                    cp.loads(blob)
+                    tc = time.perf_counter()
+                    _record(f"ray pickle {what} ({len(blob) / 1e6:.2f} MB)", tb - ta)
+                    _record(f"ray unpickle {what} in the driver", tc - tb)
+                rid = new_operation_id("restore")
+                t0 = time.perf_counter()
+                prepared = await coord_r.prepare_restore(rid, path)
+                t1 = time.perf_counter()
+                await coord_r.commit_restore(rid)
+                t2 = time.perf_counter()
+                lines = phases.of(rid)
+                _record_call("prepare_restore (manifest, verify and load shards)", t1 - t0,
+                             "prepare_restore", lines)
+                _record_call("commit_restore (sessions live)", t2 - t1, "commit_restore",
+                             lines)
+                await coord_r.forget([EnvironmentEpisode(rid_, att).next_attempt()
+                                      for _i, rid_, att in prepared.continued_attempts])
+        logged = sorted({line["phase"] for line in phases.lines})
         await _entry_split(cfg.namespace, instances, args.repeats, work)
         await _restore_split(cfg, work / f"s{args.repeats % 2}", args.repeats)
-        print(f"median of {args.repeats} (ms), min-max:")
+        print(f"median of {args.repeats} (ms), min-max; phases logged: {', '.join(logged)}")
         for key, vals in _timings.items():
             print(f"  {key:<62} {statistics.median(vals):9.1f}   "
                   f"({min(vals):.1f}-{max(vals):.1f})")
@@ -171,10 +159,7 @@ async def _entry_split(namespace: str, instances: list[str], repeats: int,
     """The holders' side of the pause, called directly (no coordinator): one ``begin``
     round (pause and capture in one call each) against a pause round then a capture
     round; the writes start afterwards in both. Alternating, same holders, sessions."""
-    import ray
 
-    from nemo_ckpt.checkpoint_folder import prepare_environment_dir
-    from nemo_ckpt.config import HOLDER_NAME_PREFIX
 
     handles = [ray.get_actor(HOLDER_NAME_PREFIX + i, namespace=namespace) for i in instances]
     for r in range(2 * repeats):
@@ -204,16 +189,7 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
     directly (no coordinator), with the shards evicted from the page cache or warm, into
     fresh holders or ones that restored before; and the same shards read by one process
     each at once, bare or through ``read_shard``, without Ray."""
-    import ray
 
-    from nemo_ckpt import RayEnvironmentCheckpoint
-    from nemo_ckpt.config import HOLDER_NAME_PREFIX
-    from nemo_ckpt.operations import new_operation_id as _new_id
-
-    def new_operation_id(kind: str) -> str:
-        return _new_id(kind, time.time(), uuid.uuid4().hex, 1)
-    from nemo_ckpt.checkpoint_folder import environment_dir
-    from nemo_ckpt.snapshot_files import read_manifest
 
     manifest = read_manifest(path)
     directory = environment_dir(path)
@@ -227,7 +203,7 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
                        for i in await ckpt.ensure_holders()}
             for k, warm in enumerate((False, False, True)):
                 if not warm:
-                    sb.evict_from_page_cache(shards)
+                    evict_from_page_cache(shards)
                 rid = new_operation_id("restore")
                 t0 = time.perf_counter()
                 await asyncio.gather(*(h.prepare_restore.remote(
@@ -242,7 +218,7 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
         with concurrent.futures.ProcessPoolExecutor(len(shards)) as pool:
             list(pool.map(_read_in_process, [("nothing", "", None)] * len(shards)))
             for how in ("bare read", "read_shard"):
-                sb.evict_from_page_cache(shards)
+                evict_from_page_cache(shards)
                 t0 = time.perf_counter()
                 list(pool.map(_read_in_process, [(how, str(directory), e)
                                                  for e in manifest.shards]))
@@ -252,7 +228,6 @@ async def _restore_split(cfg: Any, path: Path, repeats: int) -> None:
 
 def _read_in_process(job: tuple[str, str, Any]) -> None:
     how, directory, entry = job
-    from nemo_ckpt.shards import read_shard
 
     if how == "nothing":  # starts the pool's processes before the clock
         return
@@ -276,11 +251,6 @@ def _persist_seconds(committed: Any) -> float:
 
 def _shard_part(args: argparse.Namespace) -> None:
     """One holder's shard, written and read piece by piece, no Ray."""
-    from nemo_ckpt.hashed_files import CONTENT_HASH, content_hasher
-    from nemo_ckpt.interfaces import EnvironmentEpisode
-    from nemo_ckpt.session_record import SessionRecord
-    from nemo_ckpt.shards import read_shard, write_shard
-
     n, size = args.sessions, args.state_bytes
     blob = os.urandom(size + 4096)
     records = [SessionRecord("holder-0", EnvironmentEpisode(f"rollout-{k:06d}", 0), (),
@@ -297,9 +267,9 @@ def _shard_part(args: argparse.Namespace) -> None:
             entry = write_shard(work, f"shard-{r}.msgpack", "holder-0", records)
             rec("write_shard (total)", time.perf_counter() - t)
             t = time.perf_counter()
-            packer = msgpack.Packer(use_bin_type=True)
-            data = b"".join(packer.pack(x.to_wire()) for x in records)
-            rec("  msgpack pack of every record (+ join)", time.perf_counter() - t)
+            data = _encode(records)
+            rec("  encode every record: index rows, turns, bodies (+ join)",
+                time.perf_counter() - t)
             t = time.perf_counter()
             content_hasher().update(data)
             rec(f"  {CONTENT_HASH} of the shard (the content hash)", time.perf_counter() - t)
@@ -322,8 +292,8 @@ def _shard_part(args: argparse.Namespace) -> None:
             content_hasher().update(raw)
             rec(f"  {CONTENT_HASH} of what was read", time.perf_counter() - t)
             t = time.perf_counter()
-            _decode(raw)
-            rec("  msgpack decode + SessionRecord.from_wire of what was read",
+            _decode(raw, "holder-0")
+            rec("  decode header, index and bodies + a SessionRecord each",
                 time.perf_counter() - t)
             del raw
             for p in work.iterdir():
@@ -339,13 +309,32 @@ def _shard_part(args: argparse.Namespace) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _decode(data: bytes) -> list[Any]:
-    """Decode a shard's bytes: its msgpack objects, then a SessionRecord per session."""
-    from nemo_ckpt.session_record import SessionRecord
+def _encode(records: list[Any]) -> bytes:
+    """A shard's index and bodies as ``write_shard`` encodes them (no header, no hash)."""
+    rows: list[bytes] = []
+    bodies: list[bytes] = []
+    for record in records:
+        row, turns_blob, state = record_parts(record)
+        rows.append(row)
+        bodies += (body_head(turns_blob, len(state)), state)
+    return (msgpack.Packer().pack_array_header(len(rows)) + b"".join(rows)
+            + b"".join(bodies))
 
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1 << 20))
-    unpacker.feed(data)
-    return [SessionRecord.from_wire(o) for o in list(unpacker)[1:]]
+
+def _decode(data: bytes, instance_id: str) -> list[Any]:
+    """Decode a shard's bytes as ``read_shard`` does once their hash matched: the header,
+    the index, each session's ``[turns, state]``, then a SessionRecord per session."""
+    unpacker = view_unpacker(memoryview(data))
+    unpacker.unpack()  # the header
+    rows = unpacker.unpack()
+    records = []
+    for row in rows:
+        unpacker.read_array_header()
+        start = unpacker.tell()
+        unpacker.skip()
+        turns_blob = data[start:unpacker.tell()]
+        records.append(record_of(instance_id, row, turns_blob, unpacker.unpack()))
+    return records
 
 
 def main() -> int:
@@ -361,9 +350,8 @@ def main() -> int:
     if args.shard_only:
         _shard_part(args)
         return 0
-    import ray
 
-    cluster = sb.LocalCluster(2048 * sb.MiB)
+    cluster = LocalCluster(2048 * MiB)
     try:
         cluster.grow_to(args.holders)
         asyncio.run(_cluster_part(args))

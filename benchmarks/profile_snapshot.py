@@ -6,7 +6,7 @@ py-spy is not a dependency of the project; install it for an investigation only:
 ``.venv/bin/pip install py-spy``. It needs ptrace rights over the Ray processes (root, or
 ``kernel.yama.ptrace_scope=0``).
 
-    python benchmarks/profile_snapshot.py --holders 4 --sessions 10000 --state-bytes 1024
+    python -m benchmarks.profile_snapshot --holders 4 --sessions 10000 --state-bytes 1024
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import snapshot_bench as sb  # noqa: E402  (the benchmark's cluster and populate helpers)
+from benchmarks.common import LocalCluster, MiB, actor_pid, holder_pid, populate
 
 # Frames where a thread waits rather than works.
 _IDLE = ("thread.py:81)", "Condition.wait", "worker.py:1069)", "EpollSelector.select",
@@ -61,9 +59,6 @@ def summarize(path: Path, top: int) -> str:
 
 
 async def run(args: argparse.Namespace, out: Path) -> dict[str, Path]:
-    import ray
-    from ray._private import state as ray_state
-
     from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
 
     ns = f"profile-{uuid.uuid4().hex[:6]}"
@@ -76,12 +71,11 @@ async def run(args: argparse.Namespace, out: Path) -> dict[str, Path]:
     try:
         infos = await ckpt.ensure_holders()
         instances = [i.instance_id for i in infos]
-        await sb.populate(ns, instances, args.sessions, args.state_bytes, 0)
+        await populate(ns, instances, args.sessions, args.state_bytes, 0)
         async with ckpt.snapshot(work / "warmup"):
             pass
-        coordinator = ray.get_actor(cfg.coordinator_name, namespace=ns)
-        pids = {"coordinator": int(ray_state.actors(coordinator._actor_id.hex())["Pid"]),
-                "holder-0": sb.holder_pid(ns, instances[0]), "driver": os.getpid()}
+        pids = {"coordinator": actor_pid(ns, cfg.coordinator_name),
+                "holder-0": holder_pid(ns, instances[0]), "driver": os.getpid()}
         for name, pid in pids.items():
             files[name] = out / f"{name}.txt"
             spies.append(subprocess.Popen(
@@ -127,7 +121,7 @@ def main() -> int:
         return 1
     out = args.out or Path(tempfile.mkdtemp(prefix="nemo-ckpt-pyspy-"))
     out.mkdir(parents=True, exist_ok=True)
-    cluster = sb.LocalCluster(2048 * sb.MiB)
+    cluster = LocalCluster(2048 * MiB)
     try:
         cluster.grow_to(args.holders)
         files = asyncio.run(run(args, out))

@@ -15,8 +15,8 @@ sessions of one job (A); job B holds the same sessions without directories. Then
 5. A's snapshot restored into a fresh job with an empty node: the directories'
    materialization against writing the same files straight from memory.
 
-    .venv/bin/python benchmarks/sandboxes.py            # 1,000 x 1,000 files of 10 kB
-    .venv/bin/python benchmarks/sandboxes.py --quick    # 100 sandboxes
+    .venv/bin/python -m benchmarks.sandboxes            # 1,000 x 1,000 files of 10 kB
+    .venv/bin/python -m benchmarks.sandboxes --quick    # 100 sandboxes
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pathlib import Path
 import ray
 
 from actors.sandboxes import Sandboxes
+from benchmarks.common import verdict
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -144,7 +145,7 @@ async def run(args: argparse.Namespace, work: Path) -> list[tuple[str, bool, str
     eps = [EnvironmentEpisode(f"r{i:05d}", 0) for i in range(n)]
     t = time.perf_counter()
     for k in range(0, n, 100):
-        await client_a.open_many([(ep, b"s" * 1024, str(d))  # type: ignore[list-item]
+        await client_a.open_many([(ep, b"s" * 1024, str(d))  # type: ignore[misc]
                                   for ep, d in zip(eps[k:k + 100], dirs[k:k + 100],
                                                    strict=True)])
     print(f"opened {n} sessions with directories in {time.perf_counter() - t:.1f} s "
@@ -265,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sandboxes = 100
     work = Path(tempfile.mkdtemp(prefix="nemo-ckpt-sandboxes-"))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # A new instance of its own, even where another cluster on this machine would be
+    # joined by default.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     try:
         results = asyncio.run(run(args, work))
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print()
     for target, holds, detail in results:
-        print(f"  {'HOLDS' if holds else 'MISSED':6} {target}")
+        print(f"  {verdict(holds)} {target}")
         print(f"         {detail}")
     return 0
 

@@ -1,5 +1,6 @@
-"""The scale series of the snapshot benchmark (``snapshot_bench.py --scale``; a quick form
-runs with ``--quick``): how a snapshot's cost grows with the number of sessions.
+"""The scale series of the snapshot benchmark (``python -m benchmarks.snapshot_bench
+--scale``; a quick form runs with ``--quick``): how a snapshot's cost grows with the
+number of sessions.
 
 For 4 holders (one per simulated node) at each session count, and for 64 logical
 instances placed on the same 4 nodes (standing in for 64 nodes), with 1 KiB sessions:
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import shutil
-import statistics
 import threading
 import time
 import uuid
@@ -40,6 +40,17 @@ import msgpack
 import ray
 
 from actors.coordinator import SnapshotBegun
+from benchmarks.common import (
+    GateProbe,
+    actor_pid,
+    bench_config,
+    disk_write,
+    format_table,
+    holder_pid,
+    median,
+    private_bytes,
+    target,
+)
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.checkpoint_folder import environment_dir, prepare_environment_dir
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -94,26 +105,6 @@ class PeakPrivate:
         self._sample_once()
 
 
-def private_bytes(pid: int) -> int:
-    """A process's private resident memory (RssAnon), in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def _coordinator_pid(namespace: str, name: str) -> int:
-    from ray._private import state as ray_state
-
-    handle = ray.get_actor(name, namespace=namespace)
-    return int(ray_state.actors(handle._actor_id.hex()).get("Pid") or 0)
-
-
 async def _make_instances(ckpt: RayEnvironmentCheckpoint, instances: int,
                           workdir: Path) -> list[str]:
     """``instances`` empty holders over the cluster's nodes: one per node, or, for more,
@@ -154,12 +145,8 @@ async def populate_bulk(clients: Sequence[SessionClient], sessions: int, state_b
 
 async def measure_scale_point(instances: int, sessions: int, repeats: int, workdir: Path,
                               pool: bytes) -> dict[str, Any]:
-    from snapshot_bench import GateProbe, disk_write, holder_pid
-
     ns = f"scale-{uuid.uuid4().hex[:8]}"
-    config = CheckpointConfig(allow_unchecked_snapshots=True,
-                              namespace=ns, drain_timeout_s=5.0, lease_s=600.0,
-                              phase_timeout_s=600.0, persist_timeout_s=1200.0)
+    config = bench_config(ns, 600.0)
     ckpt = RayEnvironmentCheckpoint(config)
     restore_ns = f"{ns}-r"
     restore_config = CheckpointConfig(**{**config.model_dump(), "namespace": restore_ns})
@@ -168,7 +155,7 @@ async def measure_scale_point(instances: int, sessions: int, repeats: int, workd
     try:
         names = await _make_instances(ckpt, instances, point_dir)
         pids = {i: holder_pid(ns, i) for i in names}
-        coordinator = _coordinator_pid(ns, config.coordinator_name)
+        coordinator = actor_pid(ns, config.coordinator_name)
         base = {i: private_bytes(p) for i, p in pids.items()}
         coord_base = private_bytes(coordinator)
         clients = [await SessionClient.connect(instance_id=i, namespace=ns) for i in names]
@@ -235,10 +222,10 @@ async def measure_scale_point(instances: int, sessions: int, repeats: int, workd
             "instances": instances, "sessions": sessions, "state_bytes": STATE_BYTES,
             "populate_s": round(populate_s, 1),
             "manifest_bytes": manifest_bytes,
-            "restore_ms": round(_median(restores), 1),
+            "restore_ms": round(median(restores), 1),
         }
         for key in reps[0]:
-            out[key] = round(_median([rep[key] for rep in reps]), 3)
+            out[key] = round(median([rep[key] for rep in reps]), 3)
         out["restore_sessions_per_s"] = round(sessions / (out["restore_ms"] / 1e3))
         for key in ("entry_ms", "paused_ms", "exit_ms", "restore_ms", "check_ms"):
             out[key.replace("_ms", "_us_per_session")] = round(out[key] * 1e3 / sessions, 3)
@@ -361,7 +348,7 @@ async def turn_overhead(state_bytes: int, turns: int = 200) -> dict[str, Any]:
             async with client.turn(ep) as turn:
                 turn.complete(b"r", state, [])
             turn_s.append(time.perf_counter() - t)
-        b, u = _median(bare) * 1e3, _median(turn_s) * 1e3
+        b, u = median(bare) * 1e3, median(turn_s) * 1e3
         return {"state_bytes": state_bytes, "bare_call_ms": round(b, 3),
                 "turn_ms": round(u, 3), "ratio": round(u / b, 2)}
     finally:
@@ -397,9 +384,8 @@ async def run_scale(quick: bool, workdir: Path, pool: bytes, repeats: int) -> di
 def scale_targets(scale: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
-    def add(target: str, where: str, value: float, holds: bool, limit: str) -> None:
-        out.append({"target": target, "point": where, "value": value, "holds": holds,
-                    "limit": limit})
+    def add(name: str, where: str, value: float, holds: bool, limit: str) -> None:
+        out.append(target(name, where, value, holds, limit))
 
     points = [p for p in scale["points"] if p["instances"] == NODES]
     largest = max(points, key=lambda p: p["sessions"])
@@ -450,9 +436,7 @@ def format_scale(scale: dict[str, Any]) -> str:
             p["manifest_bytes"], f"{p['holder_peak_ratio']:.2f}",
             f"{p['coordinator_peak_bytes_per_session']:.0f}",
             "/".join(str(p.get(f"{k}_growth", "-")) for k in ("paused", "exit", "restore"))))
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
-    for row in (head, *rows):
-        lines.append("  " + "  ".join(str(x).rjust(w) for x, w in zip(row, widths, strict=True)))
+    lines += format_table(head, rows, indent="  ")
     lines.append("")
     lines.append("cut check (16 staging keys per rollout, 4 instances), against the floor:")
     for c in scale["cut_check"]:

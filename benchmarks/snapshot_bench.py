@@ -27,8 +27,8 @@ repeated and reported as min / median / max:
 A second table gives the turns a crash at a random point costs, with snapshots every K
 turn-times and without turn-level recovery (seeded Monte Carlo plus the closed form).
 
-    python benchmarks/snapshot_bench.py --json bench-results.json           # full grid
-    python benchmarks/snapshot_bench.py --quick --json bench-results.json   # two points
+    python -m benchmarks.snapshot_bench --json bench-results.json           # full grid
+    python -m benchmarks.snapshot_bench --quick --json bench-results.json   # two points
 
 See benchmarks/README.md for the definitions, the results and their analysis.
 """
@@ -38,12 +38,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as _dt
 import json
 import logging
 import math
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -59,85 +57,44 @@ from typing import Any, Optional
 import msgpack
 import ray
 
-from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
+from benchmarks.common import (
+    LocalCluster,
+    MiB,
+    bench_config,
+    disk_read,
+    disk_write,
+    evict_from_page_cache,
+    format_table,
+    format_targets,
+    holder_pid,
+    median,
+    populate,
+    probed_snapshot,
+    proc_status,
+    psutil_module,
+    ratios,
+    restore_once,
+    run_record,
+    summary,
+    target,
+    write_json,
+)
+from benchmarks.object_store import format_object_store, object_store_targets, run_object_store
+from benchmarks.scale import format_scale, run_scale, scale_targets
+from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.hashed_files import write_hashed as _write_durably
-from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.shards import SHARD_MAGIC, SHARD_VERSION
 
-log = logging.getLogger("snapshot_bench")
+log = logging.getLogger("benchmarks.snapshot_bench")
 
-MiB = 1 << 20
 QUICK_POINTS = ((4, 10_000, 1024), (4, 1_000, 64 * 1024))
 FULL_HOLDERS = (1, 2, 4)
 FULL_SESSIONS = (1_000, 10_000)
 FULL_STATE_BYTES = (1024, 64 * 1024)
-# Opens in flight per holder while populating (asyncio.gather over Ray calls). More in
-# flight is barely faster on 2 cores, but leaves the holders' heaps larger: each call's
-# buffers are freed into the allocator, not to the OS (10k x 1 KiB into one holder: RSS
-# grows 3.0x the state with 50 in flight, 9.1x with 2000).
-POPULATE_IN_FLIGHT_PER_HOLDER = 64
-_DISK_CHUNK = 4 * MiB  # the same chunk size the shard writer uses
 
 
-# --- statistics -------------------------------------------------------------------------
-
-
-def _summary(prefix: str, values: Sequence[float], digits: int = 2) -> dict[str, float]:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    if not vals:
-        return {}
-    return {f"{prefix}_min": round(min(vals), digits),
-            f"{prefix}_median": round(statistics.median(vals), digits),
-            f"{prefix}_max": round(max(vals), digits)}
-
-
-def _ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
-    """Element-wise a / b: ratios paired by repetition."""
-    return [x / y for x, y in zip(a, b, strict=True)]
-
-
-def _median(values: Iterable[float]) -> float:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    return statistics.median(vals) if vals else float("nan")
-
-
-# --- holder processes: pid, RSS and peak RSS ----------------------------------------------
-
-
-def _psutil() -> Any:
-    """psutil is not a dependency of the project: Ray vendors it (ray/thirdparty_files)
-    and puts it on sys.path once ray is imported, so it is imported here, after ray."""
-    import psutil
-
-    return psutil
-
-
-def holder_pid(namespace: str, instance_id: str) -> int:
-    """The OS pid of a holder actor, from the GCS actor table.
-
-    ``ray.util.state`` would need the dashboard, which the benchmark cluster does not
-    start; the GCS table behind ``ray._private.state`` has the pid without it.
-    """
-    from ray._private import state as ray_state
-
-    handle = ray.get_actor(HOLDER_NAME_PREFIX + instance_id, namespace=namespace)
-    entry = ray_state.actors(handle._actor_id.hex())
-    pid = int(entry.get("Pid") or 0)
-    if pid <= 0:
-        raise RuntimeError(f"no pid for holder {instance_id} in the GCS actor table: {entry}")
-    return pid
-
-
-def _proc_status(pid: int) -> dict[str, int]:
-    """The kB fields of /proc/<pid>/status we use, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
+# --- holder processes' peak memory ----------------------------------------------------------
 
 
 class PeakRss:
@@ -162,7 +119,7 @@ class PeakRss:
                     f.write("5")
         except OSError:
             self.method = "psutil sampling (1 ms)"
-            psutil = _psutil()
+            psutil = psutil_module()
             procs = {p: psutil.Process(p) for p in self.pids}
 
             def sample() -> None:
@@ -182,117 +139,10 @@ class PeakRss:
             self._thread.join()
         else:
             for pid in self.pids:
-                self._peaks[pid] = _proc_status(pid)["VmHWM"]
+                self._peaks[pid] = proc_status(pid)["VmHWM"]
 
     def peak(self, pid: int) -> int:
         return self._peaks[pid]
-
-
-# --- disk baselines ------------------------------------------------------------------------
-
-
-def disk_write(path: Path, size: int, pool: bytes) -> float:
-    """Write ``size`` bytes sequentially in 4 MiB chunks, fsync, close: seconds taken.
-
-    The disk's own sequential, fsynced write throughput for a file of the same total size
-    as a snapshot, in the same folder. The data (random, cycled from ``pool``) exists
-    before the clock starts.
-    """
-    view = memoryview(pool)
-    start = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        off = 0
-        left = size
-        while left > 0:
-            n = min(left, _DISK_CHUNK, len(pool) - off)
-            f.write(view[off:off + n])
-            left -= n
-            off = (off + n) % len(pool)
-        os.fsync(f.fileno())
-    return time.perf_counter() - start
-
-
-def disk_read(path: Path) -> tuple[float, int]:
-    """Read a whole file the way ``read_shard`` does (open, fstat, one read): seconds."""
-    start = time.perf_counter()
-    with open(path, "rb") as f:
-        os.fstat(f.fileno())
-        data = f.read()
-    return time.perf_counter() - start, len(data)
-
-
-def evict_from_page_cache(paths: Iterable[Path]) -> None:
-    """Ask the kernel to drop these files' clean pages (POSIX_FADV_DONTNEED).
-
-    Unprivileged and per file, unlike drop_caches; on a VM the host may still cache the
-    blocks, so the next read is colder, not necessarily from the device.
-    """
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-# --- measuring the pause from the holders' side -------------------------------------------
-
-
-class GateProbe:
-    """When each holder's turn gate opens again, seen by an environment worker.
-
-    Inside the snapshot block (holders paused), one probe per holder calls
-    ``SessionClient.open`` for a fresh episode: the holder makes it wait at the closed
-    turn gate, so the call returns when that holder resumes. The paused time is then
-    from calling ``snapshot()`` to the last holder's gate opening (plus one call's
-    return), whatever order the runtime resumes and commits in. The probe sessions
-    are opened after the capture, so no snapshot holds them; they are closed afterwards.
-    """
-
-    def __init__(self, clients: Sequence[SessionClient]) -> None:
-        self._clients = list(clients)
-        self._tasks: list[asyncio.Future[Any]] = []
-        self._opened: list[float] = []
-        self._episodes: list[EnvironmentEpisode] = []
-
-    def start(self) -> None:
-        for c in self._clients:
-            ep = EnvironmentEpisode(f"probe-{uuid.uuid4().hex[:12]}", 0)
-            self._episodes.append(ep)
-            task = asyncio.ensure_future(c.open(ep, b""))
-            task.add_done_callback(lambda _t: self._opened.append(time.perf_counter()))
-            self._tasks.append(task)
-
-    async def gates_open_at(self) -> float:
-        """perf_counter time when the last holder's gate was seen open."""
-        await asyncio.gather(*self._tasks)
-        return max(self._opened)
-
-    async def close(self) -> None:
-        await asyncio.gather(*(c.close(ep)
-                               for c, ep in zip(self._clients, self._episodes, strict=True)))
-
-
-async def probed_snapshot(ckpt: RayEnvironmentCheckpoint, clients: Sequence[SessionClient],
-                          path: Any, block_s: float = 0.0) -> tuple[Any, dict[str, float]]:
-    """One snapshot into ``path`` whose caller's block sleeps ``block_s`` (0: it saves
-    nothing), with a ``GateProbe``. Returns the snapshot and, in ms: ``entry`` (call ->
-    yield), ``exit`` (end of the block -> return), ``entry_exit`` (call -> return) and
-    ``paused`` (call -> the last holder's gate seen open)."""
-    probe = GateProbe(clients)
-    t0 = time.perf_counter()
-    async with ckpt.snapshot(path) as snap:
-        t1 = t_block = time.perf_counter()
-        probe.start()
-        if block_s:
-            await asyncio.sleep(block_s)
-            t_block = time.perf_counter()
-    t2 = time.perf_counter()
-    t_open = await probe.gates_open_at()
-    await probe.close()
-    return snap, {"entry_ms": (t1 - t0) * 1e3, "exit_ms": (t2 - t_block) * 1e3,
-                  "entry_exit_ms": (t2 - t0) * 1e3, "paused_ms": (t_open - t0) * 1e3}
 
 
 # --- the single-writer baseline -------------------------------------------------------------
@@ -338,34 +188,6 @@ async def single_writer_snapshot(namespace: str, instances: Sequence[str], direc
             "write_ms": (t_written - t_gathered) * 1e3, "bytes": float(written)}
 
 
-# --- populating holders -------------------------------------------------------------------
-
-
-async def populate(namespace: str, instances: Sequence[str], sessions: int,
-                   state_bytes: int, seed: int) -> float:
-    """Open ``sessions`` sessions round-robin over the holders; returns seconds taken.
-
-    Each open is one ``SessionClient.open`` call (one Ray actor call); the driver keeps
-    POPULATE_IN_FLIGHT_PER_HOLDER of them in flight per holder with asyncio.gather.
-    (Opening from a task pinned on each node was no faster on 2 cores: about 1.5-2k
-    opens/s either way, bound by the per-call work of Ray and the holders.)
-    """
-    rng = random.Random(seed)
-    blob = rng.randbytes(state_bytes + 4096)
-    clients = [await SessionClient.connect(instance_id=i, namespace=namespace)
-               for i in instances]
-    batch = POPULATE_IN_FLIGHT_PER_HOLDER * len(clients)
-    start = time.perf_counter()
-    for lo in range(0, sessions, batch):
-        calls = []
-        for k in range(lo, min(sessions, lo + batch)):
-            off = (k * 7919) % 4096
-            calls.append(clients[k % len(clients)].open(
-                EnvironmentEpisode(f"rollout-{k:06d}", 0), blob[off:off + state_bytes]))
-        await asyncio.gather(*calls)
-    return time.perf_counter() - start
-
-
 # --- one grid point ---------------------------------------------------------------------------
 
 
@@ -375,9 +197,7 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
     """Every measurement of one grid point, on a cluster that has ``holders`` nodes."""
     tag = uuid.uuid4().hex[:8]
     ns = f"bench-{tag}"
-    config = CheckpointConfig(allow_unchecked_snapshots=True,
-                              namespace=ns, drain_timeout_s=5.0, lease_s=120.0,
-                              phase_timeout_s=120.0, persist_timeout_s=1200.0)
+    config = bench_config(ns, 120.0)
     ckpt = RayEnvironmentCheckpoint(config)
     point_dir = workdir / f"h{holders}-s{sessions}-b{state_bytes}-{tag}"
     point_dir.mkdir(parents=True)
@@ -396,7 +216,7 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
             pass
         shutil.rmtree(warm, ignore_errors=True)
 
-        rss_before_population = {i: _psutil().Process(p).memory_info().rss
+        rss_before_population = {i: psutil_module().Process(p).memory_info().rss
                                  for i, p in pids.items()}
         populate_s = await populate(ns, instances, sessions, state_bytes, seed)
         held = {i.instance_id: i.sessions for i in await ckpt.holders()}
@@ -404,7 +224,7 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
             raise RuntimeError(f"populated {sum(held.values())} sessions, expected {sessions}")
         # The sessions' size: the state bytes each holder holds (no turns are opened).
         size_of = {i: held[i] * state_bytes for i in instances}
-        rss_after_population = {i: _psutil().Process(p).memory_info().rss
+        rss_after_population = {i: psutil_module().Process(p).memory_info().rss
                                 for i, p in pids.items()}
         log.info("  populated %d sessions x %d B over %d holders in %.1f s (%.0f opens/s)",
                  sessions, state_bytes, holders, populate_s, sessions / populate_s)
@@ -426,8 +246,8 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
 
         async def plain(rep: dict[str, Any], path: Path) -> None:
             """A snapshot whose caller saves nothing, with the holders' peak memory."""
-            rss_before_snapshot = {i: _proc_status(p)["VmRSS"] for i, p in pids.items()}
-            shmem = max(_proc_status(p).get("RssShmem", 0) for p in pids.values())
+            rss_before_snapshot = {i: proc_status(p)["VmRSS"] for i, p in pids.items()}
+            shmem = max(proc_status(p).get("RssShmem", 0) for p in pids.values())
             with PeakRss(list(pids.values())) as peak:
                 snap, times = await probed_snapshot(ckpt, clients, path)
             assert snap is not None and snap.captured_rollouts == sessions
@@ -511,11 +331,11 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
                 f.unlink()
             # Restore (page cache warm: the shards were just written) and the disk read
             # of a just-written file of the same size, read the way read_shard reads.
-            rep.update(await _restore_once(config, f"{ns}-r{r}", path, sessions, False))
+            rep.update(await restore_once(config, f"{ns}-r{r}", path, sessions, False))
             # The disk's read of a just-written file of the same size, twice; the faster.
             rep["disk_read_s"] = min(disk_read(disk_file)[0], disk_read(disk_file)[0])
             if cold_reads:
-                cold = await _restore_once(config, f"{ns}-c{r}", path, sessions, True)
+                cold = await restore_once(config, f"{ns}-c{r}", path, sessions, True)
                 rep["restore_cold_ms"] = cold["restore_ms"]
                 rep["restore_cold_prepare_ms"] = cold["restore_prepare_ms"]
                 evict_from_page_cache([disk_file])
@@ -532,35 +352,6 @@ async def measure_point(holders: int, sessions: int, state_bytes: int, repeats: 
         with contextlib.suppress(Exception):
             ckpt.shutdown()
         shutil.rmtree(point_dir, ignore_errors=True)
-
-
-async def _restore_once(config: CheckpointConfig, namespace: str, path: Path | str,
-                        sessions: int, evict: bool) -> dict[str, float]:
-    """Restore ``path`` as a restarted job would: into fresh holders (a new namespace,
-    one holder per node, created before the clock starts), then kill them.
-
-    With ``evict``, the shards are dropped from the page cache first (a folder only).
-    A URL is passed as text, which ``restored()`` takes beside the contract's ``Path``.
-    """
-    ckpt_r = RayEnvironmentCheckpoint(config.model_copy(update={"namespace": namespace}))
-    try:
-        await ckpt_r.ensure_holders()
-        if evict:
-            evict_from_page_cache(sorted((Path(path) / "environment").glob("shard-*.msgpack")))
-        t0 = time.perf_counter()
-        async with ckpt_r.restored(path) as restored:  # type: ignore[arg-type]
-            t1 = time.perf_counter()
-        t2 = time.perf_counter()
-        figures = ckpt_r.last_restore_metrics
-    finally:
-        with contextlib.suppress(Exception):
-            ckpt_r.shutdown()
-    if len(restored.continued_attempts) != sessions:
-        raise RuntimeError(f"restored {len(restored.continued_attempts)} sessions, expected "
-                           f"{sessions}")
-    assert figures is not None
-    return {"restore_ms": (t2 - t0) * 1e3, "restore_prepare_ms": (t1 - t0) * 1e3,
-            "restore_read_ms": figures["read_seconds"] * 1e3}
 
 
 def _point_record(holders: int, sessions: int, state_bytes: int, reps: list[dict[str, Any]],
@@ -581,36 +372,36 @@ def _point_record(holders: int, sessions: int, state_bytes: int, reps: list[dict
                 "coord_entry_ms", "drain_ms", "capture_ms", "restore_prepare_ms",
                 "overlap_paused_ms", "overlap_entry_exit_ms", "overlap_sleep_ms",
                 "overlap_persist_ms"):
-        point.update(_summary(key, col[key]))
-    point.update(_summary("baseline_single_writer_paused_ms", col["baseline_paused_ms"]))
+        point.update(summary(key, col[key]))
+    point.update(summary("baseline_single_writer_paused_ms", col["baseline_paused_ms"]))
     point.update({
-        "baseline_gather_ms_median": round(_median(col["baseline_gather_ms"]), 2),
-        "baseline_write_ms_median": round(_median(col["baseline_write_ms"]), 2),
-        "baseline_speedup": round(_median(col["baseline_paused_ms"])
-                                  / _median(col["paused_ms"]), 2),
-        "bytes_written": int(_median(col["bytes_written"])),
-        "write_mb_s_median": round(_median(write_mb_s), 1),
-        "disk_write_mb_s_median": round(_median(disk_w_mb_s), 1),
+        "baseline_gather_ms_median": round(median(col["baseline_gather_ms"]), 2),
+        "baseline_write_ms_median": round(median(col["baseline_write_ms"]), 2),
+        "baseline_speedup": round(median(col["baseline_paused_ms"])
+                                  / median(col["paused_ms"]), 2),
+        "bytes_written": int(median(col["bytes_written"])),
+        "write_mb_s_median": round(median(write_mb_s), 1),
+        "disk_write_mb_s_median": round(median(disk_w_mb_s), 1),
         # Paired per repetition (same run, same folder, same size), then the median.
-        "write_ratio_to_disk": round(_median(_ratios(write_mb_s, disk_w_mb_s)), 3),
-        "restore_mb_s_median": round(_median(restore_mb_s), 1),
-        "disk_read_mb_s_median": round(_median(disk_r_mb_s), 1),
-        "restore_ratio_to_disk": round(_median(_ratios(restore_mb_s, disk_r_mb_s)), 3),
-        "holder_peak_memory_ratio": round(_median(col["peak_ratio"]), 3),
+        "write_ratio_to_disk": round(median(ratios(write_mb_s, disk_w_mb_s)), 3),
+        "restore_mb_s_median": round(median(restore_mb_s), 1),
+        "disk_read_mb_s_median": round(median(disk_r_mb_s), 1),
+        "restore_ratio_to_disk": round(median(ratios(restore_mb_s, disk_r_mb_s)), 3),
+        "holder_peak_memory_ratio": round(median(col["peak_ratio"]), 3),
         "holder_peak_memory_ratio_max": round(max(col["peak_ratio"]), 3),
-        "holder_resident_ratio": round(_median(col["resident_ratio"]), 3),
-        "holder_snapshot_extra_ratio": round(_median(col["extra_ratio"]), 3),
+        "holder_resident_ratio": round(median(col["resident_ratio"]), 3),
+        "holder_snapshot_extra_ratio": round(median(col["extra_ratio"]), 3),
         "holder_rss_shmem_bytes_max": int(max(col["rss_shmem"])),
         "holder_peak_method": reps[0]["peak_method"],
         "holder_rss_before_population_mb": round(max(rss0.values()) / MiB, 1),
         "holder_rss_after_population_mb": round(max(rss1.values()) / MiB, 1),
         # The whole snapshot of a caller sleeping as long as the persist, over one saving
         # nothing: what the caller's save adds once the persist runs beside it.
-        "overlap_growth_ratio": round(_median(
-            g - 1.0 for g in _ratios(col["overlap_entry_exit_ms"], col["entry_exit_ms"])), 3),
+        "overlap_growth_ratio": round(median(
+            g - 1.0 for g in ratios(col["overlap_entry_exit_ms"], col["entry_exit_ms"])), 3),
         # How much of the caller's save the persist hid: 1 = all of it (perfect overlap),
         # 0 = none (persist after the caller's block, one after the other).
-        "overlap_hidden_fraction": round(_median(
+        "overlap_hidden_fraction": round(median(
             1.0 - (r["overlap_entry_exit_ms"] - r["entry_exit_ms"]) / r["overlap_sleep_ms"]
             for r in reps), 3),
         "populate_s": round(populate_s, 2),
@@ -628,57 +419,19 @@ def _point_record(holders: int, sessions: int, state_bytes: int, reps: list[dict
                   .replace("disk_read_", "disk_read_warm_", 1)] = point.pop(k)
         cold_mb_s = [r["bytes_written"] / (r["restore_cold_ms"] / 1e3) / mb for r in reps]
         disk_rc = [r["bytes_written"] / r["disk_read_cold_s"] / mb for r in reps]
-        point.update(_summary("restore_ms", col["restore_cold_ms"]))
-        point.update(_summary("restore_prepare_ms", col["restore_cold_prepare_ms"]))
+        point.update(summary("restore_ms", col["restore_cold_ms"]))
+        point.update(summary("restore_prepare_ms", col["restore_cold_prepare_ms"]))
         point.update({
             "restore_reference": "evicted",
-            "restore_mb_s_median": round(_median(cold_mb_s), 1),
-            "disk_read_mb_s_median": round(_median(disk_rc), 1),
-            "restore_ratio_to_disk": round(_median(_ratios(cold_mb_s, disk_rc)), 3),
+            "restore_mb_s_median": round(median(cold_mb_s), 1),
+            "disk_read_mb_s_median": round(median(disk_rc), 1),
+            "restore_ratio_to_disk": round(median(ratios(cold_mb_s, disk_rc)), 3),
         })
     else:
         point["restore_reference"] = "page cache (--no-cold-reads)"
     point["repetitions"] = [{k: (round(v, 3) if isinstance(v, float) else v)
                              for k, v in r.items()} for r in reps]
     return point
-
-
-# --- the cluster ------------------------------------------------------------------------------
-
-
-class LocalCluster:
-    """A ``ray.cluster_utils.Cluster`` grown node by node; this process is its driver."""
-
-    def __init__(self, object_store_bytes: int) -> None:
-        from ray.cluster_utils import Cluster
-
-        self._store = object_store_bytes
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "include_dashboard": False,
-            "object_store_memory": object_store_bytes})
-        try:
-            ray.init(address=self.cluster.address, log_to_driver=False,
-                     logging_level=logging.WARNING)
-        except BaseException:
-            self.cluster.shutdown()
-            raise
-        self.nodes = 1
-
-    def grow_to(self, nodes: int) -> None:
-        while self.nodes < nodes:
-            self.cluster.add_node(num_cpus=1, object_store_memory=self._store)
-            self.nodes += 1
-        self.cluster.wait_for_nodes()
-        deadline = time.monotonic() + 60
-        while sum(1 for n in ray.nodes() if n.get("Alive")) < nodes:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the local cluster did not reach {nodes} nodes")
-            time.sleep(0.2)
-
-    def shutdown(self) -> None:
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        self.cluster.shutdown()
 
 
 # --- the crash-cost model ------------------------------------------------------------------------
@@ -810,10 +563,8 @@ def point_tables(points: list[dict[str, Any]]) -> list[tuple[str, list[str], lis
 def format_points(points: list[dict[str, Any]]) -> str:
     out = []
     for title, header, rows in point_tables(points):
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         out.append(title)
-        out.append("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
-        out.extend("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+        out.extend(format_table(header, rows))
         out.append("")
     return "\n".join(out).rstrip()
 
@@ -879,9 +630,8 @@ def check_targets(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
 
     def add(name: str, p: dict[str, Any], value: float, ok: bool, limit: str) -> None:
-        out.append({"target": name, "point": f"{p['holders']}h x {p['sessions']} x "
-                                             f"{_kib(p['state_bytes'])}",
-                    "value": value, "limit": limit, "holds": bool(ok)})
+        out.append(target(name, f"{p['holders']}h x {p['sessions']} x "
+                                f"{_kib(p['state_bytes'])}", value, ok, limit))
 
     for p in points:
         if (p["holders"], p["sessions"], p["state_bytes"]) == (4, 10_000, 1024):
@@ -1010,6 +760,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cluster = None
     server = None
     objects = None
+    scale = None
     try:
         if args.object_store:
             from tests.s3_server import BUCKET, S3Server
@@ -1023,16 +774,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"local Ray cluster up in {time.perf_counter() - t:.1f} s", flush=True)
         results = asyncio.run(run_points(points, cluster, args, workdir))
         if args.object_store:
-            from object_store import run_object_store
-
             cluster.grow_to(4)
             objects = asyncio.run(run_object_store(
                 args.quick, f"s3://{BUCKET}/bench-{uuid.uuid4().hex[:6]}", workdir,
                 args.repeats))
-        scale = None
         if args.scale or (args.quick and not args.object_store):
-            from scale import run_scale
-
             cluster.grow_to(4)
             pool = random.Random(args.seed).randbytes(64 * MiB)
             scale = asyncio.run(run_scale(args.quick, workdir, pool, 3))
@@ -1046,12 +792,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                              trials=args.crash_trials, seed=args.seed, sigma=0.6)
     targets = check_targets(results) if results else []
     if scale is not None:
-        from scale import format_scale, scale_targets
-
         targets += scale_targets(scale)
     if objects is not None:
-        from object_store import format_object_store, object_store_targets
-
         targets += object_store_targets(objects)
     print()
     if results:
@@ -1065,59 +807,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         print()
         print(format_object_store(objects))
     print()
-    print("targets:")
-    for t_ in targets:
-        print(f"  {'HOLDS' if t_['holds'] else 'MISSED':6} {t_['target']:<45} "
-              f"{t_['point']:<20} {t_['value']} (target {t_['limit']})")
+    print(format_targets(targets))
     elapsed = time.perf_counter() - started
     print(f"\nwall time {elapsed:.0f} s")
     if args.json is not None or args.markdown is not None:
-        doc = {
-            "points": results,
-            "scale": scale,
-            "object_store": objects,
-            "crash_cost": crash,
-            "targets": targets,
-            "run": {
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "quick": args.quick, "scale": args.scale, "object_store": args.object_store,
-                "repeats": args.repeats,
-                "cold_reads": args.cold_reads,
-                "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                "cpus": os.cpu_count(), "python": platform.python_version(),
-                "ray": ray.__version__, "platform": platform.platform(),
-                "wall_seconds": round(elapsed, 1),
-                # The machine is shared: its load says how noisy the numbers are.
-                "loadavg_1_5_15_before": [round(x, 2) for x in load_before],
-                "loadavg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
-                "runtime_source": _git_state(),
-                "definitions": DEFINITIONS,
-            },
-        }
+        run = run_record(__spec__.name if __spec__ else None, started, load_before)
+        run.update({"quick": args.quick, "scale": args.scale,
+                    "object_store": args.object_store, "repeats": args.repeats,
+                    "cold_reads": args.cold_reads, "definitions": DEFINITIONS})
+        doc = {"points": results, "scale": scale, "object_store": objects,
+               "crash_cost": crash, "targets": targets, "run": run}
         if args.json is not None:
-            args.json.write_text(json.dumps(doc, indent=2) + "\n")
-            print(f"wrote {args.json}")
+            write_json(args.json, doc)
         if args.markdown is not None:
             args.markdown.write_text(format_markdown(doc))
     return 0
-
-
-def _git_state() -> dict[str, Any]:
-    """Which runtime was measured: the commit, and whether its code had local changes."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    changed = git("status", "--porcelain", "--", "nemo_ckpt", "actors")
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "runtime_changes_not_committed": changed.splitlines() if changed else []}
 
 
 DEFINITIONS = {
