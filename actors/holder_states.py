@@ -158,8 +158,10 @@ class Lifecycles:
         The only place an outcome is recorded: entering ``Ended`` of an operation that
         already ended keeps the first outcome."""
         old = self._open.get(op_id)
-        if old is None and isinstance(new, Ended) and self.history.outcome(op_id) is not None:
-            return None  # already ended: its outcome stands
+        if old is None and self.history.outcome(op_id) is not None:
+            if isinstance(new, Ended):
+                return None  # already ended: its outcome stands
+            raise HolderStateError(f"{op_id} already ended here; it cannot start again")
         if not isinstance(new, _NEXT[type(old)]):
             raise HolderStateError(
                 f"{op_id}: no transition from {type(old).__name__} to {type(new).__name__}")
