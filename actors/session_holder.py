@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from actors.heap import collector_paused
+from actors.holder_shards import read_restore_shard, write_capture
 from actors.holder_states import (
     Capture,
     Ended,
@@ -48,7 +48,6 @@ from nemo_ckpt.errors import (
     RetiredAttemptError,
     SessionExistsError,
     SessionNotFoundError,
-    ShardCorruptedError,
     StaleSnapshotError,
     StateTooLargeError,
     TurnAbortedError,
@@ -57,7 +56,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.location import join_location
-from nemo_ckpt.manifest import ShardEntry, shard_file_name, trees_file_name
+from nemo_ckpt.manifest import ShardEntry
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import (
     CaptureReport,
@@ -72,11 +71,8 @@ from nemo_ckpt.sandbox import SandboxLimits
 from nemo_ckpt.sessions import SessionRecord, check_staging_keys
 from nemo_ckpt.storage import (
     PROBE_DIR,
-    ShardParts,
     folder_at,
-    read_shard_parts,
     remove_files,
-    write_shard_parts,
 )
 from nemo_ckpt.transport import Runtime
 
@@ -796,37 +792,17 @@ class SessionHolder:
             pending: list[Held] = []
             shard_sessions = []
             keys: set[str] = set()
-            read = 0
             started = self._clock.monotonic()
             for entry in shards:
-                if entry.instance_id != self.instance_id:
-                    raise HolderStateError(
-                        f"{self.instance_id}: asked to restore shard {entry.file} of "
-                        f"{entry.instance_id}")
-                parts = await self._runtime.run_blocking(load_shard, directory, entry)
-                read += entry.bytes
-                self._current_restore(restore_id)  # ended while reading?
-                try:
-                    with collector_paused():
-                        held = [Held.continued(row, turns, state) for row, turns, state
-                                in zip(parts.rows, parts.turns, parts.states, strict=True)]
-                        for row in parts.rows:
-                            keys.update(row[2])
-                        pairs = [row[:2] for row in parts.rows]
-                except ValueError as exc:
-                    raise ShardCorruptedError(
-                        directory.describe(entry.file),
-                        f"shard {directory.describe(entry.file)} matches its hash but a "
-                        f"session in it does not decode ({exc}): restore an earlier "
-                        f"checkpoint") from exc
-                if entry.trees is not None:
-                    staged = await self._runtime.run_blocking(
-                        self._sandboxes.prepare_restore, restore_id, directory, entry,
-                        blob_store, {h.rollout_id: h.capture_key for h in held})
-                    op.sandboxes += staged
-                    self._current_restore(restore_id)  # ended while materializing?
-                pending += held
-                shard_sessions.append((entry.file, msgpack.packb(pairs, use_bin_type=True)))
+                shard = await read_restore_shard(
+                    self._runtime, self._sandboxes, self.instance_id, restore_id,
+                    directory, entry, blob_store,
+                    lambda: self._current_restore(restore_id))
+                op.sandboxes += shard.sandboxes
+                self._current_restore(restore_id)  # ended while materializing?
+                pending += shard.held
+                keys |= shard.staging_keys
+                shard_sessions.append((entry.file, shard.sessions_msgpack))
             loaded = self._clock.monotonic()
             conflicts = sorted(h.rollout_id for h in pending
                                if self._table.of_rollout(h.rollout_id) is not None)
@@ -840,7 +816,7 @@ class SessionHolder:
             prepared = RestorePrepared(
                 instance_id=self.instance_id,
                 staging_keys=frozenset(keys),
-                bytes_read=read,
+                bytes_read=sum(entry.bytes for entry in shards),
                 read_seconds=loaded - started,
                 shard_sessions=tuple(shard_sessions),
                 live_rollouts=msgpack.packb(self._table.rollouts(), use_bin_type=True),
@@ -961,24 +937,8 @@ class SessionHolder:
         await self._injected_delay("persist")
         shards: tuple[ShardEntry, ...] = ()
         if capture.held:
-            name = shard_file_name(op.id, self.instance_id)
-            names = [name]
-            trees = None
-            if capture.sandboxes is not None and capture.sandboxes.any():
-                # Blobs first, then the trees file, then the shard: all before the manifest.
-                names.append(trees_file_name(op.id, self.instance_id))
-                try:
-                    trees = await self._runtime.run_blocking(
-                        self._sandboxes.persist, capture.sandboxes, directory, op.id,
-                        self._clock.monotonic)
-                except BaseException:
-                    await self._runtime.run_blocking(remove_files, directory, names)
-                    raise
-            entry = await self._runtime.run_blocking(
-                write_held_shard, directory, name, self.instance_id, capture.held,
-                capture.report.captured_msgpack)
-            if trees is not None:
-                entry = entry.model_copy(update={"trees": trees})
+            entry, names = await write_capture(self._runtime, self._sandboxes,
+                                               self.instance_id, op.id, directory, capture)
             if self._ops.snapshot(op.id) is not op \
                     and self._ops.outcome(op.id) is not Outcome.COMMITTED:
                 # Aborted or lapsed while the thread wrote: the files must not outlive it.
@@ -992,16 +952,3 @@ class SessionHolder:
                                          if s.trees else 0) for s in shards),
         )
 
-
-def write_held_shard(directory: Folder, name: str, instance_id: str,
-                     held: list[Held], index: bytes) -> ShardEntry:
-    """Write captured sessions as one shard, from their bytes as held; ``index`` is
-    their capture's ``captured_msgpack`` (the shard's index, the same bytes)."""
-    return write_shard_parts(directory, name, instance_id, index, len(held),
-                             ((h.turns, h.state) for h in held))
-
-
-def load_shard(directory: Folder, entry: ShardEntry) -> ShardParts:
-    """``read_shard_parts`` with the collector paused while the index is decoded."""
-    with collector_paused():
-        return read_shard_parts(directory, entry)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from actors.session_holder import write_held_shard  # noqa: E402
+from actors.holder_shards import write_held_shard  # noqa: E402
 from actors.session_table import Held, SessionTable  # noqa: E402
 from nemo_ckpt.interfaces import EnvironmentEpisode  # noqa: E402
 from nemo_ckpt.phases import join_captured  # noqa: E402
