@@ -429,7 +429,8 @@ class SessionHolder:
             opening.append((episode, state, None if where is None else
                             self._sandboxes.check_directory(where, episode.capture_key)))
         # Recorded before the gate: once it opens, the sessions go live with no await.
-        recorded = await self._record_directories(
+        recorded = await self._sandboxes.record_all(
+            self._runtime.run_blocking,
             [(ep.capture_key, d) for ep, _, d in opening if d is not None])
         try:
             await self._wait_for_gate()
@@ -452,25 +453,6 @@ class SessionHolder:
                                         recorded[episode.capture_key])
         self._heap.note(sum(len(state) for _, state, _ in opening))
         return len(opening)
-
-    async def _record_directories(self, directories: list[tuple[str, Path]],
-                                  previous: Recorded | None = None) -> dict[str, Recorded]:
-        """Each directory's tree, recorded in a thread; keyed by its session's capture key."""
-        out: dict[str, Recorded] = {}
-        if not directories:
-            return out
-        self._sandboxes.scans_in_flight += 1
-        try:
-            for key, directory in directories:
-                out[key] = await self._runtime.run_blocking(
-                    self._sandboxes.record, directory, previous)
-        except BaseException:
-            for rec in out.values():
-                self._sandboxes.forget_unused(rec)
-            raise
-        finally:
-            self._sandboxes.scans_in_flight -= 1
-        return out
 
     def _record(self, held: Held) -> SessionRecord:
         record = held.record(self.instance_id)
@@ -537,9 +519,9 @@ class SessionHolder:
             try:
                 self._check_size("turn record", episode, record)
                 self._check_size("state", episode, state)
-                recorded = (await self._record_directories(
-                    [(episode.capture_key, box.directory)], box.recorded))[
-                        episode.capture_key]
+                recorded = (await self._sandboxes.record_all(
+                    self._runtime.run_blocking, [(episode.capture_key, box.directory)],
+                    box.recorded))[episode.capture_key]
             except BaseException:
                 if self._turn_is(episode, token):
                     self._take_turn(episode, token)
