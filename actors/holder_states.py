@@ -30,7 +30,13 @@ from pathlib import Path
 
 from actors.sandboxes import RestoredSandbox, SandboxCapture
 from actors.session_table import Held
-from nemo_ckpt.errors import HolderStateError
+from nemo_ckpt.errors import (
+    HolderBusyError,
+    HolderStateError,
+    LeaseExpiredError,
+    OperationAbortedError,
+    StaleSnapshotError,
+)
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.operations import OperationHistory, Outcome
 from nemo_ckpt.phases import CaptureReport, HolderState, PauseReport, PersistReport
@@ -147,9 +153,11 @@ _NEXT: dict[type, tuple[type, ...]] = {
 
 
 class Lifecycles:
-    """The open operations' states, and the bounded history of the ended ones."""
+    """The open operations' states, and the bounded history of the ended ones, of the
+    holder of ``instance_id``."""
 
-    def __init__(self) -> None:
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
         self._open: dict[str, OperationState] = {}
         self.history = OperationHistory()
 
@@ -225,6 +233,43 @@ class Lifecycles:
         leased = sorted(((op_id, s) for op_id, s in self._open.items()
                          if isinstance(s, Leased)), key=lambda item: item[1].gate_open)
         return [op_id for op_id, s in leased if now > s.lease_deadline]
+
+    def lease_left(self, now: float) -> float:
+        """Seconds until the lease of ``current`` lapses (0 without one)."""
+        state = self.current
+        return 0.0 if state is None else max(0.0, state.lease_deadline - now)
+
+    def refusal(self, op_id: str, now: float) -> Exception:
+        """Why a call for ``op_id``, which is not open in the state the call needs, is
+        refused: its recorded outcome, or that it is late, or that another one runs."""
+        who = self.instance_id
+        outcome = self.outcome(op_id)
+        if outcome is Outcome.LAPSED:
+            return LeaseExpiredError(
+                f"{who}: the lease of {op_id} lapsed, so the holder resumed by itself and "
+                f"{op_id} cannot commit; retry (renewals stopped: was the driver or "
+                f"coordinator stalled or gone?)")
+        if outcome is Outcome.ABORTED:
+            return OperationAbortedError(
+                f"{who}: {op_id} was aborted; a late call for it changes nothing here")
+        if outcome is Outcome.COMMITTED:
+            return StaleSnapshotError(f"{who}: {op_id} already committed")
+        if self.history.is_late(op_id):
+            return StaleSnapshotError(
+                f"{who}: {op_id} is late: its driver has started a newer operation since, "
+                f"so it ended; refused without pausing anything")
+        if self.current is not None:
+            return self.busy(f"a call for {op_id}", now)
+        return StaleSnapshotError(f"{who}: no operation {op_id} here (the holder is running)")
+
+    def busy(self, what: str, now: float) -> HolderBusyError:
+        """The refusal of ``what`` while the gate is closed for ``current``."""
+        state = self.current
+        assert state is not None
+        return HolderBusyError(
+            f"{self.instance_id} refuses {what}: it is {state.value.value} for "
+            f"{self.current_id()}; wait until that operation finishes (its lease lapses in "
+            f"at most {self.lease_left(now):.1f}s if its driver died)")
 
     def __iter__(self) -> Iterator[tuple[str, OperationState]]:
         return iter(list(self._open.items()))

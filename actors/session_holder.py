@@ -42,13 +42,10 @@ from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     HolderBusyError,
     HolderStateError,
-    LeaseExpiredError,
-    OperationAbortedError,
     RestoreConflictError,
     RetiredAttemptError,
     SessionExistsError,
     SessionNotFoundError,
-    StaleSnapshotError,
     StateTooLargeError,
     TurnAbortedError,
     TurnInProgressError,
@@ -175,7 +172,7 @@ class SessionHolder:
         # The sessions' sandbox directories, and the node cache of their files.
         self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root, namespace,
                                     sandbox_limits, sandbox_restore_setid)
-        self._ops = Lifecycles()
+        self._ops = Lifecycles(instance_id)
         self._last_snapshot_id: str | None = None
         self._injected_delays: dict[str, float] = {}
         # Gives the heap the session calls' freed buffers back to the OS (actors/heap.py):
@@ -238,34 +235,10 @@ class SessionHolder:
         task.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _refusal(self, op_id: str) -> Exception:
-        """Why a call for ``op_id``, which is not the current operation, is refused."""
-        outcome = self._ops.outcome(op_id)
-        if outcome is Outcome.LAPSED:
-            return LeaseExpiredError(
-                f"{self.instance_id}: the lease of {op_id} lapsed, so the holder resumed "
-                f"by itself and {op_id} cannot commit; retry (renewals stopped: was the "
-                f"driver or coordinator stalled or gone?)")
-        if outcome is Outcome.ABORTED:
-            return OperationAbortedError(
-                f"{self.instance_id}: {op_id} was aborted; a late call for it changes "
-                f"nothing here")
-        if outcome is Outcome.COMMITTED:
-            return StaleSnapshotError(f"{self.instance_id}: {op_id} already committed")
-        if self._ops.history.is_late(op_id):
-            return StaleSnapshotError(
-                f"{self.instance_id}: {op_id} is late: its driver has started a newer "
-                f"operation since, so it ended; refused without pausing anything")
-        if self._ops.current is not None:
-            return HolderBusyError(self._busy_message(f"a call for {op_id}"))
-        return StaleSnapshotError(
-            f"{self.instance_id}: no operation {op_id} here (the holder is running)")
+        return self._ops.refusal(op_id, self._clock.monotonic())
 
-    def _busy_message(self, what: str) -> str:
-        state = self._ops.current
-        assert state is not None
-        return (f"{self.instance_id} refuses {what}: it is {state.value.value} for "
-                f"{self._ops.current_id()}; wait until that operation finishes (its lease "
-                f"lapses in at most {self._lease_left():.1f}s if its driver died)")
+    def _busy(self, what: str) -> HolderBusyError:
+        return self._ops.busy(what, self._clock.monotonic())
 
     def _admit(self, op_id: str, what: str, restore: bool = False) -> None:
         """Let a new operation start, or refuse: one that already ended or that its
@@ -278,7 +251,7 @@ class SessionHolder:
         if self._ops.outcome(op_id) is not None or self._ops.history.is_late(op_id):
             raise self._refusal(op_id)
         if self._ops.current is not None:
-            raise HolderBusyError(self._busy_message(what))
+            raise self._busy(what)
         self._ops.history.note(op_id)
         live = self._ops.live_restore()
         if restore and live is not None:
@@ -295,12 +268,6 @@ class SessionHolder:
         if not isinstance(state, RestorePreparing):
             raise self._refusal(op_id)
         return state.work
-
-    def _lease_left(self) -> float:
-        state = self._ops.current
-        if state is None:
-            return 0.0
-        return max(0.0, state.lease_deadline - self._clock.monotonic())
 
     # --- the watchdog's checks -----------------------------------------------------------
 
@@ -345,7 +312,8 @@ class SessionHolder:
         return HolderInfo(
             instance_id=self.instance_id, node_id=self.node_id, state=self._state_value(),
             operation_id=op_id,
-            lease_expires_in_s=None if op_id is None else self._lease_left(),
+            lease_expires_in_s=None if op_id is None else self._ops.lease_left(
+                self._clock.monotonic()),
             sessions=len(self._table), turns_in_flight=len(self._gate),
             last_snapshot_id=self._last_snapshot_id, options=dict(self._options),
         )
@@ -911,7 +879,7 @@ class SessionHolder:
 
     def _require_running(self, what: str) -> None:
         if self._ops.current is not None:
-            raise HolderBusyError(self._busy_message(what))
+            raise self._busy(what)
 
     async def _persist(self, op: SnapshotWork, directory: Folder,
                        capture: Capture) -> PersistReport:

@@ -19,7 +19,14 @@ from actors.holder_states import (
 )
 from actors.turn_gate import TurnGate
 from actors.watchdog import Check, Watchdog
-from nemo_ckpt.errors import HolderStateError, TurnInProgressError
+from nemo_ckpt.errors import (
+    HolderBusyError,
+    HolderStateError,
+    LeaseExpiredError,
+    OperationAbortedError,
+    StaleSnapshotError,
+    TurnInProgressError,
+)
 from nemo_ckpt.local_folder import LocalFolder
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import HolderState
@@ -36,7 +43,7 @@ def paused(op_id: str, deadline: float = 10.0) -> SnapshotPaused:
 
 
 def test_an_ended_operation_keeps_its_first_outcome() -> None:
-    ops = Lifecycles()
+    ops = Lifecycles("holder-0")
     ops.enter("snap-1", paused("snap-1"))
     ops.enter("snap-1", Ended(Outcome.LAPSED))
     ops.enter("snap-1", Ended(Outcome.COMMITTED))  # a late resume
@@ -45,7 +52,7 @@ def test_an_ended_operation_keeps_its_first_outcome() -> None:
 
 
 def test_an_abort_that_comes_first_is_the_outcome_and_the_operation_cannot_start() -> None:
-    ops = Lifecycles()
+    ops = Lifecycles("holder-0")
     ops.enter("snap-1", Ended(Outcome.ABORTED))
     with pytest.raises(HolderStateError, match="already ended"):
         ops.enter("snap-1", paused("snap-1"))
@@ -53,7 +60,7 @@ def test_an_abort_that_comes_first_is_the_outcome_and_the_operation_cannot_start
 
 
 def test_the_gate_closes_for_one_operation_at_a_time() -> None:
-    ops = Lifecycles()
+    ops = Lifecycles("holder-0")
     first = paused("snap-1")
     ops.enter("snap-1", first)
     with pytest.raises(HolderStateError, match="closed for another"):
@@ -66,7 +73,7 @@ def test_the_gate_closes_for_one_operation_at_a_time() -> None:
 
 
 def test_a_transition_not_in_the_list_is_refused() -> None:
-    ops = Lifecycles()
+    ops = Lifecycles("holder-0")
     state = paused("snap-1")
     ops.enter("snap-1", state)
     ops.enter("snap-1", SnapshotReleased(state.work, 10.0))
@@ -77,7 +84,7 @@ def test_a_transition_not_in_the_list_is_refused() -> None:
 
 
 async def test_a_live_restore_is_committed_until_undone_and_undone_is_its_outcome() -> None:
-    ops = Lifecycles()
+    ops = Lifecycles("holder-0")
     ops.enter("restore-1", RestorePreparing(RestoreWork("restore-1"), 10.0))
     assert ops.current is not None and ops.current.value is HolderState.RESTORING
     ops.enter("restore-1", RestoreLive(("r",), ()))
@@ -87,7 +94,7 @@ async def test_a_live_restore_is_committed_until_undone_and_undone_is_its_outcom
 
 
 async def test_a_live_restore_settled_by_a_turn_stays_committed_after_a_late_abort() -> None:
-    ops = Lifecycles()
+    ops = Lifecycles("holder-0")
     ops.enter("restore-1", RestorePreparing(RestoreWork("restore-1"), 10.0))
     ops.enter("restore-1", RestoreLive(("r",), ()))
     ops.enter("restore-1", Ended(Outcome.COMMITTED))
@@ -95,8 +102,30 @@ async def test_a_live_restore_settled_by_a_turn_stays_committed_after_a_late_abo
     assert ops.outcome("restore-1") is Outcome.COMMITTED
 
 
+def test_a_late_call_is_refused_with_its_operations_recorded_outcome() -> None:
+    ops = Lifecycles("holder-0")
+    for op_id, outcome in (("snap-1", Outcome.LAPSED), ("snap-2", Outcome.ABORTED),
+                           ("snap-3", Outcome.COMMITTED)):
+        ops.enter(op_id, paused(op_id))
+        ops.enter(op_id, Ended(outcome))
+    assert isinstance(ops.refusal("snap-1", now=0.0), LeaseExpiredError)
+    assert isinstance(ops.refusal("snap-2", now=0.0), OperationAbortedError)
+    refusal = ops.refusal("snap-3", now=0.0)
+    assert isinstance(refusal, StaleSnapshotError) and "already committed" in str(refusal)
+    assert "no operation snap-9 here" in str(ops.refusal("snap-9", now=0.0))
+
+
+def test_a_call_for_another_operation_while_the_gate_is_closed_names_the_lease_left() -> None:
+    ops = Lifecycles("holder-0")
+    ops.enter("snap-1", paused("snap-1", deadline=10.0))
+    refusal = ops.refusal("snap-0", now=7.5)
+    assert isinstance(refusal, HolderBusyError)
+    assert str(refusal).startswith("holder-0 refuses a call for snap-0: it is paused for "
+                                   "snap-1") and "at most 2.5s" in str(refusal)
+
+
 def test_lapsed_leases_list_the_gate_closing_operation_first() -> None:
-    ops = Lifecycles()
+    ops = Lifecycles("holder-0")
     first = paused("snap-1", deadline=5.0)
     ops.enter("snap-1", first)
     ops.enter("snap-1", SnapshotReleased(first.work, 5.0))
