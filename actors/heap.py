@@ -38,7 +38,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 __all__ = ["HeapTrimmer", "malloc_trim", "trim_supported", "CALL_OVERHEAD_BYTES",
            "freeze_startup_objects"]
@@ -108,6 +109,8 @@ class HeapTrimmer:
         trim: The trim itself (default ``malloc_trim``); returns whether it released
             memory.
         clock: Monotonic seconds (for tests).
+        run_blocking: Where the trim runs (a thread; inline on a virtual-time loop,
+            whose clock a thread's completion would never wake).
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class HeapTrimmer:
         min_interval_s: float = DEFAULT_MIN_INTERVAL_S,
         trim: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        run_blocking: Callable[..., Awaitable[Any]] = asyncio.to_thread,
     ) -> None:
         self.trim_after_bytes = trim_after_bytes
         self.quiet_s = quiet_s
@@ -125,6 +129,7 @@ class HeapTrimmer:
         self.min_interval_s = min_interval_s
         self._trim = trim if trim is not None else malloc_trim
         self._clock = clock
+        self._run_blocking = run_blocking
         # Without glibc nothing can be returned: never due, so nothing is scheduled.
         self.enabled = trim is not None or trim_supported()
         self.pending_bytes = 0
@@ -168,7 +173,7 @@ class HeapTrimmer:
         self._due_since = None
         self._last_trim = self._clock()
         start = time.perf_counter()
-        released = await asyncio.to_thread(self._trim)
+        released = await self._run_blocking(self._trim)
         self.last_trim_seconds = time.perf_counter() - start
         self.trims += 1
         log.debug("malloc_trim in %.1f ms (released memory: %s)",

@@ -29,7 +29,7 @@ import os
 import shutil
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -283,6 +283,26 @@ class Sandboxes:
         if digests:
             with self._scan_lock:
                 self._orphans |= digests
+
+    async def record_all(self, run_blocking: Callable[..., Awaitable[Recorded]],
+                         directories: list[tuple[str, Path]],
+                         previous: Recorded | None = None) -> dict[str, Recorded]:
+        """Each directory's tree, recorded through ``run_blocking`` (a thread); keyed by
+        its session's capture key. The cache is not swept while they are scanned."""
+        out: dict[str, Recorded] = {}
+        if not directories:
+            return out
+        self.scans_in_flight += 1
+        try:
+            for key, directory in directories:
+                out[key] = await run_blocking(self.record, directory, previous)
+        except BaseException:
+            for rec in out.values():
+                self.forget_unused(rec)
+            raise
+        finally:
+            self.scans_in_flight -= 1
+        return out
 
     def forget_unused(self, recorded: Recorded) -> None:
         """A recording no session took (its turn was refused): its blobs may go."""

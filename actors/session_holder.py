@@ -3,37 +3,10 @@
 ``SessionHolder`` is a plain asyncio class with its clock, metrics and blocking-work
 runner injected (``nemo_ckpt.transport.Runtime``), so its state machine runs without
 Ray, in tests and in the simulation; ``actors.ray_transport.SessionHolderActor`` is the
-same class as a Ray actor, pinned to its node.
-
-A snapshot, as the coordinator drives it; every call carries the snapshot's id:
-
-    1) begin(id, drain, lease, folder)  close the turn gate, wait up to ``drain`` for
-                                        turns in flight, take a lease, capture in memory
-    2) start_persist(id)                write the shard in the background (a
-                                        finish_persist that comes first starts it)
-    3) renew_lease(id, lease)           while the driver's block runs
-    4) release(id)                      the driver's block exited: open the gate while
-                                        the shard is still being written (the capture is
-                                        an immutable copy); the snapshot stays open here
-    5) finish_persist(id)               the shard is durable; its manifest entry
-    6) resume(id)                       the manifest is written: the snapshot ends here
-    or abort(id), at any point, instead of 2-6.
-
-A restore, carrying the restore's id:
-
-    1) prepare_restore(id, folder, shards, lease)   close the gate, read and verify the
-                                                    shards; nothing goes live yet
-    2) renew_lease(id, lease)
-    3) commit_restore(id)                           the sessions go live; open the gate
-    or abort(id) instead of 3, or after 3 while the restore is not yet in use: every
-    session it made live goes again (a restore is all or nothing across holders).
-
-States are values (``Running``, ``Paused`` for one snapshot, ``Restoring`` for one
-restore, each carrying its operation and lease), entered only through ``_set_state``,
-which alone opens and closes the turn gate. Each operation ends once, in
-``_end_operation``, with one outcome (committed, aborted, lapsed) kept in a bounded
-``OperationHistory``: a late or repeated call gets that outcome or a clear refusal, and
-a call for an operation its driver has moved past is refused without pausing anything.
+same class as a Ray actor, pinned to its node. It routes each call to its parts: the
+session table (``actors.session_table``), the turn gate (``actors.turn_gate``), the
+sandboxes (``actors.sandboxes``), the snapshot and restore lifecycles
+(``actors.holder_states``) and the watchdog (``actors.watchdog``).
 """
 
 from __future__ import annotations
@@ -42,31 +15,39 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgpack
 
-from actors.heap import collector_paused
-from actors.sandboxes import Recorded, RestoredSandbox, SandboxCapture, Sandboxes
+from actors.holder_shards import read_restore_shard, write_capture
+from actors.holder_states import (
+    Capture,
+    Ended,
+    Lifecycles,
+    OperationState,
+    RestoreLive,
+    RestorePreparing,
+    RestoreWork,
+    SnapshotPaused,
+    SnapshotReleased,
+    SnapshotWork,
+)
+from actors.sandboxes import Recorded, Sandboxes
 from actors.session_table import Held, SessionTable
+from actors.turn_gate import TurnGate
+from actors.watchdog import Check, Watchdog
 from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.cleanup import remove_files
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     HolderBusyError,
     HolderStateError,
-    LeaseExpiredError,
-    OperationAbortedError,
     RestoreConflictError,
     RetiredAttemptError,
     SessionExistsError,
     SessionNotFoundError,
-    ShardCorruptedError,
-    StaleSnapshotError,
     StateTooLargeError,
     TurnAbortedError,
     TurnInProgressError,
@@ -74,8 +55,8 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.location import join_location
-from nemo_ckpt.manifest import ShardEntry, shard_file_name, trees_file_name
-from nemo_ckpt.operations import OperationHistory, Outcome
+from nemo_ckpt.manifest import ShardEntry
+from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import (
     CaptureReport,
     HolderInfo,
@@ -87,15 +68,11 @@ from nemo_ckpt.phases import (
 )
 from nemo_ckpt.sandbox import SandboxLimits
 from nemo_ckpt.session_record import SessionRecord, check_staging_keys
-from nemo_ckpt.shards import ShardParts, read_shard_parts, write_shard_parts
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["SessionHolder", "Trimmer"]
 
 log = logging.getLogger("nemo_ckpt.holder")
-
-# Turn tokens aborted before their begin_turn arrived, kept to refuse that late begin.
-_ABORTED_TOKENS = 4096
 
 
 class Trimmer(Protocol):
@@ -119,76 +96,43 @@ class _NoTrimmer:
         return False
 
 
-# --- operations and states --------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _SnapshotOp:
-    id: str
-    directory: Folder
-    pause: PauseReport | None = None
-    capture: list[Held] | None = None
-    capture_report: CaptureReport | None = None
-    sandboxes: SandboxCapture | None = None
-    persist: asyncio.Task[PersistReport] | None = None
-
-
-@dataclass(eq=False)
-class _RestoreOp:
-    id: str
-    prepared: asyncio.Future[RestorePrepared] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future())
-    pending: list[Held] = field(default_factory=list)
-    sandboxes: list[RestoredSandbox] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class Running:
-    """Turns flow; a snapshot or a restore may start."""
-
-    value = HolderState.RUNNING
-    gate_open = True
-
-
-@dataclass(eq=False)
-class Paused:
-    """Paused for one snapshot, under a lease; new turns wait at the gate."""
-
-    op: _SnapshotOp
-    lease_deadline: float
-    value = HolderState.PAUSED
-    gate_open = False
-
-
-@dataclass(eq=False)
-class Restoring:
-    """Loading one restore, under a lease; new turns wait at the gate."""
-
-    op: _RestoreOp
-    lease_deadline: float
-    value = HolderState.RESTORING
-    gate_open = False
-
-
-_State = Running | Paused | Restoring
-
-
-@dataclass(eq=False)
-class _Released:
-    """A snapshot whose gate opened again while its shard is written (step 4)."""
-
-    op: _SnapshotOp
-    lease_deadline: float
-
-
-@dataclass
-class _Turn:
-    token: str
-    started: float
-
-
 class SessionHolder:
-    """Holds the sessions of one instance, and takes part in snapshots and restores."""
+    """Holds the sessions of one instance, and takes part in snapshots and restores.
+
+    The call order, as the coordinator drives it (stated here once; the other
+    docstrings point here). A snapshot, every call carrying the snapshot's id:
+
+        1) begin(id, drain, lease, folder)  close the turn gate, wait up to ``drain`` for
+                                            turns in flight, take a lease, capture in
+                                            memory (``pause`` then ``capture``, in one
+                                            call) -> (PauseReport, CaptureReport)
+        2) start_persist(id)                write the shard in the background (a
+                                            finish_persist that comes first starts it)
+        3) renew_lease(id, lease)           while the driver's block runs
+        4) release(id)                      the driver's block exited: open the gate while
+                                            the shard is still being written (the capture
+                                            is an immutable copy); the snapshot stays open
+        5) finish_persist(id)               the shard is durable -> PersistReport, its
+                                            manifest entry
+        6) resume(id)                       the manifest is written: the snapshot ends here
+        or abort(id), at any point, instead of 2-6.
+
+    A restore, carrying the restore's id:
+
+        1) prepare_restore(id, folder, shards, lease)   close the gate, read and verify
+                                                        the shards; nothing goes live yet
+                                                        -> RestorePrepared
+        2) renew_lease(id, lease)
+        3) commit_restore(id)                           the sessions go live; open the gate
+        or abort(id) instead of 3, or after 3 while the restore is not yet in use: every
+        session it made live goes again (a restore is all or nothing across holders).
+
+    Each operation's state is a value of ``actors.holder_states``, entered only through
+    ``_set_state``, which alone opens and closes the turn gate and, on entering
+    ``Ended``, records the operation's one outcome (committed, aborted, lapsed) in a
+    bounded history: a late or repeated call gets that outcome or a clear refusal, and
+    a call for an operation its driver has moved past is refused without pausing anything.
+    """
 
     def __init__(
         self,
@@ -218,98 +162,80 @@ class SessionHolder:
         self._metrics = self._runtime.metrics
         self._max_state_bytes = max_state_bytes
         self._turn_timeout_s = turn_timeout_s
-        self._max_retired_marks = max_retired_marks
-        self._watch_period_s = watch_period_s
         # The live sessions, each kept encoded (actors/session_table.py): a capture joins
         # their rows, a shard is written from them as they are.
         self._table = SessionTable(instance_id)
-        self._turns: dict[str, _Turn] = {}  # capture key -> turn in flight
+        self._gate = TurnGate(instance_id, max_retired_marks)
         # The sessions' sandbox directories, and the node cache of their files.
         self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root, namespace,
                                     sandbox_limits, sandbox_restore_setid)
-        self._aborted_tokens: OrderedDict[str, None] = OrderedDict()
-        # Retire marks, monotone as NeMo Gym's: rollout id -> the highest attempt retired;
-        # every attempt up to it is refused until RL forgets it.
-        self._retired: OrderedDict[str, int] = OrderedDict()
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._turns_done = asyncio.Condition()
-        self._state: _State = Running()
-        self._history = OperationHistory()
-        # The last committed restore and the rollouts it made live, while it may
-        # still be undone by its abort: until a turn runs, or another restore starts.
-        self._undo: tuple[str, tuple[str, ...]] | None = None
-        self._undo_directories: list[Path] = []  # the directories that restore made
-        # Snapshots released (gate open again) whose shard is still being written or
-        # awaits its commit: each under its lease, ended by resume, abort or lapse.
-        self._released: dict[str, _Released] = {}
+        self._ops = Lifecycles(instance_id)
         self._last_snapshot_id: str | None = None
-        self._watchdog: asyncio.Task[None] | None = None
         self._injected_delays: dict[str, float] = {}
         # Gives the heap the session calls' freed buffers back to the OS (actors/heap.py):
         # they are most of a holder's growth beyond its sessions. Driven by the watchdog.
         self._heap = trimmer or _NoTrimmer()
         self._heap_state_seen = HolderState.RUNNING  # the state at the watchdog's last look
+        self._watchdog = Watchdog(self._clock, watch_period_s, [
+            Check("leases", self._lapse_leases),
+            Check("turn timeouts", self._time_out_turns),
+            Check("heap and cache", self._trim_when_running),
+        ])
 
     # --- the one transition ------------------------------------------------------------
 
-    def _set_state(self, new: _State) -> None:
-        """Enter ``new``: the only place that opens or closes the turn gate."""
-        self._state = new
-        if new.gate_open:
-            self._gate.set()
-        else:
-            self._gate.clear()
-            self._ensure_watchdog()  # the lease must be watched from now on
+    def _set_state(self, op_id: str, new: OperationState) -> None:
+        """Move operation ``op_id`` to ``new``: the only place that opens or closes the
+        turn gate and that ends an operation (recording its outcome)."""
+        old = self._ops.enter(op_id, new)
+        if isinstance(new, Ended):
+            if isinstance(old, SnapshotPaused | SnapshotReleased) \
+                    and new.outcome is Outcome.COMMITTED:
+                self._last_snapshot_id = op_id
+            if isinstance(old, RestorePreparing):
+                self._discard_restore(old.work)
+            if isinstance(old, RestoreLive) and new.outcome is not Outcome.COMMITTED:
+                self._undo(op_id, old)
+            elif old is not None and new.outcome is not Outcome.COMMITTED:
+                log.info("%s: %s %s", self.instance_id, op_id, new.outcome.value)
+        self._gate.set_open(self._ops.current is None)
+        if not self._gate.is_open:
+            self._watchdog.ensure_running()  # the lease must be watched from now on
 
-    def _end_operation(self, outcome: Outcome) -> None:
-        """End the current operation with ``outcome``: recorded once, holder running."""
-        state = self._state
-        if isinstance(state, Running):
-            return
-        self._history.record(state.op.id, outcome)
-        if isinstance(state, Paused) and outcome is Outcome.COMMITTED:
-            self._last_snapshot_id = state.op.id
-        if isinstance(state, Restoring) and outcome is not Outcome.COMMITTED:
-            self._discard_restore(state.op)
-        if outcome is not Outcome.COMMITTED:
-            log.info("%s: %s %s", self.instance_id, state.op.id, outcome.value)
-        self._set_state(Running())
+    def _discard_restore(self, work: RestoreWork) -> None:
+        """A restore that will not go live: its staged directories go (in the background:
+        nothing refers to them), their blobs may leave the cache."""
+        self._sandboxes.forget_restore(work.sandboxes)
+        if work.sandboxes or self._sandboxes.root is not None:
+            self._background(self._sandboxes.discard_staging, work.id)
 
-    def _operation(self) -> _SnapshotOp | _RestoreOp | None:
-        state = self._state
-        return None if isinstance(state, Running) else state.op
+    def _undo(self, restore_id: str, live: RestoreLive) -> None:
+        """Drop the sessions a committed restore made live (see ``RestoreLive``)."""
+        for rollout_id in live.rollouts:
+            self._table.drop(rollout_id)
+            self._sandboxes.drop(rollout_id)
+        if live.directories:
+            self._sandboxes.doom(live.directories)
+            self._background(self._sandboxes.remove_doomed)
+        log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
+                    "sessions were dropped again", self.instance_id, restore_id,
+                    len(live.rollouts))
+
+    def _settle_restore(self) -> None:
+        """A turn ran: the restore live here is in use, and no abort undoes it now."""
+        live = self._ops.live_restore()
+        if live is not None:
+            self._set_state(live[0], Ended(Outcome.COMMITTED))
+
+    def _background(self, fn: Any, *args: Any) -> None:
+        task = asyncio.ensure_future(self._runtime.run_blocking(fn, *args))
+        task.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _refusal(self, op_id: str) -> Exception:
-        """Why a call for ``op_id``, which is not the current operation, is refused."""
-        outcome = self._history.outcome(op_id)
-        if outcome is Outcome.LAPSED:
-            return LeaseExpiredError(
-                f"{self.instance_id}: the lease of {op_id} lapsed, so the holder resumed "
-                f"by itself and {op_id} cannot commit; retry (renewals stopped: was the "
-                f"driver or coordinator stalled or gone?)")
-        if outcome is Outcome.ABORTED:
-            return OperationAbortedError(
-                f"{self.instance_id}: {op_id} was aborted; a late call for it changes "
-                f"nothing here")
-        if outcome is Outcome.COMMITTED:
-            return StaleSnapshotError(f"{self.instance_id}: {op_id} already committed")
-        if self._history.is_late(op_id):
-            return StaleSnapshotError(
-                f"{self.instance_id}: {op_id} is late: its driver has started a newer "
-                f"operation since, so it ended; refused without pausing anything")
-        current = self._operation()
-        if current is not None:
-            return HolderBusyError(self._busy_message(f"a call for {op_id}"))
-        return StaleSnapshotError(
-            f"{self.instance_id}: no operation {op_id} here (the holder is running)")
+        return self._ops.refusal(op_id, self._clock.monotonic())
 
-    def _busy_message(self, what: str) -> str:
-        state = self._state
-        assert not isinstance(state, Running)
-        return (f"{self.instance_id} refuses {what}: it is {state.value.value} for "
-                f"{state.op.id}; wait until that operation finishes (its lease lapses in "
-                f"at most {self._lease_left():.1f}s if its driver died)")
+    def _busy(self, what: str) -> HolderBusyError:
+        return self._ops.busy(what, self._clock.monotonic())
 
     def _admit(self, op_id: str, what: str, restore: bool = False) -> None:
         """Let a new operation start, or refuse: one that already ended or that its
@@ -319,106 +245,89 @@ class SessionHolder:
         (no turn since): its sessions go first. That is how the retry of a restore that
         failed elsewhere adopts this holder when the failed one's abort has not reached
         it yet (a slow link): all or nothing, whichever message comes first."""
-        if self._history.outcome(op_id) is not None or self._history.is_late(op_id):
+        if self._ops.outcome(op_id) is not None or self._ops.history.is_late(op_id):
             raise self._refusal(op_id)
-        if not isinstance(self._state, Running):
-            raise HolderBusyError(self._busy_message(what))
-        self._history.note(op_id)
-        if restore and self._undo is not None:
-            self._undo_restore()
+        if self._ops.current is not None:
+            raise self._busy(what)
+        self._ops.history.note(op_id)
+        live = self._ops.live_restore()
+        if restore and live is not None:
+            self._set_state(live[0], Ended(Outcome.ABORTED))
 
-    def _discard_restore(self, op: _RestoreOp) -> None:
-        """A restore that will not go live: its staged directories go (in the background:
-        nothing refers to them), their blobs may leave the cache."""
-        self._sandboxes.forget_restore(op.sandboxes)
-        if op.sandboxes or self._sandboxes.root is not None:
-            self._background(self._sandboxes.discard_staging, op.id)
+    def _current_snapshot(self, op_id: str) -> SnapshotWork:
+        work = self._ops.snapshot(op_id)
+        if work is None:
+            raise self._refusal(op_id)
+        return work
 
-    def _background(self, fn: Any, *args: Any) -> None:
-        task = asyncio.ensure_future(self._runtime.run_blocking(fn, *args))
-        task.add_done_callback(lambda f: f.cancelled() or f.exception())
+    def _current_restore(self, op_id: str) -> RestoreWork:
+        state = self._ops.get(op_id)
+        if not isinstance(state, RestorePreparing):
+            raise self._refusal(op_id)
+        return state.work
 
-    def _undo_restore(self) -> None:
-        """Drop the sessions the last committed restore made live (see ``_undo``)."""
-        assert self._undo is not None
-        restore_id, rollouts = self._undo
-        self._undo = None
-        for rollout_id in rollouts:
-            self._table.drop(rollout_id)
-            self._sandboxes.drop(rollout_id)
-        if self._undo_directories:
-            self._sandboxes.doom(self._undo_directories)
-            self._undo_directories = []
-            self._background(self._sandboxes.remove_doomed)
-        self._history.record(restore_id, Outcome.ABORTED, replace=True)
-        log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
-                    "sessions were dropped again", self.instance_id, restore_id,
-                    len(rollouts))
+    # --- the watchdog's checks -----------------------------------------------------------
 
-    def _current_snapshot(self, op_id: str) -> _SnapshotOp:
-        state = self._state
-        if isinstance(state, Paused) and state.op.id == op_id:
-            return state.op
-        released = self._released.get(op_id)
-        if released is not None:
-            return released.op
-        raise self._refusal(op_id)
+    async def _lapse_leases(self, now: float) -> None:
+        """End every open operation whose lease ran out: nobody renews it any more. A
+        shard already written stays (a coordinator may hold its report and commit it);
+        one written later removes itself (``_persist``)."""
+        for op_id in self._ops.lapsed(now):
+            released = isinstance(self._ops.get(op_id), SnapshotReleased)
+            log.warning("%s: lease of %s lapsed%s", self.instance_id, op_id,
+                        " while its shard was written" if released
+                        else "; resuming by itself")
+            self._set_state(op_id, Ended(Outcome.LAPSED))
 
-    def _end_snapshot(self, op_id: str, outcome: Outcome) -> bool:
-        """End snapshot ``op_id`` here, paused or released; whether it was open."""
-        state = self._state
-        if isinstance(state, Paused) and state.op.id == op_id:
-            self._end_operation(outcome)
-            return True
-        released = self._released.pop(op_id, None)
-        if released is None:
-            return False
-        self._history.record(op_id, outcome)
-        if outcome is Outcome.COMMITTED:
-            self._last_snapshot_id = op_id
-        else:
-            log.info("%s: %s %s", self.instance_id, op_id, outcome.value)
-        return True
+    async def _time_out_turns(self, now: float) -> None:
+        if self._turn_timeout_s is not None and self._gate.time_out(now, self._turn_timeout_s):
+            await self._gate.notify()
 
-    def _current_restore(self, op_id: str) -> _RestoreOp:
-        state = self._state
-        if isinstance(state, Restoring) and state.op.id == op_id:
-            return state.op
-        raise self._refusal(op_id)
+    async def _trim_when_running(self, now: float) -> None:
+        """Trim only while running (a pause is kept short), after a burst of session
+        calls or once a snapshot or restore has finished (their buffers are freed)."""
+        del now
+        value = self._state_value()
+        if value is HolderState.RUNNING:
+            if not self._ops.released():
+                self._sandboxes.sweep()  # no capture may still need a cached blob
+            if self._heap_state_seen is not HolderState.RUNNING:
+                self._heap.request()
+            await self._heap.maybe_trim()
+        self._heap_state_seen = value
 
-    def _lease_left(self) -> float:
-        state = self._state
-        if isinstance(state, Running):
-            return 0.0
-        return max(0.0, state.lease_deadline - self._clock.monotonic())
+    def _state_value(self) -> HolderState:
+        current = self._ops.current
+        return HolderState.RUNNING if current is None else current.value
 
     # --- introspection -------------------------------------------------------------
 
     async def info(self) -> HolderInfo:
         """The holder's identity, state and load."""
-        self._ensure_watchdog()
-        op = self._operation()
+        self._watchdog.ensure_running()
+        op_id = self._ops.current_id()
         return HolderInfo(
-            instance_id=self.instance_id, node_id=self.node_id, state=self._state.value,
-            operation_id=None if op is None else op.id,
-            lease_expires_in_s=None if op is None else self._lease_left(),
-            sessions=len(self._table), turns_in_flight=len(self._turns),
+            instance_id=self.instance_id, node_id=self.node_id, state=self._state_value(),
+            operation_id=op_id,
+            lease_expires_in_s=None if op_id is None else self._ops.lease_left(
+                self._clock.monotonic()),
+            sessions=len(self._table), turns_in_flight=len(self._gate),
             last_snapshot_id=self._last_snapshot_id, options=dict(self._options),
         )
 
     @property
     def current(self) -> tuple[HolderState, str | None]:
         """The state, and the operation it is for (None when running)."""
-        op = self._operation()
-        return self._state.value, None if op is None else op.id
+        return self._state_value(), self._ops.current_id()
 
     def bounds(self) -> dict[str, int]:
         """The sizes of what a holder remembers beyond its sessions (all bounded)."""
-        return {"history": len(self._history), "drivers": self._history.drivers,
-                "aborted_tokens": len(self._aborted_tokens),
-                "retire_marks": len(self._retired),
-                "released": len(self._released),
-                "undo": 0 if self._undo is None else len(self._undo[1])}
+        live = self._ops.live_restore()
+        return {"history": len(self._ops.history), "drivers": self._ops.history.drivers,
+                "aborted_tokens": self._gate.aborted_tokens,
+                "retire_marks": self._gate.retire_marks,
+                "released": len(self._ops.released()),
+                "undo": 0 if live is None else len(live[1].rollouts)}
 
     async def sessions(self) -> list[SessionRecord]:
         """Every live session, sorted by capture key."""
@@ -485,7 +394,8 @@ class SessionHolder:
             opening.append((episode, state, None if where is None else
                             self._sandboxes.check_directory(where, episode.capture_key)))
         # Recorded before the gate: once it opens, the sessions go live with no await.
-        recorded = await self._record_directories(
+        recorded = await self._sandboxes.record_all(
+            self._runtime.run_blocking,
             [(ep.capture_key, d) for ep, _, d in opening if d is not None])
         try:
             await self._wait_for_gate()
@@ -508,25 +418,6 @@ class SessionHolder:
                                         recorded[episode.capture_key])
         self._heap.note(sum(len(state) for _, state, _ in opening))
         return len(opening)
-
-    async def _record_directories(self, directories: list[tuple[str, Path]],
-                                  previous: Recorded | None = None) -> dict[str, Recorded]:
-        """Each directory's tree, recorded in a thread; keyed by its session's capture key."""
-        out: dict[str, Recorded] = {}
-        if not directories:
-            return out
-        self._sandboxes.scans_in_flight += 1
-        try:
-            for key, directory in directories:
-                out[key] = await self._runtime.run_blocking(
-                    self._sandboxes.record, directory, previous)
-        except BaseException:
-            for rec in out.values():
-                self._sandboxes.forget_unused(rec)
-            raise
-        finally:
-            self._sandboxes.scans_in_flight -= 1
-        return out
 
     def _record(self, held: Held) -> SessionRecord:
         record = held.record(self.instance_id)
@@ -569,13 +460,8 @@ class SessionHolder:
         await self._wait_for_gate()
         self._refuse_aborted(episode, token)
         record = self._record(self._held(episode))
-        key = episode.capture_key
-        if key in self._turns:
-            raise TurnInProgressError(
-                f"{self.instance_id}: session {key} already has a turn in flight; "
-                f"a session runs one turn at a time")
-        self._turns[key] = _Turn(token, self._clock.monotonic())
-        self._undo = None  # a restored session in use is not undone any more
+        self._gate.begin(episode.capture_key, token, self._clock.monotonic())
+        self._settle_restore()
         return record
 
     async def commit_turn(
@@ -598,13 +484,13 @@ class SessionHolder:
             try:
                 self._check_size("turn record", episode, record)
                 self._check_size("state", episode, state)
-                recorded = (await self._record_directories(
-                    [(episode.capture_key, box.directory)], box.recorded))[
-                        episode.capture_key]
+                recorded = (await self._sandboxes.record_all(
+                    self._runtime.run_blocking, [(episode.capture_key, box.directory)],
+                    box.recorded))[episode.capture_key]
             except BaseException:
                 if self._turn_is(episode, token):
                     self._take_turn(episode, token)
-                    await self._notify_turn_done()
+                    await self._gate.notify()
                 raise
         try:
             self._take_turn(episode, token)
@@ -635,31 +521,24 @@ class SessionHolder:
         finally:
             if recorded is not None:
                 self._sandboxes.forget_unused(recorded)
-            await self._notify_turn_done()
+            await self._gate.notify()
 
     def _turn_is(self, episode: EnvironmentEpisode, token: str) -> bool:
-        turn = self._turns.get(episode.capture_key)
-        return turn is not None and turn.token == token
+        return self._gate.holds(episode.capture_key, token)
 
     async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None:
         """Abort a turn: nothing it did is recorded. A token not in flight (its begin
         still travelling, or already finished) is remembered and refused later."""
         self._check_episode(episode)
-        turn = self._turns.get(episode.capture_key)
-        if turn is not None and turn.token == token:
-            del self._turns[episode.capture_key]
-            await self._notify_turn_done()
-            return
-        self._aborted_tokens[token] = None
-        while len(self._aborted_tokens) > _ABORTED_TOKENS:
-            self._aborted_tokens.popitem(last=False)
+        if self._gate.abort(episode.capture_key, token):
+            await self._gate.notify()
 
     async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
         """Close a finished session (of ``episode``, or with that capture key) and return
         its final record. Waits while paused."""
         await self._wait_for_gate()
         held = self._held(episode)
-        if held.capture_key in self._turns:
+        if held.capture_key in self._gate:
             raise TurnInProgressError(
                 f"{self.instance_id}: session {held.capture_key} has a turn in flight; "
                 f"finish the turn before closing the session")
@@ -677,19 +556,15 @@ class SessionHolder:
         dropped = []
         for ep in episodes:
             self._check_episode(ep)
-            mark = max(ep.attempt, self._retired.pop(ep.rollout_id, -1))
-            self._retired[ep.rollout_id] = mark
+            mark = self._gate.retire(ep.rollout_id, ep.attempt)
             held = self._table.of_rollout(ep.rollout_id)
             if held is not None and held.attempt <= mark:
-                self._turns.pop(held.capture_key, None)  # it can no longer commit
+                self._gate.drop(held.capture_key)  # it can no longer commit
                 self._table.drop(held.rollout_id)
                 self._sandboxes.drop(held.rollout_id)
                 dropped.append(held.capture_key)
-        while len(self._retired) > self._max_retired_marks:
-            rollout_id, _ = self._retired.popitem(last=False)
-            log.warning("%s: more than %d retire marks; forgetting the oldest (%s)",
-                        self.instance_id, self._max_retired_marks, rollout_id)
-        await self._notify_turn_done()
+        self._gate.bound_marks()
+        await self._gate.notify()
         return dropped
 
     async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
@@ -699,14 +574,13 @@ class SessionHolder:
         dropped = []
         for ep in episodes:
             self._check_episode(ep)
-            if self._retired.get(ep.rollout_id, -1) <= ep.attempt:
-                self._retired.pop(ep.rollout_id, None)
+            self._gate.forget(ep.rollout_id, ep.attempt)
             if self._table.get(ep) is not None:
-                self._turns.pop(ep.capture_key, None)
+                self._gate.drop(ep.capture_key)
                 self._table.drop(ep.rollout_id)
                 self._sandboxes.drop(ep.rollout_id)
                 dropped.append(ep.capture_key)
-        await self._notify_turn_done()
+        await self._gate.notify()
         return dropped
 
     # --- snapshot phases (from the coordinator) ---------------------------------------
@@ -715,27 +589,23 @@ class SessionHolder:
                     directory: str | None = None) -> PauseReport:
         """Close the turn gate, drain turns in flight up to the deadline, take a lease.
         Repeating it returns the first report."""
-        state = self._state
-        if isinstance(state, Paused) and state.op.id == snapshot_id:
-            op = state.op
+        state = self._ops.get(snapshot_id)
+        if isinstance(state, SnapshotPaused):
+            op = state.work
         else:
             self._admit(snapshot_id, f"pause for snapshot {snapshot_id}")
-            op = _SnapshotOp(snapshot_id, folder_at(directory or "."))
-            self._set_state(Paused(op, self._clock.monotonic() + lease_s))
+            op = SnapshotWork(snapshot_id, folder_at(directory or "."))
+            self._set_state(snapshot_id,
+                            SnapshotPaused(op, self._clock.monotonic() + lease_s))
         if op.pause is not None:
             return op.pause
         start = self._clock.monotonic()
         await self._injected_delay("pause")
-        async with self._turns_done:
-            try:
-                await asyncio.wait_for(
-                    self._turns_done.wait_for(lambda: not self._turns), drain_timeout_s)
-            except asyncio.TimeoutError:
-                pass
+        await self._gate.drain(drain_timeout_s)
         op = self._current_snapshot(snapshot_id)  # aborted or lapsed while draining?
         if op.pause is None:
             op.pause = PauseReport(self.instance_id, self._clock.monotonic() - start,
-                                   len(self._turns))
+                                   len(self._gate))
             tags = {"instance": self.instance_id}
             self._metrics.observe("drain", op.pause.drain_seconds, tags)
             self._metrics.set_gauge("sessions", float(len(self._table)), tags)
@@ -758,45 +628,39 @@ class SessionHolder:
         """Extend the lease of the snapshot or restore in progress (paused, restoring or
         released); returns seconds left. Refused, without changing anything, for any
         other operation."""
-        state = self._state
-        holder: Paused | Restoring | _Released | None = self._released.get(operation_id)
-        if holder is None and not isinstance(state, Running) and state.op.id == operation_id:
-            holder = state
-        if holder is None:
+        state = self._ops.get(operation_id)
+        if not isinstance(state, SnapshotPaused | SnapshotReleased | RestorePreparing):
             raise self._refusal(operation_id)
-        holder.lease_deadline = self._clock.monotonic() + lease_s
+        state.lease_deadline = self._clock.monotonic() + lease_s
         return lease_s
 
     async def release(self, snapshot_id: str) -> None:
         """The driver's block exited: open the turn gate now, while the shard is still
         being written; the snapshot stays open here (under its lease) until its commit
         or abort. Repeating it, or for a snapshot not paused here, changes nothing."""
-        state = self._state
-        if isinstance(state, Paused) and state.op.id == snapshot_id:
-            self._released[snapshot_id] = _Released(state.op, state.lease_deadline)
-            self._set_state(Running())
+        state = self._ops.get(snapshot_id)
+        if isinstance(state, SnapshotPaused):
+            self._set_state(snapshot_id, SnapshotReleased(state.work, state.lease_deadline))
 
     async def capture(self, snapshot_id: str) -> CaptureReport:
         """Copy the idle sessions in memory; sessions mid-turn are reported restarting."""
         op = self._current_snapshot(snapshot_id)
-        if op.capture_report is not None:
-            return op.capture_report
+        if op.capture is not None:
+            return op.capture.report
         await self._injected_delay("capture")
         op = self._current_snapshot(snapshot_id)
-        if op.capture_report is not None:
-            return op.capture_report
+        if op.capture is not None:
+            return op.capture.report
         start = self._clock.monotonic()
         # Held sessions are immutable (a turn replaces its session's): a list of them is
         # a consistent, cheap capture, and their rows are the report.
         held = list(self._table)
-        mid_turn = [h for h in held if h.capture_key in self._turns] if self._turns else []
+        mid_turn = [h for h in held if h.capture_key in self._gate] if len(self._gate) else []
         if mid_turn:
             busy = set(map(id, mid_turn))
             held = [h for h in held if id(h) not in busy]
-        op.capture = held
-        if len(self._sandboxes):
-            op.sandboxes = self._sandboxes.capture(held)
-        op.capture_report = CaptureReport(
+        sandboxes = self._sandboxes.capture(held) if len(self._sandboxes) else None
+        report = CaptureReport(
             instance_id=self.instance_id,
             captured_msgpack=join_captured([h.row for h in held]),
             captured_count=len(held),
@@ -804,21 +668,20 @@ class SessionHolder:
             capture_seconds=self._clock.monotonic() - start,
             state_bytes=self._table.held_bytes - sum(h.size for h in mid_turn),
         )
-        return op.capture_report
+        op.capture = Capture(held, report, sandboxes)
+        return report
 
     async def start_persist(self, snapshot_id: str, directory: str | None = None) -> None:
         """Start writing the captured sessions' shard in the background, into
         ``directory`` or the one ``begin`` named. Repeating it is a no-op."""
         op = self._current_snapshot(snapshot_id)
-        if op.capture is None or op.capture_report is None:
+        if op.capture is None:
             raise HolderStateError(
                 f"{self.instance_id}: persist for snapshot {snapshot_id} before capture")
         if directory is not None:
             op.directory = folder_at(directory)
         if op.persist is None:
-            op.persist = asyncio.ensure_future(
-                self._persist(op, op.directory, op.capture,
-                              op.capture_report.captured_msgpack))
+            op.persist = asyncio.ensure_future(self._persist(op, op.directory, op.capture))
             # Its error reaches finish_persist; one of a snapshot that ended meanwhile
             # (aborted, lapsed) has no reader, and is not an error to report.
             op.persist.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -839,7 +702,8 @@ class SessionHolder:
     async def resume(self, snapshot_id: str) -> None:
         """The snapshot committed: open the turn gate. Repeating it, or after the
         snapshot ended here otherwise (its lease lapsed), is a no-op."""
-        if self._end_snapshot(snapshot_id, Outcome.COMMITTED):
+        if self._ops.snapshot(snapshot_id) is not None:
+            self._set_state(snapshot_id, Ended(Outcome.COMMITTED))
             self._heap.request()
 
     async def abort(self, operation_id: str) -> None:
@@ -852,16 +716,7 @@ class SessionHolder:
         - one never seen (this abort overtook its first call): remembered, so that
           its late first call is refused instead of pausing the holder.
         """
-        op = self._operation()
-        if op is not None and op.id == operation_id:
-            self._end_operation(Outcome.ABORTED)
-            return
-        if self._end_snapshot(operation_id, Outcome.ABORTED):
-            return
-        if self._undo is not None and self._undo[0] == operation_id:
-            self._undo_restore()
-            return
-        self._history.record(operation_id, Outcome.ABORTED)
+        self._set_state(operation_id, Ended(Outcome.ABORTED))
 
     # --- restore phases (from the coordinator) ----------------------------------------
 
@@ -872,49 +727,29 @@ class SessionHolder:
         """Read and verify this instance's shards, and materialize their sessions'
         directories (from ``blob_store``) in a staging folder; nothing goes live until
         commit. Repeating it waits for and returns the first call's result."""
-        state = self._state
-        if isinstance(state, Restoring) and state.op.id == restore_id:
-            return await asyncio.shield(state.op.prepared)
+        state = self._ops.get(restore_id)
+        if isinstance(state, RestorePreparing):
+            return await asyncio.shield(state.work.prepared)
         self._admit(restore_id, f"restore {restore_id}", restore=True)
-        op = _RestoreOp(restore_id)
-        self._set_state(Restoring(op, self._clock.monotonic() + lease_s))
+        op = RestoreWork(restore_id)
+        self._set_state(restore_id, RestorePreparing(op, self._clock.monotonic() + lease_s))
         try:
             await self._injected_delay("prepare_restore")
             directory = folder_at(where)
             pending: list[Held] = []
             shard_sessions = []
             keys: set[str] = set()
-            read = 0
             started = self._clock.monotonic()
             for entry in shards:
-                if entry.instance_id != self.instance_id:
-                    raise HolderStateError(
-                        f"{self.instance_id}: asked to restore shard {entry.file} of "
-                        f"{entry.instance_id}")
-                parts = await self._runtime.run_blocking(load_shard, directory, entry)
-                read += entry.bytes
-                self._current_restore(restore_id)  # ended while reading?
-                try:
-                    with collector_paused():
-                        held = [Held.continued(row, turns, state) for row, turns, state
-                                in zip(parts.rows, parts.turns, parts.states, strict=True)]
-                        for row in parts.rows:
-                            keys.update(row[2])
-                        pairs = [row[:2] for row in parts.rows]
-                except ValueError as exc:
-                    raise ShardCorruptedError(
-                        directory.describe(entry.file),
-                        f"shard {directory.describe(entry.file)} matches its hash but a "
-                        f"session in it does not decode ({exc}): restore an earlier "
-                        f"checkpoint") from exc
-                if entry.trees is not None:
-                    staged = await self._runtime.run_blocking(
-                        self._sandboxes.prepare_restore, restore_id, directory, entry,
-                        blob_store, {h.rollout_id: h.capture_key for h in held})
-                    op.sandboxes += staged
-                    self._current_restore(restore_id)  # ended while materializing?
-                pending += held
-                shard_sessions.append((entry.file, msgpack.packb(pairs, use_bin_type=True)))
+                shard = await read_restore_shard(
+                    self._runtime, self._sandboxes, self.instance_id, restore_id,
+                    directory, entry, blob_store,
+                    lambda: self._current_restore(restore_id))
+                op.sandboxes += shard.sandboxes
+                self._current_restore(restore_id)  # ended while materializing?
+                pending += shard.held
+                keys |= shard.staging_keys
+                shard_sessions.append((entry.file, shard.sessions_msgpack))
             loaded = self._clock.monotonic()
             conflicts = sorted(h.rollout_id for h in pending
                                if self._table.of_rollout(h.rollout_id) is not None)
@@ -928,7 +763,7 @@ class SessionHolder:
             prepared = RestorePrepared(
                 instance_id=self.instance_id,
                 staging_keys=frozenset(keys),
-                bytes_read=read,
+                bytes_read=sum(entry.bytes for entry in shards),
                 read_seconds=loaded - started,
                 shard_sessions=tuple(shard_sessions),
                 live_rollouts=msgpack.packb(self._table.rollouts(), use_bin_type=True),
@@ -939,18 +774,18 @@ class SessionHolder:
             if not op.prepared.done():
                 op.prepared.set_exception(exc)
                 op.prepared.exception()  # retrieved here; a repeat call re-raises it
-            if self._operation() is op:
-                self._end_operation(Outcome.ABORTED)
+            if self._restore_open(op):
+                self._set_state(restore_id, Ended(Outcome.ABORTED))
             raise
 
     async def commit_restore(self, restore_id: str) -> int:
         """Make the restored sessions live and resume. Returns how many went live."""
-        state = self._state
-        if not (isinstance(state, Restoring) and state.op.id == restore_id):
-            if self._history.outcome(restore_id) is Outcome.COMMITTED:
+        state = self._ops.get(restore_id)
+        if not isinstance(state, RestorePreparing):
+            if self._ops.outcome(restore_id) is Outcome.COMMITTED:
                 return 0
             raise self._refusal(restore_id)
-        op = state.op
+        op = state.work
         if not op.prepared.done() or op.prepared.exception() is not None:
             raise HolderStateError(
                 f"{self.instance_id}: commit of restore {restore_id} before it was prepared")
@@ -963,7 +798,7 @@ class SessionHolder:
                     f"restore")
         if op.sandboxes:
             await self._runtime.run_blocking(self._sandboxes.commit_restore, op.sandboxes)
-            if self._operation() is not op:  # aborted or lapsed while they moved
+            if not self._restore_open(op):  # aborted or lapsed while they moved
                 self._sandboxes.doom(b.target for b in op.sandboxes)
                 self._background(self._sandboxes.remove_doomed)
                 raise self._refusal(restore_id)
@@ -971,9 +806,8 @@ class SessionHolder:
             self._table.put(held)
         for box in op.sandboxes:
             self._sandboxes.install(box.rollout_id, box.target, box.recorded)
-        self._undo = (restore_id, tuple(h.rollout_id for h in op.pending))
-        self._undo_directories = [b.target for b in op.sandboxes]
-        self._end_operation(Outcome.COMMITTED)
+        self._set_state(restore_id, RestoreLive(tuple(h.rollout_id for h in op.pending),
+                                                tuple(b.target for b in op.sandboxes)))
         self._heap.request()
         return len(op.pending)
 
@@ -996,7 +830,7 @@ class SessionHolder:
         return held
 
     def _refuse_retired(self, episode: EnvironmentEpisode) -> None:
-        mark = self._retired.get(episode.rollout_id)
+        mark = self._gate.retired_up_to(episode.rollout_id)
         if mark is not None and episode.attempt <= mark:
             raise RetiredAttemptError(
                 f"{self.instance_id}: attempt {episode.capture_key} was retired by RL "
@@ -1004,25 +838,23 @@ class SessionHolder:
                 f"attempt instead, or forget this one first")
 
     def _refuse_aborted(self, episode: EnvironmentEpisode, token: str) -> None:
-        if token in self._aborted_tokens:
-            del self._aborted_tokens[token]
+        if self._gate.consume_aborted(token):
             raise TurnAbortedError(
                 f"{self.instance_id}: the turn of {episode.capture_key} was aborted by its "
                 f"caller before it began here; nothing was recorded")
 
     def _take_turn(self, episode: EnvironmentEpisode, token: str) -> None:
-        key = episode.capture_key
-        turn = self._turns.get(key)
-        if turn is None or turn.token != token:
+        if not self._gate.take(episode.capture_key, token):
             self._refuse_retired(episode)
             raise TurnInProgressError(
-                f"{self.instance_id}: no turn in flight for {key} with that token; "
-                f"it was aborted (turn timeout, retire or forget) or already finished")
-        del self._turns[key]
+                f"{self.instance_id}: no turn in flight for {episode.capture_key} with "
+                f"that token; it was aborted (turn timeout, retire or forget) or already "
+                f"finished")
 
-    async def _notify_turn_done(self) -> None:
-        async with self._turns_done:
-            self._turns_done.notify_all()
+    def _restore_open(self, work: RestoreWork) -> bool:
+        """Whether ``work``'s restore is still preparing (not aborted or lapsed)."""
+        state = self._ops.get(work.id)
+        return isinstance(state, RestorePreparing) and state.work is work
 
     def _check_episode(self, episode: object) -> None:
         if not isinstance(episode, EnvironmentEpisode):
@@ -1039,38 +871,23 @@ class SessionHolder:
                 f"the session or raise CheckpointConfig.max_state_bytes")
 
     async def _wait_for_gate(self) -> None:
-        self._ensure_watchdog()
-        await self._gate.wait()
+        self._watchdog.ensure_running()
+        await self._gate.wait_open()
 
     def _require_running(self, what: str) -> None:
-        if not isinstance(self._state, Running):
-            raise HolderBusyError(self._busy_message(what))
+        if self._ops.current is not None:
+            raise self._busy(what)
 
-    async def _persist(self, op: _SnapshotOp, directory: Folder,
-                       records: list[Held], index: bytes) -> PersistReport:
+    async def _persist(self, op: SnapshotWork, directory: Folder,
+                       capture: Capture) -> PersistReport:
         start = self._clock.monotonic()
         await self._injected_delay("persist")
         shards: tuple[ShardEntry, ...] = ()
-        if records:
-            name = shard_file_name(op.id, self.instance_id)
-            names = [name]
-            trees = None
-            if op.sandboxes is not None and op.sandboxes.any():
-                # Blobs first, then the trees file, then the shard: all before the manifest.
-                names.append(trees_file_name(op.id, self.instance_id))
-                try:
-                    trees = await self._runtime.run_blocking(
-                        self._sandboxes.persist, op.sandboxes, directory, op.id,
-                        self._clock.monotonic)
-                except BaseException:
-                    await self._runtime.run_blocking(remove_files, directory, names)
-                    raise
-            entry = await self._runtime.run_blocking(
-                write_held_shard, directory, name, self.instance_id, records, index)
-            if trees is not None:
-                entry = entry.model_copy(update={"trees": trees})
-            if self._operation() is not op and op.id not in self._released \
-                    and self._history.outcome(op.id) is not Outcome.COMMITTED:
+        if capture.held:
+            entry, names = await write_capture(self._runtime, self._sandboxes,
+                                               self.instance_id, op.id, directory, capture)
+            if self._ops.snapshot(op.id) is not op \
+                    and self._ops.outcome(op.id) is not Outcome.COMMITTED:
                 # Aborted or lapsed while the thread wrote: the files must not outlive it.
                 await self._runtime.run_blocking(remove_files, directory, names)
                 raise self._refusal(op.id)
@@ -1082,55 +899,3 @@ class SessionHolder:
                                          if s.trees else 0) for s in shards),
         )
 
-    def _ensure_watchdog(self) -> None:
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self._watch_period_s)
-            now = self._clock.monotonic()
-            state = self._state
-            if not isinstance(state, Running) and now > state.lease_deadline:
-                log.warning("%s: lease of %s lapsed; resuming by itself",
-                            self.instance_id, state.op.id)
-                # A shard already written stays: a coordinator may hold its report and
-                # commit it. One written later removes itself (``_persist``).
-                self._end_operation(Outcome.LAPSED)
-            for op_id, released in list(self._released.items()):
-                if now > released.lease_deadline:
-                    log.warning("%s: lease of %s lapsed while its shard was written",
-                                self.instance_id, op_id)
-                    self._end_snapshot(op_id, Outcome.LAPSED)
-            if self._turn_timeout_s is not None:
-                stale = [k for k, t in self._turns.items()
-                         if now - t.started > self._turn_timeout_s]
-                for key in stale:
-                    log.warning("%s: turn of %s exceeded %.1fs; aborting it",
-                                self.instance_id, key, self._turn_timeout_s)
-                    del self._turns[key]
-                if stale:
-                    await self._notify_turn_done()
-            # Trim only while running (a pause is kept short), after a burst of session
-            # calls or once a snapshot or restore has finished (their buffers are freed).
-            if isinstance(self._state, Running):
-                if not self._released:
-                    self._sandboxes.sweep()  # no capture may still need a cached blob
-                if self._heap_state_seen is not HolderState.RUNNING:
-                    self._heap.request()
-                await self._heap.maybe_trim()
-            self._heap_state_seen = self._state.value
-
-
-def write_held_shard(directory: Folder, name: str, instance_id: str,
-                     held: list[Held], index: bytes) -> ShardEntry:
-    """Write captured sessions as one shard, from their bytes as held; ``index`` is
-    their capture's ``captured_msgpack`` (the shard's index, the same bytes)."""
-    return write_shard_parts(directory, name, instance_id, index, len(held),
-                             ((h.turns, h.state) for h in held))
-
-
-def load_shard(directory: Folder, entry: ShardEntry) -> ShardParts:
-    """``read_shard_parts`` with the collector paused while the index is decoded."""
-    with collector_paused():
-        return read_shard_parts(directory, entry)

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from actors.session_holder import write_held_shard
+from actors.holder_shards import write_held_shard
 from actors.session_table import Held, SessionTable
 from nemo_ckpt.checkpoint_folder import folder_at
 from nemo_ckpt.interfaces import EnvironmentEpisode

@@ -1,19 +1,8 @@
 """What holders report to the coordinator, phase by phase: pure data, no Ray.
 
-A snapshot runs these phases, each carrying the snapshot id (the numbered order is in
-``actors/session_holder.py``)::
-
-    begin(id) -> (PauseReport, CaptureReport)   gate closed, drained, lease, capture
-    start_persist(id)                           shard written in the background
-    finish_persist(id) -> PersistReport         (starts the write if it was not started)
-    resume(id)                                  committed: gate open again
-    abort(id)                                   instead, at any point
-
-and a restore these, carrying the restore id::
-
-    prepare_restore(id) -> RestorePrepared   shards read and verified, nothing live yet
-    commit_restore(id) | abort(id)
-"""
+The call order of a snapshot's and a restore's phases is stated once, numbered, in the
+docstring of ``actors.session_holder.SessionHolder``; each report here names the call that
+returns it."""
 
 from __future__ import annotations
 
@@ -73,7 +62,7 @@ class HolderInfo:
 
 @dataclass(frozen=True)
 class PauseReport:
-    """The pause phase of one holder."""
+    """The pause phase of one holder (``pause``, or ``begin``'s first half)."""
 
     instance_id: str
     drain_seconds: float
@@ -98,7 +87,7 @@ def join_captured(encoded: list[bytes]) -> bytes:
 
 @dataclass(frozen=True)
 class CaptureReport:
-    """What one holder captured.
+    """What one holder captured (``capture``, or ``begin``'s second half).
 
     ``captured_msgpack`` lists ``(rollout_id, attempt, staging_keys, turns)`` per
     captured session (what the manifest lists; the coordinator builds the manifest's
@@ -129,7 +118,8 @@ class CaptureReport:
 
 @dataclass(frozen=True)
 class PersistReport:
-    """What one holder wrote. The rollouts in it are the holder's capture."""
+    """What one holder wrote (``finish_persist``). The rollouts in it are the holder's
+    capture."""
 
     instance_id: str
     shards: tuple[ShardEntry, ...]
@@ -139,7 +129,7 @@ class PersistReport:
 
 @dataclass(frozen=True)
 class RestorePrepared:
-    """One holder's verified, not yet live, restore.
+    """One holder's verified, not yet live, restore (``prepare_restore``).
 
     What each shard holds ships as msgpack bytes, ``[[rollout_id, captured attempt],
     ...]`` per shard, and the holder's live rollouts as one msgpack list: one ``bytes``

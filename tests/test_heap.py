@@ -16,6 +16,7 @@ from actors.session_holder import SessionHolder
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient
+from tests.virtual_time import on_virtual_time, virtual_runtime
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,29 +152,28 @@ def test_malloc_trim_returns_memory_freed_between_live_chunks() -> None:
 # --- the holder's watchdog drives it ---------------------------------------------------------
 
 
+@on_virtual_time
 async def test_the_holder_trims_after_a_burst_of_opens_and_after_a_snapshot() -> None:
-    h = SessionHolder("holder-0", node_id="node-a")
+    runtime = virtual_runtime()
     trim = CountingTrim()
-    h._heap = HeapTrimmer(trim_after_bytes=1 * MiB, quiet_s=0.1, min_interval_s=0.3,
-                          trim=trim)
-    try:
-        for k in range(8):
-            await h.open_session(Ep(f"r{k}", 0), bytes(256 << 10))  # 2 MiB in all
-        await asyncio.sleep(0.5)
-        assert trim.calls == 1
-        await asyncio.sleep(0.5)
-        assert trim.calls == 1  # idle: nothing new arrived
+    heap_trimmer = HeapTrimmer(trim_after_bytes=1 * MiB, quiet_s=0.1, min_interval_s=0.3,
+                               trim=trim, clock=runtime.clock.monotonic,
+                               run_blocking=runtime.run_blocking)
+    h = SessionHolder("holder-0", node_id="node-a", runtime=runtime, trimmer=heap_trimmer)
+    for k in range(8):
+        await h.open_session(Ep(f"r{k}", 0), bytes(256 << 10))  # 2 MiB in all
+    await asyncio.sleep(0.5)
+    assert trim.calls == 1
+    await asyncio.sleep(0.5)
+    assert trim.calls == 1  # idle: nothing new arrived
 
-        await h.pause("snap-1", drain_timeout_s=1, lease_s=10)
-        h._heap.note(4 * MiB)  # bytes that arrive while paused wait for the resume
-        await asyncio.sleep(0.5)
-        assert trim.calls == 1
-        await h.resume("snap-1")
-        await asyncio.sleep(0.5)
-        assert trim.calls == 2
-    finally:
-        if h._watchdog is not None:
-            h._watchdog.cancel()
+    await h.pause("snap-1", drain_timeout_s=1, lease_s=10)
+    heap_trimmer.note(4 * MiB)  # bytes that arrive while paused wait for the resume
+    await asyncio.sleep(0.5)
+    assert trim.calls == 1
+    await h.resume("snap-1")
+    await asyncio.sleep(0.5)
+    assert trim.calls == 2
 
 
 # --- session records: one slotted object per session ------------------------------------------

@@ -79,7 +79,7 @@ class World:
         return {a.name: a.obj for a in self.sim.live(HOLDER)}
 
     def states(self) -> dict[str, HolderState]:
-        return {name: h._state.value for name, h in self.holders().items()}
+        return {name: h.current[0] for name, h in self.holders().items()}
 
     async def client(self, instance: str) -> SessionClient:
         transport = self.sim.transport(self.worker, CONFIG)

@@ -182,7 +182,7 @@ def test_a_directory_is_restored_byte_for_byte_as_its_last_committed_turn_left_i
                     turn.complete(b"t", b"s")
 
         fresh.run(restore())
-        assert {h._state.value for h in fresh.holders().values()} == {HolderState.RUNNING}
+        assert {h.current[0] for h in fresh.holders().values()} == {HolderState.RUNNING}
     finally:
         fresh.close()
 

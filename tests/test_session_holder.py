@@ -1,4 +1,7 @@
-"""The session holder's state machine, driven directly (no Ray) for speed and precision."""
+"""The session holder's state machine, driven directly (no Ray) for speed and precision.
+
+Every test runs on virtual time (``tests/virtual_time.py``): a lease that lapses or a turn
+that times out is stepped exactly, without waiting for it."""
 
 from __future__ import annotations
 
@@ -32,12 +35,14 @@ from nemo_ckpt.phases import HolderState
 from nemo_ckpt.session_record import encode_turns
 from nemo_ckpt.shards import read_shard
 from nemo_ckpt.snapshot_files import read_manifest
+from tests.virtual_time import now, on_virtual_time, virtual_runtime
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def holder(**kw: object) -> SessionHolder:
-    return SessionHolder("holder-0", node_id="node-a", **kw)  # type: ignore[arg-type]
+def holder(node_id: str = "node-a", **kw: object) -> SessionHolder:
+    return SessionHolder("holder-0", node_id=node_id, runtime=virtual_runtime(),
+                         **kw)  # type: ignore[arg-type]
 
 
 _tokens = itertools.count()
@@ -56,6 +61,7 @@ async def run_turn(h: SessionHolder, ep: Ep, record: bytes, state: bytes,
     await h.commit_turn(ep, token, record, state, keys)
 
 
+@on_virtual_time
 async def test_turns_append_records_replace_state_and_collect_staging_keys() -> None:
     h = holder()
     ep = Ep("r", 0)
@@ -66,6 +72,7 @@ async def test_turns_append_records_replace_state_and_collect_staging_keys() -> 
     assert (s.turns, s.state, s.staging_keys) == ((b"t0", b"t1"), b"s2", {"r/0", "r/1"})
 
 
+@on_virtual_time
 async def test_an_aborted_turn_records_nothing() -> None:
     h = holder()
     ep = Ep("r", 0)
@@ -78,6 +85,7 @@ async def test_an_aborted_turn_records_nothing() -> None:
         await h.commit_turn(ep, token, b"late", b"x")
 
 
+@on_virtual_time
 async def test_one_turn_at_a_time_per_session() -> None:
     h = holder()
     await h.open_session(Ep("r", 0))
@@ -86,6 +94,7 @@ async def test_one_turn_at_a_time_per_session() -> None:
         await begin(h, Ep("r", 0))
 
 
+@on_virtual_time
 async def test_colliding_capture_keys_are_refused() -> None:
     h = holder()
     await h.open_session(Ep("r", 1))  # capture key "r-a1"
@@ -97,6 +106,7 @@ async def test_colliding_capture_keys_are_refused() -> None:
         await h.open_session(Ep("r", 2))
 
 
+@on_virtual_time
 async def test_oversized_state_and_records_are_refused() -> None:
     h = holder(max_state_bytes=10)
     with pytest.raises(StateTooLargeError, match="11 bytes, over the limit of 10"):
@@ -108,11 +118,13 @@ async def test_oversized_state_and_records_are_refused() -> None:
     assert (await h.get_session("r")).turns == ()
 
 
+@on_virtual_time
 async def test_a_session_that_does_not_exist_is_named() -> None:
     with pytest.raises(SessionNotFoundError, match="'nope'"):
         await begin(holder(), Ep("nope", 0))
 
 
+@on_virtual_time
 async def test_new_turns_wait_while_paused_and_run_after_resume() -> None:
     h = holder()
     await h.open_session(Ep("r", 0))
@@ -125,6 +137,7 @@ async def test_new_turns_wait_while_paused_and_run_after_resume() -> None:
     await h.commit_turn(Ep("r", 0), "t1", b"t", b"s")
 
 
+@on_virtual_time
 async def test_pause_drains_turns_in_flight_before_capture() -> None:
     h = holder()
     ep = Ep("r", 0)
@@ -138,12 +151,13 @@ async def test_pause_drains_turns_in_flight_before_capture() -> None:
     finisher = asyncio.ensure_future(finish_soon())
     report = await h.pause("snap-1", drain_timeout_s=5, lease_s=10)
     await finisher
-    assert report.turns_in_flight == 0 and report.drain_seconds >= 0.15
+    assert report.turns_in_flight == 0 and report.drain_seconds == pytest.approx(0.2)
     capture = await h.capture("snap-1")
     assert capture.captured() == [("r", 0, ["r/0"], 1)] and capture.restarting == ()
     assert capture.captured_count == 1
 
 
+@on_virtual_time
 async def test_a_session_mid_turn_at_the_deadline_restarts_and_is_not_captured() -> None:
     h = holder()
     await h.open_session(Ep("busy", 0))
@@ -156,6 +170,7 @@ async def test_a_session_mid_turn_at_the_deadline_restarts_and_is_not_captured()
     assert capture.restarting == (("busy", 0),)
 
 
+@on_virtual_time
 async def test_repeated_phases_are_idempotent_and_stale_ids_refused(tmp_path: Path) -> None:
     h = holder()
     await h.open_session(Ep("r", 0), b"s")
@@ -182,6 +197,7 @@ async def test_repeated_phases_are_idempotent_and_stale_ids_refused(tmp_path: Pa
         await h.capture("snap-1")
 
 
+@on_virtual_time
 async def test_the_capture_reports_each_sessions_latest_turns_keys_and_state() -> None:
     h = holder()
     await h.open_session(Ep("a", 0), b"12345")
@@ -201,6 +217,7 @@ async def test_the_capture_reports_each_sessions_latest_turns_keys_and_state() -
     assert capture.restarting == (("busy", 0),)
 
 
+@on_virtual_time
 async def test_begin_pauses_and_captures_without_writing_until_asked(tmp_path: Path) -> None:
     h = holder()
     await h.open_session(Ep("r", 0), b"s")
@@ -215,6 +232,7 @@ async def test_begin_pauses_and_captures_without_writing_until_asked(tmp_path: P
     assert [r.episode for r in read_shard(directory, report.shards[0])] == [Ep("r", 0)]
 
 
+@on_virtual_time
 async def test_finish_persist_starts_a_write_whose_start_message_never_came(
     tmp_path: Path,
 ) -> None:
@@ -228,6 +246,7 @@ async def test_finish_persist_starts_a_write_whose_start_message_never_came(
     assert await h.finish_persist("snap-1") == report
 
 
+@on_virtual_time
 async def test_persist_of_a_snapshot_not_yet_captured_is_refused() -> None:
     h = holder()
     await h.open_session(Ep("r", 0), b"s")
@@ -236,6 +255,7 @@ async def test_persist_of_a_snapshot_not_yet_captured_is_refused() -> None:
         await h.finish_persist("snap-1")
 
 
+@on_virtual_time
 async def test_a_lapsed_lease_resumes_the_holder_and_blocks_the_commit(tmp_path: Path) -> None:
     h = holder()
     await h.open_session(Ep("r", 0))
@@ -256,6 +276,7 @@ async def test_a_lapsed_lease_resumes_the_holder_and_blocks_the_commit(tmp_path:
     await asyncio.wait_for(begin(h, Ep("r", 0)), 1)
 
 
+@on_virtual_time
 async def test_a_shard_finished_after_its_snapshot_was_aborted_removes_itself(
     tmp_path: Path,
 ) -> None:
@@ -270,6 +291,21 @@ async def test_a_shard_finished_after_its_snapshot_was_aborted_removes_itself(
     assert list((tmp_path / "environment").iterdir()) == []
 
 
+@on_virtual_time
+async def test_a_lease_lapses_at_the_watchdogs_first_look_past_its_deadline() -> None:
+    h = holder(watch_period_s=0.1)
+    await h.pause("snap-1", 1, lease_s=0.25)
+    await asyncio.sleep(0.29 - now())
+    assert h.current == (HolderState.PAUSED, "snap-1")  # past the deadline, not yet seen
+    await asyncio.sleep(0.31 - now())
+    assert h.current == (HolderState.RUNNING, None)
+    await h.resume("snap-1")  # a late resume changes nothing
+    assert h.current == (HolderState.RUNNING, None)
+    with pytest.raises(LeaseExpiredError, match="lease of snap-1 lapsed"):
+        await h.capture("snap-1")
+
+
+@on_virtual_time
 async def test_renewing_the_lease_keeps_the_holder_paused() -> None:
     h = holder()
     await h.pause("snap-1", 1, lease_s=0.3)
@@ -279,6 +315,7 @@ async def test_renewing_the_lease_keeps_the_holder_paused() -> None:
     assert (await h.info()).state is HolderState.PAUSED
 
 
+@on_virtual_time
 async def test_retire_drops_the_session_and_refuses_its_late_turns() -> None:
     h = holder()
     ep = Ep("r", 0)
@@ -296,6 +333,7 @@ async def test_retire_drops_the_session_and_refuses_its_late_turns() -> None:
     assert await h.forget([ep]) == ["r"]
 
 
+@on_virtual_time
 async def test_retire_and_forget_are_refused_while_paused() -> None:
     h = holder()
     await h.pause("snap-1", 1, 10)
@@ -304,6 +342,7 @@ async def test_retire_and_forget_are_refused_while_paused() -> None:
             await op([Ep("r", 0)])
 
 
+@on_virtual_time
 async def test_restore_installs_next_attempts_only_on_commit(tmp_path: Path) -> None:
     src = holder()
     ep = Ep("r", 0)
@@ -315,7 +354,7 @@ async def test_restore_installs_next_attempts_only_on_commit(tmp_path: Path) -> 
     await src.start_persist("snap-1", str(directory))
     report = await src.finish_persist("snap-1")
 
-    dst = SessionHolder("holder-0", node_id="node-b")
+    dst = holder("node-b")
     prepared = await dst.prepare_restore("restore-1", str(directory), list(report.shards), 10)
     assert prepared.continued() == [("r", 0)] and prepared.staging_keys == {"r/0"}
     assert prepared.sessions_by_shard() == [(report.shards[0].file, [("r", 0)])]
@@ -328,6 +367,7 @@ async def test_restore_installs_next_attempts_only_on_commit(tmp_path: Path) -> 
     await run_turn(dst, Ep("r", 1), b"t1", b"s2")  # it continues as a live session
 
 
+@on_virtual_time
 async def test_an_aborted_restore_leaves_nothing_and_a_conflict_is_refused(tmp_path: Path) -> None:
     src = holder()
     await src.open_session(Ep("r", 0))
@@ -337,7 +377,7 @@ async def test_an_aborted_restore_leaves_nothing_and_a_conflict_is_refused(tmp_p
     await src.start_persist("s", str(directory))
     shards = list((await src.finish_persist("s")).shards)
 
-    dst = SessionHolder("holder-0", node_id="node-b")
+    dst = holder("node-b")
     await dst.prepare_restore("restore-1", str(directory), shards, 10)
     await dst.abort("restore-1")
     assert await dst.sessions() == [] and (await dst.info()).state is HolderState.RUNNING
@@ -349,16 +389,19 @@ async def test_an_aborted_restore_leaves_nothing_and_a_conflict_is_refused(tmp_p
     assert [s.episode for s in await dst.sessions()] == [Ep("r", 5)]
 
 
+@on_virtual_time
 async def test_a_turn_past_its_timeout_is_aborted_by_the_holder() -> None:
     h = holder(turn_timeout_s=0.2)
     await h.open_session(Ep("r", 0))
     token = await begin(h, Ep("r", 0))
     report = await h.pause("snap-1", drain_timeout_s=2, lease_s=10)
-    assert report.turns_in_flight == 0 and report.drain_seconds < 1.5
+    # The watchdog looks every 0.1 s: its first look past the timeout ends the turn.
+    assert report.turns_in_flight == 0 and report.drain_seconds == pytest.approx(0.3)
     with pytest.raises(TurnInProgressError, match="aborted"):
         await h.commit_turn(Ep("r", 0), token, b"late", b"")
 
 
+@on_virtual_time
 async def test_persist_writes_a_shard_and_capture_ignores_later_turns(tmp_path: Path) -> None:
     h = holder()
     ep = Ep("r", 0)
@@ -379,6 +422,7 @@ async def test_persist_writes_a_shard_and_capture_ignores_later_turns(tmp_path: 
 # --- issue 11: the holder's half of the reviewed cases -----------------------------------
 
 
+@on_virtual_time
 async def test_a_turn_aborted_by_its_caller_before_its_begin_arrives_never_opens() -> None:
     # Case 4: the worker's turn() was cancelled while its begin_turn waited at the gate.
     h = holder()
@@ -393,12 +437,13 @@ async def test_a_turn_aborted_by_its_caller_before_its_begin_arrives_never_opens
         await asyncio.wait_for(waiting, 1)
     assert (await h.info()).turns_in_flight == 0
     report = await h.pause("snap-2", drain_timeout_s=5, lease_s=10)
-    assert report.turns_in_flight == 0 and report.drain_seconds < 0.5  # nothing to drain
+    assert report.turns_in_flight == 0 and report.drain_seconds == 0  # nothing to drain
     await h.resume("snap-2")
     await run_turn(h, ep, b"t0", b"s1")  # the session's turns go on
     assert (await h.close_session("r")).turns == (b"t0",)
 
 
+@on_virtual_time
 async def test_an_abort_that_overtakes_its_begin_leaves_the_holder_running() -> None:
     # Case 7: Ray does not order an async actor's calls; the late begin pauses nothing.
     h = holder()
@@ -412,6 +457,7 @@ async def test_an_abort_that_overtakes_its_begin_leaves_the_holder_running() -> 
     assert info.state is HolderState.RUNNING and info.operation_id is None
 
 
+@on_virtual_time
 async def test_a_call_for_an_operation_its_driver_has_moved_past_is_refused() -> None:
     # Fencing that outlives the bounded history: a driver runs one operation at a time.
     h = holder()
@@ -429,6 +475,7 @@ async def test_a_call_for_an_operation_its_driver_has_moved_past_is_refused() ->
     assert h.bounds()["history"] <= 64
 
 
+@on_virtual_time
 async def test_staging_keys_must_be_strings_and_a_refused_commit_changes_nothing() -> None:
     # Case 8: a bare string, a non-string key, a mix: refused, session and capture intact.
     h = holder()
@@ -447,6 +494,7 @@ async def test_staging_keys_must_be_strings_and_a_refused_commit_changes_nothing
     assert (await h.capture("snap-1")).captured() == [("r", 0, ["r/0"], 1)]
 
 
+@on_virtual_time
 async def test_retire_marks_are_monotone_until_forgotten() -> None:
     # Case 15: retiring attempt 1 refuses a zombie's attempt 0 too.
     h = holder()
@@ -464,6 +512,7 @@ async def test_retire_marks_are_monotone_until_forgotten() -> None:
     await h.open_session(Ep("r", 0))  # forgotten: the refusal is gone
 
 
+@on_virtual_time
 async def test_retire_marks_are_bounded() -> None:
     h = holder(max_retired_marks=3)
     await h.retire([Ep(f"r{k}", 0) for k in range(5)])
@@ -473,6 +522,7 @@ async def test_retire_marks_are_bounded() -> None:
         await h.open_session(Ep("r4", 0))
 
 
+@on_virtual_time
 async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: Path) -> None:
     # Case 6: the lease is renewed while prepare_restore is still reading.
     src = holder()
@@ -480,7 +530,7 @@ async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: P
     directory = prepare_environment_dir(tmp_path)
     await src.begin("snap-1", 1, 10, str(directory))
     shards = list((await src.finish_persist("snap-1")).shards)
-    dst = SessionHolder("holder-0", node_id="node-b", watch_period_s=0.02)
+    dst = holder("node-b", watch_period_s=0.02)
     await dst.inject_delay("prepare_restore", 0.6)
     preparing = asyncio.ensure_future(dst.prepare_restore("restore-1", str(directory),
                                                           shards, 0.2))
@@ -492,6 +542,7 @@ async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: P
     assert await dst.commit_restore("restore-1") == 1
 
 
+@on_virtual_time
 async def test_an_abort_after_commit_restore_drops_what_went_live(tmp_path: Path) -> None:
     # Case 5: another holder failed its commit; this one went live and must drop it again.
     src = holder()
@@ -499,7 +550,7 @@ async def test_an_abort_after_commit_restore_drops_what_went_live(tmp_path: Path
     directory = prepare_environment_dir(tmp_path)
     await src.begin("snap-1", 1, 10, str(directory))
     shards = list((await src.finish_persist("snap-1")).shards)
-    dst = SessionHolder("holder-0", node_id="node-b")
+    dst = holder("node-b")
     await dst.prepare_restore("restore-1", str(directory), shards, 10)
     assert await dst.commit_restore("restore-1") == 1
     await dst.abort("restore-1")
@@ -513,6 +564,7 @@ async def test_an_abort_after_commit_restore_drops_what_went_live(tmp_path: Path
     assert [s.episode for s in await dst.sessions()] == [Ep("r", 1)]
 
 
+@on_virtual_time
 async def test_a_retried_restore_adopts_a_holder_whose_abort_has_not_arrived(
     tmp_path: Path,
 ) -> None:
@@ -523,7 +575,7 @@ async def test_a_retried_restore_adopts_a_holder_whose_abort_has_not_arrived(
     directory = prepare_environment_dir(tmp_path)
     await src.begin("snap-1", 1, 10, str(directory))
     shards = list((await src.finish_persist("snap-1")).shards)
-    dst = SessionHolder("holder-0", node_id="node-b")
+    dst = holder("node-b")
     await dst.prepare_restore("restore-1", str(directory), shards, 10)
     await dst.commit_restore("restore-1")
     await dst.prepare_restore("restore-2", str(directory), shards, 10)  # no conflict
@@ -533,6 +585,7 @@ async def test_a_retried_restore_adopts_a_holder_whose_abort_has_not_arrived(
     assert [s.episode for s in await dst.sessions()] == [Ep("r", 1)]
 
 
+@on_virtual_time
 async def test_many_sessions_open_in_one_call_all_or_none() -> None:
     h = holder()
     await h.open_session(Ep("taken", 0))
@@ -547,6 +600,7 @@ async def test_many_sessions_open_in_one_call_all_or_none() -> None:
     await run_turn(h, Ep("r1", 0), b"t", b"s1")
 
 
+@on_virtual_time
 async def test_a_released_snapshot_lets_turns_run_while_its_shard_is_written(
     tmp_path: Path,
 ) -> None:
@@ -568,6 +622,7 @@ async def test_a_released_snapshot_lets_turns_run_while_its_shard_is_written(
     assert h.bounds()["released"] == 0 and (await h.info()).last_snapshot_id == "snap-1"
 
 
+@on_virtual_time
 async def test_a_released_snapshot_aborted_or_lapsed_leaves_no_shard(tmp_path: Path) -> None:
     h = holder(watch_period_s=0.02)
     await h.open_session(Ep("r", 0), b"s0")
@@ -584,3 +639,18 @@ async def test_a_released_snapshot_aborted_or_lapsed_leaves_no_shard(tmp_path: P
         assert list(directory.iterdir()) == [] and h.bounds()["released"] == 0
     with pytest.raises(LeaseExpiredError):
         await h.finish_persist("snap-2")
+
+
+@on_virtual_time
+async def test_a_late_abort_after_the_commit_leaves_the_snapshot_committed(
+    tmp_path: Path,
+) -> None:
+    h = holder()
+    await h.open_session(Ep("r", 0), b"s")
+    await h.begin("snap-1", 1, 10, str(prepare_environment_dir(tmp_path)))
+    await h.finish_persist("snap-1")
+    await h.resume("snap-1")
+    await h.abort("snap-1")  # overtaken by the resume: its outcome stands
+    assert (await h.info()).last_snapshot_id == "snap-1"
+    with pytest.raises(StaleSnapshotError, match="snap-1 already committed"):
+        await h.finish_persist("snap-1")

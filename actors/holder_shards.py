@@ -1,0 +1,109 @@
+"""A holder's file work for its operations: a snapshot's shard written from its capture,
+and a restore's shards read back into sessions not yet live. Each file step runs off the
+loop through ``Runtime.run_blocking`` (the simulation names them, to aim faults at them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+
+from actors.heap import collector_paused
+from actors.holder_states import Capture
+from actors.sandboxes import RestoredSandbox, Sandboxes
+from actors.session_table import Held
+from nemo_ckpt.cleanup import remove_files
+from nemo_ckpt.errors import HolderStateError, ShardCorruptedError
+from nemo_ckpt.folder import Folder
+from nemo_ckpt.manifest import ShardEntry, shard_file_name, trees_file_name
+from nemo_ckpt.shards import ShardParts, read_shard_parts, write_shard_parts
+from nemo_ckpt.transport import Runtime
+
+__all__ = ["RestoredShard", "load_shard", "read_restore_shard", "write_capture",
+           "write_held_shard"]
+
+
+def write_held_shard(directory: Folder, name: str, instance_id: str,
+                     held: list[Held], index: bytes) -> ShardEntry:
+    """Write captured sessions as one shard, from their bytes as held; ``index`` is
+    their capture's ``captured_msgpack`` (the shard's index, the same bytes)."""
+    return write_shard_parts(directory, name, instance_id, index, len(held),
+                             ((h.turns, h.state) for h in held))
+
+
+def load_shard(directory: Folder, entry: ShardEntry) -> ShardParts:
+    """``read_shard_parts`` with the collector paused while the index is decoded."""
+    with collector_paused():
+        return read_shard_parts(directory, entry)
+
+
+async def write_capture(runtime: Runtime, sandboxes: Sandboxes, instance_id: str,
+                        op_id: str, directory: Folder,
+                        capture: Capture) -> tuple[ShardEntry, list[str]]:
+    """Write ``capture`` as this instance's shard of snapshot ``op_id``: its sandboxes'
+    blobs and trees file first, then the shard, all before the manifest. Returns the
+    shard's entry and the names of the files written."""
+    name = shard_file_name(op_id, instance_id)
+    names = [name]
+    trees = None
+    if capture.sandboxes is not None and capture.sandboxes.any():
+        names.append(trees_file_name(op_id, instance_id))
+        try:
+            trees = await runtime.run_blocking(
+                sandboxes.persist, capture.sandboxes, directory, op_id,
+                runtime.clock.monotonic)
+        except BaseException:
+            await runtime.run_blocking(remove_files, directory, names)
+            raise
+    entry = await runtime.run_blocking(
+        write_held_shard, directory, name, instance_id, capture.held,
+        capture.report.captured_msgpack)
+    if trees is not None:
+        entry = entry.model_copy(update={"trees": trees})
+    return entry, names
+
+
+@dataclass(frozen=True)
+class RestoredShard:
+    """One shard read back: its sessions, their staging keys, ``[[rollout_id, captured
+    attempt], ...]`` as msgpack, and its sandboxes staged."""
+
+    held: list[Held]
+    staging_keys: set[str]
+    sessions_msgpack: bytes
+    sandboxes: list[RestoredSandbox]
+
+
+async def read_restore_shard(
+    runtime: Runtime, sandboxes: Sandboxes, instance_id: str, restore_id: str,
+    directory: Folder, entry: ShardEntry, blob_store: str | None,
+    still_open: Callable[[], object],
+) -> RestoredShard:
+    """Read and verify one of this instance's shards, decode its sessions and stage their
+    directories. ``still_open`` raises once the restore ended, checked after each step
+    so that an ended restore stages nothing more."""
+    if entry.instance_id != instance_id:
+        raise HolderStateError(
+            f"{instance_id}: asked to restore shard {entry.file} of {entry.instance_id}")
+    parts = await runtime.run_blocking(load_shard, directory, entry)
+    still_open()
+    keys: set[str] = set()
+    try:
+        with collector_paused():
+            held = [Held.continued(row, turns, state) for row, turns, state
+                    in zip(parts.rows, parts.turns, parts.states, strict=True)]
+            for row in parts.rows:
+                keys.update(row[2])
+            pairs = [row[:2] for row in parts.rows]
+    except ValueError as exc:
+        raise ShardCorruptedError(
+            directory.describe(entry.file),
+            f"shard {directory.describe(entry.file)} matches its hash but a session in "
+            f"it does not decode ({exc}): restore an earlier checkpoint") from exc
+    staged: list[RestoredSandbox] = []
+    if entry.trees is not None:
+        staged = await runtime.run_blocking(
+            sandboxes.prepare_restore, restore_id, directory, entry, blob_store,
+            {h.rollout_id: h.capture_key for h in held})
+    return RestoredShard(held, keys, msgpack.packb(pairs, use_bin_type=True), staged)
