@@ -18,6 +18,7 @@ from actors.operation_states import (
 from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.coordinator_api import RestoreBegun
 from nemo_ckpt.errors import StaleSnapshotError
+from nemo_ckpt.manifest import Manifest
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import RestorePrepared
 from nemo_ckpt.restore_plan import assign_shards, verify_prepared
@@ -49,8 +50,17 @@ class Restores:
             raise
 
     async def _prepare_restore(self, op: Operation, checkpoint_path: str) -> RestoreBegun:
-        cfg = self._parts.config
         manifest = await self._runtime.run_blocking(read_manifest, checkpoint_path)
+        # The snapshot's files are read until every holder has prepared (after that,
+        # what goes live is in the holders' memory and staging folders): claimed that
+        # long, so that no removal takes them meanwhile. One that came between the read
+        # above and the claim leaves shards missing: the holders' reads refuse them.
+        async with self._parts.folders.reading(checkpoint_path, op.id):
+            return await self._read_and_verify(op, checkpoint_path, manifest)
+
+    async def _read_and_verify(self, op: Operation, checkpoint_path: str,
+                               manifest: Manifest) -> RestoreBegun:
+        cfg = self._parts.config
         placement = await self._parts.holders.place(list(manifest.instances))
         op.holders = self._parts.holders.handles
         if op.outcome is not None:

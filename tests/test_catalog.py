@@ -4,12 +4,14 @@ the last N kept."""
 
 from __future__ import annotations
 
+import shutil
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from actors.restores import Restores
 from nemo_ckpt import catalog
 from nemo_ckpt.catalog import keep_last, latest_snapshot, list_snapshots, remove_snapshot
 from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, prepare_environment_dir
@@ -281,3 +283,44 @@ def test_removing_a_snapshot_collects_the_blobs_only_it_referenced(
     assert report.collection.snapshots == [str(root / "b")]
     assert len(_store(tmp_path).digests()) == before - report.collection.removed
     assert verify_snapshot(root / "b").ok  # every blob b references is still there
+
+
+def test_a_removal_while_a_restore_reads_the_snapshot_is_refused_and_the_restore_succeeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt" / "step-1"
+    job = Job(tmp_path)
+    try:
+        async def first_run() -> None:
+            live, dirs = await _open_with_directories(job, rollouts=1)
+            await _turns(job, dirs, 0, 1)
+            async with job.ckpt.snapshot(path) as snapshot:
+                assert snapshot is not None
+                await snapshot.check_against_cut(StaticCut(live, set()))
+
+        job.run(first_run())
+    finally:
+        job.close()
+    shutil.rmtree(tmp_path / "sandboxes")  # a new node: nothing cached
+    refused: list[str] = []
+    reading = Restores._read_and_verify
+
+    async def removal_meanwhile(self: Restores, *args: Any) -> Any:
+        try:
+            remove_snapshot(path)
+        except CheckpointPathBusyError as exc:
+            refused.append(str(exc))
+        return await reading(self, *args)
+
+    monkeypatch.setattr(Restores, "_read_and_verify", removal_meanwhile)
+    fresh = Job(tmp_path, seed=1)
+    try:
+        async def restore() -> int:
+            async with fresh.ckpt.restored(path) as restored:
+                return len(restored.continued_attempts)
+
+        assert fresh.run(restore()) == 2
+    finally:
+        fresh.close()
+    assert len(refused) == 1 and "restore-" in refused[0]
+    assert read_claims(environment_folder(path)) == []  # dropped once the holders read
+    assert verify_snapshot(path).ok
