@@ -257,7 +257,8 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
 
 @dataclass
 class RetentionReport:
-    """What ``keep_last`` kept and removed, and what it could not remove (by path, why)."""
+    """What ``keep_last`` kept and removed, what it could not remove (by path, why), and
+    the collection of the blob store after (None when no removed snapshot had one)."""
 
     kept: list[SnapshotInfo] = field(default_factory=list)
     removed: list[RemovalReport] = field(default_factory=list)
@@ -282,6 +283,7 @@ def keep_last(root: Path | str, n: int, verify: bool = False, wait_s: float = 0.
         raise ValueError(f"keep_last needs n >= 1 (got {n}): it never removes every snapshot")
     report = RetentionReport()
     good = 0  # newer snapshots a restore would accept
+    stores: set[str] = set()  # the blob stores of the snapshots removed
     for info in list_snapshots(root):
         if good < n:
             report.kept.append(info)
@@ -292,11 +294,15 @@ def keep_last(root: Path | str, n: int, verify: bool = False, wait_s: float = 0.
                                                   clock=clock, sleep=sleep))
         except (NemoCkptError, OSError) as exc:
             report.refused[info.path] = one_line(exc)
-    if report.removed:
+            continue
+        if info.blob_store is not None:
+            stores.add(info.blob_store)
+    for store in sorted(stores):  # one under the root, unless snapshots name others
+        where = parent_location(store, 1)
         try:
-            report.collection = collect_blobs(root, wait_s=wait_s, clock=clock, sleep=sleep)
+            report.collection = collect_blobs(where, wait_s=wait_s, clock=clock, sleep=sleep)
         except (NemoCkptError, OSError) as exc:
-            report.collection_skipped = (f"{one_line(exc)}; the next commit under {root} "
-                                         f"collects them, or run nemo-ckpt gc {root}")
+            report.collection_skipped = (f"{one_line(exc)}; the next commit under {where} "
+                                         f"collects them, or run nemo-ckpt gc {where}")
     return report
 

@@ -262,10 +262,8 @@ def test_a_removal_during_a_real_snapshot_into_that_path_is_refused_and_the_comm
     assert verify_snapshot(path).ok and read_snapshot(path).manifest.sessions == 2
 
 
-def test_removing_a_snapshot_collects_the_blobs_only_it_referenced(
-        job: Job, tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-
+def _two_snapshots_with_directories(job: Job, root: Path) -> None:
+    """Snapshots ``root/a`` then ``root/b`` of one rollout's directory, a turn apart."""
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
         cut = StaticCut(live, set())
@@ -277,12 +275,28 @@ def test_removing_a_snapshot_collects_the_blobs_only_it_referenced(
             await _coordinator(job).collection_done()
 
     job.run(scenario())
+
+
+def test_removing_a_snapshot_collects_the_blobs_only_it_referenced(
+        job: Job, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _two_snapshots_with_directories(job, root)
     before = len(_store(tmp_path).digests())
     report = remove_snapshot(root / "a")
     assert report.collection is not None and report.collection.removed > 0
     assert report.collection.snapshots == [str(root / "b")]
     assert len(_store(tmp_path).digests()) == before - report.collection.removed
     assert verify_snapshot(root / "b").ok  # every blob b references is still there
+
+
+def test_keep_last_collects_the_blobs_of_the_snapshots_it_removed(
+        job: Job, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _two_snapshots_with_directories(job, root)
+    report = keep_last(root, 1)
+    assert [r.path for r in report.removed] == [str(root / "a")]
+    assert report.collection is not None and report.collection.removed > 0
+    assert verify_snapshot(root / "b").ok
 
 
 def test_a_removal_while_a_restore_reads_the_snapshot_is_refused_and_the_restore_succeeds(
