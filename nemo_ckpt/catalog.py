@@ -35,13 +35,14 @@ from nemo_ckpt.cleanup import manifest_snapshot_id, remove_unreferenced_files
 from nemo_ckpt.collection import CollectionReport, collect_blobs, committed_snapshots
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
+    CheckpointPathError,
     NemoCkptError,
     SnapshotNotFoundError,
     SnapshotReadError,
 )
-from nemo_ckpt.location import parent_location
+from nemo_ckpt.location import LocalLocation, parent_location, parse_location
 from nemo_ckpt.manifest import MANIFEST_NAME, Manifest
-from nemo_ckpt.path_claims import claim_path, read_claims, release_claim
+from nemo_ckpt.path_claims import REMOVAL_PREFIX, claim_path, read_claims, release_claim
 from nemo_ckpt.sandbox_storage import blob_store_of
 from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.verify import one_line, verify_snapshot
@@ -94,7 +95,15 @@ class SnapshotInfo:
 def list_snapshots(root: Path | str) -> list[SnapshotInfo]:
     """Every committed snapshot below ``root`` (a folder or a bucket's URL), newest first
     (see the module docstring), each with its manifest's facts. Reads manifests only:
-    ``latest_snapshot(verify=True)`` or ``verify_snapshot`` checks the shards."""
+    ``latest_snapshot(verify=True)`` or ``verify_snapshot`` checks the shards. A local
+    ``root`` that is not a folder raises ``CheckpointPathError``."""
+    location = parse_location(root)
+    if isinstance(location, LocalLocation) and not location.path.is_dir():
+        # A mistyped root must not read as "no snapshots": a restart would start over.
+        raise CheckpointPathError(
+            str(root), f"checkpoint root {root} is not a folder (it does not exist, or is a "
+                       f"file): pass CheckpointConfig.checkpoint_root, or a folder above "
+                       f"checkpoint paths")
     found: list[SnapshotInfo] = []
     for path in committed_snapshots(root):
         try:
@@ -233,7 +242,7 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
     collect_root = (parent_location(store, 1) if store is not None
                     else None if root is None else str(root))
     token = uuid.uuid4().hex[:12]
-    operation, owner = f"remove-{token}", f"nemo-ckpt-remover-{token}"
+    operation, owner = f"{REMOVAL_PREFIX}{token}", f"nemo-ckpt-remover-{token}"
     _claim_alone(path, operation, owner, ClaimWatch(clock), clock, sleep, wait_s)
     try:
         report = RemovalReport(path=str(path), snapshot_id=manifest_snapshot_id(folder))

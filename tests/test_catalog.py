@@ -16,7 +16,7 @@ from nemo_ckpt import catalog
 from nemo_ckpt.catalog import keep_last, latest_snapshot, list_snapshots, remove_snapshot
 from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, prepare_environment_dir
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch, encode_claim
-from nemo_ckpt.errors import CheckpointPathBusyError, SnapshotNotFoundError
+from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, SnapshotNotFoundError
 from nemo_ckpt.manifest import encode_manifest, shard_file_name
 from nemo_ckpt.path_claims import claim_path, read_claims
 from nemo_ckpt.shards import write_shard
@@ -97,6 +97,16 @@ def test_a_snapshot_whose_manifest_does_not_read_is_listed_first_and_never_taken
 def test_latest_snapshot_of_a_root_without_snapshots_is_none(tmp_path: Path) -> None:
     latest = latest_snapshot(tmp_path)
     assert (latest.snapshot, latest.path, latest.skipped) == (None, None, ())
+
+
+def test_a_root_that_is_not_a_folder_is_refused_not_taken_for_an_empty_one(
+        tmp_path: Path, three: dict[str, Path]) -> None:
+    (tmp_path / "a-file").write_text("")
+    for wrong in (tmp_path / "ckpt-typo", tmp_path / "a-file"):
+        for call in (list_snapshots, latest_snapshot, lambda root: keep_last(root, 1)):
+            with pytest.raises(CheckpointPathError, match="is not a folder"):
+                call(wrong)
+    assert len(list_snapshots(tmp_path / "ckpt")) == 3
 
 
 # --- removing -----------------------------------------------------------------------------
@@ -185,6 +195,7 @@ def test_a_snapshot_that_begins_during_a_removal_is_refused_not_robbed(
     monkeypatch.setattr(catalog, "remove_unreferenced_files", a_snapshot_begins)
     remove_snapshot(three["mid"])
     assert len(refused) == 1 and "is in use by remove-" in refused[0]
+    assert "the snapshot there is being removed" in refused[0]
     assert read_claims(environment_folder(three["mid"])) == []
 
 

@@ -85,6 +85,16 @@ def test_ls_json_carries_the_facts_and_an_unreadable_manifests_error(
     assert data[1]["rollouts"] == 3 and data[1]["created_at"] == "2026-01-01T00:03:00+00:00"
 
 
+def test_ls_and_rm_keep_last_of_a_mistyped_root_are_one_line_and_exit_1(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (("ls", str(root) + "-typo"), ("ls", "--latest", str(root) + "-typo"),
+                 ("rm", "--keep-last", "1", str(root) + "-typo")):
+        code, out, err = run(capsys, *argv)
+        assert (code, len(err.splitlines())) == (1, 1)
+        assert "is not a folder (it does not exist, or is a file)" in err
+    assert len(list_snapshots(root)) == 3
+
+
 def test_ls_of_an_empty_root_says_there_are_none(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "ls", str(tmp_path)) == (

@@ -8,7 +8,8 @@ import json
 from typing import Any, TextIO
 
 from nemo_ckpt.catalog import SnapshotInfo, latest_snapshot, list_snapshots
-from nemo_ckpt.cli.render import PROG, human_bytes, table
+from nemo_ckpt.cli.render import PROG, human_bytes, one_line, table
+from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.options import checkpoint_path
 from nemo_ckpt.verify import verify_snapshot
 
@@ -67,6 +68,15 @@ def render_snapshots(found: list[SnapshotInfo], verdicts: dict[str, str] | None 
 
 
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    try:
+        return _run(args, out, err)
+    except (NemoCkptError, OSError) as exc:
+        out.flush()
+        print(f"{PROG} ls: error: {one_line(exc)}", file=err)
+        return 1
+
+
+def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.latest:
         latest = latest_snapshot(args.root, verify=args.latest_verify)
         for skipped in latest.skipped:
