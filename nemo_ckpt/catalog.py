@@ -182,9 +182,12 @@ def _busy(path: Path | str, operation: str, owner: str, waited: float) -> Checkp
     why = (f"gave up after watching its claim for {waited:g}s" if waited > 0 else
            "run it again once that has ended, or wait (wait_s, or --wait SECONDS) for a "
            "claim whose job died to be seen unchanged for its ttl")
+    what = ("another removal" if operation.startswith(REMOVAL_PREFIX) else
+            "a restore reading it" if operation.startswith("restore-") else
+            "a snapshot writing it, or a restore reading it")
     return CheckpointPathBusyError(
         f"cannot remove the snapshot at {path}: {operation} of {owner} is in progress "
-        f"there (a snapshot writing it or a restore reading it); nothing was removed; {why}")
+        f"there ({what}); nothing was removed; {why}")
 
 
 def _claim_alone(path: Path | str, operation: str, owner: str, watch: ClaimWatch,
