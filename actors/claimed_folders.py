@@ -19,8 +19,14 @@ from actors.operation_states import SnapshotOperation
 from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.cleanup import remove_unreferenced_files
-from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError
-from nemo_ckpt.path_claims import claim_path, live_claims, read_claims, release_claim
+from nemo_ckpt.errors import NemoCkptError
+from nemo_ckpt.path_claims import (
+    claim_for_reading,
+    claim_path,
+    live_claims,
+    read_claims,
+    release_claim,
+)
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["CLAIM_SAFE", "ClaimedFolders"]
@@ -99,16 +105,15 @@ class ClaimedFolders:
     @contextlib.asynccontextmanager
     async def reading(self, path: str, operation_id: str) -> AsyncIterator[None]:
         """Claim the folder at ``path`` while a restore reads it, renewed until the block
-        exits, then dropped: a removal (``nemo_ckpt.catalog``) is refused meanwhile.
-        Refused (``CheckpointPathBusyError``) while another job's snapshot or a removal
-        is in progress there. A claim that cannot be written (a read-only copy of a
-        snapshot) does not stop the restore: nothing can remove files there either."""
+        exits, then dropped: a removal (``nemo_ckpt.catalog``) is refused meanwhile. Never
+        refused itself (``claim_for_reading``); a claim that cannot be written (a
+        read-only copy of a snapshot) does not stop the restore: nothing can remove
+        files there either."""
         directory = environment_folder(path)
 
         async def write() -> None:
-            await self._runtime.run_blocking(claim_path, directory, operation_id,
-                                             self._owner, self._watch, self._ttl(),
-                                             self._incarnation)
+            await self._runtime.run_blocking(claim_for_reading, directory, operation_id,
+                                             self._owner, self._ttl(), self._incarnation)
 
         async def renew() -> None:
             while True:
@@ -121,8 +126,6 @@ class ClaimedFolders:
 
         try:
             await write()
-        except CheckpointPathBusyError:
-            raise
         except (OSError, NemoCkptError) as exc:
             log.warning("%s: reads %s without a claim (%s); a removal there is not "
                         "refused meanwhile", operation_id, directory.describe(), exc)

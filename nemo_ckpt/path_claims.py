@@ -18,7 +18,8 @@ from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, Opera
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.manifest import safe_name_part
 
-__all__ = ["CLAIM_PREFIX", "REMOVAL_PREFIX", "PathClaim", "claim_beat", "claim_path", "live_claims",
+__all__ = ["CLAIM_PREFIX", "REMOVAL_PREFIX", "PathClaim", "claim_beat", "claim_for_reading",
+           "claim_path", "live_claims",
            "read_claims", "release_claim"]
 
 CLAIM_PREFIX = ".claim-"
@@ -124,6 +125,17 @@ def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: C
                 f"job has seen it unchanged for {left[claim.operation]:.0f}s more)")
     data, _ = encode_claim(operation_id, owner, ttl_s, incarnation, beat)
     folder.write_bytes(_claim_name(operation_id), data, sync=False)
+
+
+def claim_for_reading(directory: Folder | Path, operation_id: str, owner: str, ttl_s: float,
+                      incarnation: str = "") -> None:
+    """Claim ``directory`` while ``operation_id`` reads the snapshot committed there (a
+    restore); calling it again renews the claim. Never refused: a committed snapshot is
+    final, so reading it conflicts with no writer (a job restarted after its cluster died
+    must restore past the claims its old snapshot left); the claim makes a removal
+    (``nemo_ckpt.catalog``) refuse meanwhile."""
+    data, _ = encode_claim(operation_id, owner, ttl_s, incarnation)
+    as_folder(directory).write_bytes(_claim_name(operation_id), data, sync=False)
 
 
 def release_claim(directory: Folder | Path, operation_id: str) -> None:

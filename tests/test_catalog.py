@@ -311,9 +311,7 @@ def test_keep_last_collects_the_blobs_of_the_snapshots_it_removed(
     assert verify_snapshot(root / "b").ok
 
 
-def test_a_removal_while_a_restore_reads_the_snapshot_is_refused_and_the_restore_succeeds(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "ckpt" / "step-1"
+def _a_job_that_snapshots_and_dies(tmp_path: Path, path: Path) -> None:
     job = Job(tmp_path)
     try:
         async def first_run() -> None:
@@ -327,6 +325,36 @@ def test_a_removal_while_a_restore_reads_the_snapshot_is_refused_and_the_restore
     finally:
         job.close()
     shutil.rmtree(tmp_path / "sandboxes")  # a new node: nothing cached
+
+
+def _restore(tmp_path: Path, path: Path) -> int:
+    fresh = Job(tmp_path, seed=1)
+    try:
+        async def restore() -> int:
+            async with fresh.ckpt.restored(path) as restored:
+                return len(restored.continued_attempts)
+
+        return int(fresh.run(restore()))
+    finally:
+        fresh.close()
+
+
+def test_a_restore_goes_ahead_past_the_claim_a_dead_jobs_snapshot_left_there(
+        tmp_path: Path) -> None:
+    """A cluster that died mid-snapshot into the path it last committed leaves its claim;
+    reading the committed snapshot conflicts with no writer, so the restore is not
+    refused."""
+    path = tmp_path / "ckpt" / "latest"
+    _a_job_that_snapshots_and_dies(tmp_path, path)
+    _claim_as_snapshot(path)  # another cluster's owner: seen for the first time, live
+    assert _restore(tmp_path, path) == 2
+    assert [c.operation for c in read_claims(environment_folder(path))] == ["snap-running"]
+
+
+def test_a_removal_while_a_restore_reads_the_snapshot_is_refused_and_the_restore_succeeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt" / "step-1"
+    _a_job_that_snapshots_and_dies(tmp_path, path)
     refused: list[str] = []
     reading = Restores._read_and_verify
 
@@ -338,15 +366,7 @@ def test_a_removal_while_a_restore_reads_the_snapshot_is_refused_and_the_restore
         return await reading(self, *args)
 
     monkeypatch.setattr(Restores, "_read_and_verify", removal_meanwhile)
-    fresh = Job(tmp_path, seed=1)
-    try:
-        async def restore() -> int:
-            async with fresh.ckpt.restored(path) as restored:
-                return len(restored.continued_attempts)
-
-        assert fresh.run(restore()) == 2
-    finally:
-        fresh.close()
+    assert _restore(tmp_path, path) == 2
     assert len(refused) == 1 and "(a restore reading it); nothing was removed" in refused[0]
     assert read_claims(environment_folder(path)) == []  # dropped once the holders read
     assert verify_snapshot(path).ok
