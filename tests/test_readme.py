@@ -167,3 +167,11 @@ def test_nothing_in_the_repository_refers_to_files_outside_it() -> None:
             if outside in text:
                 offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+def test_every_module_of_the_core_and_the_actors_is_in_the_layout() -> None:
+    layout = (ROOT / "docs" / "LAYOUT.md").read_text()
+    modules = [p.relative_to(ROOT).as_posix() for folder in ("nemo_ckpt", "actors")
+               for p in sorted((ROOT / folder).rglob("*.py"))
+               if not (p.name == "__init__.py" and p.parent.name == "actors")]
+    assert [m for m in modules if f"`{m}`" not in layout] == []
