@@ -16,6 +16,7 @@ import pytest
 import nemo_ckpt
 from nemo_ckpt import interfaces
 from nemo_ckpt.config_table import BEGIN_MARKER, END_MARKER, config_table, replace_table
+from nemo_ckpt.config_table import main as config_table_command
 from nemo_ckpt.manifest import FORMAT_VERSION, SANDBOX_FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
 
 pytestmark = pytest.mark.timeout(30)
@@ -93,11 +94,21 @@ def test_the_readmes_config_table_is_the_one_the_model_makes() -> None:
         "run: .venv/bin/python -m nemo_ckpt.config_table --write README.md")
 
 
-def test_the_config_table_generator_remakes_a_table_edited_by_hand() -> None:
-    edited = README.replace("| `lease_s` | float | `30.0` |", "| `lease_s` | float | `60.0` |")
-    assert edited != README
-    assert replace_table(edited) == README
-    assert replace_table("no markers here") is None
+def test_the_config_table_command_remakes_a_table_edited_by_hand(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(README.replace("| `lease_s` | float | `30.0` |",
+                                     "| `lease_s` | float | `60.0` |"))
+    assert readme.read_text() != README
+    assert config_table_command(["--write", str(readme)]) == 0
+    assert readme.read_text() == README
+
+
+def test_the_config_table_command_refuses_a_file_without_the_markers(tmp_path: Path) -> None:
+    other = tmp_path / "NOTES.md"
+    other.write_text("no table here\n")
+    assert config_table_command(["--write", str(other)]) == 1
+    assert other.read_text() == "no table here\n"
+    assert replace_table("no table here") is None
 
 
 def public_names() -> dict[str, str]:
@@ -175,3 +186,9 @@ def test_every_module_of_the_core_and_the_actors_is_in_the_layout() -> None:
                for p in sorted((ROOT / folder).rglob("*.py"))
                if not (p.name == "__init__.py" and p.parent.name == "actors")]
     assert [m for m in modules if f"`{m}`" not in layout] == []
+
+
+def test_the_metrics_table_lists_every_metric_the_actors_publish() -> None:
+    published = set(re.findall(r'"(nemo_ckpt_\w+)"', (ROOT / "actors" / "metrics.py").read_text()))
+    listed = set(re.findall(r"^\| `(nemo_ckpt_\w+)", section("Metrics and logs"), flags=re.M))
+    assert published and listed == published
