@@ -2,7 +2,7 @@
 driver, coordinator and holders in-process (``nemo_ckpt.testing.sim``), under virtual
 time, with a fault aimed at one phase boundary. Each asserts what a user would see: the
 error raised, the holders' state, the files on disk, the sessions that are live.
-(The same faults, at random points, run in ``tests/simulation.py``; cases 1-6 also run
+(The same faults, at random points, run in ``tests/simulation/``; cases 1-6 also run
 on a real cluster in ``tests/test_faults.py``.)
 """
 
