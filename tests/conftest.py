@@ -105,8 +105,8 @@ def extra_node(cluster: Any) -> Iterator[Any]:
 
 @pytest.fixture
 def world(tmp_path: Any) -> Iterator[Any]:
-    """An in-process cluster under virtual time (``tests.test_reliability.World``)."""
-    from tests.test_reliability import World
+    """An in-process job under virtual time (``tests.harness.World``)."""
+    from tests.harness import World
 
     w = World(tmp_path)
     try:
