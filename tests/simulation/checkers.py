@@ -19,11 +19,17 @@ from typing import Any
 
 from nemo_ckpt.collection import committed_snapshots
 from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig
-from nemo_ckpt.errors import BackendUnavailableError, LeaseExpiredError, NemoCkptError
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    LeaseExpiredError,
+    NemoCkptError,
+    is_retriable,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sandbox_storage import verify_directories
 from nemo_ckpt.sessions import SessionRecord
-from nemo_ckpt.storage import environment_dir, read_manifest, read_snapshot
+from nemo_ckpt.storage import environment_dir, read_claims, read_manifest, read_snapshot
 from nemo_ckpt.testing.sim import SimActor
 from nemo_ckpt.transport import COORDINATOR, HOLDER, SESSION_METHODS
 
@@ -37,6 +43,7 @@ GRACE_S = 1.0
 
 
 class Checkers(Part):
+
     def __init__(self, s: State) -> None:
         super().__init__(s)
         self.paused_since: dict[tuple[int, str], float] = {}
@@ -54,7 +61,7 @@ class Checkers(Part):
         # (when, holder, method, operation, seconds waited, session calls ahead, limit).
         self.queued_behind_turns: list[tuple[float, str, str, str, float, str, int]] = []
 
-    # --- what the world delivers (its hooks), recorded for the checks ----------------------
+    # --- what the world delivers (its hooks), recorded for the checks ---------------------
 
     def on_send(self, caller: SimActor, callee: SimActor, method: str,
                 args: tuple[Any, ...]) -> None:
@@ -96,157 +103,12 @@ class Checkers(Part):
             self.log(f"{method}({op}) to {target} waited {waited:.2f}s for a slot behind "
                      f"{turns}")
 
-    def _full_disk_during(self, record: OpRecord) -> tuple[float, float] | None:
-        """A window of full disk that overlapped ``record``'s life."""
-        end = record.end if record.end is not None else self.now()
-        for k, (start, seconds) in enumerate(self.plan.enospc):
-            if k in self.s.enospc_hit and start <= end and record.start <= start + seconds:
-                return start, seconds
-        return None
-
-    def check_deadlines(self, record: OpRecord, cfg: CheckpointConfig) -> None:
-        """A snapshot's entry and its commit return within their driver's configured
-        deadlines (with a margin of a lease: messages, retries, a slow link)."""
-        entry = cfg.drain_timeout_s + 3 * cfg.phase_timeout_s + cfg.lease_s
-        # From the call, not from the wait for RL's own lock (its retires may be slow).
-        called = record.entered if record.entered is not None else record.start
-        if record.begun is not None and record.begun - called > entry:
-            self.violate(f"a call waits past its deadline: the snapshot {record.op_id} took "
-                         f"{record.begun - called:.1f}s to begin (drain and phase "
-                         f"deadlines: {entry - cfg.lease_s:g}s){self._queue_note(record.op_id)}")
-        commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + cfg.lease_s
-        if record.body_end is not None and record.end is not None and \
-                record.end - record.body_end > commit:
-            self.violate(f"a call waits past its deadline: the commit of {record.op_id} took "
-                         f"{record.end - record.body_end:.1f}s after its block ended (persist "
-                         f"and phase deadlines: {commit - cfg.lease_s:g}s)"
-                         f"{self._queue_note(record.op_id)}")
-
-    def _check_world(self) -> None:
-        """The invariants of the world outside the protocol (issue 23): every committed
-        snapshot's blobs are there; nothing outside a sandbox was read into one; a sandbox's
-        sparse file is not stored densely; a damaged manifest is refused with the project's
-        error."""
-        root = self.root
-        if self.sandbox_root is not None:
-            for snapshot in committed_snapshots(root):
-                try:
-                    manifest = read_manifest(snapshot)
-                except Exception:
-                    continue  # reported by the checks of each path
-                problems = verify_directories(snapshot, manifest)
-                if problems:
-                    gcs = "".join(f"; a gc from another host, its clock {skew:+.0f}s from the "
-                                  f"coordinator's, removed {n} blobs at t={t:.2f}"
-                                  for t, n, skew in self.s.gc_removals)
-                    self.violate(f"committed snapshot {manifest.snapshot_id} at "
-                                 f"{Path(snapshot).name} references a blob that is missing or "
-                                 f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}"
-                                 f"{self.zombie_work(0.0)}")
-            secret = self.secret.read_bytes()
-            for holder in self.world.actors:
-                boxes = getattr(holder.obj, "_sandboxes", None)
-                cache = getattr(boxes, "_cache", None)
-                if cache is not None and any(secret in b for b in cache._memory.values()):
-                    self.violate(f"the secret file outside every sandbox was read into "
-                                 f"the node cache of {holder.name} (memory)")
-            for where, _, files in os.walk(root):
-                for name in files:
-                    path = Path(where) / name
-                    if path == self.secret:
-                        continue
-                    try:
-                        info = path.lstat()
-                        if not stat.S_ISREG(info.st_mode):
-                            continue
-                        if info.st_size < 4096 and secret in path.read_bytes():
-                            self.violate(f"the secret file outside every sandbox was read "
-                                         f"into one: {path.relative_to(root)} holds it")
-                    except OSError:
-                        continue
-        if self.plan.sparse:
-            self._check_dense()
-        if self.plan.damage is not None:
-            self._check_damaged_manifest()
-
-
-    def _check_dense(self) -> None:
-        """No copy of a sandbox's sparse file (in the node caches, the blob store or a
-        restored directory) takes its apparent size: the holes stay holes. Checked after
-        each commit too (retention and the caches' sweep may remove them later)."""
-        root, reported = self.root, self.dense_reported
-        for where, _, files in os.walk(root):
-            for name in files:
-                path = Path(where) / name
-                with contextlib.suppress(OSError):
-                    info = path.lstat()
-                    if stat.S_ISREG(info.st_mode) and info.st_size >= SPARSE_BYTES // 2 and \
-                            info.st_blocks * 512 >= SPARSE_BYTES // 2 and path not in reported:
-                        reported.add(path)
-                        self.violate(f"a sparse file made in a turn ({SPARSE_BYTES >> 20} MiB "
-                                     f"apparent, no blocks) was copied densely: "
-                                     f"{path.relative_to(root)} takes "
-                                     f"{info.st_blocks * 512 >> 20} MiB")
-
-
-    def _check_damaged_manifest(self) -> None:
-        """A copy of a committed snapshot whose manifest is damaged (a shard length of 1e15,
-        or nesting thousands deep) is refused with a nemo-ckpt error, not a traceback."""
-        committed = [p for p in committed_snapshots(self.root)]
-        if not committed:
-            return
-        copy = self.root / "damaged"
-        shutil.copytree(environment_dir(committed[0]), environment_dir(copy))
-        manifest = environment_dir(copy) / "manifest.json"
-        kind = self.plan.damage
-        if kind == "huge":
-            data = json.loads(manifest.read_bytes())
-            if not data.get("shards"):
-                return
-            data["shards"][0]["bytes"] = 10**15
-            manifest.write_text(json.dumps(data))
-        else:
-            manifest.write_text("[" * 100_000 + "]" * 100_000)
-        self.s.faults += 1
-        try:
-            read_snapshot(str(copy))
-        except NemoCkptError:
-            pass
-        except BaseException as exc:
-            what = "a shard length of 1e15" if kind == "huge" else "nested 100,000 deep"
-            self.violate(f"a damaged manifest ({what}) made read_snapshot raise "
-                         f"{type(exc).__name__}, not a nemo-ckpt error")
-        else:
-            self.violate(f"a damaged manifest ({kind}) was read as a snapshot")
-        shutil.rmtree(copy, ignore_errors=True)
-
     def on_blocked(self, actor: SimActor, name: str, where: str) -> None:
         """From the guard's thread: a blocking call has not returned."""
         self.blocked.append(f"a call waits past its deadline: {name} of {actor.name} "
                             f"blocked in {where} (at t={self.now():.4f})")
 
-    def check_one_config(self, driver: Driver, record: OpRecord) -> None:
-        """A driver whose config differs from the job's in a field that is not adopted
-        never commits through actors made with the job's (ConfigMismatchError)."""
-        fixed = [k for k in driver.differs if k not in ADOPTED_FIELDS | DRIVER_FIELDS]
-        made = [a.obj._config for a in self.world.live(COORDINATOR)]
-        if fixed and any(getattr(c, k) != getattr(driver.config, k)
-                         for c in made for k in fixed):
-            self.violate(f"{record.op_id} committed through a coordinator made with "
-                         f"another config ({', '.join(fixed)} differ): nothing refused it")
-
-    def zombie_work(self, since: float) -> str:
-        """What coordinators Ray had declared dead did after ``since``, for a message."""
-        work = [(t, a, name) for t, a, name in self.zombie_io
-                if t >= since and a.kind == COORDINATOR]
-        if not work:
-            return ""
-        t, actor, name = work[-1]
-        declared = next(d for d, a in self.world.declared if a is actor)
-        return (f"; a zombie coordinator ({actor}, declared dead at t={declared:.2f} after "
-                f"its node stalled, then run again) ran {name} there at t={t:.2f}: its "
-                f"clean-up took the newer snapshot's claim for a dead predecessor's and "
-                f"removed its files")
+    # --- as the workload goes: each operation as it ends, each turn, each claim -----------
 
     def check_commit(self, record: OpRecord) -> None:
         """A snapshot the driver saw commit is the manifest at its path, complete."""
@@ -267,13 +129,47 @@ class Checkers(Part):
         if self.plan.sparse and self.sandbox_root is not None:
             self._check_dense()
 
-    def _captured_later(self, record: OpRecord) -> set[str | None]:
-        """The snapshots into the same path that captured after ``record`` did: a
-        holder pauses for one only once the one before released it, after its begin."""
-        if record.begun is None:
-            return set()
-        return {r.op_id for r in self.s.ops if r.path == record.path and r.begun is not None
-                and r.begun > record.begun}
+    def check_unchecked_commit(self, driver: Driver, record: OpRecord, unchecked: bool
+                               ) -> None:
+        """A snapshot whose block held sessions commits unchecked only if its driver's
+        config allows that."""
+        if unchecked and not driver.config.allow_unchecked_snapshots:
+            self.violate(f"{record.op_id} committed, but its block never checked it "
+                         f"against a cut and its config does not allow that")
+
+    def check_one_config(self, driver: Driver, record: OpRecord) -> None:
+        """A driver whose config differs from the job's in a field that is not adopted
+        never commits through actors made with the job's (ConfigMismatchError)."""
+        fixed = [k for k in driver.differs if k not in ADOPTED_FIELDS | DRIVER_FIELDS]
+        made = [a.obj._config for a in self.world.live(COORDINATOR)]
+        if fixed and any(getattr(c, k) != getattr(driver.config, k)
+                         for c in made for k in fixed):
+            self.violate(f"{record.op_id} committed through a coordinator made with "
+                         f"another config ({', '.join(fixed)} differ): nothing refused it")
+
+    def check_deadlines(self, record: OpRecord, cfg: CheckpointConfig) -> None:
+        """A snapshot's entry and its commit return within their driver's configured
+        deadlines (with a margin of a lease: messages, retries, a slow link)."""
+        entry = cfg.drain_timeout_s + 3 * cfg.phase_timeout_s + cfg.lease_s
+        # From the call, not from the wait for RL's own lock (its retires may be slow).
+        called = record.entered if record.entered is not None else record.start
+        if record.begun is not None and record.begun - called > entry:
+            self.violate(f"a call waits past its deadline: the snapshot {record.op_id} took "
+                         f"{record.begun - called:.1f}s to begin (drain and phase "
+                         f"deadlines: {entry - cfg.lease_s:g}s){self._queue_note(record.op_id)}")
+        commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + cfg.lease_s
+        if record.body_end is not None and record.end is not None and \
+                record.end - record.body_end > commit:
+            self.violate(f"a call waits past its deadline: the commit of {record.op_id} took "
+                         f"{record.end - record.body_end:.1f}s after its block ended (persist "
+                         f"and phase deadlines: {commit - cfg.lease_s:g}s)"
+                         f"{self._queue_note(record.op_id)}")
+
+    def check_error_kind(self, exc: BaseException, what: str) -> None:
+        """Every failure the runtime reports is one of its own error classes."""
+        if not isinstance(exc, NemoCkptError):
+            self.violate(f"{what} raised {type(exc).__name__}, not a nemo-ckpt error: "
+                         f"{short(exc)}")
 
     def check_dead_name(self, record: OpRecord, exc: BaseException) -> None:
         """An operation begun after the coordinator died (its death noticed before) does
@@ -343,23 +239,6 @@ class Checkers(Part):
                 self.violate(f"{record.op_id} lost its lease although nothing stalled its "
                              f"renewals{self._queue_note(record.op_id)}")
 
-    def _stalled(self, record: OpRecord) -> bool:
-        """Whether a fault could have stopped the lease renewals of ``record``."""
-        end = record.end if record.end is not None else self.now()
-        return any(record.start <= at <= end and (
-            kind.startswith(("clock_jump", "cancel", "stall")) or kind in ("kill_coordinator",
-                                                                  "kill_driver"))
-            for at, kind in self.s.fired) \
-            or any(record.start - CONFIG.lease_s <= at <= end
-                   for at, _ in self.world.slow_links) \
-            or self.killed_since(record.start, (COORDINATOR, "driver"))
-
-    def check_error_kind(self, exc: BaseException, what: str) -> None:
-        """Every failure the runtime reports is one of its own error classes."""
-        if not isinstance(exc, NemoCkptError):
-            self.violate(f"{what} raised {type(exc).__name__}, not a nemo-ckpt error: "
-                         f"{short(exc)}")
-
     async def check_failed_restore(self, record: OpRecord, loaded: Any) -> None:
         """A failed restore left nothing it restored live: all or nothing."""
         if self.killed_since(record.start, ("driver",)):
@@ -378,6 +257,22 @@ class Checkers(Part):
                 record.outcome in ("LeaseExpiredError", "StaleSnapshotError"):
             self.violate(f"restore {record.op_id} lost its lease during a long read although "
                          f"renewals kept coming")
+
+    def check_failed_retry(self, record: OpRecord, again: BaseException) -> None:
+        """RL's retry of a failed restore succeeds unless it met a fault of its own."""
+        # A retry may meet a fault of its own: a restore's materialization that
+        # fails, or a disk read error (injected), refuses that retry, and rightly.
+        injected = "injected" in str(again)
+        if not (is_retriable(again) or injected or self.killed_since(
+                record.start, (COORDINATOR, "driver", HOLDER))):
+            self.violate(f"the retry of a failed restore failed: "
+                         f"{type(again).__name__}: {short(again)}")
+
+    def unreadable_at_restore(self, snapshot_id: str, exc: BaseException) -> None:
+        """A snapshot RL saw committed does not read back at the restore after a crash."""
+        self.violate(f"{snapshot_id} committed but its snapshot does not verify "
+                     f"at the restore: {type(exc).__name__}: {short(exc)}"
+                     f"{self.zombie_work(0.0)}")
 
     async def check_restored(self, restored: Any, loaded: Any) -> None:
         """Restored sessions equal what was captured, each as its next attempt."""
@@ -420,6 +315,30 @@ class Checkers(Part):
         for rollout_id, places in sorted(where.items()):
             if len(places) > 1:
                 self.violate(f"rollout {rollout_id} is live {len(places)} times: {places}")
+
+    def check_turn_directory(self, ep: Ep, directory: Path, before: bytes, t: int) -> None:
+        """A turn's directory starts as its session's state says (after a restore too)."""
+        found = (directory / "state").read_bytes() if (directory / "state").exists() else None
+        if found != before:
+            self.violate(f"the directory of {ep.capture_key} holds state {found!r} at turn "
+                         f"{t}, its session {before!r}")
+
+    def check_one_job_per_path(self, path: Path, job2: SimActor) -> None:
+        """A second job's claim of ``path`` (just granted) met no live claim of this job."""
+        # This job's claims there that its coordinator wrote within their time to live,
+        # by true time: live, whatever either clock says.
+        now = self.now()
+        fresh = {args[1] for t, _, name, args, _ in self.world.io_log
+                 if name == "claim_path" and len(args) > 1 and now - t < CONFIG.lease_s * 2}
+        running = {r.op_id for r in self.s.ops if r.end is None and r.op_id}
+        ours = [c.operation for c in read_claims(environment_dir(path))
+                if c.operation in running and c.operation in fresh]
+        if ours:
+            self.violate(f"a second job claimed {path.name} while {ours[0]} of this job "
+                         f"held it: two jobs write one checkpoint path (their clocks differ "
+                         f"by {job2.wall_offset - self.s.coordinator_offset():+.0f}s)")
+
+    # --- all along ------------------------------------------------------------------------
 
     async def monitor(self) -> None:
         """All along: no holder stays paused or restoring for an operation that has
@@ -464,37 +383,7 @@ class Checkers(Part):
             return True  # an id no driver here made (a dead driver's late message)
         return self.killed_since(record.start, (COORDINATOR, "driver"))
 
-    def _queue_note(self, op_id: str | None) -> str:
-        """Why ``op_id``'s holders may have stayed paused: its control calls waited (or
-        wait now) for a concurrency slot behind turns waiting at a holder's gate."""
-        waits = {f"{method} at {holder}" for _, holder, method, op, _, _, _
-                 in self.queued_behind_turns if op == op_id}
-        for actor in self.world.live(HOLDER):
-            for queue in actor.queues.values():
-                for method, payload, _, _, ahead in queue:
-                    args = pickle.loads(payload) if method not in SESSION_METHODS and \
-                        _session_calls(ahead) else ()
-                    if args and args[0] == op_id:
-                        waits.add(f"{method} at {actor.name}")
-        if not waits:
-            return ""
-        return (f"; a control call queued behind turns and opens waiting at the gate, in the "
-                f"holder's one concurrency group: {sorted(waits)}")
-
-    def _check_control_not_queued(self) -> None:
-        """A holder's control calls (pause, release, renewals, persist, resume, abort) do
-        not wait for a concurrency slot behind turns waiting at its gate."""
-        seen = set()
-        for when, holder, method, op, waited, turns, limit in self.queued_behind_turns:
-            if waited <= GRACE_S or op in seen:
-                continue
-            seen.add(op)
-            record = next((r for r in self.s.ops if r.op_id == op), None)
-            outcome = f"; {op} ended {record.outcome}" if record is not None else ""
-            self.violate(f"a control call queued behind turns: {method}({op}) waited "
-                         f"{waited:.1f}s for a slot at {holder} behind {turns} (workers' "
-                         f"session calls, held by its paused gate), in one concurrency group "
-                         f"of limit {limit} (until t={when:.2f}){outcome}")
+    # --- at the end: past every lease and turn deadline -----------------------------------
 
     async def check_settled(self) -> None:
         """The drivers stopped and messages landed, well within a lease: no holder waits
@@ -568,6 +457,176 @@ class Checkers(Part):
                     data.snapshot_id
                 if sid in self.s.failed_checks:
                     self.violate(f"a manifest was written for {sid}, whose check failed")
+
+    def _check_control_not_queued(self) -> None:
+        """A holder's control calls (pause, release, renewals, persist, resume, abort) do
+        not wait for a concurrency slot behind turns waiting at its gate."""
+        seen = set()
+        for when, holder, method, op, waited, turns, limit in self.queued_behind_turns:
+            if waited <= GRACE_S or op in seen:
+                continue
+            seen.add(op)
+            record = next((r for r in self.s.ops if r.op_id == op), None)
+            outcome = f"; {op} ended {record.outcome}" if record is not None else ""
+            self.violate(f"a control call queued behind turns: {method}({op}) waited "
+                         f"{waited:.1f}s for a slot at {holder} behind {turns} (workers' "
+                         f"session calls, held by its paused gate), in one concurrency group "
+                         f"of limit {limit} (until t={when:.2f}){outcome}")
+
+    def _check_world(self) -> None:
+        """The invariants of the world outside the protocol (issue 23): every committed
+        snapshot's blobs are there; nothing outside a sandbox was read into one; a sandbox's
+        sparse file is not stored densely; a damaged manifest is refused with the project's
+        error."""
+        root = self.root
+        if self.sandbox_root is not None:
+            for snapshot in committed_snapshots(root):
+                try:
+                    manifest = read_manifest(snapshot)
+                except Exception:
+                    continue  # reported by the checks of each path
+                problems = verify_directories(snapshot, manifest)
+                if problems:
+                    gcs = "".join(f"; a gc from another host, its clock {skew:+.0f}s from the "
+                                  f"coordinator's, removed {n} blobs at t={t:.2f}"
+                                  for t, n, skew in self.s.gc_removals)
+                    self.violate(f"committed snapshot {manifest.snapshot_id} at "
+                                 f"{Path(snapshot).name} references a blob that is missing or "
+                                 f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}"
+                                 f"{self.zombie_work(0.0)}")
+            secret = self.secret.read_bytes()
+            for holder in self.world.actors:
+                boxes = getattr(holder.obj, "_sandboxes", None)
+                cache = getattr(boxes, "_cache", None)
+                if cache is not None and any(secret in b for b in cache._memory.values()):
+                    self.violate(f"the secret file outside every sandbox was read into "
+                                 f"the node cache of {holder.name} (memory)")
+            for where, _, files in os.walk(root):
+                for name in files:
+                    path = Path(where) / name
+                    if path == self.secret:
+                        continue
+                    try:
+                        info = path.lstat()
+                        if not stat.S_ISREG(info.st_mode):
+                            continue
+                        if info.st_size < 4096 and secret in path.read_bytes():
+                            self.violate(f"the secret file outside every sandbox was read "
+                                         f"into one: {path.relative_to(root)} holds it")
+                    except OSError:
+                        continue
+        if self.plan.sparse:
+            self._check_dense()
+        if self.plan.damage is not None:
+            self._check_damaged_manifest()
+
+    def _check_dense(self) -> None:
+        """No copy of a sandbox's sparse file (in the node caches, the blob store or a
+        restored directory) takes its apparent size: the holes stay holes. Checked after
+        each commit too (retention and the caches' sweep may remove them later)."""
+        root, reported = self.root, self.dense_reported
+        for where, _, files in os.walk(root):
+            for name in files:
+                path = Path(where) / name
+                with contextlib.suppress(OSError):
+                    info = path.lstat()
+                    if stat.S_ISREG(info.st_mode) and info.st_size >= SPARSE_BYTES // 2 and \
+                            info.st_blocks * 512 >= SPARSE_BYTES // 2 and path not in reported:
+                        reported.add(path)
+                        self.violate(f"a sparse file made in a turn ({SPARSE_BYTES >> 20} MiB "
+                                     f"apparent, no blocks) was copied densely: "
+                                     f"{path.relative_to(root)} takes "
+                                     f"{info.st_blocks * 512 >> 20} MiB")
+
+    def _check_damaged_manifest(self) -> None:
+        """A copy of a committed snapshot whose manifest is damaged (a shard length of 1e15,
+        or nesting thousands deep) is refused with a nemo-ckpt error, not a traceback."""
+        committed = [p for p in committed_snapshots(self.root)]
+        if not committed:
+            return
+        copy = self.root / "damaged"
+        shutil.copytree(environment_dir(committed[0]), environment_dir(copy))
+        manifest = environment_dir(copy) / "manifest.json"
+        kind = self.plan.damage
+        if kind == "huge":
+            data = json.loads(manifest.read_bytes())
+            if not data.get("shards"):
+                return
+            data["shards"][0]["bytes"] = 10**15
+            manifest.write_text(json.dumps(data))
+        else:
+            manifest.write_text("[" * 100_000 + "]" * 100_000)
+        self.s.faults += 1
+        try:
+            read_snapshot(str(copy))
+        except NemoCkptError:
+            pass
+        except BaseException as exc:
+            what = "a shard length of 1e15" if kind == "huge" else "nested 100,000 deep"
+            self.violate(f"a damaged manifest ({what}) made read_snapshot raise "
+                         f"{type(exc).__name__}, not a nemo-ckpt error")
+        else:
+            self.violate(f"a damaged manifest ({kind}) was read as a snapshot")
+        shutil.rmtree(copy, ignore_errors=True)
+
+    # --- what a violation's message explains ----------------------------------------------
+
+    def zombie_work(self, since: float) -> str:
+        """What coordinators Ray had declared dead did after ``since``, for a message."""
+        work = [(t, a, name) for t, a, name in self.zombie_io
+                if t >= since and a.kind == COORDINATOR]
+        if not work:
+            return ""
+        t, actor, name = work[-1]
+        declared = next(d for d, a in self.world.declared if a is actor)
+        return (f"; a zombie coordinator ({actor}, declared dead at t={declared:.2f} after "
+                f"its node stalled, then run again) ran {name} there at t={t:.2f}: its "
+                f"clean-up took the newer snapshot's claim for a dead predecessor's and "
+                f"removed its files")
+
+    def _queue_note(self, op_id: str | None) -> str:
+        """Why ``op_id``'s holders may have stayed paused: its control calls waited (or
+        wait now) for a concurrency slot behind turns waiting at a holder's gate."""
+        waits = {f"{method} at {holder}" for _, holder, method, op, _, _, _
+                 in self.queued_behind_turns if op == op_id}
+        for actor in self.world.live(HOLDER):
+            for queue in actor.queues.values():
+                for method, payload, _, _, ahead in queue:
+                    args = pickle.loads(payload) if method not in SESSION_METHODS and \
+                        _session_calls(ahead) else ()
+                    if args and args[0] == op_id:
+                        waits.add(f"{method} at {actor.name}")
+        if not waits:
+            return ""
+        return (f"; a control call queued behind turns and opens waiting at the gate, in the "
+                f"holder's one concurrency group: {sorted(waits)}")
+
+    def _stalled(self, record: OpRecord) -> bool:
+        """Whether a fault could have stopped the lease renewals of ``record``."""
+        end = record.end if record.end is not None else self.now()
+        return any(record.start <= at <= end and (
+            kind.startswith(("clock_jump", "cancel", "stall")) or kind in ("kill_coordinator",
+                                                                  "kill_driver"))
+            for at, kind in self.s.fired) \
+            or any(record.start - CONFIG.lease_s <= at <= end
+                   for at, _ in self.world.slow_links) \
+            or self.killed_since(record.start, (COORDINATOR, "driver"))
+
+    def _full_disk_during(self, record: OpRecord) -> tuple[float, float] | None:
+        """A window of full disk that overlapped ``record``'s life."""
+        end = record.end if record.end is not None else self.now()
+        for k, (start, seconds) in enumerate(self.plan.enospc):
+            if k in self.s.enospc_hit and start <= end and record.start <= start + seconds:
+                return start, seconds
+        return None
+
+    def _captured_later(self, record: OpRecord) -> set[str | None]:
+        """The snapshots into the same path that captured after ``record`` did: a
+        holder pauses for one only once the one before released it, after its begin."""
+        if record.begun is None:
+            return set()
+        return {r.op_id for r in self.s.ops if r.path == record.path and r.begun is not None
+                and r.begun > record.begun}
 
 
 def _session_calls(methods: tuple[str, ...]) -> str:

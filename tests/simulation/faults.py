@@ -24,13 +24,16 @@ from nemo_ckpt.errors import NemoCkptError, SnapshotWriteError
 from nemo_ckpt.folder import unlistable
 from nemo_ckpt.local_folder import LocalFolder, write_failure
 from nemo_ckpt.sandbox import _Scanner
-from nemo_ckpt.storage import claim_path, environment_dir, read_claims, release_claim
+from nemo_ckpt.storage import claim_path, environment_dir, release_claim
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import SimActor
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 
+from .checkers import Checkers
 from .plan import CONFIG
 from .state import Part, State, short
+
+# --- disk faults at every Folder call -------------------------------------------------
 
 
 class DiskFaults:
@@ -125,8 +128,10 @@ class HostileSandbox:
 
 
 class Faults(Part):
-    def __init__(self, s: State) -> None:
+
+    def __init__(self, s: State, check: Checkers) -> None:
         super().__init__(s)
+        self.check = check  # for what a fault can only judge as it acts (a second job)
         self.triggered: dict[tuple[str, str], int] = defaultdict(int)
         self.retired: set[str] = set()  # paths a user's retention script removed
         self._install_io_faults()
@@ -135,7 +140,7 @@ class Faults(Part):
         self.secret.write_bytes(SECRET + f"-{self.seed}".encode())
         self._install_ray()
 
-    # --- at a message or a file operation (the world's hooks) ------------------------------
+    # --- at a message or a file operation (the world's hooks): the planned triggers -------
 
     def on_deliver(self, target: SimActor, method: str, args: tuple[Any, ...]) -> None:
         if self._trigger("kill_at", method):
@@ -165,6 +170,77 @@ class Faults(Part):
             self.log(f"fault: {driver.name}'s operation is cancelled as it sends {method}")
             self.world.loop.call_later(self.rng.uniform(0.0, 0.02), task.cancel)
 
+    def _trigger(self, kind: str, method: str) -> bool:
+        """Whether a planned trigger fires now (each fires once, at its n-th call)."""
+        for k, m, nth in self.plan.triggers:
+            if k == kind and m == method:
+                self.triggered[(k, m)] += 1
+                if self.triggered[(k, m)] == nth:
+                    self.s.faults += 1
+                    self.s.fired.append((self.now(), f"{kind}:{method}"))
+                    return True
+        return False
+
+    # --- at a planned time: kills, cancellations, clock jumps -----------------------------
+
+    async def inject_faults(self) -> None:
+        start = self.now()
+        for at, kind in self.plan.faults:
+            await asyncio.sleep(max(0.0, start + at - self.now()))
+            if self._fault(kind):
+                self.s.faults += 1
+                self.s.fired.append((self.now(), kind))
+
+    def _fault(self, kind: str) -> bool:
+        world, rng = self.world, self.rng
+        if kind == "kill_holder" and world.live(HOLDER):
+            victim = rng.choice(world.live(HOLDER))
+        elif kind == "kill_coordinator" and world.live(COORDINATOR):
+            victim = world.live(COORDINATOR)[0]
+        elif kind == "kill_driver" and self.s.driver is not None and self.s.driver.actor.alive:
+            victim = self.s.driver.actor
+        elif kind == "kill_worker" and [w for w in self.s.workers.values() if w.alive]:
+            victim = rng.choice([w for w in self.s.workers.values() if w.alive])
+        elif kind == "kill_node":
+            nodes = [n for n in world.alive_nodes() if n != "node-0"]
+            if not nodes:
+                return False
+            node = rng.choice(nodes)
+            self.log(f"fault: node {node} dies")
+            world.kill_node(node)
+            return True
+        elif kind == "cancel_op":
+            driver = self.s.driver
+            if driver is None or driver.op_task is None or driver.op_task.done():
+                return False
+            self.log(f"fault: {driver.name}'s operation is cancelled")
+            driver.op_task.cancel()
+            return True
+        elif kind == "cancel_rollout":
+            running = sorted(k for k, t in self.s.rollout_tasks.items() if not t.done())
+            if not running:
+                return False
+            key = rng.choice(running)
+            self.log(f"fault: rollout {key} is cancelled")
+            self.s.rollout_tasks[key].cancel()
+            return True
+        elif kind in ("clock_jump_holder", "clock_jump_coordinator"):
+            actors = world.live(HOLDER if kind == "clock_jump_holder" else COORDINATOR)
+            if not actors:
+                return False
+            actor = rng.choice(actors)
+            jump = CONFIG.lease_s * rng.uniform(1.0, 1.5)
+            actor.clock_offset += jump
+            self.log(f"fault: {actor}'s clock jumps {jump:.1f}s")
+            return True
+        else:
+            return False
+        self.log(f"fault: {victim} is killed")
+        world.kill(victim)
+        return True
+
+    # --- Ray as it behaves (issue 29) -----------------------------------------------------
+
     def _install_ray(self) -> None:
         """Ray as it behaves (issue 29): deaths noticed late, zombies, concurrency
         limits. Its own RNG, so the other draws of a seed stay as they were."""
@@ -179,15 +255,6 @@ class Faults(Part):
             self.world.concurrency = lambda actor, group: (
                 limit if actor.kind == HOLDER and group == "default" else None)
         self.manifests_written = 0
-
-    def _stall(self, actors: list[SimActor], seconds: float, node: str | None,
-               why: str) -> None:
-        detect = self.plan.detect_s
-        self.s.faults += 1
-        self.s.fired.append((self.now(), f"stall:{why}"))
-        declared = f"; Ray declares it dead at {detect:.1f}s" if seconds > detect else ""
-        self.log(f"fault: {why}: {actors} stall for {seconds:.1f}s{declared}")
-        self.world.stall(actors, seconds, detect, node)
 
     async def inject_stalls(self) -> None:
         start = self.now()
@@ -219,16 +286,16 @@ class Faults(Part):
                           and a.noticed_at is None]
                 self._stall(actors, seconds, node, f"node {node} stalls")
 
-    def _trigger(self, kind: str, method: str) -> bool:
-        """Whether a planned trigger fires now (each fires once, at its n-th call)."""
-        for k, m, nth in self.plan.triggers:
-            if k == kind and m == method:
-                self.triggered[(k, m)] += 1
-                if self.triggered[(k, m)] == nth:
-                    self.s.faults += 1
-                    self.s.fired.append((self.now(), f"{kind}:{method}"))
-                    return True
-        return False
+    def _stall(self, actors: list[SimActor], seconds: float, node: str | None,
+               why: str) -> None:
+        detect = self.plan.detect_s
+        self.s.faults += 1
+        self.s.fired.append((self.now(), f"stall:{why}"))
+        declared = f"; Ray declares it dead at {detect:.1f}s" if seconds > detect else ""
+        self.log(f"fault: {why}: {actors} stall for {seconds:.1f}s{declared}")
+        self.world.stall(actors, seconds, detect, node)
+
+    # --- the disk: failed, torn and slow file operations, a full disk ---------------------
 
     def _install_io_faults(self) -> None:
         plan = self.plan
@@ -293,6 +360,8 @@ class Faults(Part):
             return "eio"
         return None
 
+    # --- RL: a cut that does not match the capture ----------------------------------------
+
     def corrupt(self, cut: StaticCut) -> StaticCut:
         """A cut RL could not have taken with this capture: a row or an episode missing."""
         self.s.faults += 1
@@ -309,6 +378,8 @@ class Faults(Part):
                 rows.add("a-row-no-session-wrote")
         self.log("fault: the cut does not match the capture")
         return StaticCut(expected, rows)
+
+    # --- the world outside the protocol (issue 23): other processes and hosts -------------
 
     def outside_actors(self) -> list[Any]:
         plan, out = self.plan, []
@@ -374,18 +445,7 @@ class Faults(Part):
         except NemoCkptError as exc:
             self.log(f"job 2's claim of {path.name} refused: {short(exc)}")
             return
-        # This job's claims there that its coordinator wrote within their time to live,
-        # by true time: live, whatever either clock says.
-        now = self.now()
-        fresh = {args[1] for t, _, name, args, _ in self.world.io_log
-                 if name == "claim_path" and len(args) > 1 and now - t < CONFIG.lease_s * 2}
-        running = {r.op_id for r in self.s.ops if r.end is None and r.op_id}
-        ours = [c.operation for c in read_claims(folder)
-                if c.operation in running and c.operation in fresh]
-        if ours:
-            self.violate(f"a second job claimed {path.name} while {ours[0]} of this job "
-                         f"held it: two jobs write one checkpoint path (their clocks differ "
-                         f"by {actor.wall_offset - self.s.coordinator_offset():+.0f}s)")
+        self.check.check_one_job_per_path(path, actor)
         self.log(f"job 2 holds {path.name}")
         self.s.path_claimed_by_job2.setdefault(str(path), self.now())
         with contextlib.suppress(Exception):
@@ -412,59 +472,3 @@ class Faults(Part):
             else:
                 os.mkfifo(path)
                 self.world.fifos.append(source)
-
-    async def inject_faults(self) -> None:
-        start = self.now()
-        for at, kind in self.plan.faults:
-            await asyncio.sleep(max(0.0, start + at - self.now()))
-            if self._fault(kind):
-                self.s.faults += 1
-                self.s.fired.append((self.now(), kind))
-
-    def _fault(self, kind: str) -> bool:
-        world, rng = self.world, self.rng
-        if kind == "kill_holder" and world.live(HOLDER):
-            victim = rng.choice(world.live(HOLDER))
-        elif kind == "kill_coordinator" and world.live(COORDINATOR):
-            victim = world.live(COORDINATOR)[0]
-        elif kind == "kill_driver" and self.s.driver is not None and self.s.driver.actor.alive:
-            victim = self.s.driver.actor
-        elif kind == "kill_worker" and [w for w in self.s.workers.values() if w.alive]:
-            victim = rng.choice([w for w in self.s.workers.values() if w.alive])
-        elif kind == "kill_node":
-            nodes = [n for n in world.alive_nodes() if n != "node-0"]
-            if not nodes:
-                return False
-            node = rng.choice(nodes)
-            self.log(f"fault: node {node} dies")
-            world.kill_node(node)
-            return True
-        elif kind == "cancel_op":
-            driver = self.s.driver
-            if driver is None or driver.op_task is None or driver.op_task.done():
-                return False
-            self.log(f"fault: {driver.name}'s operation is cancelled")
-            driver.op_task.cancel()
-            return True
-        elif kind == "cancel_rollout":
-            running = sorted(k for k, t in self.s.rollout_tasks.items() if not t.done())
-            if not running:
-                return False
-            key = rng.choice(running)
-            self.log(f"fault: rollout {key} is cancelled")
-            self.s.rollout_tasks[key].cancel()
-            return True
-        elif kind in ("clock_jump_holder", "clock_jump_coordinator"):
-            actors = world.live(HOLDER if kind == "clock_jump_holder" else COORDINATOR)
-            if not actors:
-                return False
-            actor = rng.choice(actors)
-            jump = CONFIG.lease_s * rng.uniform(1.0, 1.5)
-            actor.clock_offset += jump
-            self.log(f"fault: {actor}'s clock jumps {jump:.1f}s")
-            return True
-        else:
-            return False
-        self.log(f"fault: {victim} is killed")
-        world.kill(victim)
-        return True

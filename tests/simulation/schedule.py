@@ -20,8 +20,8 @@ from .workload import Workload
 class Schedule:
     def __init__(self, seed: int, root: Path, tracing: bool = False) -> None:
         self.s = State(seed, root, tracing)
-        self.inject = Faults(self.s)
         self.check = Checkers(self.s)
+        self.inject = Faults(self.s, self.check)
         self.work = Workload(self.s, self.check, self.inject)
         world = self.s.world
         world.on_blocked = self.check.on_blocked

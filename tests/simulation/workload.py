@@ -57,6 +57,8 @@ class Workload(Part):
             self.log(f"{driver.name} {driver.record.kind} {args[0]} "
                      f"({Path(driver.record.path).name})")
 
+    # --- the driver's script --------------------------------------------------------------
+
     async def drive(self) -> None:
         for op in self.plan.ops:
             await asyncio.sleep(self.rng.uniform(0.3, 1.8))
@@ -124,9 +126,7 @@ class Workload(Part):
                         else self.rng.uniform(0.0, 1.5))
                     record.body_end = self.now()
             record.outcome = "committed"
-            if held and not checked and not driver.config.allow_unchecked_snapshots:
-                self.violate(f"{record.op_id} committed, but its block never checked it "
-                             f"against a cut and its config does not allow that")
+            self.check.check_unchecked_commit(driver, record, held and not checked)
             if saved is not None:
                 self.s.rl.saves[path] = saved
             self.s.committed[path].append(record.op_id or "?")
@@ -167,6 +167,8 @@ class Workload(Part):
         with contextlib.suppress(BaseException):
             await task
 
+    # --- crash and restore ----------------------------------------------------------------
+
     async def _crash_and_restore(self) -> None:
         candidates = []
         for path, saved in sorted(self.s.rl.saves.items()):
@@ -188,9 +190,7 @@ class Workload(Part):
         try:
             loaded = read_snapshot(path)
         except NemoCkptError as exc:
-            self.violate(f"{saved.snapshot_id} committed but its snapshot does not verify "
-                         f"at the restore: {type(exc).__name__}: {short(exc)}"
-                         f"{self.check.zombie_work(0.0)}")
+            self.check.unreadable_at_restore(saved.snapshot_id, exc)
             return
         # RL's half, restored inside restored(): every unfinished rollout of the cut either
         # continues (captured) or starts over as its next attempt.
@@ -232,13 +232,7 @@ class Workload(Part):
                     again = None
                 break
             if again is not None:
-                # A retry may meet a fault of its own: a restore's materialization that
-                # fails, or a disk read error (injected), refuses that retry, and rightly.
-                injected = "injected" in str(again)
-                if not (is_retriable(again) or injected or self.killed_since(
-                        record.start, (COORDINATOR, "driver", HOLDER))):
-                    self.violate(f"the retry of a failed restore failed: "
-                                 f"{type(again).__name__}: {short(again)}")
+                self.check.check_failed_retry(record, again)
                 return
         finally:
             record.end = self.now()
@@ -270,6 +264,8 @@ class Workload(Part):
                     self._restart.append((instance, nxt))
         self.s.rl.rows = set(saved.rows & restored.staging_keys)
         self.s.rl.finished = set(saved.finished)
+
+    # --- workers --------------------------------------------------------------------------
 
     async def start_workers(self, fresh: bool, restored: Any = None) -> None:
         infos = None
@@ -353,10 +349,7 @@ class Workload(Part):
                       after: bytes) -> None:
         """A turn's work in its directory: it must start as the session's state says
         (after a restore too), then a file is added, one edited, one removed."""
-        found = (directory / "state").read_bytes() if (directory / "state").exists() else None
-        if found != before:
-            self.violate(f"the directory of {ep.capture_key} holds state {found!r} at turn "
-                         f"{t}, its session {before!r}")
+        self.check.check_turn_directory(ep, directory, before, t)
         (directory / f"t{t}").write_bytes(b"x" * (t + 1))
         if self.plan.sparse and t == 1 and not (directory / "sparse").exists():
             self.s.faults += 1
