@@ -75,7 +75,7 @@ def run_many(first: int, count: int, jobs: int) -> tuple[int, int, list[Result]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m tests.simulation", description=DESCRIPTION)
     parser.add_argument("--schedules", type=int, default=10_000)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
