@@ -1,7 +1,8 @@
 """The README says what the repository does: its integration guide is cut from the
-minimal example, its call order from the contract, its config table from the model, its
-public names import, its set-up commands and links exist, the changelog names the
-formats this version reads, and nothing refers outside the repository."""
+minimal example, its call order from the contract, its config table from the model and
+its metrics table from the actors; its public names import; its set-up commands and
+links exist; the changelog names the formats this version reads; docs/LAYOUT.md names
+every module; and nothing refers outside the repository."""
 
 from __future__ import annotations
 
