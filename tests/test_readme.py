@@ -197,3 +197,11 @@ def test_the_metrics_table_lists_every_metric_the_actors_publish() -> None:
     published = set(re.findall(r'"(nemo_ckpt_\w+)"', (ROOT / "actors" / "metrics.py").read_text()))
     listed = set(re.findall(r"^\| `(nemo_ckpt_\w+)", section("Metrics and logs"), flags=re.M))
     assert published and listed == published
+
+
+def test_the_glossary_defines_the_words_a_newcomer_meets_in_alphabetical_order() -> None:
+    terms = re.findall(r"^- \*\*([^*]+)\*\*", section("Glossary"), flags=re.M)
+    assert terms == sorted(terms, key=str.lower)
+    for word in ("instance", "attempt", "capture key", "cut", "staging row", "ledger",
+                 "holder", "snapshot", "session", "turn"):
+        assert word in terms, word
