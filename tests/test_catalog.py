@@ -23,7 +23,14 @@ from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_snapshot, write_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.verify import verify_snapshot
-from tests.test_sandbox_sessions import Job, _coordinator, _open_with_directories, _store, _turns
+from tests.harness import World
+from tests.test_sandbox_sessions import (
+    _coordinator,
+    _open_with_directories,
+    _store,
+    _turns,
+    sandbox_job,
+)
 from tests.test_storage import FakeClock, flip_middle_byte, manifest_path, session
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -240,7 +247,7 @@ def test_keep_last_of_zero_is_refused_before_anything_is_removed(
 
 @pytest.fixture
 def job(tmp_path: Path) -> Any:
-    j = Job(tmp_path)
+    j = sandbox_job(tmp_path)
     try:
         yield j
     finally:
@@ -248,7 +255,7 @@ def job(tmp_path: Path) -> Any:
 
 
 def test_a_removal_during_a_real_snapshot_into_that_path_is_refused_and_the_commit_stands(
-        job: Job, tmp_path: Path) -> None:
+        job: World, tmp_path: Path) -> None:
     path = tmp_path / "ckpt" / "latest"
     refused: list[str] = []
 
@@ -274,7 +281,7 @@ def test_a_removal_during_a_real_snapshot_into_that_path_is_refused_and_the_comm
     assert verify_snapshot(path).ok and read_snapshot(path).manifest.sessions == 2
 
 
-def _two_snapshots_with_directories(job: Job, root: Path) -> None:
+def _two_snapshots_with_directories(job: World, root: Path) -> None:
     """Snapshots ``root/a`` then ``root/b`` of one rollout's directory, a turn apart."""
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
@@ -290,7 +297,7 @@ def _two_snapshots_with_directories(job: Job, root: Path) -> None:
 
 
 def test_removing_a_snapshot_collects_the_blobs_only_it_referenced(
-        job: Job, tmp_path: Path) -> None:
+        job: World, tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     _two_snapshots_with_directories(job, root)
     before = len(_store(tmp_path).digests())
@@ -302,7 +309,7 @@ def test_removing_a_snapshot_collects_the_blobs_only_it_referenced(
 
 
 def test_keep_last_collects_the_blobs_of_the_snapshots_it_removed(
-        job: Job, tmp_path: Path) -> None:
+        job: World, tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     _two_snapshots_with_directories(job, root)
     report = keep_last(root, 1)
@@ -312,7 +319,7 @@ def test_keep_last_collects_the_blobs_of_the_snapshots_it_removed(
 
 
 def _a_job_that_snapshots_and_dies(tmp_path: Path, path: Path) -> None:
-    job = Job(tmp_path)
+    job = sandbox_job(tmp_path)
     try:
         async def first_run() -> None:
             live, dirs = await _open_with_directories(job, rollouts=1)
@@ -328,7 +335,7 @@ def _a_job_that_snapshots_and_dies(tmp_path: Path, path: Path) -> None:
 
 
 def _restore(tmp_path: Path, path: Path) -> int:
-    fresh = Job(tmp_path, seed=1)
+    fresh = sandbox_job(tmp_path, seed=1)
     try:
         async def restore() -> int:
             async with fresh.ckpt.restored(path) as restored:

@@ -13,7 +13,8 @@ from nemo_ckpt import RayEnvironmentCheckpoint
 from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.testing.data_plane import StaticCut
-from tests.test_sandbox_sessions import Job
+from tests.harness import World
+from tests.test_sandbox_sessions import sandbox_job
 
 pytestmark = pytest.mark.timeout(60)
 NAME_RELEASE_S = 2.0  # how long Ray keeps a killed actor's name here
@@ -21,7 +22,7 @@ NAME_RELEASE_S = 2.0  # how long Ray keeps a killed actor's name here
 
 @pytest.fixture
 def job(tmp_path: Path) -> Any:
-    j = Job(tmp_path)
+    j = sandbox_job(tmp_path)
     j.sim.death_delay = lambda actor: (0.5, NAME_RELEASE_S - 0.5)
     try:
         yield j
@@ -29,7 +30,7 @@ def job(tmp_path: Path) -> Any:
         j.close()
 
 
-async def _sessions_and_a_snapshot(job: Job, path: Path) -> None:
+async def _sessions_and_a_snapshot(job: World, path: Path) -> None:
     """A session on every holder, and a snapshot of them at ``path``."""
     await job.ckpt.ensure_holders()
     live: dict[str, set[Ep]] = {}
@@ -42,14 +43,14 @@ async def _sessions_and_a_snapshot(job: Job, path: Path) -> None:
         await snap.check_against_cut(StaticCut(live, set()))
 
 
-def _new_driver(job: Job) -> RayEnvironmentCheckpoint:
+def _new_driver(job: World) -> RayEnvironmentCheckpoint:
     """The driver of a restarted job: the same namespace, the old job's actors alive."""
     driver = job.sim.new_actor("driver-2", "driver", "node-0")
     return RayEnvironmentCheckpoint(job.config, job.sim.transport(driver, job.config))
 
 
 def test_a_restore_into_live_old_sessions_names_every_holder_and_the_fix(
-        job: Job, tmp_path: Path) -> None:
+        job: World, tmp_path: Path) -> None:
     path = tmp_path / "ckpt" / "step-1"
 
     async def scenario() -> str:
@@ -70,7 +71,7 @@ def test_a_restore_into_live_old_sessions_names_every_holder_and_the_fix(
 
 
 def test_shutdown_with_wait_returns_once_the_names_are_released_and_the_restore_then_succeeds(
-        job: Job, tmp_path: Path) -> None:
+        job: World, tmp_path: Path) -> None:
     path = tmp_path / "ckpt" / "step-1"
 
     async def scenario() -> tuple[list[str], float, list[str], int]:
@@ -92,7 +93,7 @@ def test_shutdown_with_wait_returns_once_the_names_are_released_and_the_restore_
     assert continued == 2
 
 
-def test_shutdown_with_wait_gives_up_naming_the_actors_still_registered(job: Job) -> None:
+def test_shutdown_with_wait_gives_up_naming_the_actors_still_registered(job: World) -> None:
     job.sim.death_delay = lambda actor: (0.5, 60.0)  # a node Ray cannot reach
 
     async def scenario() -> str:
