@@ -40,8 +40,9 @@ from nemo_ckpt.errors import (
     SnapshotNotFoundError,
     SnapshotReadError,
 )
+from nemo_ckpt.folder import Folder
 from nemo_ckpt.location import LocalLocation, parent_location, parse_location
-from nemo_ckpt.manifest import MANIFEST_NAME, Manifest
+from nemo_ckpt.manifest import MANIFEST_NAME, SHARD_PREFIX, Manifest
 from nemo_ckpt.path_claims import REMOVAL_PREFIX, claim_path, read_claims, release_claim
 from nemo_ckpt.sandbox_storage import blob_store_of
 from nemo_ckpt.snapshot_files import read_manifest
@@ -221,6 +222,16 @@ def _claim_alone(path: Path | str, operation: str, owner: str, watch: ClaimWatch
         sleep(min(_WAIT_POLL_S, max(0.0, give_up - clock())))
 
 
+def _remove_manifest(folder: Folder) -> None:
+    """Remove the manifest; an error after the removal landed (the manifest is gone) is
+    no error here: the rest of the removal goes on."""
+    try:
+        folder.remove([MANIFEST_NAME])
+    except (NemoCkptError, OSError):
+        if MANIFEST_NAME in folder.names():
+            raise
+
+
 def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: bool = True,
                     wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep) -> RemovalReport:
@@ -231,12 +242,17 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
     folder: a claim seen for the first time is taken as live, so ``wait_s`` watches the
     claims (on ``clock``) for up to that long, enough to see one whose job died as
     abandoned. ``SnapshotNotFoundError`` when there is no snapshot at ``path``. A
-    damaged snapshot is removed too: nothing of it is read but the names of its files.
+    damaged snapshot is removed too: nothing of it is read but the names of its files;
+    so are the shards a snapshot left without a manifest (interrupted), and those of a
+    removal cut short (an I/O error raised: the manifest went first, so nothing is left
+    that passes for a committed snapshot; run it again).
     The blob store is the one the manifest names, else ``root``'s; a collection refused
     (a snapshot holds the store) leaves the blobs to the next commit or ``nemo-ckpt gc``,
     and says so in ``collection_skipped``."""
     folder = environment_folder(path)
-    if MANIFEST_NAME not in folder.names():
+    names = folder.names()
+    # Shards without a manifest: a snapshot interrupted, or a removal cut short.
+    if MANIFEST_NAME not in names and not any(n.startswith(SHARD_PREFIX) for n in names):
         raise SnapshotNotFoundError(folder.describe(), "Nothing was removed.")
     try:
         store = blob_store_of(path, read_manifest(path))
@@ -250,8 +266,10 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
     try:
         report = RemovalReport(path=str(path), snapshot_id=manifest_snapshot_id(folder))
         # The manifest first: from here on nothing takes this for a committed snapshot.
-        folder.remove([MANIFEST_NAME])
-        report.files = [MANIFEST_NAME, *remove_unreferenced_files(folder)]
+        if MANIFEST_NAME in names:
+            _remove_manifest(folder)
+            report.files.append(MANIFEST_NAME)
+        report.files += remove_unreferenced_files(folder)
     finally:
         release_claim(folder, operation)
     log.info("removed snapshot %s at %s (%d files)", report.snapshot_id, path,

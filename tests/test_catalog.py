@@ -17,6 +17,7 @@ from nemo_ckpt.catalog import keep_last, latest_snapshot, list_snapshots, remove
 from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, prepare_environment_dir
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch, encode_claim
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, SnapshotNotFoundError
+from nemo_ckpt.local_folder import LocalFolder
 from nemo_ckpt.manifest import encode_manifest, shard_file_name
 from nemo_ckpt.path_claims import claim_path, read_claims
 from nemo_ckpt.shards import write_shard
@@ -391,3 +392,35 @@ def test_the_readmes_example_runs_as_written(tmp_path: Path, three: dict[str, Pa
     assert f"skipped {three['new']} it does not verify" in out
     assert scope["path"] == str(three["mid"])
     assert scope["report"].removed == []  # three snapshots, three kept
+
+
+def test_a_removal_cut_short_leaves_no_committed_snapshot_and_a_second_one_finishes_it(
+        tmp_path: Path, three: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    def disk_error(*args: Any) -> list[str]:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(catalog, "remove_unreferenced_files", disk_error)
+        with pytest.raises(OSError):
+            remove_snapshot(three["mid"])
+    assert [s.snapshot_id for s in list_snapshots(tmp_path / "ckpt")] == ["s3", "s1"]
+    shard = first_shard(three["mid"])
+    report = remove_snapshot(three["mid"])
+    assert (report.snapshot_id, report.files) == (None, [shard.name])
+    assert list(environment_dir(three["mid"]).iterdir()) == []
+
+
+def test_a_manifest_removal_that_landed_and_then_raised_goes_on(
+        tmp_path: Path, three: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    real = LocalFolder.remove
+
+    def removed_then_raised(self: LocalFolder, names: Any) -> None:
+        names = list(names)
+        real(self, names)
+        if "manifest.json" in names:
+            raise OSError(5, "Input/output error after the removal")
+
+    monkeypatch.setattr(LocalFolder, "remove", removed_then_raised)
+    report = remove_snapshot(three["mid"])
+    assert report.snapshot_id == "s2" and len(report.files) == 2
+    assert list(environment_dir(three["mid"]).iterdir()) == []
