@@ -5,6 +5,7 @@ the last N kept."""
 from __future__ import annotations
 
 import shutil
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from nemo_ckpt.snapshot_files import read_snapshot, write_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.verify import verify_snapshot
 from tests.harness import World
+from tests.s3_server import BUCKET
 from tests.test_sandbox_sessions import (
     _coordinator,
     _open_with_directories,
@@ -424,3 +426,32 @@ def test_a_manifest_removal_that_landed_and_then_raised_goes_on(
     report = remove_snapshot(three["mid"])
     assert report.snapshot_id == "s2" and len(report.files) == 2
     assert list(environment_dir(three["mid"]).iterdir()) == []
+
+
+# --- in a bucket ------------------------------------------------------------------------------
+
+
+def test_snapshots_in_a_bucket_are_listed_found_removed_and_kept(s3_server: Any) -> None:
+    root = f"s3://{BUCKET}/catalog-{uuid.uuid4().hex[:8]}"
+    for k, minute in ((1, 1), (2, 2), (3, 3)):
+        directory = environment_folder(f"{root}/step-{k}")
+        shard = write_shard(directory, shard_file_name(f"s{k}", "holder-0"), "holder-0",
+                            [session("holder-0", "r0")])
+        write_manifest(directory, encode_manifest(
+            snapshot_id=f"s{k}", created_at=T0 + timedelta(minutes=minute),
+            instances=["holder-0"], shards=[shard], restarted_rollouts=0, metrics={}))
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["s3", "s2", "s1"]
+    assert latest_snapshot(root).path == f"{root}/step-3"
+    _claim_as_snapshot_at(f"{root}/step-2")
+    with pytest.raises(CheckpointPathBusyError, match="in progress there"):
+        remove_snapshot(f"{root}/step-2")
+    report = keep_last(root, 1)
+    assert [r.snapshot_id for r in report.removed] == ["s1"]
+    assert list(report.refused) == [f"{root}/step-2"]
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["s3", "s2"]
+    assert environment_folder(f"{root}/step-1").names() == []
+
+
+def _claim_as_snapshot_at(path: str) -> None:
+    claim_path(environment_folder(path), "snap-running", "cluster/other-job", ClaimWatch(),
+               30.0)
