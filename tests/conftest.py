@@ -41,6 +41,25 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
                 os.environ[k] = v
 
 
+@pytest.fixture(scope="session", params=["seaweedfs", "rclone"])
+def any_s3_server(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Each S3 implementation of ``tests.s3_server.SERVERS`` in turn, started only for
+    the tests that use it and stopped after them. Unlike ``s3_server`` it leaves the
+    environment alone: a test points its client at it with ``server.env()``."""
+    from tests.s3_server import SERVERS
+
+    if request.param == "seaweedfs":
+        yield request.getfixturevalue("s3_server")
+        return
+    server = SERVERS[request.param](tmp_path_factory.mktemp(request.param))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def cluster(s3_server: Any) -> Iterator[Any]:
     """A local multi-node Ray cluster, connected as this process's driver; its workers

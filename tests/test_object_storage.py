@@ -1,6 +1,6 @@
-"""Snapshots in an S3 bucket, against a real S3-compatible server (SeaweedFS, started by
-the tests on 127.0.0.1; ``tests/s3_server.py``): the same guarantees as in a
-folder, through ``nemo_ckpt.object_folder``."""
+"""Snapshots in an S3 bucket, against each real S3-compatible server of
+``tests/s3_server.py`` (SeaweedFS and rclone, started by the tests on 127.0.0.1): the
+same guarantees as in a folder, through ``nemo_ckpt.object_folder``."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from nemo_ckpt.path_claims import claim_path, live_claims, release_claim
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
-from tests.s3_server import BUCKET, S3Server
+from tests.s3_server import BUCKET, LocalS3Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,7 +62,9 @@ def write_snapshot(url: str, by_instance: dict[str, list[SessionRecord]],
 
 
 @pytest.fixture
-def url(s3_server: S3Server) -> str:
+def url(any_s3_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    for k, v in any_s3_server.env().items():
+        monkeypatch.setenv(k, v)
     return f"s3://{BUCKET}/tests/{uuid.uuid4().hex[:8]}/ckpt"
 
 
@@ -202,21 +204,22 @@ def test_on_a_bucket_the_collection_claim_is_advisory_and_judged_on_the_readers_
 
 
 @pytest.fixture
-def own_server(tmp_path: Path, s3_server: S3Server) -> Iterator[S3Server]:
-    """A second server, this test's to kill; the environment points at it meanwhile."""
-    server = S3Server(tmp_path / "s3")
+def own_server(tmp_path: Path, any_s3_server: LocalS3Server,
+               monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalS3Server]:
+    """Another server of the same kind, this test's to kill; the environment points at
+    it meanwhile."""
+    server = type(any_s3_server)(tmp_path / "s3")
     server.start()
-    saved = {k: os.environ[k] for k in server.env()}
-    os.environ.update(server.env())
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
     try:
         yield server
     finally:
         server.stop()
-        os.environ.update(saved)
 
 
 def test_a_server_killed_mid_persist_fails_the_write_and_the_previous_snapshot_stands(
-        own_server: S3Server) -> None:
+        own_server: LocalS3Server) -> None:
     url = f"s3://{BUCKET}/killed/ckpt"
     first = write_snapshot(url, {"holder-0": [session("holder-0", "a")]}, "snap-1")
     folder = environment_folder(url)
