@@ -143,8 +143,7 @@ class BlobStore:
         except OSError as exc:
             raise CheckpointPathError(
                 folder.describe(name), f"cannot read blob {folder.describe(name)}: "
-                                       f"{exc.strerror or exc}; check the filesystem or "
-                                       f"bucket and its permissions") from exc
+                                       f"{exc.strerror or exc}") from exc
         if (size is not None and len(data) != size) or digest_of(data) != digest:
             raise BlobCorruptedError(
                 folder.describe(name),

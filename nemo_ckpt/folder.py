@@ -102,5 +102,4 @@ class Folder(Protocol):
 def unlistable(folder: str, exc: OSError) -> CheckpointPathError:
     """The error of a listing that failed (a disk error, permissions, a store that does
     not answer), naming the folder and the cause."""
-    return CheckpointPathError(folder, f"cannot list {folder}: {exc.strerror or exc}; check "
-                                       f"the filesystem or bucket and its permissions")
+    return CheckpointPathError(folder, f"cannot list {folder}: {exc.strerror or exc}")

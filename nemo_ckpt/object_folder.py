@@ -26,6 +26,7 @@ from nemo_ckpt.errors import SnapshotWriteError
 from nemo_ckpt.folder import Sink, unlistable
 from nemo_ckpt.location import ObjectLocation
 from nemo_ckpt.manifest import is_plain_file_name
+from nemo_ckpt.store_errors import is_store_error, store_failure
 
 __all__ = ["ObjectFolder"]
 
@@ -84,7 +85,7 @@ def _body(call: Callable[[], Any], describe: str) -> Any:
     try:
         return call()
     except Exception as exc:
-        if _is_store_error(exc):
+        if is_store_error(exc):
             raise OSError(f"the store's answer for {describe} broke off: "
                           f"{type(exc).__name__}: {_first_line(exc)}") from exc
         raise
@@ -148,11 +149,11 @@ class ObjectFolder:
         """Nothing to create: a prefix exists once something is under it."""
 
     def _write_error(self, name: str, exc: Exception) -> SnapshotWriteError:
-        return SnapshotWriteError(
-            self.describe(name),
-            f"could not write {self.describe(name)}: {type(exc).__name__}: "
-            f"{_first_line(exc)} (check that the bucket exists, the endpoint answers, and "
-            f"the credentials in this node's AWS_* environment may write there)")
+        failure = store_failure(self.location, exc)
+        cause = (f"{type(exc).__name__}: {_first_line(exc)}"
+                 if isinstance(failure, FileNotFoundError) else str(failure))
+        return SnapshotWriteError(self.describe(name),
+                                  f"could not write {self.describe(name)}: {cause}")
 
     def write_stream(self, name: str, fill: Callable[[Sink], None]) -> int:
         import obstore
@@ -167,7 +168,7 @@ class ObjectFolder:
         except (SnapshotWriteError, ValueError):
             raise
         except Exception as exc:
-            if _is_store_error(exc):
+            if is_store_error(exc):
                 raise self._write_error(name, exc) from exc
             raise
         return sink.length
@@ -178,14 +179,15 @@ class ObjectFolder:
         try:
             obstore.put(self.store, self.key(name), data, use_multipart=False)
         except Exception as exc:
-            if _is_store_error(exc):
+            if is_store_error(exc):
                 raise self._write_error(name, exc) from exc
             raise
 
     def size(self, name: str) -> int:
         import obstore
 
-        return int(_reading(lambda: obstore.head(self.store, self.key(name)))["size"])
+        key = self.key(name)
+        return int(_reading(self.location, lambda: obstore.head(self.store, key))["size"])
 
     def read(self, name: str, limit: int | None = None) -> bytes:
         return bytes(self.read_view(name, limit))
@@ -218,7 +220,7 @@ class ObjectFolder:
         import obstore
 
         key = self.key(name)
-        return _reading(lambda: obstore.get(self.store, key))
+        return _reading(self.location, lambda: obstore.get(self.store, key))
 
     def names(self) -> list[str]:
 
@@ -237,7 +239,8 @@ class ObjectFolder:
         import obstore
 
         try:
-            return _reading(lambda: obstore.list_with_delimiter(self.store, self._list_prefix))
+            return _reading(self.location,
+                            lambda: obstore.list_with_delimiter(self.store, self._list_prefix))
         except FileNotFoundError:
             return {"objects": [], "common_prefixes": []}
         except OSError as exc:
@@ -254,7 +257,7 @@ class ObjectFolder:
             except FileNotFoundError:
                 pass
             except Exception as exc:
-                if _is_store_error(exc):
+                if is_store_error(exc):
                     raise self._write_error(names[i], exc) from exc
                 raise
 
@@ -263,18 +266,15 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
-def _is_store_error(exc: BaseException) -> bool:
-    return type(exc).__module__.startswith("obstore") or isinstance(exc, OSError)
-
-
-def _reading(call: Callable[[], Any]) -> Any:
-    """``call()``, with obstore's not-found as ``FileNotFoundError`` (it is one) and
-    any other failure of the store as an ``OSError`` that says what failed."""
+def _reading(location: ObjectLocation, call: Callable[[], Any]) -> Any:
+    """``call()``, with a store's failure as the ``OSError`` of one line
+    ``store_failure`` makes (an object not found stays a ``FileNotFoundError``)."""
     try:
         return call()
-    except FileNotFoundError:
-        raise
     except Exception as exc:
-        if _is_store_error(exc):
-            raise OSError(f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        if is_store_error(exc):
+            failure = store_failure(location, exc)
+            if failure is exc:
+                raise
+            raise failure from exc
         raise

@@ -95,7 +95,7 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
         raise SnapshotNotFoundError(folder.describe(), detail) from None
     except OSError as exc:
         raise CheckpointPathError(
-            path, f"cannot read {path}: {exc.strerror or exc}; check its permissions"
+            path, f"cannot read {path}: {exc.strerror or exc}"
         ) from exc
 
     try:

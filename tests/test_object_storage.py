@@ -331,3 +331,27 @@ def test_the_server_command_without_a_command_is_a_usage_error(
         main(["--"])
     assert exit_.value.code == 2
     assert "give the command to run after --" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mistake, says", [
+    ("missing bucket", "the bucket s3://no-such-bucket does not exist at http://127.0.0.1:"),
+    ("wrong secret", "access denied to s3://"),
+])
+def test_a_mistake_on_the_bucket_is_one_line_in_the_cli_naming_what_to_change(
+        url: str, mistake: str, says: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from nemo_ckpt.cli.main import main
+
+    write_snapshot(url, {"holder-0": [session("holder-0", "a")]})
+    if mistake == "missing bucket":
+        url = url.replace(f"s3://{BUCKET}/", "s3://no-such-bucket/")
+    else:
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    for command in (["inspect", url], ["verify", url]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+    if mistake == "wrong secret":  # (SeaweedFS makes a missing bucket on a write)
+        with pytest.raises(SnapshotWriteError) as caught:
+            write_snapshot(url + "/again", {"holder-0": [session("holder-0", "b")]})
+        assert "\n" not in str(caught.value) and says in str(caught.value)
