@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 from nemo_ckpt.errors import SnapshotWriteError
-from nemo_ckpt.folder import Sink, unlistable
+from nemo_ckpt.folder import ABSENT, Sink, unlistable
 from nemo_ckpt.location import ObjectLocation
 from nemo_ckpt.manifest import is_plain_file_name
 from nemo_ckpt.store_errors import is_store_error, store_failure
@@ -98,13 +99,24 @@ _STORES: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
 _MAX_STORES = 64
 
 
+# Whether a bucket's server refuses a conditional write that no longer holds, by the
+# same key as _STORES: probed once (``ObjectFolder.enforces_conditions``).
+_CONDITIONAL: dict[tuple[str, tuple[tuple[str, str], ...]], bool] = {}
+# obstore's errors for a conditional write refused (If-None-Match, If-Match).
+_REFUSED = ("AlreadyExistsError", "PreconditionError")
+
+
+def _store_key(location: ObjectLocation) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return (location.bucket, tuple(sorted((k, v) for k, v in os.environ.items()
+                                          if k.startswith("AWS_"))))
+
+
 def _store(location: ObjectLocation) -> Any:
     if location.scheme != "s3":
         raise ValueError(f"no object store for {location.scheme}:// (only s3://)")
     from obstore.store import S3Store
 
-    key = (location.bucket, tuple(sorted((k, v) for k, v in os.environ.items()
-                                         if k.startswith("AWS_"))))
+    key = _store_key(location)
     store = _STORES.get(key)
     if store is None:
         if len(_STORES) >= _MAX_STORES:
@@ -173,12 +185,68 @@ class ObjectFolder:
             raise
         return sink.length
 
-    def write_bytes(self, name: str, data: bytes, sync: bool = True) -> None:
+    def write_bytes(self, name: str, data: bytes, sync: bool = True,
+                    expect: str | None = None) -> None:
         import obstore
 
+        key = self.key(name)
+        mode: Any = None
+        if expect is not None:
+            if self.enforces_conditions():
+                mode = "create" if expect == ABSENT else {"e_tag": expect}
+            elif self.version(name) != (expect or None):
+                raise FileExistsError(f"{self.describe(name)} exists or changed")
         try:
-            obstore.put(self.store, self.key(name), data, use_multipart=False)
+            obstore.put(self.store, key, data, use_multipart=False, mode=mode)
         except Exception as exc:
+            if type(exc).__name__ in _REFUSED:
+                raise FileExistsError(f"{self.describe(name)} exists or changed") from exc
+            if is_store_error(exc):
+                raise self._write_error(name, exc) from exc
+            raise
+
+    def version(self, name: str) -> str | None:
+        import obstore
+
+        key = self.key(name)
+        try:
+            meta = _reading(self.location, lambda: obstore.head(self.store, key))
+        except FileNotFoundError:
+            return None
+        return str(meta["e_tag"] or meta["last_modified"])
+
+    def enforces_conditions(self) -> bool:
+        """Probed once per bucket and process: a create of an object that exists must be
+        refused. Servers that ignore ``If-None-Match`` (rclone's) write it twice."""
+        key = _store_key(self.location)
+        known = _CONDITIONAL.get(key)
+        if known is None:
+            if len(_CONDITIONAL) >= _MAX_STORES:
+                _CONDITIONAL.pop(next(iter(_CONDITIONAL)))
+            known = _CONDITIONAL[key] = self._probe_conditions()
+        return known
+
+    def _probe_conditions(self) -> bool:
+        import obstore
+
+        name = f".conditional-probe-{uuid.uuid4().hex}"
+        key = self.key(name)
+        try:
+            obstore.put(self.store, key, b"1", use_multipart=False, mode="create")
+            try:
+                obstore.put(self.store, key, b"2", use_multipart=False, mode="create")
+                return False
+            except Exception as exc:
+                if type(exc).__name__ in _REFUSED:
+                    return True
+                if type(exc).__name__ == "NotSupportedError":
+                    return False
+                raise
+            finally:
+                obstore.delete(self.store, key)
+        except Exception as exc:
+            if type(exc).__name__ == "NotSupportedError":
+                return False
             if is_store_error(exc):
                 raise self._write_error(name, exc) from exc
             raise
