@@ -45,6 +45,11 @@ from nemo_ckpt.path_claims import claim_of
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.shards import RolloutIndexEntry, read_shard, read_shard_index
 
+# The manifest each job (claim owner) last committed in each folder from this process:
+# what its next snapshot there may replace besides the one it found when it claimed.
+_COMMITTED: dict[tuple[str, str], str] = {}
+_MAX_COMMITTED = 1024
+
 __all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollouts",
            "write_manifest"]
 
@@ -63,6 +68,7 @@ def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
     writer's commit since then refuses this one with ``CheckpointPathBusyError``."""
     folder = as_folder(directory)
     expect: str | None = None
+    owner = ""
     if fence is not None:
         operation_id, beats = fence
         claim = claim_of(folder, operation_id)
@@ -70,11 +76,20 @@ def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
             raise OperationAbortedError(
                 f"{operation_id} was aborted by another coordinator of this job while this "
                 f"one was taken for dead (its node stalled?); it was not committed")
-        expect = claim.base
+        expect, owner = claim.base, claim.owner
     # Compact: it is written while the holders are paused; `nemo-ckpt inspect` reads it.
     data = manifest if isinstance(manifest, bytes) else manifest.model_dump_json().encode()
+    committed = (folder.describe(), owner)
     try:
-        folder.write_bytes(MANIFEST_NAME, data, expect=expect)
+        try:
+            folder.write_bytes(MANIFEST_NAME, data, expect=expect)
+        except FileExistsError:
+            # This job's own earlier snapshot, committed since this one claimed the
+            # folder (commits of a job are ordered), may be replaced.
+            current = folder.version(MANIFEST_NAME)
+            if current is None or _COMMITTED.get(committed) != current:
+                raise
+            folder.write_bytes(MANIFEST_NAME, data, expect=current)
     except FileExistsError:
         # A retry of a write that landed finds its own manifest there.
         with contextlib.suppress(OSError):
@@ -84,6 +99,13 @@ def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
             f"{folder.describe(MANIFEST_NAME)} was replaced by another writer since this "
             f"snapshot began, so it was not committed: two jobs must not write snapshots "
             f"into one checkpoint path; give each job its own path") from None
+    if expect is not None:
+        version = folder.version(MANIFEST_NAME)
+        if version is not None:
+            _COMMITTED.pop(committed, None)
+            _COMMITTED[committed] = version
+            if len(_COMMITTED) > _MAX_COMMITTED:
+                _COMMITTED.pop(next(iter(_COMMITTED)))
 
 
 def read_manifest(checkpoint_path: Path | str) -> Manifest:
