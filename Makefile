@@ -19,8 +19,12 @@ install: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+# Azurite, the Azure Blob emulator the az:// tests run against, comes from npm.
+AZURITE_VERSION := 3.35.0
+
+$(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install --quiet -e '.[test]'
+	npm install --prefix $(VENV)/npm --no-audit --no-fund --silent azurite@$(AZURITE_VERSION)
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,14 +1,16 @@
-"""A snapshot folder in an S3-compatible bucket (``s3://bucket/prefix``), through obstore.
+"""A snapshot folder in an S3-compatible bucket (``s3://bucket/prefix``) or an Azure Blob
+container (``az://container/prefix``), through obstore.
 
 Why obstore (docs/DESIGN.md, "Object storage"): one Rust client with an atomic single
 put, conditional puts, parallel multipart uploads, ranged and streamed reads, and the
 fastest puts of the libraries measured here. The endpoint, region and credentials come
-the standard way, from the ``AWS_*`` environment variables (``AWS_ENDPOINT_URL``,
+the standard way, from the store's environment variables (S3: ``AWS_ENDPOINT_URL``,
 ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
-``AWS_ALLOW_HTTP`` for a plain-http endpoint, ...) or the instance's role, on every node
-and on the driver: nothing nemo-ckpt writes or logs ever holds them.
+``AWS_ALLOW_HTTP`` for a plain-http endpoint, ...; Azure: ``AZURE_STORAGE_ACCOUNT_NAME``,
+``AZURE_STORAGE_ACCOUNT_KEY``, ...) or the node's identity, on every node and on the
+driver: nothing nemo-ckpt writes or logs ever holds them.
 
-What a filesystem gets from temp file, fsync and rename, a bucket gets from S3 itself:
+What a filesystem gets from temp file, fsync and rename, a bucket gets from the store:
 an object appears whole when its (multipart) upload completes, or not at all; an upload
 that fails or is interrupted is aborted, and a manifest's put replaces the older one
 atomically. There are no temp names to clean up.
@@ -23,13 +25,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
-from nemo_ckpt.errors import SnapshotWriteError
+from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
 from nemo_ckpt.folder import ABSENT, Sink, unlistable
 from nemo_ckpt.location import ObjectLocation
 from nemo_ckpt.manifest import is_plain_file_name
 from nemo_ckpt.store_errors import is_store_error, store_failure
 
-__all__ = ["ObjectFolder"]
+__all__ = ["SCHEMES", "ObjectFolder"]
 
 # Multipart part size and parallelism of a shard's upload: obstore uploads a part as
 # soon as this much is buffered, up to _CONCURRENCY at once (benchmarks/README.md).
@@ -106,22 +108,27 @@ _CONDITIONAL: dict[tuple[str, tuple[tuple[str, str], ...]], bool] = {}
 _REFUSED = ("AlreadyExistsError", "PreconditionError")
 
 
+# The stores by URL scheme, and the environment each one's client is made from.
+_ENVIRONMENT = {"s3": ("AWS_",), "az": ("AZURE_", "AZURITE_")}
+SCHEMES = tuple(_ENVIRONMENT)
+
+
 def _store_key(location: ObjectLocation) -> tuple[str, tuple[tuple[str, str], ...]]:
-    return (location.bucket, tuple(sorted((k, v) for k, v in os.environ.items()
-                                          if k.startswith("AWS_"))))
+    prefixes = _ENVIRONMENT[location.scheme]
+    return (f"{location.scheme}://{location.bucket}",
+            tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(prefixes))))
 
 
 def _store(location: ObjectLocation) -> Any:
-    if location.scheme != "s3":
-        raise ValueError(f"no object store for {location.scheme}:// (only s3://)")
-    from obstore.store import S3Store
+    from obstore.store import AzureStore, S3Store
 
     key = _store_key(location)
     store = _STORES.get(key)
     if store is None:
         if len(_STORES) >= _MAX_STORES:
             _STORES.pop(next(iter(_STORES)))
-        store = _STORES[key] = S3Store(location.bucket)
+        make = S3Store if location.scheme == "s3" else AzureStore
+        store = _STORES[key] = make(location.bucket)
     return store
 
 
@@ -130,6 +137,13 @@ class ObjectFolder:
     """A ``Folder`` under a prefix of a bucket. Equal folders have equal URLs."""
 
     location: ObjectLocation
+
+    def __post_init__(self) -> None:
+        if self.location.scheme not in _ENVIRONMENT:
+            raise CheckpointPathError(
+                str(self.location),
+                f"{self.location.scheme}:// is not a store nemo-ckpt reads or writes; use "
+                f"s3:// (GCS too, through its S3 interoperability), az://, or a folder")
 
     def __str__(self) -> str:
         return str(self.location)

@@ -41,18 +41,21 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="session", params=["seaweedfs", "rclone"])
-def any_s3_server(request: pytest.FixtureRequest,
-                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Each S3 implementation of ``tests.s3_server.SERVERS`` in turn, started only for
-    the tests that use it and stopped after them. Unlike ``s3_server`` it leaves the
-    environment alone: a test points its client at it with ``server.env()``."""
+@pytest.fixture(scope="session", params=["seaweedfs", "rclone", "azurite"])
+def object_store_server(request: pytest.FixtureRequest,
+                        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Each object store the object-store tests run against in turn (the S3 servers of
+    ``tests.s3_server.SERVERS``, and Azurite for ``az://``), started only for the tests
+    that use it and stopped after them. Unlike ``s3_server`` it leaves the environment
+    alone: a test points its client at it with ``server.env()``."""
+    from tests.azurite_server import AzuriteServer
     from tests.s3_server import SERVERS
 
     if request.param == "seaweedfs":
         yield request.getfixturevalue("s3_server")
         return
-    server = SERVERS[request.param](tmp_path_factory.mktemp(request.param))
+    kind = AzuriteServer if request.param == "azurite" else SERVERS[request.param]
+    server = kind(tmp_path_factory.mktemp(request.param))
     server.start()
     try:
         yield server

@@ -62,6 +62,7 @@ class LocalS3Server:
     ``kill()``), and ``start()`` again on the same data and port."""
 
     name = ""
+    scheme = "s3"
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
@@ -79,6 +80,10 @@ class LocalS3Server:
     def version(self) -> str:
         """The server's name and version, as the README's table of servers gives it."""
         raise NotImplementedError
+
+    def url(self, prefix: str) -> str:
+        """The URL of ``prefix`` in the server's bucket."""
+        return f"{self.scheme}://{BUCKET}/{prefix}"
 
     def _command(self) -> list[str]:
         raise NotImplementedError

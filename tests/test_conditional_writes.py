@@ -1,5 +1,6 @@
-"""Path claims and manifests that the store enforces, where it can: on a local folder and
-on an S3 server that honours conditional writes (SeaweedFS), a second writer is refused;
+"""Path claims and manifests that the store enforces, where it can: on a local folder, on
+an S3 server that honours conditional writes (SeaweedFS) and on Azure Blob (Azurite), a
+second writer is refused;
 on one that does not (rclone's ``serve s3``), the claims are advisory and
 ``check_startup``'s warning says so (docs/DESIGN.md, "Object storage")."""
 
@@ -22,13 +23,14 @@ from nemo_ckpt.manifest import encode_manifest, shard_file_name
 from nemo_ckpt.path_claims import advisory_claims_warning, claim_path
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_manifest, write_manifest
-from tests.s3_server import BUCKET, LocalS3Server, RcloneServer
+from tests.azurite_server import AzuriteServer
+from tests.s3_server import LocalS3Server, RcloneServer
 from tests.test_object_storage import session
 
 pytestmark = pytest.mark.timeout(120)
 
 # Whether each store refuses a conditional write that no longer holds.
-ENFORCES = {"local": True, "seaweedfs": True, "rclone": False}
+ENFORCES = {"local": True, "seaweedfs": True, "rclone": False, "azurite": True}
 
 
 @pytest.fixture(scope="module")
@@ -41,29 +43,40 @@ def rclone_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3S
         server.stop()
 
 
-@pytest.fixture(params=["local", "seaweedfs", "rclone"])
+@pytest.fixture(scope="module")
+def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3Server]:
+    server = AzuriteServer(tmp_path_factory.mktemp("azurite"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["local", "seaweedfs", "rclone", "azurite"])
 def store(request: pytest.FixtureRequest, tmp_path: Path,
           monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
     """(kind, a fresh checkpoint path) on a local folder and on each S3 server."""
     if request.param == "local":
         return "local", str(tmp_path / "ckpt")
     server: LocalS3Server = request.getfixturevalue(
-        "s3_server" if request.param == "seaweedfs" else "rclone_server")
+        "s3_server" if request.param == "seaweedfs" else f"{request.param}_server")
     for k, v in server.env().items():
         monkeypatch.setenv(k, v)
-    return server.name, f"s3://{BUCKET}/cond/{uuid.uuid4().hex[:8]}/ckpt"
+    return server.name, server.url(f"cond/{uuid.uuid4().hex[:8]}/ckpt")
 
 
-@pytest.fixture(params=["local", "seaweedfs"])
+@pytest.fixture(params=["local", "seaweedfs", "azurite"])
 def enforcing_store(request: pytest.FixtureRequest, tmp_path: Path,
                     monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh checkpoint path on each store that enforces conditional writes."""
     if request.param == "local":
         return str(tmp_path / "ckpt")
-    server: LocalS3Server = request.getfixturevalue("s3_server")
+    server: LocalS3Server = request.getfixturevalue(
+        "s3_server" if request.param == "seaweedfs" else "azurite_server")
     for k, v in server.env().items():
         monkeypatch.setenv(k, v)
-    return f"s3://{BUCKET}/cond/{uuid.uuid4().hex[:8]}/ckpt"
+    return server.url(f"cond/{uuid.uuid4().hex[:8]}/ckpt")
 
 
 def manifest_bytes(snapshot_id: str, folder: Any) -> bytes:

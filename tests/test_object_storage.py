@@ -1,9 +1,11 @@
-"""Snapshots in an S3 bucket, against each real S3-compatible server of
-``tests/s3_server.py`` (SeaweedFS and rclone, started by the tests on 127.0.0.1): the
-same guarantees as in a folder, through ``nemo_ckpt.object_folder``."""
+"""Snapshots in a bucket, against each real object store the tests start on 127.0.0.1:
+the S3 servers of ``tests/s3_server.py`` (SeaweedFS and rclone) and Azurite
+(``tests/azurite_server.py``, for ``az://``): the same guarantees as in a folder,
+through ``nemo_ckpt.object_folder``."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import uuid
@@ -34,7 +36,7 @@ from nemo_ckpt.path_claims import claim_path, live_claims, release_claim
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
-from tests.s3_server import BUCKET, LocalS3Server
+from tests.s3_server import BUCKET, SERVERS, LocalS3Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,10 +64,10 @@ def write_snapshot(url: str, by_instance: dict[str, list[SessionRecord]],
 
 
 @pytest.fixture
-def url(any_s3_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    for k, v in any_s3_server.env().items():
+def url(object_store_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    for k, v in object_store_server.env().items():
         monkeypatch.setenv(k, v)
-    return f"s3://{BUCKET}/tests/{uuid.uuid4().hex[:8]}/ckpt"
+    return object_store_server.url(f"tests/{uuid.uuid4().hex[:8]}/ckpt")
 
 
 def objects(url: str) -> list[str]:
@@ -203,12 +205,13 @@ def test_on_a_bucket_the_collection_claim_is_advisory_and_judged_on_the_readers_
     assert folder_at(join_location(url, BLOB_DIR)).names() == []
 
 
-@pytest.fixture
-def own_server(tmp_path: Path, any_s3_server: LocalS3Server,
+@pytest.fixture(params=sorted(SERVERS))
+def own_server(request: pytest.FixtureRequest, tmp_path: Path,
                monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalS3Server]:
-    """Another server of the same kind, this test's to kill; the environment points at
-    it meanwhile."""
-    server = type(any_s3_server)(tmp_path / "s3")
+    """A server of each S3 kind, this test's to kill; the environment points at it
+    meanwhile. (Azurite keeps its index in memory between saves: killed, it forgets
+    objects, as no real store does, so it is not one of them.)"""
+    server = SERVERS[request.param](tmp_path / "s3")
     server.start()
     for k, v in server.env().items():
         monkeypatch.setenv(k, v)
@@ -220,7 +223,7 @@ def own_server(tmp_path: Path, any_s3_server: LocalS3Server,
 
 def test_a_server_killed_mid_persist_fails_the_write_and_the_previous_snapshot_stands(
         own_server: LocalS3Server) -> None:
-    url = f"s3://{BUCKET}/killed/ckpt"
+    url = own_server.url("killed/ckpt")
     first = write_snapshot(url, {"holder-0": [session("holder-0", "a")]}, "snap-1")
     folder = environment_folder(url)
 
@@ -333,20 +336,21 @@ def test_the_server_command_without_a_command_is_a_usage_error(
     assert "give the command to run after --" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mistake, says", [
-    ("missing bucket", "the bucket s3://no-such-bucket does not exist at http://127.0.0.1:"),
-    ("wrong secret", "access denied to s3://"),
-])
+@pytest.mark.parametrize("mistake", ["missing bucket", "wrong secret"])
 def test_a_mistake_on_the_bucket_is_one_line_in_the_cli_naming_what_to_change(
-        url: str, mistake: str, says: str, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        url: str, mistake: str, object_store_server: LocalS3Server,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from nemo_ckpt.cli.main import main
 
     write_snapshot(url, {"holder-0": [session("holder-0", "a")]})
+    scheme = object_store_server.scheme
     if mistake == "missing bucket":
-        url = url.replace(f"s3://{BUCKET}/", "s3://no-such-bucket/")
+        url = url.replace(f"{scheme}://{BUCKET}/", f"{scheme}://no-such-bucket/")
+        says = f"{scheme}://no-such-bucket does not exist at {object_store_server.endpoint}"
     else:
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        key = ("AZURE_STORAGE_ACCOUNT_KEY" if scheme == "az" else "AWS_SECRET_ACCESS_KEY")
+        monkeypatch.setenv(key, base64.b64encode(b"not-the-secret").decode())
+        says = f"access denied to {scheme}://"
     for command in (["inspect", url], ["verify", url]):
         assert main(command) == 1
         err = capsys.readouterr().err
