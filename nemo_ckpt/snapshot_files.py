@@ -45,13 +45,13 @@ from nemo_ckpt.path_claims import claim_of
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.shards import RolloutIndexEntry, read_shard, read_shard_index
 
+__all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollouts",
+           "write_manifest"]
+
 # The manifest each job (claim owner) last committed in each folder from this process:
 # what its next snapshot there may replace besides the one it found when it claimed.
 _COMMITTED: dict[tuple[str, str], str] = {}
 _MAX_COMMITTED = 1024
-
-__all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollouts",
-           "write_manifest"]
 
 
 def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,

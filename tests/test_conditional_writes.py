@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 
-from nemo_ckpt.checkpoint_folder import environment_folder
+from nemo_ckpt.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.errors import CheckpointPathBusyError, OperationAbortedError
 from nemo_ckpt.folder import ABSENT
+from nemo_ckpt.location import join_location
 from nemo_ckpt.manifest import encode_manifest, shard_file_name
 from nemo_ckpt.path_claims import advisory_claims_warning, claim_path
 from nemo_ckpt.shards import write_shard
@@ -163,3 +165,26 @@ def test_a_claim_renews_for_its_writer_and_refuses_the_writer_it_was_taken_from(
     with pytest.raises(OperationAbortedError, match="its claim is not renewed"):
         claim_path(folder, "snap-a", "job-a", watch, ttl_s=10, beat="a3",
                    renewing={"a1", "a2"})
+
+
+def test_of_two_collectors_beginning_at_once_on_one_blob_store_exactly_one_begins(
+        enforcing_store: str) -> None:
+    stores = [BlobStore(join_location(enforcing_store, BLOB_DIR), folder_at) for _ in "ab"]
+    start = threading.Barrier(2)
+    outcomes: list[str] = []
+
+    def begin(store: BlobStore, owner: str) -> None:
+        start.wait()
+        try:
+            store.begin_collection(owner, ttl_s=30, watch=ClaimWatch())
+            outcomes.append("collecting")
+        except CheckpointPathBusyError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=begin, args=(s, f"gc-{i}"))
+               for i, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(outcomes) == ["collecting", "refused"]

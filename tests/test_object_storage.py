@@ -185,10 +185,9 @@ def test_a_newer_manifest_replaces_the_older_and_clean_up_spares_claimed_operati
     assert objects(url) == sorted([shard_file_name("snap-2", "holder-0"), "manifest.json"])
 
 
-def test_on_a_bucket_the_collection_claim_is_advisory_and_judged_on_the_readers_clock(
-        url: str) -> None:
-    # No exclusive create on a bucket: a collector refuses a claim it sees live, and
-    # takes one over once watched unchanged for its ttl (docs/DESIGN.md).
+def test_on_a_bucket_the_collection_claim_is_judged_on_the_readers_clock(url: str) -> None:
+    # A collector refuses a claim it sees live, and takes one over once watched
+    # unchanged for its ttl (docs/DESIGN.md).
     store = BlobStore(join_location(url, BLOB_DIR), folder_at)
     now = [0.0]
     watch = ClaimWatch(lambda: now[0])
