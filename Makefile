@@ -21,13 +21,18 @@ install: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# Azurite, the Azure Blob emulator the az:// tests run against, comes from npm.
+AZURITE_VERSION := 3.35.0
+
 # pip takes a minute or two on a fresh venv (Ray is large): say so, and let it name
 # each package it installs; its warnings about absent mirror folders are noise.
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml Makefile | $(PY)
 	@echo "make install: installing nemo-ckpt and its test tools into $(VENV) (pip; a fresh venv takes a minute or two)"
 	@$(PY) -m pip install --progress-bar off -e '.[test]' 2>&1 \
 		| grep -v -e '^WARNING: Location ' -e '^Requirement already satisfied' -e '^Looking in' ; \
 		exit $${PIPESTATUS[0]}
+	@echo "make install: installing Azurite $(AZURITE_VERSION) (npm) for the az:// tests"
+	@npm install --prefix $(VENV)/npm --no-audit --no-fund --silent azurite@$(AZURITE_VERSION)
 	@touch $(STAMP)
 	@echo "make install: done; the tools are in $(VENV)/bin"
 

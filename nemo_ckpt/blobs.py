@@ -49,7 +49,7 @@ from nemo_ckpt.errors import (
     CheckpointPathError,
     NemoCkptError,
 )
-from nemo_ckpt.folder import Folder, Sink
+from nemo_ckpt.folder import ABSENT, Folder, Sink
 from nemo_ckpt.location import join_location
 
 __all__ = ["BLOB_DIR", "BlobStore", "BlobCache", "digest_of", "hex_of", "COLLECTOR"]
@@ -143,8 +143,7 @@ class BlobStore:
         except OSError as exc:
             raise CheckpointPathError(
                 folder.describe(name), f"cannot read blob {folder.describe(name)}: "
-                                       f"{exc.strerror or exc}; check the filesystem or "
-                                       f"bucket and its permissions") from exc
+                                       f"{exc.strerror or exc}") from exc
         if (size is not None and len(data) != size) or digest_of(data) != digest:
             raise BlobCorruptedError(
                 folder.describe(name),
@@ -263,8 +262,9 @@ class BlobStore:
         """Claim the store for a collection of ``ttl_s`` seconds (renew it within that,
         on the collector's own clock), or ``CheckpointPathBusyError`` while a snapshot
         holds it or another collection runs, as ``watch`` judges them: a claim it sees
-        for the first time is live. On a local folder two collectors cannot both begin
-        (an exclusive create); on a bucket the claim is advisory (docs/DESIGN.md)."""
+        for the first time is live. On a local folder, and on a bucket whose store
+        enforces conditional writes, two collectors cannot both begin (an exclusive
+        create); on other buckets the claim is advisory (docs/DESIGN.md)."""
         name = _claim_name(COLLECTOR)
         self._root.prepare()
         claims, left = self._observe(watch)
@@ -286,7 +286,11 @@ class BlobStore:
                 if not create_new(name, data):
                     raise self._busy_collecting("another collector", ttl_s * STALE_FACTOR)
             else:
-                self._root.write_bytes(name, data, sync=False)
+                try:
+                    self._root.write_bytes(name, data, sync=False, expect=ABSENT)
+                except FileExistsError:
+                    raise self._busy_collecting("another collector",
+                                                ttl_s * STALE_FACTOR) from None
         except (OSError, NemoCkptError) as exc:
             if not isinstance(exc, CheckpointPathBusyError):
                 # The write may have landed before it failed: a claim no collector runs

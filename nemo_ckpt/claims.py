@@ -62,16 +62,21 @@ class Claim:
     # Ray declared dead may run again, and must not take a successor's claims for its
     # own leftovers.
     incarnation: str = ""
+    # The version of the manifest in the claimed folder when the operation first claimed
+    # it (``ABSENT``: none): its commit replaces only that one. None: not recorded.
+    base: str | None = None
 
 
 def encode_claim(operation: str, owner: str, ttl_s: float, incarnation: str = "",
-                 beat: str | None = None) -> tuple[bytes, str]:
+                 beat: str | None = None, base: str | None = None) -> tuple[bytes, str]:
     """A new write of the claim, and its beat (``beat``, or a fresh one)."""
     beat = beat or uuid.uuid4().hex
     # expires_at: only for readers of nemo-ckpt before the beat (see the module docstring).
-    return json.dumps({"operation": operation, "owner": owner, "ttl_s": ttl_s,
-                       "beat": beat, "incarnation": incarnation,
-                       "expires_at": time.time() + ttl_s}).encode(), beat
+    fields = {"operation": operation, "owner": owner, "ttl_s": ttl_s, "beat": beat,
+              "incarnation": incarnation, "expires_at": time.time() + ttl_s}
+    if base is not None:
+        fields["base"] = base
+    return json.dumps(fields).encode(), beat
 
 
 def decode_claim(data: bytes) -> Claim:
@@ -84,8 +89,9 @@ def decode_claim(data: bytes) -> Claim:
     ttl_s = float(fields["ttl_s"])
     if not 0 <= ttl_s < math.inf:
         raise ValueError(f"a claim's ttl of {ttl_s!r}")
+    base = fields.get("base")
     return Claim(str(fields["operation"]), str(fields["owner"]), ttl_s, str(fields["beat"]),
-                 str(fields.get("incarnation", "")))
+                 str(fields.get("incarnation", "")), None if base is None else str(base))
 
 
 class ClaimWatch:

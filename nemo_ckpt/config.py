@@ -33,7 +33,7 @@ def _as_location(value: object) -> Union[Path, str]:
     # In place of pydantic's own Path validation, which would turn a URL into a local
     # folder: a folder becomes a Path, a URL stays text, in Python and from JSON alike.
     if not isinstance(value, (str, Path)):
-        raise ValueError(f"expected a folder or an s3:// URL, got {type(value).__name__}")
+        raise ValueError(f"expected a folder or an s3:// or az:// URL, got {type(value).__name__}")
     try:
         location = parse_location(value)
     except CheckpointPathError as exc:
@@ -60,9 +60,9 @@ class CheckpointConfig(BaseModel):
         description="Name of the coordinator actor inside the namespace.")
     checkpoint_root: Optional[LocationField] = Field(
         None,
-        description="Folder, or s3://bucket/prefix URL, under which checkpoint paths live; "
-                    "check_startup verifies every holder can write it and the driver can "
-                    "read it (shared).")
+        description="Folder, or s3://bucket/prefix or az://container/prefix URL, under "
+                    "which checkpoint paths live; check_startup verifies every holder can "
+                    "write it and the driver can read it (shared).")
     drain_timeout_s: float = Field(
         5.0, gt=0, allow_inf_nan=False,
         description="How long a pause waits for turns in flight; sessions still mid-turn "

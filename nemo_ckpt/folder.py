@@ -27,7 +27,10 @@ from typing import BinaryIO, Protocol
 
 from nemo_ckpt.errors import CheckpointPathError
 
-__all__ = ["Folder", "Sink", "unlistable"]
+__all__ = ["ABSENT", "Folder", "Sink", "unlistable"]
+
+# ``write_bytes``'s ``expect`` for a file that must not exist yet.
+ABSENT = ""
 
 
 class Sink(Protocol):
@@ -63,9 +66,22 @@ class Folder(Protocol):
         Returns its length. An exception from ``fill`` leaves nothing and propagates."""
         ...
 
-    def write_bytes(self, name: str, data: bytes, sync: bool = True) -> None:
+    def write_bytes(self, name: str, data: bytes, sync: bool = True,
+                    expect: str | None = None) -> None:
         """Write ``name`` whole, replacing any older one atomically; durable unless
-        ``sync`` is False (a claim, renewed soon anyway)."""
+        ``sync`` is False (a claim, renewed soon anyway). ``expect``: write only if
+        ``name`` is ``ABSENT``, or still has this ``version()``; otherwise raise
+        ``FileExistsError`` and write nothing. Enforced by the medium where
+        ``enforces_conditions()``; elsewhere checked just before the write."""
+        ...
+
+    def version(self, name: str) -> str | None:
+        """A token that changes whenever ``name`` is written; None when it is missing."""
+        ...
+
+    def enforces_conditions(self) -> bool:
+        """Whether the medium itself refuses a write whose ``expect`` no longer holds
+        (so that of two writers racing, one is refused)."""
         ...
 
     def size(self, name: str) -> int:
@@ -102,5 +118,4 @@ class Folder(Protocol):
 def unlistable(folder: str, exc: OSError) -> CheckpointPathError:
     """The error of a listing that failed (a disk error, permissions, a store that does
     not answer), naming the folder and the cause."""
-    return CheckpointPathError(folder, f"cannot list {folder}: {exc.strerror or exc}; check "
-                                       f"the filesystem or bucket and its permissions")
+    return CheckpointPathError(folder, f"cannot list {folder}: {exc.strerror or exc}")

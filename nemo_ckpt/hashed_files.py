@@ -112,7 +112,7 @@ def read_verified(directory: Folder | Path, entry: ShardEntry | TreesEntry
         ) from None
     except OSError as exc:
         raise CheckpointPathError(
-            path, f"cannot read shard {path}: {exc.strerror or exc}; check its permissions"
+            path, f"cannot read shard {path}: {exc.strerror or exc}"
         ) from exc
     digest.update(data)
     if digest.hexdigest() != expected:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from nemo_ckpt.errors import SnapshotWriteError
-from nemo_ckpt.folder import Sink, unlistable
+from nemo_ckpt.folder import ABSENT, Sink, unlistable
 from nemo_ckpt.manifest import is_plain_file_name
 
 __all__ = ["LocalFolder", "TMP_MARK"]
@@ -168,7 +168,15 @@ class LocalFolder:
             raise
         return writer.length
 
-    def write_bytes(self, name: str, data: bytes, sync: bool = True) -> None:
+    def write_bytes(self, name: str, data: bytes, sync: bool = True,
+                    expect: str | None = None) -> None:
+        if expect == ABSENT:
+            # A link fails on an existing name: of two creators, one wins.
+            if not self._link_new(name, data, sync):
+                raise FileExistsError(f"{self.describe(name)} exists")
+            return
+        if expect is not None and self.version(name) != expect:
+            raise FileExistsError(f"{self.describe(name)} changed")
         if sync:
             self.write_stream(name, lambda sink: sink.write(data))
             return
@@ -182,15 +190,30 @@ class LocalFolder:
                 tmp.unlink(missing_ok=True)
             raise SnapshotWriteError(target, write_failure(target, exc)) from exc
 
-    def create_new(self, name: str, data: bytes) -> bool:
-        """Write ``name`` whole (not fsynced) unless it exists: whether it was created.
-        Exclusive, so of two callers one wins (a link fails on an existing name; a
-        bucket has no such write, so ``Folder`` does not promise it)."""
+    def version(self, name: str) -> str | None:
+        # Every write renames a new file into place: a new inode.
+        try:
+            st = self._file(name).stat()
+        except FileNotFoundError:
+            return None
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+    def enforces_conditions(self) -> bool:
+        """A create is exclusive (a link); a replace is checked just before its rename,
+        which a filesystem cannot make conditional."""
+        return True
+
+    def _link_new(self, name: str, data: bytes, sync: bool) -> bool:
         target = self._file(name)
         tmp = self.path / f".{name}{TMP_MARK}{uuid.uuid4().hex}"
         try:
-            tmp.write_bytes(data)
+            with open(tmp, "xb", buffering=0) as f:
+                f.write(data)
+                if sync:
+                    os.fsync(f.fileno())
             os.link(tmp, target)
+            if sync:
+                _fsync_dir(self.path)
             return True
         except FileExistsError:
             return False
@@ -199,6 +222,12 @@ class LocalFolder:
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+
+    def create_new(self, name: str, data: bytes) -> bool:
+        """Write ``name`` whole (not fsynced) unless it exists: whether it was created.
+        Exclusive, so of two callers one wins (a link fails on an existing name; a
+        bucket has no such write, so ``Folder`` does not promise it)."""
+        return self._link_new(name, data, sync=False)
 
     def remove_if(self, name: str, data: bytes) -> bool:
         """Remove ``name`` if it holds exactly ``data``: whether it did. Exclusive, as

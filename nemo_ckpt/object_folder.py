@@ -1,14 +1,16 @@
-"""A snapshot folder in an S3-compatible bucket (``s3://bucket/prefix``), through obstore.
+"""A snapshot folder in an S3-compatible bucket (``s3://bucket/prefix``) or an Azure Blob
+container (``az://container/prefix``), through obstore.
 
 Why obstore (docs/DESIGN.md, "Object storage"): one Rust client with an atomic single
 put, conditional puts, parallel multipart uploads, ranged and streamed reads, and the
 fastest puts of the libraries measured here. The endpoint, region and credentials come
-the standard way, from the ``AWS_*`` environment variables (``AWS_ENDPOINT_URL``,
+the standard way, from the store's environment variables (S3: ``AWS_ENDPOINT_URL``,
 ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
-``AWS_ALLOW_HTTP`` for a plain-http endpoint, ...) or the instance's role, on every node
-and on the driver: nothing nemo-ckpt writes or logs ever holds them.
+``AWS_ALLOW_HTTP`` for a plain-http endpoint, ...; Azure: ``AZURE_STORAGE_ACCOUNT_NAME``,
+``AZURE_STORAGE_ACCOUNT_KEY``, ...) or the node's identity, on every node and on the
+driver: nothing nemo-ckpt writes or logs ever holds them.
 
-What a filesystem gets from temp file, fsync and rename, a bucket gets from S3 itself:
+What a filesystem gets from temp file, fsync and rename, a bucket gets from the store:
 an object appears whole when its (multipart) upload completes, or not at all; an upload
 that fails or is interrupted is aborted, and a manifest's put replaces the older one
 atomically. There are no temp names to clean up.
@@ -18,22 +20,26 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
-from nemo_ckpt.errors import SnapshotWriteError
-from nemo_ckpt.folder import Sink, unlistable
+from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
+from nemo_ckpt.folder import ABSENT, Sink, unlistable
 from nemo_ckpt.location import ObjectLocation
 from nemo_ckpt.manifest import is_plain_file_name
+from nemo_ckpt.store_errors import is_store_error, store_failure
 
-__all__ = ["ObjectFolder"]
+__all__ = ["SCHEMES", "ObjectFolder"]
 
 # Multipart part size and parallelism of a shard's upload: obstore uploads a part as
 # soon as this much is buffered, up to _CONCURRENCY at once (benchmarks/README.md).
 _PART_BYTES = 16 << 20
 _CONCURRENCY = 8
 _DELETE_BATCH = 1000  # S3's DeleteObjects limit
+# The pieces a streamed read takes at a time (a shard's head, the rest of it unread).
+_STREAM_CHUNK = 256 << 10
 
 
 class _WriterSink:
@@ -48,14 +54,44 @@ class _WriterSink:
         self.length += len(data)
 
 
-class _Reader:
-    """An obstore readable file as the ``bytes``-returning file object msgpack reads."""
+class _StreamReader:
+    """The body of one plain GET as the ``bytes``-returning file object msgpack reads:
+    only what is read is fetched (a head of a shard, for ``inspect``)."""
 
-    def __init__(self, reader: Any) -> None:
-        self._reader = reader
+    def __init__(self, chunks: Iterator[Any], describe: str) -> None:
+        self._chunks = chunks
+        self._describe = describe
+        self._buffer = bytearray()
+        self._done = False
 
     def read(self, size: int = -1) -> bytes:
-        return bytes(self._reader.read(None if size is None or size < 0 else size))
+        while not self._done and (size is None or size < 0 or len(self._buffer) < size):
+            chunk = _next_chunk(self._chunks, self._describe)
+            if chunk is None:
+                self._done = True
+            else:
+                self._buffer += chunk
+        end = len(self._buffer) if size is None or size < 0 else min(size, len(self._buffer))
+        out = bytes(self._buffer[:end])
+        del self._buffer[:end]
+        return out
+
+
+def _next_chunk(chunks: Iterator[Any], describe: str) -> Any:
+    """The next piece of a body, or None at its end."""
+    return _body(lambda: next(chunks, None), describe)
+
+
+def _body(call: Callable[[], Any], describe: str) -> Any:
+    """``call()``, which reads a body: one that breaks off is an ``OSError`` naming the
+    object."""
+    try:
+        return call()
+    except Exception as exc:
+        if is_store_error(exc):
+            raise OSError(f"the store's answer for {describe} broke off: "
+                          f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        raise
 
 
 # Clients by bucket and the AWS_* environment they were made from: one per bucket, not
@@ -65,18 +101,34 @@ _STORES: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
 _MAX_STORES = 64
 
 
-def _store(location: ObjectLocation) -> Any:
-    if location.scheme != "s3":
-        raise ValueError(f"no object store for {location.scheme}:// (only s3://)")
-    from obstore.store import S3Store
+# Whether a bucket's server refuses a conditional write that no longer holds, by the
+# same key as _STORES: probed once (``ObjectFolder.enforces_conditions``).
+_CONDITIONAL: dict[tuple[str, tuple[tuple[str, str], ...]], bool] = {}
+# obstore's errors for a conditional write refused (If-None-Match, If-Match).
+_REFUSED = ("AlreadyExistsError", "PreconditionError")
 
-    key = (location.bucket, tuple(sorted((k, v) for k, v in os.environ.items()
-                                         if k.startswith("AWS_"))))
+
+# The stores by URL scheme, and the environment each one's client is made from.
+_ENVIRONMENT = {"s3": ("AWS_",), "az": ("AZURE_", "AZURITE_")}
+SCHEMES = tuple(_ENVIRONMENT)
+
+
+def _store_key(location: ObjectLocation) -> tuple[str, tuple[tuple[str, str], ...]]:
+    prefixes = _ENVIRONMENT[location.scheme]
+    return (f"{location.scheme}://{location.bucket}",
+            tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(prefixes))))
+
+
+def _store(location: ObjectLocation) -> Any:
+    from obstore.store import AzureStore, S3Store
+
+    key = _store_key(location)
     store = _STORES.get(key)
     if store is None:
         if len(_STORES) >= _MAX_STORES:
             _STORES.pop(next(iter(_STORES)))
-        store = _STORES[key] = S3Store(location.bucket)
+        make = S3Store if location.scheme == "s3" else AzureStore
+        store = _STORES[key] = make(location.bucket)
     return store
 
 
@@ -85,6 +137,13 @@ class ObjectFolder:
     """A ``Folder`` under a prefix of a bucket. Equal folders have equal URLs."""
 
     location: ObjectLocation
+
+    def __post_init__(self) -> None:
+        if self.location.scheme not in _ENVIRONMENT:
+            raise CheckpointPathError(
+                str(self.location),
+                f"{self.location.scheme}:// is not a store nemo-ckpt reads or writes; use "
+                f"s3:// (GCS too, through its S3 interoperability), az://, or a folder")
 
     def __str__(self) -> str:
         return str(self.location)
@@ -116,11 +175,11 @@ class ObjectFolder:
         """Nothing to create: a prefix exists once something is under it."""
 
     def _write_error(self, name: str, exc: Exception) -> SnapshotWriteError:
-        return SnapshotWriteError(
-            self.describe(name),
-            f"could not write {self.describe(name)}: {type(exc).__name__}: "
-            f"{_first_line(exc)} (check that the bucket exists, the endpoint answers, and "
-            f"the credentials in this node's AWS_* environment may write there)")
+        failure = store_failure(self.location, exc)
+        cause = (f"{type(exc).__name__}: {_first_line(exc)}"
+                 if isinstance(failure, FileNotFoundError) else str(failure))
+        return SnapshotWriteError(self.describe(name),
+                                  f"could not write {self.describe(name)}: {cause}")
 
     def write_stream(self, name: str, fill: Callable[[Sink], None]) -> int:
         import obstore
@@ -135,47 +194,115 @@ class ObjectFolder:
         except (SnapshotWriteError, ValueError):
             raise
         except Exception as exc:
-            if _is_store_error(exc):
+            if is_store_error(exc):
                 raise self._write_error(name, exc) from exc
             raise
         return sink.length
 
-    def write_bytes(self, name: str, data: bytes, sync: bool = True) -> None:
+    def write_bytes(self, name: str, data: bytes, sync: bool = True,
+                    expect: str | None = None) -> None:
         import obstore
 
+        key = self.key(name)
+        mode: Any = None
+        if expect is not None:
+            if self.enforces_conditions():
+                mode = "create" if expect == ABSENT else {"e_tag": expect}
+            elif self.version(name) != (expect or None):
+                raise FileExistsError(f"{self.describe(name)} exists or changed")
         try:
-            obstore.put(self.store, self.key(name), data, use_multipart=False)
+            obstore.put(self.store, key, data, use_multipart=False, mode=mode)
         except Exception as exc:
-            if _is_store_error(exc):
+            if type(exc).__name__ in _REFUSED:
+                raise FileExistsError(f"{self.describe(name)} exists or changed") from exc
+            if is_store_error(exc):
+                raise self._write_error(name, exc) from exc
+            raise
+
+    def version(self, name: str) -> str | None:
+        import obstore
+
+        key = self.key(name)
+        try:
+            meta = _reading(self.location, lambda: obstore.head(self.store, key))
+        except FileNotFoundError:
+            return None
+        return str(meta["e_tag"] or meta["last_modified"])
+
+    def enforces_conditions(self) -> bool:
+        """Probed once per bucket and process: a create of an object that exists must be
+        refused. Servers that ignore ``If-None-Match`` (rclone's) write it twice."""
+        key = _store_key(self.location)
+        known = _CONDITIONAL.get(key)
+        if known is None:
+            if len(_CONDITIONAL) >= _MAX_STORES:
+                _CONDITIONAL.pop(next(iter(_CONDITIONAL)))
+            known = _CONDITIONAL[key] = self._probe_conditions()
+        return known
+
+    def _probe_conditions(self) -> bool:
+        import obstore
+
+        name = f".conditional-probe-{uuid.uuid4().hex}"
+        key = self.key(name)
+        try:
+            obstore.put(self.store, key, b"1", use_multipart=False, mode="create")
+            try:
+                obstore.put(self.store, key, b"2", use_multipart=False, mode="create")
+                return False
+            except Exception as exc:
+                if type(exc).__name__ in _REFUSED:
+                    return True
+                if type(exc).__name__ == "NotSupportedError":
+                    return False
+                raise
+            finally:
+                obstore.delete(self.store, key)
+        except Exception as exc:
+            if type(exc).__name__ == "NotSupportedError":
+                return False
+            if is_store_error(exc):
                 raise self._write_error(name, exc) from exc
             raise
 
     def size(self, name: str) -> int:
         import obstore
 
-        return int(_reading(lambda: obstore.head(self.store, self.key(name)))["size"])
+        key = self.key(name)
+        return int(_reading(self.location, lambda: obstore.head(self.store, key))["size"])
 
     def read(self, name: str, limit: int | None = None) -> bytes:
         return bytes(self.read_view(name, limit))
 
     def read_view(self, name: str, limit: int | None = None) -> memoryview:
-        import obstore
-
-        key = self.key(name)
-        if limit is None:
-            return memoryview(_reading(lambda: obstore.get(self.store, key).bytes()))
-        return memoryview(_reading(lambda: obstore.get_range(self.store, key, start=0,
-                                                             length=limit)))
+        # Never a ranged GET: some servers (rclone's serve s3) answer a range with a 200
+        # and obstore refuses that. A plain GET is read only as far as ``limit``.
+        result = self._get(name)
+        size = int(result.meta["size"])
+        if limit is None or size <= limit:
+            data = memoryview(_body(result.bytes, self.describe(name)))
+        else:
+            head = bytearray()
+            chunks = iter(result.stream(min_chunk_size=min(limit, _STREAM_CHUNK)))
+            while len(head) < limit and (chunk := _next_chunk(chunks, self.describe(name))):
+                head += chunk
+            data = memoryview(bytes(head[:limit]))
+        expected = size if limit is None else min(size, limit)
+        if len(data) != expected:
+            raise OSError(f"the store sent {len(data)} bytes of {self.describe(name)} "
+                          f"where it announced {expected}")
+        return data
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:
+        chunks = iter(self._get(name).stream(min_chunk_size=_STREAM_CHUNK))
+        yield cast(BinaryIO, _StreamReader(chunks, self.describe(name)))
+
+    def _get(self, name: str) -> Any:
         import obstore
 
-        reader = _reading(lambda: obstore.open_reader(self.store, self.key(name)))
-        try:
-            yield cast(BinaryIO, _Reader(reader))
-        finally:
-            reader.close()
+        key = self.key(name)
+        return _reading(self.location, lambda: obstore.get(self.store, key))
 
     def names(self) -> list[str]:
 
@@ -194,7 +321,8 @@ class ObjectFolder:
         import obstore
 
         try:
-            return _reading(lambda: obstore.list_with_delimiter(self.store, self._list_prefix))
+            return _reading(self.location,
+                            lambda: obstore.list_with_delimiter(self.store, self._list_prefix))
         except FileNotFoundError:
             return {"objects": [], "common_prefixes": []}
         except OSError as exc:
@@ -211,7 +339,7 @@ class ObjectFolder:
             except FileNotFoundError:
                 pass
             except Exception as exc:
-                if _is_store_error(exc):
+                if is_store_error(exc):
                     raise self._write_error(names[i], exc) from exc
                 raise
 
@@ -220,18 +348,15 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
-def _is_store_error(exc: BaseException) -> bool:
-    return type(exc).__module__.startswith("obstore") or isinstance(exc, OSError)
-
-
-def _reading(call: Callable[[], Any]) -> Any:
-    """``call()``, with obstore's not-found as ``FileNotFoundError`` (it is one) and
-    any other failure of the store as an ``OSError`` that says what failed."""
+def _reading(location: ObjectLocation, call: Callable[[], Any]) -> Any:
+    """``call()``, with a store's failure as the ``OSError`` of one line
+    ``store_failure`` makes (an object not found stays a ``FileNotFoundError``)."""
     try:
         return call()
-    except FileNotFoundError:
-        raise
     except Exception as exc:
-        if _is_store_error(exc):
-            raise OSError(f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        if is_store_error(exc):
+            failure = store_failure(location, exc)
+            if failure is exc:
+                raise
+            raise failure from exc
         raise

