@@ -20,6 +20,7 @@ from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.cleanup import remove_unreferenced_files
 from nemo_ckpt.errors import NemoCkptError
+from nemo_ckpt.folder import Folder
 from nemo_ckpt.path_claims import (
     claim_for_reading,
     claim_path,
@@ -29,7 +30,7 @@ from nemo_ckpt.path_claims import (
 )
 from nemo_ckpt.transport import Runtime
 
-__all__ = ["CLAIM_SAFE", "ClaimedFolders"]
+__all__ = ["CLAIM_SAFE", "ClaimedFolders", "ReadClaim"]
 
 log = logging.getLogger("nemo_ckpt.coordinator")
 # Of a claim's ttl, how much may pass since it was last written before the commit
@@ -102,13 +103,13 @@ class ClaimedFolders:
             log.warning("clean-up after %s failed: %s", op.id, exc)
             return []
 
-    @contextlib.asynccontextmanager
-    async def reading(self, path: str, operation_id: str) -> AsyncIterator[None]:
-        """Claim the folder at ``path`` while a restore reads it, renewed until the block
-        exits, then dropped: a removal (``nemo_ckpt.catalog``) is refused meanwhile. Never
-        refused itself (``claim_for_reading``); a claim that cannot be written (a
-        read-only copy of a snapshot) does not stop the restore: nothing can remove
-        files there either."""
+    async def hold_for_reading(self, path: str, operation_id: str) -> ReadClaim:
+        """Claim the folder at ``path`` for a restore, renewed until the restore ends
+        (``ReadClaim.release``, from its commit or its abort): a removal
+        (``nemo_ckpt.catalog``) is refused meanwhile, so a restore whose commit fails can
+        read the snapshot again. Never refused itself (``claim_for_reading``); a claim that
+        cannot be written (a read-only copy of a snapshot) does not stop the restore:
+        nothing can remove files there either."""
         directory = environment_folder(path)
 
         async def write() -> None:
@@ -129,13 +130,8 @@ class ClaimedFolders:
         except (OSError, NemoCkptError) as exc:
             log.warning("%s: reads %s without a claim (%s); a removal there is not "
                         "refused meanwhile", operation_id, directory.describe(), exc)
-        renewing = asyncio.ensure_future(renew())
-        try:
-            yield
-        finally:
-            renewing.cancel()
-            with contextlib.suppress(OSError, NemoCkptError):
-                await self._runtime.run_blocking(release_claim, directory, operation_id)
+        return ReadClaim(self._runtime, directory, operation_id,
+                         asyncio.ensure_future(renew()))
 
     @contextlib.asynccontextmanager
     async def lock(self, path: str) -> AsyncIterator[None]:
@@ -152,3 +148,23 @@ class ClaimedFolders:
                 del self._locks[path]
             else:
                 self._locks[path] = (lock, users - 1)
+
+
+class ReadClaim:
+    """A restore's claim on the folder it reads, renewed until ``release``."""
+
+    def __init__(self, runtime: Runtime, directory: Folder, operation_id: str,
+                 renewing: asyncio.Future[None]) -> None:
+        self._runtime = runtime
+        self._directory = directory
+        self._operation_id = operation_id
+        self._renewing = renewing
+
+    async def release(self) -> None:
+        """Stop renewing and remove the claim; a second call does nothing."""
+        if self._renewing.done():
+            return
+        self._renewing.cancel()
+        with contextlib.suppress(OSError, NemoCkptError):
+            await self._runtime.run_blocking(release_claim, self._directory,
+                                             self._operation_id)

@@ -309,8 +309,11 @@ class CheckpointCoordinator:
         unseen = isinstance(op.state, Unseen)
         self.operations.set_state(op, Aborted(outcome))
         await self._holders_drop(op, unseen)
-        if not isinstance(op, SnapshotOperation):
+        if isinstance(op, RestoreOperation):
+            if op.read_claim is not None:
+                await op.read_claim.release()
             return
+        assert isinstance(op, SnapshotOperation)
         if op.blob_hold is not None:
             if not op.blob_hold.done():
                 await asyncio.wait([op.blob_hold])  # its put must not land after the release

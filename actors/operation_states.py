@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import CaptureReport
 from nemo_ckpt.transport import Actor
+
+if TYPE_CHECKING:
+    from actors.claimed_folders import ReadClaim
 
 __all__ = [
     "Aborted",
@@ -230,6 +233,9 @@ class SnapshotOperation(Operation):
 
 @dataclass(eq=False)
 class RestoreOperation(Operation):
+    """A restore, with its claim on the folder it reads (from its prepare to its end)."""
+
+    read_claim: ReadClaim | None = None
     kind: ClassVar[str] = "restore"
 
 

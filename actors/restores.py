@@ -50,14 +50,15 @@ class Restores:
             await self._parts.abort(op, Outcome.ABORTED)
             raise
 
-    async def _prepare_restore(self, op: Operation, checkpoint_path: str) -> RestoreBegun:
+    async def _prepare_restore(self, op: RestoreOperation, checkpoint_path: str
+                               ) -> RestoreBegun:
         manifest = await self._runtime.run_blocking(read_manifest, checkpoint_path)
-        # The snapshot's files are read until every holder has prepared (after that,
-        # what goes live is in the holders' memory and staging folders): claimed that
-        # long, so that no removal takes them meanwhile. One that came between the read
-        # above and the claim leaves shards missing: the holders' reads refuse them.
-        async with self._parts.folders.reading(checkpoint_path, op.id):
-            return await self._read_and_verify(op, checkpoint_path, manifest)
+        # Claimed until the restore ends (its commit or abort releases the claim), so
+        # that no removal takes the files meanwhile, and a restore whose commit failed
+        # can read them again. One that came between the read above and the claim leaves
+        # shards missing: the holders' reads refuse them.
+        op.read_claim = await self._parts.folders.hold_for_reading(checkpoint_path, op.id)
+        return await self._read_and_verify(op, checkpoint_path, manifest)
 
     async def _read_and_verify(self, op: Operation, checkpoint_path: str,
                                manifest: Manifest) -> RestoreBegun:
@@ -123,6 +124,8 @@ class Restores:
             await self._parts.abort(op, Outcome.ABORTED)
             raise
         self._parts.operations.set_state(op, Committed())
+        if isinstance(op, RestoreOperation) and op.read_claim is not None:
+            await op.read_claim.release()
         self._metrics.observe("restore_duration", self._clock.monotonic() - op.started)
         self._metrics.observe("restore_read", read_seconds)
         return sum(counts.values())

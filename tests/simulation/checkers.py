@@ -24,6 +24,7 @@ from nemo_ckpt.errors import (
     BackendUnavailableError,
     LeaseExpiredError,
     NemoCkptError,
+    SnapshotNotFoundError,
     is_retriable,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
@@ -265,6 +266,12 @@ class Checkers(Part):
         # A retry may meet a fault of its own: a restore's materialization that
         # fails, or a disk read error (injected), refuses that retry, and rightly.
         injected = "injected" in str(again)
+        # A user's removal that came after the failed attempt had ended wins: a restore
+        # holds the snapshot only while it runs. One that came during it is a violation.
+        removed = self.s.removed.get(record.path)
+        if isinstance(again, SnapshotNotFoundError) and removed is not None \
+                and record.failed_at is not None and removed >= record.failed_at:
+            return
         if not (is_retriable(again) or injected or self.killed_since(
                 record.start, (COORDINATOR, "driver", HOLDER))):
             self.violate(f"the retry of a failed restore failed: "

@@ -435,6 +435,7 @@ class Faults(Part):
                 if (environment_dir(path) / "manifest.json").exists():
                     return  # refused, or failed before the manifest went: still committed
             self.retired.add(path)
+            self.s.removed[path] = self.now()
             self.s.committed.pop(path)
             self.s.rl.saves.pop(path, None)
             return

@@ -34,6 +34,7 @@ class OpRecord:
     begun: float | None = None  # when the driver's snapshot began (holders captured)
     body_end: float | None = None  # when the caller's block ended (RL saved its half)
     end: float | None = None
+    failed_at: float | None = None  # a restore's first attempt failed (RL may retry)
     outcome: str = "running"
     check_failed: bool = False
     abort_sent: float | None = None  # when its driver first sent its abort
@@ -103,6 +104,7 @@ class State:
         self.path_claimed_by_job2: dict[str, float] = {}  # path -> when
         # (when, blobs removed, the gc's clock minus the coordinator's) of each gc pass
         self.gc_removals: list[tuple[float, int, float]] = []
+        self.removed: dict[str, float] = {}  # path -> when a user's retention removed it
 
     def now(self) -> float:
         return self.world.loop.time()

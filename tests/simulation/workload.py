@@ -207,6 +207,7 @@ class Workload(Part):
             restored = await task
         except BaseException as exc:
             record.outcome = type(exc).__name__
+            record.failed_at = self.now()
             self.log(f"restore {record.op_id} failed: {type(exc).__name__}: {short(exc)}")
             if not isinstance(exc, asyncio.CancelledError):
                 if not isinstance(exc, InjectedError):
