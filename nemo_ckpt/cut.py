@@ -167,6 +167,7 @@ def check_rows_against_cut(
     held: set[tuple[str, str, int]] = set()
     finished: set[tuple[str, str, int]] = set()
     referenced: set[str] = set()
+    kept: set[str] = set()  # rows of finished sessions
     count = 0
     for inst, rows in captured.items():
         rows = list(rows)
@@ -175,7 +176,10 @@ def check_rows_against_cut(
                         map(itemgetter(1), rows)))
         # Only a finished session's row is longer: a Python loop only when one is there.
         if rows and max(map(len, rows)) > 5:
-            finished.update((inst, row[0], row[1]) for row in rows if row_is_finished(row))
+            done = [row for row in rows if row_is_finished(row)]
+            finished.update((inst, row[0], row[1]) for row in done)
+            # Its rows keep it from being an orphan, but the cut need not hold them.
+            kept.update(itertools.chain.from_iterable(map(itemgetter(2), done)))
             rows = [row for row in rows if not row_is_finished(row)]
         referenced.update(itertools.chain.from_iterable(map(itemgetter(2), rows)))
     mid_turn = {(inst, rid, att) for inst, pairs in restarting.items() for rid, att in pairs}
@@ -189,7 +193,7 @@ def check_rows_against_cut(
                            for inst, rid, att in expected - everything),
         restarting=frozenset((inst, EnvironmentEpisode(rid, att))
                              for inst, rid, att in mid_turn),
-        orphan_staging_keys=frozenset(cut_rows - referenced),
+        orphan_staging_keys=frozenset(cut_rows - referenced - kept),
         finished=frozenset((inst, EnvironmentEpisode(rid, att)) for inst, rid, att in finished),
     )
 

@@ -187,6 +187,16 @@ def test_the_cut_accepts_a_finished_session_rl_no_longer_expects_without_its_row
     assert not result.not_held and not result.orphan_staging_keys
 
 
+def test_a_finished_session_rl_has_not_recorded_keeps_its_rows_from_being_orphans() -> None:
+    done = Ep("r0", 0)
+    cut = StaticCut({"holder-0": {done}}, {"r0/t0", "r0/t1"})
+    result = check_capture_against_cut(
+        cut, {"holder-0": {done: frozenset({"r0/t0", "r0/t1"})}},
+        finished={"holder-0": frozenset({done})})
+    assert result.finished == frozenset({("holder-0", done)})
+    assert not result.orphan_staging_keys and not result.not_held
+
+
 def test_the_cut_refuses_a_finished_session_whose_rollout_rl_expects_elsewhere() -> None:
     done = Ep("r0", 0)
     cut = StaticCut({"holder-1": {Ep("r0", 1)}}, set())
