@@ -92,6 +92,8 @@ async def test_a_crashed_run_restores_mid_rollout_and_ends_like_the_crash_free_r
     assert report.verified, f"trajectories differ: {report.mismatched_rollouts}"
     assert report.matches_pure_function
     assert report.turns_total == 144
+    # No finished rollout was lost (verified: every one has its trajectory) or run again.
+    assert report.rollouts_run_twice == ()
     # Rollouts came back mid-rollout, with their turns, not from turn 0.
     assert report.rollouts_restored >= 1 and report.turns_restored >= 1
     # The crash cost at most the turns run since the last committed snapshot.
