@@ -6,10 +6,13 @@ no lock between finishing and snapshotting. Run in-process on the simulated worl
 from __future__ import annotations
 
 import asyncio
+import collections
+import copy
 import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -235,3 +238,136 @@ def test_format_5_names_its_finished_sessions_and_no_older_format_may() -> None:
         with pytest.raises(ValueError):
             read(bad)
     assert read(_manifest(3, None)).format_version == 3
+
+
+# --- crashes at every point of a rollout's cycle, on the simulated world -------------------
+
+
+class Ledger:
+    """RL's half, in memory: the ledger, staging rows, recorded trajectories."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, list[Any]] = {}  # rollout -> [instance, attempt, status]
+        self.staging: dict[str, str] = {}
+        self.done: dict[str, list[bytes]] = {}
+        self.recorded = 0  # how many finishes were recorded, over every life
+
+    def dispatch(self, rollout_id: str, instance_id: str) -> Ep:
+        entry = self.entries.get(rollout_id)
+        attempt = 0 if entry is None else entry[1] + 1
+        self.entries[rollout_id] = [instance_id, attempt, "dispatched"]
+        return Ep(rollout_id, attempt)
+
+    def finish(self, episode: Ep, records: list[bytes]) -> None:
+        entry = self.entries[episode.rollout_id]
+        if entry[2] == "finished":
+            return
+        entry[2] = "finished"
+        self.done[episode.rollout_id] = list(records)
+        self.recorded += 1
+        attempts = {Ep(episode.rollout_id, a).capture_key for a in range(episode.attempt + 1)}
+        for key in [k for k in self.staging if k.split("/", 1)[0] in attempts]:
+            del self.staging[key]
+
+    def cut(self) -> StaticCut:
+        expected: dict[str, set[Ep]] = {}
+        for rollout_id, (instance_id, attempt, status) in self.entries.items():
+            if status == "dispatched":
+                expected.setdefault(instance_id, set()).add(Ep(rollout_id, attempt))
+        return StaticCut(expected, set(self.staging))
+
+    def restore(self, saved: Ledger, continued_attempts: frozenset[tuple[str, str, int]],
+                staging_keys: frozenset[str], results: tuple[FinishedRollout, ...]
+                ) -> tuple[list[tuple[str, Ep]], list[str]]:
+        self.entries = copy.deepcopy(saved.entries)
+        self.staging = {k: v for k, v in saved.staging.items() if k in staging_keys}
+        self.done = copy.deepcopy(saved.done)
+        continued = []
+        for instance_id, rollout_id, attempt in sorted(continued_attempts):
+            assert self.entries[rollout_id][:2] == [instance_id, attempt]
+            self.entries[rollout_id][1] = attempt + 1
+            continued.append((instance_id, Ep(rollout_id, attempt + 1)))
+        for result in results:
+            self.finish(result.episode, [r.encode() for r in json.loads(result.result)])
+        continued_ids = {r for _, r, _ in continued_attempts}
+        restart = sorted(r for r, e in self.entries.items()
+                         if e[2] == "dispatched" and r not in continued_ids)
+        return continued, restart
+
+
+CYCLE = ["dispatch", "turn", "finish", "record", "acknowledge"]
+
+
+@pytest.mark.parametrize("crash_after", CYCLE)
+def test_a_crash_after_any_step_of_a_rollout_loses_no_finished_rollout_and_runs_none_twice(
+        world: World, crash_after: str) -> None:
+    path = world.path("ckpt")
+    turns_run: collections.Counter[str] = collections.Counter()
+    rl = Ledger()
+
+    async def run(instance_id: str, episode: Ep, fresh: bool, turns: int = 2) -> list[bytes]:
+        client = await world.client(instance_id)
+        if fresh:
+            await client.open(episode, b"s0")
+        session = await client.get(episode)
+        for t in range(len(session.turns), turns):
+            async with client.turn(episode) as turn:
+                key = f"{episode.capture_key}/t{t}"
+                rl.staging[key] = "row"  # inside the turn
+                turns_run[episode.rollout_id] += 1
+                turn.complete(f"t{t}".encode(), f"s{t + 1}".encode(), [key])
+        return list((await client.get(episode)).turns)
+
+    async def hand_in(instance_id: str, episode: Ep, records: list[bytes]) -> None:
+        client = await world.client(instance_id)
+        await client.finish(episode, json.dumps([r.decode() for r in records]).encode())
+
+    async def record(episode: Ep) -> None:
+        rl.finish(episode, [b"t0", b"t1"])
+
+    async def to_the_end(instance_id: str, episode: Ep, fresh: bool) -> None:
+        records = await run(instance_id, episode, fresh)
+        await hand_in(instance_id, episode, records)
+        rl.finish(episode, records)
+        await world.ckpt.acknowledge([episode])
+
+    async def scenario() -> None:
+        await world.ckpt.ensure_holders()
+        background = rl.dispatch("b", "holder-1")
+        await run("holder-1", background, fresh=True, turns=1)
+        episode = rl.dispatch("s", "holder-0")
+        steps = {
+            "turn": lambda: run("holder-0", episode, fresh=True),
+            "finish": lambda: hand_in("holder-0", episode, [b"t0", b"t1"]),
+            "record": lambda: record(episode),
+            "acknowledge": lambda: world.ckpt.acknowledge([episode]),
+        }
+        for step in CYCLE[1:CYCLE.index(crash_after) + 1]:
+            await steps[step]()
+        async with world.ckpt.snapshot(path) as snap:
+            assert snap is not None
+            await snap.check_against_cut(rl.cut())
+            saved = copy.deepcopy(rl)
+        ran_before = dict(turns_run)
+        # The crash: every holder goes; a new job restores both halves.
+        world.ckpt.shutdown()
+        await world.ckpt.ensure_holders()
+        async with world.ckpt.restored(path) as restored:
+            results = world.ckpt.restored_results
+            continued, restart = rl.restore(saved, restored.continued_attempts,
+                                            restored.staging_keys, results)
+        await world.ckpt.acknowledge([r.episode for r in results])
+        assert bool(results) == (crash_after in ("finish", "record"))  # unacknowledged
+        await asyncio.gather(*(to_the_end(i, ep, fresh=False) for i, ep in continued),
+                             *(to_the_end("holder-0" if r == "s" else "holder-1",
+                                          rl.dispatch(r, "holder-0" if r == "s"
+                                                      else "holder-1"), fresh=True)
+                               for r in restart))
+        # Not lost: recorded once, whole. Not run twice: no turn of it ran again.
+        assert rl.done["s"] == [b"t0", b"t1"]
+        assert turns_run["s"] - ran_before.get("s", 0) == (2 if crash_after == "dispatch"
+                                                          else 0)
+        assert not rl.staging  # every finished rollout's rows left staging
+        assert not [s for s in await (await world.client("holder-0")).sessions()]
+
+    world.run(scenario())
