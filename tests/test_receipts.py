@@ -21,8 +21,9 @@ from nemo_ckpt.errors import RolloutFinishedError, SnapshotInProgressError, Snap
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.manifest import RECEIPTS_FORMAT_VERSION, Manifest
 from nemo_ckpt.receipts import FinishedRollout
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.verify import verify_snapshot
 from tests.test_reliability import World, cut_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,6 +60,11 @@ def test_a_finished_result_recorded_by_rl_survives_a_crash_and_comes_back_not_re
             await snap.check_against_cut(recorded(live, done))  # RL recorded it already
         assert snap.metrics(0.0)["finished_rollouts"] == 1.0
         assert read_manifest(path).format_version == RECEIPTS_FORMAT_VERSION
+        # The tools read format 5: the finished session with its result, the rest as before.
+        assert verify_snapshot(path).ok
+        held = {r.episode: r for rs in read_snapshot(path).sessions.values() for r in rs}
+        assert held[done].result == b"result-r0" and held[done].finished
+        assert not held[Ep("holder-0-r1", 0)].finished and len(held) == 6
         # The job crashes: every holder goes, and a new job restores the snapshot.
         world.ckpt.shutdown()
         await world.ckpt.ensure_holders()
