@@ -136,9 +136,12 @@ def check_capture_against_cut(
         Whatever ``cut.require_live()`` raises for a stale cut.
     """
     done = finished or {}
-    rows: dict[str, list[tuple[Any, ...]]] = {inst: [(ep.rollout_id, ep.attempt, keys, 0, [])
-                   + ((True,) if ep in done.get(inst, ()) else ())
-                   for ep, keys in sessions.items()]
+
+    def row(inst: str, ep: EnvironmentEpisode, keys: frozenset[str]) -> tuple[Any, ...]:
+        finished_flag = (True,) if ep in done.get(inst, ()) else ()
+        return (ep.rollout_id, ep.attempt, keys, 0, [], *finished_flag)
+
+    rows = {inst: [row(inst, ep, keys) for ep, keys in sessions.items()]
             for inst, sessions in captured.items()}
     mid_turn = {inst: [(ep.rollout_id, ep.attempt) for ep in eps]
                 for inst, eps in (restarting or {}).items()}

@@ -205,9 +205,10 @@ class RayEnvironmentCheckpoint:
     def restored_results(self) -> tuple[FinishedRollout, ...]:
         """The finished, unacknowledged rollouts the last restore brought back, with
         their results (``nemo_ckpt.receipts``); set when ``restored()`` yields, so RL
-        reads them inside its block. They are live again, finished, on their instances,
-        and not in ``continued_attempts``: RL records the ones its restored ledger does
-        not have as finished, then ``acknowledge``s every one."""
+        reads them inside its block, and empty again if that restore fails. They are
+        live again, finished, on their instances, and not in ``continued_attempts``: RL
+        records the ones its restored ledger does not have as finished, then
+        ``acknowledge``s every one."""
         return self._restored_results
 
     @property
@@ -408,6 +409,7 @@ class RayEnvironmentCheckpoint:
         self._refuse_if_open("restore")
         restore_id = self._new_operation_id("restore")
         self._set_open(restore_id)
+        self._restored_results = ()  # a restore that fails hands nothing back
         clock = self._transport.runtime.clock
         started = clock.monotonic()
         try:
@@ -423,12 +425,14 @@ class RayEnvironmentCheckpoint:
                         continued_attempts=begun.continued_attempts,
                         staging_keys=begun.staging_keys)
                 except BaseException as exc:
+                    self._restored_results = ()
                     await self._abort(restore_id, None, exc)
                     raise
                 live, cancelled = await _finish(asyncio.ensure_future(
                     self._coordinator.commit_restore(restore_id)))
                 if isinstance(live, BaseException):
                     # Some holders may have gone live: the abort makes them drop it again.
+                    self._restored_results = ()
                     await self._abort(restore_id, None, live)
                     if cancelled:
                         raise asyncio.CancelledError()
@@ -480,14 +484,16 @@ class RayEnvironmentCheckpoint:
         is retried until the operation's lease would have ended it."""
         episodes = list(episodes)
         clock = self._transport.runtime.clock
-        deadline = clock.monotonic() + self._name_wait_s
+        deadline: float | None = None  # from the first busy holder, not while we wait
         while True:
             while self._closed is not None:
                 await self._closed.wait()
             try:
                 return await self._ledger_op("retire", episodes)
             except HolderBusyError:
-                if clock.monotonic() >= deadline:
+                now = clock.monotonic()
+                deadline = now + self._name_wait_s if deadline is None else deadline
+                if now >= deadline:
                     raise
             await asyncio.sleep(_NAME_RETRY_S)
 

@@ -377,3 +377,26 @@ def test_a_crash_after_any_step_of_a_rollout_loses_no_finished_rollout_and_runs_
         assert not [s for s in await (await world.client("holder-0")).sessions()]
 
     world.run(scenario())
+
+
+def test_a_restore_whose_block_raises_hands_no_result_back_and_installs_nothing(
+        world: World) -> None:
+    path = world.path("ckpt")
+    done = Ep("holder-1-r0", 0)
+
+    async def scenario() -> None:
+        live = await world.populate()
+        await (await world.client("holder-1")).finish(done, b"r")
+        async with world.ckpt.snapshot(path) as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut_of(live))
+        world.ckpt.shutdown()
+        await world.ckpt.ensure_holders()
+        with pytest.raises(RuntimeError, match="RL's restore failed"):
+            async with world.ckpt.restored(path):
+                assert len(world.ckpt.restored_results) == 1
+                raise RuntimeError("RL's restore failed")
+        assert world.ckpt.restored_results == ()
+        assert await (await world.client("holder-1")).sessions() == []
+
+    world.run(scenario())
