@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Extra options for the demo, e.g. `make demo DEMO_ARGS='--nodes 4 --json demo.json'`.
 DEMO_ARGS ?=
 
-# The deterministic simulation's schedules per run (tests/simulation.py); a violation
+# The deterministic simulation's schedules per run (tests/simulation/); a violation
 # prints its seed and the command that replays it.
 SIM_SCHEDULES ?= 10000
 

@@ -330,6 +330,10 @@ class SessionHolder:
                 "released": len(self._ops.released()),
                 "undo": 0 if live is None else len(live[1].rollouts)}
 
+    def turns_in_flight(self) -> list[tuple[str, str]]:
+        """``(capture key, token)`` of every turn in flight (for checks and status)."""
+        return self._gate.in_flight()
+
     async def sessions(self) -> list[SessionRecord]:
         """Every live session, sorted by capture key."""
         return [self._record(h) for h in self._table.sorted()]

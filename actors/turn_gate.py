@@ -62,6 +62,10 @@ class TurnGate:
     def __len__(self) -> int:
         return len(self._turns)
 
+    def in_flight(self) -> list[tuple[str, str]]:
+        """``(capture key, token)`` of every turn in flight, sorted."""
+        return sorted((key, turn.token) for key, turn in self._turns.items())
+
     def __contains__(self, capture_key: object) -> bool:
         return capture_key in self._turns
 

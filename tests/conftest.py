@@ -1,5 +1,5 @@
-"""Shared fixtures: one real multi-node Ray cluster and one real S3-compatible server
-for the whole session.
+"""Shared fixtures: one real multi-node Ray cluster for the whole session, and one real
+S3-compatible server for the sessions whose tests ask for a bucket (``s3_server``).
 
 The cluster (head plus two worker nodes, each its own raylet) starts on first use and
 is shut down at the end of the session. Each test gets its own Ray namespace through
@@ -23,7 +23,8 @@ WORKER_NODES = 2
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A SeaweedFS server on 127.0.0.1 (``tests/s3_server.py``), its bucket
     reachable through the ``AWS_*`` environment of this process and of every Ray worker
-    started after it (the cluster fixture starts after it)."""
+    started after it (``cluster`` starts it first when a test of the session asks for
+    both)."""
     from tests.s3_server import S3Server
 
     server = S3Server(tmp_path_factory.mktemp("s3"))
@@ -41,13 +42,22 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
                 os.environ[k] = v
 
 
+def asks_for_a_bucket(items: list[pytest.Item]) -> bool:
+    """Whether any of ``items`` uses ``s3_server``, directly or through a fixture."""
+    return any("s3_server" in getattr(item, "fixturenames", ()) for item in items)
+
+
 @pytest.fixture(scope="session")
-def cluster(s3_server: Any) -> Iterator[Any]:
-    """A local multi-node Ray cluster, connected as this process's driver; its workers
-    reach ``s3_server`` through the environment they inherit."""
+def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A local multi-node Ray cluster, connected as this process's driver. Its workers
+    reach ``s3_server`` through the environment they inherit from this process, read when
+    they start: so the server starts before the cluster in a session that has a test
+    asking for it, and not at all in one that has none."""
     import ray
     from ray.cluster_utils import Cluster
 
+    if asks_for_a_bucket(request.session.items):
+        request.getfixturevalue("s3_server")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     c = Cluster(
         initialize_head=True,
@@ -105,8 +115,8 @@ def extra_node(cluster: Any) -> Iterator[Any]:
 
 @pytest.fixture
 def world(tmp_path: Any) -> Iterator[Any]:
-    """An in-process cluster under virtual time (``tests.test_reliability.World``)."""
-    from tests.test_reliability import World
+    """An in-process job under virtual time (``tests.harness.World``)."""
+    from tests.harness import World
 
     w = World(tmp_path)
     try:

@@ -29,7 +29,7 @@ from nemo_ckpt.snapshot_files import read_snapshot
 from nemo_ckpt.testing import StaticCut
 from nemo_ckpt.transport import HOLDER
 from tests.conftest import alive_node_ids
-from tests.test_reliability import CONFIG, World
+from tests.harness import CONFIG, World
 from tests.test_storage import (
     edit_manifest,
     flip_middle_byte,

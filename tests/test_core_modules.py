@@ -10,7 +10,7 @@ from typing import Any
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.sessions import SessionClient, register_default_transport
 from nemo_ckpt.transport import HOLDER, Transport
-from tests.test_reliability import CONFIG
+from tests.harness import CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("nemo_ckpt", "actors")

@@ -17,7 +17,7 @@ from nemo_ckpt.errors import CheckpointPathError, UncheckedSnapshotError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
-from tests.test_reliability import CONFIG, World, files
+from tests.harness import CONFIG, World, files
 
 pytestmark = pytest.mark.timeout(60)
 

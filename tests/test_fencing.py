@@ -7,41 +7,54 @@ in ``tests/test_ray_as_it_behaves.py``."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
 from actors.coordinator import CheckpointCoordinator
 from nemo_ckpt.errors import OperationAbortedError
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.sim import EPOCH
 from nemo_ckpt.transport import COORDINATOR
-from tests.test_reliability import CONFIG, World
+from tests.harness import CONFIG, World
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def zombie(world: World) -> CheckpointCoordinator:
-    """A coordinator incarnation the job no longer finds by name (Ray declared it dead),
-    still running: the next driver call makes a successor."""
+class Stalled(NamedTuple):
+    committed: str  # the snapshot at the path before the stalled one
+    operation: str  # the stalled one
+    live: dict[str, list[Ep]]
+    commit: asyncio.Future[Any]  # its commit, stalled
+
+
+async def stalled_commit(world: World, path: Path, stall_at: str) -> Stalled:
+    """A committed snapshot at ``path``, then a coordinator incarnation the job no longer
+    finds by name (Ray declared it dead), still running, commits its own snapshot there
+    and stalls for 3 s at ``stall_at``: the next driver call makes a successor."""
     actor = world.sim.new_actor(COORDINATOR, "zombie", "node-0")
-    return CheckpointCoordinator(CONFIG, world.sim.transport(actor, CONFIG))
+    old = CheckpointCoordinator(CONFIG, world.sim.transport(actor, CONFIG))
+    live = await world.populate()
+    await world.snapshot(path, live)
+    committed = read_manifest(path).snapshot_id
+    op = new_operation_id("snap", EPOCH + world.sim.loop.time(), "olddrivr", 1)
+    await old.begin_snapshot(op, str(path))
+    await old.start_writes(op)
+    await old.inject_delay(stall_at, 3.0)
+    late = asyncio.ensure_future(old.commit_snapshot(op, str(path), {}, 0))
+    return Stalled(committed, op, live, late)
 
 
 def test_a_zombie_coordinators_late_clean_up_spares_its_successors_snapshot(
         world: World) -> None:
     path = world.path("ckpt")
-    old = zombie(world)
 
     async def scenario() -> None:
-        live = await world.populate()
-        await world.snapshot(path, live)
         # The old incarnation's snapshot: its manifest lands, then its node stalls.
-        op = new_operation_id("snap", EPOCH + world.sim.loop.time(), "olddrivr", 1)
-        await old.begin_snapshot(op, str(path))
-        await old.start_writes(op)
-        await old.inject_delay("after_manifest", 3.0)
-        late = asyncio.ensure_future(old.commit_snapshot(op, str(path), {}, 0))
+        _, op, live, late = await stalled_commit(world, path, "after_manifest")
         while read_manifest(path).snapshot_id != op:
             await asyncio.sleep(0.01)
 
@@ -61,17 +74,10 @@ def test_a_zombie_coordinators_late_clean_up_spares_its_successors_snapshot(
 def test_a_zombie_coordinator_never_commits_a_snapshot_its_successor_aborted(
         world: World) -> None:
     path = world.path("ckpt")
-    old = zombie(world)
 
     async def scenario() -> None:
-        live = await world.populate()
-        await world.snapshot(path, live)
-        first = read_manifest(path).snapshot_id
-        op = new_operation_id("snap", EPOCH + world.sim.loop.time(), "olddrivr", 1)
-        await old.begin_snapshot(op, str(path))
-        await old.start_writes(op)
-        await old.inject_delay("before_manifest", 3.0)  # shards durable, then a stall
-        late = asyncio.ensure_future(old.commit_snapshot(op, str(path), {}, 0))
+        # Its shards are durable, then it stalls before its manifest.
+        first, op, _, late = await stalled_commit(world, path, "before_manifest")
         await asyncio.sleep(0.5)
         # Its driver, told the coordinator died, aborts through the successor.
         transport = world.sim.transport(world.driver, CONFIG)

@@ -11,7 +11,7 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_snapshot
 from nemo_ckpt.transport import COORDINATOR, HOLDER
-from tests.test_reliability import CONFIG, World
+from tests.harness import CONFIG, World
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from nemo_ckpt.errors import ConfigMismatchError
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_snapshot
 from nemo_ckpt.transport import COORDINATOR
-from tests.test_reliability import CONFIG, World, cut_of
+from tests.harness import CONFIG, World, cut_of
 
 pytestmark = pytest.mark.timeout(60)
 

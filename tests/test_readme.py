@@ -1,18 +1,30 @@
 """The README says what the repository does: its integration guide is cut from the
-minimal example, its set-up commands exist, and nothing refers outside the repository."""
+minimal example, its call order from the contract, its config table from the model and
+its metrics table from the actors; its public names import; its set-up commands and
+links exist; the changelog names the formats this version reads; docs/LAYOUT.md names
+every module; and nothing refers outside the repository."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import os
 import re
 from pathlib import Path
 
 import pytest
 
+import nemo_ckpt
+from nemo_ckpt import interfaces
+from nemo_ckpt.config_table import BEGIN_MARKER, END_MARKER, config_table, replace_table
+from nemo_ckpt.config_table import main as config_table_command
+from nemo_ckpt.manifest import FORMAT_VERSION, SANDBOX_FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
+
 pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
 EXAMPLES = [ROOT / "examples" / "minimal_driver.py", ROOT / "examples" / "minimal_worker.py"]
 
 
@@ -59,12 +71,100 @@ def test_every_snippet_of_the_integration_guide_is_cut_from_the_minimal_example(
         assert any(cut_from(snippet, source) for source in sources), snippet
 
 
-def test_the_set_up_lists_make_test_demo_and_install_and_the_makefile_has_them() -> None:
+def test_the_call_order_is_the_contracts_own() -> None:
+    snippets = code_blocks(section("The call order a driver uses"))
+    assert len(snippets) == 2
+    contract = lines(interfaces.__doc__ or "")
+    for snippet in snippets:
+        assert cut_from(snippet, contract), snippet
+
+
+def test_the_set_up_is_make_demo_and_make_test_and_the_makefile_has_both() -> None:
     setup = section("Set-up")
+    commands = [line.split("#")[0].strip() for line in setup.splitlines()
+                if line.startswith("    ") and line.strip().startswith("make ")]
+    assert commands == ["make demo", "make test"]
     makefile = (ROOT / "Makefile").read_text()
-    for target in ("test", "demo", "install"):
-        assert f"make {target}" in setup
+    for target in ("demo", "test"):
         assert re.search(rf"^{target}:", makefile, flags=re.M), target
+
+
+def test_the_readmes_config_table_is_the_one_the_model_makes() -> None:
+    begin = README.index(BEGIN_MARKER) + len(BEGIN_MARKER) + 1
+    assert README[begin:README.index(END_MARKER)] == config_table(), (
+        "run: .venv/bin/python -m nemo_ckpt.config_table --write README.md")
+
+
+def test_the_config_table_command_remakes_a_table_edited_by_hand(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(README.replace("| `lease_s` | float | `30.0` |",
+                                     "| `lease_s` | float | `60.0` |"))
+    assert readme.read_text() != README
+    assert config_table_command(["--write", str(readme)]) == 0
+    assert readme.read_text() == README
+
+
+def test_the_config_table_command_refuses_a_file_without_the_markers(tmp_path: Path) -> None:
+    other = tmp_path / "NOTES.md"
+    other.write_text("no table here\n")
+    assert config_table_command(["--write", str(other)]) == 1
+    assert other.read_text() == "no table here\n"
+    assert replace_table("no table here") is None
+
+
+def public_names() -> dict[str, str]:
+    """Each name of the README's public-names table -> the import statement it gives."""
+    table = section("Public names and their imports")
+    rows = re.findall(r"^\| (`[^|]+`) \| `(from [\w.]+ import [\w, ]+)` \|", table, flags=re.M)
+    assert rows
+    return {name: statement for names, statement in rows
+            for name in re.findall(r"`(\w+)`", names)}
+
+
+def test_every_public_name_in_the_readme_imports_as_the_table_says() -> None:
+    for name, statement in public_names().items():
+        module, imported = re.fullmatch(r"from ([\w.]+) import ([\w, ]+)", statement).groups()
+        assert name in [n.strip() for n in imported.split(",")], statement
+        assert hasattr(importlib.import_module(module), name), statement
+
+
+def test_every_name_the_package_exports_is_in_the_readmes_table() -> None:
+    documented = {n for n, s in public_names().items() if s.startswith("from nemo_ckpt import")}
+    assert set(nemo_ckpt.__all__) - documented == set()
+
+
+def slug(heading: str) -> str:
+    """The anchor a Markdown renderer gives a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md", "docs/LAYOUT.md"])
+def test_every_link_leads_to_a_file_or_a_heading_that_exists(name: str) -> None:
+    path = ROOT / name
+    text = path.read_text()
+    anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        if target.startswith("#"):
+            assert target[1:] in anchors, target
+        else:
+            assert (path.parent / target).exists(), target
+
+
+def test_the_changelog_says_which_formats_this_version_reads_and_writes() -> None:
+    version = importlib.metadata.version("nemo-ckpt")
+    row = re.search(rf"^\| {re.escape(version)}\b[^|]*\| ([^|]+) \| ([^|]+) \|$", CHANGELOG,
+                    flags=re.M)
+    assert row, f"CHANGELOG.md has no row for {version}"
+    reads, writes = row.groups()
+    assert {int(n) for n in re.findall(r"\d+", reads)} == set(SUPPORTED_FORMAT_VERSIONS)
+    # It writes the plain format, the sandboxes' and the newest it reads (the three may
+    # coincide), and never one it cannot read back.
+    written = {int(n) for n in re.findall(r"\d+", writes)}
+    newest = max(SUPPORTED_FORMAT_VERSIONS)
+    assert {FORMAT_VERSION, SANDBOX_FORMAT_VERSION, newest} <= written <= set(
+        SUPPORTED_FORMAT_VERSIONS)
+    described = {int(n) for n in re.findall(r"^\| (\d+) \|", CHANGELOG, flags=re.M)}
+    assert described == set(SUPPORTED_FORMAT_VERSIONS)
 
 
 def test_nothing_in_the_repository_refers_to_files_outside_it() -> None:
@@ -83,3 +183,25 @@ def test_nothing_in_the_repository_refers_to_files_outside_it() -> None:
             if outside in text:
                 offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+def test_every_module_of_the_core_and_the_actors_is_in_the_layout() -> None:
+    layout = (ROOT / "docs" / "LAYOUT.md").read_text()
+    modules = [p.relative_to(ROOT).as_posix() for folder in ("nemo_ckpt", "actors")
+               for p in sorted((ROOT / folder).rglob("*.py"))
+               if not (p.name == "__init__.py" and p.parent.name == "actors")]
+    assert [m for m in modules if f"`{m}`" not in layout] == []
+
+
+def test_the_metrics_table_lists_every_metric_the_actors_publish() -> None:
+    published = set(re.findall(r'"(nemo_ckpt_\w+)"', (ROOT / "actors" / "metrics.py").read_text()))
+    listed = set(re.findall(r"^\| `(nemo_ckpt_\w+)", section("Metrics and logs"), flags=re.M))
+    assert published and listed == published
+
+
+def test_the_glossary_defines_the_words_a_newcomer_meets_in_alphabetical_order() -> None:
+    terms = re.findall(r"^- \*\*([^*]+)\*\*", section("Glossary"), flags=re.M)
+    assert terms == sorted(terms, key=str.lower)
+    for word in ("instance", "attempt", "capture key", "cut", "staging row", "ledger",
+                 "holder", "snapshot", "session", "turn"):
+        assert word in terms, word

@@ -2,7 +2,7 @@
 driver, coordinator and holders in-process (``nemo_ckpt.testing.sim``), under virtual
 time, with a fault aimed at one phase boundary. Each asserts what a user would see: the
 error raised, the holders' state, the files on disk, the sessions that are live.
-(The same faults, at random points, run in ``tests/simulation.py``; cases 1-6 also run
+(The same faults, at random points, run in ``tests/simulation/``; cases 1-6 also run
 on a real cluster in ``tests/test_faults.py``.)
 """
 
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
+from nemo_ckpt import RayEnvironmentCheckpoint
 from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.config import CheckpointConfig
@@ -38,119 +37,11 @@ from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sessions import Turn
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
-from nemo_ckpt.testing.data_plane import StaticCut
-from nemo_ckpt.testing.sim import SimActor, SimWorld
+from nemo_ckpt.testing.sim import SimActor
 from nemo_ckpt.transport import COORDINATOR, HOLDER
+from tests.harness import CONFIG, World, cut_of, files
 
 pytestmark = pytest.mark.timeout(60)
-
-CONFIG = CheckpointConfig(namespace="job", drain_timeout_s=1.0, lease_s=6.0,
-                          phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=20.0)
-
-
-class World:
-    """One in-process cluster: a driver, holders on every node, workers' clients."""
-
-    def __init__(self, tmp_path: Path, nodes: int = 3) -> None:
-        self.sim = SimWorld(seed=0, nodes=nodes)
-        self.sim.message_delay = lambda target, method, reply: 0.001
-        self.root = tmp_path
-        self.driver = self.sim.new_actor("driver", "driver", "node-0")
-        self.ckpt = self.checkpoint(self.driver, CONFIG)
-        self.worker = self.sim.new_actor("worker", "worker", "node-0")
-
-    def checkpoint(self, actor: SimActor, config: CheckpointConfig) -> RayEnvironmentCheckpoint:
-        return RayEnvironmentCheckpoint(config, self.sim.transport(actor, config))
-
-    def run(self, coro: Coroutine[Any, Any, Any], actor: SimActor | None = None) -> Any:
-        return self.sim.loop.run_until_complete(self.sim.spawn(actor or self.driver, coro))
-
-    def close(self) -> None:
-        loop = self.sim.loop
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        loop.run_until_complete(asyncio.sleep(0))
-        loop.close()
-
-    def path(self, name: str) -> Path:
-        return self.root / name
-
-    def holders(self) -> dict[str, Any]:
-        return {a.name: a.obj for a in self.sim.live(HOLDER)}
-
-    def states(self) -> dict[str, HolderState]:
-        return {name: h.current[0] for name, h in self.holders().items()}
-
-    async def client(self, instance: str) -> SessionClient:
-        transport = self.sim.transport(self.worker, CONFIG)
-        handle = transport.holder(instance)
-        assert handle is not None
-        return SessionClient(handle, transport)
-
-    async def populate(self, turns: int = 2) -> dict[str, list[Ep]]:
-        """Two rollouts per holder, ``turns`` committed turns each."""
-        await self.ckpt.ensure_holders()
-        live: dict[str, list[Ep]] = {}
-        for instance in sorted(self.holders()):
-            client = await self.client(instance)
-            live[instance] = [Ep(f"{instance}-r{k}", 0) for k in range(2)]
-            for ep in live[instance]:
-                await client.open(ep, b"s0")
-                for t in range(turns):
-                    async with client.turn(ep) as turn:
-                        turn.complete(f"t{t}".encode(), f"s{t + 1}".encode(),
-                                      [f"{ep.capture_key}/row{t}"])
-        return live
-
-    async def snapshot(self, path: Path, live: dict[str, list[Ep]],
-                       block: Callable[[], Awaitable[None]] | None = None) -> None:
-        async with self.ckpt.snapshot(path) as snap:
-            if snap is not None:
-                await snap.check_against_cut(cut_of(live))
-            if block is not None:
-                await block()
-
-    def on_send(self, method: str, action: Callable[[], None]) -> None:
-        """Run ``action`` as the driver sends ``method`` (once)."""
-        fired = []
-
-        def hook(caller: SimActor, callee: SimActor, m: str, args: tuple[Any, ...]) -> None:
-            if caller is self.driver and m == method and not fired:
-                fired.append(m)
-                action()
-
-        self.sim.on_send = hook
-
-    def on_deliver(self, method: str, action: Callable[[SimActor], None]) -> None:
-        """Run ``action(callee)`` as ``method`` arrives somewhere (once)."""
-        fired = []
-
-        def hook(target: SimActor, m: str, args: tuple[Any, ...]) -> None:
-            if m == method and not fired:
-                fired.append(m)
-                action(target)
-
-        self.sim.on_deliver = hook
-
-
-def cut_of(live: dict[str, list[Ep]], turns: int = 2) -> StaticCut:
-    rows = {f"{ep.capture_key}/row{t}" for eps in live.values() for ep in eps
-            for t in range(turns)}
-    return StaticCut({i: set(eps) for i, eps in live.items()}, rows)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    try:
-        yield w
-    finally:
-        w.close()
-
-
-def files(path: Path) -> list[str]:
-    return sorted(p.name for p in environment_dir(path).iterdir() if not p.name.startswith("."))
-
 
 # --- case 1: a committed snapshot is never deleted ---------------------------------------
 

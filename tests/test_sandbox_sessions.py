@@ -9,13 +9,12 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.blobs import BlobStore, digest_of
 from nemo_ckpt.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
@@ -33,10 +32,11 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
-from nemo_ckpt.testing.sim import EPOCH, SimWorld
+from nemo_ckpt.testing.sim import EPOCH
 from nemo_ckpt.testing.toy_env import directory_listing
-from nemo_ckpt.transport import COORDINATOR, HOLDER
+from nemo_ckpt.transport import COORDINATOR
 from nemo_ckpt.verify import verify_snapshot
+from tests.harness import World
 from tests.test_sandbox import same_content, sparse_file, swap_before_open
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,43 +50,15 @@ def _config(tmp_path: Path, **options: Any) -> CheckpointConfig:
         **options})
 
 
-class Job:
-    """One in-process job: a driver, holders on two nodes, a worker's clients."""
-
-    def __init__(self, tmp_path: Path, seed: int = 0, **options: Any) -> None:
-        self.config = _config(tmp_path, **options)
-        self.sim = SimWorld(seed=seed, nodes=2)
-        self.sim.message_delay = lambda target, method, reply: 0.001
-        self.driver = self.sim.new_actor("driver", "driver", "node-0")
-        self.worker = self.sim.new_actor("worker", "worker", "node-0")
-        self.ckpt = RayEnvironmentCheckpoint(self.config,
-                                             self.sim.transport(self.driver, self.config))
-        self.sandboxes = tmp_path / "sandboxes"
-        self.sandboxes.mkdir(exist_ok=True)
-
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return self.sim.loop.run_until_complete(self.sim.spawn(self.driver, coro))
-
-    def close(self) -> None:
-        loop = self.sim.loop
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        loop.run_until_complete(asyncio.sleep(0))
-        loop.close()
-
-    def holders(self) -> dict[str, Any]:
-        return {a.name: a.obj for a in self.sim.live(HOLDER)}
-
-    async def client(self, instance: str) -> SessionClient:
-        transport = self.sim.transport(self.worker, self.config)
-        handle = transport.holder(instance)
-        assert handle is not None
-        return SessionClient(handle, transport)
+def sandbox_job(tmp_path: Path, seed: int = 0, **options: Any) -> World:
+    """One in-process job on two nodes whose sessions own directories under its
+    sandbox root."""
+    return World(tmp_path, nodes=2, config=_config(tmp_path, **options), seed=seed)
 
 
 @pytest.fixture
-def job(tmp_path: Path) -> Iterator[Job]:
-    j = Job(tmp_path)
+def job(tmp_path: Path) -> Iterator[World]:
+    j = sandbox_job(tmp_path)
     try:
         yield j
     finally:
@@ -113,7 +85,7 @@ def _turn_edits(directory: Path, t: int) -> None:
         (directory / f"kept-{t - 2}.txt").unlink()
 
 
-async def _open_with_directories(job: Job, rollouts: int) -> tuple[dict[str, set[Ep]],
+async def _open_with_directories(job: World, rollouts: int) -> tuple[dict[str, set[Ep]],
                                                                      dict[Ep, Path]]:
     await job.ckpt.ensure_holders()
     live: dict[str, set[Ep]] = {}
@@ -131,7 +103,7 @@ async def _open_with_directories(job: Job, rollouts: int) -> tuple[dict[str, set
     return live, dirs
 
 
-async def _turns(job: Job, dirs: dict[Ep, Path], first: int, count: int) -> None:
+async def _turns(job: World, dirs: dict[Ep, Path], first: int, count: int) -> None:
     for instance in sorted(job.holders()):
         client = await job.client(instance)
         for ep, d in dirs.items():
@@ -146,7 +118,7 @@ async def _turns(job: Job, dirs: dict[Ep, Path], first: int, count: int) -> None
 
 def test_a_directory_is_restored_byte_for_byte_as_its_last_committed_turn_left_it(
         tmp_path: Path) -> None:
-    job = Job(tmp_path)
+    job = sandbox_job(tmp_path)
     path = tmp_path / "ckpt" / "step-1"
     try:
         async def first_run() -> dict[Ep, dict[str, Any]]:
@@ -164,7 +136,7 @@ def test_a_directory_is_restored_byte_for_byte_as_its_last_committed_turn_left_i
         job.close()
     shutil.rmtree(tmp_path / "sandboxes")  # the crash took the node's disk, cache and all
 
-    fresh = Job(tmp_path, seed=1)
+    fresh = sandbox_job(tmp_path, seed=1)
     try:
         async def restore() -> None:
             async with fresh.ckpt.restored(path) as restored:
@@ -187,7 +159,7 @@ def test_a_directory_is_restored_byte_for_byte_as_its_last_committed_turn_left_i
         fresh.close()
 
 
-def test_a_later_snapshot_writes_only_the_files_that_changed(job: Job, tmp_path: Path) -> None:
+def test_a_later_snapshot_writes_only_the_files_that_changed(job: World, tmp_path: Path) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=3)
         big = b"x" * 200_000
@@ -223,7 +195,7 @@ def test_a_later_snapshot_writes_only_the_files_that_changed(job: Job, tmp_path:
     job.run(scenario())
 
 
-def test_a_turn_that_leaves_a_fifo_is_refused_and_records_nothing(job: Job) -> None:
+def test_a_turn_that_leaves_a_fifo_is_refused_and_records_nothing(job: World) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
         ep, d = next(iter(dirs.items()))
@@ -242,7 +214,7 @@ def test_a_turn_that_leaves_a_fifo_is_refused_and_records_nothing(job: Job) -> N
     job.run(scenario())
 
 
-def test_a_directory_outside_the_sandbox_root_is_refused(job: Job, tmp_path: Path) -> None:
+def test_a_directory_outside_the_sandbox_root_is_refused(job: World, tmp_path: Path) -> None:
     async def scenario() -> None:
         await job.ckpt.ensure_holders()
         client = await job.client(sorted(job.holders())[0])
@@ -258,7 +230,7 @@ def test_a_directory_outside_the_sandbox_root_is_refused(job: Job, tmp_path: Pat
 
 
 def test_a_damaged_blob_refuses_the_restore_and_nothing_goes_live(tmp_path: Path) -> None:
-    job = Job(tmp_path)
+    job = sandbox_job(tmp_path)
     path = tmp_path / "ckpt" / "step-1"
     try:
         async def first_run() -> None:
@@ -276,7 +248,7 @@ def test_a_damaged_blob_refuses_the_restore_and_nothing_goes_live(tmp_path: Path
                   if Path(store.describe(x)).read_bytes() == b"# repo\n")
     Path(store.describe(readme)).write_bytes(b"# REPO\n")
     shutil.rmtree(tmp_path / "sandboxes")  # a new node: nothing cached
-    fresh = Job(tmp_path, seed=1)
+    fresh = sandbox_job(tmp_path, seed=1)
     try:
         async def restore() -> None:
             with pytest.raises(BlobCorruptedError, match="does not match its digest"):
@@ -292,7 +264,7 @@ def test_a_damaged_blob_refuses_the_restore_and_nothing_goes_live(tmp_path: Path
         fresh.close()
 
 
-def test_sandboxes_need_a_checkpoint_root_and_snapshots_below_it(job: Job,
+def test_sandboxes_need_a_checkpoint_root_and_snapshots_below_it(job: World,
                                                                   tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="sandbox_root needs checkpoint_root"):
         CheckpointConfig(sandbox_root=tmp_path / "s")
@@ -312,7 +284,7 @@ def test_sandboxes_need_a_checkpoint_root_and_snapshots_below_it(job: Job,
 # --- collection ---------------------------------------------------------------------------
 
 
-def _coordinator(job: Job) -> Any:
+def _coordinator(job: World) -> Any:
     return job.sim.live(COORDINATOR)[0].obj
 
 
@@ -327,7 +299,7 @@ def _referenced(tmp_path: Path) -> set[bytes]:
 
 
 def test_a_commit_collects_the_blobs_only_a_replaced_snapshot_referenced(
-        job: Job, tmp_path: Path) -> None:
+        job: World, tmp_path: Path) -> None:
     path = tmp_path / "ckpt" / "latest"
 
     async def scenario() -> None:
@@ -358,7 +330,7 @@ def test_a_commit_collects_the_blobs_only_a_replaced_snapshot_referenced(
     job.run(scenario())
 
 
-def test_collection_is_refused_while_a_snapshot_holds_the_store(job: Job,
+def test_collection_is_refused_while_a_snapshot_holds_the_store(job: World,
                                                                 tmp_path: Path) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
@@ -376,7 +348,7 @@ def test_collection_is_refused_while_a_snapshot_holds_the_store(job: Job,
 
 
 def test_collection_racing_turns_and_commits_never_removes_a_referenced_blob(
-        job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        job: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A collector thread loops against the store (real concurrency, real files) while
     the job runs turns that change files and commits snapshots at two alternating
     paths, each commit replacing the one before at its path (and the coordinator
@@ -430,7 +402,7 @@ def test_collection_racing_turns_and_commits_never_removes_a_referenced_blob(
     assert all(v.ok for v in verify), [v.problems for v in verify]
 
 
-def test_nemo_ckpt_gc_removes_unreferenced_blobs_and_says_what(job: Job, tmp_path: Path,
+def test_nemo_ckpt_gc_removes_unreferenced_blobs_and_says_what(job: World, tmp_path: Path,
                                                                capsys: Any) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
@@ -460,7 +432,7 @@ def test_nemo_ckpt_gc_removes_unreferenced_blobs_and_says_what(job: Job, tmp_pat
 
 
 def test_a_gc_whose_clock_is_far_ahead_removes_no_blob_a_running_snapshot_relies_on(
-        job: Job, tmp_path: Path, capsys: Any) -> None:
+        job: World, tmp_path: Path, capsys: Any) -> None:
     """Issue 23, case 1: the blobs of an unchanged sandbox were written by an older
     snapshot that retention removed; the running snapshot found them present and wrote
     no copy. A gc on a host whose clock runs 13 s ahead of the coordinator's (over two
@@ -495,7 +467,7 @@ def test_a_gc_whose_clock_is_far_ahead_removes_no_blob_a_running_snapshot_relies
 
 
 def test_gc_told_to_wait_collects_once_a_dead_snapshots_hold_is_seen_unchanged_for_its_ttl(
-        job: Job, tmp_path: Path) -> None:
+        job: World, tmp_path: Path) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
         async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
@@ -523,7 +495,7 @@ def test_gc_told_to_wait_collects_once_a_dead_snapshots_hold_is_seen_unchanged_f
 
 
 def test_gc_told_to_wait_never_collects_under_a_hold_that_is_renewed(
-        job: Job, tmp_path: Path) -> None:
+        job: World, tmp_path: Path) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
         async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
@@ -550,7 +522,7 @@ def test_gc_told_to_wait_never_collects_under_a_hold_that_is_renewed(
 # --- the CLI ------------------------------------------------------------------------------
 
 
-def test_the_cli_shows_checks_and_diffs_each_sessions_directory(job: Job, tmp_path: Path,
+def test_the_cli_shows_checks_and_diffs_each_sessions_directory(job: World, tmp_path: Path,
                                                                 capsys: Any) -> None:
     a, b = tmp_path / "ckpt" / "a", tmp_path / "ckpt" / "b"
 
@@ -600,7 +572,7 @@ def test_the_cli_shows_checks_and_diffs_each_sessions_directory(job: Job, tmp_pa
 
 
 def test_a_collection_this_coordinator_left_does_not_hold_up_the_next_snapshot(
-        job: Job, tmp_path: Path) -> None:
+        job: World, tmp_path: Path) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
         coordinator = _coordinator(job)
@@ -623,7 +595,7 @@ def test_a_collection_a_predecessor_coordinator_left_is_waited_out_not_dropped(
     """Issue 29, case 1: the predecessor Ray declared dead may run again and go on
     removing blobs; its claim is another incarnation's, waited out as a dead
     collector's (its ttl, seen unchanged), never dropped under it."""
-    job = Job(tmp_path, persist_timeout_s=120.0)
+    job = sandbox_job(tmp_path, persist_timeout_s=120.0)
     try:
         async def scenario() -> None:
             live, dirs = await _open_with_directories(job, rollouts=1)
@@ -646,7 +618,7 @@ def test_a_collection_a_predecessor_coordinator_left_is_waited_out_not_dropped(
 
 
 def test_check_startup_refuses_a_sandbox_root_a_holder_cannot_write(tmp_path: Path) -> None:
-    job = Job(tmp_path)
+    job = sandbox_job(tmp_path)
     try:
         job.sandboxes.rmdir()
         job.sandboxes.write_text("a file where the sandbox root should be")
@@ -706,7 +678,7 @@ def test_a_new_holder_removes_what_an_earlier_holder_of_its_instance_left(
 
 @pytest.mark.timeout(10)
 def test_a_fifo_swapped_in_during_a_commit_refuses_the_turn_at_once_and_the_sweep_still_runs(
-        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+        job: World, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=1)
         ep, d = next(iter(dirs.items()))
@@ -746,7 +718,7 @@ def test_a_fifo_swapped_in_during_a_commit_refuses_the_turn_at_once_and_the_swee
 
 
 def test_a_turn_past_a_configured_sandbox_limit_is_refused_naming_it(tmp_path: Path) -> None:
-    job = Job(tmp_path, sandbox_max_file_bytes=1000)
+    job = sandbox_job(tmp_path, sandbox_max_file_bytes=1000)
     try:
         async def scenario() -> None:
             live, dirs = await _open_with_directories(job, rollouts=1)
@@ -766,7 +738,7 @@ def test_a_turn_past_a_configured_sandbox_limit_is_refused_naming_it(tmp_path: P
 
 def test_a_sparse_file_is_snapshotted_and_restored_with_its_holes_and_no_setuid_bit(
         tmp_path: Path) -> None:
-    job = Job(tmp_path)
+    job = sandbox_job(tmp_path)
     path = tmp_path / "ckpt" / "step-1"
     try:
         async def first_run() -> Ep:
@@ -792,7 +764,7 @@ def test_a_sparse_file_is_snapshotted_and_restored_with_its_holes_and_no_setuid_
     original = tmp_path / "original.img"
     os.rename(tmp_path / "sandboxes" / "work" / ep.capture_key / "disk.img", original)
     shutil.rmtree(tmp_path / "sandboxes")
-    fresh = Job(tmp_path, seed=1)
+    fresh = sandbox_job(tmp_path, seed=1)
     try:
         async def restore() -> Path:
             async with fresh.ckpt.restored(path):

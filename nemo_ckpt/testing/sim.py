@@ -1,5 +1,5 @@
 """The real driver, coordinator and holders in one process, under a virtual clock and a
-seeded transport: the world the deterministic simulation (``tests/simulation.py``) runs.
+seeded transport: the world the deterministic simulation (``tests/simulation/``) runs.
 
 - ``VirtualTimeLoop`` is an asyncio loop whose clock jumps to the next timer whenever
   nothing is ready, so a lease of 30 s costs microseconds, and a run is a pure function of
@@ -160,7 +160,9 @@ class SimActor:
     wall_offset: float = 0.0  # its host's wall clock minus true time, steady
     mono_origin: float = 0.0  # its monotonic clock at virtual time 0
     rate: float = 1.0  # seconds its clocks count per true second
-    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    # In the order they started (a dict, not a set): a kill cancels them in that order,
+    # whatever their addresses, so a seed replays the same.
+    tasks: dict[asyncio.Task[Any], None] = field(default_factory=dict)
     serial: int = 0
     # When its callers learn that Ray declared it dead (its calls fail from then on);
     # None while Ray thinks it alive. An actor alive past it is a zombie.
@@ -367,7 +369,7 @@ class SimWorld:
                 task.cancel()
             # Kept after they finish (a schedule is short): a done callback per task to
             # drop it would cost the loop a turn each.
-            owner.tasks.add(task)
+            owner.tasks[task] = None
         return task
 
     def spawn(self, actor: SimActor, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:

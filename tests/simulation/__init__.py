@@ -1,0 +1,55 @@
+"""The deterministic simulation: many seeded schedules of the real driver, coordinator and
+holders, with environment workers running turns, RL's ledger and barrier, retire, a
+crash and restore, a second driver, and faults at any await; invariants after each.
+
+Each schedule is a pure function of its seed (``nemo_ckpt.testing.sim``: virtual time, a
+seeded transport that delivers an actor's calls in a seeded order, pickled messages,
+real files in a temporary folder). Faults: actors killed (holders, the coordinator, the
+driver, workers, whole nodes), the driver's operation and workers' rollouts cancelled,
+clocks jumping past leases, shard and manifest writes failing or torn by a death
+mid-write, shard reads slower than a lease, cuts that do not match (caught inside the
+block or not), an exception inside ``restored()``. In a fifth of the schedules the
+rollouts own sandbox directories, which every turn changes and checks against the
+session's state, and every committed snapshot's directories must verify blob by blob.
+
+The world outside the protocol (issue 23): blocking work runs as threads that outlive
+their cancelled callers; every process has its own clocks (offsets up to hours, rates
+within 10%); every ``Folder`` call may fail after it happened, reads may fail, and the
+disk may be full for seconds (``DiskFaults``); a gc from another host, a retention
+script, a second job, and a hostile process inside the sandboxes act meanwhile
+(``HostileSandbox``); a copy of a committed manifest is damaged. Its invariants: no
+committed snapshot references a missing blob, nothing outside a sandbox is read into
+one, sparse files stay sparse, no call waits past its deadline, damaged data is the
+project's error.
+
+Ray as it behaves (issue 29; ``_ray_plan``): a death is noticed late, and the name resolves
+to the dead actor until Ray releases it; a stalled node (or the coordinator's process,
+once right after a manifest's rename) is declared dead past Ray's detection delay, and
+runs again as a zombie whose work still reaches files and holders; a holder admits a few
+concurrent calls in its one concurrency group (``nemo_ckpt.testing.sim.method_group``),
+with more workers' turns than that; a restarted driver brings another config. Its
+invariants: no zombie's clean-up tears a newer snapshot (case 29.1), no abort or next
+call fails only because it met the dead coordinator's name (29.2), no control call waits
+behind turns (29.3), no driver with another config commits.
+
+    .venv/bin/python -m tests.simulation                  # 10,000 schedules on 2 processes
+    .venv/bin/python -m tests.simulation --replay SEED    # one schedule, with its trace
+
+A violation prints its seed and the replay command. The run re-executes itself with
+``PYTHONHASHSEED=0``, so a replay iterates sets exactly as the failing run did.
+
+The parts, TigerBeetle's simulator's split: ``plan`` (what a seed draws), ``workload``
+(the drivers' script, the workers' rollouts, RL's side in ``rl``), ``faults`` (every
+fault, at its time or its trigger), ``checkers`` (the invariants and the reviewed cases
+they show), each over the ``state`` it shares with the others; ``schedule`` joins them to
+the world's hooks and runs one seed; ``runner`` runs many.
+"""
+
+from .checkers import CASES, case_of
+from .plan import CONFIG, Plan
+from .runner import REPLAY, main, run_many, run_one
+from .schedule import Schedule
+from .state import Result
+
+__all__ = ["CASES", "CONFIG", "REPLAY", "Plan", "Result", "Schedule", "case_of", "main",
+           "run_many", "run_one"]

@@ -1,0 +1,679 @@
+"""The checkers of a schedule: the invariants, judged from what the workload saw, what
+the faults did, the messages the world delivered, and the files and actors as they are
+(read in-process, never through the transport). A violation is recorded with the time
+it was seen; ``CASES`` names the reviewed case each one shows."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import stat
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from nemo_ckpt.checkpoint_folder import environment_dir
+from nemo_ckpt.collection import committed_snapshots
+from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    LeaseExpiredError,
+    NemoCkptError,
+    is_retriable,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.path_claims import read_claims
+from nemo_ckpt.phases import HolderState
+from nemo_ckpt.sandbox_storage import verify_directories
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.testing.sim import SimActor
+from nemo_ckpt.transport import COORDINATOR, HOLDER, SESSION_METHODS
+
+from .plan import CONFIG, SPARSE_BYTES
+from .state import Driver, OpRecord, Part, State, short
+
+_END_METHODS = ("resume", "abort")
+# How long after an operation ended a holder may still be paused for it (its abort or
+# resume in flight): well under a lease, so a stuck pause is seen before it lapses.
+GRACE_S = 1.0
+
+
+class Checkers(Part):
+
+    def __init__(self, s: State) -> None:
+        super().__init__(s)
+        self.paused_since: dict[tuple[int, str], float] = {}
+        self.paused_reported: set[tuple[int, str]] = set()
+        self.begin_delivered: dict[tuple[int, str], float] = {}
+        self.end_delivered: dict[tuple[int, str], float] = {}
+        # (holder, operation) -> its abort or resume messages on their way (a slow link)
+        self.end_in_flight: dict[tuple[int, str], int] = defaultdict(int)
+        self.turn_aborts_in_flight: dict[str, int] = defaultdict(int)  # by turn token
+        self.blocked: list[str] = []  # blocking calls the guard found waiting
+        self.dense_reported: set[Path] = set()
+        # Blocking calls of zombies (declared dead, running again): (when, actor, function).
+        self.zombie_io: list[tuple[float, SimActor, str]] = []
+        # Control calls that waited for a slot behind session calls (turns, opens):
+        # (when, holder, method, operation, seconds waited, session calls ahead, limit).
+        self.queued_behind_turns: list[tuple[float, str, str, str, float, str, int]] = []
+
+    # --- what the world delivers (its hooks), recorded for the checks ---------------------
+
+    def on_send(self, caller: SimActor, callee: SimActor, method: str,
+                args: tuple[Any, ...]) -> None:
+        if callee.kind == HOLDER and method in _END_METHODS and args:
+            self.end_in_flight[(callee.serial, args[0])] += 1
+        if method == "abort_turn" and len(args) > 1:
+            self.turn_aborts_in_flight[args[1]] += 1
+        driver = self.s.drivers.get(caller)
+        if driver is None:
+            return
+        record = driver.record
+        if record is not None and callee.kind == COORDINATOR:
+            if method == "abort" and record.abort_sent is None:
+                record.abort_sent = self.now()
+            if not callee.alive or callee.noticed_at is not None:
+                record.dead_calls.append((self.now(), method, callee))
+
+    def on_deliver(self, target: SimActor, method: str, args: tuple[Any, ...]) -> None:
+        if method == "abort_turn" and len(args) > 1:
+            self.turn_aborts_in_flight[args[1]] -= 1
+        if target.kind == HOLDER and args and isinstance(args[0], str):
+            if method in ("begin", "pause", "prepare_restore"):
+                self.begin_delivered.setdefault((target.serial, args[0]), self.now())
+            elif method in _END_METHODS:
+                self.end_delivered.setdefault((target.serial, args[0]), self.now())
+                self.end_in_flight[(target.serial, args[0])] -= 1
+
+    def after_io(self, actor: SimActor, name: str) -> None:
+        if actor.zombie:
+            self.zombie_io.append((self.now(), actor, name))
+
+    def on_queued(self, target: SimActor, method: str, args: tuple[Any, ...],
+                  waited: float, ahead: tuple[str, ...], limit: int) -> None:
+        turns = _session_calls(ahead)
+        if method not in SESSION_METHODS and turns:
+            op = args[0] if args and isinstance(args[0], str) else "?"
+            self.queued_behind_turns.append((self.now(), target.name, method, op, waited,
+                                             turns, limit))
+            self.log(f"{method}({op}) to {target} waited {waited:.2f}s for a slot behind "
+                     f"{turns}")
+
+    def on_blocked(self, actor: SimActor, name: str, where: str) -> None:
+        """From the guard's thread: a blocking call has not returned."""
+        self.blocked.append(f"a call waits past its deadline: {name} of {actor.name} "
+                            f"blocked in {where} (at t={self.now():.4f})")
+
+    # --- as the workload goes: each operation as it ends, each turn, each claim -----------
+
+    def check_commit(self, record: OpRecord) -> None:
+        """A snapshot the driver saw commit is the manifest at its path, complete."""
+        try:
+            loaded = read_snapshot(record.path)
+        except Exception as exc:
+            self.violate(f"{record.op_id} committed but its snapshot does not verify: "
+                         f"{type(exc).__name__}: {short(exc)}"
+                         f"{self.zombie_work(record.start)}")
+            return
+        named = loaded.manifest.snapshot_id
+        later = self._captured_later(record)
+        if named != record.op_id and named not in later:
+            self.violate(f"{record.op_id} committed but {Path(record.path).name}'s manifest "
+                         f"names {named}")
+        if record.check_failed:
+            self.violate(f"{record.op_id} committed although its check against the cut failed")
+        if self.plan.sparse and self.sandbox_root is not None:
+            self._check_dense()
+
+    def check_unchecked_commit(self, driver: Driver, record: OpRecord, unchecked: bool
+                               ) -> None:
+        """A snapshot whose block held sessions commits unchecked only if its driver's
+        config allows that."""
+        if unchecked and not driver.config.allow_unchecked_snapshots:
+            self.violate(f"{record.op_id} committed, but its block never checked it "
+                         f"against a cut and its config does not allow that")
+
+    def check_one_config(self, driver: Driver, record: OpRecord) -> None:
+        """A driver whose config differs from the job's in a field that is not adopted
+        never commits through actors made with the job's (ConfigMismatchError)."""
+        fixed = [k for k in driver.differs if k not in ADOPTED_FIELDS | DRIVER_FIELDS]
+        made = [a.obj._config for a in self.world.live(COORDINATOR)]
+        if fixed and any(getattr(c, k) != getattr(driver.config, k)
+                         for c in made for k in fixed):
+            self.violate(f"{record.op_id} committed through a coordinator made with "
+                         f"another config ({', '.join(fixed)} differ): nothing refused it")
+
+    def check_deadlines(self, record: OpRecord, cfg: CheckpointConfig) -> None:
+        """A snapshot's entry and its commit return within their driver's configured
+        deadlines (with a margin of a lease: messages, retries, a slow link)."""
+        entry = cfg.drain_timeout_s + 3 * cfg.phase_timeout_s + cfg.lease_s
+        # From the call, not from the wait for RL's own lock (its retires may be slow).
+        called = record.entered if record.entered is not None else record.start
+        if record.begun is not None and record.begun - called > entry:
+            self.violate(f"a call waits past its deadline: the snapshot {record.op_id} took "
+                         f"{record.begun - called:.1f}s to begin (drain and phase "
+                         f"deadlines: {entry - cfg.lease_s:g}s){self._queue_note(record.op_id)}")
+        commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + cfg.lease_s
+        if record.body_end is not None and record.end is not None and \
+                record.end - record.body_end > commit:
+            self.violate(f"a call waits past its deadline: the commit of {record.op_id} took "
+                         f"{record.end - record.body_end:.1f}s after its block ended (persist "
+                         f"and phase deadlines: {commit - cfg.lease_s:g}s)"
+                         f"{self._queue_note(record.op_id)}")
+
+    def check_error_kind(self, exc: BaseException, what: str) -> None:
+        """Every failure the runtime reports is one of its own error classes."""
+        if not isinstance(exc, NemoCkptError):
+            self.violate(f"{what} raised {type(exc).__name__}, not a nemo-ckpt error: "
+                         f"{short(exc)}")
+
+    def check_dead_name(self, record: OpRecord, exc: BaseException) -> None:
+        """An operation begun after the coordinator died (its death noticed before) does
+        not fail only because its calls still met the dead actor's name."""
+        if not isinstance(exc, BackendUnavailableError) or not record.dead_calls:
+            return
+        if "the nemo-ckpt coordinator" not in str(exc):
+            return  # it failed on a holder (a fault of its own), after reaching a coordinator
+        when, method, dead = record.dead_calls[0]
+        died = [t for t, a in self.world.kills + self.world.declared if a is dead]
+        if not died or died[0] >= record.start or \
+                self.killed_since(record.start, (COORDINATOR,)):
+            return
+        self.violate(f"{record.op_id or 'the ' + record.kind + ' of ' + record.driver} "
+                     f"failed (BackendUnavailableError) because its "
+                     f"{method} met the dead coordinator's name: {dead} died at "
+                     f"t={died[0]:.2f}, before the operation began, and the name still "
+                     f"resolved to it at t={when:.2f}")
+
+    async def check_failed_snapshot(self, record: OpRecord, exc: BaseException) -> None:
+        """A failed snapshot resumed every holder before its error reached the driver,
+        even after its coordinator died, so long as no coordinator died after its
+        driver's abort went out (the abort finds the successor)."""
+        if self.killed_since(record.start, ("driver",)):
+            return
+        after_abort = record.abort_sent if record.abort_sent is not None else self.now()
+        if self.killed_since(after_abort - 1e-9, (COORDINATOR,)):
+            return
+        coordinator_died = self.killed_since(record.start, (COORDINATOR,))
+        paused = []
+        for actor in self.world.live(HOLDER):
+            info = await self.s.ask(actor, "info")
+            if info.operation_id == record.op_id and info.state is not HolderState.RUNNING \
+                    and not self.end_in_flight[(actor.serial, info.operation_id)]:
+                paused.append(info.instance_id)
+                self.paused_reported.add((actor.serial, info.operation_id))
+        if paused and coordinator_died:
+            dead = [(t, a) for t, a in self.world.kills + self.world.declared
+                    if a.kind == COORDINATOR and t > record.start]
+            met = [m for _, m, _ in record.dead_calls]
+            self.violate(f"{record.op_id} failed ({type(exc).__name__}) after its "
+                         f"coordinator {dead[0][1]} died at t={dead[0][0]:.2f}, and its abort "
+                         f"met the dead coordinator's name ({len(met)} call(s) to the dead "
+                         f"actor: {sorted(set(met))}): it left {paused} paused for it until "
+                         f"their lease{self._queue_note(record.op_id)}")
+        elif paused:
+            self.violate(f"{record.op_id} failed ({type(exc).__name__}) but left {paused} "
+                         f"paused for it{self._queue_note(record.op_id)}")
+        if coordinator_died:
+            return
+        if isinstance(exc, LeaseExpiredError) and not self._stalled(record):
+            full = self._full_disk_during(record)
+            if full is not None:
+                over = full[0] + full[1] < self.now()
+                self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
+                             f"driver renewed on time: the renewals' claim write met a disk "
+                             f"full from {full[0]:.1f}s for {full[1]:.1f}s"
+                             + (", which recovered before the commit" if over else "")
+                             + self._queue_note(record.op_id))
+            elif self.s.path_claimed_by_job2.get(record.path, float("inf")) <= (
+                    record.end if record.end is not None else self.now()):
+                self.violate(f"{record.op_id} lost its lease (LeaseExpiredError) although its "
+                             f"driver renewed on time: the renewals' claim of the path was "
+                             f"refused (a second job claimed it), and the holders' renewal "
+                             f"was skipped with it{self._queue_note(record.op_id)}")
+            else:
+                self.violate(f"{record.op_id} lost its lease although nothing stalled its "
+                             f"renewals{self._queue_note(record.op_id)}")
+
+    async def check_failed_restore(self, record: OpRecord, loaded: Any) -> None:
+        """A failed restore left nothing it restored live: all or nothing."""
+        if self.killed_since(record.start, ("driver",)):
+            return
+        restored = {r.continued().episode for recs in loaded.sessions.values() for r in recs}
+        live = []
+        for actor in self.world.live(HOLDER):
+            if self.end_in_flight[(actor.serial, record.op_id or "")]:
+                continue  # its abort is on a slow link: it lands, or the retry adopts it
+            live += [f"{actor.name}/{s.episode.capture_key}"
+                     for s in await self.s.ask(actor, "sessions") if s.episode in restored]
+        if live:
+            self.violate(f"restore {record.op_id} failed but left {sorted(live)} live: not "
+                         f"all or nothing")
+        if self.plan.slow_reads and not self._stalled(record) and \
+                record.outcome in ("LeaseExpiredError", "StaleSnapshotError"):
+            self.violate(f"restore {record.op_id} lost its lease during a long read although "
+                         f"renewals kept coming")
+
+    def check_failed_retry(self, record: OpRecord, again: BaseException) -> None:
+        """RL's retry of a failed restore succeeds unless it met a fault of its own."""
+        # A retry may meet a fault of its own: a restore's materialization that
+        # fails, or a disk read error (injected), refuses that retry, and rightly.
+        injected = "injected" in str(again)
+        if not (is_retriable(again) or injected or self.killed_since(
+                record.start, (COORDINATOR, "driver", HOLDER))):
+            self.violate(f"the retry of a failed restore failed: "
+                         f"{type(again).__name__}: {short(again)}")
+
+    def unreadable_at_restore(self, snapshot_id: str, exc: BaseException) -> None:
+        """A snapshot RL saw committed does not read back at the restore after a crash."""
+        self.violate(f"{snapshot_id} committed but its snapshot does not verify "
+                     f"at the restore: {type(exc).__name__}: {short(exc)}"
+                     f"{self.zombie_work(0.0)}")
+
+    async def check_restored(self, restored: Any, loaded: Any) -> None:
+        """Restored sessions equal what was captured, each as its next attempt."""
+        sessions = await self.s.live_sessions()
+        for instance, records in loaded.sessions.items():
+            if instance not in sessions:
+                continue  # its holder died since (lost with its node)
+            live = {s.episode: s for s in sessions.get(instance, [])}
+            for record in records:
+                want = record.continued()
+                got = live.get(want.episode)
+                if got is not None and self.sandbox_root is not None:
+                    self._check_restored_directory(got)
+                    got = dataclasses.replace(got, directory=None)
+                if got != want:
+                    self.violate(f"restored {instance}/{want.episode.capture_key} is {got}, "
+                                 f"captured {want}")
+        want_attempts = {(i, r.episode.rollout_id, r.episode.attempt)
+                         for i, recs in loaded.sessions.items() for r in recs}
+        if set(restored.continued_attempts) != want_attempts:
+            self.violate("restored.continued_attempts differs from the snapshot's sessions")
+        self._check_one_live_session_per_rollout(sessions)
+
+    def _check_restored_directory(self, session: SessionRecord) -> None:
+        if session.directory is None:
+            self.violate(f"restored {session.episode.capture_key} has no directory")
+            return
+        state = Path(session.directory) / "state"
+        found = state.read_bytes() if state.exists() else None
+        if found != session.state:
+            self.violate(f"the restored directory of {session.episode.capture_key} holds "
+                         f"state {found!r}, its session {session.state!r}")
+
+    def _check_one_live_session_per_rollout(self,
+                                            sessions: dict[str, list[SessionRecord]]) -> None:
+        where: dict[str, list[str]] = defaultdict(list)
+        for instance, records in sessions.items():
+            for s in records:
+                where[s.episode.rollout_id].append(f"{instance}/{s.episode.capture_key}")
+        for rollout_id, places in sorted(where.items()):
+            if len(places) > 1:
+                self.violate(f"rollout {rollout_id} is live {len(places)} times: {places}")
+
+    def check_turn_directory(self, ep: Ep, directory: Path, before: bytes, t: int) -> None:
+        """A turn's directory starts as its session's state says (after a restore too)."""
+        found = (directory / "state").read_bytes() if (directory / "state").exists() else None
+        if found != before:
+            self.violate(f"the directory of {ep.capture_key} holds state {found!r} at turn "
+                         f"{t}, its session {before!r}")
+
+    def check_one_job_per_path(self, path: Path, job2: SimActor) -> None:
+        """A second job's claim of ``path`` (just granted) met no live claim of this job."""
+        # This job's claims there that its coordinator wrote within their time to live,
+        # by true time: live, whatever either clock says.
+        now = self.now()
+        fresh = {args[1] for t, _, name, args, _ in self.world.io_log
+                 if name == "claim_path" and len(args) > 1 and now - t < CONFIG.lease_s * 2}
+        running = {r.op_id for r in self.s.ops if r.end is None and r.op_id}
+        ours = [c.operation for c in read_claims(environment_dir(path))
+                if c.operation in running and c.operation in fresh]
+        if ours:
+            self.violate(f"a second job claimed {path.name} while {ours[0]} of this job "
+                         f"held it: two jobs write one checkpoint path (their clocks differ "
+                         f"by {job2.wall_offset - self.s.coordinator_offset():+.0f}s)")
+
+    # --- all along ------------------------------------------------------------------------
+
+    async def monitor(self) -> None:
+        """All along: no holder stays paused or restoring for an operation that has
+        ended, beyond the time its abort or resume takes to land, unless the process
+        that would end it (its driver or the coordinator) died."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = self.now()
+            for actor in self.world.live(HOLDER):
+                state, op_id = actor.obj.current
+                if state is HolderState.RUNNING or op_id is None:
+                    continue
+                record = next((r for r in self.s.ops if r.op_id == op_id), None)
+                key = (actor.serial, op_id)
+                if record is None or record.end is None or self._exempt(op_id) \
+                        or key in self.paused_reported or self.end_in_flight[key]:
+                    continue
+                since = max(self.paused_since.setdefault(key, now), record.end)
+                if now - since <= GRACE_S:
+                    continue
+                self.paused_reported.add(key)
+                arrived = self.begin_delivered.get(key)
+                ended = self.end_delivered.get(key)
+                if arrived is not None and ended is not None and arrived > ended:
+                    self.violate(f"{actor.name} is {state.value} for {op_id}: "
+                                 f"its begin arrived after its abort or resume, and a late "
+                                 f"call paused it again{self._queue_note(op_id)}")
+                elif record.outcome == "CancelledError":
+                    self.violate(f"{actor.name} is still {state.value} for "
+                                 f"{op_id} after its driver was cancelled"
+                                 f"{self._queue_note(op_id)}")
+                else:
+                    self.violate(f"{op_id} failed ({record.outcome}) but left "
+                                 f"['{actor.name}'] {state.value} for it"
+                                 f"{self._queue_note(op_id)}")
+
+    def _exempt(self, op_id: str | None) -> bool:
+        """A holder may stay paused for an operation until its lease lapses only when the
+        process that would abort it (its driver or the coordinator) died."""
+        record = next((r for r in self.s.ops if r.op_id == op_id), None)
+        if record is None:
+            return True  # an id no driver here made (a dead driver's late message)
+        return self.killed_since(record.start, (COORDINATOR, "driver"))
+
+    # --- at the end: past every lease and turn deadline -----------------------------------
+
+    async def check_settled(self) -> None:
+        """The drivers stopped and messages landed, well within a lease: no holder waits
+        for an operation that a live driver and coordinator could have ended, and no turn
+        is in flight for a worker that is still alive."""
+        for actor in self.world.live(HOLDER):
+            holder = actor.obj
+            for key, token in holder.turns_in_flight():
+                worker = self.s.rollout_worker.get(key)
+                if self.turn_aborts_in_flight[token]:
+                    continue  # its abort is on a slow link
+                if worker is not None and worker.alive:
+                    self.violate(f"{holder.instance_id} holds a turn of {key} in flight "
+                                 f"although its worker went away alive")
+
+    async def check_final(self) -> None:
+        """Past every lease and turn deadline."""
+        for message in self.blocked:
+            self.violate(message)
+        self._check_control_not_queued()
+        self._check_world()
+        for info in await self.s.holder_infos():
+            if info.state is not HolderState.RUNNING:
+                self.violate(f"{info.instance_id} is {info.state.value} for "
+                             f"{info.operation_id} past its lease"
+                             f"{self._queue_note(info.operation_id)}")
+            if info.turns_in_flight:
+                self.violate(f"{info.instance_id} has {info.turns_in_flight} turn(s) in "
+                             f"flight past the turn deadline")
+        self._check_one_live_session_per_rollout(await self.s.live_sessions())
+        for actor in self.world.live(HOLDER):
+            bounds = actor.obj.bounds()
+            if bounds["history"] > 64 or bounds["drivers"] > 64 \
+                    or bounds["aborted_tokens"] > 4096 or bounds["released"]:
+                self.violate(f"{actor.name} remembers more than its bounds: {bounds}")
+        for actor in self.world.live(COORDINATOR):
+            coordinator = actor.obj
+            table = coordinator.operations
+            if table:  # every operation ended, with one outcome each
+                self.violate(f"the coordinator still holds "
+                             f"{sorted(o.id for o in table.open_ones())} past every lease")
+            if table.bounds()["history"] > 64 or coordinator.folders.locks_held:
+                self.violate("the coordinator remembers more than its bounds")
+        for path in sorted({r.path for r in self.s.ops}):
+            env = environment_dir(path)
+            if not (env / "manifest.json").exists():
+                if self.s.committed.get(path):
+                    self.violate(f"{Path(path).name}: committed {self.s.committed[path][-1]} "
+                                 f"but no manifest is there now{self.zombie_work(0.0)}")
+                continue
+            try:
+                loaded = read_snapshot(path)
+            except Exception as exc:
+                self.violate(f"{Path(path).name}: the manifest does not verify: "
+                             f"{type(exc).__name__}: {short(exc)}{self.zombie_work(0.0)}")
+                continue
+            sid = loaded.manifest.snapshot_id  # its directories: ``_check_world``
+            if sid in self.s.failed_checks:
+                self.violate(f"{Path(path).name}: {sid} is committed although its check "
+                             f"failed")
+            seen = self.s.committed.get(path, [])
+            if seen and seen[-1] != sid:
+                last = next(r for r in self.s.ops if r.op_id == seen[-1])
+                later = self._captured_later(last)
+                if sid not in later:
+                    self.violate(f"{Path(path).name}: {seen[-1]} was committed last, but "
+                                 f"the manifest names {sid}")
+        for _, _, name, args, _ in self.world.io_log:
+            if name == "write_manifest":
+                data = args[1]
+                sid = json.loads(data)["snapshot_id"] if isinstance(data, bytes) else \
+                    data.snapshot_id
+                if sid in self.s.failed_checks:
+                    self.violate(f"a manifest was written for {sid}, whose check failed")
+
+    def _check_control_not_queued(self) -> None:
+        """A holder's control calls (pause, release, renewals, persist, resume, abort) do
+        not wait for a concurrency slot behind turns waiting at its gate."""
+        seen = set()
+        for when, holder, method, op, waited, turns, limit in self.queued_behind_turns:
+            if waited <= GRACE_S or op in seen:
+                continue
+            seen.add(op)
+            record = next((r for r in self.s.ops if r.op_id == op), None)
+            outcome = f"; {op} ended {record.outcome}" if record is not None else ""
+            self.violate(f"a control call queued behind turns: {method}({op}) waited "
+                         f"{waited:.1f}s for a slot at {holder} behind {turns} (workers' "
+                         f"session calls, held by its paused gate), in one concurrency group "
+                         f"of limit {limit} (until t={when:.2f}){outcome}")
+
+    def _check_world(self) -> None:
+        """The invariants of the world outside the protocol (issue 23): every committed
+        snapshot's blobs are there; nothing outside a sandbox was read into one; a sandbox's
+        sparse file is not stored densely; a damaged manifest is refused with the project's
+        error."""
+        root = self.root
+        if self.sandbox_root is not None:
+            for snapshot in committed_snapshots(root):
+                try:
+                    manifest = read_manifest(snapshot)
+                except Exception:
+                    continue  # reported by the checks of each path
+                problems = verify_directories(snapshot, manifest)
+                if problems:
+                    gcs = "".join(f"; a gc from another host, its clock {skew:+.0f}s from the "
+                                  f"coordinator's, removed {n} blobs at t={t:.2f}"
+                                  for t, n, skew in self.s.gc_removals)
+                    self.violate(f"committed snapshot {manifest.snapshot_id} at "
+                                 f"{Path(snapshot).name} references a blob that is missing or "
+                                 f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}"
+                                 f"{self.zombie_work(0.0)}")
+            secret = self.secret.read_bytes()
+            for holder in self.world.actors:
+                boxes = getattr(holder.obj, "_sandboxes", None)
+                cache = getattr(boxes, "_cache", None)
+                if cache is not None and any(secret in b for b in cache._memory.values()):
+                    self.violate(f"the secret file outside every sandbox was read into "
+                                 f"the node cache of {holder.name} (memory)")
+            for where, _, files in os.walk(root):
+                for name in files:
+                    path = Path(where) / name
+                    if path == self.secret:
+                        continue
+                    try:
+                        info = path.lstat()
+                        if not stat.S_ISREG(info.st_mode):
+                            continue
+                        if info.st_size < 4096 and secret in path.read_bytes():
+                            self.violate(f"the secret file outside every sandbox was read "
+                                         f"into one: {path.relative_to(root)} holds it")
+                    except OSError:
+                        continue
+        if self.plan.sparse:
+            self._check_dense()
+        if self.plan.damage is not None:
+            self._check_damaged_manifest()
+
+    def _check_dense(self) -> None:
+        """No copy of a sandbox's sparse file (in the node caches, the blob store or a
+        restored directory) takes its apparent size: the holes stay holes. Checked after
+        each commit too (retention and the caches' sweep may remove them later)."""
+        root, reported = self.root, self.dense_reported
+        for where, _, files in os.walk(root):
+            for name in files:
+                path = Path(where) / name
+                with contextlib.suppress(OSError):
+                    info = path.lstat()
+                    if stat.S_ISREG(info.st_mode) and info.st_size >= SPARSE_BYTES // 2 and \
+                            info.st_blocks * 512 >= SPARSE_BYTES // 2 and path not in reported:
+                        reported.add(path)
+                        self.violate(f"a sparse file made in a turn ({SPARSE_BYTES >> 20} MiB "
+                                     f"apparent, no blocks) was copied densely: "
+                                     f"{path.relative_to(root)} takes "
+                                     f"{info.st_blocks * 512 >> 20} MiB")
+
+    def _check_damaged_manifest(self) -> None:
+        """A copy of a committed snapshot whose manifest is damaged (a shard length of 1e15,
+        or nesting thousands deep) is refused with a nemo-ckpt error, not a traceback."""
+        committed = [p for p in committed_snapshots(self.root)]
+        if not committed:
+            return
+        copy = self.root / "damaged"
+        shutil.copytree(environment_dir(committed[0]), environment_dir(copy))
+        manifest = environment_dir(copy) / "manifest.json"
+        kind = self.plan.damage
+        if kind == "huge":
+            data = json.loads(manifest.read_bytes())
+            if not data.get("shards"):
+                return
+            data["shards"][0]["bytes"] = 10**15
+            manifest.write_text(json.dumps(data))
+        else:
+            manifest.write_text("[" * 100_000 + "]" * 100_000)
+        self.s.faults += 1
+        try:
+            read_snapshot(str(copy))
+        except NemoCkptError:
+            pass
+        except BaseException as exc:
+            what = "a shard length of 1e15" if kind == "huge" else "nested 100,000 deep"
+            self.violate(f"a damaged manifest ({what}) made read_snapshot raise "
+                         f"{type(exc).__name__}, not a nemo-ckpt error")
+        else:
+            self.violate(f"a damaged manifest ({kind}) was read as a snapshot")
+        shutil.rmtree(copy, ignore_errors=True)
+
+    # --- what a violation's message explains ----------------------------------------------
+
+    def zombie_work(self, since: float) -> str:
+        """What coordinators Ray had declared dead did after ``since``, for a message."""
+        work = [(t, a, name) for t, a, name in self.zombie_io
+                if t >= since and a.kind == COORDINATOR]
+        if not work:
+            return ""
+        t, actor, name = work[-1]
+        declared = next(d for d, a in self.world.declared if a is actor)
+        return (f"; a zombie coordinator ({actor}, declared dead at t={declared:.2f} after "
+                f"its node stalled, then run again) ran {name} there at t={t:.2f}: its "
+                f"clean-up took the newer snapshot's claim for a dead predecessor's and "
+                f"removed its files")
+
+    def _queue_note(self, op_id: str | None) -> str:
+        """Why ``op_id``'s holders may have stayed paused: its control calls waited (or
+        wait now) for a concurrency slot behind turns waiting at a holder's gate."""
+        waits = {f"{method} at {holder}" for _, holder, method, op, _, _, _
+                 in self.queued_behind_turns if op == op_id}
+        for actor in self.world.live(HOLDER):
+            for queue in actor.queues.values():
+                for method, payload, _, _, ahead in queue:
+                    args = pickle.loads(payload) if method not in SESSION_METHODS and \
+                        _session_calls(ahead) else ()
+                    if args and args[0] == op_id:
+                        waits.add(f"{method} at {actor.name}")
+        if not waits:
+            return ""
+        return (f"; a control call queued behind turns and opens waiting at the gate, in the "
+                f"holder's one concurrency group: {sorted(waits)}")
+
+    def _stalled(self, record: OpRecord) -> bool:
+        """Whether a fault could have stopped the lease renewals of ``record``."""
+        end = record.end if record.end is not None else self.now()
+        return any(record.start <= at <= end and (
+            kind.startswith(("clock_jump", "cancel", "stall")) or kind in ("kill_coordinator",
+                                                                  "kill_driver"))
+            for at, kind in self.s.fired) \
+            or any(record.start - CONFIG.lease_s <= at <= end
+                   for at, _ in self.world.slow_links) \
+            or self.killed_since(record.start, (COORDINATOR, "driver"))
+
+    def _full_disk_during(self, record: OpRecord) -> tuple[float, float] | None:
+        """A window of full disk that overlapped ``record``'s life."""
+        end = record.end if record.end is not None else self.now()
+        for k, (start, seconds) in enumerate(self.plan.enospc):
+            if k in self.s.enospc_hit and start <= end and record.start <= start + seconds:
+                return start, seconds
+        return None
+
+    def _captured_later(self, record: OpRecord) -> set[str | None]:
+        """The snapshots into the same path that captured after ``record`` did: a
+        holder pauses for one only once the one before released it, after its begin."""
+        if record.begun is None:
+            return set()
+        return {r.op_id for r in self.s.ops if r.path == record.path and r.begun is not None
+                and r.begun > record.begun}
+
+
+def _session_calls(methods: tuple[str, ...]) -> str:
+    """The workers' session calls (turns, opens: they wait at a paused holder's gate)
+    among ``methods``, counted by method; "" if none."""
+    counts: dict[str, int] = defaultdict(int)
+    for method in methods:
+        if method in SESSION_METHODS:
+            counts[method] += 1
+    return ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
+
+
+# Which reviewed case (issue 11, then 23, then 29) a violation shows, by its wording.
+CASES = [
+    ("29.1 a zombie coordinator's clean-up removed a newer snapshot's files",
+     ("a zombie coordinator",)),
+    ("29.2 a call after the coordinator's death met its dead name",
+     ("met the dead coordinator's name",)),
+    ("29.3 control calls queued behind waiting turns", ("a control call queued behind",)),
+    ("29.6 a driver with another config committed", ("made with another config",)),
+    ("23.1 committed snapshot references a missing blob", ("references a blob that is",)),
+    ("23.2 a file outside the sandbox read into one", ("the secret file outside every",)),
+    ("23.3 a scan blocked on a FIFO", ("opening a FIFO",)),
+    ("23.9 a call waits past its deadline (not on a FIFO)", ("a call waits past its deadline",)),
+    ("23.4 lease lost although renewed on time", ("although its driver renewed on time",)),
+    ("23.5 a sparse file copied densely", ("was copied densely",)),
+    ("23.6 a damaged manifest raised a traceback", ("a damaged manifest",)),
+    ("23.7 two jobs hold one checkpoint path", ("a second job claimed",)),
+    ("23.8 a disk error escaped as OSError", ("raised OSError, not a nemo-ckpt error",)),
+    ("1 committed snapshot lost", ("does not verify", "but no manifest is there",
+                                   "was committed last, but")),
+    ("2 holders left paused by a failed operation", ("paused for it", "restoring for it")),
+    ("3 holders left paused by a cancelled driver", ("after its driver was cancelled",)),
+    ("4 orphan turn of a cancelled worker", ("although its worker went away alive",)),
+    ("5 restore left half-live", ("not all or nothing", "the retry of a failed restore")),
+    ("6 restore lost its lease during a long read", ("during a long read",)),
+    ("7 late begin paused a holder after its abort", ("a late call paused it again",)),
+    ("10 refused snapshot committed", ("check against the cut failed", "whose check failed",
+                                       "although its check failed")),
+]
+
+
+def case_of(violation: str) -> str:
+    for name, marks in CASES:
+        if any(m in violation for m in marks):
+            return name
+    return "other"

@@ -1,0 +1,475 @@
+"""The faults of a schedule, apart from the workload they hit and the checks that judge
+the outcome: processes killed (holders, the coordinator, drivers, workers, whole nodes),
+operations and rollouts cancelled, clocks jumping past leases, shard, manifest and
+sandbox writes failing or torn, slow reads, a cut that does not match the capture;
+the world outside the protocol (issue 23: ``DiskFaults`` at every ``Folder`` call, a gc
+from another host, a retention script, a second job, a ``HostileSandbox``); and Ray as it
+behaves (issue 29: deaths noticed late, stalls declared dead that run again as zombies,
+a concurrency limit). Each is drawn by the plan, fired at its time or at its trigger."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import random
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from nemo_ckpt.checkpoint_folder import environment_dir
+from nemo_ckpt.collection import collect_blobs
+from nemo_ckpt.errors import NemoCkptError, SnapshotWriteError
+from nemo_ckpt.folder import unlistable
+from nemo_ckpt.local_folder import LocalFolder, write_failure
+from nemo_ckpt.path_claims import claim_path, release_claim
+from nemo_ckpt.sandbox import _Scanner
+from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.testing.sim import SimActor
+from nemo_ckpt.transport import COORDINATOR, HOLDER
+
+from .checkers import Checkers
+from .plan import CONFIG
+from .state import Part, State, short
+
+# --- disk faults at every Folder call -------------------------------------------------
+
+
+class DiskFaults:
+    """Faults at every ``Folder`` call an actor makes in a blocking call (every folder
+    here is a ``LocalFolder``, so its methods are wrapped, once per process): writes
+    (shards, manifests, path claims, blob-store holds and collection claims, blobs) and
+    removals that raise after they happened (the file is in place, or gone), reads that
+    raise EIO, and windows of virtual time in which every write finds the disk full.
+    Errors are raised as the folder raises them (``Folder``'s contract: a write or a
+    removal ``SnapshotWriteError``, a listing ``CheckpointPathError``, a read ``OSError``)."""
+
+    active: Faults | None = None
+    _installed = False
+
+    @classmethod
+    def install(cls, faults: Faults) -> None:
+        cls.active = faults
+        if cls._installed:
+            return
+        cls._installed = True
+        for method, kind in (("prepare", "write"), ("write_stream", "write"),
+                             ("write_bytes", "write"), ("remove", "remove"),
+                             ("read", "read"), ("names", "read")):
+            setattr(LocalFolder, method, cls._wrap(getattr(LocalFolder, method), kind))
+
+    @staticmethod
+    def _as_raised(method: str, target: str, error: OSError) -> Exception:
+        if method == "names":
+            return unlistable(target, error)
+        if method == "read":
+            return error
+        return SnapshotWriteError(target, write_failure(target, error))
+
+    @classmethod
+    def _wrap(cls, original: Any, kind: str) -> Any:
+        def faulty(folder: LocalFolder, *args: Any, **kwargs: Any) -> Any:
+            faults = cls.active
+            if faults is None or faults.world.running is None:
+                return original(folder, *args, **kwargs)  # the checkers' own calls
+            target = folder.describe(args[0] if args and isinstance(args[0], str) else "")
+            fault = faults.disk_fault(kind, target)
+            if fault == "enospc":
+                raise SnapshotWriteError(target, write_failure(
+                    target, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+            if fault == "eio":
+                raise cls._as_raised(original.__name__, target, OSError(
+                    errno.EIO, f"{os.strerror(errno.EIO)} (injected): {target}"))
+            result = original(folder, *args, **kwargs)
+            if fault == "after":
+                raise cls._as_raised(original.__name__, target, OSError(
+                    errno.EIO, f"{os.strerror(errno.EIO)} after the fsync and the rename "
+                               f"(injected)"))
+            return result
+
+        faulty.__name__ = original.__name__
+        return faulty
+
+
+# --- a hostile process inside a sandbox -----------------------------------------------
+
+SECRET = b"the-secret-outside-every-sandbox"
+
+
+class HostileSandbox:
+    """The process inside a sandbox (model-generated code), acting just before the scan
+    opens a file it listed: it swaps the file for a symlink to a secret file outside
+    every sandbox, for a FIFO, or changes it. The scan's ``_Scanner._file`` opens each
+    listed file (``nemo_ckpt/sandbox.py``), so it is wrapped (once per process) here alone."""
+
+    active: Faults | None = None
+    _installed = False
+
+    @classmethod
+    def install(cls, faults: Faults) -> None:
+        cls.active = faults
+        if cls._installed:
+            return
+        cls._installed = True
+        original = _Scanner._file
+
+        def read_file(scanner: _Scanner, fd: int, name: str, path: str, *args: Any,
+                      **kwargs: Any) -> Any:
+            faults = cls.active
+            if faults is not None and faults.plan.hostile:
+                faults.swap(os.fsdecode(path))
+            return original(scanner, fd, name, path, *args, **kwargs)
+
+        _Scanner._file = read_file  # type: ignore[method-assign, assignment]
+
+
+# --- the schedule's faults ----------------------------------------------------------------
+
+
+class Faults(Part):
+
+    def __init__(self, s: State, check: Checkers) -> None:
+        super().__init__(s)
+        self.check = check  # for what a fault can only judge as it acts (a second job)
+        self.triggered: dict[tuple[str, str], int] = defaultdict(int)
+        self.retired: set[str] = set()  # paths a user's retention script removed
+        self._install_io_faults()
+        DiskFaults.install(self)
+        HostileSandbox.install(self)
+        self.secret.write_bytes(SECRET + f"-{self.seed}".encode())
+        self._install_ray()
+
+    # --- at a message or a file operation (the world's hooks): the planned triggers -------
+
+    def on_deliver(self, target: SimActor, method: str, args: tuple[Any, ...]) -> None:
+        if self._trigger("kill_at", method):
+            self.log(f"fault: {target} is killed as {method} arrives")
+            self.world.kill(target)
+
+    def after_io(self, actor: SimActor, name: str) -> None:
+        if actor.kind == COORDINATOR and name == "write_manifest" and actor.noticed_at is None:
+            self.manifests_written += 1
+            if self.manifests_written == self.plan.stall_manifest:
+                # Issue 29 case 1: the node stalls past Ray's health checks right after
+                # the rename; the process runs again later.
+                seconds = self.plan.detect_s + self.ray_rng.uniform(0.2, 4.0)
+                self._stall([actor], seconds, None,
+                            "the coordinator's node stalls right after a manifest's rename")
+        if actor.kind in (HOLDER, COORDINATOR) and self._trigger("kill_after_io", name):
+            self.log(f"fault: {actor} is killed right after {name}")
+            self.world.kill(actor)
+
+    def on_send(self, caller: SimActor, callee: SimActor, method: str,
+                args: tuple[Any, ...]) -> None:
+        driver = self.s.drivers.get(caller)
+        if driver is None:
+            return
+        task = driver.op_task
+        if task is not None and not task.done() and self._trigger("cancel_at", method):
+            self.log(f"fault: {driver.name}'s operation is cancelled as it sends {method}")
+            self.world.loop.call_later(self.rng.uniform(0.0, 0.02), task.cancel)
+
+    def _trigger(self, kind: str, method: str) -> bool:
+        """Whether a planned trigger fires now (each fires once, at its n-th call)."""
+        for k, m, nth in self.plan.triggers:
+            if k == kind and m == method:
+                self.triggered[(k, m)] += 1
+                if self.triggered[(k, m)] == nth:
+                    self.s.faults += 1
+                    self.s.fired.append((self.now(), f"{kind}:{method}"))
+                    return True
+        return False
+
+    # --- at a planned time: kills, cancellations, clock jumps -----------------------------
+
+    async def inject_faults(self) -> None:
+        start = self.now()
+        for at, kind in self.plan.faults:
+            await asyncio.sleep(max(0.0, start + at - self.now()))
+            if self._fault(kind):
+                self.s.faults += 1
+                self.s.fired.append((self.now(), kind))
+
+    def _fault(self, kind: str) -> bool:
+        world, rng = self.world, self.rng
+        if kind == "kill_holder" and world.live(HOLDER):
+            victim = rng.choice(world.live(HOLDER))
+        elif kind == "kill_coordinator" and world.live(COORDINATOR):
+            victim = world.live(COORDINATOR)[0]
+        elif kind == "kill_driver" and self.s.driver is not None and self.s.driver.actor.alive:
+            victim = self.s.driver.actor
+        elif kind == "kill_worker" and [w for w in self.s.workers.values() if w.alive]:
+            victim = rng.choice([w for w in self.s.workers.values() if w.alive])
+        elif kind == "kill_node":
+            nodes = [n for n in world.alive_nodes() if n != "node-0"]
+            if not nodes:
+                return False
+            node = rng.choice(nodes)
+            self.log(f"fault: node {node} dies")
+            world.kill_node(node)
+            return True
+        elif kind == "cancel_op":
+            driver = self.s.driver
+            if driver is None or driver.op_task is None or driver.op_task.done():
+                return False
+            self.log(f"fault: {driver.name}'s operation is cancelled")
+            driver.op_task.cancel()
+            return True
+        elif kind == "cancel_rollout":
+            running = sorted(k for k, t in self.s.rollout_tasks.items() if not t.done())
+            if not running:
+                return False
+            key = rng.choice(running)
+            self.log(f"fault: rollout {key} is cancelled")
+            self.s.rollout_tasks[key].cancel()
+            return True
+        elif kind in ("clock_jump_holder", "clock_jump_coordinator"):
+            actors = world.live(HOLDER if kind == "clock_jump_holder" else COORDINATOR)
+            if not actors:
+                return False
+            actor = rng.choice(actors)
+            jump = CONFIG.lease_s * rng.uniform(1.0, 1.5)
+            actor.clock_offset += jump
+            self.log(f"fault: {actor}'s clock jumps {jump:.1f}s")
+            return True
+        else:
+            return False
+        self.log(f"fault: {victim} is killed")
+        world.kill(victim)
+        return True
+
+    # --- Ray as it behaves (issue 29) -----------------------------------------------------
+
+    def _install_ray(self) -> None:
+        """Ray as it behaves (issue 29): deaths noticed late, zombies, concurrency
+        limits. Its own RNG, so the other draws of a seed stay as they were."""
+        plan, rng = self.plan, random.Random(f"ray-run-{self.seed}")
+        self.ray_rng = rng
+        if plan.slow_death:
+            self.world.death_delay = lambda actor: (rng.uniform(0.2, 3.0),
+                                                    rng.uniform(0.0, 2.0))
+        self.world.zombie_life = lambda actor: rng.uniform(0.5, 6.0)
+        limit = plan.turn_limit
+        if limit is not None:
+            self.world.concurrency = lambda actor, group: (
+                limit if actor.kind == HOLDER and group == "default" else None)
+        self.manifests_written = 0
+
+    async def inject_stalls(self) -> None:
+        start = self.now()
+        faults = list(self.plan.stalls)
+        if self.plan.coordinator_node_dies is not None:
+            faults.append((self.plan.coordinator_node_dies, "coordinator_node", 0.0))
+        for at, kind, seconds in sorted(faults):
+            await asyncio.sleep(max(0.0, start + at - self.now()))
+            if kind == "coordinator_node":  # issue 29 case 2: the node is removed
+                for coordinator in self.world.live(COORDINATOR):
+                    node = coordinator.node
+                    actors = [a for a in self.world.live(COORDINATOR) + self.world.live(HOLDER)
+                              if a.node == node]
+                    self.s.faults += 1
+                    self.s.fired.append((self.now(), "kill_coordinator"))
+                    self.log(f"fault: the coordinator's node {node} is removed: {actors} die")
+                    for actor in actors:
+                        self.world.kill(actor)
+                continue
+            if kind == "coordinator":
+                actors = self.world.live(COORDINATOR)
+                if actors:
+                    self._stall(actors, seconds, None, "the coordinator's process stalls")
+                continue
+            nodes = [n for n in self.world.alive_nodes() if n != "node-0"]
+            if nodes:
+                node = self.ray_rng.choice(nodes)
+                actors = [a for a in self.world.actors if a.node == node and a.alive
+                          and a.noticed_at is None]
+                self._stall(actors, seconds, node, f"node {node} stalls")
+
+    def _stall(self, actors: list[SimActor], seconds: float, node: str | None,
+               why: str) -> None:
+        detect = self.plan.detect_s
+        self.s.faults += 1
+        self.s.fired.append((self.now(), f"stall:{why}"))
+        declared = f"; Ray declares it dead at {detect:.1f}s" if seconds > detect else ""
+        self.log(f"fault: {why}: {actors} stall for {seconds:.1f}s{declared}")
+        self.world.stall(actors, seconds, detect, node)
+
+    # --- the disk: failed, torn and slow file operations, a full disk ---------------------
+
+    def _install_io_faults(self) -> None:
+        plan = self.plan
+        rng = self.rng
+
+        def decide(name: str, args: tuple[Any, ...]) -> str | None:
+            if name == "write_held_shard":
+                if rng.random() < plan.io_fail:
+                    self.s.faults += 1
+                    self.log("fault: a shard write fails")
+                    return "fail"
+                if rng.random() < plan.io_tear:
+                    self.s.faults += 1
+                    self.log("fault: a holder dies in the middle of its shard write")
+                    return "tear"
+            if name in ("persist", "prepare_restore") and plan.sandboxes:
+                # A sandbox's blobs and trees file, or a restore's directories.
+                if rng.random() < plan.io_fail:
+                    self.s.faults += 1
+                    self.log(f"fault: a sandbox {name} fails")
+                    return "fail"
+                if name == "persist" and rng.random() < plan.io_tear:
+                    self.s.faults += 1
+                    self.log("fault: a holder dies in the middle of writing its blobs")
+                    return "tear"
+            if name == "write_manifest" and rng.random() < plan.io_fail / 2:
+                self.s.faults += 1
+                self.log("fault: the manifest write fails")
+                return "fail"
+            return None
+
+        def cost(name: str) -> float:
+            if name == "load_shard" and plan.slow_reads:
+                return CONFIG.lease_s * rng.uniform(1.2, 2.0)
+            if name == "write_held_shard":
+                return rng.uniform(0.002, 0.05)
+            return 0.001
+
+        self.world.io_faults = decide
+        self.world.io_cost = cost
+
+    def disk_fault(self, kind: str, target: str) -> str | None:
+        """What the disk does to this ``kind`` of call on ``target`` now (``DiskFaults``)."""
+        plan, now = self.plan, self.now()
+        if kind == "write":
+            for k, (start, seconds) in enumerate(plan.enospc):
+                if start <= now <= start + seconds:
+                    if k not in self.s.enospc_hit:
+                        self.s.enospc_hit.add(k)
+                        self.s.faults += 1
+                        self.log(f"fault: the disk is full from {start:.1f}s for "
+                                 f"{seconds:.1f}s")
+                    return "enospc"
+        if kind in ("write", "remove") and plan.disk_after and \
+                self.rng.random() < plan.disk_after:
+            self.s.faults += 1
+            self.log(f"fault: a {kind} of {Path(target).name} raises after it happened")
+            return "after"
+        if kind == "read" and plan.disk_read_fail and self.rng.random() < plan.disk_read_fail:
+            self.s.faults += 1
+            self.log(f"fault: a read of {Path(target).name} raises EIO")
+            return "eio"
+        return None
+
+    # --- RL: a cut that does not match the capture ----------------------------------------
+
+    def corrupt(self, cut: StaticCut) -> StaticCut:
+        """A cut RL could not have taken with this capture: a row or an episode missing."""
+        self.s.faults += 1
+        expected = {i: set(e) for i, e in cut.expected_episodes().items()}
+        rows = set(cut.staging_keys())
+        if rows and self.rng.random() < 0.5:
+            rows.discard(sorted(rows)[self.rng.randrange(len(rows))])
+        else:
+            for eps in expected.values():
+                if eps:
+                    eps.discard(sorted(eps)[0])
+                    break
+            else:
+                rows.add("a-row-no-session-wrote")
+        self.log("fault: the cut does not match the capture")
+        return StaticCut(expected, rows)
+
+    # --- the world outside the protocol (issue 23): other processes and hosts -------------
+
+    def outside_actors(self) -> list[Any]:
+        plan, out = self.plan, []
+        if self.sandbox_root is not None:
+            if plan.gc_every:
+                out.append(self._gc_process())
+            out += [self._retention(at) for at in plan.retention]
+        out += [self._second_job(at, k) for k, at in enumerate(plan.second_job)]
+        return out
+
+    async def _gc_process(self) -> None:
+        """``nemo-ckpt gc ROOT`` run now and then from another host (its own clocks)."""
+        actor = self.world.new_actor("gc", "gc", "gc-host")
+        actor.alive = True  # a host outside the Ray cluster
+        runtime = self.world.runtime(actor)
+        while True:
+            await asyncio.sleep(self.plan.gc_every * self.rng.uniform(0.5, 1.5))
+            self.s.faults += 1
+            self.log(f"gc from another host (its clock {actor.wall_offset:+.0f}s)")
+            try:
+                report = await runtime.run_blocking(
+                    collect_blobs, str(self.root), "gc-cli", 30.0, False, runtime.clock.wall)
+            except (NemoCkptError, OSError) as exc:
+                self.log(f"gc: {type(exc).__name__}: {short(exc)}")
+            else:
+                self.log(f"gc removed {report.removed} blobs")
+                if report.removed:
+                    self.s.gc_removals.append((self.now(), report.removed, actor.wall_offset
+                                               - self.s.coordinator_offset()))
+
+    async def _retention(self, at: float) -> None:
+        """A user's retention script removes the oldest committed snapshot folder that no
+        operation of this job writes now (rm -rf), then collects."""
+        await asyncio.sleep(at)
+        running = {r.path for r in self.s.ops if r.end is None}
+        for path in sorted(self.s.committed, key=lambda p: self.s.committed[p] and
+                           self.s.committed[p][-1] or ""):
+            if path in running or not self.s.committed[path] or \
+                    not (environment_dir(path) / "manifest.json").exists():
+                continue
+            self.s.faults += 1
+            self.log(f"retention removes {Path(path).name} ({self.s.committed[path][-1]})")
+            shutil.rmtree(path, ignore_errors=True)
+            self.retired.add(path)
+            self.s.committed.pop(path)
+            self.s.rl.saves.pop(path, None)
+            return
+
+    async def _second_job(self, at: float, k: int) -> None:
+        """Another job (another owner, its own clocks) claims a path this job writes."""
+        await asyncio.sleep(at)
+        actor = self.world.new_actor("job2", f"job2-{k}", "job2-host")
+        actor.alive = True  # a host outside the Ray cluster
+        runtime = self.world.runtime(actor)
+        path = self.root / self.rng.choice(["A", "B"])
+        folder = environment_dir(path)
+        op_id = f"job2-op-{k}"
+        self.s.faults += 1
+        try:
+            await runtime.run_blocking(folder.mkdir, 0o777, True, True)
+            await runtime.run_blocking(claim_path, folder, op_id, "job-2",
+                                       runtime.clock.wall(), CONFIG.lease_s * 2)
+        except NemoCkptError as exc:
+            self.log(f"job 2's claim of {path.name} refused: {short(exc)}")
+            return
+        self.check.check_one_job_per_path(path, actor)
+        self.log(f"job 2 holds {path.name}")
+        self.s.path_claimed_by_job2.setdefault(str(path), self.now())
+        with contextlib.suppress(Exception):
+            await asyncio.sleep(CONFIG.lease_s)
+            await runtime.run_blocking(release_claim, folder, op_id)
+
+    def swap(self, source: str) -> None:
+        """The sandbox's own process acts on ``source`` as the scan is about to read it
+        (``HostileSandbox``); never on ``state``, which the turns check."""
+        path = Path(source)
+        if path.name == "state" or self.rng.random() >= self.plan.hostile:
+            return
+        kind = self.rng.choice(["link", "link", "fifo", "change"])
+        self.s.faults += 1
+        self.log(f"fault: the sandbox's process swaps {path.name} for a {kind}")
+        with contextlib.suppress(OSError):
+            if kind == "change":
+                with open(path, "ab") as f:
+                    f.write(b"changed while read")
+                return
+            path.unlink()
+            if kind == "link":  # relative: a tree records the same link on every replay
+                path.symlink_to(os.path.relpath(self.secret, path.parent))
+            else:
+                os.mkfifo(path)
+                self.world.fifos.append(source)

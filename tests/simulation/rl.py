@@ -1,0 +1,65 @@
+"""RL's side of a schedule, as the contract assumes it: the ledger of dispatched episodes,
+the staging rows, the barrier that freezes both while a cut is live, and RL's own saves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.testing.data_plane import StaticCut
+
+
+@dataclass
+class Saved:
+    snapshot_id: str
+    expected: dict[str, frozenset[Ep]]
+    rows: frozenset[str]
+    finished: frozenset[str]
+
+
+class SimRL:
+    """RL's ledger and data plane, as the contract assumes them: a dispatch is recorded
+    before the session opens, rows are written inside turns, and the barrier freezes
+    both while a cut is live."""
+
+    def __init__(self) -> None:
+        self.expected: dict[str, set[Ep]] = defaultdict(set)
+        self.where: dict[str, tuple[str, Ep]] = {}  # rollout -> (instance, episode)
+        self.rows: set[str] = set()
+        self.finished: set[str] = set()
+        self.unfrozen = asyncio.Event()
+        self.unfrozen.set()
+        self.lock = asyncio.Lock()  # snapshots vs. finish + retire
+        self.saves: dict[str, Saved] = {}  # committed with the environment's snapshot
+
+    async def dispatch(self, instance: str, ep: Ep) -> None:
+        await self.unfrozen.wait()
+        self.expected[instance].add(ep)
+        self.where[ep.rollout_id] = (instance, ep)
+
+    async def write_row(self, key: str) -> None:
+        await self.unfrozen.wait()
+        self.rows.add(key)
+
+    def finish(self, rollout_id: str) -> None:
+        instance, ep = self.where.pop(rollout_id)
+        self.expected[instance].discard(ep)
+        self.finished.add(rollout_id)
+
+    @contextlib.asynccontextmanager
+    async def checkpoint(self) -> AsyncIterator[StaticCut]:
+        self.unfrozen.clear()
+        cut = StaticCut({i: set(eps) for i, eps in self.expected.items()}, set(self.rows))
+        try:
+            yield cut
+        finally:
+            cut.expire()
+            self.unfrozen.set()
+
+    def state(self, snapshot_id: str) -> Saved:
+        return Saved(snapshot_id, {i: frozenset(e) for i, e in self.expected.items()},
+                     frozenset(self.rows), frozenset(self.finished))

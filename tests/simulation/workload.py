@@ -1,0 +1,389 @@
+"""The workload of a schedule: what a job does, apart from the faults that hit it and the
+checks that judge it. The driver's script (snapshots into two paths, a crash and a
+restore, a successor after its driver's death, second drivers without RL's ledger),
+and the environment workers' rollouts, whose turns write RL's staging rows and, in a
+fifth of the schedules, change sandbox directories. Each operation is recorded
+(``OpRecord``) and handed to the checkers as it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    NemoCkptError,
+    SnapshotMismatchError,
+    is_retriable,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.sessions import SessionClient
+from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.testing.sim import SimActor
+from nemo_ckpt.transport import COORDINATOR, HOLDER
+
+from .checkers import Checkers
+from .faults import Faults
+from .plan import CONFIG, SPARSE_BYTES
+from .rl import Saved, SimRL
+from .state import Driver, OpRecord, Part, State, short
+
+
+class InjectedError(Exception):
+    """Raised by the simulation inside a block, as RL's own failure would be."""
+
+
+class Workload(Part):
+    def __init__(self, s: State, check: Checkers, inject: Faults) -> None:
+        super().__init__(s)
+        self.check, self.inject = check, inject
+        self.stop = False
+        self._restart: list[tuple[str, Ep]] = []
+
+    def on_send(self, caller: SimActor, callee: SimActor, method: str,
+                args: tuple[Any, ...]) -> None:
+        """Learn each operation's id from the first message its driver sends."""
+        driver = self.s.drivers.get(caller)
+        if driver is None:
+            return
+        if driver.record is not None and driver.record.op_id is None \
+                and method in ("begin_snapshot", "prepare_restore") and args:
+            driver.record.op_id = args[0]
+            self.log(f"{driver.name} {driver.record.kind} {args[0]} "
+                     f"({Path(driver.record.path).name})")
+
+    # --- the driver's script --------------------------------------------------------------
+
+    async def drive(self) -> None:
+        for op in self.plan.ops:
+            await asyncio.sleep(self.rng.uniform(0.3, 1.8))
+            driver = await self.current_driver()
+            if driver is None:
+                return
+            if op == "restore":
+                await self._crash_and_restore()
+                continue
+            path = str(self.root / op.split(":")[1])
+            task = self.world.spawn(driver.actor, self._snapshot(driver, path, checked=True))
+            driver.op_task = task
+            with contextlib.suppress(BaseException):
+                await task
+            driver.op_task = None
+
+    async def current_driver(self) -> Driver | None:
+        """The live main driver; after a driver's death a successor starts (a restarted
+        controller of the same job)."""
+        if self.s.driver is not None and self.s.driver.actor.alive:
+            return self.s.driver
+        await asyncio.sleep(self.rng.uniform(0.1, 2.0))
+        config = None
+        if self.plan.successor_config == "lease":  # adopted by the live coordinator
+            config = self.config.model_copy(update={"lease_s": 9.0})
+        elif self.plan.successor_config == "mismatch":  # refused: ConfigMismatchError
+            config = self.config.model_copy(update={"max_state_bytes": 1 << 20})
+        self.s.driver = Driver(self.s, f"driver-{len(self.world.actors)}", config)
+        self.log(f"{self.s.driver.name} starts (successor, config differs in "
+                 f"{self.s.driver.differs})")
+        return self.s.driver
+
+    async def _snapshot(self, driver: Driver, path: str, checked: bool) -> None:
+        record = OpRecord(driver.name, "snapshot", path, self.now())
+        self.s.ops.append(record)
+        driver.record = record
+        ckpt = driver.ckpt
+        bad = checked and self.rng.random() < self.plan.bad_cut
+        saved = None
+        held = False  # a snapshot of nothing yields None, which needs no check
+        try:
+            async with self._maybe_lock(checked):
+                record.entered = self.now()
+                async with ckpt.snapshot(Path(path)) as snap:
+                    record.begun = self.now()
+                    held = snap is not None
+                    if checked:
+                        async with self.s.rl.checkpoint() as cut:
+                            if snap is not None:
+                                if bad:
+                                    cut = self.inject.corrupt(cut)
+                                try:
+                                    await snap.check_against_cut(cut)
+                                except SnapshotMismatchError:
+                                    record.check_failed = True
+                                    assert record.op_id is not None
+                                    self.s.failed_checks.add(record.op_id)
+                                    self.log(f"check of {record.op_id} failed (caught: "
+                                             f"{self.plan.catch_mismatch and bad})")
+                                    if not (self.plan.catch_mismatch and bad):
+                                        raise
+                            saved = self.s.rl.state(record.op_id or "?")
+                    await asyncio.sleep(  # RL saves its half
+                        CONFIG.lease_s * self.rng.uniform(1.2, 2.0) if self.plan.long_save
+                        else self.rng.uniform(0.0, 1.5))
+                    record.body_end = self.now()
+            record.outcome = "committed"
+            self.check.check_unchecked_commit(driver, record, held and not checked)
+            if saved is not None:
+                self.s.rl.saves[path] = saved
+            self.s.committed[path].append(record.op_id or "?")
+            self.log(f"{record.op_id} committed")
+            self.check.check_commit(record)
+            self.check.check_one_config(driver, record)
+        except BaseException as exc:
+            record.outcome = type(exc).__name__
+            self.log(f"{record.op_id} failed: {type(exc).__name__}: {short(exc)}")
+            if not isinstance(exc, asyncio.CancelledError):
+                self.check.check_error_kind(exc, f"snapshot {record.op_id}")
+                self.check.check_dead_name(record, exc)
+                await self.check.check_failed_snapshot(record, exc)
+            if not isinstance(exc, (Exception, asyncio.CancelledError)):
+                raise
+        finally:
+            record.end = self.now()
+            driver.record = None
+            self.check.check_deadlines(record, driver.config)
+
+    @contextlib.asynccontextmanager
+    async def _maybe_lock(self, take: bool) -> AsyncIterator[None]:
+        if take:
+            async with self.s.rl.lock:
+                yield
+        else:
+            yield
+
+    async def second_driver(self, at: float, k: int) -> None:
+        await asyncio.sleep(at)
+        # Without RL's ledger: it takes no cut, and only some are allowed to commit so.
+        allowed = random.Random(f"unchecked-{self.seed}-{k}").random() < 0.5
+        driver = Driver(self.s, f"second-{k}", self.config.model_copy(
+            update={"allow_unchecked_snapshots": allowed}))
+        self.log(f"{driver.name} starts")
+        task = self.world.spawn(driver.actor, self._snapshot(
+            driver, str(self.root / "C"), checked=False))
+        with contextlib.suppress(BaseException):
+            await task
+
+    # --- crash and restore ----------------------------------------------------------------
+
+    async def _crash_and_restore(self) -> None:
+        candidates = []
+        for path, saved in sorted(self.s.rl.saves.items()):
+            with contextlib.suppress(Exception):
+                if read_manifest(path).snapshot_id == saved.snapshot_id:
+                    candidates.append(path)
+        if not candidates:
+            return
+        path = self.rng.choice(candidates)
+        saved = self.s.rl.saves[path]
+        self.log(f"CRASH; restore from {Path(path).name} ({saved.snapshot_id})")
+        for worker in list(self.s.workers.values()):
+            self.world.kill(worker)
+        for actor in self.world.live(HOLDER) + self.world.live(COORDINATOR):
+            self.world.kill(actor)
+        if self.s.driver is not None:
+            self.world.kill(self.s.driver.actor)
+        self.s.rollout_tasks.clear()
+        try:
+            loaded = read_snapshot(path)
+        except NemoCkptError as exc:
+            self.check.unreadable_at_restore(saved.snapshot_id, exc)
+            return
+        # RL's half, restored inside restored(): every unfinished rollout of the cut either
+        # continues (captured) or starts over as its next attempt.
+        self.s.rl = SimRL()
+        driver = Driver(self.s, f"driver-{len(self.world.actors)}")
+        self.s.driver = driver
+        record = OpRecord(driver.name, "restore", path, self.now())
+        self.s.ops.append(record)
+        driver.record = record
+        raise_inside = self.plan.raise_in_restore and self.rng.random() < 0.5
+        task = self.world.spawn(driver.actor, self._restore(driver, path, raise_inside))
+        driver.op_task = task
+        try:
+            restored = await task
+        except BaseException as exc:
+            record.outcome = type(exc).__name__
+            self.log(f"restore {record.op_id} failed: {type(exc).__name__}: {short(exc)}")
+            if not isinstance(exc, asyncio.CancelledError):
+                if not isinstance(exc, InjectedError):
+                    self.check.check_error_kind(exc, f"restore {record.op_id}")
+                await self.check.check_failed_restore(record, loaded)
+            if not (is_retriable(exc) or isinstance(exc, InjectedError)) \
+                    or not driver.actor.alive:
+                return
+            # RL retries, as is_unavailable says, a few times with a pause between.
+            again: BaseException | None = exc
+            for _ in range(4):
+                await asyncio.sleep(self.rng.uniform(0.5, 2.0))
+                self.log("retrying the restore")
+                try:
+                    restored = await self.world.spawn(
+                        driver.actor, self._restore(driver, path, False))
+                except BaseException as error:
+                    again = error
+                    self.log(f"retry failed: {type(error).__name__}: {short(error)}")
+                    if is_retriable(error) and driver.actor.alive:
+                        continue
+                else:
+                    again = None
+                break
+            if again is not None:
+                self.check.check_failed_retry(record, again)
+                return
+        finally:
+            record.end = self.now()
+            driver.op_task = None
+            driver.record = None
+        record.outcome = "committed"
+        await self.check.check_restored(restored, loaded)
+        self._apply_restore(saved, restored)
+        await self.start_workers(fresh=False, restored=restored)
+
+    async def _restore(self, driver: Driver, path: str, raise_inside: bool) -> Any:
+        async with driver.ckpt.restored(Path(path)) as restored:
+            if raise_inside:
+                self.s.faults += 1
+                self.log("fault: RL's restore raises inside restored()")
+                raise InjectedError("RL's own restore failed")
+            return restored
+
+    def _apply_restore(self, saved: Saved, restored: Any) -> None:
+        continued = {(i, r): a for i, r, a in restored.continued_attempts}
+        for instance, eps in saved.expected.items():
+            for ep in eps:
+                nxt = ep.next_attempt()
+                self.s.rl.expected[instance].add(nxt)
+                self.s.rl.where[ep.rollout_id] = (instance, nxt)
+                if (instance, ep.rollout_id) not in continued:
+                    self.s.rl.expected[instance].discard(nxt)  # re-dispatched by its worker
+                    del self.s.rl.where[ep.rollout_id]
+                    self._restart.append((instance, nxt))
+        self.s.rl.rows = set(saved.rows & restored.staging_keys)
+        self.s.rl.finished = set(saved.finished)
+
+    # --- workers --------------------------------------------------------------------------
+
+    async def start_workers(self, fresh: bool, restored: Any = None) -> None:
+        infos = None
+        for _ in range(5):  # the coordinator may be dying: RL retries, as is_unavailable says
+            driver = await self.current_driver()  # or its successor, if it was killed
+            if driver is None:
+                return
+            with contextlib.suppress(BackendUnavailableError):
+                infos = await driver.ckpt.holders()
+                break
+            await asyncio.sleep(1.0)
+        if infos is None:
+            return
+        self.s.workers = {}
+        for info in infos:
+            worker = self.world.new_actor("worker", f"worker-{info.instance_id}",
+                                          info.node_id)
+            self.s.workers[info.instance_id] = worker
+        if fresh:
+            self._restart = []
+            for info in infos:
+                for k in range(self.plan.rollouts_per_node):
+                    ep = Ep(f"{info.instance_id}-r{k}", 0)
+                    self._spawn_rollout(info.instance_id, ep, 0, True)
+            return
+        assert restored is not None
+        sessions = await self.s.live_sessions()
+        for instance, rollout_id, attempt in sorted(restored.continued_attempts):
+            ep = Ep(rollout_id, attempt + 1)
+            turns = next((len(s.turns) for s in sessions.get(instance, [])
+                          if s.episode == ep), 0)
+            self._spawn_rollout(instance, ep, turns, False)
+        for instance, ep in self._restart:
+            self._spawn_rollout(instance, ep, 0, True)
+        self._restart = []
+
+    def _spawn_rollout(self, instance: str, ep: Ep, start: int, fresh: bool) -> None:
+        worker = self.s.workers.get(instance)
+        if worker is None:
+            return
+        task = self.world.spawn(worker, self._rollout(worker, instance, ep, start, fresh))
+        self.s.rollout_tasks[ep.capture_key] = task
+        self.s.rollout_worker[ep.capture_key] = worker
+
+    async def _rollout(self, worker: SimActor, instance: str, ep: Ep, start: int,
+                       fresh: bool) -> None:
+        transport = self.world.transport(worker, self.config)
+        try:
+            await asyncio.sleep(self.rng.uniform(0.0, 0.5))
+            handle = transport.holder(instance)
+            if handle is None:
+                return
+            client = SessionClient(handle, transport)
+            if fresh:
+                await self.s.rl.dispatch(instance, ep)
+                directory = None
+                if self.sandbox_root is not None:
+                    directory = self.sandbox_root / "work" / ep.capture_key
+                    shutil.rmtree(directory, ignore_errors=True)
+                    directory.mkdir(parents=True)
+                    (directory / "state").write_bytes(f"{ep.rollout_id}:0".encode())
+                await client.open(ep, f"{ep.rollout_id}:0".encode(), directory=directory)
+            for t in range(start, self.plan.turns):
+                if self.stop:
+                    return
+                async with client.turn(ep) as turn:
+                    await asyncio.sleep(self.rng.uniform(0.05, 0.6))
+                    key = f"{ep.capture_key}/row{t}"
+                    await self.s.rl.write_row(key)
+                    state = f"{ep.rollout_id}:{t + 1}".encode()
+                    if turn.directory is not None:
+                        self._sandbox_turn(ep, turn.directory, turn.state, t, state)
+                    turn.complete(f"t{t}".encode(), state, [key])
+                await asyncio.sleep(self.rng.uniform(0.0, 0.2))
+            await self._finish(instance, ep)
+        except Exception as exc:
+            self.log(f"rollout {ep.capture_key} gives up: {type(exc).__name__}: {short(exc)}")
+            self.check.check_error_kind(exc, f"a session call of {ep.capture_key}")
+
+    def _sandbox_turn(self, ep: Ep, directory: Path, before: bytes, t: int,
+                      after: bytes) -> None:
+        """A turn's work in its directory: it must start as the session's state says
+        (after a restore too), then a file is added, one edited, one removed."""
+        self.check.check_turn_directory(ep, directory, before, t)
+        (directory / f"t{t}").write_bytes(b"x" * (t + 1))
+        if self.plan.sparse and t == 1 and not (directory / "sparse").exists():
+            self.s.faults += 1
+            self.log(f"a turn of {ep.capture_key} makes a sparse file")
+            with open(directory / "sparse", "wb") as f:
+                f.truncate(SPARSE_BYTES)
+        (directory / "state").write_bytes(after)
+        with contextlib.suppress(FileNotFoundError):
+            (directory / f"t{t - 2}").unlink()
+
+    async def _finish(self, instance: str, ep: Ep) -> None:
+        """RL records the result and retires the attempt, under the snapshots' lock."""
+        for _ in range(20):
+            driver = self.s.driver
+            if driver is not None and driver.actor.alive and driver.ckpt.open_operation is None:
+                async with self.s.rl.lock:
+                    if driver.ckpt.open_operation is None:
+                        try:
+                            await driver.ckpt.retire([ep])
+                        except NemoCkptError as exc:
+                            self.log(f"retire {ep.capture_key}: {type(exc).__name__}")
+                        else:
+                            if ep.rollout_id in self.s.rl.where:
+                                self.s.rl.finish(ep.rollout_id)
+                            return
+            await asyncio.sleep(self.rng.uniform(0.2, 1.0))
+
+    async def stop_workers(self) -> None:
+        self.stop = True
+        tasks = [t for t in self.s.rollout_tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=CONFIG.lease_s + 5)
+        for key, task in self.s.rollout_tasks.items():
+            if not task.done():
+                self.log(f"stopping rollout {key} (cancelled)")
+                task.cancel()
+        await asyncio.sleep(CONFIG.phase_timeout_s)
