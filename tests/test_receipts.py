@@ -24,7 +24,7 @@ from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.verify import verify_snapshot
-from tests.test_reliability import World, cut_of
+from tests.harness import World, cut_of
 
 pytestmark = pytest.mark.timeout(60)
 
