@@ -1,6 +1,8 @@
 # Set-up commands: `make test` and `make demo` bootstrap .venv by themselves
 # (`make install` only bootstraps it). The contract check is tests/test_contract.py.
 PYTHON ?= python3
+# PIPESTATUS: pip's own exit status through the filter below.
+SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 # Reinstall only when pyproject.toml changed since the last install.
@@ -19,9 +21,15 @@ install: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# pip takes a minute or two on a fresh venv (Ray is large): say so, and let it name
+# each package it installs; its warnings about absent mirror folders are noise.
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	@echo "make install: installing nemo-ckpt and its test tools into $(VENV) (pip; a fresh venv takes a minute or two)"
+	@$(PY) -m pip install --progress-bar off -e '.[test]' 2>&1 \
+		| grep -v -e '^WARNING: Location ' -e '^Requirement already satisfied' -e '^Looking in' ; \
+		exit $${PIPESTATUS[0]}
+	@touch $(STAMP)
+	@echo "make install: done; the tools are in $(VENV)/bin"
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check nemo_ckpt actors tests examples benchmarks

@@ -20,7 +20,13 @@ from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.cleanup import remove_unreferenced_files
 from nemo_ckpt.errors import NemoCkptError
-from nemo_ckpt.path_claims import claim_path, live_claims, read_claims, release_claim
+from nemo_ckpt.path_claims import (
+    claim_for_reading,
+    claim_path,
+    live_claims,
+    read_claims,
+    release_claim,
+)
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["CLAIM_SAFE", "ClaimedFolders"]
@@ -95,6 +101,41 @@ class ClaimedFolders:
         except (OSError, NemoCkptError) as exc:
             log.warning("clean-up after %s failed: %s", op.id, exc)
             return []
+
+    @contextlib.asynccontextmanager
+    async def reading(self, path: str, operation_id: str) -> AsyncIterator[None]:
+        """Claim the folder at ``path`` while a restore reads it, renewed until the block
+        exits, then dropped: a removal (``nemo_ckpt.catalog``) is refused meanwhile. Never
+        refused itself (``claim_for_reading``); a claim that cannot be written (a
+        read-only copy of a snapshot) does not stop the restore: nothing can remove
+        files there either."""
+        directory = environment_folder(path)
+
+        async def write() -> None:
+            await self._runtime.run_blocking(claim_for_reading, directory, operation_id,
+                                             self._owner, self._ttl(), self._incarnation)
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self._ttl() * CLAIM_SAFE / 2)
+                try:
+                    await write()
+                except (OSError, NemoCkptError) as exc:
+                    log.warning("%s: could not renew its claim on %s: %s", operation_id,
+                                directory.describe(), exc)
+
+        try:
+            await write()
+        except (OSError, NemoCkptError) as exc:
+            log.warning("%s: reads %s without a claim (%s); a removal there is not "
+                        "refused meanwhile", operation_id, directory.describe(), exc)
+        renewing = asyncio.ensure_future(renew())
+        try:
+            yield
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(OSError, NemoCkptError):
+                await self._runtime.run_blocking(release_claim, directory, operation_id)
 
     @contextlib.asynccontextmanager
     async def lock(self, path: str) -> AsyncIterator[None]:

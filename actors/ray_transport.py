@@ -233,11 +233,14 @@ class RayTransport:
             self._coordinator = None
 
     def kill_namespace(self) -> None:
-        for name in self._names():
-            if name.startswith(HOLDER_NAME_PREFIX) or name == self._config.coordinator_name:
-                with contextlib.suppress(ValueError):
-                    ray.kill(ray.get_actor(name, namespace=self.namespace))
+        for name in self.actor_names():
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(name, namespace=self.namespace))
         self._coordinator = None
+
+    def actor_names(self) -> list[str]:
+        return [name for name in self._names()
+                if name.startswith(HOLDER_NAME_PREFIX) or name == self._config.coordinator_name]
 
 
 _SWITCH_INTERVAL_S = 0.0005

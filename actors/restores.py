@@ -17,12 +17,14 @@ from actors.operation_states import (
 )
 from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.coordinator_api import RestoreBegun
-from nemo_ckpt.errors import StaleSnapshotError
+from nemo_ckpt.errors import RestoreConflictError, StaleSnapshotError
+from nemo_ckpt.manifest import Manifest
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import RestorePrepared
-from nemo_ckpt.restore_plan import assign_shards, verify_prepared
+from nemo_ckpt.restore_plan import assign_shards, conflict_error, holder_said, verify_prepared
 from nemo_ckpt.sandbox_storage import blob_store_of
 from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.transport import Actor
 
 __all__ = ["Restores"]
 
@@ -49,8 +51,17 @@ class Restores:
             raise
 
     async def _prepare_restore(self, op: Operation, checkpoint_path: str) -> RestoreBegun:
-        cfg = self._parts.config
         manifest = await self._runtime.run_blocking(read_manifest, checkpoint_path)
+        # The snapshot's files are read until every holder has prepared (after that,
+        # what goes live is in the holders' memory and staging folders): claimed that
+        # long, so that no removal takes them meanwhile. One that came between the read
+        # above and the claim leaves shards missing: the holders' reads refuse them.
+        async with self._parts.folders.reading(checkpoint_path, op.id):
+            return await self._read_and_verify(op, checkpoint_path, manifest)
+
+    async def _read_and_verify(self, op: Operation, checkpoint_path: str,
+                               manifest: Manifest) -> RestoreBegun:
+        cfg = self._parts.config
         placement = await self._parts.holders.place(list(manifest.instances))
         op.holders = self._parts.holders.handles
         if op.outcome is not None:
@@ -58,11 +69,25 @@ class Restores:
         directory = str(environment_folder(checkpoint_path))
         blob_store = blob_store_of(checkpoint_path, manifest)
         shards_of = assign_shards(manifest, op.holders, checkpoint_path)
-        prepared: dict[str, RestorePrepared] = await self._parts.holders.fan(
-            op.holders, "prepare_restore",
-            lambda inst, h: self._parts.calls(h, cfg.persist_timeout_s).prepare_restore(
-                op.id, directory, shards_of[inst], cfg.lease_s, blob_store),
-            op_id=op.id)
+        conflicts: dict[str, RestoreConflictError] = {}
+
+        async def prepare(inst: str, holder: Actor) -> RestorePrepared:
+            try:
+                return await self._parts.calls(holder, cfg.persist_timeout_s).prepare_restore(
+                    op.id, directory, shards_of[inst], cfg.lease_s, blob_store)
+            except RestoreConflictError as exc:
+                conflicts[inst] = exc
+                raise
+
+        try:
+            prepared: dict[str, RestorePrepared] = await self._parts.holders.fan(
+                op.holders, "prepare_restore", prepare, op_id=op.id)
+        except BaseException as exc:
+            if not conflicts:
+                raise
+            # One error naming every holder where sessions are live, and the fix.
+            raise conflict_error(checkpoint_path, {
+                inst: [holder_said(inst, e)] for inst, e in conflicts.items()}) from exc
         if op.outcome is not None:
             raise self._parts.operations.refusal(op.id)
         verified = verify_prepared(manifest, directory, checkpoint_path, prepared)

@@ -2,10 +2,27 @@
 
 The driver constructs ``RayEnvironmentCheckpoint`` and uses it through the
 ``EnvironmentCheckpoint`` contract; environment workers use ``SessionClient``.
+Snapshots on disk are listed, found, kept and removed with ``list_snapshots``,
+``latest_snapshot``, ``keep_last`` and ``remove_snapshot``, and looked into with
+``inspect_snapshot``, ``verify_snapshot`` and ``diff_snapshots`` (no Ray needed; the
+``nemo-ckpt`` command line renders the same results).
 """
 
+from nemo_ckpt.catalog import (
+    LatestSnapshot,
+    RemovalReport,
+    RetentionReport,
+    SkippedSnapshot,
+    SnapshotInfo,
+    keep_last,
+    latest_snapshot,
+    list_snapshots,
+    remove_snapshot,
+)
+from nemo_ckpt.collection import CollectionReport, collect_blobs
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.cut import DataPlaneMutationCut
+from nemo_ckpt.diff import SnapshotDiff, diff_snapshots
 from nemo_ckpt.interfaces import (
     EnvironmentCheckpoint,
     EnvironmentEpisode,
@@ -16,18 +33,37 @@ from nemo_ckpt.interfaces import (
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
+from nemo_ckpt.summary import SnapshotSummary, inspect_snapshot
+from nemo_ckpt.verify import VerifyReport, verify_snapshot
 
 __all__ = [
     "CheckpointConfig",
+    "CollectionReport",
     "DataPlaneMutationCut",
     "EnvironmentCheckpoint",
     "EnvironmentEpisode",
     "EnvironmentSnapshot",
+    "LatestSnapshot",
     "NoEnvironmentCheckpoint",
     "RayEnvironmentCheckpoint",
     "RaySnapshot",
+    "RemovalReport",
     "RestoredEnvironmentRollouts",
+    "RetentionReport",
     "SessionClient",
     "SessionRecord",
+    "SkippedSnapshot",
+    "SnapshotDiff",
+    "SnapshotInfo",
+    "SnapshotSummary",
     "Turn",
+    "VerifyReport",
+    "collect_blobs",
+    "diff_snapshots",
+    "inspect_snapshot",
+    "keep_last",
+    "latest_snapshot",
+    "list_snapshots",
+    "remove_snapshot",
+    "verify_snapshot",
 ]

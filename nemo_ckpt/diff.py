@@ -1,6 +1,8 @@
-"""Comparing two snapshots rollout by rollout, and their rollouts' directories.
+"""Comparing two snapshots rollout by rollout, and their rollouts' directories:
+``diff_snapshots``.
 
-``nemo-ckpt diff`` renders a ``SnapshotDiff``; tests and users build one directly.
+``nemo-ckpt diff`` renders its ``SnapshotDiff``; users call it directly (no Ray, no
+argparse).
 """
 
 from __future__ import annotations
@@ -8,13 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.manifest import Manifest
 from nemo_ckpt.phases import instance_sort_key
 from nemo_ckpt.sandbox import diff_trees
 from nemo_ckpt.sandbox_storage import snapshot_directories
 from nemo_ckpt.shards import RolloutIndexEntry
+from nemo_ckpt.snapshot_files import read_manifest, snapshot_rollouts
 
-__all__ = ["SnapshotDiff", "compare_directories", "diff_manifests", "rollout_sort_key"]
+__all__ = ["SnapshotDiff", "compare_directories", "diff_manifests", "diff_snapshots",
+           "rollout_sort_key", "snapshot_index"]
 
 
 def rollout_sort_key(r: RolloutIndexEntry) -> tuple[tuple[int, str], str]:
@@ -75,3 +80,29 @@ def compare_directories(diff: SnapshotDiff, path_a: Path | str, path_b: Path | s
             diff.directories[rb.rollout_id] = {"error": [da.error or db.error or "?"]}
         elif da.tree_digest != db.tree_digest:
             diff.directories[rb.rollout_id] = diff_trees(da.tree, db.tree)
+
+
+def snapshot_index(checkpoint_path: Path | str) -> tuple[Manifest, list[RolloutIndexEntry]]:
+    """A snapshot's manifest and its rollouts, every shard's index read; the
+    ``SnapshotReadError`` of a manifest or a shard index that does not read."""
+    manifest = read_manifest(checkpoint_path)
+    rollouts, unreadable = snapshot_rollouts(checkpoint_path, manifest)
+    if unreadable:
+        file, why = next(iter(sorted(unreadable.items())))
+        raise SnapshotReadError(checkpoint_path, f"shard {file} of {checkpoint_path} does "
+                                                 f"not read: {why}; run verify")
+    return manifest, rollouts
+
+
+def diff_snapshots(path_a: Path | str, path_b: Path | str, directories: bool = True
+                   ) -> SnapshotDiff:
+    """How the snapshot at ``path_b`` differs from the one at ``path_a``, rollout by
+    rollout, and with ``directories`` each continued rollout's directory, path by path.
+    Reads manifests and shard indexes, no session bytes; raises the
+    ``SnapshotReadError`` of the first that does not read."""
+    a, rollouts_a = snapshot_index(path_a)
+    b, rollouts_b = snapshot_index(path_b)
+    diff = diff_manifests(a, b, rollouts_a, rollouts_b)
+    if directories:
+        compare_directories(diff, path_a, path_b)
+    return diff

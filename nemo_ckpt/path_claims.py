@@ -18,10 +18,13 @@ from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, Opera
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.manifest import safe_name_part
 
-__all__ = ["CLAIM_PREFIX", "PathClaim", "claim_beat", "claim_path", "live_claims",
+__all__ = ["CLAIM_PREFIX", "REMOVAL_PREFIX", "PathClaim", "claim_beat", "claim_for_reading",
+           "claim_path", "live_claims",
            "read_claims", "release_claim"]
 
 CLAIM_PREFIX = ".claim-"
+# The operation ids of removals (``nemo_ckpt.catalog``), so a refusal says what is going on.
+REMOVAL_PREFIX = "remove-"
 # An operation in progress in a checkpoint folder (``nemo_ckpt.claims``).
 PathClaim = Claim
 
@@ -106,6 +109,14 @@ def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: C
     claims = [c for c in found if c.operation != operation_id]
     left = watch.observe(folder.describe(), claims)
     for claim in claims:
+        if claim.owner != owner and left[claim.operation] > 0 \
+                and claim.operation.startswith(REMOVAL_PREFIX):
+            raise CheckpointPathBusyError(
+                f"{folder.describe()} is in use by {claim.operation} of {claim.owner}: the "
+                f"snapshot there is being removed (nemo-ckpt rm, remove_snapshot or "
+                f"keep_last); retry in a moment (a removal whose process died is taken as "
+                f"abandoned once this job has seen its claim unchanged for "
+                f"{left[claim.operation]:.0f}s more)")
         if claim.owner != owner and left[claim.operation] > 0:
             raise CheckpointPathBusyError(
                 f"{folder.describe()} is in use by {claim.operation} of {claim.owner}: two "
@@ -114,6 +125,17 @@ def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: C
                 f"job has seen it unchanged for {left[claim.operation]:.0f}s more)")
     data, _ = encode_claim(operation_id, owner, ttl_s, incarnation, beat)
     folder.write_bytes(_claim_name(operation_id), data, sync=False)
+
+
+def claim_for_reading(directory: Folder | Path, operation_id: str, owner: str, ttl_s: float,
+                      incarnation: str = "") -> None:
+    """Claim ``directory`` while ``operation_id`` reads the snapshot committed there (a
+    restore); calling it again renews the claim. Never refused: a committed snapshot is
+    final, so reading it conflicts with no writer (a job restarted after its cluster died
+    must restore past the claims its old snapshot left); the claim makes a removal
+    (``nemo_ckpt.catalog``) refuse meanwhile."""
+    data, _ = encode_claim(operation_id, owner, ttl_s, incarnation)
+    as_folder(directory).write_bytes(_claim_name(operation_id), data, sync=False)
 
 
 def release_claim(directory: Folder | Path, operation_id: str) -> None:

@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, overload
 
 from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.config import CheckpointConfig
@@ -39,6 +39,8 @@ log = logging.getLogger("nemo_ckpt")
 _LEDGER_OP_TRIES = 4
 # How often a call looks the coordinator's name up again while it resolves to the dead.
 _NAME_RETRY_S = 0.25
+# How often shutdown(wait=True) looks whether Ray has released the names.
+_GONE_POLL_S = 0.1
 # Calls whose outcome, when the coordinator died under them, only the abort can tell.
 _OUTCOME_CALLS = frozenset({"commit_snapshot", "commit_restore"})
 
@@ -521,9 +523,37 @@ class RayEnvironmentCheckpoint:
         """Create the coordinator and a holder on every alive node that lacks one."""
         return await self._coordinator.ensure_holders()
 
-    def shutdown(self) -> None:
-        """Kill the coordinator and every holder of this namespace (their sessions go)."""
+    @overload
+    def shutdown(self, wait: Literal[False] = False) -> None: ...
+
+    @overload
+    def shutdown(self, wait: Literal[True], timeout_s: float = 30.0) -> Awaitable[None]: ...
+
+    def shutdown(self, wait: bool = False, timeout_s: float = 30.0) -> Awaitable[None] | None:
+        """Kill the coordinator and every holder of this namespace (their sessions go).
+
+        The kill is sent at once; Ray releases the actors' names a moment later, and
+        until then a new coordinator or holder of the namespace cannot take them. With
+        ``wait=True`` this returns an awaitable that ends once every name is released:
+        ``await ckpt.shutdown(wait=True)`` before a restarted driver's ``check_startup``
+        and restore. It raises ``BackendUnavailableError`` naming the actors still
+        registered after ``timeout_s`` (their node may be unreachable; retry)."""
         self._transport.kill_namespace()
+        return self._until_gone(timeout_s) if wait else None
+
+    async def _until_gone(self, timeout_s: float) -> None:
+        transport = self._transport
+        clock = transport.runtime.clock
+        deadline = clock.monotonic() + timeout_s
+        while names := transport.actor_names():
+            if clock.monotonic() >= deadline:
+                raise BackendUnavailableError(
+                    f"shutdown of namespace {transport.namespace}: {', '.join(sorted(names))} "
+                    f"still registered {timeout_s:g}s after the kill (Ray releases a name "
+                    f"once it has seen the actor dead; its node may be unreachable); call "
+                    f"shutdown(wait=True) again")
+            transport.kill_namespace()  # one created meanwhile by a straggling call
+            await asyncio.sleep(_GONE_POLL_S)
 
     # --- internals ------------------------------------------------------------------------
 

@@ -9,16 +9,17 @@ the whole plan is tested without actors.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.manifest import Manifest, ShardEntry, rollouts_by_shard, shard_problems
-from nemo_ckpt.phases import RestorePrepared
+from nemo_ckpt.phases import RestorePrepared, instance_sort_key
 from nemo_ckpt.receipts import FinishedRollout
 
-__all__ = ["VerifiedRestore", "assign_shards", "least_loaded_node", "verify_prepared"]
+__all__ = ["CONFLICT_FIX", "VerifiedRestore", "assign_shards", "conflict_error", "holder_said",
+           "least_loaded_node", "verify_prepared"]
 
 
 def least_loaded_node(alive_nodes: Iterable[str], holder_nodes: Iterable[str]) -> str:
@@ -43,6 +44,43 @@ def assign_shards(manifest: Manifest, instances: Iterable[str],
                 f"{checkpoint_path}; retry once the cluster has a node for it")
         shards_of[shard.instance_id].append(shard)
     return shards_of
+
+
+# What to do about a restore's rollouts that are live: said by every RestoreConflictError.
+CONFLICT_FIX = (
+    "holders are detached actors that outlive their driver, so these are most likely "
+    "sessions of the job that crashed or of its old driver. Fix: shut the namespace's "
+    "actors down and wait until they are gone (`await RayEnvironmentCheckpoint(config)"
+    ".shutdown(wait=True)`), then restore with a new RayEnvironmentCheckpoint; or, if "
+    "those sessions are this job's own, retire or close them first")
+_SHOWN = 10  # rollouts named per holder
+
+
+# How a holder's refusal of live sessions ends; ``CONFLICT_FIX`` says it, and more.
+_HOLDER_FIX = "; retire or close them first, or restore into a fresh job"
+
+
+def holder_said(instance_id: str, error: BaseException) -> str:
+    """A holder's own conflict message, without the instance id it starts with and
+    without the fix ``CONFLICT_FIX`` gives (a fix of another conflict, say a directory
+    in the way, stays)."""
+    text = str(error)
+    text = text[len(instance_id) + 2:] if text.startswith(f"{instance_id}: ") else text
+    return text[:-len(_HOLDER_FIX)] if text.endswith(_HOLDER_FIX) else text
+
+
+def conflict_error(checkpoint_path: str, live: Mapping[str, Sequence[str]]
+                   ) -> RestoreConflictError:
+    """The refusal of a restore whose rollouts are live now: every holder where they
+    are (``live``: instance -> its rollouts, or what the holder said), and the fix."""
+    holders = sorted(live, key=instance_sort_key)
+    found = "; ".join(
+        f"{inst}: {', '.join(live[inst][:_SHOWN])}"
+        f"{f' and {len(live[inst]) - _SHOWN} more' if len(live[inst]) > _SHOWN else ''}"
+        for inst in holders)
+    return RestoreConflictError(
+        f"cannot restore {checkpoint_path}: rollouts it holds are live now on "
+        f"{len(holders)} holder(s), {', '.join(holders)} ({found}); {CONFLICT_FIX}")
 
 
 @dataclass(frozen=True)
@@ -84,14 +122,13 @@ def verify_prepared(manifest: Manifest, directory: str, checkpoint_path: str,
         raise ShardCorruptedError(directory, "; ".join(problems))
     # Nothing is live yet: a rollout live on any holder refuses the whole restore.
     restoring = set(restored)
-    clash = sorted({(p.instance_id, rid) for p in prepared.values()
-                    for rid in p.live() if rid in restoring})
+    clash: dict[str, list[str]] = {}
+    for p in prepared.values():
+        live = sorted(rid for rid in p.live() if rid in restoring)
+        if live:
+            clash[p.instance_id] = live
     if clash:
-        raise RestoreConflictError(
-            f"cannot restore {checkpoint_path}: rollouts it holds are live now "
-            f"({', '.join(f'{i}/{k}' for i, k in clash[:10])}"
-            f"{' ...' if len(clash) > 10 else ''}); retire or close them first, or "
-            f"restore into a fresh job")
+        raise conflict_error(checkpoint_path, clash)
     return VerifiedRestore(
         continued_attempts=frozenset(
             (inst, rid, attempt) for inst, pairs in continued.items()

@@ -230,3 +230,8 @@ class Transport(Protocol):
     def kill_namespace(self) -> None:
         """Kill the coordinator and every holder of the namespace."""
         ...
+
+    def actor_names(self) -> list[str]:
+        """The names the namespace's coordinator and holders are registered under now:
+        a killed actor keeps its name until the cluster has seen it dead."""
+        ...

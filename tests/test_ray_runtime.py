@@ -323,6 +323,16 @@ async def test_a_lapsed_lease_resumes_holders_and_the_commit_is_refused(
         ckpt.shutdown()
 
 
+async def test_shutdown_with_wait_returns_once_ray_has_released_every_name(ckpt: Any) -> None:
+    await ckpt.ensure_holders()
+    namespace = ckpt.config.namespace
+    await ckpt.shutdown(wait=True)
+    assert [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == namespace] == []
+    await ckpt.check_startup()  # a new coordinator and holders take the names at once
+    assert len(await ckpt.holders()) == 3
+
+
 # --- restore ---------------------------------------------------------------------------
 
 
@@ -428,7 +438,8 @@ async def test_a_restore_of_rollouts_that_are_live_is_refused(ckpt: Any, tmp_pat
     write_fake_snapshot(tmp_path / "c", ["holder-0"])
     c = await client(ckpt, "holder-2")
     await c.open(Ep("r0", 3))
-    with pytest.raises(RestoreConflictError, match="holder-2/r0"):
+    with pytest.raises(RestoreConflictError,
+                       match=r"on 1 holder\(s\), holder-2 \(holder-2: r0\)"):
         async with ckpt.restored(tmp_path / "c"):
             pass
     sessions = {h.instance_id: (h.sessions, h.state) for h in await ckpt.holders()}

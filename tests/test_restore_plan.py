@@ -13,6 +13,8 @@ from nemo_ckpt.manifest import Manifest, ShardEntry, encode_manifest
 from nemo_ckpt.phases import RestorePrepared
 from nemo_ckpt.restore_plan import (
     assign_shards,
+    conflict_error,
+    holder_said,
     least_loaded_node,
     verify_prepared,
 )
@@ -86,9 +88,31 @@ def test_a_rollout_in_two_shards_is_refused_as_corrupt() -> None:
             "holder-1": _prepared("holder-1", [("r0", 0)])})
 
 
-def test_a_rollout_live_now_refuses_the_restore_naming_its_holder() -> None:
-    manifest = _manifest(_shard("holder-0", 1), _shard("holder-1", 1))
-    with pytest.raises(RestoreConflictError, match=r"live now \(holder-1/r0\)"):
+def test_a_rollout_live_now_refuses_the_restore_naming_every_holder_and_the_fix() -> None:
+    manifest = _manifest(_shard("holder-0", 1), _shard("holder-1", 1), _shard("holder-2", 1))
+    with pytest.raises(RestoreConflictError) as refused:
         verify_prepared(manifest, "/ckpt/a/environment", "/ckpt/a", {
             "holder-0": _prepared("holder-0", [("r0", 0)]),
-            "holder-1": _prepared("holder-1", [("r5", 0)], live=["r0", "r9"])})
+            "holder-1": _prepared("holder-1", [("r5", 0)], live=["r0", "r9"]),
+            "holder-2": _prepared("holder-2", [("r7", 0)], live=["r5"])})
+    message = str(refused.value)
+    assert ("live now on 2 holder(s), holder-1, holder-2 (holder-1: r0; holder-2: r5)"
+            in message)
+    assert "shutdown(wait=True)" in message and "retire or close them first" in message
+
+
+def test_a_conflict_names_ten_rollouts_per_holder_and_counts_the_rest() -> None:
+    message = str(conflict_error("/ckpt/a", {"holder-0": [f"r{k:02d}" for k in range(12)]}))
+    assert "(holder-0: r00, r01, r02, r03, r04, r05, r06, r07, r08, r09 and 2 more)" in message
+
+
+def test_a_holders_own_conflict_loses_only_the_fix_the_whole_error_gives() -> None:
+    live = RestoreConflictError("holder-3: cannot restore rollouts ['r1']: sessions of them "
+                                "are live here; retire or close them first, or restore "
+                                "into a fresh job")
+    assert holder_said("holder-3", live) == ("cannot restore rollouts ['r1']: sessions of "
+                                             "them are live here")
+    directory = RestoreConflictError("holder-3: cannot restore the directory of r1-a0: /s/x "
+                                     "already exists; remove it, or restore into a fresh job")
+    assert holder_said("holder-3", directory).endswith("already exists; remove it, or "
+                                                       "restore into a fresh job")

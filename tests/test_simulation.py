@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from actors.session_holder import SessionHolder
+from nemo_ckpt import catalog
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint, RaySnapshot
@@ -67,6 +68,15 @@ def test_a_snapshot_committed_despite_its_failed_check_is_caught(
     total, _, bad = simulation.run_many(0, 150, jobs=1)
     cases = {simulation.case_of(v) for r in bad for v in r.violations}
     assert "10 refused snapshot committed" in cases
+
+
+def test_a_removal_that_ignores_claims_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retention script's removals race the job's snapshots: one that removed files
+    without claiming the path first tears a snapshot that commits meanwhile."""
+    monkeypatch.setattr(catalog, "_claim_alone", lambda *args, **kwargs: None)
+    _, _, bad = simulation.run_many(0, 400, jobs=1)
+    cases = {simulation.case_of(v) for r in bad for v in r.violations}
+    assert "1 committed snapshot lost" in cases
 
 
 def _blocking_world() -> tuple[SimWorld, SimActor]:

@@ -6,6 +6,10 @@
     nemo-ckpt status                  the holders of a running job
     nemo-ckpt gc ROOT [--dry-run] [--wait SECONDS]
                                       remove sandbox blobs no committed snapshot references
+    nemo-ckpt ls ROOT [--verify] [--latest] [--json]
+                                      the committed snapshots under ROOT, newest first
+    nemo-ckpt rm PATH... | rm --keep-last N ROOT
+                                      remove snapshots beside a running job, then their blobs
 
 ``PATH`` is the checkpoint path handed to ``snapshot()``: the folder that holds
 ``environment/``. Expected failures (no snapshot, a damaged one, no cluster) print one
@@ -13,8 +17,8 @@ line on stderr and exit 1; a bad option is a usage error (exit 2) before Ray sta
 traceback means a bug in nemo-ckpt.
 
 Each command is a module of this package (``inspect``, ``verify``, ``diff``,
-``status``, ``gc``), rendering what the core computes (``nemo_ckpt.summary``,
-``nemo_ckpt.verify``, ``nemo_ckpt.diff``, ``nemo_ckpt.collection``); ``main``
-holds the parser and the entry point (the console script's
-``nemo_ckpt.cli.main:main``), ``render`` what they print with.
+``status``, ``gc``, ``ls``, ``rm``), rendering what the core computes
+(``nemo_ckpt.summary``, ``nemo_ckpt.verify``, ``nemo_ckpt.diff``, ``nemo_ckpt.collection``,
+``nemo_ckpt.catalog``); ``main`` holds the parser and the entry point (the console
+script's ``nemo_ckpt.cli.main:main``), ``render`` what they print with.
 """

@@ -7,11 +7,10 @@ import argparse
 from pathlib import Path
 from typing import TextIO
 
-from nemo_ckpt.cli.render import PROG, one_line, read_error, table
-from nemo_ckpt.diff import SnapshotDiff, compare_directories, diff_manifests
+from nemo_ckpt.cli.render import read_error, table
+from nemo_ckpt.diff import SnapshotDiff, compare_directories, diff_manifests, snapshot_index
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.options import checkpoint_path
-from nemo_ckpt.snapshot_files import read_manifest, snapshot_rollouts
 
 __all__ = ["add_parser", "render_diff", "run"]
 
@@ -73,23 +72,15 @@ def render_diff(diff: SnapshotDiff, path_a: Path | str, path_b: Path | str) -> l
 
 
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    manifests = []
-    rollouts = []
+    sides = []
     for path in (args.a, args.b):
         try:
-            manifest = read_manifest(path)
+            sides.append(snapshot_index(path))
         except SnapshotReadError as exc:
             print(read_error("diff", path, exc), file=err)
             return 1
-        found, unreadable = snapshot_rollouts(path, manifest)
-        if unreadable:
-            file, why = next(iter(sorted(unreadable.items())))
-            print(f"{PROG} diff: error: shard {file} of {path} does not read: "
-                  f"{one_line(SnapshotReadError(path, why))}; run verify", file=err)
-            return 1
-        manifests.append(manifest)
-        rollouts.append(found)
-    diff = diff_manifests(manifests[0], manifests[1], rollouts[0], rollouts[1])
+    (a, rollouts_a), (b, rollouts_b) = sides
+    diff = diff_manifests(a, b, rollouts_a, rollouts_b)
     compare_directories(diff, args.a, args.b)
     out.write("\n".join(render_diff(diff, args.a, args.b)) + "\n")
     return 0

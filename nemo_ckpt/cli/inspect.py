@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, TextIO
+from typing import TextIO
 
 from nemo_ckpt.cli.render import human_bytes, number, read_error, table
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.options import checkpoint_path
 from nemo_ckpt.snapshot_files import read_manifest
-from nemo_ckpt.summary import snapshot_summary
+from nemo_ckpt.summary import SnapshotSummary, snapshot_summary
 
 __all__ = ["add_parser", "render_summary", "run"]
 
@@ -29,64 +29,63 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     p.set_defaults(run=run)
 
 
-def render_summary(summary: dict[str, Any]) -> list[str]:
-    """``snapshot_summary`` as the text ``inspect`` prints."""
-    instances = summary["instances"]
-    shards = [(i["instance_id"], s) for i in instances for s in i["shards"]]
-    sandboxes = summary.get("sandboxes", {})
+def render_summary(summary: SnapshotSummary) -> list[str]:
+    """A ``SnapshotSummary`` as the text ``inspect`` prints."""
+    instances = summary.instances
+    shards = [(i.instance_id, s) for i in instances for s in i.shards]
+    sandboxes = summary.sandboxes
     lines = [
-        f"snapshot {summary['snapshot_id']} at {summary['path']}",
+        f"snapshot {summary.snapshot_id} at {summary.path}",
         *("  " + line for line in table(("", ""), [
-            ("created", summary["created_at"]),
-            ("format", summary["format_version"]),
+            ("created", summary.created_at.isoformat()),
+            ("format", summary.format_version),
             ("instances", len(instances)),
-            ("rollouts", f"{summary['captured_rollouts']} captured, "
-                         f"{summary['restarted_rollouts']} restarted (not captured: "
+            ("rollouts", f"{summary.captured_rollouts} captured, "
+                         f"{summary.restarted_rollouts} restarted (not captured: "
                          f"they start over)"),
-            ("shards", f"{len(shards)}, {summary['bytes']} bytes"
-                       + (f" ({human_bytes(summary['bytes'])})"
-                          if summary["bytes"] >= 1024 else "")),
-            *([("directories", f"{sandboxes['directories']}; this snapshot wrote "
-                               f"{sandboxes['new_blobs']} new blobs, "
-                               f"{human_bytes(sandboxes['new_bytes'])} "
-                               f"(store: {sandboxes['blob_store']})")]
-              if sandboxes.get("directories") else []),
+            ("shards", f"{len(shards)}, {summary.bytes} bytes"
+                       + (f" ({human_bytes(summary.bytes)})" if summary.bytes >= 1024 else "")),
+            *([("directories", f"{sandboxes.directories}; this snapshot wrote "
+                               f"{sandboxes.new_blobs} new blobs, "
+                               f"{human_bytes(sandboxes.new_bytes)} "
+                               f"(store: {sandboxes.blob_store})")]
+              if sandboxes.directories else []),
         ])[1:]),
         "",
     ]
-    with_dirs = bool(sandboxes.get("directories"))
+    with_dirs = bool(sandboxes.directories)
     rows: list[tuple[object, ...]] = []
     for inst in instances:
-        if not inst["rollouts"]:
-            rows.append((inst["instance_id"], "-", "-", "-", "-")
+        if not inst.rollouts:
+            rows.append((inst.instance_id, "-", "-", "-", "-")
                         + (("-", "-", "-") if with_dirs else ()))
-        for r in inst["rollouts"]:
-            row: tuple[object, ...] = (inst["instance_id"], r["rollout_id"], r["attempt"],
-                                       r["turns"], len(r["staging_keys"]))
+        for r in inst.rollouts:
+            row: tuple[object, ...] = (inst.instance_id, r.rollout_id, r.attempt, r.turns,
+                                       len(r.staging_keys))
             if with_dirs:
-                d = r.get("directory")
+                d = r.directory
                 if d is None:
                     row += ("-", "-", "-")
-                elif d["error"] is not None:
-                    row += ("unreadable", "-", human_bytes(d["new_bytes"]))
+                elif d.error is not None or d.files is None or d.bytes is None:
+                    row += ("unreadable", "-", human_bytes(d.new_bytes))
                 else:
-                    row += (d["files"], human_bytes(d["bytes"]), human_bytes(d["new_bytes"]))
+                    row += (d.files, human_bytes(d.bytes), human_bytes(d.new_bytes))
             rows.append(row)
     lines += table(("INSTANCE", "ROLLOUT", "ATTEMPT", "TURNS", "STAGING KEYS")
                     + (("FILES", "DIR BYTES", "NEW BYTES") if with_dirs else ()), rows)
     lines.append("")
     if shards:
         lines += table(("INSTANCE", "SHARD", "BYTES", "SESSIONS", "CONTENT HASH"),
-                        [(inst, s["file"], s["bytes"], s["sessions"], s["content_hash"][:25])
+                        [(inst, s.file, s.bytes, s.sessions, s.content_hash[:25])
                          for inst, s in shards])
     else:
         lines.append("no shards (the backend held no rollouts)")
-    for file, why in summary.get("unreadable_shards", {}).items():
+    for file, why in summary.unreadable_shards.items():
         lines.append(f"shard {file}: its index does not read ({why}); run verify")
     lines.append("")
-    if summary["metrics"]:
+    if summary.metrics:
         lines += table(("METRIC", "VALUE"),
-                        [(k, number(v)) for k, v in summary["metrics"].items()])
+                        [(k, number(v)) for k, v in summary.metrics.items()])
     else:
         lines.append("no metrics")
     return lines
@@ -101,7 +100,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return 1
     summary = snapshot_summary(path, manifest)
     if args.json:
-        json.dump(summary, out, indent=2)
+        json.dump(summary.to_json(), out, indent=2)
         out.write("\n")
     else:
         out.write("\n".join(render_summary(summary)) + "\n")

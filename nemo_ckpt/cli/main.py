@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from nemo_ckpt.cli import diff, gc, inspect, status, verify
+from nemo_ckpt.cli import diff, gc, inspect, ls, rm, status, verify
 from nemo_ckpt.cli.render import PROG
 
 __all__ = ["build_parser", "main"]
@@ -18,8 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``nemo-ckpt``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect and verify nemo-ckpt environment snapshots, and see the "
-                    "session holders of a running job.")
+        description="Inspect, verify, list and remove nemo-ckpt environment "
+                    "snapshots, and see the session holders of a running job.")
     try:
         parser.add_argument("--version", action="version",
                             version=f"%(prog)s {metadata.version(PROG)}")
@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_parser(sub)
     status.add_parser(sub)
     gc.add_parser(sub)
+    ls.add_parser(sub)
+    rm.add_parser(sub)
     return parser
 
 

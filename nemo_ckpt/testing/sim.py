@@ -811,3 +811,6 @@ class SimTransport:
         for (ns, _), actor in list(self._world.registry.items()):
             if ns == self.namespace:
                 self._world.kill(actor)
+
+    def actor_names(self) -> list[str]:
+        return [name for ns, name in self._world.registry if ns == self.namespace]

@@ -16,7 +16,8 @@ The world outside the protocol (issue 23): blocking work runs as threads that ou
 their cancelled callers; every process has its own clocks (offsets up to hours, rates
 within 10%); every ``Folder`` call may fail after it happened, reads may fail, and the
 disk may be full for seconds (``DiskFaults``); a gc from another host, a retention
-script, a second job, and a hostile process inside the sandboxes act meanwhile
+script (``remove_snapshot`` at any moment, refused while the job holds the path), a
+second job, and a hostile process inside the sandboxes act meanwhile
 (``HostileSandbox``); a copy of a committed manifest is damaged. Its invariants: no
 committed snapshot references a missing blob, nothing outside a sandbox is read into
 one, sparse files stay sparse, no call waits past its deadline, damaged data is the

@@ -14,11 +14,11 @@ import contextlib
 import errno
 import os
 import random
-import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from nemo_ckpt.catalog import remove_snapshot
 from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.collection import collect_blobs
 from nemo_ckpt.errors import NemoCkptError, SnapshotWriteError
@@ -384,10 +384,9 @@ class Faults(Part):
 
     def outside_actors(self) -> list[Any]:
         plan, out = self.plan, []
-        if self.sandbox_root is not None:
-            if plan.gc_every:
-                out.append(self._gc_process())
-            out += [self._retention(at) for at in plan.retention]
+        if self.sandbox_root is not None and plan.gc_every:
+            out.append(self._gc_process())
+        out += [self._retention(at) for at in plan.retention]
         out += [self._second_job(at, k) for k, at in enumerate(plan.second_job)]
         return out
 
@@ -412,18 +411,29 @@ class Faults(Part):
                                                - self.s.coordinator_offset()))
 
     async def _retention(self, at: float) -> None:
-        """A user's retention script removes the oldest committed snapshot folder that no
-        operation of this job writes now (rm -rf), then collects."""
+        """A user's retention script on another host removes the oldest committed
+        snapshot (``remove_snapshot``), whatever this job is doing there: one a snapshot
+        writes or a restore reads must be refused, nothing of it removed."""
         await asyncio.sleep(at)
-        running = {r.path for r in self.s.ops if r.end is None}
+        actor = self.world.new_actor("retention", "retention", "retention-host")
+        actor.alive = True  # a host outside the Ray cluster
+        runtime = self.world.runtime(actor)
         for path in sorted(self.s.committed, key=lambda p: self.s.committed[p] and
                            self.s.committed[p][-1] or ""):
-            if path in running or not self.s.committed[path] or \
+            if not self.s.committed[path] or \
                     not (environment_dir(path) / "manifest.json").exists():
                 continue
             self.s.faults += 1
-            self.log(f"retention removes {Path(path).name} ({self.s.committed[path][-1]})")
-            shutil.rmtree(path, ignore_errors=True)
+            running = [r.op_id for r in self.s.ops if r.end is None and r.path == path]
+            self.log(f"retention removes {Path(path).name} ({self.s.committed[path][-1]})"
+                     + (f" while {running} run there" if running else ""))
+            try:
+                await runtime.run_blocking(remove_snapshot, path, None, True, 0.0,
+                                           runtime.clock.monotonic)
+            except (NemoCkptError, OSError) as exc:
+                self.log(f"retention failed: {type(exc).__name__}: {short(exc)}")
+                if (environment_dir(path) / "manifest.json").exists():
+                    return  # refused, or failed before the manifest went: still committed
             self.retired.add(path)
             self.s.committed.pop(path)
             self.s.rl.saves.pop(path, None)

@@ -1,0 +1,338 @@
+"""The snapshots under a checkpoint root as a collection: list them, find the newest one
+that verifies, remove one, keep the last N.
+
+A snapshot is committed once its manifest is written (``nemo_ckpt.snapshot_files``), so
+the collection is every checkpoint path below the root that holds a manifest
+(``nemo_ckpt.collection.committed_snapshots``). Newest first means by the time the
+committing coordinator wrote into the manifest (``created_at``): one job's coordinator
+stamps all of its snapshots, and an id breaks ties. A snapshot whose manifest does not
+read has no time we can trust: it is listed first, as it may be the newest, and
+``latest_snapshot`` says why it was passed over.
+
+A removal is safe beside a running job. It claims the snapshot's folder as a snapshot
+does (``nemo_ckpt.path_claims``), so it is refused while a snapshot is in progress there
+or a restore reads it, and a snapshot that begins during the removal is refused in turn
+(``CheckpointPathBusyError``) rather than having its files taken. It removes the
+manifest first, so a removal cut short leaves no committed snapshot that is missing
+files, then the shards and trees files, then collects the blob store
+(``nemo_ckpt.collection``), which keeps every blob another committed snapshot references.
+Only the environment's half of a checkpoint path is removed; RL's files there are RL's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from nemo_ckpt.checkpoint_folder import environment_folder
+from nemo_ckpt.claims import ClaimWatch
+from nemo_ckpt.cleanup import manifest_snapshot_id, remove_unreferenced_files
+from nemo_ckpt.collection import CollectionReport, collect_blobs, committed_snapshots
+from nemo_ckpt.errors import (
+    CheckpointPathBusyError,
+    CheckpointPathError,
+    NemoCkptError,
+    SnapshotNotFoundError,
+    SnapshotReadError,
+)
+from nemo_ckpt.folder import Folder
+from nemo_ckpt.location import LocalLocation, parent_location, parse_location
+from nemo_ckpt.manifest import MANIFEST_NAME, SHARD_PREFIX, Manifest
+from nemo_ckpt.path_claims import REMOVAL_PREFIX, claim_path, read_claims, release_claim
+from nemo_ckpt.sandbox_storage import blob_store_of
+from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.verify import one_line, verify_snapshot
+
+__all__ = ["LatestSnapshot", "RemovalReport", "RetentionReport", "SkippedSnapshot",
+           "SnapshotInfo", "keep_last", "latest_snapshot", "list_snapshots",
+           "remove_snapshot"]
+
+log = logging.getLogger("nemo_ckpt.catalog")
+
+# A removal's claim: long enough for a removal's few file operations, short enough that
+# one left by a remover that died blocks snapshots into that path only briefly.
+_REMOVAL_TTL_S = 30.0
+_WAIT_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One committed snapshot: its path and its manifest's facts, or why the manifest
+    does not read (``error``; the facts are None then)."""
+
+    path: str
+    snapshot_id: str | None = None
+    created_at: datetime | None = None
+    format_version: int | None = None
+    instances: int = 0
+    rollouts: int = 0  # captured
+    restarted_rollouts: int = 0
+    bytes: int = 0  # its shards'
+    blob_store: str | None = None
+    error: str | None = None
+
+    @property
+    def readable(self) -> bool:
+        return self.error is None
+
+    @classmethod
+    def of(cls, path: str, manifest: Manifest) -> SnapshotInfo:
+        created = manifest.created_at
+        if created.tzinfo is None:  # formats before 3 may carry no zone: they wrote UTC
+            created = created.replace(tzinfo=timezone.utc)
+        return cls(path=path, snapshot_id=manifest.snapshot_id, created_at=created,
+                   format_version=manifest.format_version,
+                   instances=len(manifest.instances), rollouts=manifest.sessions,
+                   restarted_rollouts=manifest.restarted_rollouts,
+                   bytes=sum(s.bytes for s in manifest.shards),
+                   blob_store=blob_store_of(path, manifest))
+
+
+def list_snapshots(root: Path | str) -> list[SnapshotInfo]:
+    """Every committed snapshot below ``root`` (a folder or a bucket's URL), newest first
+    (see the module docstring), each with its manifest's facts. Reads manifests only:
+    ``latest_snapshot(verify=True)`` or ``verify_snapshot`` checks the shards. A local
+    ``root`` that is not a folder raises ``CheckpointPathError``."""
+    location = parse_location(root)
+    if isinstance(location, LocalLocation) and not location.path.is_dir():
+        # A mistyped root must not read as "no snapshots": a restart would start over.
+        raise CheckpointPathError(
+            str(root), f"checkpoint root {root} is not a folder (it does not exist, or is a "
+                       f"file): pass CheckpointConfig.checkpoint_root, or a folder above "
+                       f"checkpoint paths")
+    found: list[SnapshotInfo] = []
+    for path in committed_snapshots(root):
+        try:
+            found.append(SnapshotInfo.of(path, read_manifest(path)))
+        except SnapshotReadError as exc:
+            found.append(SnapshotInfo(path=path, error=one_line(exc)))
+    undated = [s for s in found if s.created_at is None]
+    dated = [s for s in found if s.created_at is not None]
+    dated.sort(key=lambda s: (s.created_at, s.snapshot_id or ""), reverse=True)
+    return undated + dated
+
+
+@dataclass(frozen=True)
+class SkippedSnapshot:
+    """A snapshot newer than the one ``latest_snapshot`` chose (or of unknown age), and
+    why it was passed over."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LatestSnapshot:
+    """What ``latest_snapshot`` found: the newest snapshot that passed (None when none
+    did), and every newer one it passed over, newest first."""
+
+    root: str
+    snapshot: SnapshotInfo | None
+    skipped: tuple[SkippedSnapshot, ...] = ()
+
+    @property
+    def path(self) -> str | None:
+        """The checkpoint path to restore from, None when no snapshot passed."""
+        return None if self.snapshot is None else self.snapshot.path
+
+
+def latest_snapshot(root: Path | str, verify: bool = True) -> LatestSnapshot:
+    """The newest committed snapshot below ``root`` that a restore would accept.
+
+    With ``verify`` (the default), each candidate, newest first, gets every check a
+    restore makes (``verify_snapshot``: every shard and blob read and hashed) until one
+    passes; without it, a candidate passes when its manifest reads. Each snapshot passed
+    over is in ``skipped`` with the reason, and logged as a warning: a damaged newest
+    snapshot means turns since the one chosen are lost, which the caller should know.
+    """
+    skipped: list[SkippedSnapshot] = []
+    chosen: SnapshotInfo | None = None
+    for info in list_snapshots(root):
+        if info.error is not None:
+            reason = f"its manifest does not read, so its age is unknown: {info.error}"
+        elif verify and not (report := verify_snapshot(info.path)).ok:
+            reason = (f"it does not verify ({len(report.problems)} problem(s)): "
+                      f"{report.problems[0]}")
+        else:
+            chosen = info
+            break
+        log.warning("latest_snapshot under %s skipped %s: %s", root, info.path, reason)
+        skipped.append(SkippedSnapshot(info.path, reason))
+    return LatestSnapshot(root=str(root), snapshot=chosen, skipped=tuple(skipped))
+
+
+@dataclass
+class RemovalReport:
+    """What ``remove_snapshot`` removed: the snapshot (its id, None when its manifest
+    did not name one), the files, and the blob collection after it (None when not
+    run; ``collection_skipped`` says why, when it was refused)."""
+
+    path: str
+    snapshot_id: str | None
+    files: list[str] = field(default_factory=list)
+    collection: CollectionReport | None = None
+    collection_skipped: str | None = None
+
+
+def _busy(path: Path | str, operation: str, owner: str, waited: float) -> CheckpointPathBusyError:
+    why = (f"gave up after watching its claim for {waited:g}s" if waited > 0 else
+           "run it again once that has ended, or wait (wait_s, or --wait SECONDS) for a "
+           "claim whose job died to be seen unchanged for its ttl")
+    what = ("another removal" if operation.startswith(REMOVAL_PREFIX) else
+            "a restore reading it" if operation.startswith("restore-") else
+            "a snapshot writing it, or a restore reading it")
+    return CheckpointPathBusyError(
+        f"cannot remove the snapshot at {path}: {operation} of {owner} is in progress "
+        f"there ({what}); nothing was removed; {why}")
+
+
+def _claim_alone(path: Path | str, operation: str, owner: str, watch: ClaimWatch,
+                 clock: Callable[[], float], sleep: Callable[[float], None],
+                 wait_s: float) -> None:
+    """Claim the snapshot's folder for the removal, as the only operation there.
+
+    Two writers can each read no claim and then both write theirs; so after writing,
+    the removal reads the claims again and backs off if another appeared (the snapshot
+    that wrote it goes on, and the removal is refused)."""
+    folder = environment_folder(path)
+    give_up = clock() + wait_s
+    while True:
+        others = [c for c in read_claims(folder) if c.operation != operation]
+        left = watch.observe(folder.describe(), others)
+        live = [c for c in others if left[c.operation] > 0]
+        if not live:
+            try:
+                claim_path(folder, operation, owner, watch, _REMOVAL_TTL_S)
+            except CheckpointPathBusyError:  # claimed since our read: retried below
+                pass
+            after = [c for c in read_claims(folder) if c.operation != operation]
+            live = [c for c in after if c.operation not in {o.operation for o in others}]
+            if not live and any(c.operation == operation for c in read_claims(folder)):
+                return
+            release_claim(folder, operation)
+        if clock() >= give_up or not live:
+            who = live[0] if live else None
+            raise _busy(path, who.operation if who else "another removal",
+                        who.owner if who else "another process", wait_s)
+        sleep(min(_WAIT_POLL_S, max(0.0, give_up - clock())))
+
+
+def _remove_manifest(folder: Folder) -> None:
+    """Remove the manifest; an error after the removal landed (the manifest is gone) is
+    no error here: the rest of the removal goes on."""
+    try:
+        folder.remove([MANIFEST_NAME])
+    except (NemoCkptError, OSError):
+        if MANIFEST_NAME in folder.names():
+            raise
+
+
+def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: bool = True,
+                    wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> RemovalReport:
+    """Remove the committed snapshot at checkpoint path ``path`` (its environment half),
+    then, with ``collect``, the blobs no other committed snapshot references.
+
+    Refused with ``CheckpointPathBusyError`` while a snapshot or restore holds the
+    folder: a claim seen for the first time is taken as live, so ``wait_s`` watches the
+    claims (on ``clock``) for up to that long, enough to see one whose job died as
+    abandoned. ``SnapshotNotFoundError`` when there is no snapshot at ``path``. A
+    damaged snapshot is removed too: nothing of it is read but the names of its files;
+    so are the shards a snapshot left without a manifest (interrupted), and those of a
+    removal cut short (an I/O error raised: the manifest went first, so nothing is left
+    that passes for a committed snapshot; run it again).
+    The blob store is the one the manifest names, else ``root``'s; a collection refused
+    (a snapshot holds the store) leaves the blobs to the next commit or ``nemo-ckpt gc``,
+    and says so in ``collection_skipped``."""
+    folder = environment_folder(path)
+    names = folder.names()
+    # Shards without a manifest: a snapshot interrupted, or a removal cut short.
+    if MANIFEST_NAME not in names and not any(n.startswith(SHARD_PREFIX) for n in names):
+        raise SnapshotNotFoundError(folder.describe(), "Nothing was removed.")
+    try:
+        store = blob_store_of(path, read_manifest(path))
+    except SnapshotReadError:
+        store = None  # a damaged manifest names no store we can trust
+    collect_root = (parent_location(store, 1) if store is not None
+                    else None if root is None else str(root))
+    token = uuid.uuid4().hex[:12]
+    operation, owner = f"{REMOVAL_PREFIX}{token}", f"nemo-ckpt-remover-{token}"
+    _claim_alone(path, operation, owner, ClaimWatch(clock), clock, sleep, wait_s)
+    try:
+        report = RemovalReport(path=str(path), snapshot_id=manifest_snapshot_id(folder))
+        # The manifest first: from here on nothing takes this for a committed snapshot.
+        if MANIFEST_NAME in names:
+            _remove_manifest(folder)
+            report.files.append(MANIFEST_NAME)
+        report.files += remove_unreferenced_files(folder)
+    finally:
+        release_claim(folder, operation)
+    log.info("removed snapshot %s at %s (%d files)", report.snapshot_id, path,
+             len(report.files))
+    if collect and collect_root is not None:
+        try:
+            report.collection = collect_blobs(collect_root, wait_s=wait_s, clock=clock,
+                                              sleep=sleep)
+        except (NemoCkptError, OSError) as exc:
+            report.collection_skipped = (f"{one_line(exc)}; the next commit under "
+                                         f"{collect_root} collects them, or run nemo-ckpt "
+                                         f"gc {collect_root}")
+    return report
+
+
+@dataclass
+class RetentionReport:
+    """What ``keep_last`` kept and removed, what it could not remove (by path, why), and
+    the collection of the blob store after (None when no removed snapshot had one)."""
+
+    kept: list[SnapshotInfo] = field(default_factory=list)
+    removed: list[RemovalReport] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    collection: CollectionReport | None = None
+    collection_skipped: str | None = None
+
+
+def keep_last(root: Path | str, n: int, verify: bool = False, wait_s: float = 0.0,
+              clock: Callable[[], float] = time.monotonic,
+              sleep: Callable[[float], None] = time.sleep) -> RetentionReport:
+    """Keep the ``n`` newest committed snapshots below ``root`` and remove the older ones
+    (``remove_snapshot``), then collect the blob store once.
+
+    What counts towards ``n`` is a snapshot a restore would accept: one whose manifest
+    reads, and with ``verify`` one that verifies. A snapshot is removed only once ``n``
+    newer ones count, so damage never makes the retention remove the last good ones
+    (a damaged snapshot among the newest is kept, for the user to look at). A removal
+    refused (a snapshot or restore holds it) is reported in ``refused``; the others go
+    on."""
+    if n < 1:
+        raise ValueError(f"keep_last needs n >= 1 (got {n}): it never removes every snapshot")
+    report = RetentionReport()
+    good = 0  # newer snapshots a restore would accept
+    stores: set[str] = set()  # the blob stores of the snapshots removed
+    for info in list_snapshots(root):
+        if good < n:
+            report.kept.append(info)
+            good += info.error is None and (not verify or verify_snapshot(info.path).ok)
+            continue
+        try:
+            report.removed.append(remove_snapshot(info.path, collect=False, wait_s=wait_s,
+                                                  clock=clock, sleep=sleep))
+        except (NemoCkptError, OSError) as exc:
+            report.refused[info.path] = one_line(exc)
+            continue
+        if info.blob_store is not None:
+            stores.add(info.blob_store)
+    for store in sorted(stores):  # one under the root, unless snapshots name others
+        where = parent_location(store, 1)
+        try:
+            report.collection = collect_blobs(where, wait_s=wait_s, clock=clock, sleep=sleep)
+        except (NemoCkptError, OSError) as exc:
+            report.collection_skipped = (f"{one_line(exc)}; the next commit under {where} "
+                                         f"collects them, or run nemo-ckpt gc {where}")
+    return report
+

@@ -1,0 +1,89 @@
+"""``nemo-ckpt rm PATH...`` and ``nemo-ckpt rm --keep-last N ROOT``: remove snapshots
+beside a running job, then their unreferenced blobs (``nemo_ckpt.catalog``), rendered."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TextIO
+
+from nemo_ckpt.catalog import RemovalReport, keep_last, remove_snapshot
+from nemo_ckpt.cli.render import PROG, human_bytes, one_line
+from nemo_ckpt.collection import CollectionReport
+from nemo_ckpt.errors import NemoCkptError
+from nemo_ckpt.options import at_least, checkpoint_path, non_negative_float
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``rm`` to the parser's subcommands."""
+    p = sub.add_parser("rm", help="remove snapshots (or keep the last N), then their blobs",
+                       description="Remove the snapshot at each PATH (its environment/ "
+                                   "half; RL's files there stay), then the sandbox blobs no "
+                                   "other committed snapshot references. With --keep-last "
+                                   "N, PATH is a root: keep its N newest snapshots and "
+                                   "remove the older ones. Safe beside a running job: a "
+                                   "snapshot that a snapshot or restore holds is refused "
+                                   "(exit 1), and nothing of it is removed.")
+    p.add_argument("paths", metavar="PATH", nargs="+", type=checkpoint_path,
+                   help="a checkpoint path handed to snapshot(); with --keep-last, the root")
+    p.add_argument("--keep-last", type=at_least(1), metavar="N",
+                   help="keep the N newest snapshots under the root, remove the rest "
+                        "(a snapshot counts only if it reads, and with --verify verifies)")
+    p.add_argument("--verify", action="store_true",
+                   help="with --keep-last: count only snapshots that pass every check a "
+                        "restore makes")
+    p.add_argument("--wait", type=non_negative_float, default=0.0, metavar="SECONDS",
+                   help="while a snapshot or restore holds a path (or the blob store), "
+                        "watch its claim for up to this long, and go on once it has ended "
+                        "or is seen unchanged for its ttl (its job died); default 0: "
+                        "refuse at once")
+    p.add_argument("--no-gc", dest="gc", action="store_false",
+                   help="leave the blob store as it is (the next commit, or gc, collects it)")
+    p.set_defaults(run=run)
+
+
+def _removed(report: RemovalReport) -> str:
+    return (f"removed snapshot {report.snapshot_id or '(unreadable manifest)'} at "
+            f"{report.path} ({len(report.files)} files)")
+
+
+def _collected(collection: CollectionReport | None, skipped: str | None, err: TextIO,
+               out: TextIO) -> None:
+    if collection is not None:
+        print(f"{collection.store}: removed {collection.removed} unreferenced blob(s) "
+              f"({human_bytes(collection.removed_bytes)}), kept {collection.kept}", file=out)
+    elif skipped is not None:
+        print(f"{PROG} rm: blobs not collected: {skipped}", file=err)
+
+
+def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    if args.keep_last is not None:
+        if len(args.paths) != 1:
+            print(f"{PROG} rm: error: --keep-last takes one ROOT, got {len(args.paths)} "
+                  f"paths", file=err)
+            return 2
+        (root,) = args.paths
+        try:
+            kept = keep_last(root, args.keep_last, verify=args.verify, wait_s=args.wait)
+        except (NemoCkptError, OSError) as exc:
+            print(f"{PROG} rm: error: {one_line(exc)}", file=err)
+            return 1
+        print(f"kept {len(kept.kept)} snapshot(s) under {root}", file=out)
+        for removal in kept.removed:
+            print(_removed(removal), file=out)
+        _collected(kept.collection, kept.collection_skipped, err, out)
+        for path, why in kept.refused.items():
+            print(f"{PROG} rm: not removed {path}: {why}", file=err)
+        return 1 if kept.refused else 0
+    code = 0
+    for path in args.paths:
+        try:
+            report = remove_snapshot(path, collect=args.gc, wait_s=args.wait)
+        except (NemoCkptError, OSError) as exc:
+            print(f"{PROG} rm: error: {one_line(exc)}", file=err)
+            code = 1
+            continue
+        print(_removed(report), file=out)
+        _collected(report.collection, report.collection_skipped, err, out)
+    return code

@@ -1,0 +1,457 @@
+"""Snapshots as a collection (``nemo_ckpt.catalog``): listed newest first, the newest
+that verifies found (and why newer ones were passed over), removed beside a running job,
+the last N kept."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.restores import Restores
+from nemo_ckpt import catalog
+from nemo_ckpt.catalog import keep_last, latest_snapshot, list_snapshots, remove_snapshot
+from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, prepare_environment_dir
+from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch, encode_claim
+from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, SnapshotNotFoundError
+from nemo_ckpt.local_folder import LocalFolder
+from nemo_ckpt.manifest import encode_manifest, shard_file_name
+from nemo_ckpt.path_claims import claim_path, read_claims
+from nemo_ckpt.shards import write_shard
+from nemo_ckpt.snapshot_files import read_snapshot, write_manifest
+from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.verify import verify_snapshot
+from tests.harness import World
+from tests.s3_server import BUCKET
+from tests.test_sandbox_sessions import (
+    _coordinator,
+    _open_with_directories,
+    _store,
+    _turns,
+    sandbox_job,
+)
+from tests.test_storage import FakeClock, flip_middle_byte, manifest_path, session
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def snap(path: Path, snapshot_id: str, minute: int, rollouts: int = 1) -> Path:
+    """A committed format-3 snapshot at ``path``, created ``minute`` minutes after T0."""
+    directory = prepare_environment_dir(path)
+    shard = write_shard(directory, shard_file_name(snapshot_id, "holder-0"), "holder-0",
+                        [session("holder-0", f"r{k}") for k in range(rollouts)])
+    write_manifest(directory, encode_manifest(
+        snapshot_id=snapshot_id, created_at=T0 + timedelta(minutes=minute),
+        instances=["holder-0"], shards=[shard], restarted_rollouts=0, metrics={}))
+    return path
+
+
+def first_shard(path: Path) -> Path:
+    return next(environment_dir(path).glob("shard-*"))
+
+
+@pytest.fixture
+def three(tmp_path: Path) -> dict[str, Path]:
+    """Three snapshots under one root, written out of their time order, one nested."""
+    root = tmp_path / "ckpt"
+    return {"mid": snap(root / "step-2", "s2", 2, rollouts=2),
+            "old": snap(root / "step-1", "s1", 1),
+            "new": snap(root / "runs" / "step-3", "s3", 3, rollouts=3)}
+
+
+# --- listing and finding ------------------------------------------------------------------
+
+
+def test_list_snapshots_gives_every_committed_snapshot_newest_first_with_its_facts(
+        tmp_path: Path, three: dict[str, Path]) -> None:
+    (tmp_path / "ckpt" / "not-a-snapshot").mkdir()
+    prepare_environment_dir(tmp_path / "ckpt" / "interrupted")  # no manifest: not committed
+    found = list_snapshots(tmp_path / "ckpt")
+    assert [(s.path, s.snapshot_id, s.rollouts) for s in found] == [
+        (str(three["new"]), "s3", 3), (str(three["mid"]), "s2", 2), (str(three["old"]), "s1", 1)]
+    assert found[0].created_at == T0 + timedelta(minutes=3)
+    assert found[0].format_version == 3 and found[0].instances == 1 and found[0].readable
+    assert found[0].bytes == first_shard(three["new"]).stat().st_size
+
+
+def test_latest_snapshot_skips_a_damaged_newest_snapshot_and_says_why(
+        three: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    flip_middle_byte(first_shard(three["new"]))
+    latest = latest_snapshot(tmp_path / "ckpt")
+    assert latest.path == str(three["mid"])
+    (skipped,) = latest.skipped
+    assert skipped.path == str(three["new"])
+    assert "does not verify (1 problem(s))" in skipped.reason
+    assert "its content changed" in skipped.reason
+    assert f"skipped {three['new']}" in caplog.text
+    # Without verifying, only the manifest is read: the damaged one is taken.
+    assert latest_snapshot(tmp_path / "ckpt", verify=False).path == str(three["new"])
+
+
+def test_a_snapshot_whose_manifest_does_not_read_is_listed_first_and_never_taken(
+        three: dict[str, Path], tmp_path: Path) -> None:
+    manifest_path(three["old"]).write_bytes(b"{not json")
+    found = list_snapshots(tmp_path / "ckpt")
+    assert found[0].path == str(three["old"]) and not found[0].readable
+    assert found[0].snapshot_id is None and "is not valid JSON" in str(found[0].error)
+    latest = latest_snapshot(tmp_path / "ckpt", verify=False)
+    assert latest.path == str(three["new"])
+    assert [s.path for s in latest.skipped] == [str(three["old"])]
+    assert "its manifest does not read, so its age is unknown" in latest.skipped[0].reason
+
+
+def test_latest_snapshot_of_a_root_without_snapshots_is_none(tmp_path: Path) -> None:
+    latest = latest_snapshot(tmp_path)
+    assert (latest.snapshot, latest.path, latest.skipped) == (None, None, ())
+
+
+def test_a_root_that_is_not_a_folder_is_refused_not_taken_for_an_empty_one(
+        tmp_path: Path, three: dict[str, Path]) -> None:
+    (tmp_path / "a-file").write_text("")
+    for wrong in (tmp_path / "ckpt-typo", tmp_path / "a-file"):
+        for call in (list_snapshots, latest_snapshot, lambda root: keep_last(root, 1)):
+            with pytest.raises(CheckpointPathError, match="is not a folder"):
+                call(wrong)
+    assert len(list_snapshots(tmp_path / "ckpt")) == 3
+
+
+# --- removing -----------------------------------------------------------------------------
+
+
+def test_remove_snapshot_removes_its_environment_half_and_leaves_the_others(
+        tmp_path: Path, three: dict[str, Path]) -> None:
+    rl_file = three["mid"] / "data_plane.json"  # RL's half of the checkpoint path
+    rl_file.write_text("{}")
+    report = remove_snapshot(three["mid"])
+    assert report.snapshot_id == "s2"
+    assert report.files[0] == "manifest.json" and len(report.files) == 2
+    assert list(environment_dir(three["mid"]).iterdir()) == []
+    assert rl_file.read_text() == "{}"
+    assert [s.snapshot_id for s in list_snapshots(tmp_path / "ckpt")] == ["s3", "s1"]
+    assert all(verify_snapshot(three[k]).ok for k in ("new", "old"))
+    with pytest.raises(SnapshotNotFoundError, match="Nothing was removed"):
+        remove_snapshot(three["mid"])
+
+
+def test_a_damaged_snapshot_can_be_removed(tmp_path: Path, three: dict[str, Path]) -> None:
+    manifest_path(three["old"]).write_bytes(b"{not json")
+    report = remove_snapshot(three["old"])
+    assert report.snapshot_id is None and len(report.files) == 2
+    assert [s.snapshot_id for s in list_snapshots(tmp_path / "ckpt")] == ["s3", "s2"]
+
+
+def _claim_as_snapshot(path: Path, operation: str = "snap-running", ttl_s: float = 30.0) -> None:
+    claim_path(environment_folder(path), operation, "cluster/other-job", ClaimWatch(),
+               ttl_s)
+
+
+def test_a_removal_is_refused_while_a_snapshot_holds_the_folder_and_removes_nothing(
+        three: dict[str, Path]) -> None:
+    _claim_as_snapshot(three["mid"])
+    before = sorted(p.name for p in environment_dir(three["mid"]).iterdir())
+    with pytest.raises(CheckpointPathBusyError,
+                       match="snap-running of cluster/other-job is in progress there"):
+        remove_snapshot(three["mid"])
+    assert sorted(p.name for p in environment_dir(three["mid"]).iterdir()) == before
+    assert verify_snapshot(three["mid"]).ok
+
+
+def test_a_removal_told_to_wait_goes_ahead_once_a_dead_snapshots_claim_is_seen_abandoned(
+        three: dict[str, Path]) -> None:
+    _claim_as_snapshot(three["mid"], ttl_s=10.0)
+    clock = FakeClock(100.0)
+    report = remove_snapshot(three["mid"], wait_s=STALE_FACTOR * 10.0 + 2, clock=clock,
+                             sleep=clock.advance)
+    assert report.snapshot_id == "s2" and clock.now >= 100.0 + STALE_FACTOR * 10.0
+    with pytest.raises(SnapshotNotFoundError):
+        read_snapshot(three["mid"])
+
+
+def test_a_removal_racing_a_snapshots_claim_backs_off_and_nothing_is_lost(
+        three: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both read no claim, both write theirs: the removal sees the snapshot's and yields."""
+    real = catalog.claim_path
+
+    def and_a_snapshot_claims_too(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        # The snapshot read the folder before the removal's claim landed: it writes.
+        data, _ = encode_claim("snap-running", "cluster/other-job", 30.0)
+        environment_folder(three["mid"]).write_bytes(".claim-snap-running.json", data)
+
+    monkeypatch.setattr(catalog, "claim_path", and_a_snapshot_claims_too)
+    with pytest.raises(CheckpointPathBusyError, match="snap-running"):
+        remove_snapshot(three["mid"])
+    assert [c.operation for c in read_claims(environment_folder(three["mid"]))] == [
+        "snap-running"]
+    assert verify_snapshot(three["mid"]).ok
+
+
+def test_a_snapshot_that_begins_during_a_removal_is_refused_not_robbed(
+        three: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    refused: list[str] = []
+    real = catalog.remove_unreferenced_files
+
+    def a_snapshot_begins(*args: Any) -> list[str]:
+        try:
+            _claim_as_snapshot(three["mid"])
+        except CheckpointPathBusyError as exc:
+            refused.append(str(exc))
+        return real(*args)
+
+    monkeypatch.setattr(catalog, "remove_unreferenced_files", a_snapshot_begins)
+    remove_snapshot(three["mid"])
+    assert len(refused) == 1 and "is in use by remove-" in refused[0]
+    assert "the snapshot there is being removed" in refused[0]
+    assert read_claims(environment_folder(three["mid"])) == []
+
+
+# --- keep_last ------------------------------------------------------------------------------
+
+
+def test_keep_last_removes_all_but_the_newest_n(tmp_path: Path, three: dict[str, Path]) -> None:
+    report = keep_last(tmp_path / "ckpt", 2)
+    assert [s.snapshot_id for s in report.kept] == ["s3", "s2"]
+    assert [r.snapshot_id for r in report.removed] == ["s1"] and report.refused == {}
+    assert [s.snapshot_id for s in list_snapshots(tmp_path / "ckpt")] == ["s3", "s2"]
+
+
+def test_keep_last_counts_only_snapshots_that_verify_so_damage_never_costs_the_good_ones(
+        tmp_path: Path, three: dict[str, Path]) -> None:
+    flip_middle_byte(first_shard(three["new"]))
+    report = keep_last(tmp_path / "ckpt", 1, verify=True)
+    assert [s.snapshot_id for s in report.kept] == ["s3", "s2"]  # damaged s3 kept, for a look
+    assert [r.snapshot_id for r in report.removed] == ["s1"]
+    assert latest_snapshot(tmp_path / "ckpt").path == str(three["mid"])
+
+
+def test_keep_last_reports_a_refused_removal_and_removes_the_rest(
+        tmp_path: Path, three: dict[str, Path]) -> None:
+    snap(tmp_path / "ckpt" / "step-0", "s0", 0)
+    _claim_as_snapshot(three["old"])
+    report = keep_last(tmp_path / "ckpt", 2)
+    assert [r.snapshot_id for r in report.removed] == ["s0"]
+    assert list(report.refused) == [str(three["old"])]
+    assert "in progress there" in report.refused[str(three["old"])]
+
+
+def test_keep_last_of_zero_is_refused_before_anything_is_removed(
+        tmp_path: Path, three: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="never removes every snapshot"):
+        keep_last(tmp_path / "ckpt", 0)
+    assert len(list_snapshots(tmp_path / "ckpt")) == 3
+
+
+# --- beside a running job (in-process coordinator and holders) -------------------------------
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Any:
+    j = sandbox_job(tmp_path)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def test_a_removal_during_a_real_snapshot_into_that_path_is_refused_and_the_commit_stands(
+        job: World, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt" / "latest"
+    refused: list[str] = []
+
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        cut = StaticCut(live, set())
+        async with job.ckpt.snapshot(path) as first:
+            assert first is not None
+            await first.check_against_cut(cut)
+        await _turns(job, dirs, 0, 1)
+        async with job.ckpt.snapshot(path) as second:
+            assert second is not None
+            try:
+                remove_snapshot(path)
+            except CheckpointPathBusyError as exc:
+                refused.append(str(exc))
+            await second.check_against_cut(cut)
+        await _coordinator(job).collection_done()
+
+    job.run(scenario())
+    assert len(refused) == 1 and "(a snapshot writing it" in refused[0]
+    assert "nothing was removed" in refused[0]
+    assert verify_snapshot(path).ok and read_snapshot(path).manifest.sessions == 2
+
+
+def _two_snapshots_with_directories(job: World, root: Path) -> None:
+    """Snapshots ``root/a`` then ``root/b`` of one rollout's directory, a turn apart."""
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        cut = StaticCut(live, set())
+        for name, turn in (("a", 0), ("b", 1)):
+            await _turns(job, dirs, turn, 1)
+            async with job.ckpt.snapshot(root / name) as snapshot:
+                assert snapshot is not None
+                await snapshot.check_against_cut(cut)
+            await _coordinator(job).collection_done()
+
+    job.run(scenario())
+
+
+def test_removing_a_snapshot_collects_the_blobs_only_it_referenced(
+        job: World, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _two_snapshots_with_directories(job, root)
+    before = len(_store(tmp_path).digests())
+    report = remove_snapshot(root / "a")
+    assert report.collection is not None and report.collection.removed > 0
+    assert report.collection.snapshots == [str(root / "b")]
+    assert len(_store(tmp_path).digests()) == before - report.collection.removed
+    assert verify_snapshot(root / "b").ok  # every blob b references is still there
+
+
+def test_keep_last_collects_the_blobs_of_the_snapshots_it_removed(
+        job: World, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _two_snapshots_with_directories(job, root)
+    report = keep_last(root, 1)
+    assert [r.path for r in report.removed] == [str(root / "a")]
+    assert report.collection is not None and report.collection.removed > 0
+    assert verify_snapshot(root / "b").ok
+
+
+def _a_job_that_snapshots_and_dies(tmp_path: Path, path: Path) -> None:
+    job = sandbox_job(tmp_path)
+    try:
+        async def first_run() -> None:
+            live, dirs = await _open_with_directories(job, rollouts=1)
+            await _turns(job, dirs, 0, 1)
+            async with job.ckpt.snapshot(path) as snapshot:
+                assert snapshot is not None
+                await snapshot.check_against_cut(StaticCut(live, set()))
+
+        job.run(first_run())
+    finally:
+        job.close()
+    shutil.rmtree(tmp_path / "sandboxes")  # a new node: nothing cached
+
+
+def _restore(tmp_path: Path, path: Path) -> int:
+    fresh = sandbox_job(tmp_path, seed=1)
+    try:
+        async def restore() -> int:
+            async with fresh.ckpt.restored(path) as restored:
+                return len(restored.continued_attempts)
+
+        return int(fresh.run(restore()))
+    finally:
+        fresh.close()
+
+
+def test_a_restore_goes_ahead_past_the_claim_a_dead_jobs_snapshot_left_there(
+        tmp_path: Path) -> None:
+    """A cluster that died mid-snapshot into the path it last committed leaves its claim;
+    reading the committed snapshot conflicts with no writer, so the restore is not
+    refused."""
+    path = tmp_path / "ckpt" / "latest"
+    _a_job_that_snapshots_and_dies(tmp_path, path)
+    _claim_as_snapshot(path)  # another cluster's owner: seen for the first time, live
+    assert _restore(tmp_path, path) == 2
+    assert [c.operation for c in read_claims(environment_folder(path))] == ["snap-running"]
+
+
+def test_a_removal_while_a_restore_reads_the_snapshot_is_refused_and_the_restore_succeeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt" / "step-1"
+    _a_job_that_snapshots_and_dies(tmp_path, path)
+    refused: list[str] = []
+    reading = Restores._read_and_verify
+
+    async def removal_meanwhile(self: Restores, *args: Any) -> Any:
+        try:
+            remove_snapshot(path)
+        except CheckpointPathBusyError as exc:
+            refused.append(str(exc))
+        return await reading(self, *args)
+
+    monkeypatch.setattr(Restores, "_read_and_verify", removal_meanwhile)
+    assert _restore(tmp_path, path) == 2
+    assert len(refused) == 1 and "(a restore reading it); nothing was removed" in refused[0]
+    assert read_claims(environment_folder(path)) == []  # dropped once the holders read
+    assert verify_snapshot(path).ok
+
+
+def test_the_readmes_example_runs_as_written(tmp_path: Path, three: dict[str, Path],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("\n## Finding, keeping and removing snapshots\n")
+    block = readme[readme.index("```python\n", start) + 10:readme.index("```\n", start + 1)]
+    flip_middle_byte(first_shard(three["new"]))
+    scope: dict[str, Any] = {"root": tmp_path / "ckpt"}
+    exec(compile(block, "README.md", "exec"), scope)
+    out = capsys.readouterr().out
+    assert f"skipped {three['new']} it does not verify" in out
+    assert scope["path"] == str(three["mid"])
+    assert scope["report"].removed == []  # three snapshots, three kept
+
+
+def test_a_removal_cut_short_leaves_no_committed_snapshot_and_a_second_one_finishes_it(
+        tmp_path: Path, three: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    def disk_error(*args: Any) -> list[str]:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(catalog, "remove_unreferenced_files", disk_error)
+        with pytest.raises(OSError):
+            remove_snapshot(three["mid"])
+    assert [s.snapshot_id for s in list_snapshots(tmp_path / "ckpt")] == ["s3", "s1"]
+    shard = first_shard(three["mid"])
+    report = remove_snapshot(three["mid"])
+    assert (report.snapshot_id, report.files) == (None, [shard.name])
+    assert list(environment_dir(three["mid"]).iterdir()) == []
+
+
+def test_a_manifest_removal_that_landed_and_then_raised_goes_on(
+        tmp_path: Path, three: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    real = LocalFolder.remove
+
+    def removed_then_raised(self: LocalFolder, names: Any) -> None:
+        names = list(names)
+        real(self, names)
+        if "manifest.json" in names:
+            raise OSError(5, "Input/output error after the removal")
+
+    monkeypatch.setattr(LocalFolder, "remove", removed_then_raised)
+    report = remove_snapshot(three["mid"])
+    assert report.snapshot_id == "s2" and len(report.files) == 2
+    assert list(environment_dir(three["mid"]).iterdir()) == []
+
+
+# --- in a bucket ------------------------------------------------------------------------------
+
+
+def test_snapshots_in_a_bucket_are_listed_found_removed_and_kept(s3_server: Any) -> None:
+    root = f"s3://{BUCKET}/catalog-{uuid.uuid4().hex[:8]}"
+    for k, minute in ((1, 1), (2, 2), (3, 3)):
+        directory = environment_folder(f"{root}/step-{k}")
+        shard = write_shard(directory, shard_file_name(f"s{k}", "holder-0"), "holder-0",
+                            [session("holder-0", "r0")])
+        write_manifest(directory, encode_manifest(
+            snapshot_id=f"s{k}", created_at=T0 + timedelta(minutes=minute),
+            instances=["holder-0"], shards=[shard], restarted_rollouts=0, metrics={}))
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["s3", "s2", "s1"]
+    assert latest_snapshot(root).path == f"{root}/step-3"
+    _claim_as_snapshot_at(f"{root}/step-2")
+    with pytest.raises(CheckpointPathBusyError, match="in progress there"):
+        remove_snapshot(f"{root}/step-2")
+    report = keep_last(root, 1)
+    assert [r.snapshot_id for r in report.removed] == ["s1"]
+    assert list(report.refused) == [f"{root}/step-2"]
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["s3", "s2"]
+    assert environment_folder(f"{root}/step-1").names() == []
+
+
+def _claim_as_snapshot_at(path: str) -> None:
+    claim_path(environment_folder(path), "snap-running", "cluster/other-job", ClaimWatch(),
+               30.0)

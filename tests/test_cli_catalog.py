@@ -1,0 +1,150 @@
+"""``nemo-ckpt ls`` and ``nemo-ckpt rm`` on real snapshot folders, damaged and claimed
+ones included (the core they render: tests/test_catalog.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nemo_ckpt.catalog import list_snapshots
+from nemo_ckpt.checkpoint_folder import environment_dir
+from nemo_ckpt.cli.main import main
+from tests.test_catalog import _claim_as_snapshot, first_shard, snap
+from tests.test_storage import flip_middle_byte, manifest_path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "ckpt"
+    snap(r / "step-1", "s1", 1)
+    snap(r / "step-2", "s2", 2, rollouts=2)
+    snap(r / "step-3", "s3", 3, rollouts=3)
+    return r
+
+
+def test_ls_lists_the_snapshots_newest_first_with_id_rollouts_and_path(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "ls", str(root))
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == f"3 committed snapshot(s) under {root}, newest first"
+    assert lines[1].split() == ["CREATED", "SNAPSHOT", "ROLLOUTS", "BYTES", "PATH"]
+    assert [line.split()[1:3] + line.split()[-1:] for line in lines[2:]] == [
+        ["s3", "3", str(root / "step-3")], ["s2", "2", str(root / "step-2")],
+        ["s1", "1", str(root / "step-1")]]
+    assert lines[2].split()[0] == "2026-01-01T00:03:00+00:00"
+
+
+def test_ls_verify_marks_a_damaged_snapshot_and_exits_1(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flip_middle_byte(first_shard(root / "step-3"))
+    code, out, err = run(capsys, "ls", "--verify", str(root))
+    assert code == 1
+    verdicts = {line.split()[-1]: line.split()[5] for line in out.splitlines()[2:]}
+    assert verdicts == {str(root / "step-3"): "FAILED", str(root / "step-2"): "ok",
+                        str(root / "step-1"): "ok"}
+    assert "1 snapshot(s) would be refused by a restore" in err
+
+
+def test_ls_latest_prints_the_newest_that_verifies_and_why_newer_ones_were_skipped(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flip_middle_byte(first_shard(root / "step-3"))
+    code, out, err = run(capsys, "ls", "--latest", str(root))
+    assert (code, out) == (0, f"{root / 'step-2'}\n")
+    assert err.startswith(f"nemo-ckpt ls: skipped {root / 'step-3'}: it does not verify")
+    code, out, _ = run(capsys, "ls", "--latest", "--no-verify", str(root))
+    assert (code, out) == (0, f"{root / 'step-3'}\n")
+
+
+def test_ls_latest_with_no_good_snapshot_exits_1_and_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    snap(tmp_path / "only", "s1", 1)
+    manifest_path(tmp_path / "only").write_bytes(b"{")
+    code, out, err = run(capsys, "ls", "--latest", str(tmp_path))
+    assert (code, out) == (1, "")
+    assert f"no snapshot under {tmp_path} verifies" in err
+    assert "its manifest does not read" in err
+
+
+def test_ls_json_carries_the_facts_and_an_unreadable_manifests_error(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest_path(root / "step-1").write_bytes(b"{")
+    code, out, _ = run(capsys, "ls", "--json", str(root))
+    assert code == 0
+    data = json.loads(out)
+    assert [d["snapshot_id"] for d in data] == [None, "s3", "s2"]
+    assert data[0]["path"] == str(root / "step-1") and "is not valid JSON" in data[0]["error"]
+    assert data[1]["rollouts"] == 3 and data[1]["created_at"] == "2026-01-01T00:03:00+00:00"
+
+
+def test_ls_and_rm_keep_last_of_a_mistyped_root_are_one_line_and_exit_1(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (("ls", str(root) + "-typo"), ("ls", "--latest", str(root) + "-typo"),
+                 ("rm", "--keep-last", "1", str(root) + "-typo")):
+        code, out, err = run(capsys, *argv)
+        assert (code, len(err.splitlines())) == (1, 1)
+        assert "is not a folder (it does not exist, or is a file)" in err
+    assert len(list_snapshots(root)) == 3
+
+
+def test_ls_of_an_empty_root_says_there_are_none(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "ls", str(tmp_path)) == (
+        0, f"no committed snapshots under {tmp_path}\n", "")
+
+
+def test_rm_removes_each_snapshot_named_and_keeps_rls_files(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (root / "step-1" / "rl_state.json").write_text("{}")
+    code, out, err = run(capsys, "rm", str(root / "step-1"), str(root / "step-2"))
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [f"removed snapshot s1 at {root / 'step-1'} (2 files)",
+                                f"removed snapshot s2 at {root / 'step-2'} (2 files)"]
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["s3"]
+    assert (root / "step-1" / "rl_state.json").exists()
+
+
+def test_rm_of_a_snapshot_a_snapshot_holds_is_refused_with_exit_1_and_removes_nothing(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _claim_as_snapshot(root / "step-2")
+    code, out, err = run(capsys, "rm", str(root / "step-2"), str(root / "step-1"))
+    assert code == 1
+    assert out == f"removed snapshot s1 at {root / 'step-1'} (2 files)\n"
+    assert err.startswith("nemo-ckpt rm: error: cannot remove the snapshot at ")
+    assert "snap-running of cluster/other-job is in progress there" in err
+    assert len(list(environment_dir(root / "step-2").glob("shard-*"))) == 1
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["s3", "s2"]
+
+
+def test_rm_of_a_path_without_a_snapshot_is_one_line_and_exit_1(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "rm", str(tmp_path / "nothing"))
+    assert (code, out) == (1, "")
+    assert len(err.splitlines()) == 1 and "no environment snapshot at" in err
+
+
+def test_rm_keep_last_keeps_the_newest_n(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "rm", "--keep-last", "1", str(root))
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [f"kept 1 snapshot(s) under {root}",
+                                f"removed snapshot s2 at {root / 'step-2'} (2 files)",
+                                f"removed snapshot s1 at {root / 'step-1'} (2 files)"]
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["s3"]
+
+
+def test_rm_keep_last_refuses_zero_and_more_than_one_root_before_removing_anything(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rm", "--keep-last", "0", str(root)])
+    assert exit_info.value.code == 2
+    code, _, err = run(capsys, "rm", "--keep-last", "1", str(root), str(root / "step-1"))
+    assert code == 2 and "--keep-last takes one ROOT, got 2 paths" in err
+    assert len(list_snapshots(root)) == 3

@@ -1,0 +1,107 @@
+"""``shutdown(wait=True)`` and the refusal of a restore into a job whose old sessions
+still live, through the real driver, coordinator and holders in-process
+(``nemo_ckpt.testing.sim``, with Ray's delay in releasing a killed actor's name)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nemo_ckpt import RayEnvironmentCheckpoint
+from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.testing.data_plane import StaticCut
+from tests.harness import World
+from tests.test_sandbox_sessions import sandbox_job
+
+pytestmark = pytest.mark.timeout(60)
+NAME_RELEASE_S = 2.0  # how long Ray keeps a killed actor's name here
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Any:
+    j = sandbox_job(tmp_path)
+    j.sim.death_delay = lambda actor: (0.5, NAME_RELEASE_S - 0.5)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+async def _sessions_and_a_snapshot(job: World, path: Path) -> None:
+    """A session on every holder, and a snapshot of them at ``path``."""
+    await job.ckpt.ensure_holders()
+    live: dict[str, set[Ep]] = {}
+    for instance in sorted(job.holders()):
+        episode = Ep(f"{instance}-r0", 0)
+        await (await job.client(instance)).open(episode, b"s0")
+        live[instance] = {episode}
+    async with job.ckpt.snapshot(path) as snap:
+        assert snap is not None
+        await snap.check_against_cut(StaticCut(live, set()))
+
+
+def _new_driver(job: World) -> RayEnvironmentCheckpoint:
+    """The driver of a restarted job: the same namespace, the old job's actors alive."""
+    driver = job.sim.new_actor("driver-2", "driver", "node-0")
+    return RayEnvironmentCheckpoint(job.config, job.sim.transport(driver, job.config))
+
+
+def test_a_restore_into_live_old_sessions_names_every_holder_and_the_fix(
+        job: World, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt" / "step-1"
+
+    async def scenario() -> str:
+        await _sessions_and_a_snapshot(job, path)
+        fresh = _new_driver(job)
+        with pytest.raises(RestoreConflictError) as refused:
+            async with fresh.restored(path):
+                pass
+        return str(refused.value)
+
+    message = job.run(scenario())
+    holders = sorted(job.holders())
+    assert len(holders) == 2
+    assert f"live now on 2 holder(s), {', '.join(holders)}" in message
+    for instance in holders:
+        assert f"{instance}: cannot restore rollouts ['{instance}-r0']" in message
+    assert "await RayEnvironmentCheckpoint(config).shutdown(wait=True)" in message
+
+
+def test_shutdown_with_wait_returns_once_the_names_are_released_and_the_restore_then_succeeds(
+        job: World, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt" / "step-1"
+
+    async def scenario() -> tuple[list[str], float, list[str], int]:
+        await _sessions_and_a_snapshot(job, path)
+        fresh = _new_driver(job)
+        transport = fresh._transport
+        started = job.sim.loop.time()
+        fresh.shutdown()
+        right_after = transport.actor_names()  # killed, the names not yet released
+        await fresh.shutdown(wait=True)
+        waited = job.sim.loop.time() - started
+        gone = transport.actor_names()
+        async with fresh.restored(path) as restored:
+            return right_after, waited, gone, len(restored.continued_attempts)
+
+    right_after, waited, gone, continued = job.run(scenario())
+    assert len(right_after) == 3  # the coordinator and two holders
+    assert waited >= NAME_RELEASE_S and gone == []
+    assert continued == 2
+
+
+def test_shutdown_with_wait_gives_up_naming_the_actors_still_registered(job: World) -> None:
+    job.sim.death_delay = lambda actor: (0.5, 60.0)  # a node Ray cannot reach
+
+    async def scenario() -> str:
+        await job.ckpt.ensure_holders()
+        with pytest.raises(BackendUnavailableError) as timed_out:
+            await job.ckpt.shutdown(wait=True, timeout_s=5.0)
+        return str(timed_out.value)
+
+    message = job.run(scenario())
+    assert "still registered 5s after the kill" in message
+    assert "holder-" in message and "call shutdown(wait=True) again" in message
