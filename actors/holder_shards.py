@@ -61,18 +61,23 @@ async def write_capture(runtime: Runtime, sandboxes: Sandboxes, instance_id: str
         capture.report.captured_msgpack)
     if trees is not None:
         entry = entry.model_copy(update={"trees": trees})
+    if capture.report.finished_count:
+        entry = entry.model_copy(update={"finished": capture.report.finished_count})
     return entry, names
 
 
 @dataclass(frozen=True)
 class RestoredShard:
     """One shard read back: its sessions, their staging keys, ``[[rollout_id, captured
-    attempt], ...]`` as msgpack, and its sandboxes staged."""
+    attempt], ...]`` as msgpack, and its sandboxes staged. ``finished`` lists
+    ``[rollout_id, attempt, result]`` of its finished sessions (``nemo_ckpt.receipts``),
+    which the restore installs as they are instead of continuing them."""
 
     held: list[Held]
     staging_keys: set[str]
     sessions_msgpack: bytes
     sandboxes: list[RestoredSandbox]
+    finished: list[list[object]]
 
 
 async def read_restore_shard(
@@ -105,5 +110,8 @@ async def read_restore_shard(
     if entry.trees is not None:
         staged = await runtime.run_blocking(
             sandboxes.prepare_restore, restore_id, directory, entry, blob_store,
-            {h.rollout_id: h.capture_key for h in held})
-    return RestoredShard(held, keys, msgpack.packb(pairs, use_bin_type=True), staged)
+            {h.rollout_id: h.capture_key for h in held if not h.finished})
+    finished: list[list[object]] = [[h.rollout_id, h.attempt, h.state] for h in held
+                                    if h.finished]
+    return RestoredShard(held, keys, msgpack.packb(pairs, use_bin_type=True), staged,
+                         finished)

@@ -96,7 +96,8 @@ class Restores:
         return RestoreBegun(
             restore_id=op.id, continued_attempts=verified.continued_attempts,
             staging_keys=verified.staging_keys, placement=placement,
-            bytes_read=verified.bytes_read, read_seconds=verified.read_seconds)
+            bytes_read=verified.bytes_read, read_seconds=verified.read_seconds,
+            finished=verified.finished)
 
     async def commit(self, restore_id: str) -> int:
         """Make every restored session live. Returns how many. If any holder fails, the

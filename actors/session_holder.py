@@ -46,6 +46,7 @@ from nemo_ckpt.errors import (
     HolderStateError,
     RestoreConflictError,
     RetiredAttemptError,
+    RolloutFinishedError,
     SessionExistsError,
     SessionNotFoundError,
     StateTooLargeError,
@@ -463,7 +464,12 @@ class SessionHolder:
         self._refuse_aborted(episode, token)
         await self._wait_for_gate()
         self._refuse_aborted(episode, token)
-        record = self._record(self._held(episode))
+        held = self._held(episode)
+        if held.finished:
+            raise RolloutFinishedError(
+                f"{self.instance_id}: {held.capture_key} was handed in as finished; it "
+                f"runs no more turns (RL reads its result and acknowledges it)")
+        record = self._record(held)
         self._gate.begin(episode.capture_key, token, self._clock.monotonic())
         self._settle_restore()
         return record
@@ -550,6 +556,31 @@ class SessionHolder:
         self._table.drop(held.rollout_id)
         self._sandboxes.drop(held.rollout_id)
         return record
+
+    async def finish_session(self, episode: EnvironmentEpisode, result: bytes
+                             ) -> SessionRecord:
+        """Hand in a finished rollout's ``result`` (``nemo_ckpt.receipts``): the session
+        stays, finished, until RL acknowledges it (``retire``); it runs no more turns.
+        Waits while paused, like a turn: a snapshot captures the session either as it
+        was before, or finished. Repeating it with the same result changes nothing."""
+        self._check_episode(episode)
+        self._check_size("result", episode, result)
+        await self._wait_for_gate()
+        held = self._held(episode)
+        if held.finished:
+            if held.state != bytes(result):
+                raise RolloutFinishedError(
+                    f"{self.instance_id}: {held.capture_key} was already handed in as "
+                    f"finished with another result; nothing changed")
+            return self._record(held)
+        if held.capture_key in self._gate:
+            raise TurnInProgressError(
+                f"{self.instance_id}: session {held.capture_key} has a turn in flight; "
+                f"finish the turn before handing in the rollout")
+        finished = held.finish(result)
+        self._table.put(finished)
+        self._sandboxes.drop(held.rollout_id)  # the worker owns the directory from now on
+        return self._record(finished)
 
     # --- ledger operations (from RL, through the coordinator) ------------------------
 
@@ -671,6 +702,7 @@ class SessionHolder:
             restarting=tuple((h.rollout_id, h.attempt) for h in mid_turn),
             capture_seconds=self._clock.monotonic() - start,
             state_bytes=self._table.held_bytes - sum(h.size for h in mid_turn),
+            finished_count=self._table.finished,  # a finished session is never mid-turn
         )
         op.capture = Capture(held, report, sandboxes)
         return report
@@ -741,6 +773,7 @@ class SessionHolder:
             await self._injected_delay("prepare_restore")
             directory = folder_at(where)
             pending: list[Held] = []
+            finished: list[list[object]] = []
             shard_sessions = []
             keys: set[str] = set()
             started = self._clock.monotonic()
@@ -752,6 +785,7 @@ class SessionHolder:
                 op.sandboxes += shard.sandboxes
                 self._current_restore(restore_id)  # ended while materializing?
                 pending += shard.held
+                finished += shard.finished
                 keys |= shard.staging_keys
                 shard_sessions.append((entry.file, shard.sessions_msgpack))
             loaded = self._clock.monotonic()
@@ -771,6 +805,7 @@ class SessionHolder:
                 read_seconds=loaded - started,
                 shard_sessions=tuple(shard_sessions),
                 live_rollouts=msgpack.packb(self._table.rollouts(), use_bin_type=True),
+                finished=msgpack.packb(finished, use_bin_type=True),
             )
             op.prepared.set_result(prepared)
             return prepared

@@ -3,11 +3,13 @@
 A holder's memory should be its sessions' bytes. So each live session is one small
 slotted ``Held``: its rollout id, its attempt, and three ``bytes`` (``nemo_ckpt.session_record``):
 
-- ``row``, its index entry ``[rollout_id, attempt, staging keys, turns, earlier keys]``,
-  which a capture joins and the shard's index is made of;
+- ``row``, its index entry ``[rollout_id, attempt, staging keys, turns, earlier keys]``
+  (and ``true`` after them once the rollout finished), which a capture joins and the
+  shard's index is made of;
 - ``turns``, its turn records as one msgpack array (one shared constant until a turn);
 - ``state``, the environment's state: the bytes object the call brought, not a copy
-  (a copy would leave the original's memory as a hole between live sessions).
+  (a copy would leave the original's memory as a hole between live sessions); once the
+  rollout finished, its result (``nemo_ckpt.receipts``).
 
 No Python object is kept per turn record, per staging key or per episode; a
 ``SessionRecord`` is decoded only when a caller needs one (a turn begins, a reader asks).
@@ -29,7 +31,14 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.session_record import NO_TURNS, SessionRecord, encode_row, encode_turns, record_of
+from nemo_ckpt.session_record import (
+    NO_TURNS,
+    SessionRecord,
+    encode_row,
+    record_of,
+    record_parts,
+    row_is_finished,
+)
 
 __all__ = ["Held", "SessionTable"]
 
@@ -39,15 +48,16 @@ _ATTEMPT_SUFFIX = re.compile(r"^(?P<rollout>.+)-a(?P<attempt>[0-9]+)$")
 class Held:
     """One live session, encoded."""
 
-    __slots__ = ("rollout_id", "attempt", "row", "turns", "state")
+    __slots__ = ("rollout_id", "attempt", "row", "turns", "state", "finished")
 
     def __init__(self, rollout_id: str, attempt: int, row: bytes, turns: bytes,
-                 state: bytes) -> None:
+                 state: bytes, finished: bool = False) -> None:
         self.rollout_id = rollout_id
         self.attempt = attempt
         self.row = row
         self.turns = turns
         self.state = state
+        self.finished = finished
 
     @property
     def size(self) -> int:
@@ -64,10 +74,18 @@ class Held:
     @classmethod
     def of(cls, record: SessionRecord) -> Held:
         ep = record.episode
-        return cls(ep.rollout_id, ep.attempt,
-                   encode_row(ep.rollout_id, ep.attempt, record.staging_keys,
-                              len(record.turns), record.earlier_capture_keys),
-                   encode_turns(record.turns), record.state)
+        row, turns, state = record_parts(record)
+        return cls(ep.rollout_id, ep.attempt, row, turns,
+                   state if record.result is not None else record.state,
+                   finished=record.finished)
+
+    def finish(self, result: bytes) -> Held:
+        """This session with its rollout handed in as finished: the result takes the
+        state's place."""
+        row = msgpack.unpackb(self.row, raw=False, use_list=True)
+        return Held(self.rollout_id, self.attempt,
+                    msgpack.packb([*row[:5], True], use_bin_type=True), self.turns,
+                    result if type(result) is bytes else bytes(result), finished=True)
 
     @classmethod
     def fresh(cls, episode: EnvironmentEpisode, state: bytes) -> Held:
@@ -79,9 +97,11 @@ class Held:
     @classmethod
     def continued(cls, row: list[Any], turns: bytes, state: bytes) -> Held:
         """A captured session as a restore installs it: the next attempt, remembering
-        the captured attempt's capture key; its turns and state unchanged."""
+        the captured attempt's capture key; its turns and state unchanged. A finished
+        one is installed as it was captured, at its attempt, with its result."""
+        finished = row_is_finished(row)
         try:
-            rollout_id, attempt, keys, n_turns, earlier = row
+            rollout_id, attempt, keys, n_turns, earlier = row[:5] if finished else row
             # join() refuses a non-string in C: no Python loop per key.
             "".join(keys)
             "".join(earlier)
@@ -91,6 +111,9 @@ class Held:
                 or attempt < 0 or type(n_turns) is not int or n_turns < 0 \
                 or type(keys) is not list or type(earlier) is not list:
             raise ValueError(f"a session row has the wrong shape: {row!r:.200}")
+        if finished:
+            return cls(rollout_id, attempt, msgpack.packb(row, use_bin_type=True), turns,
+                       state, finished=True)
         captured = rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
         return cls(rollout_id, attempt + 1,
                    msgpack.packb([rollout_id, attempt + 1, keys, n_turns, [*earlier, captured]],
@@ -109,6 +132,7 @@ class SessionTable:
         self.instance_id = instance_id
         self._by_rollout: dict[str, Held] = {}
         self.held_bytes = 0  # over every live session: their turn records and states
+        self.finished = 0  # live sessions of finished rollouts, not acknowledged yet
 
     def __len__(self) -> int:
         return len(self._by_rollout)
@@ -148,12 +172,14 @@ class SessionTable:
         """Add a session, or replace its rollout's."""
         old = self._by_rollout.get(held.rollout_id)
         self.held_bytes += held.size - (old.size if old else 0)
+        self.finished += held.finished - (old.finished if old else False)
         self._by_rollout[held.rollout_id] = held
 
     def drop(self, rollout_id: str) -> Held | None:
         held = self._by_rollout.pop(rollout_id, None)
         if held is not None:
             self.held_bytes -= held.size
+            self.finished -= held.finished
         return held
 
     def sorted(self) -> list[Held]:

@@ -7,12 +7,16 @@ recovery ledger and token-capture staging rows, below) and no ``nemo_ckpt.testin
 1. constructs ``RayEnvironmentCheckpoint`` and runs ``check_startup``;
 2. starts one environment worker per session holder, with the holder's instance id;
 3. dispatches rollouts (ledger first), opens their sessions and runs half their turns;
-   finishes one rollout (ledger, then ``retire``); leaves one dispatched, not opened;
-4. snapshots both halves at one cut, then runs a turn more (work the crash will cost);
+   finishes one rollout (the worker hands its result to the backend, RL's ledger records
+   it, then ``acknowledge``), and one more whose result only the backend has yet; leaves
+   one dispatched, not opened;
+4. snapshots both halves at one cut (no lock: a finish may race it), then runs a turn
+   more and records the second finish (work the crash will cost);
 5. crashes: kills the workers, the data plane and the holders;
 6. restarts like a new job: ``shutdown()`` of anything left, ``check_startup``, restores
-   both halves, continues the continued rollouts on their instances, starts the others
-   over as new attempts, runs everything to the end and retires it;
+   both halves, records the finished results the restore hands back, continues the
+   continued rollouts on their instances, starts the others over as new attempts, runs
+   everything to the end and acknowledges it;
 7. checks every trajectory against a run that never crashed (exit 1 if one differs).
 
     python examples/minimal_driver.py                      # an embedded 2-node cluster
@@ -38,7 +42,7 @@ from typing import Any, Optional
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from minimal_worker import EnvWorkerActor, expected_records
+from minimal_worker import EnvWorkerActor, expected_records, records_of
 from nemo_ckpt import CheckpointConfig, EnvironmentEpisode, RayEnvironmentCheckpoint
 from nemo_ckpt.connect import connect, ray_address
 from nemo_ckpt.errors import NemoCkptError
@@ -65,6 +69,7 @@ class DataPlane:
         self.ledger: dict[str, dict[str, Any]] = {}  # rollout -> instance, attempt, status
         self.staging: dict[str, Any] = {}  # staging key -> row
         self.trajectories: dict[str, list[bytes]] = {}
+        self.finished_rows: dict[str, dict[str, Any]] = {}  # rollout -> its rows, by key
         self.thawed = asyncio.Event()
         self.thawed.set()
 
@@ -83,9 +88,20 @@ class DataPlane:
         self.staging[key] = row
 
     async def finish(self, episode: EnvironmentEpisode, records: list[bytes]) -> None:
+        """Record a finished rollout: its trajectory, and its staging rows (of every
+        attempt) moved out of staging. A rollout already recorded changes nothing."""
         await self.thawed.wait()
+        self._record_finish(episode, records)
+
+    def _record_finish(self, episode: EnvironmentEpisode, records: list[bytes]) -> None:
+        if self.ledger[episode.rollout_id]["status"] == "finished":
+            return
         self.ledger[episode.rollout_id]["status"] = "finished"
         self.trajectories[episode.rollout_id] = records
+        attempts = {EnvironmentEpisode(episode.rollout_id, a).capture_key
+                    for a in range(episode.attempt + 1)}
+        mine = [k for k in self.staging if k.split("/", 1)[0] in attempts]
+        self.finished_rows[episode.rollout_id] = {k: self.staging.pop(k) for k in mine}
 
     async def freeze(self) -> tuple[dict[str, list[EnvironmentEpisode]], list[str]]:
         """Hold mutations back; return the ledger's unfinished attempts per instance and
@@ -111,16 +127,19 @@ class DataPlane:
         finished = {r: [record.decode() for record in records]  # the env's JSON bytes
                     for r, records in self.trajectories.items()}
         temporary.write_text(json.dumps({"ledger": self.ledger, "staging": self.staging,
-                                         "finished": finished}))
+                                         "finished": finished,
+                                         "finished_rows": self.finished_rows}))
         os.replace(temporary, target)
 
     async def restore(self, path: str, continued_attempts: frozenset[tuple[str, str, int]],
-                      staging_keys: frozenset[str]
+                      staging_keys: frozenset[str],
+                      results: list[tuple[EnvironmentEpisode, bytes]]
                       ) -> tuple[list[tuple[str, EnvironmentEpisode]], list[str]]:
         """Load the data plane saved at ``path``, matched to the environment's restore:
         continue exactly ``continued_attempts`` (as their next attempts, on their
-        instances), keep ``staging_keys``, clear every other row, and mark every other
-        unfinished rollout to start over. Returns ``(continued, restart)``."""
+        instances), keep ``staging_keys``, clear every other row, record the finished
+        ``results`` the ledger does not have yet, and mark every other unfinished
+        rollout to start over. Returns ``(continued, restart)``."""
         saved = json.loads((Path(path) / "data_plane.json").read_text())
         ledger = saved["ledger"]
         continued = []
@@ -133,13 +152,17 @@ class DataPlane:
             entry["attempt"] = episode.attempt  # the ledger bumps it as the backend did
             continued.append((instance_id, episode))
         continued_ids = {r for _, r, _ in continued_attempts}
-        restart = sorted(r for r, e in ledger.items()
-                         if e["status"] == "dispatched" and r not in continued_ids)
+        finished_ids = {episode.rollout_id for episode, _ in results}
+        restart = sorted(r for r, e in ledger.items() if e["status"] == "dispatched"
+                         and r not in continued_ids and r not in finished_ids)
         # Nothing changes above this line: raising there drops both halves' restore.
         self.ledger = ledger
         self.staging = {k: v for k, v in saved["staging"].items() if k in staging_keys}
         self.trajectories = {r: [record.encode() for record in records]
                              for r, records in saved["finished"].items()}
+        self.finished_rows = saved["finished_rows"]
+        for episode, result in results:  # handed back by the backend, not run again
+            self._record_finish(episode, records_of(result))
         return continued, restart
 
     async def result(self) -> dict[str, list[bytes]]:
@@ -194,10 +217,6 @@ class Driver:
         sandbox_root = ckpt.config.sandbox_root
         self.sandbox_root = None if sandbox_root is None else str(sandbox_root)
         self.data_plane = DataPlaneActor.remote()
-        # Snapshots and "finish + retire" exclude each other: between RL's "finished"
-        # and the backend's retire, a snapshot would see a session the ledger no
-        # longer expects and fail its check.
-        self.ledger_lock = asyncio.Lock()
         self.workers: dict[str, Any] = {}
 
     async def start_workers(self) -> None:
@@ -214,25 +233,24 @@ class Driver:
         return episode
 
     async def run(self, instance_id: str, episode: EnvironmentEpisode, until_turn: int,
-                  fresh: bool) -> list[bytes]:
+                  fresh: bool, last: bool = False) -> list[bytes]:
         records: list[bytes] = await self.workers[instance_id].run.remote(
-            episode, until_turn, fresh)
+            episode, until_turn, fresh, last)
         return records
 
     async def finish(self, episode: EnvironmentEpisode, records: list[bytes]) -> None:
-        async with self.ledger_lock:
-            await self.data_plane.finish.remote(episode, records)  # RL's ledger first,
-            await self.ckpt.retire([episode])                      # then the backend's session
+        # The worker handed the result to the backend already: no lock against snapshots.
+        await self.data_plane.finish.remote(episode, records)  # RL's ledger records it,
+        await self.ckpt.acknowledge([episode])                 # then the backend lets go
 
     async def snapshot(self, path: Path) -> dict[str, float]:
-        async with self.ledger_lock:
-            started = time.monotonic()
-            async with self.ckpt.snapshot(path) as snap:           # holders paused, captured
-                async with barrier(self.data_plane) as cut:        # RL's data plane frozen
-                    if snap is not None:
-                        await snap.check_against_cut(cut)          # raises SnapshotMismatchError
-                    await self.data_plane.save.remote(str(path))   # RL's half, inside both
-            # Committed: every shard durable, then environment/manifest.json.
+        started = time.monotonic()
+        async with self.ckpt.snapshot(path) as snap:           # holders paused, captured
+            async with barrier(self.data_plane) as cut:        # RL's data plane frozen
+                if snap is not None:
+                    await snap.check_against_cut(cut)          # raises SnapshotMismatchError
+                await self.data_plane.save.remote(str(path))   # RL's half, inside both
+        # Committed: every shard durable, then environment/manifest.json.
         # Persist figures are known once the block has exited, not inside it.
         return snap.metrics(time.monotonic() - started) if snap is not None else {}
 
@@ -276,17 +294,23 @@ async def main_async(args: argparse.Namespace, address: str) -> int:
     opened, waiting = rollouts[:-1], rollouts[-1]  # the last one waits for a worker slot
     await asyncio.gather(*(driver.run(placed[r], episodes[r], half, fresh=True)
                            for r in opened))
-    done = opened[0]
+    done, handed = opened[0], opened[1]
     await driver.finish(episodes[done], await driver.run(placed[done], episodes[done],
-                                                         args.turns, fresh=False))
+                                                         args.turns, fresh=False, last=True))
+    # Its result is with the backend; RL records it only after the snapshot.
+    late = await driver.run(placed[handed], episodes[handed], args.turns, fresh=False,
+                            last=True)
     metrics = await driver.snapshot(path)
     say(f"snapshot {path}: {metrics['captured_rollouts']:.0f} rollouts captured, paused "
         f"{metrics['paused_seconds'] * 1000:.0f} ms, persist "
         f"{metrics['persist_seconds'] * 1000:.0f} ms, {metrics['bytes_written']:.0f} bytes; "
-        f"{metrics['not_held_rollouts']:.0f} dispatched but not held ({waiting})")
-    running = [r for r in opened if r != done]
+        f"{metrics['not_held_rollouts']:.0f} dispatched but not held ({waiting}), "
+        f"{metrics['finished_rollouts']:.0f} finished ({handed}), "
+        f"{metrics['orphan_staging_rows']:.0f} orphan staging rows")
+    running = [r for r in opened if r not in (done, handed)]
     await asyncio.gather(*(driver.run(placed[r], episodes[r], half + 1, fresh=False)
-                           for r in running))  # turns run after the snapshot: the crash loses them
+                           for r in running),  # turns run after the snapshot: the crash
+                         driver.finish(episodes[handed], late))  # loses them, and this
     driver.crash()
     say("CRASH: workers, data plane and session holders killed")
 
@@ -297,15 +321,18 @@ async def main_async(args: argparse.Namespace, address: str) -> int:
     await ckpt.check_startup()
     driver = Driver(ckpt, args.turn_seconds)
     async with ckpt.restored(path) as restored:    # verified and loaded, not live yet
+        results = [(f.episode, f.result) for f in ckpt.restored_results]  # finished, kept
         continued, restart = await driver.data_plane.restore.remote(
-            str(path), restored.continued_attempts, restored.staging_keys)
-    # The restored sessions are live now.
+            str(path), restored.continued_attempts, restored.staging_keys, results)
+    # The restored sessions are live now; RL has recorded the results handed back.
+    await ckpt.acknowledge([episode for episode, _ in results])
     await driver.start_workers()
     say(f"restored {path}: {len(continued)} rollouts continue mid-rollout, "
-        f"{len(restart)} start over")
+        f"{len(restart)} start over, {len(results)} finished result(s) handed back")
 
     async def to_the_end(instance_id: str, episode: EnvironmentEpisode, fresh: bool) -> None:
-        await driver.finish(episode, await driver.run(instance_id, episode, args.turns, fresh))
+        await driver.finish(episode, await driver.run(instance_id, episode, args.turns, fresh,
+                                                      last=True))
 
     async def start_over(rollout_id: str) -> None:
         episode = await driver.dispatch(rollout_id, placed[rollout_id])  # its next attempt

@@ -25,7 +25,8 @@ import ray
 
 from nemo_ckpt import EnvironmentEpisode, SessionClient
 
-__all__ = ["EnvWorker", "EnvWorkerActor", "initial_state", "run_one_turn", "expected_records"]
+__all__ = ["EnvWorker", "EnvWorkerActor", "initial_state", "run_one_turn", "expected_records",
+           "result_of", "records_of"]
 
 
 def initial_state(rollout_id: str) -> bytes:
@@ -47,6 +48,16 @@ def run_one_turn(state: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
     new_state = json.dumps({"rollout": s["rollout"], "turn": s["turn"] + 1,
                             "value": value}).encode()
     return new_state, record, row
+
+
+def result_of(records: list[bytes]) -> bytes:
+    """A finished rollout's result as the backend keeps it: its turn records, as bytes."""
+    return json.dumps([record.decode() for record in records]).encode()
+
+
+def records_of(result: bytes) -> list[bytes]:
+    """The turn records in a result that a restore handed back."""
+    return [record.encode() for record in json.loads(result)]
 
 
 def expected_records(rollout_id: str, turns: int) -> list[bytes]:
@@ -90,11 +101,12 @@ class EnvWorker:
         (sandbox / "turns.log").write_bytes(b"")
         return sandbox
 
-    async def run(self, episode: EnvironmentEpisode, until_turn: int, fresh: bool
-                  ) -> list[bytes]:
+    async def run(self, episode: EnvironmentEpisode, until_turn: int, fresh: bool,
+                  last: bool = False) -> list[bytes]:
         """Run ``episode`` until its session holds ``until_turn`` turns; return the
         session's turn records. ``fresh``: open the session (a new attempt); otherwise
-        continue the session a restore brought back."""
+        continue the session a restore brought back. ``last``: the rollout ends there,
+        so hand its result to the backend, which keeps it until RL acknowledges it."""
         if self.client is None:
             self.client = await SessionClient.connect(instance_id=self.instance_id,
                                                       namespace=self.namespace)
@@ -112,8 +124,10 @@ class EnvWorker:
                 if turn.directory is not None:                    # restored with the session
                     append_to_log(turn.directory, record, turn.turns)
                 turn.complete(record, new_state, [key])           # commits when the block exits
-        # The session stays open: the driver retires it once RL has recorded the result.
-        return list((await client.get(episode)).turns)
+        turns = list((await client.get(episode)).turns)
+        if last:  # kept, finished, until the driver acknowledges RL's record of it
+            await client.finish(episode, result_of(turns))
+        return turns
 
 
 # The Ray actor (Any: Ray's stubs type ray.remote(...)(cls) as the class itself). No CPU

@@ -24,9 +24,12 @@ it, and the restore materializes each continued rollout's directory as its last
 snapshotted turn left it.
 
 A crash-run rollout goes through the ledger like RL's would: ``dispatch`` (ledger first),
-the worker opens the session and runs its turns, then the driver ``finish``es it in the
-data plane and ``retire``s it in the backend, under the same lock as snapshots, so no
-snapshot sees one half finished and the other not.
+the worker opens the session and runs its turns, then the driver hands its result to the
+backend (``SessionClient.finish``), ``finish``es it in the data plane and
+``acknowledge``s it in the backend, with no lock against snapshots
+(``nemo_ckpt.receipts``): a snapshot between the hand-in and the acknowledgement holds
+the result, and the restore hands it back to the data plane instead of running the
+rollout again. The verdict requires that no finished rollout was lost or run twice.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from nemo_ckpt.location import (
     parse_location,
 )
 from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
+from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import (
     DATA_PLANE_FILE,
@@ -69,6 +73,7 @@ from nemo_ckpt.testing.data_plane import (
     DataPlaneStats,
     Trajectory,
     start_data_plane,
+    trajectory_result,
 )
 from nemo_ckpt.testing.toy_env import (
     RolloutOutcome,
@@ -168,6 +173,8 @@ class DemoReport:
     rollouts_restored: int
     rollouts_restarted: int
     rollouts_finished_at_snapshot: int
+    results_handed_back: int  # of those, finished only in the backend at the cut
+    rollouts_run_twice: tuple[str, ...]  # finished at the cut and run again: must be none
     orphan_rows_cleared: int
     snapshots: int
     pause_seconds_p50: float
@@ -192,6 +199,7 @@ class DemoReport:
         data = asdict(self)
         data["snapshot_paths"] = list(self.snapshot_paths)
         data["mismatched_rollouts"] = list(self.mismatched_rollouts)
+        data["rollouts_run_twice"] = list(self.rollouts_run_twice)
         data["mismatched_directories"] = list(self.mismatched_directories)
         data["snapshot_bytes_written"] = list(self.snapshot_bytes_written)
         data["snapshot_new_blob_bytes"] = list(self.snapshot_new_blob_bytes)
@@ -271,7 +279,7 @@ class _Job:
         self.run_dir = run_dir  # None: no snapshots
         self.sandbox_root = sandbox_root
         self.progress = progress
-        self.lock = asyncio.Lock()  # snapshots vs. finish+retire
+        self._clients: dict[str, SessionClient] = {}  # the driver's, to hand results in
         self.snapshots: list[_SnapshotTaken] = []
         self.outcomes: dict[str, RolloutOutcome] = {}
         self.captured_snapshots = 0
@@ -368,26 +376,25 @@ class _Job:
         self._tasks.clear()
 
     async def snapshot(self) -> _SnapshotTaken:
-        """One snapshot, in DESIGN.md's order, under the ledger lock."""
+        """One snapshot, in DESIGN.md's order; finishes run beside it, without a lock."""
         assert self.run_dir is not None
-        async with self.lock:
-            path = _child(self.run_dir, f"snapshot-{self._next_snapshot:04d}")
-            self._next_snapshot += 1
-            started = time.monotonic()
-            async with self.ckpt.snapshot(_as_contract_path(path)) as snap:
-                async with self.barrier.checkpoint() as cut:
-                    if snap is not None:
-                        await snap.check_against_cut(cut)
-                    await self.barrier.save(cut, path)
-                    rows_at_cut = cut.rows_written
-            taken = _SnapshotTaken(path, time.monotonic() - started,
-                                   snap.captured_rollouts if snap is not None else 0,
-                                   rows_at_cut)
-            if snap is not None:
-                manifest = read_manifest(path)
-                taken.bytes_written = int(manifest.metrics.get("bytes_written", 0))
-                taken.new_blob_bytes = sum(s.trees.new_blob_bytes for s in manifest.shards
-                                           if s.trees is not None)
+        path = _child(self.run_dir, f"snapshot-{self._next_snapshot:04d}")
+        self._next_snapshot += 1
+        started = time.monotonic()
+        async with self.ckpt.snapshot(_as_contract_path(path)) as snap:
+            async with self.barrier.checkpoint() as cut:
+                if snap is not None:
+                    await snap.check_against_cut(cut)
+                await self.barrier.save(cut, path)
+                rows_at_cut = cut.rows_written
+        taken = _SnapshotTaken(path, time.monotonic() - started,
+                               snap.captured_rollouts if snap is not None else 0,
+                               rows_at_cut)
+        if snap is not None:
+            manifest = read_manifest(path)
+            taken.bytes_written = int(manifest.metrics.get("bytes_written", 0))
+            taken.new_blob_bytes = sum(s.trees.new_blob_bytes for s in manifest.shards
+                                       if s.trees is not None)
         self.snapshots.append(taken)
         if taken.captured:
             self.captured_snapshots += 1
@@ -456,17 +463,26 @@ class _Job:
             # no turn), the case the cut check counts as not held.
             pending = await self._claim(node) if self.options.dispatch_ahead else None
             outcome: RolloutOutcome = await running
-            async with self.lock:  # no snapshot between the two halves' "finished"
-                await self.dp.finish.remote(episode, outcome.decoded_records(),
-                                            list(outcome.staging_keys))
-                await self.ckpt.retire([episode])
-            self._active[instance_id] -= 1
             self.outcomes[episode.rollout_id] = outcome
+            records = outcome.decoded_records()
+            # The result goes to the backend first, then RL records it, then the backend
+            # lets go: a snapshot anywhere in between holds it (nemo_ckpt.receipts).
+            client = await self._client(instance_id)
+            await client.finish(episode, trajectory_result(records, outcome.staging_keys))
+            await self.dp.finish.remote(episode, records, list(outcome.staging_keys))
+            await self.ckpt.acknowledge([episode])
+            self._active[instance_id] -= 1
             self._remaining -= 1
             if self._remaining == 0:
                 self.done.set()
             if pending is None:
                 pending = await self._claim(node)
+
+    async def _client(self, instance_id: str) -> SessionClient:
+        if instance_id not in self._clients:
+            self._clients[instance_id] = await SessionClient.connect(
+                instance_id=instance_id, namespace=self.ckpt.config.namespace)
+        return self._clients[instance_id]
 
     async def _snapshot_loop(self) -> None:
         while not self.done.is_set():
@@ -693,14 +709,18 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
         dp = data_plane()
         barrier = DataPlaneBarrier(dp)
         async with ckpt.restored(_as_contract_path(path)) as restored:
-            report: DataPlaneRestoreReport = await barrier.restore(path, restored)
+            report: DataPlaneRestoreReport = await barrier.restore(
+                path, restored, ckpt.restored_results)
+        # The data plane recorded the results the backend kept: the backend lets go.
+        await ckpt.acknowledge([r.episode for r in ckpt.restored_results])
         await _ready(workers)
         _note(progress, "restore", await dp.stats.remote(), options, first,
               f"restored {base_name(path)}: {len(report.continued)} rollouts continue "
               f"mid-rollout, {len(report.restarted)} start over, {len(report.finished)} "
-              f"were finished, {report.orphans_cleared} orphan rows cleared")
+              f"were finished and {len(report.recorded)} handed back finished, "
+              f"{report.orphans_cleared} orphan rows cleared")
         continued_ids = {ep.rollout_id for _, ep in report.continued}
-        finished = set(report.finished)
+        finished = set(report.finished) | set(report.recorded)
         fresh = [r for r in rollout_ids if r not in finished and r not in continued_ids]
         second = _Job(label="after restore", options=options, ckpt=ckpt, data_plane=dp,
                       workers=workers, run_dir=run_dir, progress=progress,
@@ -763,8 +783,11 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
     pauses = [s.pause_s for s in snapshots]
     restored_turns = sum(o.turns_at_start for r, o in second.outcomes.items()
                          if r in continued_ids)
+    # The oracle of finished rollouts: none lost (every one has its trajectory, checked
+    # above), none that was finished at the cut run again after the restore.
+    run_twice = tuple(sorted(finished & set(second.outcomes)))
     return DemoReport(
-        verified=not mismatched and not bad_directories
+        verified=not mismatched and not bad_directories and not run_twice
         and len(crash_trajectories) == options.rollouts,
         rollouts=options.rollouts,
         turns_per_rollout=options.turns,
@@ -776,7 +799,9 @@ async def _run(options: DemoOptions, progress: Optional[ProgressFn], run_dir: Wh
         turns_since_last_snapshot=at_crash.rows_written - report.rows_written_at_cut,
         rollouts_restored=len(report.continued),
         rollouts_restarted=len(report.restarted),
-        rollouts_finished_at_snapshot=len(report.finished),
+        rollouts_finished_at_snapshot=len(finished),
+        results_handed_back=len(report.recorded),
+        rollouts_run_twice=run_twice,
         orphan_rows_cleared=report.orphans_cleared,
         snapshots=len(snapshots),
         pause_seconds_p50=statistics.median(pauses) if pauses else 0.0,
@@ -825,7 +850,10 @@ def format_report(report: DemoReport) -> str:
                                      f"{report.turns_since_last_snapshot})"),
         ("rollouts restarted", f"{report.rollouts_restarted} (dispatched, no session "
                                f"captured: started over from turn 0)"),
-        ("rollouts kept finished", str(report.rollouts_finished_at_snapshot)),
+        ("rollouts kept finished", f"{report.rollouts_finished_at_snapshot} ("
+                                   f"{report.results_handed_back} handed back by the "
+                                   f"backend; run twice: "
+                                   f"{len(report.rollouts_run_twice)})"),
         ("snapshots", str(report.snapshots)),
         *([("directories", f"{report.directories_compared} compared byte for byte, "
                            f"{len(report.mismatched_directories)} differ")]

@@ -234,7 +234,8 @@ def _remove_manifest(folder: Folder) -> None:
 
 def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: bool = True,
                     wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                    sleep: Callable[[float], None] = time.sleep) -> RemovalReport:
+                    sleep: Callable[[float], None] = time.sleep,
+                    snapshot_id: str | None = None) -> RemovalReport:
     """Remove the committed snapshot at checkpoint path ``path`` (its environment half),
     then, with ``collect``, the blobs no other committed snapshot references.
 
@@ -248,7 +249,11 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
     that passes for a committed snapshot; run it again).
     The blob store is the one the manifest names, else ``root``'s; a collection refused
     (a snapshot holds the store) leaves the blobs to the next commit or ``nemo-ckpt gc``,
-    and says so in ``collection_skipped``."""
+    and says so in ``collection_skipped``.
+
+    With ``snapshot_id``, only that snapshot is removed: if another one committed at
+    ``path`` since the caller looked (a job writing into the same path again), the
+    removal is refused with ``CheckpointPathBusyError`` and nothing is removed."""
     folder = environment_folder(path)
     names = folder.names()
     # Shards without a manifest: a snapshot interrupted, or a removal cut short.
@@ -265,6 +270,12 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
     _claim_alone(path, operation, owner, ClaimWatch(clock), clock, sleep, wait_s)
     try:
         report = RemovalReport(path=str(path), snapshot_id=manifest_snapshot_id(folder))
+        if snapshot_id is not None and report.snapshot_id != snapshot_id:
+            # Read under the claim: no snapshot commits here until it is released.
+            raise CheckpointPathBusyError(
+                f"cannot remove {snapshot_id} at {path}: the snapshot there is now "
+                f"{report.snapshot_id or 'none'} (committed since it was listed); nothing "
+                f"was removed. List the snapshots again before removing")
         # The manifest first: from here on nothing takes this for a committed snapshot.
         if MANIFEST_NAME in names:
             _remove_manifest(folder)
@@ -321,7 +332,8 @@ def keep_last(root: Path | str, n: int, verify: bool = False, wait_s: float = 0.
             continue
         try:
             report.removed.append(remove_snapshot(info.path, collect=False, wait_s=wait_s,
-                                                  clock=clock, sleep=sleep))
+                                                  clock=clock, sleep=sleep,
+                                                  snapshot_id=info.snapshot_id))
         except (NemoCkptError, OSError) as exc:
             report.refused[info.path] = one_line(exc)
             continue

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import CaptureReport, HolderInfo, PauseReport
+from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.transport import Transport
 
 __all__ = [
@@ -58,6 +59,7 @@ class RestoreBegun:
     placement: dict[str, str]  # instance id -> node id
     bytes_read: int
     read_seconds: float  # the slowest holder's shard reads (``RestorePrepared``)
+    finished: tuple[FinishedRollout, ...] = ()  # results to hand back (nemo_ckpt.receipts)
 
 
 class CoordinatorApi(Protocol):

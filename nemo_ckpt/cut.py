@@ -8,6 +8,11 @@ before the environment opens the session, and every staging row an environment w
 writes is written inside a turn, before the turn commits. A turn in flight holds the
 pause's drain, so after the pause and the barrier the cut holds everything that the
 captured sessions reference.
+
+A finished session (its result handed in, not yet acknowledged: ``nemo_ckpt.receipts``)
+is accepted whether RL's ledger still expects it (RL has not recorded the finish yet) or
+no longer has an unfinished attempt of its rollout (RL recorded it, and may have moved
+its staging rows out of staging): its rows are not required in the cut.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from nemo_ckpt.errors import SnapshotMismatchError
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.session_record import row_is_finished
 
 __all__ = [
     "DataPlaneMutationCut",
@@ -90,15 +96,19 @@ class CutCheckResult:
             capture (mid-turn at the drain deadline). They start over after a crash.
         orphan_staging_keys: Rows the cut holds that no captured session references;
             a restore from this snapshot clears them.
+        finished: ``(instance_id, episode)`` of the captured sessions whose rollout was
+            handed in as finished, not yet acknowledged: a restore hands their results
+            back to RL.
     """
 
     not_held: frozenset[tuple[str, EnvironmentEpisode]]
     restarting: frozenset[tuple[str, EnvironmentEpisode]]
     orphan_staging_keys: frozenset[str]
+    finished: frozenset[tuple[str, EnvironmentEpisode]] = frozenset()
 
 
-# One captured session as a holder reports it: (rollout_id, attempt, staging keys, ...);
-# fields after the keys (the turn count) are ignored here.
+# One captured session as a holder reports it: (rollout_id, attempt, staging keys, turns,
+# earlier keys[, True once finished]); the turns and earlier keys are ignored here.
 CapturedRow = Sequence[Any]
 
 
@@ -106,6 +116,7 @@ def check_capture_against_cut(
     cut: DataPlaneMutationCut,
     captured: Mapping[str, Mapping[EnvironmentEpisode, frozenset[str]]],
     restarting: Mapping[str, frozenset[EnvironmentEpisode]] | None = None,
+    finished: Mapping[str, frozenset[EnvironmentEpisode]] | None = None,
 ) -> CutCheckResult:
     """Check what the backend captured against RL's ledger and staging rows at ``cut``.
 
@@ -114,6 +125,8 @@ def check_capture_against_cut(
         captured: Per instance, each captured episode and the staging keys its session
             references (over all its earlier attempts).
         restarting: Per instance, the episodes the backend holds but did not capture.
+        finished: Per instance, which of the captured episodes were handed in as
+            finished (``nemo_ckpt.receipts``).
 
     Returns:
         What passed with a note: episodes not held, restarting, and orphan rows.
@@ -122,7 +135,13 @@ def check_capture_against_cut(
         SnapshotMismatchError: listing every difference (see ``Difference.kind``).
         Whatever ``cut.require_live()`` raises for a stale cut.
     """
-    rows = {inst: [(ep.rollout_id, ep.attempt, keys) for ep, keys in sessions.items()]
+    done = finished or {}
+
+    def row(inst: str, ep: EnvironmentEpisode, keys: frozenset[str]) -> tuple[Any, ...]:
+        finished_flag = (True,) if ep in done.get(inst, ()) else ()
+        return (ep.rollout_id, ep.attempt, keys, 0, [], *finished_flag)
+
+    rows = {inst: [row(inst, ep, keys) for ep, keys in sessions.items()]
             for inst, sessions in captured.items()}
     mid_turn = {inst: [(ep.rollout_id, ep.attempt) for ep in eps]
                 for inst, eps in (restarting or {}).items()}
@@ -149,26 +168,47 @@ def check_rows_against_cut(
                 for inst, eps in expected_eps.items() for ep in eps}
     cut_rows = _staging_keys(cut)
     held: set[tuple[str, str, int]] = set()
+    finished: set[tuple[str, str, int]] = set()
     referenced: set[str] = set()
+    kept: set[str] = set()  # rows of finished sessions
     count = 0
     for inst, rows in captured.items():
         rows = list(rows)
         count += len(rows)
         held.update(zip(itertools.repeat(inst), map(itemgetter(0), rows),
                         map(itemgetter(1), rows)))
+        # Only a finished session's row is longer: a Python loop only when one is there.
+        if rows and max(map(len, rows)) > 5:
+            done = [row for row in rows if row_is_finished(row)]
+            finished.update((inst, row[0], row[1]) for row in done)
+            # Its rows keep it from being an orphan, but the cut need not hold them.
+            kept.update(itertools.chain.from_iterable(map(itemgetter(2), done)))
+            rows = [row for row in rows if not row_is_finished(row)]
         referenced.update(itertools.chain.from_iterable(map(itemgetter(2), rows)))
     mid_turn = {(inst, rid, att) for inst, pairs in restarting.items() for rid, att in pairs}
     everything = held | mid_turn
-    if len(held) != count or held - expected or not referenced <= cut_rows \
+    recorded = _recorded_by_rl(finished, expected)
+    if len(held) != count or held - expected - recorded or not referenced <= cut_rows \
             or len({rid for _, rid, _ in everything}) != len(everything):
-        _raise_differences(cut_rows, expected, captured, mid_turn)
+        _raise_differences(cut_rows, expected, captured, mid_turn, recorded)
     return CutCheckResult(
         not_held=frozenset((inst, EnvironmentEpisode(rid, att))
                            for inst, rid, att in expected - everything),
         restarting=frozenset((inst, EnvironmentEpisode(rid, att))
                              for inst, rid, att in mid_turn),
-        orphan_staging_keys=frozenset(cut_rows - referenced),
+        orphan_staging_keys=frozenset(cut_rows - referenced - kept),
+        finished=frozenset((inst, EnvironmentEpisode(rid, att)) for inst, rid, att in finished),
     )
+
+
+def _recorded_by_rl(finished: set[tuple[str, str, int]], expected: set[tuple[str, str, int]]
+                    ) -> set[tuple[str, str, int]]:
+    """The finished sessions RL's ledger no longer expects in any attempt: RL recorded
+    the finish and has not acknowledged it yet."""
+    if not finished:
+        return set()
+    unfinished = {rid for _, rid, _ in expected}
+    return {f for f in finished if f[1] not in unfinished}
 
 
 def _wrong_type(method: str, expected: str, got: object) -> TypeError:
@@ -219,7 +259,8 @@ def _staging_keys(cut: DataPlaneMutationCut) -> Set[str]:
 
 def _raise_differences(cut_rows: Set[str], expected: set[tuple[str, str, int]],
                        captured: Mapping[str, Iterable[CapturedRow]],
-                       mid_turn: set[tuple[str, str, int]]) -> None:
+                       mid_turn: set[tuple[str, str, int]],
+                       recorded: set[tuple[str, str, int]]) -> None:
     """Name every difference, session by session; only runs when there is one."""
     expected_at: dict[str, set[tuple[str, int]]] = {}
     for inst, rid, att in expected:
@@ -230,9 +271,9 @@ def _raise_differences(cut_rows: Set[str], expected: set[tuple[str, str, int]],
         for row in rows:
             rid, att, keys = row[0], row[1], row[2]
             ep = EnvironmentEpisode(rid, att)
-            if (inst, rid, att) not in expected:
+            if (inst, rid, att) not in expected and (inst, rid, att) not in recorded:
                 differences.append(_unexpected(inst, ep, expected_at.get(rid, set())))
-            for key in sorted(set(keys) - cut_rows):
+            for key in sorted(set(keys) - cut_rows) if not row_is_finished(row) else ():
                 differences.append(Difference(
                     "missing_staging_key", inst, rid, att,
                     f"references staging row {key!r}, which the cut does not hold"))

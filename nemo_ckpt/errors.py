@@ -247,6 +247,11 @@ class RetiredAttemptError(SessionError):
     """A turn or session for an attempt that RL retired."""
 
 
+class RolloutFinishedError(SessionError):
+    """A turn on a session whose rollout was handed in as finished, or a second finish
+    of it with another result."""
+
+
 class TurnInProgressError(SessionError):
     """A session already has a turn in flight, or a turn token is unknown."""
 

@@ -150,6 +150,9 @@ class HolderSessions(Protocol):
 
     async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord: ...
 
+    async def finish_session(self, episode: EnvironmentEpisode, result: bytes
+                             ) -> SessionRecord: ...
+
     async def sessions(self) -> list[SessionRecord]: ...
 
 
@@ -184,6 +187,10 @@ class SessionCalls:
 
     def close_session(self, episode: EnvironmentEpisode | str) -> Awaitable[SessionRecord]:
         return self._invoke("close_session", episode)
+
+    def finish_session(self, episode: EnvironmentEpisode, result: bytes
+                       ) -> Awaitable[SessionRecord]:
+        return self._invoke("finish_session", episode, result)
 
     def sessions(self) -> Awaitable[list[SessionRecord]]:
         return self._invoke("sessions")

@@ -9,7 +9,12 @@ The manifest is JSON, validated by the pydantic models below. It carries each sh
 byte length, content hash and session count, so a restore verifies every byte before it
 installs anything.
 
-Format versions: 4 (written when sessions own sandbox directories) is 3 plus, per shard,
+Format versions: 5 (written when a shard holds finished, unacknowledged rollouts,
+``nemo_ckpt.receipts``) is 3 or 4 plus, per shard, how many of its sessions are finished
+(``ShardEntry.finished``); their index rows carry a sixth element, ``true``, and their
+state slot holds the result. Earlier releases refuse it by its version rather than
+continue a finished rollout; a snapshot without finished rollouts is still written as 3
+or 4. 4 (written when sessions own sandbox directories) is 3 plus, per shard,
 the file of its sessions' directory trees (``TreesEntry``) and, once, where the blob store
 that holds their files lies relative to the checkpoint path (``blob_store``); a snapshot
 without directories is still written as 3, which earlier releases read. 3 lists no
@@ -38,6 +43,7 @@ __all__ = [
     "load_json",
     "FORMAT_VERSION",
     "SANDBOX_FORMAT_VERSION",
+    "RECEIPTS_FORMAT_VERSION",
     "TreesEntry",
     "trees_file_name",
     "CONTENT_HASH_PATTERN",
@@ -60,7 +66,8 @@ __all__ = [
 
 FORMAT_VERSION: Literal[3] = 3
 SANDBOX_FORMAT_VERSION: Literal[4] = 4
-SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3, 4})
+RECEIPTS_FORMAT_VERSION: Literal[5] = 5
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3, 4, 5})
 ENVIRONMENT_DIR = "environment"
 MANIFEST_NAME = "manifest.json"
 SHARD_PREFIX = "shard-"
@@ -146,6 +153,9 @@ class ShardEntry(_Model):
     sessions: int = Field(ge=0, description="How many sessions it holds.")
     trees: TreesEntry | None = Field(
         None, description="Its sessions' directory trees (format 4), if any owns one.")
+    finished: int | None = Field(
+        None, ge=1, description="Format 5: how many of its sessions are finished rollouts "
+                                "whose results RL has not acknowledged yet.")
 
 
 class RolloutEntry(_Model):
@@ -162,7 +172,8 @@ class RolloutEntry(_Model):
 class Manifest(_Model):
     """A committed environment snapshot. Written last; its presence means complete."""
 
-    format_version: Literal[1, 2, 3, 4] = Field(description="Version of this on-disk format.")
+    format_version: Literal[1, 2, 3, 4, 5] = Field(
+        description="Version of this on-disk format.")
     snapshot_id: str = Field(min_length=1, description="Id carried by every phase.")
     created_at: datetime = Field(description="When the snapshot was committed (UTC).")
     instances: list[str] = Field(
@@ -183,11 +194,25 @@ class Manifest(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
         has_trees = any(s.trees is not None for s in self.shards)
+        has_finished = any(s.finished is not None for s in self.shards)
         if self.format_version == 4 and (self.blob_store is None or not has_trees):
             raise ValueError("a format-4 manifest names its blob store and trees")
         if self.format_version < 4 and (self.blob_store is not None or has_trees):
             raise ValueError(f"a format-{self.format_version} manifest has no sandbox "
                              f"trees or blob store")
+        if self.format_version == 5:
+            if not has_finished:
+                raise ValueError("a format-5 manifest has a shard of finished rollouts")
+            if has_trees != (self.blob_store is not None):
+                raise ValueError("a format-5 manifest names a blob store exactly when it "
+                                 "has sandbox trees")
+        elif has_finished:
+            raise ValueError(f"a format-{self.format_version} manifest holds no finished "
+                             f"rollouts")
+        for shard in self.shards:
+            if shard.finished is not None and shard.finished > shard.sessions:
+                raise ValueError(f"shard {shard.file!r} says {shard.finished} finished of "
+                                 f"{shard.sessions} sessions")
         if self.format_version >= 3:
             if self.rollouts:
                 raise ValueError("a format-3 manifest lists no rollouts: each shard holds "
@@ -264,8 +289,10 @@ def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[s
     sandboxes = any(s.trees is not None for s in shards)
     if sandboxes and blob_store is None:
         raise ValueError("shards with directory trees need the blob store's location")
+    version = RECEIPTS_FORMAT_VERSION if any(s.finished is not None for s in shards) \
+        else SANDBOX_FORMAT_VERSION if sandboxes else FORMAT_VERSION
     data: dict[str, Any] = {
-        "format_version": SANDBOX_FORMAT_VERSION if sandboxes else FORMAT_VERSION,
+        "format_version": version,
         "snapshot_id": snapshot_id,
         "created_at": created_at.isoformat(),
         "instances": instances,

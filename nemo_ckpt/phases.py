@@ -103,6 +103,7 @@ class CaptureReport:
     restarting: tuple[tuple[str, int], ...]
     capture_seconds: float
     state_bytes: int  # of the captured sessions as held: turn records and states
+    finished_count: int = 0  # of them, finished rollouts not acknowledged yet
 
     def rows(self) -> list[list[Any]]:
         """The captured sessions as msgpack decodes them, ``[rollout_id, attempt,
@@ -141,6 +142,14 @@ class RestorePrepared:
     read_seconds: float = 0.0  # its shards read, verified and decoded into sessions
     shard_sessions: tuple[tuple[str, bytes], ...] = ()
     live_rollouts: bytes = b"\x90"  # the rollouts live on the holder now, for conflicts
+    # ``[[rollout_id, attempt, result], ...]``: sessions of finished rollouts, installed as
+    # captured (not continued) and handed back to RL (``nemo_ckpt.receipts``).
+    finished: bytes = b"\x90"
+
+    def finished_results(self) -> list[tuple[str, int, bytes]]:
+        """``(rollout_id, attempt, result)`` of every finished session it read."""
+        return [(rid, att, result)
+                for rid, att, result in msgpack.unpackb(self.finished, raw=False)]
 
     def sessions_by_shard(self) -> list[tuple[str, list[tuple[str, int]]]]:
         """``(shard file, [(rollout_id, captured attempt), ...])`` per shard read."""

@@ -18,6 +18,7 @@ from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_rows_again
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     CheckpointPathError,
+    HolderBusyError,
     NemoCkptError,
     SnapshotInProgressError,
     StartupCheckError,
@@ -28,6 +29,7 @@ from nemo_ckpt.location import LocalLocation, join_location, levels_below, parse
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.path_claims import advisory_claims_warning
 from nemo_ckpt.phases import HolderInfo, HolderState
+from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import register_default_transport
 from nemo_ckpt.transport import COORDINATOR, Transport
 
@@ -109,6 +111,17 @@ class RaySnapshot:
                 "(not opened yet, or lost with a node); they restart after a crash: %s%s",
                 self.snapshot_id, len(result.not_held), shown,
                 " ..." if len(result.not_held) > 10 else "")
+        if result.orphan_staging_keys:
+            shown = ", ".join(sorted(result.orphan_staging_keys)[:10])
+            log.warning(
+                "snapshot %s: the cut holds %d staging row(s) that no captured session "
+                "references; a restore from this snapshot clears them: %s%s. Outside the "
+                "rows of rollouts mid-turn at the drain deadline (%d here), this usually "
+                "means RL's data plane leaves a finished rollout's rows in staging: "
+                "recording a rollout as finished must move its rows out of staging (the "
+                "README's ledger rules)", self.snapshot_id, len(result.orphan_staging_keys),
+                shown, " ..." if len(result.orphan_staging_keys) > 10 else "",
+                len(result.restarting))
 
     def metrics(self, paused_seconds: float) -> dict[str, float]:
         """Figures for this snapshot, in seconds, bytes and counts."""
@@ -128,6 +141,7 @@ class RaySnapshot:
         if self.check_result is not None:
             figures["not_held_rollouts"] = float(len(self.check_result.not_held))
             figures["orphan_staging_rows"] = float(len(self.check_result.orphan_staging_keys))
+            figures["finished_rollouts"] = float(len(self.check_result.finished))
         figures.update(self._committed)
         return figures
 
@@ -171,6 +185,8 @@ class RayEnvironmentCheckpoint:
         self.config = config or CheckpointConfig()
         self._transport_ = transport
         self._open: str | None = None
+        self._closed: asyncio.Event | None = None  # set when the open operation ends
+        self._restored_results: tuple[FinishedRollout, ...] = ()
         self._driver_id: str | None = None  # names this driver in its operation ids
         self._sequence = 0
         self._last_restore: dict[str, float] | None = None
@@ -187,6 +203,16 @@ class RayEnvironmentCheckpoint:
         ``persist_seconds``); ``restore_seconds``, ``restored()`` entered -> sessions live;
         ``continued_rollouts``."""
         return None if self._last_restore is None else dict(self._last_restore)
+
+    @property
+    def restored_results(self) -> tuple[FinishedRollout, ...]:
+        """The finished, unacknowledged rollouts the last restore brought back, with
+        their results (``nemo_ckpt.receipts``); set when ``restored()`` yields, so RL
+        reads them inside its block, and empty again if that restore fails. They are
+        live again, finished, on their instances, and not in ``continued_attempts``: RL
+        records the ones its restored ledger does not have as finished, then
+        ``acknowledge``s every one."""
+        return self._restored_results
 
     @property
     def open_operation(self) -> str | None:
@@ -294,7 +320,7 @@ class RayEnvironmentCheckpoint:
         path = self._checkpoint_location(checkpoint_path)  # a folder, or a URL
         self._refuse_if_open("snapshot")
         snapshot_id = self._new_operation_id("snap")
-        self._open = snapshot_id
+        self._set_open(snapshot_id)
         clock = self._transport.runtime.clock
         started = clock.monotonic()
         try:
@@ -327,7 +353,7 @@ class RayEnvironmentCheckpoint:
                      snap.restarted_rollouts, committed.metrics.get("bytes_written", 0.0),
                      clock.monotonic() - started)
         finally:
-            self._open = None
+            self._set_open(None)
 
     def _checkpoint_location(self, checkpoint_path: Path | str) -> str:
         """``checkpoint_path`` as the actors are handed it, or ``CheckpointPathError``:
@@ -394,7 +420,8 @@ class RayEnvironmentCheckpoint:
         path = self._checkpoint_location(checkpoint_path)  # a folder, or a URL
         self._refuse_if_open("restore")
         restore_id = self._new_operation_id("restore")
-        self._open = restore_id
+        self._set_open(restore_id)
+        self._restored_results = ()  # a restore that fails hands nothing back
         clock = self._transport.runtime.clock
         started = clock.monotonic()
         try:
@@ -404,17 +431,20 @@ class RayEnvironmentCheckpoint:
                 except BaseException as exc:
                     await self._abort(restore_id, None, exc)
                     raise
+                self._restored_results = begun.finished
                 try:
                     yield RestoredEnvironmentRollouts(
                         continued_attempts=begun.continued_attempts,
                         staging_keys=begun.staging_keys)
                 except BaseException as exc:
+                    self._restored_results = ()
                     await self._abort(restore_id, None, exc)
                     raise
                 live, cancelled = await _finish(asyncio.ensure_future(
                     self._coordinator.commit_restore(restore_id)))
                 if isinstance(live, BaseException):
                     # Some holders may have gone live: the abort makes them drop it again.
+                    self._restored_results = ()
                     await self._abort(restore_id, None, live)
                     if cancelled:
                         raise asyncio.CancelledError()
@@ -427,7 +457,7 @@ class RayEnvironmentCheckpoint:
                 "continued_rollouts": float(len(begun.continued_attempts))}
             log.info("restore %s from %s: %d sessions live", restore_id, path, live)
         finally:
-            self._open = None
+            self._set_open(None)
 
     def is_unavailable(self, error: BaseException) -> bool:
         """True only for a failure that left nothing RL holds changed and goes away by
@@ -456,6 +486,28 @@ class RayEnvironmentCheckpoint:
         """
         self._refuse_if_open("retire")
         return await self._ledger_op("retire", list(episodes))
+
+    async def acknowledge(self, episodes: Iterable[EnvironmentEpisode]) -> list[str]:
+        """RL has durably recorded these finished rollouts: drop their sessions and
+        results (``nemo_ckpt.receipts``). Returns the capture keys dropped.
+
+        Unlike ``retire`` it needs no lock against snapshots: while a snapshot or
+        restore is open on this driver it waits for its end, and a holder busy with one
+        is retried until the operation's lease would have ended it."""
+        episodes = list(episodes)
+        clock = self._transport.runtime.clock
+        deadline: float | None = None  # from the first busy holder, not while we wait
+        while True:
+            while self._closed is not None:
+                await self._closed.wait()
+            try:
+                return await self._ledger_op("retire", episodes)
+            except HolderBusyError:
+                now = clock.monotonic()
+                deadline = now + self._name_wait_s if deadline is None else deadline
+                if now >= deadline:
+                    raise
+            await asyncio.sleep(_NAME_RETRY_S)
 
     async def forget(self, episodes: Iterable[EnvironmentEpisode]) -> list[str]:
         """Drop these attempts' sessions and their refusals. Retried like ``retire``."""
@@ -571,6 +623,14 @@ class RayEnvironmentCheckpoint:
         """How long a call waits for the coordinator's name to stop resolving to a dead
         incarnation: past a lease, the holders have resumed by themselves anyway."""
         return self.config.lease_s + self.config.phase_timeout_s
+
+    def _set_open(self, op_id: str | None) -> None:
+        self._open = op_id
+        if op_id is not None:
+            self._closed = asyncio.Event()
+        elif self._closed is not None:
+            self._closed.set()
+            self._closed = None
 
     def _refuse_if_open(self, what: str) -> None:
         if self._open is not None:

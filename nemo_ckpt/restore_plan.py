@@ -13,8 +13,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
+from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.manifest import Manifest, ShardEntry, rollouts_by_shard, shard_problems
 from nemo_ckpt.phases import RestorePrepared, instance_sort_key
+from nemo_ckpt.receipts import FinishedRollout
 
 __all__ = ["CONFLICT_FIX", "VerifiedRestore", "assign_shards", "conflict_error", "holder_said",
            "least_loaded_node", "verify_prepared"]
@@ -89,6 +91,7 @@ class VerifiedRestore:
     staging_keys: frozenset[str]
     bytes_read: int
     read_seconds: float  # the slowest holder's shard reads
+    finished: tuple[FinishedRollout, ...] = ()  # installed as captured, not continued
 
 
 def verify_prepared(manifest: Manifest, directory: str, checkpoint_path: str,
@@ -106,6 +109,11 @@ def verify_prepared(manifest: Manifest, directory: str, checkpoint_path: str,
     continued = {inst: [pair for _, pairs in shards for pair in pairs]
                  for inst, shards in by_shard.items()}
     restored = [rid for pairs in continued.values() for rid, _ in pairs]
+    finished = tuple(sorted(
+        (FinishedRollout(p.instance_id, EnvironmentEpisode(rid, att), result)
+         for p in prepared.values() for rid, att, result in p.finished_results()),
+        key=lambda f: (f.instance_id, f.episode)))
+    done = {(f.instance_id, f.episode.rollout_id) for f in finished}
     if len(set(restored)) != len(restored):
         twice = sorted(r for r, n in Counter(restored).items() if n > 1)
         problems.append(f"rollouts held by two shards of {directory}: {twice[:10]}; "
@@ -124,7 +132,8 @@ def verify_prepared(manifest: Manifest, directory: str, checkpoint_path: str,
     return VerifiedRestore(
         continued_attempts=frozenset(
             (inst, rid, attempt) for inst, pairs in continued.items()
-            for rid, attempt in pairs),
+            for rid, attempt in pairs if (inst, rid) not in done),
+        finished=finished,
         staging_keys=frozenset().union(*(p.staging_keys for p in prepared.values())),
         bytes_read=sum(p.bytes_read for p in prepared.values()),
         read_seconds=max((p.read_seconds for p in prepared.values()), default=0.0),

@@ -18,7 +18,7 @@ import msgpack
 from nemo_ckpt.interfaces import EnvironmentEpisode
 
 __all__ = ["SessionRecord", "check_staging_keys", "encode_row", "encode_turns", "body_head",
-           "bin_header", "record_parts", "record_of", "NO_TURNS"]
+           "bin_header", "record_parts", "record_of", "row_is_finished", "NO_TURNS"]
 
 
 def check_staging_keys(staging_keys: Iterable[str], where: str) -> frozenset[str]:
@@ -56,6 +56,8 @@ class SessionRecord:
         earlier_capture_keys: Capture keys of the attempts before this one, oldest first.
         directory: The sandbox directory the session owns on its node, if any (after a
             restore, the one the restore made for this attempt).
+        result: The finished rollout's result, once its worker handed it in
+            (``SessionClient.finish``); None while the rollout runs.
     """
 
     instance_id: str
@@ -65,6 +67,12 @@ class SessionRecord:
     staging_keys: frozenset[str] = frozenset()
     earlier_capture_keys: tuple[str, ...] = ()
     directory: str | None = None
+    result: bytes | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the rollout was handed in as finished (it runs no more turns)."""
+        return self.result is not None
 
     def continued(self) -> SessionRecord:
         """This session as a restore installs it: the next attempt, keeping its turns,
@@ -127,7 +135,8 @@ class SessionRecord:
 #
 # row:    msgpack [rollout_id, attempt, [staging keys, sorted], turns, [earlier keys]]
 #         what a capture reports, and the shard's index entry: small, read without the
-#         session's bytes
+#         session's bytes; a finished session's row has a sixth element, true, and its
+#         state slot holds the result (a finished rollout has no further state)
 # turns:  msgpack [turn record, ...]: the turn records, kept encoded
 # state:  the environment's state, the bytes object as it arrived
 # A shard stores a session's body as the msgpack array [turns, state]: its turns blob,
@@ -137,10 +146,18 @@ NO_TURNS = b"\x90"  # msgpack's empty array: the turns of a session just opened
 
 
 def encode_row(rollout_id: str, attempt: int, staging_keys: Iterable[str], turns: int,
-               earlier_capture_keys: Iterable[str]) -> bytes:
+               earlier_capture_keys: Iterable[str], finished: bool = False) -> bytes:
     """A session's row (see above)."""
-    return _PACK([rollout_id, attempt, sorted(staging_keys), turns,
-                  list(earlier_capture_keys)])
+    row: list[Any] = [rollout_id, attempt, sorted(staging_keys), turns,
+                      list(earlier_capture_keys)]
+    if finished:
+        row.append(True)
+    return _PACK(row)
+
+
+def row_is_finished(row: Any) -> bool:
+    """Whether a decoded row is a finished session's (see above)."""
+    return len(row) > 5 and row[5] is True
 
 
 def encode_turns(turns: Iterable[bytes]) -> bytes:
@@ -168,8 +185,9 @@ def record_parts(record: SessionRecord) -> tuple[bytes, bytes, bytes]:
     """``(row, turns blob, state)`` of ``record``."""
     ep = record.episode
     return (encode_row(ep.rollout_id, ep.attempt, record.staging_keys, len(record.turns),
-                       record.earlier_capture_keys),
-            encode_turns(record.turns), bytes(record.state))
+                       record.earlier_capture_keys, record.finished),
+            encode_turns(record.turns),
+            bytes(record.result if record.result is not None else record.state))
 
 
 def record_of(instance_id: str, row: Any, turns_blob: bytes, state: bytes) -> SessionRecord:
@@ -177,7 +195,10 @@ def record_of(instance_id: str, row: Any, turns_blob: bytes, state: bytes) -> Se
     any other shape (a shard is verified by its hash before this runs, so this only
     catches a file some other tool wrote)."""
     try:
-        rollout_id, attempt, keys, turns, earlier = row
+        rollout_id, attempt, keys, turns, earlier = row[:5] if len(row) == 6 else row
+        finished = row_is_finished(row)
+        if len(row) == 6 and not finished:
+            raise ValueError("a sixth row element other than true")
         turn_records = msgpack.unpackb(turns_blob, raw=False, use_list=True)
     except (TypeError, ValueError, msgpack.UnpackException) as exc:
         raise ValueError(f"a session row or its turns have the wrong shape ({exc})") from None
@@ -191,6 +212,10 @@ def record_of(instance_id: str, row: Any, turns_blob: bytes, state: bytes) -> Se
         if not isinstance(seq, list) or not all(isinstance(k, str) for k in seq):
             raise ValueError(f"the {name} of session {rollout_id!r} are not a list of "
                              f"strings")
+    if finished:
+        return SessionRecord(instance_id, EnvironmentEpisode(rollout_id, attempt),
+                             tuple(turn_records), b"", frozenset(keys), tuple(earlier),
+                             result=state)
     return SessionRecord(instance_id, EnvironmentEpisode(rollout_id, attempt),
                          tuple(turn_records), state, frozenset(keys), tuple(earlier))
 

@@ -241,6 +241,17 @@ class SessionClient:
                 del self._aborting[key]
         done.add_done_callback(forget)
 
+    async def finish(self, episode: EnvironmentEpisode, result: bytes) -> SessionRecord:
+        """Hand in ``episode``'s finished rollout with its ``result`` (bytes the
+        environment serializes). The holder keeps both, finished, until RL acknowledges
+        them (``RayEnvironmentCheckpoint.acknowledge``); a snapshot captures the result,
+        and a restore hands it back to RL instead of running the rollout again
+        (``nemo_ckpt.receipts``). Waits while a snapshot pauses the holder."""
+        pending = self._aborting.get(episode.capture_key)
+        if pending is not None:  # an aborted last turn would refuse the finish
+            await asyncio.wait([pending])
+        return await self._holder_calls.finish_session(episode, result)
+
     async def close(self, episode: EnvironmentEpisode) -> SessionRecord:
         """Close ``episode``'s finished session and return its final record."""
         return await self._holder_calls.close_session(episode.capture_key)

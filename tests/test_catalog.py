@@ -455,3 +455,15 @@ def test_snapshots_in_a_bucket_are_listed_found_removed_and_kept(s3_server: Any)
 def _claim_as_snapshot_at(path: str) -> None:
     claim_path(environment_folder(path), "snap-running", "cluster/other-job", ClaimWatch(),
                30.0)
+
+
+def test_a_removal_of_a_listed_snapshot_is_refused_once_another_committed_at_its_path(
+        tmp_path: Path) -> None:
+    path = snap(tmp_path / "ckpt" / "step-1", "snap-old", minute=1)
+    listed = list_snapshots(tmp_path / "ckpt")
+    assert [i.snapshot_id for i in listed] == ["snap-old"]
+    snap(path, "snap-new", minute=2)  # a job writes into the same path again
+    with pytest.raises(CheckpointPathBusyError, match="snapshot there is now snap-new"):
+        remove_snapshot(path, snapshot_id="snap-old")
+    assert read_snapshot(path).manifest.snapshot_id == "snap-new"
+    assert verify_snapshot(path).ok

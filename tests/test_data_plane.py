@@ -19,6 +19,7 @@ from nemo_ckpt.cut import DataPlaneMutationCut, check_capture_against_cut
 from nemo_ckpt.errors import SnapshotMismatchError, StaleCutError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.interfaces import RestoredEnvironmentRollouts
+from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.testing import (
     DATA_PLANE_FILE,
     CutInProgressError,
@@ -29,6 +30,7 @@ from nemo_ckpt.testing import (
     ReferenceDataPlane,
     RolloutStatus,
     start_data_plane,
+    trajectory_result,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -208,6 +210,40 @@ async def test_restore_continues_exactly_the_restored_attempts_and_clears_orphan
     assert [r["turn"] for r in done.rows] == [0, 1, 2]
     async with barrier.checkpoint() as cut:
         assert cut.expected_episodes() == {"holder-2": frozenset({Ep("s", 1)})}
+
+
+async def test_restore_records_a_result_handed_back_and_only_acknowledges_one_it_has(
+        tmp_path: Path) -> None:
+    await _saved_plane(tmp_path)
+    dp, barrier = plane()
+    # s finished after its one row, its result only with the backend at the cut; f was
+    # recorded before the cut (its row moved out of staging), not yet acknowledged.
+    results = (
+        FinishedRollout("holder-1", Ep("s", 0), trajectory_result([{"turn": 0}], ["s/t0000"])),
+        FinishedRollout("holder-1", Ep("f", 0), trajectory_result([{"x": 1}], ["f/t0000"])))
+    restored = RestoredEnvironmentRollouts(
+        continued_attempts=frozenset({("holder-0", "c", 0)}),
+        staging_keys=frozenset({"c/t0000", "c/t0001", "s/t0000", "f/t0000"}))
+    report = await barrier.restore(tmp_path, restored, results)
+
+    assert report.recorded == ("s",) and report.restarted == () and report.finished == ("f",)
+    ledger = {r.rollout_id: r for r in await dp.ledger()}
+    assert ledger["s"].status is RolloutStatus.FINISHED
+    trajectories = await dp.trajectories()
+    assert trajectories["s"].steps == (({"turn": 0},), ({"turn": 0},))
+    assert trajectories["f"].steps[0] == ({"turn": 0, "reward": 1.0},)  # the one recorded
+    assert sorted(await dp.staging_rows()) == ["c/t0000", "c/t0001"]  # s's row moved out
+
+
+async def test_restore_refuses_a_result_of_an_attempt_the_ledger_does_not_have(
+        tmp_path: Path) -> None:
+    await _saved_plane(tmp_path)
+    dp, barrier = plane()
+    stale = FinishedRollout("holder-1", Ep("s", 3), trajectory_result([], []))
+    with pytest.raises(DataPlaneRestoreError,
+                       match="holder-1/s-a3: a finished result, but the ledger has attempt 0"):
+        await barrier.restore(tmp_path, RestoredEnvironmentRollouts(), (stale,))
+    assert await dp.ledger() == []
 
 
 async def test_restore_refuses_halves_from_different_cuts_and_changes_nothing(

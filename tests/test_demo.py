@@ -92,6 +92,8 @@ async def test_a_crashed_run_restores_mid_rollout_and_ends_like_the_crash_free_r
     assert report.verified, f"trajectories differ: {report.mismatched_rollouts}"
     assert report.matches_pure_function
     assert report.turns_total == 144
+    # No finished rollout was lost (verified: every one has its trajectory) or run again.
+    assert report.rollouts_run_twice == ()
     # Rollouts came back mid-rollout, with their turns, not from turn 0.
     assert report.rollouts_restored >= 1 and report.turns_restored >= 1
     # The crash cost at most the turns run since the last committed snapshot.
@@ -248,7 +250,8 @@ async def test_a_failed_run_leaves_no_folder_behind(cluster: Any, tmp_path: Path
 
 
 @pytest.mark.timeout(180)
-def test_the_minimal_example_recovers_on_its_embedded_cluster(tmp_path: Path) -> None:
+def test_the_minimal_example_recovers_with_its_finished_results_and_no_orphan_rows(
+        tmp_path: Path) -> None:
     # As the README runs it: its own 2-node embedded cluster, from the repository root.
     proc = subprocess.run(
         [sys.executable, "examples/minimal_driver.py", "--checkpoint-dir",
@@ -258,8 +261,12 @@ def test_the_minimal_example_recovers_on_its_embedded_cluster(tmp_path: Path) ->
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("namespace t-minimal-embedded: session holders holder-0, "
                                "holder-1; see them with: nemo-ckpt status --address ")
+    # r1's result was with the backend only: captured finished, no row left orphaned.
     assert "4 rollouts captured" in lines[1] and "1 dispatched but not held (r5)" in lines[1]
-    assert lines[-1] == ("VERIFIED: 6 rollouts x 6 turns equal a run without a crash; 12 "
+    assert "1 finished (r1), 0 orphan staging rows" in lines[1]
+    assert "3 rollouts continue mid-rollout, 1 start over, 1 finished result(s) handed " \
+           "back" in lines[3]
+    assert lines[-1] == ("VERIFIED: 6 rollouts x 6 turns equal a run without a crash; 9 "
                          "turns were restored, not re-run")
     assert "Traceback" not in proc.stderr
     snapshot = tmp_path / "ckpt" / "step-1"

@@ -221,8 +221,8 @@ def test_the_minimal_example_recovers_on_the_token_cluster_with_a_token_file(
     assert lines[0].startswith("namespace t-minimal: session holders holder-0; see them "
                                f"with: nemo-ckpt status --address {head.address} "
                                f"--namespace t-minimal")
-    assert any(line.startswith("restored ") and "4 rollouts continue mid-rollout, 1 start "
-               "over" in line for line in lines)
+    assert any(line.startswith("restored ") and "3 rollouts continue mid-rollout, 1 start "
+               "over, 1 finished result(s) handed back" in line for line in lines)
     assert lines[-1].startswith("VERIFIED: 6 rollouts x 6 turns")
     snapshot = tmp_path / "ckpt" / "step-1"
     assert (snapshot / "environment" / "manifest.json").is_file()

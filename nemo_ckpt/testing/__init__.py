@@ -34,7 +34,9 @@ from nemo_ckpt.testing.data_plane import (
     Trajectory,
     data_plane_actor_class,
     read_data_plane_file,
+    read_trajectory_result,
     start_data_plane,
+    trajectory_result,
 )
 from nemo_ckpt.testing.toy_env import (
     RolloutOutcome,
@@ -75,12 +77,14 @@ __all__ = [
     "ordered_staging_keys",
     "data_plane_actor_class",
     "read_data_plane_file",
+    "read_trajectory_result",
     "reference_trajectory",
     "staging_key",
     "start_data_plane",
     "start_env_workers",
     "step",
     "toy_env_worker_actor_class",
+    "trajectory_result",
 ]
 
 

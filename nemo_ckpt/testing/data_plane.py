@@ -20,11 +20,14 @@ barrier::
             await barrier.save(cut, path)             # <path>/data_plane.json
     ...
     async with env_checkpoint.restored(path) as restored:
-        report = await barrier.restore(path, restored)
+        report = await barrier.restore(path, restored, env_checkpoint.restored_results)
 
 The rule both sides keep (DESIGN.md): RL records a dispatch in the ledger before the
 environment opens the session, and every staging row is written inside a turn, before
-the turn commits. A finished rollout's rows move into its trajectory.
+the turn commits. A finished rollout's rows move into its trajectory. A finished
+rollout's result, as its worker hands it to the backend (``nemo_ckpt.receipts``), is
+``trajectory_result(records, staging_keys)``; a restore records the results the
+backend hands back that the saved ledger has not recorded yet.
 """
 
 from __future__ import annotations
@@ -54,8 +57,11 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.location import as_path_or_url
+from nemo_ckpt.receipts import FinishedRollout
 
 __all__ = [
+    "trajectory_result",
+    "read_trajectory_result",
     "StaticCut",
     "LiveCut",
     "RolloutStatus",
@@ -243,6 +249,8 @@ class DataPlaneRestoreReport:
         restarted: Rollouts that were unfinished at the cut and not continued; their
             attempt is now abandoned and the next ``dispatch`` starts them over.
         finished: Rollouts finished at the cut.
+        recorded: Rollouts finished from the results the environment handed back
+            (finished, not yet recorded at the cut): recorded now, not run again.
         orphans_cleared: Staging rows dropped because no restored session references them.
         cut_id: The cut the file was saved at.
         rows_written_at_cut: Staging rows ever written, at that cut.
@@ -254,6 +262,26 @@ class DataPlaneRestoreReport:
     orphans_cleared: int
     cut_id: str
     rows_written_at_cut: int
+    recorded: tuple[str, ...] = ()
+
+
+def trajectory_result(records: Sequence[Any], staging_keys: Sequence[str]) -> bytes:
+    """A finished rollout's result for ``SessionClient.finish``: what ``finish`` records."""
+    return json.dumps({"records": list(records), "staging_keys": list(staging_keys)},
+                      allow_nan=False).encode()
+
+
+def read_trajectory_result(result: bytes) -> tuple[list[Any], list[str]]:
+    """``(records, staging_keys)`` of a ``trajectory_result``; ValueError otherwise."""
+    try:
+        data = json.loads(result)
+        records, keys = data["records"], data["staging_keys"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"a finished result is not a trajectory_result ({exc})") from None
+    if not isinstance(records, list) or not isinstance(keys, list) \
+            or not all(isinstance(k, str) for k in keys):
+        raise ValueError("a finished result is not a trajectory_result")
+    return records, keys
 
 
 @dataclass(frozen=True)
@@ -501,13 +529,15 @@ class ReferenceDataPlane:
         data = self._to_file(cut_id).model_dump_json(indent=1).encode()
         return await asyncio.to_thread(_write_data_plane_file, checkpoint_path, data)
 
-    async def restore(self, checkpoint_path: str,
-                      restored: RestoredEnvironmentRollouts) -> DataPlaneRestoreReport:
+    async def restore(self, checkpoint_path: str, restored: RestoredEnvironmentRollouts,
+                      results: Sequence[FinishedRollout] = ()) -> DataPlaneRestoreReport:
         """Replace the state with the one saved at ``checkpoint_path``, matched to the
         environment's restore.
 
         Continues exactly ``restored.continued_attempts`` (each as its next attempt, on
-        its instance), abandons every other unfinished attempt (the next ``dispatch``
+        its instance), records the finished ``results`` the environment handed back
+        (``RayEnvironmentCheckpoint.restored_results``) that the saved ledger has not
+        recorded yet, abandons every other unfinished attempt (the next ``dispatch``
         starts it over from turn 0), keeps ``restored.staging_keys`` and clears every
         other staging row as an orphan. Refused, changing nothing, when the two halves
         disagree (``DataPlaneRestoreError``) or the file is bad (``DataPlaneFileError``).
@@ -518,14 +548,20 @@ class ReferenceDataPlane:
             async with self._changed:
                 await self._changed.wait_for(lambda: self._in_flight == 0)
             saved = await asyncio.to_thread(read_data_plane_file, checkpoint_path)
-            ledger, report = _apply_restore(saved, restored)
-            self._ledger = ledger
-            self._staging = {k: v for k, v in saved.staging.items()
-                             if k in restored.staging_keys}
-            self._finished = {
+            ledger, report, recorded = _apply_restore(saved, restored, results)
+            staging = {k: v for k, v in saved.staging.items()
+                       if k in restored.staging_keys}
+            finished = {
                 t.rollout_id: Trajectory(t.rollout_id, t.instance_id, t.attempt,
                                          tuple(t.records), tuple(t.rows))
                 for t in saved.finished}
+            for result, (records, keys) in recorded:  # their rows leave staging
+                finished[result.episode.rollout_id] = Trajectory(
+                    result.episode.rollout_id, result.instance_id, result.episode.attempt,
+                    tuple(records), tuple(staging.pop(k) for k in keys))
+            self._ledger = ledger
+            self._staging = staging
+            self._finished = finished
             self._rows_written = saved.rows_written
             return report
         finally:
@@ -622,9 +658,12 @@ class ReferenceDataPlane:
         )
 
 
-def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts
-                   ) -> tuple[dict[str, _Rollout], DataPlaneRestoreReport]:
-    """The restored ledger and its report; raises before anything changes."""
+def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts,
+                   results: Sequence[FinishedRollout] = ()
+                   ) -> tuple[dict[str, _Rollout], DataPlaneRestoreReport,
+                              list[tuple[FinishedRollout, tuple[list[Any], list[str]]]]]:
+    """The restored ledger, its report, and the handed-back results to record (with
+    their records and staging keys); raises before anything changes."""
     ledger = {
         r.rollout_id: _Rollout(r.rollout_id, r.instance_id, r.attempt, r.status,
                                [(a.attempt, a.instance_id, a.outcome)
@@ -646,7 +685,37 @@ def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts
             problems.append(f"{rollout_id}: continued twice")
         else:
             continued_ids.add(rollout_id)
-    missing = sorted(restored.staging_keys - saved.staging.keys())
+    recorded: list[tuple[FinishedRollout, tuple[list[Any], list[str]]]] = []
+    excused: set[str] = set()  # rows of results recorded before the cut: moved out already
+    for result in sorted(results, key=lambda r: (r.instance_id, r.episode)):
+        rollout_id, where = result.episode.rollout_id, \
+            f"{result.instance_id}/{result.episode.capture_key}"
+        entry = ledger.get(rollout_id)
+        if entry is None:
+            problems.append(f"{where}: a finished result of a rollout not in the ledger")
+        elif entry.status is RolloutStatus.FINISHED:
+            # Recorded before the cut; the result is only acknowledged.
+            with contextlib.suppress(ValueError):
+                excused.update(read_trajectory_result(result.result)[1])
+        elif (entry.status is not RolloutStatus.DISPATCHED
+              or entry.attempt != result.episode.attempt
+              or entry.instance_id != result.instance_id
+              or rollout_id in continued_ids):
+            problems.append(f"{where}: a finished result, but the ledger has attempt "
+                            f"{entry.attempt} {entry.status.value} on {entry.instance_id}")
+        else:
+            try:
+                parts = read_trajectory_result(result.result)
+            except ValueError as exc:
+                problems.append(f"{where}: {exc}")
+                continue
+            absent = [k for k in parts[1] if k not in restored.staging_keys
+                      or k not in saved.staging]
+            if absent:
+                problems.append(f"{where}: its finished result names staging rows the "
+                                f"restore does not keep: {absent[:10]}")
+            recorded.append((result, parts))
+    missing = sorted(restored.staging_keys - saved.staging.keys() - excused)
     if missing:
         problems.append(f"staging rows the restored sessions reference are not in the "
                         f"saved data plane: {missing[:10]}")
@@ -656,6 +725,8 @@ def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts
             f"{saved.cut_id} ({len(problems)} problem(s)); restore both halves from the "
             f"same checkpoint path:\n" + "\n".join(f"  - {p}" for p in problems))
     restarted: list[str] = []
+    for result, _ in recorded:
+        ledger[result.episode.rollout_id].status = RolloutStatus.FINISHED
     for rollout_id, entry in sorted(ledger.items()):
         if entry.status is not RolloutStatus.DISPATCHED:
             continue
@@ -675,8 +746,9 @@ def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts
         orphans_cleared=len(saved.staging) - len(kept),
         cut_id=saved.cut_id,
         rows_written_at_cut=saved.rows_written,
+        recorded=tuple(sorted(r.episode.rollout_id for r, _ in recorded)),
     )
-    return ledger, report
+    return ledger, report, recorded
 
 
 def _actor_options() -> dict[str, Any]:
@@ -753,14 +825,18 @@ class DataPlaneBarrier:
         return as_path_or_url(await self._call("save", cut.cut_id, str(checkpoint_path)))
 
     async def restore(self, checkpoint_path: Path | str,
-                      restored: RestoredEnvironmentRollouts) -> DataPlaneRestoreReport:
-        """Load the data plane saved under ``checkpoint_path``, matched to ``restored``.
+                      restored: RestoredEnvironmentRollouts,
+                      results: Sequence[FinishedRollout] = ()) -> DataPlaneRestoreReport:
+        """Load the data plane saved under ``checkpoint_path``, matched to ``restored``
+        and to the finished ``results`` the environment handed back
+        (``RayEnvironmentCheckpoint.restored_results``).
 
         Call it inside ``async with env_checkpoint.restored(path) as restored:``, so a
-        refusal here also drops the environment's restore.
+        refusal here also drops the environment's restore. Acknowledge every result
+        after the block.
         """
         report: DataPlaneRestoreReport = await self._call(
-            "restore", str(checkpoint_path), restored)
+            "restore", str(checkpoint_path), restored, tuple(results))
         return report
 
     async def _call(self, method: str, *args: Any) -> Any:

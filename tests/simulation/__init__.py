@@ -1,5 +1,6 @@
 """The deterministic simulation: many seeded schedules of the real driver, coordinator and
-holders, with environment workers running turns, RL's ledger and barrier, retire, a
+holders, with environment workers running turns, RL's ledger and barrier, finished
+results handed in and acknowledged with no lock against snapshots (completion receipts), a
 crash and restore, a second driver, and faults at any await; invariants after each.
 
 Each schedule is a pure function of its seed (``nemo_ckpt.testing.sim``: virtual time, a

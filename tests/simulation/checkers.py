@@ -30,6 +30,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.path_claims import read_claims
 from nemo_ckpt.phases import HolderState
+from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sandbox_storage import verify_directories
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
@@ -266,11 +267,13 @@ class Checkers(Part):
         # A retry may meet a fault of its own: a restore's materialization that
         # fails, or a disk read error (injected), refuses that retry, and rightly.
         injected = "injected" in str(again)
-        # A user's removal that came after the failed attempt had ended wins: a restore
-        # holds the snapshot only while it runs. One that came during it is a violation.
+        # A user's removal wins when it came after the failed attempt had ended, or when
+        # that attempt never reached the coordinator (it claimed nothing): a restore holds
+        # the snapshot only while it runs. One that came while it ran is a violation.
         removed = self.s.removed.get(record.path)
-        if isinstance(again, SnapshotNotFoundError) and removed is not None \
-                and record.failed_at is not None and removed >= record.failed_at:
+        if isinstance(again, SnapshotNotFoundError) and removed is not None and (
+                record.failed_id is None
+                or record.failed_at is not None and removed >= record.failed_at):
             return
         if not (is_retriable(again) or injected or self.killed_since(
                 record.start, (COORDINATOR, "driver", HOLDER))):
@@ -283,26 +286,34 @@ class Checkers(Part):
                      f"at the restore: {type(exc).__name__}: {short(exc)}"
                      f"{self.zombie_work(0.0)}")
 
-    async def check_restored(self, restored: Any, loaded: Any) -> None:
-        """Restored sessions equal what was captured, each as its next attempt."""
+    async def check_restored(self, restored: Any, loaded: Any,
+                             results: tuple[FinishedRollout, ...]) -> None:
+        """Restored sessions equal what was captured, each as its next attempt, and a
+        finished one as it was, its result handed back instead of continued."""
         sessions = await self.s.live_sessions()
         for instance, records in loaded.sessions.items():
             if instance not in sessions:
                 continue  # its holder died since (lost with its node)
             live = {s.episode: s for s in sessions.get(instance, [])}
             for record in records:
-                want = record.continued()
+                want = record if record.finished else record.continued()
                 got = live.get(want.episode)
-                if got is not None and self.sandbox_root is not None:
+                if got is not None and self.sandbox_root is not None \
+                        and not record.finished:  # a finished one's directory is the worker's
                     self._check_restored_directory(got)
                     got = dataclasses.replace(got, directory=None)
                 if got != want:
                     self.violate(f"restored {instance}/{want.episode.capture_key} is {got}, "
                                  f"captured {want}")
         want_attempts = {(i, r.episode.rollout_id, r.episode.attempt)
-                         for i, recs in loaded.sessions.items() for r in recs}
+                         for i, recs in loaded.sessions.items() for r in recs
+                         if not r.finished}
         if set(restored.continued_attempts) != want_attempts:
             self.violate("restored.continued_attempts differs from the snapshot's sessions")
+        want_results = {(i, r.episode, r.result) for i, recs in loaded.sessions.items()
+                        for r in recs if r.finished}
+        if {(r.instance_id, r.episode, r.result) for r in results} != want_results:
+            self.violate("restored_results differ from the snapshot's finished sessions")
         self._check_one_live_session_per_rollout(sessions)
 
     def _check_restored_directory(self, session: SessionRecord) -> None:

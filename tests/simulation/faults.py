@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import random
 from collections import defaultdict
@@ -428,9 +429,11 @@ class Faults(Part):
             self.log(f"retention removes {Path(path).name} ({self.s.committed[path][-1]})"
                      + (f" while {running} run there" if running else ""))
             try:
-                await runtime.run_blocking(remove_snapshot, path, None, True, 0.0,
-                                           runtime.clock.monotonic)
-            except (NemoCkptError, OSError) as exc:
+                await runtime.run_blocking(functools.partial(
+                    remove_snapshot, path, wait_s=0.0, clock=runtime.clock.monotonic,
+                    snapshot_id=self.s.committed[path][-1]))
+            except (NemoCkptError, OSError, asyncio.CancelledError) as exc:
+                # Cancelled: the script never heard back; what is on disk tells.
                 self.log(f"retention failed: {type(exc).__name__}: {short(exc)}")
                 if (environment_dir(path) / "manifest.json").exists():
                     return  # refused, or failed before the manifest went: still committed

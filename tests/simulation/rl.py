@@ -24,7 +24,8 @@ class Saved:
 class SimRL:
     """RL's ledger and data plane, as the contract assumes them: a dispatch is recorded
     before the session opens, rows are written inside turns, and the barrier freezes
-    both while a cut is live."""
+    both while a cut is live. A finish is recorded with no lock against snapshots: the
+    worker handed the result to the backend first (completion receipts)."""
 
     def __init__(self) -> None:
         self.expected: dict[str, set[Ep]] = defaultdict(set)
@@ -33,7 +34,6 @@ class SimRL:
         self.finished: set[str] = set()
         self.unfrozen = asyncio.Event()
         self.unfrozen.set()
-        self.lock = asyncio.Lock()  # snapshots vs. finish + retire
         self.saves: dict[str, Saved] = {}  # committed with the environment's snapshot
 
     async def dispatch(self, instance: str, ep: Ep) -> None:
@@ -44,6 +44,13 @@ class SimRL:
     async def write_row(self, key: str) -> None:
         await self.unfrozen.wait()
         self.rows.add(key)
+
+    async def record_finish(self, ep: Ep) -> None:
+        """Record ``ep`` as finished, once the barrier lets mutations through; nothing if
+        the ledger has moved on from it (a restore since)."""
+        await self.unfrozen.wait()
+        if self.where.get(ep.rollout_id, (None, None))[1] == ep:
+            self.finish(ep.rollout_id)
 
     def finish(self, rollout_id: str) -> None:
         instance, ep = self.where.pop(rollout_id)

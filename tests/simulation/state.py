@@ -35,6 +35,7 @@ class OpRecord:
     body_end: float | None = None  # when the caller's block ended (RL saved its half)
     end: float | None = None
     failed_at: float | None = None  # a restore's first attempt failed (RL may retry)
+    failed_id: str | None = None  # its id then: None if it never reached the coordinator
     outcome: str = "running"
     check_failed: bool = False
     abort_sent: float | None = None  # when its driver first sent its abort

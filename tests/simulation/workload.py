@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import random
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from nemo_ckpt.errors import (
     is_retriable,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.sim import SimActor
@@ -100,31 +100,30 @@ class Workload(Part):
         saved = None
         held = False  # a snapshot of nothing yields None, which needs no check
         try:
-            async with self._maybe_lock(checked):
-                record.entered = self.now()
-                async with ckpt.snapshot(Path(path)) as snap:
-                    record.begun = self.now()
-                    held = snap is not None
-                    if checked:
-                        async with self.s.rl.checkpoint() as cut:
-                            if snap is not None:
-                                if bad:
-                                    cut = self.inject.corrupt(cut)
-                                try:
-                                    await snap.check_against_cut(cut)
-                                except SnapshotMismatchError:
-                                    record.check_failed = True
-                                    assert record.op_id is not None
-                                    self.s.failed_checks.add(record.op_id)
-                                    self.log(f"check of {record.op_id} failed (caught: "
-                                             f"{self.plan.catch_mismatch and bad})")
-                                    if not (self.plan.catch_mismatch and bad):
-                                        raise
-                            saved = self.s.rl.state(record.op_id or "?")
-                    await asyncio.sleep(  # RL saves its half
-                        CONFIG.lease_s * self.rng.uniform(1.2, 2.0) if self.plan.long_save
-                        else self.rng.uniform(0.0, 1.5))
-                    record.body_end = self.now()
+            record.entered = self.now()
+            async with ckpt.snapshot(Path(path)) as snap:
+                record.begun = self.now()
+                held = snap is not None
+                if checked:
+                    async with self.s.rl.checkpoint() as cut:
+                        if snap is not None:
+                            if bad:
+                                cut = self.inject.corrupt(cut)
+                            try:
+                                await snap.check_against_cut(cut)
+                            except SnapshotMismatchError:
+                                record.check_failed = True
+                                assert record.op_id is not None
+                                self.s.failed_checks.add(record.op_id)
+                                self.log(f"check of {record.op_id} failed (caught: "
+                                         f"{self.plan.catch_mismatch and bad})")
+                                if not (self.plan.catch_mismatch and bad):
+                                    raise
+                        saved = self.s.rl.state(record.op_id or "?")
+                await asyncio.sleep(  # RL saves its half
+                    CONFIG.lease_s * self.rng.uniform(1.2, 2.0) if self.plan.long_save
+                    else self.rng.uniform(0.0, 1.5))
+                record.body_end = self.now()
             record.outcome = "committed"
             self.check.check_unchecked_commit(driver, record, held and not checked)
             if saved is not None:
@@ -146,14 +145,6 @@ class Workload(Part):
             record.end = self.now()
             driver.record = None
             self.check.check_deadlines(record, driver.config)
-
-    @contextlib.asynccontextmanager
-    async def _maybe_lock(self, take: bool) -> AsyncIterator[None]:
-        if take:
-            async with self.s.rl.lock:
-                yield
-        else:
-            yield
 
     async def second_driver(self, at: float, k: int) -> None:
         await asyncio.sleep(at)
@@ -207,7 +198,7 @@ class Workload(Part):
             restored = await task
         except BaseException as exc:
             record.outcome = type(exc).__name__
-            record.failed_at = self.now()
+            record.failed_at, record.failed_id = self.now(), record.op_id
             self.log(f"restore {record.op_id} failed: {type(exc).__name__}: {short(exc)}")
             if not isinstance(exc, asyncio.CancelledError):
                 if not isinstance(exc, InjectedError):
@@ -240,8 +231,11 @@ class Workload(Part):
             driver.op_task = None
             driver.record = None
         record.outcome = "committed"
-        await self.check.check_restored(restored, loaded)
-        self._apply_restore(saved, restored)
+        results = driver.ckpt.restored_results
+        await self.check.check_restored(restored, loaded, results)
+        self._apply_restore(saved, restored, results)
+        if results:  # RL recorded them above: the backend lets go
+            await self._acknowledge([r.episode for r in results])
         await self.start_workers(fresh=False, restored=restored)
 
     async def _restore(self, driver: Driver, path: str, raise_inside: bool) -> Any:
@@ -252,10 +246,25 @@ class Workload(Part):
                 raise InjectedError("RL's own restore failed")
             return restored
 
-    def _apply_restore(self, saved: Saved, restored: Any) -> None:
+    def _apply_restore(self, saved: Saved, restored: Any,
+                       results: tuple[FinishedRollout, ...]) -> None:
         continued = {(i, r): a for i, r, a in restored.continued_attempts}
+        handed = {(r.instance_id, r.episode): r for r in results}
+        if results:
+            self.log(f"the restore handed back {len(results)} finished result(s): "
+                     f"{sorted(r.episode.capture_key for r in results)}")
+        for result in results:
+            expected = result.episode in saved.expected.get(result.instance_id, ())
+            if not expected and result.episode.rollout_id not in saved.finished:
+                self.check.violate(f"the restore handed back {result.instance_id}/"
+                                   f"{result.episode.capture_key}, which RL's saved ledger "
+                                   f"neither expects there nor recorded as finished")
         for instance, eps in saved.expected.items():
             for ep in eps:
+                if (instance, ep) in handed:
+                    # Finished before the cut, recorded now: never run again.
+                    self.s.rl.finished.add(ep.rollout_id)
+                    continue
                 nxt = ep.next_attempt()
                 self.s.rl.expected[instance].add(nxt)
                 self.s.rl.where[ep.rollout_id] = (instance, nxt)
@@ -341,6 +350,7 @@ class Workload(Part):
                         self._sandbox_turn(ep, turn.directory, turn.state, t, state)
                     turn.complete(f"t{t}".encode(), state, [key])
                 await asyncio.sleep(self.rng.uniform(0.0, 0.2))
+            await client.finish(ep, f"{ep.rollout_id}:done".encode())  # the receipt
             await self._finish(instance, ep)
         except Exception as exc:
             self.log(f"rollout {ep.capture_key} gives up: {type(exc).__name__}: {short(exc)}")
@@ -362,20 +372,22 @@ class Workload(Part):
             (directory / f"t{t - 2}").unlink()
 
     async def _finish(self, instance: str, ep: Ep) -> None:
-        """RL records the result and retires the attempt, under the snapshots' lock."""
+        """RL records the result, then acknowledges it, with no lock against snapshots:
+        the backend keeps the result the worker handed in until then."""
+        del instance
+        await self.s.rl.record_finish(ep)
+        await self._acknowledge([ep])
+
+    async def _acknowledge(self, eps: list[Ep]) -> None:
         for _ in range(20):
             driver = self.s.driver
-            if driver is not None and driver.actor.alive and driver.ckpt.open_operation is None:
-                async with self.s.rl.lock:
-                    if driver.ckpt.open_operation is None:
-                        try:
-                            await driver.ckpt.retire([ep])
-                        except NemoCkptError as exc:
-                            self.log(f"retire {ep.capture_key}: {type(exc).__name__}")
-                        else:
-                            if ep.rollout_id in self.s.rl.where:
-                                self.s.rl.finish(ep.rollout_id)
-                            return
+            if driver is not None and driver.actor.alive:
+                try:
+                    await driver.ckpt.acknowledge(eps)
+                    return
+                except NemoCkptError as exc:
+                    self.log(f"acknowledge {[e.capture_key for e in eps]}: "
+                             f"{type(exc).__name__}")
             await asyncio.sleep(self.rng.uniform(0.2, 1.0))
 
     async def stop_workers(self) -> None:
