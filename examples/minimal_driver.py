@@ -262,16 +262,6 @@ class Driver:
         self.ckpt.shutdown()
 
 
-async def wait_until_gone(namespace: str, timeout_s: float = 30.0) -> None:
-    """Until killed holders have released their names, so new ones can take them."""
-    deadline = time.monotonic() + timeout_s
-    while any(a.get("namespace") == namespace
-              for a in ray.util.list_named_actors(all_namespaces=True)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the actors of namespace {namespace} did not go away")
-        await asyncio.sleep(0.1)
-
-
 async def main_async(args: argparse.Namespace, address: str) -> int:
     root = args.checkpoint_dir.resolve()  # holders on other nodes resolve no relative path
     config = CheckpointConfig(namespace=args.namespace, checkpoint_root=root,
@@ -316,8 +306,7 @@ async def main_async(args: argparse.Namespace, address: str) -> int:
 
     # --- second life: a restarted driver ----------------------------------------------------
     ckpt = RayEnvironmentCheckpoint(config)  # the same namespace: instances keep their ids
-    ckpt.shutdown()  # drop what the old job left: a restore refuses live sessions
-    await wait_until_gone(config.namespace)
+    await ckpt.shutdown(wait=True)  # drop what the old job left: a restore refuses live
     await ckpt.check_startup()
     driver = Driver(ckpt, args.turn_seconds)
     async with ckpt.restored(path) as restored:    # verified and loaded, not live yet
