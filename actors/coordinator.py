@@ -307,8 +307,12 @@ class CheckpointCoordinator:
             await op.closed.wait()
             return
         unseen = isinstance(op.state, Unseen)
+        # Only an abort that may follow a commit undoes a restore committed on a holder: a
+        # restore this coordinator never began to commit (it stalled, was taken for dead,
+        # and its successor committed the same id) must stay live.
+        keep = isinstance(op, RestoreOperation) and not unseen and not op.committing
         self.operations.set_state(op, Aborted(outcome))
-        await self._holders_drop(op, unseen)
+        await self._holders_drop(op, unseen, keep)
         if isinstance(op, RestoreOperation):
             if op.read_claim is not None:
                 await op.read_claim.release()
@@ -331,7 +335,7 @@ class CheckpointCoordinator:
             # before the coordinator that wrote it died): the commit won
             self.operations.set_state(op, FoundCommitted())
 
-    async def _holders_drop(self, op: Operation, unseen: bool) -> None:
+    async def _holders_drop(self, op: Operation, unseen: bool, keep_committed: bool) -> None:
         """Every holder ``op`` involved drops it, and every holder registered now: a
         holder made since (its predecessor died) may have been paused by a late call of
         this operation (a coordinator taken for dead that runs again); the abort it
@@ -349,7 +353,7 @@ class CheckpointCoordinator:
                 elif targets[inst].ref != handle.ref:  # another incarnation of it now
                     targets[f"{inst} (now)"] = handle
         await self.holders.fan(targets, "abort",
-                               lambda inst, h: self._calls(h).abort(op.id),
+                               lambda inst, h: self._calls(h).abort(op.id, keep_committed),
                                tolerate_failures=True)
 
     # --- snapshot and restore (actors.snapshots, actors.restores) ---------------------

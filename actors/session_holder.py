@@ -742,16 +742,24 @@ class SessionHolder:
             self._set_state(snapshot_id, Ended(Outcome.COMMITTED))
             self._heap.request()
 
-    async def abort(self, operation_id: str) -> None:
+    async def abort(self, operation_id: str, keep_committed: bool = False) -> None:
         """End ``operation_id`` without a trace here, whatever it is and wherever it got:
 
         - the current snapshot or restore: the gate opens; a shard being written removes
           itself once written; a pending restore is dropped;
         - a restore committed here but aborted elsewhere (and not in use yet): the
-          sessions it made live go again, so a restore is all or nothing;
+          sessions it made live go again, so a restore is all or nothing; unless
+          ``keep_committed``: the abort comes from a coordinator that never reached the
+          restore's commit (one taken for dead that runs again, whose successor
+          committed it), and must not undo what its successor committed;
         - one never seen (this abort overtook its first call): remembered, so that
           its late first call is refused instead of pausing the holder.
         """
+        if keep_committed and isinstance(self._ops.get(operation_id), RestoreLive):
+            log.warning("%s: an abort of %s from a coordinator that never committed it "
+                        "leaves it live: it was committed here", self.instance_id,
+                        operation_id)
+            return
         self._set_state(operation_id, Ended(Outcome.ABORTED))
 
     # --- restore phases (from the coordinator) ----------------------------------------

@@ -52,7 +52,7 @@ class HolderControl(Protocol):
 
     async def resume(self, snapshot_id: str) -> None: ...
 
-    async def abort(self, operation_id: str) -> None: ...
+    async def abort(self, operation_id: str, keep_committed: bool = False) -> None: ...
 
     async def prepare_restore(self, restore_id: str, where: str,
                               shards: list[ShardEntry], lease_s: float,
@@ -106,8 +106,8 @@ class HolderCalls:
     def resume(self, snapshot_id: str) -> Awaitable[None]:
         return self._call("resume", snapshot_id)
 
-    def abort(self, operation_id: str) -> Awaitable[None]:
-        return self._call("abort", operation_id)
+    def abort(self, operation_id: str, keep_committed: bool = False) -> Awaitable[None]:
+        return self._call("abort", operation_id, keep_committed)
 
     def prepare_restore(self, restore_id: str, where: str, shards: list[ShardEntry],
                         lease_s: float, blob_store: str | None = None

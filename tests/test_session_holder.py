@@ -543,6 +543,25 @@ async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: P
 
 
 @on_virtual_time
+async def test_an_abort_from_a_coordinator_that_never_committed_keeps_the_restore_live(
+        tmp_path: Path) -> None:
+    # A coordinator taken for dead while it prepared, whose successor committed the same
+    # restore, aborts when it runs again: it must not undo the successor's commit.
+    src = holder()
+    await src.open_session(Ep("r", 0), b"s")
+    directory = prepare_environment_dir(tmp_path)
+    await src.begin("snap-1", 1, 10, str(directory))
+    shards = list((await src.finish_persist("snap-1")).shards)
+    dst = holder("node-b")
+    await dst.prepare_restore("restore-1", str(directory), shards, 10)
+    assert await dst.commit_restore("restore-1") == 1
+    await dst.abort("restore-1", keep_committed=True)
+    assert [s.episode for s in await dst.sessions()] == [Ep("r", 1)]
+    await dst.abort("restore-1")  # one that may follow a failed commit still undoes it
+    assert await dst.sessions() == []
+
+
+@on_virtual_time
 async def test_an_abort_after_commit_restore_drops_what_went_live(tmp_path: Path) -> None:
     # Case 5: another holder failed its commit; this one went live and must drop it again.
     src = holder()

@@ -23,6 +23,7 @@ from nemo_ckpt.testing import sim
 from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import HOLDER, Actor
 from tests import simulation
+from tests.simulation import faults as simulation_faults
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,8 +73,16 @@ def test_a_snapshot_committed_despite_its_failed_check_is_caught(
 
 def test_a_removal_that_ignores_claims_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The retention script's removals race the job's snapshots: one that removed files
-    without claiming the path first tears a snapshot that commits meanwhile."""
+    without claiming the path first, whatever snapshot is there now, tears or removes a
+    snapshot that commits meanwhile."""
+    real = catalog.remove_snapshot
+
+    def careless(path: Any, **options: Any) -> Any:
+        options.pop("snapshot_id", None)
+        return real(path, **options)
+
     monkeypatch.setattr(catalog, "_claim_alone", lambda *args, **kwargs: None)
+    monkeypatch.setattr(simulation_faults, "remove_snapshot", careless)
     _, _, bad = simulation.run_many(0, 400, jobs=1)
     cases = {simulation.case_of(v) for r in bad for v in r.violations}
     assert "1 committed snapshot lost" in cases

@@ -184,8 +184,10 @@ class Checkers(Part):
             return  # it failed on a holder (a fault of its own), after reaching a coordinator
         when, method, dead = record.dead_calls[0]
         died = [t for t, a in self.world.kills + self.world.declared if a is dead]
+        # A node that died meanwhile (its holder with it) may have left the successor
+        # nowhere to start: the failure is then the cluster's, not the dead name's.
         if not died or died[0] >= record.start or \
-                self.killed_since(record.start, (COORDINATOR,)):
+                self.killed_since(record.start, (COORDINATOR, HOLDER)):
             return
         self.violate(f"{record.op_id or 'the ' + record.kind + ' of ' + record.driver} "
                      f"failed (BackendUnavailableError) because its "

@@ -5,12 +5,14 @@ command that replays it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from .checkers import case_of
@@ -40,21 +42,31 @@ def run_one(seed: int, tracing: bool = False) -> Result:
 
 
 def _run_range(args: tuple[int, int]) -> tuple[int, int, list[Result]]:
-    _quiet()
     first, count = args
     faults = 0
     bad = []
-    for seed in range(first, first + count):
-        result = run_one(seed)
-        faults += result.faults
-        if result.violations:
-            bad.append(result)
+    with _quiet():
+        for seed in range(first, first + count):
+            result = run_one(seed)
+            faults += result.faults
+            if result.violations:
+                bad.append(result)
     return count, faults, bad
 
 
-def _quiet() -> None:
-    logging.getLogger("nemo_ckpt").setLevel(logging.CRITICAL + 1)
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The package's and asyncio's loggers silenced while schedules run, then as they
+    were: a test process goes on with its own logging (tests capture its warnings)."""
+    loggers = [logging.getLogger("nemo_ckpt"), logging.getLogger("asyncio")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def run_many(first: int, count: int, jobs: int) -> tuple[int, int, list[Result]]:
@@ -82,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay", type=int, metavar="SEED",
                         help="run one schedule and print its trace")
     args = parser.parse_args(argv)
-    _quiet()
+    with _quiet():
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.replay is not None:
         result = run_one(args.replay, tracing=True)
         print(f"schedule {args.replay}: {Plan.make(args.replay)}")

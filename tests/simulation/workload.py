@@ -283,9 +283,15 @@ class Workload(Part):
             driver = await self.current_driver()  # or its successor, if it was killed
             if driver is None:
                 return
-            with contextlib.suppress(BackendUnavailableError):
+            try:
                 infos = await driver.ckpt.holders()
                 break
+            except BackendUnavailableError:
+                pass
+            except asyncio.CancelledError:
+                if driver.actor.alive:
+                    raise
+                # The driver was killed during the call: its successor asks next.
             await asyncio.sleep(1.0)
         if infos is None:
             return
