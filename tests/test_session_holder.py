@@ -30,6 +30,7 @@ from nemo_ckpt.errors import (
     TurnInProgressError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.manifest import ShardEntry
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.session_record import encode_turns
@@ -384,7 +385,7 @@ async def test_an_aborted_restore_leaves_nothing_and_a_conflict_is_refused(tmp_p
 
     await dst.open_session(Ep("r", 5))
     with pytest.raises(RestoreConflictError, match=r"\['r'\]"):
-        await dst.prepare_restore("restore-2", str(directory), shards, 10)
+        await dst.prepare_restore("restore-2", directory, shards, 10)
     assert (await dst.info()).state is HolderState.RUNNING
     assert [s.episode for s in await dst.sessions()] == [Ep("r", 5)]
 
@@ -542,11 +543,9 @@ async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: P
     assert await dst.commit_restore("restore-1") == 1
 
 
-@on_virtual_time
-async def test_an_abort_from_a_coordinator_that_never_committed_keeps_the_restore_live(
-        tmp_path: Path) -> None:
-    # A coordinator taken for dead while it prepared, whose successor committed the same
-    # restore, aborts when it runs again: it must not undo the successor's commit.
+async def restored_elsewhere(tmp_path: Path) -> tuple[SessionHolder, str, list[ShardEntry]]:
+    """Rollout r captured on one holder and restored, committed, on another (node-b):
+    that holder, the snapshot's folder and its shards."""
     src = holder()
     await src.open_session(Ep("r", 0), b"s")
     directory = prepare_environment_dir(tmp_path)
@@ -555,6 +554,15 @@ async def test_an_abort_from_a_coordinator_that_never_committed_keeps_the_restor
     dst = holder("node-b")
     await dst.prepare_restore("restore-1", str(directory), shards, 10)
     assert await dst.commit_restore("restore-1") == 1
+    return dst, str(directory), shards
+
+
+@on_virtual_time
+async def test_an_abort_from_a_coordinator_that_never_committed_keeps_the_restore_live(
+        tmp_path: Path) -> None:
+    # A coordinator taken for dead while it prepared, whose successor committed the same
+    # restore, aborts when it runs again: it must not undo the successor's commit.
+    dst, directory, shards = await restored_elsewhere(tmp_path)
     await dst.abort("restore-1", keep_committed=True)
     assert [s.episode for s in await dst.sessions()] == [Ep("r", 1)]
     await dst.abort("restore-1")  # one that may follow a failed commit still undoes it
@@ -564,18 +572,11 @@ async def test_an_abort_from_a_coordinator_that_never_committed_keeps_the_restor
 @on_virtual_time
 async def test_an_abort_after_commit_restore_drops_what_went_live(tmp_path: Path) -> None:
     # Case 5: another holder failed its commit; this one went live and must drop it again.
-    src = holder()
-    await src.open_session(Ep("r", 0), b"s")
-    directory = prepare_environment_dir(tmp_path)
-    await src.begin("snap-1", 1, 10, str(directory))
-    shards = list((await src.finish_persist("snap-1")).shards)
-    dst = holder("node-b")
-    await dst.prepare_restore("restore-1", str(directory), shards, 10)
-    assert await dst.commit_restore("restore-1") == 1
+    dst, directory, shards = await restored_elsewhere(tmp_path)
     await dst.abort("restore-1")
     assert await dst.sessions() == []
     # ...and the retry restores it.
-    await dst.prepare_restore("restore-2", str(directory), shards, 10)
+    await dst.prepare_restore("restore-2", directory, shards, 10)
     assert await dst.commit_restore("restore-2") == 1
     assert [s.episode for s in await dst.sessions()] == [Ep("r", 1)]
     await run_turn(dst, Ep("r", 1), b"t", b"s2")
@@ -597,7 +598,7 @@ async def test_a_retried_restore_adopts_a_holder_whose_abort_has_not_arrived(
     dst = holder("node-b")
     await dst.prepare_restore("restore-1", str(directory), shards, 10)
     await dst.commit_restore("restore-1")
-    await dst.prepare_restore("restore-2", str(directory), shards, 10)  # no conflict
+    await dst.prepare_restore("restore-2", directory, shards, 10)  # no conflict
     assert await dst.sessions() == []  # restore-1's sessions went first
     await dst.abort("restore-1")  # the late abort changes nothing now
     assert await dst.commit_restore("restore-2") == 1
