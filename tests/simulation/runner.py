@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -35,9 +36,16 @@ def _scratch_root() -> Path:
 
 def run_one(seed: int, tracing: bool = False) -> Result:
     root = _scratch_root()
+    # The collector off while the schedule runs: when it runs (and finalizes what the
+    # schedule dropped) depends on the process's allocations, not on the seed.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return Schedule(seed, root, tracing).run()
     finally:
+        if collecting:
+            gc.enable()
+        gc.collect()
         shutil.rmtree(root, ignore_errors=True)
 
 
