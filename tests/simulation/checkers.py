@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from nemo_ckpt.catalog import list_snapshots
 from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.collection import committed_snapshots
 from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig
@@ -427,6 +428,7 @@ class Checkers(Part):
             self.violate(message)
         self._check_control_not_queued()
         self._check_world()
+        self._check_newest_listed_first()
         for info in await self.s.holder_infos():
             if info.state is not HolderState.RUNNING:
                 self.violate(f"{info.instance_id} is {info.state.value} for "
@@ -480,6 +482,31 @@ class Checkers(Part):
                     data.snapshot_id
                 if sid in self.s.failed_checks:
                     self.violate(f"a manifest was written for {sid}, whose check failed")
+
+    def _check_newest_listed_first(self) -> None:
+        """``list_snapshots`` lists a snapshot before every one whose manifest was written
+        before its block ended (true time), whatever the committing hosts' clocks;
+        commits that overlapped may come in either order."""
+        written: dict[str, float] = {}
+        for t, _, name, args, _ in self.world.io_log:
+            if name == "write_manifest":
+                data = args[1]
+                sid = json.loads(data)["snapshot_id"] if isinstance(data, bytes) else \
+                    data.snapshot_id
+                written[sid] = t
+        committing = {r.op_id: r.body_end for r in self.s.ops
+                      if r.kind == "snapshot" and r.body_end is not None}
+        listed = [info for info in list_snapshots(self.root)
+                  if info.readable and info.snapshot_id in written]
+        for i, first in enumerate(listed):
+            for later in listed[i + 1:]:
+                began = committing.get(later.snapshot_id)
+                if began is not None and began > written[first.snapshot_id or ""]:
+                    self.violate(f"list_snapshots lists {first.snapshot_id} (written "
+                                 f"t={written[first.snapshot_id or '']:.2f}) before "
+                                 f"{later.snapshot_id}, whose commit began after it (t="
+                                 f"{began:.2f}): the newest snapshot is not listed first")
+                    return
 
     def _check_control_not_queued(self) -> None:
         """A holder's control calls (pause, release, renewals, persist, resume, abort) do
@@ -679,6 +706,7 @@ CASES = [
     ("23.6 a damaged manifest raised a traceback", ("a damaged manifest",)),
     ("23.7 two jobs hold one checkpoint path", ("a second job claimed",)),
     ("23.8 a disk error escaped as OSError", ("raised OSError, not a nemo-ckpt error",)),
+    ("30.1 the newest snapshot not listed first", ("is not listed first",)),
     ("1 committed snapshot lost", ("does not verify", "but no manifest is there",
                                    "was committed last, but")),
     ("2 holders left paused by a failed operation", ("paused for it", "restoring for it")),
