@@ -26,6 +26,7 @@ from actors.operation_states import (
     SnapshotWriting,
 )
 from nemo_ckpt.checkpoint_folder import environment_folder
+from nemo_ckpt.commit_sequence import sequence_root, take_sequence
 from nemo_ckpt.coordinator_api import SnapshotBegun, SnapshotCommitted
 from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
 from nemo_ckpt.manifest import ShardEntry, encode_manifest
@@ -234,12 +235,16 @@ class Snapshots:
                 bytes_written=float(sum(p.bytes_written for p in persists.values())),
             )
             rollouts = await unique
+            await self._earlier_commits(op, captured.order)
+            root = self._parts.config.checkpoint_root
+            sequence = await self._runtime.run_blocking(take_sequence, sequence_root(
+                None if root is None else str(root), checkpoint_path))
             manifest = encode_manifest(
                 snapshot_id=snapshot_id,
                 created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
                 instances=list(op.holders), shards=shards,
-                restarted_rollouts=restarted, metrics=all_metrics, blob_store=op.blob_ref)
-            await self._earlier_commits(op, captured.order)
+                restarted_rollouts=restarted, metrics=all_metrics, blob_store=op.blob_ref,
+                sequence=sequence)
             await self._parts.injected_delay("before_manifest")
             await self._claims_hold(op)
             async with self._parts.folders.lock(checkpoint_path):

@@ -3,11 +3,16 @@ that verifies, remove one, keep the last N.
 
 A snapshot is committed once its manifest is written (``nemo_ckpt.snapshot_files``), so
 the collection is every checkpoint path below the root that holds a manifest
-(``nemo_ckpt.collection.committed_snapshots``). Newest first means by the time the
-committing coordinator wrote into the manifest (``created_at``): one job's coordinator
-stamps all of its snapshots, and an id breaks ties. A snapshot whose manifest does not
-read has no time we can trust: it is listed first, as it may be the newest, and
-``latest_snapshot`` says why it was passed over.
+(``nemo_ckpt.collection.committed_snapshots``). Newest first means by the manifest's
+``sequence`` (format 6): a coordinator numbers each commit one more than the highest it
+has seen under its root (``highest_sequence``, read once per coordinator, then its own
+commits and the snapshot it restored), because the hosts that commit a root's snapshots
+over a job's restarts have clocks with any offset, and one host's clock may step back.
+Two coordinators committing under one root at once may give one number twice; the time
+their hosts wrote (``created_at``), then the id, break such ties, and order the
+snapshots of earlier formats, which carry no sequence, after those that do. A snapshot
+whose manifest does not read has no place we can trust: it is listed first, as it may be
+the newest, and ``latest_snapshot`` says why it was passed over.
 
 A removal is safe beside a running job. It claims the snapshot's folder as a snapshot
 does (``nemo_ckpt.path_claims``), so it is refused while a snapshot is in progress there
@@ -49,8 +54,8 @@ from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.verify import one_line, verify_snapshot
 
 __all__ = ["LatestSnapshot", "RemovalReport", "RetentionReport", "SkippedSnapshot",
-           "SnapshotInfo", "keep_last", "latest_snapshot", "list_snapshots",
-           "remove_snapshot"]
+           "SnapshotInfo", "highest_sequence", "keep_last", "latest_snapshot",
+           "list_snapshots", "remove_snapshot"]
 
 log = logging.getLogger("nemo_ckpt.catalog")
 
@@ -68,6 +73,7 @@ class SnapshotInfo:
     path: str
     snapshot_id: str | None = None
     created_at: datetime | None = None
+    sequence: int | None = None  # format 6 (the module docstring)
     format_version: int | None = None
     instances: int = 0
     rollouts: int = 0  # captured
@@ -86,7 +92,7 @@ class SnapshotInfo:
         if created.tzinfo is None:  # formats before 3 may carry no zone: they wrote UTC
             created = created.replace(tzinfo=timezone.utc)
         return cls(path=path, snapshot_id=manifest.snapshot_id, created_at=created,
-                   format_version=manifest.format_version,
+                   sequence=manifest.sequence, format_version=manifest.format_version,
                    instances=len(manifest.instances), rollouts=manifest.sessions,
                    restarted_rollouts=manifest.restarted_rollouts,
                    bytes=sum(s.bytes for s in manifest.shards),
@@ -113,8 +119,22 @@ def list_snapshots(root: Path | str) -> list[SnapshotInfo]:
             found.append(SnapshotInfo(path=path, error=one_line(exc)))
     undated = [s for s in found if s.created_at is None]
     dated = [s for s in found if s.created_at is not None]
-    dated.sort(key=lambda s: (s.created_at, s.snapshot_id or ""), reverse=True)
+    dated.sort(key=lambda s: (s.sequence or 0, s.created_at, s.snapshot_id or ""),
+               reverse=True)
     return undated + dated
+
+
+def highest_sequence(root: Path | str) -> int:
+    """The highest ``sequence`` of the committed snapshots below ``root`` (0 when none
+    has one): what a coordinator's first commit there numbers past. A manifest that does
+    not read is passed over, as ``list_snapshots`` lists it apart."""
+    highest = 0
+    for path in committed_snapshots(root):
+        try:
+            highest = max(highest, read_manifest(path).sequence or 0)
+        except SnapshotReadError:
+            continue
+    return highest
 
 
 @dataclass(frozen=True)

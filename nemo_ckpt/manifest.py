@@ -9,20 +9,23 @@ The manifest is JSON, validated by the pydantic models below. It carries each sh
 byte length, content hash and session count, so a restore verifies every byte before it
 installs anything.
 
-Format versions: 5 (written when a shard holds finished, unacknowledged rollouts,
-``nemo_ckpt.receipts``) is 3 or 4 plus, per shard, how many of its sessions are finished
-(``ShardEntry.finished``); their index rows carry a sixth element, ``true``, and their
-state slot holds the result. Earlier releases refuse it by its version rather than
-continue a finished rollout; a snapshot without finished rollouts is still written as 3
-or 4. 4 (written when sessions own sandbox directories) is 3 plus, per shard,
-the file of its sessions' directory trees (``TreesEntry``) and, once, where the blob store
-that holds their files lies relative to the checkpoint path (``blob_store``); a snapshot
-without directories is still written as 3, which earlier releases read. 3 lists no
-rollouts: each shard holds its own index (one row per session, ``nemo_ckpt.shards``),
-so the manifest stays a few kilobytes at a million rollouts. 2 (still read) listed every
-rollout and the shard that holds it, and named each shard's hash with its algorithm
-(XXH3-128 by default); 1 (still read) carried a bare SHA-256 per shard, read as
-``sha256:<hex>``.
+Format versions: 6 (written by every coordinator of this release) is 3, 4 or 5 plus the
+snapshot's ``sequence``: its place in its root's order of commits, by which
+``nemo_ckpt.catalog`` lists newest first, since the committing hosts' clocks cannot be
+compared. Earlier releases refuse it by its version. 5 (written by earlier releases when
+a shard holds finished, unacknowledged rollouts, ``nemo_ckpt.receipts``) is 3 or 4 plus,
+per shard, how many of its sessions are finished (``ShardEntry.finished``); their index
+rows carry a sixth element, ``true``, and their state slot holds the result. Earlier
+releases refuse it by its version rather than continue a finished rollout; a snapshot
+without finished rollouts was written as 3 or 4. 4 (written when sessions own sandbox
+directories) is 3 plus, per shard, the file of its sessions' directory trees
+(``TreesEntry``) and, once, where the blob store that holds their files lies relative to
+the checkpoint path (``blob_store``); a snapshot without directories was written as 3,
+which earlier releases read. 3 lists no rollouts: each shard holds its own index (one
+row per session, ``nemo_ckpt.shards``), so the manifest stays a few kilobytes at a
+million rollouts. 2 (still read) listed every rollout and the shard that holds it, and
+named each shard's hash with its algorithm (XXH3-128 by default); 1 (still read) carried
+a bare SHA-256 per shard, read as ``sha256:<hex>``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SANDBOX_FORMAT_VERSION",
     "RECEIPTS_FORMAT_VERSION",
+    "ORDERED_FORMAT_VERSION",
     "TreesEntry",
     "trees_file_name",
     "CONTENT_HASH_PATTERN",
@@ -67,7 +71,8 @@ __all__ = [
 FORMAT_VERSION: Literal[3] = 3
 SANDBOX_FORMAT_VERSION: Literal[4] = 4
 RECEIPTS_FORMAT_VERSION: Literal[5] = 5
-SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3, 4, 5})
+ORDERED_FORMAT_VERSION: Literal[6] = 6
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
 ENVIRONMENT_DIR = "environment"
 MANIFEST_NAME = "manifest.json"
 SHARD_PREFIX = "shard-"
@@ -172,7 +177,7 @@ class RolloutEntry(_Model):
 class Manifest(_Model):
     """A committed environment snapshot. Written last; its presence means complete."""
 
-    format_version: Literal[1, 2, 3, 4, 5] = Field(
+    format_version: Literal[1, 2, 3, 4, 5, 6] = Field(
         description="Version of this on-disk format.")
     snapshot_id: str = Field(min_length=1, description="Id carried by every phase.")
     created_at: datetime = Field(description="When the snapshot was committed (UTC).")
@@ -190,6 +195,12 @@ class Manifest(_Model):
         None, pattern=BLOB_STORE_PATTERN,
         description="Format 4: the blob store of the sandboxes' files, relative to the "
                     "checkpoint path (\"../blobs\" when the path is directly under the root).")
+    sequence: int | None = Field(
+        None, ge=1,
+        description="Format 6: the snapshot's place in its root's order of commits, one "
+                    "more than the highest its coordinator had seen there "
+                    "(``nemo_ckpt.catalog``); newest first lists by it, not by a host's "
+                    "clock.")
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -200,12 +211,15 @@ class Manifest(_Model):
         if self.format_version < 4 and (self.blob_store is not None or has_trees):
             raise ValueError(f"a format-{self.format_version} manifest has no sandbox "
                              f"trees or blob store")
-        if self.format_version == 5:
-            if not has_finished:
-                raise ValueError("a format-5 manifest has a shard of finished rollouts")
+        if (self.format_version >= ORDERED_FORMAT_VERSION) != (self.sequence is not None):
+            raise ValueError(f"a format-{self.format_version} manifest "
+                             f"{'has' if self.sequence is None else 'has no'} a sequence")
+        if self.format_version == 5 and not has_finished:
+            raise ValueError("a format-5 manifest has a shard of finished rollouts")
+        if self.format_version >= 5:
             if has_trees != (self.blob_store is not None):
-                raise ValueError("a format-5 manifest names a blob store exactly when it "
-                                 "has sandbox trees")
+                raise ValueError(f"a format-{self.format_version} manifest names a blob "
+                                 f"store exactly when it has sandbox trees")
         elif has_finished:
             raise ValueError(f"a format-{self.format_version} manifest holds no finished "
                              f"rollouts")
@@ -281,7 +295,8 @@ def check_shards(instances: Iterable[str], shards: Iterable[ShardEntry],
 
 def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[str],
                     shards: list[ShardEntry], restarted_rollouts: int,
-                    metrics: dict[str, float], blob_store: str | None = None) -> bytes:
+                    metrics: dict[str, float], blob_store: str | None = None,
+                    sequence: int | None = None) -> bytes:
     """The JSON of a current-version ``Manifest``: a few kilobytes, whatever the number
     of rollouts (they are in the shards' indexes). ``Manifest.model_validate_json`` reads
     it back (tested)."""
@@ -289,7 +304,10 @@ def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[s
     sandboxes = any(s.trees is not None for s in shards)
     if sandboxes and blob_store is None:
         raise ValueError("shards with directory trees need the blob store's location")
-    version = RECEIPTS_FORMAT_VERSION if any(s.finished is not None for s in shards) \
+    # The lowest version that holds what the snapshot has, so that earlier releases read
+    # what they can; a sequence is written by every coordinator of this release.
+    version = ORDERED_FORMAT_VERSION if sequence is not None \
+        else RECEIPTS_FORMAT_VERSION if any(s.finished is not None for s in shards) \
         else SANDBOX_FORMAT_VERSION if sandboxes else FORMAT_VERSION
     data: dict[str, Any] = {
         "format_version": version,
@@ -302,6 +320,8 @@ def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[s
     }
     if sandboxes:
         data["blob_store"] = blob_store
+    if sequence is not None:
+        data["sequence"] = sequence
     return json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
 
 

@@ -17,6 +17,7 @@ from nemo_ckpt import catalog
 from nemo_ckpt.catalog import keep_last, latest_snapshot, list_snapshots, remove_snapshot
 from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, prepare_environment_dir
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch, encode_claim
+from nemo_ckpt.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, SnapshotNotFoundError
 from nemo_ckpt.local_folder import LocalFolder
 from nemo_ckpt.manifest import encode_manifest, shard_file_name
@@ -24,6 +25,7 @@ from nemo_ckpt.path_claims import claim_path, read_claims
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_snapshot, write_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.transport import COORDINATOR
 from nemo_ckpt.verify import verify_snapshot
 from tests.harness import World
 from tests.s3_server import BUCKET
@@ -39,14 +41,17 @@ from tests.test_storage import FakeClock, flip_middle_byte, manifest_path, sessi
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
-def snap(path: Path, snapshot_id: str, minute: int, rollouts: int = 1) -> Path:
-    """A committed format-3 snapshot at ``path``, created ``minute`` minutes after T0."""
+def snap(path: Path, snapshot_id: str, minute: int, rollouts: int = 1,
+         sequence: int | None = None) -> Path:
+    """A committed snapshot at ``path``, created ``minute`` minutes after T0: format 3,
+    or format 6 numbered ``sequence``."""
     directory = prepare_environment_dir(path)
     shard = write_shard(directory, shard_file_name(snapshot_id, "holder-0"), "holder-0",
                         [session("holder-0", f"r{k}") for k in range(rollouts)])
     write_manifest(directory, encode_manifest(
         snapshot_id=snapshot_id, created_at=T0 + timedelta(minutes=minute),
-        instances=["holder-0"], shards=[shard], restarted_rollouts=0, metrics={}))
+        instances=["holder-0"], shards=[shard], restarted_rollouts=0, metrics={},
+        sequence=sequence))
     return path
 
 
@@ -117,6 +122,57 @@ def test_a_root_that_is_not_a_folder_is_refused_not_taken_for_an_empty_one(
             with pytest.raises(CheckpointPathError, match="is not a folder"):
                 call(wrong)
     assert len(list_snapshots(tmp_path / "ckpt")) == 3
+
+
+def test_snapshots_are_listed_by_their_commit_number_not_their_hosts_clocks(
+        tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    snap(root / "a", "first", minute=180, sequence=1)
+    snap(root / "b", "second", minute=0, sequence=2)  # its host's clock 3 hours behind
+    snap(root / "old", "legacy", minute=500)  # an earlier release's: no number
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["second", "first", "legacy"]
+    assert latest_snapshot(root).path == str(root / "b")
+
+
+def test_a_coordinator_whose_clock_steps_back_between_two_commits_lists_the_second_first(
+        tmp_path: Path) -> None:
+    world = World(tmp_path)
+    root = tmp_path / "ckpt"
+    try:
+        async def scenario() -> None:
+            live = await world.populate()
+            await world.snapshot(root / "a", live)
+            for coordinator in world.sim.live(COORDINATOR):
+                coordinator.wall_offset -= 3 * 3600.0
+            await world.snapshot(root / "b", live)
+
+        world.run(scenario())
+    finally:
+        world.close()
+    first, second = read_snapshot(root / "a").manifest, read_snapshot(root / "b").manifest
+    assert second.created_at < first.created_at  # the clock did step back
+    assert (first.sequence, second.sequence, second.format_version) == (1, 2, 6)
+    assert [s.path for s in list_snapshots(root)] == [str(root / "b"), str(root / "a")]
+
+
+def test_a_commit_numbers_past_every_snapshot_there_when_the_numbers_folder_is_gone(
+        tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    snap(root / "a", "numbered", minute=1, sequence=41)
+    assert take_sequence(str(root)) == 42
+    shutil.rmtree(root / SEQUENCE_DIR)
+    snap(root / "b", "next", minute=2, sequence=42)
+    assert take_sequence(str(root)) == 43
+
+
+def test_only_the_newest_commit_numbers_are_kept(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    numbers = [take_sequence(str(root)) for _ in range(40)]
+    assert numbers == list(range(1, 41))
+    kept = sorted(int(p.name) for p in (root / SEQUENCE_DIR).iterdir())
+    assert kept[-1] == 40 and len(kept) <= 17
+    assert list_snapshots(root) == []  # the numbers' folder is no snapshot
 
 
 # --- removing -----------------------------------------------------------------------------

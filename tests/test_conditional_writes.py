@@ -18,6 +18,7 @@ import pytest
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
 from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
+from nemo_ckpt.commit_sequence import take_sequence
 from nemo_ckpt.errors import CheckpointPathBusyError, OperationAbortedError
 from nemo_ckpt.folder import ABSENT
 from nemo_ckpt.location import join_location
@@ -188,3 +189,22 @@ def test_of_two_collectors_beginning_at_once_on_one_blob_store_exactly_one_begin
     for t in threads:
         t.join(30)
     assert sorted(outcomes) == ["collecting", "refused"]
+
+
+def test_commits_racing_for_a_number_under_one_root_never_share_one(
+        enforcing_store: str) -> None:
+    root = enforcing_store
+    start = threading.Barrier(4)
+    taken: list[int] = []
+
+    def take() -> None:
+        start.wait()
+        for _ in range(5):
+            taken.append(take_sequence(root))
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(taken) == list(range(1, 21))

@@ -42,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _as_json(info: SnapshotInfo, verdict: str | None) -> dict[str, Any]:
     return {"path": info.path, "snapshot_id": info.snapshot_id,
             "created_at": None if info.created_at is None else info.created_at.isoformat(),
-            "format_version": info.format_version, "instances": info.instances,
+            "sequence": info.sequence, "format_version": info.format_version,
+            "instances": info.instances,
             "rollouts": info.rollouts, "restarted_rollouts": info.restarted_rollouts,
             "bytes": info.bytes, "blob_store": info.blob_store, "error": info.error,
             **({} if verdict is None else {"verified": verdict == "ok"})}
