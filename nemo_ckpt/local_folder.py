@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -20,10 +21,13 @@ from nemo_ckpt.errors import SnapshotWriteError
 from nemo_ckpt.folder import ABSENT, Sink, unlistable
 from nemo_ckpt.manifest import is_plain_file_name
 
-__all__ = ["LocalFolder", "TMP_MARK"]
+__all__ = ["CONDITIONS_LOCK", "LocalFolder", "TMP_MARK"]
 
 # Temp files are ".<name>.tmp-<uuid>": hidden, and recognisably ours for clean-up.
 TMP_MARK = ".tmp-"
+# Taken by writers that replace a file on a condition; never removed (a writer that
+# opened a removed one would lock a file the others no longer see).
+CONDITIONS_LOCK = ".conditions.lock"
 # Pieces are written in batches of about _WRITE_BATCH bytes with one writev each: small
 # pieces are gathered into a buffer first, pieces at least _DIRECT_WRITE long (big
 # states) go to the kernel by reference, without a copy. Per-piece write syscalls cost
@@ -175,8 +179,32 @@ class LocalFolder:
             if not self._link_new(name, data, sync):
                 raise FileExistsError(f"{self.describe(name)} exists")
             return
-        if expect is not None and self.version(name) != expect:
-            raise FileExistsError(f"{self.describe(name)} changed")
+        if expect is None:
+            self._replace(name, data, sync)
+            return
+        # A rename cannot be made conditional: of the writers that replace on a
+        # condition, one at a time checks and renames, under the folder's lock.
+        with self._conditions_lock():
+            if self.version(name) != expect:
+                raise FileExistsError(f"{self.describe(name)} changed")
+            self._replace(name, data, sync)
+
+    @contextlib.contextmanager
+    def _conditions_lock(self) -> Iterator[None]:
+        where = self.path / CONDITIONS_LOCK
+        try:
+            fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            raise FileExistsError(f"{self.describe()} is gone") from None
+        except OSError as exc:
+            raise SnapshotWriteError(where, write_failure(where, exc)) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when closed, or when its process dies
+            yield
+        finally:
+            os.close(fd)
+
+    def _replace(self, name: str, data: bytes, sync: bool) -> None:
         if sync:
             self.write_stream(name, lambda sink: sink.write(data))
             return
@@ -199,8 +227,9 @@ class LocalFolder:
         return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
     def enforces_conditions(self) -> bool:
-        """A create is exclusive (a link); a replace is checked just before its rename,
-        which a filesystem cannot make conditional."""
+        """A create is exclusive (a link); a conditional replace checks and renames under
+        an exclusive ``flock`` of the folder's lock file (``CONDITIONS_LOCK``), held
+        across hosts where the shared filesystem supports locks (NFSv4 does)."""
         return True
 
     def _link_new(self, name: str, data: bytes, sync: bool) -> bool:

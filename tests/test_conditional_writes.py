@@ -6,6 +6,7 @@ on one that does not (rclone's ``serve s3``), the claims are advisory and
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Iterator
@@ -208,3 +209,40 @@ def test_commits_racing_for_a_number_under_one_root_never_share_one(
     for t in threads:
         t.join(60)
     assert sorted(taken) == list(range(1, 21))
+
+
+def test_of_two_writers_replacing_one_version_at_once_on_a_local_folder_exactly_one_wins(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = environment_folder(tmp_path / "ckpt")
+    folder.prepare()
+    folder.write_bytes(".claim-x.json", b"first", sync=False, expect=ABSENT)
+    seen = folder.version(".claim-x.json")
+    assert seen is not None
+    # Each writer, once it has read the version, waits for the other to read it too: a
+    # check and a rename that are not one step would then both pass.
+    both_read = threading.Barrier(2, timeout=1.0)
+    version = type(folder).version
+
+    def read_then_wait(self: Any, name: str) -> str | None:
+        found = version(self, name)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_read.wait()
+        return found
+
+    monkeypatch.setattr(type(folder), "version", read_then_wait)
+    outcomes: list[str] = []
+
+    def replace(data: bytes) -> None:
+        try:
+            folder.write_bytes(".claim-x.json", data, sync=False, expect=seen)
+            outcomes.append("written")
+        except FileExistsError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=replace, args=(d,)) for d in (b"a", b"b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(outcomes) == ["refused", "written"]
+    assert folder.read(".claim-x.json") in (b"a", b"b")
