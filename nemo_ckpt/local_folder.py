@@ -21,13 +21,10 @@ from nemo_ckpt.errors import SnapshotWriteError
 from nemo_ckpt.folder import ABSENT, Sink, unlistable
 from nemo_ckpt.manifest import is_plain_file_name
 
-__all__ = ["CONDITIONS_LOCK", "LocalFolder", "TMP_MARK"]
+__all__ = ["LocalFolder", "TMP_MARK"]
 
 # Temp files are ".<name>.tmp-<uuid>": hidden, and recognisably ours for clean-up.
 TMP_MARK = ".tmp-"
-# Taken by writers that replace a file on a condition; never removed (a writer that
-# opened a removed one would lock a file the others no longer see).
-CONDITIONS_LOCK = ".conditions.lock"
 # Pieces are written in batches of about _WRITE_BATCH bytes with one writev each: small
 # pieces are gathered into a buffer first, pieces at least _DIRECT_WRITE long (big
 # states) go to the kernel by reference, without a copy. Per-piece write syscalls cost
@@ -182,22 +179,24 @@ class LocalFolder:
         if expect is None:
             self._replace(name, data, sync)
             return
-        # A rename cannot be made conditional: of the writers that replace on a
-        # condition, one at a time checks and renames, under the folder's lock.
-        with self._conditions_lock():
+        # A rename cannot be made conditional. Writers that replace on a condition lock
+        # the file they found: the one that renames first leaves the others, waiting on
+        # the lock of the file it replaced, to find a new version and be refused.
+        with self._locked(name):
             if self.version(name) != expect:
                 raise FileExistsError(f"{self.describe(name)} changed")
             self._replace(name, data, sync)
 
     @contextlib.contextmanager
-    def _conditions_lock(self) -> Iterator[None]:
-        where = self.path / CONDITIONS_LOCK
+    def _locked(self, name: str) -> Iterator[None]:
+        target = self._file(name)
         try:
-            fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:
-            raise FileExistsError(f"{self.describe()} is gone") from None
+            # Read-write: a lock over NFS is a write lock, which needs a writable file.
+            fd = os.open(target, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileExistsError(f"{self.describe(name)} changed (it is gone)") from None
         except OSError as exc:
-            raise SnapshotWriteError(where, write_failure(where, exc)) from exc
+            raise SnapshotWriteError(target, write_failure(target, exc)) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # released when closed, or when its process dies
             yield
@@ -228,8 +227,8 @@ class LocalFolder:
 
     def enforces_conditions(self) -> bool:
         """A create is exclusive (a link); a conditional replace checks and renames under
-        an exclusive ``flock`` of the folder's lock file (``CONDITIONS_LOCK``), held
-        across hosts where the shared filesystem supports locks (NFSv4 does)."""
+        an exclusive ``flock`` of the file it replaces, held across hosts where the shared
+        filesystem supports locks (NFSv4 does)."""
         return True
 
     def _link_new(self, name: str, data: bytes, sync: bool) -> bool:

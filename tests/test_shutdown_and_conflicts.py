@@ -89,7 +89,7 @@ def test_shutdown_with_wait_returns_once_the_names_are_released_and_the_restore_
 
     right_after, waited, gone, continued = job.run(scenario())
     assert len(right_after) == 3  # the coordinator and two holders
-    assert waited >= NAME_RELEASE_S and gone == []
+    assert waited >= NAME_RELEASE_S - 1e-9 and gone == []  # virtual times' float sums
     assert continued == 2
 
 
