@@ -1,0 +1,242 @@
+"""The Gymnasium-style text-environment adapter (``nemo_ckpt.adapters``) on SkyRL-gym's
+own environments, on the real local Ray cluster: rollouts crashed mid-rollout (holders
+and coordinator killed) and restored end exactly as a crash-free run; a replay that
+diverges starts its rollout over with a warning and a count in the next snapshot's
+metrics; an environment with the state export is rebuilt from its state."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+from nemo_ckpt import EnvironmentEpisode as Ep
+from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
+from nemo_ckpt.adapters import AdaptedRollout, StepOutput, trajectory_of
+from nemo_ckpt.adapters.skyrl_gym import SkyRLGym
+from nemo_ckpt.config import HOLDER_NAME_PREFIX
+from nemo_ckpt.errors import EnvironmentAdapterError
+from nemo_ckpt.testing.text_envs import (
+    SQL_DB_ID,
+    TextTask,
+    gsm8k_task,
+    make_sql_database,
+    reference_outputs,
+    sql_task,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def clients_of(ckpt: RayEnvironmentCheckpoint) -> dict[str, SessionClient]:
+    return {h.instance_id: await SessionClient.connect(h.instance_id,
+                                                       namespace=ckpt.config.namespace)
+            for h in await ckpt.holders()}
+
+
+async def run_steps(rollout: AdaptedRollout, task: TextTask, until: int | None = None) -> None:
+    """Step ``rollout`` with its task's policy until it is done or has ``until`` steps."""
+    while not rollout.done and (until is None or len(rollout.records) - 1 < until):
+        await rollout.step(task.policy(len(rollout.records)))
+
+
+def plain_outputs(outputs: list[StepOutput]) -> list[dict[str, Any]]:
+    return [o.as_plain() for o in outputs]
+
+
+async def crash_and_restore(ckpt: RayEnvironmentCheckpoint, path: Path
+                            ) -> tuple[RayEnvironmentCheckpoint, frozenset[tuple[str, str, int]]]:
+    """Kill the job's holders and coordinator (a preemption), then restore ``path`` as a
+    new job; the new job's checkpoint and the continued attempts."""
+    for h in await ckpt.holders():
+        ray.kill(ray.get_actor(HOLDER_NAME_PREFIX + h.instance_id,
+                               namespace=ckpt.config.namespace), no_restart=True)
+    ray.kill(ray.get_actor(ckpt.config.coordinator_name, namespace=ckpt.config.namespace),
+             no_restart=True)
+    fresh = RayEnvironmentCheckpoint(ckpt.config)
+    await fresh.shutdown(wait=True)
+    await fresh.ensure_holders()
+    async with fresh.restored(path) as restored:
+        continued = restored.continued_attempts
+    return fresh, continued
+
+
+async def test_skyrl_rollouts_crashed_mid_rollout_and_restored_equal_a_crash_free_run(
+        ckpt: RayEnvironmentCheckpoint, tmp_path: Path) -> None:
+    db_root = tmp_path / "sql"
+    make_sql_database(db_root)
+    tasks = {t.rollout_id: t for t in
+             [gsm8k_task(f"gsm-{i}", seed=3, max_turns=6) for i in range(4)]
+             + [sql_task(f"sql-{i}", seed=3, db_root=db_root, max_turns=6) for i in range(4)]}
+    clients = await clients_of(ckpt)
+    instances = sorted(clients)
+    placed = {r: instances[k % len(instances)] for k, r in enumerate(sorted(tasks))}
+    rollouts = {}
+    for r, task in tasks.items():
+        rollouts[r] = await AdaptedRollout.start(clients[placed[r]], Ep(r, 0), task.framework,
+                                                 task.prompt)
+        await run_steps(rollouts[r], task, until=2)
+    path = tmp_path / "ckpt" / "step-1"
+    async with ckpt.snapshot(path):
+        pass
+    running = sorted(r for r, rollout in rollouts.items() if not rollout.done)
+    assert len(running) >= 4, "the seeded policies end most rollouts after the snapshot"
+    for r in running:  # a turn more each: work the crash loses
+        await rollouts[r].step(tasks[r].policy(len(rollouts[r].records)))
+        rollouts[r].close()
+
+    fresh, continued = await crash_and_restore(ckpt, path)
+    try:
+        assert {(i, r) for i, r, _ in continued} == {(placed[r], r) for r in tasks}
+        clients = await clients_of(fresh)
+        for instance, r, attempt in sorted(continued):
+            task = tasks[r]
+            rollout = await AdaptedRollout.resume(clients[instance],
+                                                  Ep(r, attempt).next_attempt(), task.framework)
+            assert rollout.rebuilt_by == "replay" and rollout.restarts == 0
+            await run_steps(rollout, task)
+            assert plain_outputs(rollout.outputs) == plain_outputs(reference_outputs(task)), r
+            result = await rollout.finish()
+            assert [rec.given for rec in trajectory_of(result)[1:]] == [
+                task.policy(t) for t in range(1, len(rollout.records))]
+    finally:
+        fresh.shutdown()
+
+
+async def test_a_replay_that_diverges_starts_the_rollout_over_with_a_warning_and_a_count(
+        ckpt: RayEnvironmentCheckpoint, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db_root = tmp_path / "sql"
+    db = make_sql_database(db_root)
+    task = sql_task("sql-drift", seed=5, db_root=db_root, max_turns=5)
+    instance, client = sorted((await clients_of(ckpt)).items())[0]
+    rollout = await AdaptedRollout.start(client, Ep(task.rollout_id, 0), task.framework,
+                                         task.prompt)
+    await run_steps(rollout, task, until=2)
+    path = tmp_path / "ckpt" / "step-1"
+    async with ckpt.snapshot(path):
+        pass
+    rollout.close()
+    # A side effect outside the sandbox: the database changes under the rollout, so the
+    # replayed queries see other rows than the model saw.
+    with sqlite3.connect(db) as conn:
+        conn.execute("INSERT INTO orders VALUES (1000, 50, 999)")
+
+    fresh, continued = await crash_and_restore(ckpt, path)
+    try:
+        ((_, rid, attempt),) = continued
+        client = (await clients_of(fresh))[instance]
+        with caplog.at_level(logging.WARNING, logger="nemo_ckpt.adapters"):
+            resumed = await AdaptedRollout.resume(client, Ep(rid, attempt).next_attempt(),
+                                                  task.framework)
+        warned = [r.getMessage() for r in caplog.records if r.name == "nemo_ckpt.adapters"]
+        assert len(warned) == 1 and "sql-drift-a1" in warned[0] and "starts over" in warned[0]
+        assert "observations" in warned[0]
+        assert resumed.rebuilt_by == "restarted" and resumed.restarts == 1
+        assert len(resumed.records) == 1 and resumed.records[0].restarted is not None
+        await run_steps(resumed, task)
+        # The restarted trajectory is a fresh run over the database as it is now.
+        assert plain_outputs(resumed.outputs) == plain_outputs(reference_outputs(task))
+        session = await client.get(Ep(rid, attempt).next_attempt())
+        assert len(session.turns) == 3 + len(resumed.records)  # the old turns are kept
+        async with fresh.snapshot(tmp_path / "ckpt" / "step-2") as snap:
+            assert snap is not None
+            assert snap.metrics(0.0)["replay_restarted_rollouts"] == 1.0
+    finally:
+        fresh.shutdown()
+
+
+class NonceCounterEnv(BaseTextEnv):
+    """A text environment a replay cannot rebuild (its observations carry a nonce drawn
+    at init) that offers the state export instead."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.max_turns = 4
+        self.total = 0
+        self.nonce = ""
+
+    def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
+        self.nonce = os.urandom(8).hex()
+        return [{"role": "user", "content": f"session {self.nonce}: count"}], {}
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        self.total += len(action)
+        done = self.turns >= self.max_turns
+        return BaseTextEnvStepOutput(
+            observations=[{"role": "user", "content": f"{self.nonce}: {self.total}"}],
+            reward=float(self.total), done=done, metadata={})
+
+    def get_state(self) -> bytes:
+        return json.dumps([self.turns, self.total, self.nonce]).encode()
+
+    def set_state(self, data: bytes) -> None:
+        self.turns, self.total, self.nonce = json.loads(data)
+
+
+@pytest.fixture
+def nonce_env() -> Any:
+    skyrl_gym.register(id="nemo_ckpt_test_nonce_counter", entry_point=NonceCounterEnv)
+    try:
+        yield SkyRLGym("nemo_ckpt_test_nonce_counter")
+    finally:
+        skyrl_gym.envs.deregister("nemo_ckpt_test_nonce_counter")
+
+
+async def test_an_environment_with_the_state_export_is_rebuilt_from_its_state(
+        ckpt: RayEnvironmentCheckpoint, tmp_path: Path, nonce_env: SkyRLGym) -> None:
+    instance, client = sorted((await clients_of(ckpt)).items())[0]
+    rollout = await AdaptedRollout.start(client, Ep("count", 0), nonce_env,
+                                         [{"role": "user", "content": "go"}])
+    for action in ("a", "bb"):
+        await rollout.step(action)
+    path = tmp_path / "ckpt" / "step-1"
+    async with ckpt.snapshot(path):
+        pass
+    before = plain_outputs(rollout.outputs)
+    rollout.close()
+
+    fresh, continued = await crash_and_restore(ckpt, path)
+    try:
+        ((_, rid, attempt),) = continued
+        client = (await clients_of(fresh))[instance]
+        resumed = await AdaptedRollout.resume(client, Ep(rid, attempt).next_attempt(),
+                                              nonce_env)
+        assert resumed.rebuilt_by == "state" and resumed.restarts == 0
+        assert plain_outputs(resumed.outputs) == before
+        nonce = before[0]["observations"][0]["content"].split()[1].rstrip(":")
+        out = await resumed.step("ccc")
+        assert out.observations == [{"role": "user", "content": f"{nonce}: 6"}]
+        assert out.reward == 6.0
+    finally:
+        fresh.shutdown()
+
+
+async def test_a_step_after_the_episode_is_done_is_refused_with_what_to_do(
+        ckpt: RayEnvironmentCheckpoint) -> None:
+    task = gsm8k_task("gsm-done", seed=1, max_turns=2)
+    client = next(iter((await clients_of(ckpt)).values()))
+    rollout = await AdaptedRollout.start(client, Ep(task.rollout_id, 0), task.framework,
+                                         task.prompt)
+    await run_steps(rollout, task)
+    with pytest.raises(EnvironmentAdapterError, match="finish it with AdaptedRollout.finish"):
+        await rollout.step("one more")
+    assert len((await client.get(Ep(task.rollout_id, 0))).turns) == len(rollout.records)
+
+
+def test_the_sql_database_the_tests_make_is_where_text2sql_looks(tmp_path: Path) -> None:
+    db = make_sql_database(tmp_path)
+    assert db == tmp_path / "spider" / "database" / SQL_DB_ID / f"{SQL_DB_ID}.sqlite"
+    outputs = reference_outputs(sql_task("s", seed=0, db_root=tmp_path))
+    assert "Error" not in json.dumps([o.as_plain() for o in outputs])
+
+
