@@ -59,9 +59,11 @@ def compare(recorded: TurnRecord, replayed: StepOutput, turn: int) -> Divergence
     return Divergence(turn, differ or ("output",), shown)
 
 
-def replay(framework: Framework, env: Any, records: Sequence[TurnRecord]) -> Divergence | None:
+def replay(framework: Framework, env: Any, records: Sequence[TurnRecord],
+           replayed: list[StepOutput] | None = None) -> Divergence | None:
     """Run ``records`` (a live trajectory, ``init`` first) on ``env``, checking each
-    output; the first divergence, or None when every step returned what was recorded."""
+    output; the first divergence, or None when every step returned what was recorded.
+    ``replayed``, when given, receives each output that equalled its record."""
     for turn, record in enumerate(records):
         try:
             if record.kind == "init":
@@ -73,4 +75,6 @@ def replay(framework: Framework, env: Any, records: Sequence[TurnRecord]) -> Div
         divergence = compare(record, output, turn)
         if divergence is not None:
             return divergence
+        if replayed is not None:
+            replayed.append(output)
     return None

@@ -85,6 +85,8 @@ class AdaptedRollout:
         # "restarted" (a replay diverged and the rollout started over).
         self.rebuilt_by = "fresh"
         self.restarts = 0
+        # What the last rebuild's replay returned, turn by turn, before any divergence.
+        self.replayed: list[StepOutput] = []
 
     # --- starting and resuming -----------------------------------------------------------
 
@@ -146,7 +148,8 @@ class AdaptedRollout:
             self._replace_env(env)
             self._records, self.rebuilt_by = live, "state"
             return
-        divergence = replay(self._framework, env, live)
+        self.replayed = []
+        divergence = replay(self._framework, env, live, self.replayed)
         if divergence is None:
             self._replace_env(env)
             self._records, self.rebuilt_by = live, "replay"
