@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +242,15 @@ def test_the_sql_database_the_tests_make_is_where_text2sql_looks(tmp_path: Path)
     assert "Error" not in json.dumps([o.as_plain() for o in outputs])
 
 
+
+
+@pytest.mark.timeout(150)
+def test_the_example_crashes_mid_run_restores_and_verifies_every_rollout(cluster: Any) -> None:
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "adapter_recovery.py"),
+         "--address", cluster.address, "--rollouts", "8", "--seed", "2"],
+        capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "VERIFIED: 8 rollouts" in proc.stdout
+    assert "2 start over" in proc.stdout and "NOT VERIFIED" not in proc.stdout

@@ -201,10 +201,12 @@ class AdaptedRollout:
         self._records.append(record)
         return record.step_output
 
-    async def finish(self) -> bytes:
-        """Hand the finished rollout's live trajectory to the backend (kept until RL
-        acknowledges it; ``trajectory_of`` reads it) and close the environment."""
-        result = msgpack.packb([r.encode() for r in self._records], use_bin_type=True)
+    async def finish(self, result: bytes | None = None) -> bytes:
+        """Hand the finished rollout's ``result`` to the backend (kept until RL
+        acknowledges it) and close the environment. ``result`` is what RL's ledger reads
+        back after a restore; by default the live trajectory (``trajectory_of``)."""
+        if result is None:
+            result = msgpack.packb([r.encode() for r in self._records], use_bin_type=True)
         await self._client.finish(self.episode, result)
         self.close()
         return result
