@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """SkyRL-gym's own environments recovered mid-rollout with no change to their code.
 
-Runs many rollouts of SkyRL-gym's ``gsm8k_multi_turn`` and ``text2sql`` (over a small
-SQLite database made for the run) on an embedded local Ray cluster, each through
+Runs many rollouts of SkyRL-gym's ``gsm8k_multi_turn``, ``text2sql`` (over a small
+SQLite database made for the run) and ``rlm`` (a live Python REPL) on an embedded local
+Ray cluster, each through
 ``nemo_ckpt.adapters.AdaptedRollout`` on an environment worker pinned to its holder's
 node, with a scripted, seeded policy in the model's place. Halfway it snapshots both
 halves (sessions and the reference data plane), runs a step more (work the crash
@@ -44,6 +45,7 @@ from nemo_ckpt.testing.text_envs import (
     gsm8k_task,
     make_sql_database,
     reference_outputs,
+    rlm_task,
     sql_task,
 )
 
@@ -51,9 +53,11 @@ MAX_TURNS = 6  # steps per rollout at most (a rollout ends earlier when it is do
 
 
 def task_of(rollout_id: str, seed: int, db_root: Path) -> TextTask:
-    """The task of a rollout id: ``gsm-<n>`` or ``sql-<n>``."""
+    """The task of a rollout id: ``gsm-<n>``, ``sql-<n>`` or ``rlm-<n>``."""
     if rollout_id.startswith("gsm-"):
         return gsm8k_task(rollout_id, seed, max_turns=MAX_TURNS)
+    if rollout_id.startswith("rlm-"):
+        return rlm_task(rollout_id, seed, max_turns=MAX_TURNS)
     return sql_task(rollout_id, seed, db_root, max_turns=MAX_TURNS)
 
 
@@ -151,7 +155,7 @@ async def main_async(args: argparse.Namespace) -> int:
     config = CheckpointConfig(namespace="nemo-ckpt-adapter-example",
                               checkpoint_root=args.checkpoint_dir)
     path = args.checkpoint_dir / "step-1"
-    rollouts = [f"{'gsm' if i % 2 == 0 else 'sql'}-{i}" for i in range(args.rollouts)]
+    rollouts = [f"{('gsm', 'sql', 'rlm')[i % 3]}-{i}" for i in range(args.rollouts)]
     make_sql_database(args.db_root)
 
     ckpt = RayEnvironmentCheckpoint(config)
@@ -216,7 +220,7 @@ async def main_async(args: argparse.Namespace) -> int:
     if wrong or checked != len(rollouts):
         say(f"NOT VERIFIED: rollouts {wrong} differ from a crash-free run")
         return 1
-    say(f"VERIFIED: {checked} rollouts of gsm8k_multi_turn and text2sql: every observation "
+    say(f"VERIFIED: {checked} rollouts of gsm8k_multi_turn, text2sql and rlm: every observation "
         f"and reward equals a crash-free run; {by_replay} continued rollouts rebuilt by "
         f"replaying {replayed} recorded turns without the model, {restarted} restarted by a "
         f"diverging replay")

@@ -1,8 +1,9 @@
 """The Gymnasium-style text-environment adapter (``nemo_ckpt.adapters``) on SkyRL-gym's
-own environments, on the real local Ray cluster: rollouts crashed mid-rollout (holders
-and coordinator killed) and restored end exactly as a crash-free run; a replay that
-diverges starts its rollout over with a warning and a count in the next snapshot's
-metrics; an environment with the state export is rebuilt from its state."""
+own environments (``gsm8k_multi_turn``, ``text2sql`` over a SQLite database the test
+makes, ``rlm`` with its live REPL), on the real local Ray cluster: rollouts crashed
+mid-rollout (holders and coordinator killed) and restored end exactly as a crash-free
+run; a replay that diverges starts its rollout over with a warning and a count in the
+next snapshot's metrics; an environment with the state export is rebuilt from its state."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from nemo_ckpt.testing.text_envs import (
     gsm8k_task,
     make_sql_database,
     reference_outputs,
+    rlm_task,
     sql_task,
 )
 
@@ -77,7 +79,8 @@ async def test_skyrl_rollouts_crashed_mid_rollout_and_restored_equal_a_crash_fre
     make_sql_database(db_root)
     tasks = {t.rollout_id: t for t in
              [gsm8k_task(f"gsm-{i}", seed=3, max_turns=6) for i in range(4)]
-             + [sql_task(f"sql-{i}", seed=3, db_root=db_root, max_turns=6) for i in range(4)]}
+             + [sql_task(f"sql-{i}", seed=3, db_root=db_root, max_turns=6) for i in range(4)]
+             + [rlm_task(f"rlm-{i}", seed=3) for i in range(3)]}
     clients = await clients_of(ckpt)
     instances = sorted(clients)
     placed = {r: instances[k % len(instances)] for k, r in enumerate(sorted(tasks))}
@@ -90,7 +93,8 @@ async def test_skyrl_rollouts_crashed_mid_rollout_and_restored_equal_a_crash_fre
     async with ckpt.snapshot(path):
         pass
     running = sorted(r for r, rollout in rollouts.items() if not rollout.done)
-    assert len(running) >= 4, "the seeded policies end most rollouts after the snapshot"
+    assert len(running) >= 6, "the seeded policies end most rollouts after the snapshot"
+    assert {r for r in running if r.startswith("rlm-")} == {"rlm-0", "rlm-1", "rlm-2"}
     for r in running:  # a turn more each: work the crash loses
         await rollouts[r].step(tasks[r].policy(len(rollouts[r].records)))
         rollouts[r].close()
@@ -252,5 +256,5 @@ def test_the_example_crashes_mid_run_restores_and_verifies_every_rollout(cluster
          "--address", cluster.address, "--rollouts", "8", "--seed", "2"],
         capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "VERIFIED: 8 rollouts" in proc.stdout
+    assert "VERIFIED: 8 rollouts of gsm8k_multi_turn, text2sql and rlm" in proc.stdout
     assert "2 start over" in proc.stdout and "NOT VERIFIED" not in proc.stdout

@@ -4,10 +4,17 @@ observations and info, ``step(action)`` -> observations, reward, done, metadata)
 SkyRL-gym is imported when an environment is first made, not with this module
 (``pip install nemo-ckpt[skyrl]`` installs it). An environment is made by its registered
 id with ``skyrl_gym.make``, so a team's own registered environments work as SkyRL-gym's.
+
+The chat history is kept as SkyRL-gym's generator keeps it: the very list ``init``
+returned, extended after each step with the action and the step's observations. Some
+environments read or change that list through the reference they kept (``rlm`` pops its
+per-turn prompt off it), so a replay keeps it the same way.
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +45,8 @@ class SkyRLGym:
         self._env_config = env_config
         self._extras = dict(extras or {})
         self._configure = configure
+        # Each live environment's chat history (the list its init returned).
+        self._histories: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
     def make(self, directory: Path | None) -> Any:
         import skyrl_gym
@@ -50,13 +59,22 @@ class SkyRLGym:
         return skyrl_gym.make(self.env_id, env_config=env_config, extras=dict(extras))
 
     def init(self, env: Any, prompt: Any) -> StepOutput:
-        observations, info = env.init(prompt)
-        return StepOutput(observations, 0.0, False, {"info": info})
+        # A copy: an environment may return the prompt itself, and its history grows.
+        observations, info = env.init(copy.deepcopy(prompt))
+        if isinstance(observations, list):
+            self._histories[env] = observations
+        return StepOutput(list(observations), 0.0, False, {"info": info})
 
     def step(self, env: Any, action: str) -> StepOutput:
         out = env.step(action)
-        return StepOutput(out["observations"], float(out["reward"]), bool(out["done"]),
+        observations = list(out["observations"] or [])
+        history = self._histories.get(env)
+        if history is not None:
+            history.append({"role": "assistant", "content": action})
+            history.extend(observations)
+        return StepOutput(observations, float(out["reward"]), bool(out["done"]),
                           {k: v for k, v in out.items() if k not in _MAIN})
 
     def close(self, env: Any) -> None:
+        self._histories.pop(env, None)
         env.close()

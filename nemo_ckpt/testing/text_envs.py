@@ -1,8 +1,8 @@
 """SkyRL-gym tasks with a scripted, seeded policy in the model's place, for the
-adapter's tests, example and benchmark (``nemo_ckpt.adapters``): ``gsm8k_multi_turn``
-and ``text2sql`` over a small SQLite database made here, and the crash-free reference
-run a recovered rollout must equal. SkyRL-gym is imported only when an environment is
-made."""
+adapter's tests, example and benchmark (``nemo_ckpt.adapters``): ``gsm8k_multi_turn``,
+``text2sql`` over a small SQLite database made here, and ``rlm`` (a live Python REPL the
+policy writes code into), and the crash-free reference run a recovered rollout must
+equal. SkyRL-gym is imported only when an environment is made."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from typing import Any
 from nemo_ckpt.adapters.framework import StepOutput
 from nemo_ckpt.adapters.skyrl_gym import SkyRLGym
 
-__all__ = ["TextTask", "gsm8k_task", "sql_task", "make_sql_database", "reference_outputs",
-           "SQL_DB_ID"]
+__all__ = ["TextTask", "gsm8k_task", "sql_task", "rlm_task", "make_sql_database",
+           "reference_outputs", "SQL_DB_ID", "RLM_ENV_ID"]
 
 SQL_DB_ID = "shop"
 # Single-row integer answers: SkyRL-gym's SQL tool renders a result set through a
@@ -85,6 +85,45 @@ def sql_task(rollout_id: str, seed: int, db_root: Path, max_turns: int = 5) -> T
         if turn > 2 and r.random() < 0.3:
             return f"The total is known. <solution>{_GOLD}</solution>"
         return f"Let me look. <sql>{r.choice(_QUERIES)}</sql>"
+
+    return TextTask(rollout_id, framework, prompt, policy)
+
+
+# SkyRL-gym 0.4 ships the RLM environment (skyrl_gym/envs/rlm) without registering it.
+RLM_ENV_ID = "nemo_ckpt_rlm"
+_WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
+          "kappa", "lambda", "mu")
+
+
+def _register_rlm() -> None:
+    import skyrl_gym
+
+    if RLM_ENV_ID not in skyrl_gym.registry:
+        skyrl_gym.register(id=RLM_ENV_ID, entry_point="skyrl_gym.envs.rlm.env:BaseRLMEnv")
+
+
+def rlm_task(rollout_id: str, seed: int, max_turns: int = 6) -> TextTask:
+    """An ``rlm`` rollout: its context is seeded words, the policy explores them in the
+    environment's persistent REPL over several turns (one turn without code), then
+    answers with a variable it made (``FINAL_VAR``)."""
+    _register_rlm()
+    rng = random.Random(f"{seed}:{rollout_id}")
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 15)))
+    k = rng.randint(3, 5)
+    framework = SkyRLGym(RLM_ENV_ID, extras={
+        "max_turns": max_turns, "repl_timeout": 30.0,
+        "extra_info": {"context_text": words}})
+    prompt = [{"role": "user", "content": f"How many words longer than {k} letters?"}]
+    code = ["words = context.split()\nprint(len(words))",
+            f"long = [w for w in words if len(w) > {k}]\nprint(long)",
+            None,  # the model thinks aloud: no code this turn
+            "answer = str(len(long))\nprint(answer)"]
+
+    def policy(turn: int) -> str:
+        if turn > len(code):
+            return "```repl\nprint(answer)\n```\nFINAL_VAR(answer)"
+        block = code[turn - 1]
+        return "Thinking it over." if block is None else f"Next.\n```repl\n{block}\n```"
 
     return TextTask(rollout_id, framework, prompt, policy)
 
