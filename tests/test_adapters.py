@@ -23,7 +23,8 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
-from nemo_ckpt.adapters import AdaptedRollout, StepOutput, trajectory_of
+from nemo_ckpt.adapters import AdaptedRollout, StepOutput, TurnRecord, trajectory_of
+from nemo_ckpt.adapters.replay import compare
 from nemo_ckpt.adapters.skyrl_gym import SkyRLGym
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import EnvironmentAdapterError
@@ -258,3 +259,74 @@ def test_the_example_crashes_mid_run_restores_and_verifies_every_rollout(cluster
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "VERIFIED: 8 rollouts of gsm8k_multi_turn, text2sql and rlm" in proc.stdout
     assert "2 start over" in proc.stdout and "NOT VERIFIED" not in proc.stdout
+
+
+async def test_a_step_whose_turn_did_not_commit_is_not_applied_twice(
+        ckpt: RayEnvironmentCheckpoint) -> None:
+    task = gsm8k_task("gsm-abort", seed=4, max_turns=6)
+    client = next(iter((await clients_of(ckpt)).values()))
+    rollout = await AdaptedRollout.start(client, Ep(task.rollout_id, 0), task.framework,
+                                         task.prompt)
+    await rollout.step(task.policy(1))
+
+    async def failing_staging(turn: int) -> list[str]:
+        raise RuntimeError("RL's data plane refused the row")
+
+    # The environment steps, then the turn aborts: the session has no such turn.
+    with pytest.raises(RuntimeError, match="refused the row"):
+        await rollout.step(task.policy(2), failing_staging)
+    assert len((await client.get(Ep(task.rollout_id, 0))).turns) == 2
+    await run_steps(rollout, task)
+    assert rollout.rebuilt_by == "replay"  # rebuilt from the session before the step
+    assert plain_outputs(rollout.outputs) == plain_outputs(reference_outputs(task))
+
+
+async def test_resuming_a_session_the_adapter_did_not_write_is_refused_naming_it(
+        ckpt: RayEnvironmentCheckpoint) -> None:
+    task = gsm8k_task("gsm-foreign", seed=4)
+    client = next(iter((await clients_of(ckpt)).values()))
+    foreign, empty = Ep("hand-written", 0), Ep("never-initialized", 0)
+    await client.open(foreign, state=b"s0")
+    async with client.turn(foreign) as turn:
+        turn.complete(b'{"turn": 0}', b"s1")
+    await client.open(empty)
+    with pytest.raises(EnvironmentAdapterError, match="turn 0 of hand-written"):
+        await AdaptedRollout.resume(client, foreign, task.framework)
+    with pytest.raises(EnvironmentAdapterError, match="pass prompt="):
+        await AdaptedRollout.resume(client, empty, task.framework)
+    resumed = await AdaptedRollout.resume(client, empty, task.framework, prompt=task.prompt)
+    assert plain_outputs(resumed.outputs) == plain_outputs(reference_outputs(task)[:1])
+
+
+def test_a_replay_compares_every_part_of_an_output_exactly_and_names_what_differs() -> None:
+    recorded = TurnRecord.of("step", "a", StepOutput(
+        [{"role": "user", "content": "x"}], float("nan"), False,
+        {"metadata": {"n": 1}, "handle": object()}))
+    same = StepOutput([{"content": "x", "role": "user"}], float("nan"), False,
+                      {"handle": object(), "metadata": {"n": 1}})
+    assert compare(recorded, same, 3) is None  # NaN equals itself; an object, its type
+    other = StepOutput([{"role": "user", "content": "x"}], 0.5, False, {
+        "metadata": {"n": 2}, "handle": object()})
+    divergence = compare(recorded, other, 3)
+    assert divergence is not None
+    assert (divergence.turn, divergence.fields) == (3, ("reward", "extra"))
+    assert "recorded 'nan', replayed 0.5" in divergence.detail
+    assert compare(recorded, StepOutput([], float("nan"), True, same.extra), 3).fields == (
+        "observations", "done")
+
+
+def test_the_adapters_import_without_skyrl_gym_and_say_how_to_install_it() -> None:
+    code = (
+        "import sys; sys.modules['skyrl_gym'] = None\n"
+        "import nemo_ckpt, nemo_ckpt.adapters\n"
+        "from nemo_ckpt.adapters.skyrl_gym import SkyRLGym\n"
+        "from nemo_ckpt.errors import EnvironmentAdapterError\n"
+        "try:\n"
+        "    SkyRLGym('gsm8k_multi_turn').make(None)\n"
+        "except EnvironmentAdapterError as exc:\n"
+        "    print('refused:', exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: SkyRL-gym is not installed here" in proc.stdout
+    assert "pip install 'nemo-ckpt[skyrl]'" in proc.stdout

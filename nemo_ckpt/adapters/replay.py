@@ -10,7 +10,8 @@ from typing import Any
 
 import msgpack
 
-from nemo_ckpt.adapters.framework import Framework, StepOutput
+from nemo_ckpt.adapters.framework import Framework
+from nemo_ckpt.adapters.step_output import StepOutput
 from nemo_ckpt.adapters.turn_records import TurnRecord
 
 __all__ = ["Divergence", "compare", "replay"]

@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 
-from nemo_ckpt.adapters.framework import Framework, StepOutput
+from nemo_ckpt.adapters.framework import Framework
 from nemo_ckpt.adapters.replay import replay
 from nemo_ckpt.adapters.state_export import offers_state_export
+from nemo_ckpt.adapters.step_output import StepOutput
 from nemo_ckpt.adapters.turn_records import TurnRecord, decode_record, live_records
 from nemo_ckpt.errors import EnvironmentAdapterError
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -44,6 +45,8 @@ log = logging.getLogger("nemo_ckpt.adapters")
 # token-capture rows to RL's data plane and returns their keys.
 Staging = Callable[[int], Awaitable[Iterable[str]]]
 
+RebuiltBy = Literal["fresh", "replay", "state", "restarted"]
+
 # A session state that is an exported environment state starts with this byte; an
 # empty state means "rebuilt by replay".
 _EXPORTED = b"S"
@@ -51,7 +54,10 @@ _EXPORTED = b"S"
 
 def trajectory_of(result: bytes) -> list[TurnRecord]:
     """The live trajectory in a finished rollout's result (``AdaptedRollout.finish``)."""
-    records = msgpack.unpackb(result, raw=False)
+    try:
+        records = msgpack.unpackb(result, raw=False)
+    except Exception:
+        records = None
     if not isinstance(records, list):
         raise EnvironmentAdapterError("a result of AdaptedRollout.finish is a list of "
                                       "turn records; this one is not")
@@ -81,9 +87,9 @@ class AdaptedRollout:
         self._framework = framework
         self._env: Any = None
         self._records: list[TurnRecord] = []
-        # How the environment was last rebuilt: "fresh", "replay", "state" or
-        # "restarted" (a replay diverged and the rollout started over).
-        self.rebuilt_by = "fresh"
+        # How the environment was last made: "fresh" (started here), "replay", "state"
+        # or "restarted" (a replay diverged and the rollout started over).
+        self.rebuilt_by: RebuiltBy = "fresh"
         self.restarts = 0
         # What the last rebuild's replay returned, turn by turn, before any divergence.
         self.replayed: list[StepOutput] = []

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.adapters.framework import StepOutput
+from nemo_ckpt.adapters.step_output import StepOutput
+from nemo_ckpt.errors import EnvironmentAdapterError
 
 __all__ = ["SkyRLGym"]
 
@@ -49,7 +50,13 @@ class SkyRLGym:
         self._histories: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
     def make(self, directory: Path | None) -> Any:
-        import skyrl_gym
+        try:
+            import skyrl_gym
+        except ImportError as exc:
+            raise EnvironmentAdapterError(
+                f"SkyRL-gym is not installed here ({exc}); install it with "
+                f"pip install 'nemo-ckpt[skyrl]' on every node that runs its rollouts"
+                ) from None
 
         if self._configure is not None:
             env_config, extras = self._configure(directory)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from nemo_ckpt.adapters.framework import StepOutput, plain
+from nemo_ckpt.adapters.step_output import StepOutput, plain
 from nemo_ckpt.errors import EnvironmentAdapterError
 
 __all__ = ["TurnRecord", "decode_record", "live_records", "FORMAT"]

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from nemo_ckpt.adapters.framework import StepOutput
 from nemo_ckpt.adapters.skyrl_gym import SkyRLGym
+from nemo_ckpt.adapters.step_output import StepOutput
 
 __all__ = ["TextTask", "gsm8k_task", "sql_task", "rlm_task", "make_sql_database",
            "reference_outputs", "SQL_DB_ID", "RLM_ENV_ID"]
