@@ -330,3 +330,95 @@ def test_the_adapters_import_without_skyrl_gym_and_say_how_to_install_it() -> No
     assert proc.returncode == 0, proc.stderr
     assert "refused: SkyRL-gym is not installed here" in proc.stdout
     assert "pip install 'nemo-ckpt[skyrl]'" in proc.stdout
+
+
+class NotebookEnv(BaseTextEnv):
+    """A text environment that keeps its notes in the rollout's sandbox directory (so a
+    replay would write them twice) and offers the state export for the rest."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.notes = Path((extras or {})["directory"]) / "notes.txt"
+        self.max_turns = 4
+
+    def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
+        return [{"role": "user", "content": "write notes"}], {}
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        with open(self.notes, "a") as f:
+            f.write(action + "\n")
+        lines = self.notes.read_text().splitlines()
+        return BaseTextEnvStepOutput(
+            observations=[{"role": "user", "content": f"{len(lines)} notes: {lines}"}],
+            reward=0.0, done=self.turns >= self.max_turns, metadata={})
+
+    def get_state(self) -> bytes:
+        return str(self.turns).encode()
+
+    def set_state(self, data: bytes) -> None:
+        self.turns = int(data)
+
+
+def test_a_rollout_with_a_sandbox_directory_continues_in_its_restored_copy(
+        tmp_path: Path) -> None:
+    from nemo_ckpt.config import CheckpointConfig
+    from nemo_ckpt.testing.data_plane import StaticCut
+    from tests.harness import World
+
+    skyrl_gym.register(id="nemo_ckpt_test_notebook", entry_point=NotebookEnv)
+    made: list[Path | None] = []
+
+    def configure(directory: Path | None) -> tuple[Any, dict[str, Any]]:
+        made.append(directory)
+        return None, {"directory": str(directory)}
+
+    framework = SkyRLGym("nemo_ckpt_test_notebook", configure=configure)
+    config = CheckpointConfig(namespace="job", drain_timeout_s=1.0, lease_s=6.0,
+                              phase_timeout_s=3.0, persist_timeout_s=15.0,
+                              turn_timeout_s=20.0, checkpoint_root=tmp_path / "ckpt",
+                              sandbox_root=tmp_path / "sandboxes")
+    path = tmp_path / "ckpt" / "step-1"
+    sandboxes = tmp_path / "sandboxes"
+    episode = Ep("notes", 0)
+    job = World(tmp_path, nodes=1, config=config)
+    try:
+        async def first_life() -> None:
+            await job.ckpt.ensure_holders()
+            client = await job.client("holder-0")
+            sandbox = sandboxes / "work" / "notes"
+            sandbox.mkdir(parents=True)
+            rollout = await AdaptedRollout.start(client, episode, framework,
+                                                 [{"role": "user", "content": "go"}],
+                                                 directory=sandbox)
+            for action in ("first", "second"):
+                await rollout.step(action)
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut({"holder-0": {episode}}, set()))
+            await rollout.step("lost in the crash")
+
+        job.run(first_life())
+    finally:
+        job.close()
+        skyrl_gym.envs.deregister("nemo_ckpt_test_notebook")
+    skyrl_gym.register(id="nemo_ckpt_test_notebook", entry_point=NotebookEnv)
+    fresh = World(tmp_path, nodes=1, config=config, seed=1)
+    try:
+        async def second_life() -> tuple[AdaptedRollout, StepOutput, Path]:
+            async with fresh.ckpt.restored(path):
+                pass
+            client = await fresh.client("holder-0")
+            continued = episode.next_attempt()
+            resumed = await AdaptedRollout.resume(client, continued, framework)
+            out = await resumed.step("third")
+            return resumed, out, sandboxes / continued.capture_key
+
+        resumed, out, restored_dir = fresh.run(second_life())
+    finally:
+        fresh.close()
+        skyrl_gym.envs.deregister("nemo_ckpt_test_notebook")
+    assert resumed.rebuilt_by == "state" and made[-1] == restored_dir
+    assert (restored_dir / "notes.txt").read_text() == "first\nsecond\nthird\n"
+    assert out.observations == [
+        {"role": "user", "content": "3 notes: ['first', 'second', 'third']"}]
