@@ -685,6 +685,9 @@ def _session_calls(methods: tuple[str, ...]) -> str:
 
 # Which reviewed case (issue 11, then 23, then 29) a violation shows, by its wording.
 CASES = [
+    ("28.1 an adapted rollout continued on a history it does not reproduce",
+     ("differs from a crash-free run", "diverged from its recorded turns",
+      "other observations than those recorded")),
     ("29.1 a zombie coordinator's clean-up removed a newer snapshot's files",
      ("a zombie coordinator",)),
     ("29.2 a call after the coordinator's death met its dead name",
