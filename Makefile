@@ -58,6 +58,9 @@ demo-s3: $(STAMP)
 # series to a million sessions (~7 min); BENCH_ARGS=--object-store snapshots into a
 # local S3-compatible server against the client library's own put and get (~3 min).
 BENCH_ARGS ?=
+# Then the adapter's benchmark (issue 28; ~1 min): ADAPTER_BENCH_ARGS=--quick for ~15 s.
+ADAPTER_BENCH_ARGS ?=
 .PHONY: bench
 bench: $(STAMP)
 	$(PY) -m benchmarks.snapshot_bench $(BENCH_ARGS) --json bench-results.json
+	$(PY) -m benchmarks.adapter $(ADAPTER_BENCH_ARGS)

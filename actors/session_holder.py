@@ -172,6 +172,7 @@ class SessionHolder:
                                     sandbox_limits, sandbox_restore_setid)
         self._ops = Lifecycles(instance_id)
         self._last_snapshot_id: str | None = None
+        self._replay_restarts = 0  # SessionClient.replay_diverged, since the holder started
         self._injected_delays: dict[str, float] = {}
         # Gives the heap the session calls' freed buffers back to the OS (actors/heap.py):
         # they are most of a holder's growth beyond its sessions. Driven by the watchdog.
@@ -423,6 +424,16 @@ class SessionHolder:
                                         recorded[episode.capture_key])
         self._heap.note(sum(len(state) for _, state, _ in opening))
         return len(opening)
+
+    async def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> int:
+        """A continued rollout starts over because its replay diverged: warn, naming it,
+        and count it for the next snapshot's metrics. Returns the count so far."""
+        self._check_episode(episode)
+        self._held(episode)  # only a live session's rollout restarts
+        self._replay_restarts += 1
+        log.warning("%s: rollout %s starts over: replaying its recorded steps diverged (%s)",
+                    self.instance_id, episode.capture_key, detail[:500])
+        return self._replay_restarts
 
     def _record(self, held: Held) -> SessionRecord:
         record = held.record(self.instance_id)
@@ -703,6 +714,7 @@ class SessionHolder:
             capture_seconds=self._clock.monotonic() - start,
             state_bytes=self._table.held_bytes - sum(h.size for h in mid_turn),
             finished_count=self._table.finished,  # a finished session is never mid-turn
+            replay_restarts=self._replay_restarts,
         )
         op.capture = Capture(held, report, sandboxes)
         return report

@@ -264,6 +264,12 @@ class StateTooLargeError(SessionError):
     """A session's state or turn record exceeds the configured limit."""
 
 
+class EnvironmentAdapterError(SessionError):
+    """A rollout run through ``nemo_ckpt.adapters`` used out of order (a step after its
+    episode was done, a rollout resumed without its prompt), or a session whose turn
+    records the adapter did not write."""
+
+
 class RestoreConflictError(NemoCkptError):
     """A restored rollout is already live on the holder it would be restored to."""
 

@@ -155,6 +155,8 @@ class HolderSessions(Protocol):
 
     async def sessions(self) -> list[SessionRecord]: ...
 
+    async def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> int: ...
+
 
 class SessionCalls:
     """``HolderSessions``' calls through ``invoke(method, *args)``, which carries a call
@@ -194,3 +196,6 @@ class SessionCalls:
 
     def sessions(self) -> Awaitable[list[SessionRecord]]:
         return self._invoke("sessions")
+
+    def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> Awaitable[int]:
+        return self._invoke("replay_diverged", episode, detail)

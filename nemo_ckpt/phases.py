@@ -104,6 +104,9 @@ class CaptureReport:
     capture_seconds: float
     state_bytes: int  # of the captured sessions as held: turn records and states
     finished_count: int = 0  # of them, finished rollouts not acknowledged yet
+    # Rollouts started over since the holder started because a replay of their recorded
+    # steps returned something else (nemo_ckpt.adapters; SessionClient.replay_diverged).
+    replay_restarts: int = 0
 
     def rows(self) -> list[list[Any]]:
         """The captured sessions as msgpack decodes them, ``[rollout_id, attempt,

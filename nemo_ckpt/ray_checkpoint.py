@@ -137,6 +137,8 @@ class RaySnapshot:
             "restarted_rollouts": float(self.restarted_rollouts),
             "holders": float(len(b.instances)),
             "state_bytes": float(sum(c.state_bytes for c in b.captures)),
+            # Since each holder started (nemo_ckpt.adapters: a replay that diverged).
+            "replay_restarted_rollouts": float(sum(c.replay_restarts for c in b.captures)),
         }
         if self.check_result is not None:
             figures["not_held_rollouts"] = float(len(self.check_result.not_held))

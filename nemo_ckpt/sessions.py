@@ -259,3 +259,10 @@ class SessionClient:
     async def sessions(self) -> list[SessionRecord]:
         """Every live session of this instance."""
         return await self._holder_calls.sessions()
+
+    async def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> int:
+        """Report that ``episode``'s continued rollout starts over because replaying its
+        recorded steps returned something else (``detail`` says what): the holder logs
+        it as a warning and counts it in the next snapshot's ``replay_restarted_rollouts``
+        metric. Returns the holder's count so far."""
+        return int(await self._holder_calls.replay_diverged(episode, detail))

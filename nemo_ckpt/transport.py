@@ -123,7 +123,7 @@ COORDINATOR = "coordinator"
 CONTROL_GROUP = "control"
 SESSION_METHODS = frozenset({
     "open_session", "open_sessions", "get_session", "begin_turn", "commit_turn",
-    "abort_turn", "close_session", "finish_session", "sessions"})
+    "abort_turn", "close_session", "finish_session", "sessions", "replay_diverged"})
 
 
 def concurrency_group(kind: str, method: str) -> str | None:

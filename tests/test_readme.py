@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(30)
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
-EXAMPLES = [ROOT / "examples" / "minimal_driver.py", ROOT / "examples" / "minimal_worker.py"]
+EXAMPLES = [ROOT / "examples" / "minimal_driver.py", ROOT / "examples" / "minimal_worker.py",
+            ROOT / "examples" / "adapter_recovery.py"]
 
 
 def section(title: str) -> str:

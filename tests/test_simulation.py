@@ -88,6 +88,20 @@ def test_a_removal_that_ignores_claims_is_caught(monkeypatch: pytest.MonkeyPatch
     assert "1 committed snapshot lost" in cases
 
 
+def test_an_adapted_rollout_rebuilt_without_its_replay_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuild that trusts the records and skips the replay leaves the environment as
+    constructed: the continued rollout's steps then differ from a crash-free run."""
+    from nemo_ckpt.adapters import rollout
+
+    monkeypatch.setattr(rollout, "replay", lambda framework, env, records, replayed=None: None)
+    seeds = [s for s in range(120) if simulation.Plan.make(s).adapted
+             and "restore" in simulation.Plan.make(s).ops][:8]
+    assert seeds, "some schedules run adapted rollouts and restore"
+    cases = {simulation.case_of(v) for s in seeds for v in simulation.run_one(s).violations}
+    assert "28.1 an adapted rollout continued on a history it does not reproduce" in cases
+
+
 def _blocking_world() -> tuple[SimWorld, SimActor]:
     world = SimWorld(seed=7, nodes=1)
     actor = world.new_actor("worker", "w", "node-0")

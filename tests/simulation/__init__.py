@@ -12,6 +12,9 @@ mid-write, shard reads slower than a lease, cuts that do not match (caught insid
 block or not), an exception inside ``restored()``. In a fifth of the schedules the
 rollouts own sandbox directories, which every turn changes and checks against the
 session's state, and every committed snapshot's directories must verify blob by blob.
+In a quarter of the others the rollouts run a small deterministic text environment
+through ``nemo_ckpt.adapters.AdaptedRollout`` (issue 28; ``text_env``): a continued one is
+rebuilt by replay, whose observations must equal the recorded ones and a crash-free run.
 
 The world outside the protocol (issue 23): blocking work runs as threads that outlive
 their cancelled callers; every process has its own clocks (offsets up to hours, rates

@@ -339,6 +339,27 @@ class Checkers(Part):
             if len(places) > 1:
                 self.violate(f"rollout {rollout_id} is live {len(places)} times: {places}")
 
+    def check_adapted_rollout(self, ep: Ep, rollout: Any, crash_free: list[dict[str, Any]],
+                              when: str) -> None:
+        """An adapter-driven rollout (``Plan.adapted``) over a deterministic environment:
+        a continued one was rebuilt by a replay whose observations equal the recorded
+        ones (no restart: nothing differs to start over for), and what it recorded, the
+        replayed prefix and the finished whole, equals a run that never crashed."""
+        if rollout.restarts:
+            self.violate(f"the replay of {ep.capture_key} diverged from its recorded turns "
+                         f"({rollout.records[0].restarted}): the restore brought back turns "
+                         f"its environment does not reproduce")
+        outputs = [r.output for r in rollout.records]
+        if when == "resumed" and (rollout.rebuilt_by != "replay" or [
+                o.as_plain() for o in rollout.replayed] != outputs):
+            self.violate(f"{ep.capture_key} was rebuilt by {rollout.rebuilt_by}, its replay "
+                         f"returning {len(rollout.replayed)} of its {len(outputs)} recorded "
+                         f"turns, or other observations than those recorded")
+        expected = crash_free if when == "finished" else crash_free[:len(outputs)]
+        if outputs != expected:
+            self.violate(f"{ep.capture_key} ({when}, {len(outputs)} turns) differs from a "
+                         f"crash-free run of it")
+
     def check_turn_directory(self, ep: Ep, directory: Path, before: bytes, t: int) -> None:
         """A turn's directory starts as its session's state says (after a restore too)."""
         found = (directory / "state").read_bytes() if (directory / "state").exists() else None
@@ -691,6 +712,9 @@ def _session_calls(methods: tuple[str, ...]) -> str:
 
 # Which reviewed case (issue 11, then 23, then 29) a violation shows, by its wording.
 CASES = [
+    ("28.1 an adapted rollout continued on a history it does not reproduce",
+     ("differs from a crash-free run", "diverged from its recorded turns",
+      "other observations than those recorded")),
     ("29.1 a zombie coordinator's clean-up removed a newer snapshot's files",
      ("a zombie coordinator",)),
     ("29.2 a call after the coordinator's death met its dead name",

@@ -70,6 +70,9 @@ class Plan:
     coordinator_node_dies: float | None  # when the coordinator and its node's holders die
     turn_limit: int | None  # a holder's concurrent calls in its (turn) group
     successor_config: str | None  # a restarted driver's config: "lease" or "mismatch"
+    # The rollouts run a text environment through nemo_ckpt.adapters (issue 28), in a
+    # quarter of the schedules without sandboxes; drawn apart, last.
+    adapted: bool = False
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -102,6 +105,8 @@ class Plan:
             clock_skew_s=random.Random(f"skew-{seed}").choice([0.0, 60.0, 3 * 3600.0]),
             **_world_plan(seed), **_ray_plan(seed),
         )
+        plan.adapted = (not plan.sandboxes
+                        and random.Random(f"adapted-{seed}").random() < 0.25)
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from nemo_ckpt.adapters import AdaptedRollout
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     NemoCkptError,
@@ -32,6 +33,7 @@ from .faults import Faults
 from .plan import CONFIG, SPARSE_BYTES
 from .rl import Saved, SimRL
 from .state import Driver, OpRecord, Part, State, short
+from .text_env import CounterFramework, policy, reference
 
 
 class InjectedError(Exception):
@@ -335,6 +337,9 @@ class Workload(Part):
             if handle is None:
                 return
             client = SessionClient(handle, transport)
+            if self.plan.adapted:
+                await self._adapted_rollout(client, instance, ep, fresh)
+                return
             if fresh:
                 await self.s.rl.dispatch(instance, ep)
                 directory = None
@@ -361,6 +366,37 @@ class Workload(Part):
         except Exception as exc:
             self.log(f"rollout {ep.capture_key} gives up: {type(exc).__name__}: {short(exc)}")
             self.check.check_error_kind(exc, f"a session call of {ep.capture_key}")
+
+    async def _adapted_rollout(self, client: SessionClient, instance: str, ep: Ep,
+                               fresh: bool) -> None:
+        """A rollout of a text environment through ``AdaptedRollout``: ``init`` and
+        ``plan.turns - 1`` steps, each a turn that writes its staging row; a continued
+        rollout is rebuilt by replay, which the checkers compare with a crash-free run."""
+        framework = CounterFramework(ep.rollout_id, max(1, self.plan.turns - 1))
+
+        async def staging(turn: int) -> list[str]:
+            await asyncio.sleep(self.rng.uniform(0.05, 0.6))  # the model's time, in the turn
+            key = f"{ep.capture_key}/row{turn}"
+            await self.s.rl.write_row(key)
+            return [key]
+
+        if fresh:
+            await self.s.rl.dispatch(instance, ep)
+            rollout = await AdaptedRollout.start(client, ep, framework, framework.prompt,
+                                                 staging=staging)
+        else:
+            rollout = await AdaptedRollout.resume(client, ep, framework)
+            self.log(f"rollout {ep.capture_key} rebuilt by {rollout.rebuilt_by} at "
+                     f"{len(rollout.records)} turn(s)")
+            self.check.check_adapted_rollout(ep, rollout, reference(framework), "resumed")
+        while not rollout.done:
+            if self.stop:
+                return
+            await rollout.step(policy(ep.rollout_id, len(rollout.records)), staging)
+            await asyncio.sleep(self.rng.uniform(0.0, 0.2))
+        self.check.check_adapted_rollout(ep, rollout, reference(framework), "finished")
+        await rollout.finish()  # the receipt
+        await self._finish(instance, ep)
 
     def _sandbox_turn(self, ep: Ep, directory: Path, before: bytes, t: int,
                       after: bytes) -> None:
