@@ -46,6 +46,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from actors.coordinator import CheckpointCoordinator
@@ -213,39 +214,55 @@ GUARD_S = 0.5
 
 
 class _Guard:
-    """Watches the one blocking call running now, from a daemon thread. A call still
-    running after ``GUARD_S`` first sees its actor's clocks move on (``thread_skip``:
-    virtual time does not pass while a call runs, so a wait on a clock would spin);
-    after another ``GUARD_S`` it is reported and unblocked."""
+    """Watches the one blocking call running now, from a daemon thread. A call that has
+    slept in the kernel for ``GUARD_S`` (a FIFO's open, a lock's wait) first sees its
+    actor's clocks move on (``thread_skip``: virtual time does not pass while a call
+    runs, so a wait on a clock would spin); after another ``GUARD_S`` it is reported and
+    unblocked. Only the time the thread sleeps counts, where the system says
+    (``/proc``): a call that waits for a core or for the GIL on a loaded machine is not
+    blocked, and counting it would make a seed's schedule depend on the machine's load."""
 
     def __init__(self) -> None:
         self.world: SimWorld | None = None
         self.serial = 0  # counts the calls run
         self.busy = False  # whether one runs now
         self.thread_id = 0
+        self._stat = Path("/proc/self/stat")
         self._thread: threading.Thread | None = None
 
     def start(self, world: SimWorld) -> None:
         self.world = world
         self.thread_id = threading.get_ident()
+        self._stat = Path(f"/proc/self/task/{threading.get_native_id()}/stat")
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._watch, daemon=True,
                                             name="sim-blocking-guard")
             self._thread.start()
 
+    def _sleeping(self) -> bool:
+        """Whether the watched thread sleeps in the kernel, other than on a futex (the
+        GIL's, which the loaded machine may keep from it); True where ``/proc`` is not."""
+        try:
+            stat = self._stat.read_bytes()
+            wchan = self._stat.with_name("wchan").read_bytes()
+        except OSError:
+            return True
+        return stat[stat.rindex(b")") + 2:][:1] == b"S" and not wchan.startswith(b"futex")
+
     def _watch(self) -> None:
-        seen, since, stage = 0, 0.0, 0
+        seen, slept, stage = 0, 0.0, 0
         while True:
             time.sleep(GUARD_S / 4)
             serial, world = self.serial, self.world
             if not self.busy or world is None:
                 seen, stage = 0, 0
                 continue
-            now = time.monotonic()
             if serial != seen:
-                seen, since, stage = serial, now, 0
+                seen, slept, stage = serial, 0.0, 0
                 continue
-            if now - since < GUARD_S * (stage + 1):
+            if self._sleeping():
+                slept += GUARD_S / 4
+            if slept < GUARD_S * (stage + 1):
                 continue
             stage += 1
             if stage == 1:
