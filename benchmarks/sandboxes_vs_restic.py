@@ -119,7 +119,7 @@ def timed(fn: object, *args: object) -> float:
 
 
 def find_restic() -> str | None:
-    local = Path(".venv/restic/usr/bin/restic")
+    local = Path(__file__).resolve().parents[1] / ".venv" / "restic" / "usr" / "bin" / "restic"
     if local.is_file() and os.access(local, os.X_OK):
         return os.fspath(local.resolve())
     return shutil.which("restic")
