@@ -57,10 +57,30 @@ demo-s3: $(STAMP)
 # two grid points and the quick scale series (~2 min); BENCH_ARGS=--scale the scale
 # series to a million sessions (~7 min); BENCH_ARGS=--object-store snapshots into a
 # local S3-compatible server against the client library's own put and get (~3 min).
+# Without BENCH_ARGS or with --quick, then benchmarks.sandboxes_vs_restic (issue 26:
+# sandboxes against restic and tar; 1,000 x 1,000 files, or 100 sandboxes with --quick).
 BENCH_ARGS ?=
 # Then the adapter's benchmark (issue 28; ~1 min): ADAPTER_BENCH_ARGS=--quick for ~15 s.
 ADAPTER_BENCH_ARGS ?=
 .PHONY: bench
-bench: $(STAMP)
+bench: $(STAMP) restic
 	$(PY) -m benchmarks.snapshot_bench $(BENCH_ARGS) --json bench-results.json
 	$(PY) -m benchmarks.adapter $(ADAPTER_BENCH_ARGS)
+	$(if $(filter-out --quick,$(BENCH_ARGS)),,$(PY) -m benchmarks.sandboxes_vs_restic $(BENCH_ARGS))
+
+# restic, for benchmarks/sandboxes_vs_restic.py: Debian's package unpacked into
+# $(VENV)/restic, the system left as it is (apt-get update only when the package lists
+# are empty). If it cannot be had, the benchmark says so and runs without it.
+RESTIC := $(VENV)/restic/usr/bin/restic
+.PHONY: restic
+restic: $(RESTIC)
+
+$(RESTIC): | $(PY)
+	@echo "make restic: unpacking Debian's restic into $(VENV)/restic (apt-get download, dpkg -x)"
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+		if ! apt-cache show restic >/dev/null 2>&1; then \
+			echo "make restic: apt-get update (no package lists)"; apt-get update -qq || true; fi; \
+		( cd "$$tmp" && apt-get download -qq restic ) \
+			&& dpkg -x "$$tmp"/restic_*.deb $(VENV)/restic \
+			&& echo "make restic: $$($(RESTIC) version)" \
+		|| echo "make restic: restic could not be had; the benchmark runs without it"
