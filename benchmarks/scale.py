@@ -105,7 +105,7 @@ class PeakPrivate:
         self._sample_once()
 
 
-async def _make_instances(ckpt: RayEnvironmentCheckpoint, instances: int,
+async def make_instances(ckpt: RayEnvironmentCheckpoint, instances: int,
                           workdir: Path) -> list[str]:
     """``instances`` empty holders over the cluster's nodes: one per node, or, for more,
     by restoring an empty snapshot that lists them (the coordinator places them on the
@@ -153,7 +153,7 @@ async def measure_scale_point(instances: int, sessions: int, repeats: int, workd
     fresh = RayEnvironmentCheckpoint(restore_config)
     point_dir = workdir / f"i{instances}-s{sessions}-{uuid.uuid4().hex[:4]}"
     try:
-        names = await _make_instances(ckpt, instances, point_dir)
+        names = await make_instances(ckpt, instances, point_dir)
         pids = {i: holder_pid(ns, i) for i in names}
         coordinator = actor_pid(ns, config.coordinator_name)
         base = {i: private_bytes(p) for i, p in pids.items()}
@@ -210,7 +210,7 @@ async def measure_scale_point(instances: int, sessions: int, repeats: int, workd
         # job's check_startup would, so that actor start-up is not timed).
         restores = []
         for _ in range(max(1, repeats - 1)):
-            await _make_instances(fresh, instances, point_dir)
+            await make_instances(fresh, instances, point_dir)
             t0 = time.perf_counter()
             async with fresh.restored(path) as restored:
                 pass
