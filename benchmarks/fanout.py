@@ -75,14 +75,16 @@ from benchmarks.common import (
     target,
 )
 from benchmarks.scale import NODES, make_instances
-from nemo_ckpt import RayEnvironmentCheckpoint
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.testing.sim import SimWorld, current_actor
 from nemo_ckpt.transport import COORDINATOR
 
-REAL_HOLDERS = (4, 16, 64)
-QUICK_REAL_HOLDERS = (4, 16)
-SIM_HOLDERS = (256, 1024)
+# (holders, relayed): the flat fan-out's fit, and the relays at the widest real point.
+REAL_POINTS = ((4, False), (16, False), (64, False), (64, True))
+QUICK_REAL_POINTS = ((4, False), (16, False), (16, True))
+SIM_POINTS = ((256, False), (1024, False), (256, True), (1024, True))
+FLAT = 1_000_000  # relay_min_holders that no point reaches
 PREDICT_NODES = (256, 1000)
 PHASES = ("pause_capture", "release", "finish_persist", "prepare_restore", "commit_restore")
 ENTRY_TARGET_MS = 100.0
@@ -238,11 +240,11 @@ async def _one_round(coord: CheckpointCoordinator, account: CpuAccount, marks: _
     return rep
 
 
-def _summarise(holders: int, where: str, reps: list[_Rep]) -> dict[str, Any]:
+def _summarise(holders: int, where: str, relayed: bool, reps: list[_Rep]) -> dict[str, Any]:
     keys = sorted({k for r in reps for k in r.cpu})
     pkeys = sorted({k for r in reps for k in r.process})
     return {
-        "holders": holders, "where": where, "repeats": len(reps),
+        "holders": holders, "where": where, "relayed": relayed, "repeats": len(reps),
         "cpu_ms": {k: round(median([r.cpu.get(k) for r in reps]), 3) for k in keys},
         "process_cpu_ms": {k: round(median([r.process.get(k) for r in reps]), 3)
                            for k in pkeys},
@@ -253,11 +255,17 @@ def _summarise(holders: int, where: str, reps: list[_Rep]) -> dict[str, Any]:
 # --- real holders ------------------------------------------------------------------------------
 
 
-async def measure_real(holders: int, repeats: int, workdir: Path) -> dict[str, Any]:
+def _config(namespace: str, relayed: bool) -> CheckpointConfig:
+    return bench_config(namespace, 600.0).model_copy(
+        update={"relay_min_holders": 2 if relayed else FLAT})
+
+
+async def measure_real(holders: int, relayed: bool, repeats: int, workdir: Path
+                       ) -> dict[str, Any]:
     ns = f"fanout-{uuid.uuid4().hex[:8]}"
-    config = bench_config(ns, 600.0)
+    config = _config(ns, relayed)
     ckpt = RayEnvironmentCheckpoint(config)
-    point = workdir / f"real-{holders}"
+    point = workdir / f"real-{holders}-{relayed}"
     try:
         names = await make_instances(ckpt, holders, point)
         if len(names) != holders:
@@ -271,7 +279,7 @@ async def measure_real(holders: int, repeats: int, workdir: Path) -> dict[str, A
                 rep = await _one_round(coord, account, marks, str(point / f"s{r % 2}"), r)
                 if r:
                     reps.append(rep)
-        return _summarise(holders, "ray", reps)
+        return _summarise(holders, "ray", relayed, reps)
     finally:
         asyncio.get_running_loop().set_task_factory(None)
         ckpt.shutdown()
@@ -281,13 +289,15 @@ async def measure_real(holders: int, repeats: int, workdir: Path) -> dict[str, A
 # --- simulated holders -------------------------------------------------------------------------
 
 
-def measure_simulated(holders: int, repeats: int, workdir: Path) -> dict[str, Any]:
+def measure_simulated(holders: int, relayed: bool, repeats: int, workdir: Path
+                      ) -> dict[str, Any]:
     """The same rounds over the simulation's transport: one node per holder, every
-    message delivered after 0.1 ms of virtual time, file work at no virtual cost."""
+    message delivered after 0.1 ms of virtual time, file work at no virtual cost. A
+    relay's tasks are its own, not the coordinator's (it runs on another node)."""
     world = SimWorld(seed=holders, nodes=holders)
     world.message_delay = lambda target, method, reply: 0.0001
     world.io_cost = lambda name: 0.0001
-    config = bench_config(f"fanout-sim-{holders}", 600.0)
+    config = _config(f"fanout-sim-{holders}", relayed)
     me = world.new_actor(COORDINATOR, "coordinator", "node-0")
     coord = CheckpointCoordinator(config, world.transport(me, config))
 
@@ -297,7 +307,7 @@ def measure_simulated(holders: int, repeats: int, workdir: Path) -> dict[str, An
 
     account = CpuAccount(owner)
     account.install(world.loop)
-    point = workdir / f"sim-{holders}"
+    point = workdir / f"sim-{holders}-{relayed}"
     point.mkdir(parents=True, exist_ok=True)
 
     async def rounds() -> list[_Rep]:
@@ -311,7 +321,7 @@ def measure_simulated(holders: int, repeats: int, workdir: Path) -> dict[str, An
 
     try:
         reps = world.loop.run_until_complete(world.spawn(me, rounds()))
-        return _summarise(holders, "simulated", reps)
+        return _summarise(holders, "simulated", relayed, reps)
     finally:
         for actor in world.actors:  # their tasks end with them
             world.kill(actor)
@@ -325,7 +335,7 @@ def measure_simulated(holders: int, repeats: int, workdir: Path) -> dict[str, An
 
 @ray.remote(num_cpus=0)
 class _Empty:
-    async def nothing(self) -> None:
+    async def nothing(self, payload: Any = None) -> None:
         return None
 
 
@@ -351,8 +361,18 @@ async def ray_call_cost(calls: int = 512, rounds: int = 5) -> dict[str, Any]:
             t = time.perf_counter()
             await actors[0].nothing.remote()
             trips.append(time.perf_counter() - t)
+        # A relay's call carries its group's handles: their serialization, per handle.
+        group = {f"holder-{k}": (actors[k % len(actors)], ("snap",)) for k in range(64)}
+        carried = []
+        for _ in range(rounds + 1):
+            p0 = _process_cpu()
+            await asyncio.gather(*(actors[k % len(actors)].nothing.remote(group)
+                                   for k in range(calls // 8)))
+            carried.append((_process_cpu() - p0) / (calls // 8))
+        per_handle = max(median(carried[1:]) - median(process[1:]), 0.0) / len(group)
         return {"calls": calls, "thread_us": round(median(thread[1:]) * 1e6, 1),
                 "process_us": round(median(process[1:]) * 1e6, 1),
+                "handle_us": round(per_handle * 1e6, 1),
                 "round_trip_ms": round(median(trips) * 1e3, 3)}
     finally:
         for a in actors:
@@ -371,67 +391,85 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return intercept, slope
 
 
+def _points(points: list[dict[str, Any]], phase: str) -> list[tuple[int, float]]:
+    return [(p["holders"], p["cpu_ms"][phase]) for p in points if phase in p["cpu_ms"]]
+
+
+def groups_of(nodes: int) -> int:
+    """The relays of a fan-out to ``nodes`` holders (``HolderRegistry._groups``)."""
+    return math.ceil(nodes / math.ceil(math.sqrt(nodes)))
+
+
 def model(real: list[dict[str, Any]], simulated: list[dict[str, Any]],
           call: dict[str, Any]) -> dict[str, Any]:
-    """Per phase: the real fit, the simulated slope, and the prediction per node count."""
+    """Per phase and fan-out (flat, relayed): the fit, and the coordinator's work
+    predicted per node count; then the entry and the pause."""
     ray_call_ms = call["process_us"] / 1e3
+    handle_ms = call["handle_us"] / 1e3
+    flat_real = [p for p in real if not p["relayed"]]
+    flat_sim = [p for p in simulated if not p["relayed"]]
+    relay_sim = [p for p in simulated if p["relayed"]]
     phases: dict[str, Any] = {}
     for phase in PHASES:
-        rp = [(p["holders"], p["cpu_ms"][phase]) for p in real if phase in p["cpu_ms"]]
-        sp = [(p["holders"], p["cpu_ms"][phase]) for p in simulated if phase in p["cpu_ms"]]
-        fixed, real_slope = _fit(rp)
-        _, sim_slope = _fit(sp)
-        per_holder = max(sim_slope, 0.0) + ray_call_ms
+        fixed, real_slope = _fit(_points(flat_real, phase))
+        fixed = max(fixed, 0.0)
+        flat_slope = max(_fit(_points(flat_sim, phase))[1], 0.0)
+        relay_slope = max(_fit(_points(relay_sim, phase))[1], 0.0)
         phases[phase] = {
             "fixed_ms": round(fixed, 3), "real_slope_us": round(real_slope * 1e3, 2),
-            "sim_slope_us": round(sim_slope * 1e3, 2),
-            "per_holder_us": round(per_holder * 1e3, 2),
-            "predicted_ms": {n: round(max(fixed, 0.0) + n * per_holder, 1)
-                             for n in PREDICT_NODES},
+            "flat_slope_us": round(flat_slope * 1e3, 2),
+            "relayed_slope_us": round(relay_slope * 1e3, 2),
+            "flat_ms": {n: round(fixed + n * (flat_slope + ray_call_ms), 1)
+                        for n in PREDICT_NODES},
+            "relayed_ms": {n: round(fixed + groups_of(n) * ray_call_ms
+                                    + n * (relay_slope + handle_ms), 1)
+                           for n in PREDICT_NODES},
         }
-    four = next(p for p in real if p["holders"] == NODES)
+    four = next(p for p in flat_real if p["holders"] == NODES)
     work4 = four["cpu_ms"]["pause_capture"]
     release4 = four["cpu_ms"].get("release", 0.0)
     paused4 = four["entry_ms"] + 2 * call["round_trip_ms"]
-    pause = phases["pause_capture"]
-    predictions = {}
+    predictions: dict[int, dict[str, Any]] = {}
     for n in PREDICT_NODES:
-        work = phases["pause_capture"]["predicted_ms"][n]
-        release = phases["release"]["predicted_ms"][n]
-        # A relay per group of sqrt(N) nodes: the coordinator calls the relays and
-        # still reads every holder's answer; each relay calls its group on its own node.
-        groups = math.ceil(math.sqrt(n))
-        relay_work = (max(pause["fixed_ms"], 0.0) + groups * ray_call_ms
-                      + n * max(pause["sim_slope_us"], 0.0) / 1e3)
-        relay_leg = math.ceil(n / groups) * ray_call_ms + call["round_trip_ms"]
-        predictions[n] = {
-            "entry_work_ms": work,
-            "entry_ms": round(four["entry_ms"] + work - work4, 1),
-            "paused_ms": round(paused4 + work + release - work4 - release4, 1),
-            "relay_groups": groups,
-            "relay_entry_work_ms": round(relay_work, 1),
-            "relay_entry_ms": round(four["entry_ms"] + relay_work + relay_leg - work4, 1),
-        }
+        # A relay's own leg: its calls to its group, on its own node, and one more hop.
+        leg = math.ceil(n / groups_of(n)) * ray_call_ms + call["round_trip_ms"]
+        predictions[n] = {"relays": groups_of(n)}
+        for kind, extra in (("flat", 0.0), ("relayed", leg)):
+            work = phases["pause_capture"][f"{kind}_ms"][n]
+            release = phases["release"][f"{kind}_ms"][n]
+            predictions[n][kind] = {
+                "entry_work_ms": work,
+                "entry_ms": round(four["entry_ms"] + work - work4 + extra, 1),
+                "paused_ms": round(paused4 + work + release - work4 - release4 + 2 * extra,
+                                   1),
+            }
     return {"ray_call": call, "phases": phases, "predictions": predictions,
             "entry4_ms": four["entry_ms"], "paused4_ms": round(paused4, 1)}
 
 
+def built(nodes: int) -> str:
+    """The fan-out the coordinator uses at ``nodes`` holders by default."""
+    return "relayed" if nodes >= CheckpointConfig().relay_min_holders else "flat"
+
+
 def fanout_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    work = result["model"]["predictions"][1000]["entry_work_ms"]
-    return [target("predicted entry's coordinator work at 1,000 nodes", "model", work,
-                   work <= ENTRY_TARGET_MS, f"<= {ENTRY_TARGET_MS:.0f} ms")]
+    kind = built(1000)
+    work = result["model"]["predictions"][1000][kind]["entry_work_ms"]
+    return [target("predicted entry's coordinator work at 1,000 nodes", f"model, {kind}",
+                   work, work <= ENTRY_TARGET_MS, f"<= {ENTRY_TARGET_MS:.0f} ms")]
 
 
 def format_fanout(result: dict[str, Any]) -> str:
     m = result["model"]
-    lines = ["fan-out: the coordinator's own CPU per phase, ms (median; coordinator task "
-             "steps / this process):"]
-    head = ("holders", "where", "entry ms", *PHASES, "start_writes", "commit tail")
+    lines = ["fan-out: the coordinator's own CPU per phase, ms (median of its task steps; "
+             "entry: the begin call's wall time, real holders only):"]
+    head = ("holders", "where", "fan-out", "entry ms", *PHASES, "start_writes",
+            "commit tail")
     rows = []
     for p in result["real"] + result["simulated"]:
         c = p["cpu_ms"]
         entry = f"{p['entry_ms']:.1f}" if p["where"] == "ray" else "-"
-        rows.append((p["holders"], p["where"], entry,
+        rows.append((p["holders"], p["where"], "relayed" if p["relayed"] else "flat", entry,
                      *(f"{c.get(k, float('nan')):.2f}" for k in PHASES),
                      f"{c.get('start_writes', float('nan')):.2f}",
                      f"{c.get('commit tail', float('nan')):.2f}"))
@@ -439,36 +477,45 @@ def format_fanout(result: dict[str, Any]) -> str:
     call = m["ray_call"]
     lines.append(f"Ray's cost per empty actor call at the caller ({call['calls']} in "
                  f"flight): {call['thread_us']} us on the loop thread, "
-                 f"{call['process_us']} us of this process's CPU; one round trip "
-                 f"{call['round_trip_ms']} ms")
-    lines.append("per phase: fixed (real fit's intercept) + N x (simulated slope + Ray's "
-                 "per-call cost):")
+                 f"{call['process_us']} us of this process's CPU (the model's figure); one "
+                 f"round trip {call['round_trip_ms']} ms; a holder's handle carried in a "
+                 f"relay's call {call['handle_us']} us")
+    lines.append("coordinator work per phase: flat = fixed + N x (per-holder CPU + Ray's "
+                 "per call); relayed = fixed + relays x Ray's per call")
+    lines.append("  + N x (per-holder CPU + a handle carried) (fixed: the real flat fit's "
+                 "intercept; per-holder: the simulated slope):")
     for phase, f in m["phases"].items():
-        pred = ", ".join(f"{n}: {v} ms" for n, v in f["predicted_ms"].items())
-        lines.append(f"  {phase:<15} fixed {f['fixed_ms']:.2f} ms, per holder "
-                     f"{f['per_holder_us']:.1f} us (simulated {f['sim_slope_us']:.1f}, real "
-                     f"{f['real_slope_us']:.1f} with Ray's); predicted {pred}")
-    lines.append(f"prediction (holders in parallel on their own nodes; measured at 4: entry "
-                 f"{m['entry4_ms']:.1f} ms, paused ~{m['paused4_ms']:.1f} ms):")
+        flat = ", ".join(f"{n}: {v}" for n, v in f["flat_ms"].items())
+        relayed = ", ".join(f"{n}: {v}" for n, v in f["relayed_ms"].items())
+        lines.append(f"  {phase:<15} fixed {f['fixed_ms']:.2f} ms; per holder: flat "
+                     f"{f['flat_slope_us']:.1f} us, relayed {f['relayed_slope_us']:.1f} us "
+                     f"(real flat fit {f['real_slope_us']:.1f} us, Ray's included); "
+                     f"predicted ms flat {flat}; relayed {relayed}")
+    lines.append(f"prediction (each holder on a node of its own, doing its part in parallel; "
+                 f"measured at 4: entry {m['entry4_ms']:.1f} ms, paused ~{m['paused4_ms']:.1f}"
+                 f" ms):")
     for n, p in m["predictions"].items():
-        lines.append(f"  {n:>5} nodes: entry {p['entry_ms']} ms (coordinator work "
-                     f"{p['entry_work_ms']} ms), paused {p['paused_ms']} ms; with a relay per "
-                     f"group ({p['relay_groups']} relays): coordinator work "
-                     f"{p['relay_entry_work_ms']} ms, entry {p['relay_entry_ms']} ms")
+        f, r = p["flat"], p["relayed"]
+        lines.append(f"  {n:>5} nodes: flat entry {f['entry_ms']} ms (coordinator work "
+                     f"{f['entry_work_ms']}), paused {f['paused_ms']} ms; relayed "
+                     f"({p['relays']} relays) entry {r['entry_ms']} ms (coordinator work "
+                     f"{r['entry_work_ms']}), paused {r['paused_ms']} ms; built: {built(n)}")
     return "\n".join(lines)
 
 
 async def run_fanout(quick: bool, workdir: Path, repeats: int) -> dict[str, Any]:
     """The whole model on a running local cluster of ``NODES`` nodes."""
     real = []
-    for holders in (QUICK_REAL_HOLDERS if quick else REAL_HOLDERS):
-        print(f"fan-out: {holders} real holders on {NODES} nodes ...", flush=True)
-        real.append(await measure_real(holders, repeats, workdir))
+    for holders, relayed in (QUICK_REAL_POINTS if quick else REAL_POINTS):
+        print(f"fan-out: {holders} real holders on {NODES} nodes"
+              f"{', relayed' if relayed else ''} ...", flush=True)
+        real.append(await measure_real(holders, relayed, repeats, workdir))
     simulated = []
-    for holders in SIM_HOLDERS:
-        print(f"fan-out: {holders} simulated holders ...", flush=True)
-        simulated.append(await asyncio.to_thread(measure_simulated, holders, repeats,
-                                                 workdir))
+    for holders, relayed in SIM_POINTS:
+        print(f"fan-out: {holders} simulated holders{', relayed' if relayed else ''} ...",
+              flush=True)
+        simulated.append(await asyncio.to_thread(measure_simulated, holders, relayed,
+                                                 repeats, workdir))
     call = await ray_call_cost()
     return {"real": real, "simulated": simulated,
             "model": model(real, simulated, call)}
