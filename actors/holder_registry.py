@@ -256,12 +256,18 @@ class HolderRegistry:
         loaded alive node; returns every known instance's node."""
         await self.known()
         async with self.lock:
-            for inst in sorted(instances, key=instance_sort_key):
+            missing = [i for i in sorted(instances, key=instance_sort_key)
+                       if i not in self._holders]
+            if not missing:
+                return {i: self._nodes[i] for i in self.handles}
+            # One discovery, then each new holder counted where it went: a discovery per
+            # holder made a restore onto N fresh holders cost N^2 calls.
+            hosted = [i.node_id for i in await self.discover()]
+            alive = self._transport.alive_nodes()
+            for inst in missing:
                 if inst not in self._holders:
-                    infos = await self.discover()
-                    node = least_loaded_node(self._transport.alive_nodes(),
-                                             [i.node_id for i in infos])
-                    await self.create(inst, node)
+                    node = least_loaded_node(alive, hosted)
+                    hosted.append((await self.create(inst, node)).node_id)
         return {i: self._nodes[i] for i in self.handles}
 
     async def create(self, instance_id: str, node_id: str) -> HolderInfo:

@@ -505,6 +505,17 @@ def format_fanout(result: dict[str, Any]) -> str:
 
 async def run_fanout(quick: bool, workdir: Path, repeats: int) -> dict[str, Any]:
     """The whole model on a running local cluster of ``NODES`` nodes."""
+    quiet = logging.getLogger("nemo_ckpt")
+    level = quiet.level
+    # The restores' holders warn as the next round undoes them; only phase lines count.
+    quiet.setLevel(logging.ERROR)
+    try:
+        return await _run_fanout(quick, workdir, repeats)
+    finally:
+        quiet.setLevel(level)
+
+
+async def _run_fanout(quick: bool, workdir: Path, repeats: int) -> dict[str, Any]:
     real = []
     for holders, relayed in (QUICK_REAL_POINTS if quick else REAL_POINTS):
         print(f"fan-out: {holders} real holders on {NODES} nodes"
@@ -527,8 +538,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    # The restores' holders warn as the next round undoes them; only phase lines count.
-    logging.getLogger("nemo_ckpt").setLevel(logging.ERROR)
     workdir = Path(tempfile.mkdtemp(prefix="nemo-ckpt-fanout-"))
     cluster = LocalCluster(512 * MiB)
     try:

@@ -409,6 +409,16 @@ def scale_targets(scale: dict[str, Any]) -> list[dict[str, Any]]:
             ">= 150000")
         add("holder peak memory / session bytes (1 KiB)", f"4h x {p['sessions']}",
             p["holder_peak_ratio"], p["holder_peak_ratio"] <= 1.5, "<= 1.5")
+    # Issue 26: the fan-out holds its shape as instances grow. Growth is per-session cost
+    # over the 4 holders' at 10k, so <= 1.3 is "within 1.3x of 4 holders' per session".
+    for w in scale["points"]:
+        if w["instances"] == NODES:
+            continue
+        for key in ("paused", "exit", "restore"):
+            g = w.get(f"{key}_growth")
+            if g is not None:
+                add(f"{key} per session, {w['instances']} instances on {NODES} nodes, growth",
+                    f"{w['instances']}i x {w['sessions']}", g, g <= 1.3, "<= 1.3")
     for c in scale["cut_check"]:
         if c["rollouts"] <= 100_000:
             add("check_against_cut / whole-set floor", f"{c['rollouts']} x 16 keys",
