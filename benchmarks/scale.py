@@ -144,9 +144,12 @@ async def populate_bulk(clients: Sequence[SessionClient], sessions: int, state_b
 
 
 async def measure_scale_point(instances: int, sessions: int, repeats: int, workdir: Path,
-                              pool: bytes) -> dict[str, Any]:
+                              pool: bytes, relay_min_holders: int | None = None
+                              ) -> dict[str, Any]:
     ns = f"scale-{uuid.uuid4().hex[:8]}"
     config = bench_config(ns, 600.0)
+    if relay_min_holders is not None:  # the fan-out's relays, on or off (issue 26)
+        config = config.model_copy(update={"relay_min_holders": relay_min_holders})
     ckpt = RayEnvironmentCheckpoint(config)
     restore_ns = f"{ns}-r"
     restore_config = CheckpointConfig(**{**config.model_dump(), "namespace": restore_ns})
