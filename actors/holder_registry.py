@@ -142,6 +142,13 @@ class HolderRegistry:
             relay = self._relays[node_id] = self._transport.create_relay(node_id)
         return relay
 
+    def _drop_relay(self, node_id: str) -> None:
+        """Forget a relay that failed or whose node is gone, and end it if it is not:
+        at most one relay per node lives at a time."""
+        relay = self._relays.pop(node_id, None)
+        if relay is not None:
+            self._transport.kill(relay)
+
     def _relayed(self, targets: dict[str, Actor]) -> bool:
         return len(targets) >= self._relay_min()
 
@@ -177,7 +184,7 @@ class HolderRegistry:
                     timeout=timeout + self._timeout())
             except Exception as exc:
                 if self._relays.get(node) is relay:
-                    del self._relays[node]  # the next phase makes another
+                    self._drop_relay(node)  # the next phase makes another
                 if direct_after_relay:
                     log.warning("relay %s failed during %s (%s); calling its %d holders "
                                 "directly", relay.name, call.method, exc, len(group))
@@ -223,7 +230,9 @@ class HolderRegistry:
         """Find every live holder, and create one on each alive node that has none."""
         async with self.lock:
             infos = await self.discover()
-            self._relays = {}  # made again near the holders found now
+            alive = set(self._transport.alive_nodes())
+            for node in [n for n in self._relays if n not in alive]:
+                self._drop_relay(node)
             hosted = {i.node_id for i in infos}
             for node_id in self._transport.alive_nodes():
                 if node_id not in hosted:
