@@ -88,7 +88,7 @@ class HolderRegistry:
 
     def __init__(self, transport: Transport, timeout: Callable[[], float],
                  options: Callable[[], dict[str, Any]],
-                 relay_min: Callable[[], int] = lambda: 64) -> None:
+                 relay_min: Callable[[], int] = lambda: 128) -> None:
         self._transport = transport
         self._clock = transport.runtime.clock
         self._timeout = timeout  # a control call's timeout (the config may be adopted)

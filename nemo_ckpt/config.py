@@ -139,7 +139,7 @@ class CheckpointConfig(BaseModel):
                     "full turn queue never delays a snapshot.")
 
     relay_min_holders: int = Field(
-        64, ge=2,
+        128, ge=2,
         description="From this many holders on, the coordinator reaches them through "
                     "relays, one per group of about the square root of their number, each "
                     "calling its group from its own node, instead of calling every holder "
