@@ -52,7 +52,8 @@ demo-s3: $(STAMP)
 	$(PY) -m tests.s3_server -- \
 		$(PY) examples/turn_level_recovery.py --checkpoint-dir s3://ckpt/demo $(DEMO_ARGS)
 
-# The snapshot benchmark (benchmarks/README.md): the full grid, ~4-6 min on 2 cores.
+# The snapshot benchmark (benchmarks/README.md): the full grid, ~4-6 min on 2 cores,
+# then the fan-out model (benchmarks/fanout.py, ~3 min; also after --quick).
 # Prints its tables and writes bench-results.json. `make bench BENCH_ARGS=--quick` runs
 # two grid points and the quick scale series (~2 min); BENCH_ARGS=--scale the scale
 # series to a million sessions (~7 min); BENCH_ARGS=--object-store snapshots into a

@@ -56,7 +56,7 @@ from typing import Any
 from actors.blob_collector import BlobCollector
 from actors.claimed_folders import ClaimedFolders
 from actors.coordinator_parts import INJECTABLE_PHASES, CoordinatorParts
-from actors.holder_registry import HolderRegistry
+from actors.holder_registry import HolderCall, HolderRegistry
 from actors.operation_states import (
     Aborted,
     FoundCommitted,
@@ -92,7 +92,7 @@ from nemo_ckpt.phases import (
     HolderInfo,
     instance_sort_key,
 )
-from nemo_ckpt.transport import Actor, Transport
+from nemo_ckpt.transport import Transport
 
 __all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "RestoreBegun"]
 
@@ -120,7 +120,8 @@ class CheckpointCoordinator:
         self._parts = CoordinatorParts(
             config=config, transport=transport, operations=operations,
             holders=HolderRegistry(transport, lambda: self._config.phase_timeout_s,
-                                   self._holder_options),
+                                   self._holder_options,
+                                   lambda: self._config.relay_min_holders),
             folders=ClaimedFolders(self._runtime, self._owner, self._incarnation,
                                    claim_watch, lambda: self._parts.claim_ttl),
             blobs=BlobCollector(
@@ -261,7 +262,7 @@ class CheckpointCoordinator:
         # seconds must not lapse the holders' leases (the commit checks the claims).
         await self.holders.fan(
             op.holders, "renew_lease",
-            lambda inst, h: self._calls(h).renew_lease(operation_id, self._config.lease_s),
+            HolderCall("renew_lease", (operation_id, self._config.lease_s)),
             tolerate_failures=True)
         if isinstance(op, SnapshotOperation):
             await self._snapshots.renew_claims(op)
@@ -352,8 +353,7 @@ class CheckpointCoordinator:
                     targets[inst] = handle
                 elif targets[inst].ref != handle.ref:  # another incarnation of it now
                     targets[f"{inst} (now)"] = handle
-        await self.holders.fan(targets, "abort",
-                               lambda inst, h: self._calls(h).abort(op.id, keep_committed),
+        await self.holders.fan(targets, "abort", HolderCall("abort", (op.id, keep_committed)),
                                tolerate_failures=True)
 
     # --- snapshot and restore (actors.snapshots, actors.restores) ---------------------
@@ -402,10 +402,7 @@ class CheckpointCoordinator:
         if not self.holders.handles:
             await self.holders.ensure()
 
-        def call(inst: str, h: Actor) -> Any:
-            calls = self._calls(h)
-            return calls.retire(episodes) if what == "retire" else calls.forget(episodes)
-
+        call: HolderCall[list[str]] = HolderCall(what, (episodes,))
         try:
             dropped = await self.holders.fan(self.holders.handles, what, call)
         except BackendUnavailableError:

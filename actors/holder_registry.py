@@ -4,6 +4,14 @@
 them through the transport, creates one on each alive node that has none (or, for a
 restore, one for each instance the snapshot names, on the least loaded node), and
 calls a phase on many holders at once (``fan``), aggregating their failures.
+
+From ``relay_min_holders`` holders on, ``fan`` and ``send`` go through relays
+(``FanRelay``, one per group of about the square root of the holders' number, each on a
+node of its group): the coordinator's own work per phase then grows with the number of
+groups, not of holders, and each relay calls its group from its own node
+(benchmarks/README.md, "Fan-out model"). A relay keeps nothing: one that dies fails its
+group's calls as unreachable, like the holders' own deaths, and the next phase makes
+another.
 """
 
 from __future__ import annotations
@@ -11,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from nemo_ckpt.errors import BackendUnavailableError, aggregate
 from nemo_ckpt.holder_api import HolderCalls
@@ -20,19 +30,65 @@ from nemo_ckpt.phases import HolderInfo, instance_sort_key
 from nemo_ckpt.restore_plan import least_loaded_node
 from nemo_ckpt.transport import Actor, Transport
 
-__all__ = ["HolderRegistry", "PHASE_LOGGER"]
+__all__ = ["FanRelay", "HolderCall", "HolderRegistry", "PHASE_LOGGER"]
 
 T = TypeVar("T")
 # The logger of the phase lines (``fan`` with an operation id): one JSON object each.
 PHASE_LOGGER = "nemo_ckpt.coordinator"
 log = logging.getLogger(PHASE_LOGGER)
+# A relay's answer for one holder: its result, or the error it raised, and its seconds.
+RelayAnswer = tuple[Any, BaseException | None, float]
+
+
+@dataclass(frozen=True)
+class HolderCall(Generic[T]):
+    """One control call to each holder of a fan-out, as data, so that a relay can make
+    it: the method, its arguments (the same for every holder, or by instance id) and
+    its timeout (None: a control call's)."""
+
+    method: str
+    args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]] = ()
+    timeout: float | None = None
+
+    def args_of(self, instance_id: str) -> tuple[Any, ...]:
+        return self.args(instance_id) if callable(self.args) else self.args
+
+
+class FanRelay:
+    """A relay: calls a group of holders for the coordinator, from the relay's node, and
+    answers with every holder's result or error (never raising for one)."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._clock = transport.runtime.clock
+
+    async def relay_call(self, method: str, timeout: float | None,
+                         calls: dict[str, tuple[Actor, tuple[Any, ...]]]
+                         ) -> dict[str, RelayAnswer]:
+        start = self._clock.monotonic()
+
+        async def one(handle: Actor, args: tuple[Any, ...]) -> RelayAnswer:
+            try:
+                result = await self._transport.call(handle, method, *args, timeout=timeout)
+            except Exception as exc:  # the holder's error, carried back as a value
+                return None, exc, self._clock.monotonic() - start
+            return result, None, self._clock.monotonic() - start
+
+        answers = await asyncio.gather(*(one(h, a) for h, a in calls.values()))
+        return dict(zip(calls, answers, strict=True))
+
+    async def relay_send(self, method: str,
+                         sends: dict[str, tuple[Actor, tuple[Any, ...]]]) -> None:
+        for handle, args in sends.values():
+            self._transport.send(handle, method, *args)
 
 
 class HolderRegistry:
     """Which holder serves which instance, and calls to many of them at once."""
 
     def __init__(self, transport: Transport, timeout: Callable[[], float],
-                 options: Callable[[], dict[str, Any]]) -> None:
+                 options: Callable[[], dict[str, Any]],
+                 relay_min: Callable[[], int] = lambda: 128) -> None:
         self._transport = transport
         self._clock = transport.runtime.clock
         self._timeout = timeout  # a control call's timeout (the config may be adopted)
@@ -41,6 +97,8 @@ class HolderRegistry:
         self._nodes: dict[str, str] = {}  # instance id -> node id
         self._registered: dict[str, Actor] = {}  # every holder the last discovery listed
         self.lock = asyncio.Lock()  # placement: one discovery or creation at a time
+        self._relay_min = relay_min  # holders from which fan and send go through relays
+        self._relays: dict[str, Actor] = {}  # node id -> the relay made there
 
     @property
     def handles(self) -> dict[str, Actor]:
@@ -52,12 +110,101 @@ class HolderRegistry:
         """Every holder the last discovery listed, answering or not."""
         return dict(self._registered)
 
+    @property
+    def relays(self) -> dict[str, Actor]:
+        """The relays made so far and not failed, by the node each was made on."""
+        return dict(self._relays)
+
     def node_of(self, instance_id: str) -> str:
         return self._nodes[instance_id]
 
     def forget(self) -> None:
         """A holder is gone or late: the next phase re-discovers."""
         self._holders = {}
+
+    # --- relays -----------------------------------------------------------------------
+
+    def _groups(self, targets: dict[str, Actor]) -> list[tuple[str, dict[str, Actor]]]:
+        """``targets`` in groups of about the square root of their number, a node's
+        holders together where they fit, each with the node its relay runs on."""
+        order = sorted(targets, key=lambda i: (self._nodes.get(i, ""), instance_sort_key(i)))
+        size = math.ceil(math.sqrt(len(order)))
+        groups = []
+        for lo in range(0, len(order), size):
+            members = order[lo:lo + size]
+            node = self._nodes.get(members[0]) or self._transport.local_node()
+            groups.append((node, {i: targets[i] for i in members}))
+        return groups
+
+    def _relay(self, node_id: str) -> Actor:
+        relay = self._relays.get(node_id)
+        if relay is None:
+            relay = self._relays[node_id] = self._transport.create_relay(node_id)
+        return relay
+
+    def _drop_relay(self, node_id: str) -> None:
+        """Forget a relay that failed or whose node is gone, and end it if it is not:
+        at most one relay per node lives at a time."""
+        relay = self._relays.pop(node_id, None)
+        if relay is not None:
+            self._transport.kill(relay)
+
+    def _relayed(self, targets: dict[str, Actor]) -> bool:
+        return len(targets) >= self._relay_min()
+
+    def send(self, holders: dict[str, Actor], method: str, *args: Any) -> None:
+        """Send ``method(*args)`` to every holder and forget it (through relays from
+        ``relay_min_holders`` on: one message per group)."""
+        if not self._relayed(holders):
+            for handle in holders.values():
+                self._transport.send(handle, method, *args)
+            return
+        for node, group in self._groups(holders):
+            self._transport.send(self._relay(node), "relay_send", method,
+                                 {i: (h, args) for i, h in group.items()})
+
+    async def _through_relays(self, targets: dict[str, Actor], call: HolderCall[Any],
+                              seconds: dict[str, float], direct_after_relay: bool
+                              ) -> dict[str, Any]:
+        """Each group's calls through its relay. A relay that fails fails its group, or,
+        with ``direct_after_relay`` (the calls that end or keep up an operation:
+        abort, resume, renewals, which holders take twice as once), has the coordinator
+        call that group itself: a dead relay must not leave holders paused."""
+        timeout = self._timeout() if call.timeout is None else call.timeout
+        out: dict[str, Any] = {}
+
+        async def group_call(node: str, group: dict[str, Actor]) -> None:
+            relay = self._relay(node)
+            start = self._clock.monotonic()
+            try:
+                # The relay's own hop on top of its holders' timeout.
+                answers: dict[str, RelayAnswer] = await self._transport.call(
+                    relay, "relay_call", call.method, timeout,
+                    {i: (h, call.args_of(i)) for i, h in group.items()},
+                    timeout=timeout + self._timeout())
+            except Exception as exc:
+                if self._relays.get(node) is relay:
+                    self._drop_relay(node)  # the next phase makes another
+                if direct_after_relay:
+                    log.warning("relay %s failed during %s (%s); calling its %d holders "
+                                "directly", relay.name, call.method, exc, len(group))
+                    direct = self._direct(call)
+                    answers_direct = await asyncio.gather(
+                        *(direct(i, h) for i, h in group.items()), return_exceptions=True)
+                    for inst, res in zip(group, answers_direct, strict=True):
+                        out[inst] = res
+                        seconds[inst] = self._clock.monotonic() - start
+                    return
+                for inst in group:
+                    out[inst] = exc
+                    seconds[inst] = self._clock.monotonic() - start
+                return
+            for inst, (result, error, spent) in answers.items():
+                out[inst] = result if error is None else error
+                seconds[inst] = spent
+
+        await asyncio.gather(*(group_call(n, g) for n, g in self._groups(targets)))
+        return out
 
     async def discover(self) -> list[HolderInfo]:
         """Ask every registered holder for its info; those that do not answer are lost."""
@@ -83,6 +230,9 @@ class HolderRegistry:
         """Find every live holder, and create one on each alive node that has none."""
         async with self.lock:
             infos = await self.discover()
+            alive = set(self._transport.alive_nodes())
+            for node in [n for n in self._relays if n not in alive]:
+                self._drop_relay(node)
             hosted = {i.node_id for i in infos}
             for node_id in self._transport.alive_nodes():
                 if node_id not in hosted:
@@ -92,6 +242,9 @@ class HolderRegistry:
                         # Typically a node that died but is not yet declared dead. A
                         # node that stays without a holder fails check_startup.
                         log.warning("no holder could start on node %s: %s", node_id, exc)
+            if self._relayed(self._holders):  # started now: a process takes a while
+                for node, _ in self._groups(self._holders):
+                    self._relay(node)
             return sorted(infos, key=_instance_order)
 
     async def known(self) -> dict[str, Actor]:
@@ -112,12 +265,18 @@ class HolderRegistry:
         loaded alive node; returns every known instance's node."""
         await self.known()
         async with self.lock:
-            for inst in sorted(instances, key=instance_sort_key):
+            missing = [i for i in sorted(instances, key=instance_sort_key)
+                       if i not in self._holders]
+            if not missing:
+                return {i: self._nodes[i] for i in self.handles}
+            # One discovery, then each new holder counted where it went: a discovery per
+            # holder made a restore onto N fresh holders cost N^2 calls.
+            hosted = [i.node_id for i in await self.discover()]
+            alive = self._transport.alive_nodes()
+            for inst in missing:
                 if inst not in self._holders:
-                    infos = await self.discover()
-                    node = least_loaded_node(self._transport.alive_nodes(),
-                                             [i.node_id for i in infos])
-                    await self.create(inst, node)
+                    node = least_loaded_node(alive, hosted)
+                    hosted.append((await self.create(inst, node)).node_id)
         return {i: self._nodes[i] for i in self.handles}
 
     async def create(self, instance_id: str, node_id: str) -> HolderInfo:
@@ -127,6 +286,11 @@ class HolderRegistry:
         self._nodes[instance_id] = info.node_id
         log.info("created holder %s on node %s", instance_id, node_id)
         return info
+
+    def _direct(self, call: HolderCall[T]) -> Callable[[str, Actor], Awaitable[T]]:
+        timeout = self._timeout() if call.timeout is None else call.timeout
+        return lambda inst, handle: self._transport.call(
+            handle, call.method, *call.args_of(inst), timeout=timeout)
 
     def _free_instance_id(self) -> str:
         k = 0
@@ -138,12 +302,13 @@ class HolderRegistry:
         self,
         holders: dict[str, Actor],
         what: str,
-        call: Callable[[str, Actor], Awaitable[T]],
+        call: Callable[[str, Actor], Awaitable[T]] | HolderCall[T],
         tolerate_failures: bool = False,
         op_id: str | None = None,
     ) -> dict[str, T]:
         """Call every holder concurrently; after all have answered, raise one error that
         carries every holder's failure (``aggregate``), unless ``tolerate_failures``.
+        A ``HolderCall`` goes through relays from ``relay_min_holders`` holders on.
 
         With ``op_id``, logs one structured line: the phase, its per-holder seconds and
         the slowest holder, so that a slow pause names its cause.
@@ -151,15 +316,21 @@ class HolderRegistry:
         targets = dict(holders)
         seconds: dict[str, float] = {}
         start = self._clock.monotonic()
+        results: list[Any]
+        if isinstance(call, HolderCall) and self._relayed(targets):
+            relayed = await self._through_relays(targets, call, seconds, tolerate_failures)
+            results = [relayed[i] for i in targets]
+        else:
+            direct = self._direct(call) if isinstance(call, HolderCall) else call
 
-        async def one(inst: str, handle: Actor) -> T:
-            try:
-                return await call(inst, handle)
-            finally:
-                seconds[inst] = self._clock.monotonic() - start
+            async def one(inst: str, handle: Actor) -> T:
+                try:
+                    return await direct(inst, handle)
+                finally:
+                    seconds[inst] = self._clock.monotonic() - start
 
-        results = await asyncio.gather(*(one(i, h) for i, h in targets.items()),
-                                       return_exceptions=True)
+            results = await asyncio.gather(*(one(i, h) for i, h in targets.items()),
+                                           return_exceptions=True)
         errors = {i: r for i, r in zip(targets, results, strict=True)
                   if isinstance(r, BaseException)}
         if any(isinstance(e, BackendUnavailableError) for e in errors.values()):

@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors import metrics
 from actors.coordinator import CheckpointCoordinator
 from actors.heap import HeapTrimmer, freeze_startup_objects
+from actors.holder_registry import FanRelay
 from actors.session_holder import SessionHolder
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.coordinator_api import CoordinatorApi
@@ -34,6 +35,7 @@ from nemo_ckpt.transport import (
     CONTROL_GROUP,
     COORDINATOR,
     HOLDER,
+    RELAY,
     Actor,
     Runtime,
     concurrency_group,
@@ -175,12 +177,23 @@ class RayTransport:
         ).remote(instance_id, **options)
         return Actor(HOLDER, instance_id, _Handle(ref, _session()))
 
+    def create_relay(self, node_id: str) -> Actor:
+        self._require_ray()
+        # Unnamed and owned by this process: it dies with the coordinator that made it.
+        # Soft affinity: a relay may run anywhere, and its node may be dying.
+        ref = FanRelayActor.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+        ).remote(self._config)
+        return Actor(RELAY, f"relay@{node_id[:8]}", _Handle(ref, _session()))
+
     def _current(self, actor: Actor) -> Actor:
         """``actor``, or its name looked up again if its handle is of an ended Ray
         session (nothing was sent through it in this one, so nothing ran)."""
         self._require_ray()
         if actor.ref.session == _session():
             return actor
+        if actor.kind == RELAY:  # unnamed: the registry makes another
+            raise unavailable_error(actor, "its lookup")
         if actor.kind == COORDINATOR:
             return self.coordinator()
         found = self.holder(actor.name)
@@ -306,6 +319,13 @@ class _RayCheckpointCoordinator(CheckpointCoordinator):
         freeze_startup_objects()
 
 
+class _RayFanRelay(FanRelay):
+    """A relay of the coordinator's fan-out in its own Ray actor process."""
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        super().__init__(RayTransport(config))
+
+
 def _holder_options() -> dict[str, Any]:
     # No CPU reserved: a holder must fit on any node, beside the environment workers.
     # Session calls run in the default slots (max_concurrency, set per job from
@@ -327,3 +347,5 @@ _COORDINATOR_INTERFACE: type[CoordinatorApi] = CheckpointCoordinator
 SessionHolderActor: Any = cast(Any, ray.remote)(**_holder_options())(_RaySessionHolder)
 CheckpointCoordinatorActor: Any = cast(Any, ray.remote)(
     num_cpus=0, max_concurrency=1000, max_restarts=0)(_RayCheckpointCoordinator)
+FanRelayActor: Any = cast(Any, ray.remote)(
+    num_cpus=0, max_concurrency=1000, max_restarts=0)(_RayFanRelay)

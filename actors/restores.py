@@ -7,6 +7,7 @@ session live, all or nothing (``commit``). The order of these calls is stated in
 from __future__ import annotations
 
 from actors.coordinator_parts import CoordinatorParts
+from actors.holder_registry import HolderCall
 from actors.operation_states import (
     Committed,
     Operation,
@@ -116,9 +117,8 @@ class Restores:
         self._parts.operations.set_state(op, RestoreCommitting(read_seconds))
         try:
             await self._parts.injected_delay("commit_restore")
-            counts = await self._parts.holders.fan(
-                op.holders, "commit_restore",
-                lambda inst, h: self._parts.calls(h).commit_restore(restore_id),
+            counts: dict[str, int] = await self._parts.holders.fan(
+                op.holders, "commit_restore", HolderCall("commit_restore", (restore_id,)),
                 op_id=restore_id)
         except BaseException as exc:
             self._parts.count_failure("restore", exc)

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from actors.coordinator_parts import CoordinatorParts
+from actors.holder_registry import HolderCall
 from actors.operation_states import (
     Committed,
     FoundCommitted,
@@ -31,7 +32,7 @@ from nemo_ckpt.coordinator_api import SnapshotBegun, SnapshotCommitted
 from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
 from nemo_ckpt.manifest import ShardEntry, encode_manifest
 from nemo_ckpt.operations import Outcome
-from nemo_ckpt.phases import CaptureReport, PauseReport
+from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport
 from nemo_ckpt.sandbox_storage import blob_store_ref
 from nemo_ckpt.snapshot_files import write_manifest
 
@@ -101,9 +102,9 @@ class Snapshots:
                 op.blob_hold.add_done_callback(lambda f: f.cancelled() or f.exception())
             begun: dict[str, tuple[PauseReport, CaptureReport]] = await self._parts.holders.fan(
                 op.holders, "pause_capture",
-                lambda inst, h: self._parts.calls(
-                    h, cfg.drain_timeout_s + cfg.phase_timeout_s).begin(
-                        snapshot_id, cfg.drain_timeout_s, cfg.lease_s, str(directory)),
+                HolderCall("begin", (snapshot_id, cfg.drain_timeout_s, cfg.lease_s,
+                                     str(directory)),
+                           cfg.drain_timeout_s + cfg.phase_timeout_s),
                 op_id=snapshot_id)
             # Shielded: a cancelled begin must not cancel the claim under its thread,
             # whose put would then land after the abort's clean-up.
@@ -174,15 +175,13 @@ class Snapshots:
                 with contextlib.suppress(Exception):  # its error fails the commit
                     await asyncio.shield(hold)
                     if op.outcome is None:
-                        for handle in op.holders.values():
-                            self._parts.calls(handle).start_persist(snapshot_id)
+                        self._parts.holders.send(op.holders, "start_persist", snapshot_id)
 
             task = asyncio.ensure_future(after_hold())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             return
-        for handle in op.holders.values():
-            self._parts.calls(handle).start_persist(snapshot_id)
+        self._parts.holders.send(op.holders, "start_persist", snapshot_id)
 
     async def commit(self, snapshot_id: str, checkpoint_path: str,
                      metrics: dict[str, float], restarted: int) -> SnapshotCommitted:
@@ -205,8 +204,7 @@ class Snapshots:
         # The backend resumes as the exit begins: the capture is an immutable copy, so
         # turns may run while the shards are written; the commit still waits for every
         # shard and the manifest, and a failure still aborts the snapshot.
-        for handle in op.holders.values():
-            self._parts.calls(handle).release(snapshot_id)
+        self._parts.holders.send(op.holders, "release", snapshot_id)
         # The check that no rollout was captured by two instances starts now, after the
         # release went out: a thread that decodes every capture holds this process's
         # GIL meanwhile. Its error is raised by the await below; an abort cancels it.
@@ -222,10 +220,10 @@ class Snapshots:
             await self._parts.injected_delay("commit_snapshot")
             if op.blob_hold is not None:  # no holder relies on the store before it holds
                 await asyncio.shield(op.blob_hold)
-            persists = await self._parts.holders.fan(
+            persists: dict[str, PersistReport] = await self._parts.holders.fan(
                 op.holders, "finish_persist",
-                lambda inst, h: self._parts.calls(h, self._parts.config.persist_timeout_s)
-                .finish_persist(snapshot_id),
+                HolderCall("finish_persist", (snapshot_id,),
+                           self._parts.config.persist_timeout_s),
                 op_id=snapshot_id)
             shards: list[ShardEntry] = [s for p in persists.values() for s in p.shards]
             all_metrics = dict(metrics)
@@ -268,8 +266,8 @@ class Snapshots:
         # Committed: resume first; the older snapshots' files are garbage from here on
         # and their removal must not lengthen the pause.
         await self._parts.holders.fan(op.holders, "resume",
-                               lambda inst, h: self._parts.calls(h).resume(snapshot_id),
-                               tolerate_failures=True)
+                                      HolderCall("resume", (snapshot_id,)),
+                                      tolerate_failures=True)
         removed = await self._parts.folders.clean_up(
             op, [o.id for o in self._parts.operations.open_ones()])
         await self._parts.blobs.release(op.id)

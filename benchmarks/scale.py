@@ -105,7 +105,7 @@ class PeakPrivate:
         self._sample_once()
 
 
-async def _make_instances(ckpt: RayEnvironmentCheckpoint, instances: int,
+async def make_instances(ckpt: RayEnvironmentCheckpoint, instances: int,
                           workdir: Path) -> list[str]:
     """``instances`` empty holders over the cluster's nodes: one per node, or, for more,
     by restoring an empty snapshot that lists them (the coordinator places them on the
@@ -144,16 +144,19 @@ async def populate_bulk(clients: Sequence[SessionClient], sessions: int, state_b
 
 
 async def measure_scale_point(instances: int, sessions: int, repeats: int, workdir: Path,
-                              pool: bytes) -> dict[str, Any]:
+                              pool: bytes, relay_min_holders: int | None = None
+                              ) -> dict[str, Any]:
     ns = f"scale-{uuid.uuid4().hex[:8]}"
     config = bench_config(ns, 600.0)
+    if relay_min_holders is not None:  # the fan-out's relays, on or off (issue 26)
+        config = config.model_copy(update={"relay_min_holders": relay_min_holders})
     ckpt = RayEnvironmentCheckpoint(config)
     restore_ns = f"{ns}-r"
     restore_config = CheckpointConfig(**{**config.model_dump(), "namespace": restore_ns})
     fresh = RayEnvironmentCheckpoint(restore_config)
     point_dir = workdir / f"i{instances}-s{sessions}-{uuid.uuid4().hex[:4]}"
     try:
-        names = await _make_instances(ckpt, instances, point_dir)
+        names = await make_instances(ckpt, instances, point_dir)
         pids = {i: holder_pid(ns, i) for i in names}
         coordinator = actor_pid(ns, config.coordinator_name)
         base = {i: private_bytes(p) for i, p in pids.items()}
@@ -210,7 +213,7 @@ async def measure_scale_point(instances: int, sessions: int, repeats: int, workd
         # job's check_startup would, so that actor start-up is not timed).
         restores = []
         for _ in range(max(1, repeats - 1)):
-            await _make_instances(fresh, instances, point_dir)
+            await make_instances(fresh, instances, point_dir)
             t0 = time.perf_counter()
             async with fresh.restored(path) as restored:
                 pass
@@ -409,6 +412,16 @@ def scale_targets(scale: dict[str, Any]) -> list[dict[str, Any]]:
             ">= 150000")
         add("holder peak memory / session bytes (1 KiB)", f"4h x {p['sessions']}",
             p["holder_peak_ratio"], p["holder_peak_ratio"] <= 1.5, "<= 1.5")
+    # Issue 26: the fan-out holds its shape as instances grow. Growth is per-session cost
+    # over the 4 holders' at 10k, so <= 1.3 is "within 1.3x of 4 holders' per session".
+    for w in scale["points"]:
+        if w["instances"] == NODES:
+            continue
+        for key in ("paused", "exit", "restore"):
+            g = w.get(f"{key}_growth")
+            if g is not None:
+                add(f"{key} per session, {w['instances']} instances on {NODES} nodes, growth",
+                    f"{w['instances']}i x {w['sessions']}", g, g <= 1.3, "<= 1.3")
     for c in scale["cut_check"]:
         if c["rollouts"] <= 100_000:
             add("check_against_cut / whole-set floor", f"{c['rollouts']} x 16 keys",

@@ -79,6 +79,7 @@ from benchmarks.common import (
     target,
     write_json,
 )
+from benchmarks.fanout import fanout_targets, format_fanout, run_fanout
 from benchmarks.object_store import format_object_store, object_store_targets, run_object_store
 from benchmarks.scale import format_scale, run_scale, scale_targets
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
@@ -660,7 +661,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="two points only: 4h x 10k x 1KiB and 4h x 1k x 64KiB, then the "
-                        "quick scale series (10k and 100k sessions, 64 instances at 20k)")
+                        "quick scale series (10k and 100k sessions, 64 instances at 20k), "
+                        "and the quick fan-out model (benchmarks/fanout.py)")
     p.add_argument("--scale", action="store_true",
                    help="the scale series only (benchmarks/scale.py): 4 holders at 10k, "
                         "100k, 150k and 1M sessions of 1 KiB, 64 instances at 100k, the "
@@ -761,6 +763,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     server = None
     objects = None
     scale = None
+    fanout = None
     try:
         if args.object_store:
             from tests.s3_server import BUCKET, S3Server
@@ -782,6 +785,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             cluster.grow_to(4)
             pool = random.Random(args.seed).randbytes(64 * MiB)
             scale = asyncio.run(run_scale(args.quick, workdir, pool, 3))
+        if not args.scale and not args.object_store:  # the fan-out model (issue 26)
+            cluster.grow_to(4)
+            fanout = asyncio.run(run_fanout(args.quick, workdir, 3 if args.quick else 5))
     finally:
         if cluster is not None:
             cluster.shutdown()
@@ -795,6 +801,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         targets += scale_targets(scale)
     if objects is not None:
         targets += object_store_targets(objects)
+    if fanout is not None:
+        targets += fanout_targets(fanout)
     print()
     if results:
         print(format_points(results))
@@ -806,6 +814,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if objects is not None:
         print()
         print(format_object_store(objects))
+    if fanout is not None:
+        print()
+        print(format_fanout(fanout))
     print()
     print(format_targets(targets))
     elapsed = time.perf_counter() - started
@@ -815,7 +826,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         run.update({"quick": args.quick, "scale": args.scale,
                     "object_store": args.object_store, "repeats": args.repeats,
                     "cold_reads": args.cold_reads, "definitions": DEFINITIONS})
-        doc = {"points": results, "scale": scale, "object_store": objects,
+        doc = {"points": results, "scale": scale, "object_store": objects, "fanout": fanout,
                "crash_cost": crash, "targets": targets, "run": run}
         if args.json is not None:
             write_json(args.json, doc)

@@ -138,6 +138,13 @@ class CheckpointConfig(BaseModel):
                     "release, renewals, persist, abort) have slots of their own, so a "
                     "full turn queue never delays a snapshot.")
 
+    relay_min_holders: int = Field(
+        128, ge=2,
+        description="From this many holders on, the coordinator reaches them through "
+                    "relays, one per group of about the square root of their number, each "
+                    "calling its group from its own node, instead of calling every holder "
+                    "itself (benchmarks/README.md, \"Fan-out model\").")
+
     max_retired_marks: int = Field(
         100_000, gt=0,
         description="Retire marks a holder keeps (one per retired rollout, until RL "

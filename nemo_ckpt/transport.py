@@ -31,6 +31,7 @@ __all__ = [
     "SESSION_METHODS",
     "concurrency_group",
     "HOLDER",
+    "RELAY",
     "Actor",
     "Clock",
     "Metrics",
@@ -114,6 +115,7 @@ class Runtime:
 
 HOLDER = "holder"
 COORDINATOR = "coordinator"
+RELAY = "relay"  # calls a group of holders for the coordinator (``create_relay``)
 
 # A holder serves two kinds of calls: environment workers' session calls, which may wait
 # at a paused holder's gate in any number, and the coordinator's control calls (pause,
@@ -152,7 +154,9 @@ def unavailable_error(actor: Actor, method: str, *, timeout: float | None = None
     from nemo_ckpt.errors import BackendUnavailableError
 
     coordinator = actor.kind == COORDINATOR
-    who = "the nemo-ckpt coordinator" if coordinator else f"holder {actor.name}"
+    who = ("the nemo-ckpt coordinator" if coordinator else
+           f"the coordinator's relay {actor.name}" if actor.kind == RELAY else
+           f"holder {actor.name}")
     if timeout is not None:
         error = BackendUnavailableError(
             f"{who} did not finish {method} within {timeout:.1f}s; it is overloaded or its "
@@ -161,6 +165,8 @@ def unavailable_error(actor: Actor, method: str, *, timeout: float | None = None
     else:
         what = f" ({type(cause).__name__})" if cause is not None else ""
         consequence = ("holders resume by their lease; retry" if coordinator else
+                       "the holders it called for the coordinator may not have heard; "
+                       "retry" if actor.kind == RELAY else
                        "its node or process died; its sessions are lost and their rollouts "
                        "restart")
         error = BackendUnavailableError(
@@ -210,6 +216,12 @@ class Transport(Protocol):
     def create_holder(self, instance_id: str, node_id: str, options: dict[str, Any]) -> Actor:
         """Start the holder of ``instance_id`` on ``node_id`` (or return the one that
         exists). ``options`` are the ``SessionHolder`` keyword arguments."""
+        ...
+
+    def create_relay(self, node_id: str) -> Actor:
+        """Start a relay on ``node_id`` (``actors.holder_registry.FanRelay``): no state
+        of its own, it calls a group of holders for the coordinator that created it,
+        and dies with it."""
         ...
 
     def call(self, actor: Actor, method: str, *args: Any,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import io
 import os
 import pickle
 import random
@@ -50,11 +51,13 @@ from pathlib import Path
 from typing import Any
 
 from actors.coordinator import CheckpointCoordinator
+from actors.holder_registry import FanRelay
 from actors.session_holder import SessionHolder
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.transport import (
     COORDINATOR,
     HOLDER,
+    RELAY,
     Actor,
     NoMetrics,
     Runtime,
@@ -594,7 +597,7 @@ class SimWorld:
         done: asyncio.Future[Any] = self.loop.create_future()
         if self.on_send is not None:
             self.on_send(caller, target, method, args)
-        payload = pickle.dumps(args, protocol=5)
+        payload = self._pack(args)
         inbox = target.inbox
         if len(inbox) > 256:
             inbox[:] = [f for f in inbox if not f.done()]
@@ -609,6 +612,27 @@ class SimWorld:
         self.loop.call_later(delay + frozen if frozen > 0 else delay, self._arrive,
                              target, method, payload, done, False, context=_NO_ACTOR)
         return done
+
+    def _pack(self, value: Any) -> bytes:
+        """``value`` pickled as between processes, an actor handle in it (a relay's
+        arguments carry holders') by reference, as Ray pickles a handle."""
+        try:
+            return b"P" + pickle.dumps(value, protocol=5)
+        except (TypeError, AttributeError, pickle.PicklingError):
+            pass  # an actor in it: the slower pickler that keeps actors by reference
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=5)
+        pickler.persistent_id = (  # type: ignore[method-assign]
+            lambda obj: obj.serial if isinstance(obj, SimActor) else None)
+        pickler.dump(value)
+        return b"A" + buffer.getvalue()
+
+    def _unpack(self, payload: bytes) -> Any:
+        if payload[:1] == b"P":
+            return pickle.loads(payload[1:])
+        unpickler = pickle.Unpickler(io.BytesIO(payload[1:]))
+        unpickler.persistent_load = lambda serial: self.actors[serial - 1]  # type: ignore[method-assign]
+        return unpickler.load()
 
     def _arrive(self, target: SimActor, method: str, payload: bytes,
                 done: asyncio.Future[Any], held: bool) -> None:
@@ -626,7 +650,7 @@ class SimWorld:
             self.loop.call_later(frozen, self._arrive, target, method, payload, done, True,
                                  context=_NO_ACTOR)
             return
-        args = pickle.loads(payload)
+        args = self._unpack(payload)
         if self.on_deliver is not None:
             self.on_deliver(target, method, args)
             if not target.alive:
@@ -661,7 +685,7 @@ class SimWorld:
             if not target.alive:
                 self._fail(done, target, f"{target} died while {method} waited for a slot")
                 continue
-            args = pickle.loads(payload)
+            args = self._unpack(payload)
             if self.on_queued is not None:
                 self.on_queued(target, method, args, self.loop.time() - since, ahead, limit)
             running.append(method)
@@ -780,6 +804,11 @@ class SimTransport:
             if actor.alive:
                 self._world.registry[key] = actor
         return Actor(HOLDER, instance_id, actor)
+
+    def create_relay(self, node_id: str) -> Actor:
+        actor = self._world.new_actor(RELAY, f"relay-{self._world._serial + 1}", node_id)
+        actor.obj = FanRelay(SimTransport(self._world, actor, self._config))
+        return Actor(RELAY, actor.name, actor)
 
     def call(self, actor: Actor, method: str, *args: Any,
              timeout: float | None = None) -> Awaitable[Any]:

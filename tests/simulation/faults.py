@@ -29,7 +29,7 @@ from nemo_ckpt.path_claims import claim_path, release_claim
 from nemo_ckpt.sandbox import _Scanner
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.sim import SimActor
-from nemo_ckpt.transport import COORDINATOR, HOLDER
+from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 
 from .checkers import Checkers
 from .plan import CONFIG
@@ -136,6 +136,8 @@ class Faults(Part):
         self.check = check  # for what a fault can only judge as it acts (a second job)
         self.triggered: dict[tuple[str, str], int] = defaultdict(int)
         self.retired: set[str] = set()  # paths a user's retention script removed
+        self.relay_rng = random.Random(f"relay-kills-{s.seed}")
+        self.relay_kills = 0
         self._install_io_faults()
         DiskFaults.install(self)
         HostileSandbox.install(self)
@@ -164,6 +166,9 @@ class Faults(Part):
 
     def on_send(self, caller: SimActor, callee: SimActor, method: str,
                 args: tuple[Any, ...]) -> None:
+        if caller.kind == RELAY:
+            self._relay_dies(caller, method)
+            return
         driver = self.s.drivers.get(caller)
         if driver is None:
             return
@@ -171,6 +176,17 @@ class Faults(Part):
         if task is not None and not task.done() and self._trigger("cancel_at", method):
             self.log(f"fault: {driver.name}'s operation is cancelled as it sends {method}")
             self.world.loop.call_later(self.rng.uniform(0.0, 0.02), task.cancel)
+
+    def _relay_dies(self, relay: SimActor, method: str) -> None:
+        """A relay dies mid-phase, right after passing one call on: the holders it
+        reached so far have it, the others never will (a few per schedule, drawn apart
+        from the plan)."""
+        if self.relay_kills < 3 and self.relay_rng.random() < 0.03:
+            self.relay_kills += 1
+            self.s.faults += 1
+            self.s.fired.append((self.now(), f"kill_relay:{method}"))
+            self.log(f"fault: {relay} is killed right after passing {method} on")
+            self.world.kill(relay)
 
     def _trigger(self, kind: str, method: str) -> bool:
         """Whether a planned trigger fires now (each fires once, at its n-th call)."""

@@ -83,6 +83,11 @@ class State:
         self.sandbox_root = root / "sandboxes" if self.plan.sandboxes else None
         self.config = CONFIG if self.sandbox_root is None else CONFIG.model_copy(
             update={"checkpoint_root": root, "sandbox_root": self.sandbox_root})
+        # In some schedules the coordinator reaches its few holders through relays, as
+        # it does from ``relay_min_holders`` on (drawn apart: the plan's draws stay).
+        self.relays = random.Random(f"relays-{seed}").random() < 0.4
+        if self.relays:
+            self.config = self.config.model_copy(update={"relay_min_holders": 2})
         self.rl = SimRL()
         self.tracing = tracing
         self.trace: list[str] = []
