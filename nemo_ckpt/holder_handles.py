@@ -37,12 +37,20 @@ class HolderHandles:
 
     def prepare(self, begun: SnapshotBegun) -> None:
         """Start looking up the handles of ``begun``'s holders, unless those of its set
-        are held or being looked up. Returns at once."""
-        if not begun.holder_set or begun.holder_set == self._set:
+        are held or being looked up on this event loop (one that an earlier
+        ``asyncio.run`` closed never finishes its lookup). Returns at once."""
+        if not begun.holder_set:
+            return
+        if begun.holder_set == self._set and (self._handles or self._looking_up()):
             return
         self._set, self._handles = begun.holder_set, {}
         self._lookup = asyncio.ensure_future(self._look_up(begun.holder_set,
                                                            begun.instances))
+
+    def _looking_up(self) -> bool:
+        lookup = self._lookup
+        return lookup is not None and not lookup.done() \
+            and lookup.get_loop() is asyncio.get_running_loop()
 
     async def _look_up(self, holder_set: str, instances: tuple[str, ...]) -> None:
         transport = self._transport()
@@ -59,9 +67,7 @@ class HolderHandles:
             found = await transport.runtime.run_blocking(resolve)
         except Exception as exc:  # the coordinator's release still comes
             log.debug("looking the holders of set %s up failed: %s", holder_set, exc)
-            if self._set == holder_set:
-                self._set = ""  # looked up again at the next snapshot
-            return
+            return  # none held: the next snapshot looks them up again
         if self._set == holder_set:
             self._handles = found
 

@@ -15,7 +15,7 @@ from nemo_ckpt.errors import SnapshotMismatchError
 from nemo_ckpt.holder_handles import HolderHandles
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.transport import HOLDER
+from nemo_ckpt.transport import HOLDER, Actor, Runtime
 from tests.harness import World, cut_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,3 +117,39 @@ def test_a_snapshot_that_fails_its_check_releases_no_holder_before_its_abort(
 
     world.run(scenario())
     assert sent.count("release") == 3  # only the committed snapshot's
+
+
+
+class _Names:
+    """A transport as the lookup and the release use it: names to handles, blocking
+    work on a thread, and the messages sent."""
+
+    def __init__(self) -> None:
+        self.runtime = Runtime()
+        self.sent: list[tuple[str, str, tuple[object, ...]]] = []
+
+    def holder(self, instance_id: str) -> Actor:
+        return Actor(HOLDER, instance_id, None)
+
+    def send(self, actor: Actor, method: str, *args: object) -> None:
+        self.sent.append((actor.name, method, args))
+
+
+def test_a_lookup_cut_short_by_its_event_loop_ending_is_made_again() -> None:
+    """A driver whose snapshots each run in an ``asyncio.run`` of their own: the loop
+    that started a lookup may end before it finishes, and the next snapshot looks again."""
+    names = _Names()
+    handles = HolderHandles(lambda: names)  # type: ignore[arg-type, return-value]
+    begun = SnapshotBegun("snap-1", ("holder-0",), (), (), 0.0, "set-a")
+
+    async def start() -> None:
+        handles.prepare(begun)  # asyncio.run cancels the lookup as it ends
+
+    async def again() -> int:
+        handles.prepare(begun)
+        await asyncio.sleep(0.2)
+        return handles.release(begun)
+
+    asyncio.run(start())
+    assert asyncio.run(again()) == 1
+    assert names.sent == [("holder-0", "release", ("snap-1",))]
