@@ -13,9 +13,12 @@ series takes it) by each of two drivers of the same job, in alternating order:
   holders), as before issue 26.
 
 Both share the holders, their sessions and the machine's load, so their medians and
-their ratio are comparable within the run.
+their ratio are comparable within the run. With ``--series``, the point is then also
+measured as the scale series measures it (``benchmarks.scale.measure_scale_point``:
+fresh holders, 3 snapshots by one driver, the first without handles yet, a restore),
+with the series' targets at that point.
 
-    python -m benchmarks.pause_tail [--sessions 150000] [--repeats 5]
+    python -m benchmarks.pause_tail [--sessions 150000] [--repeats 5] [--series]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import random
 import shutil
 import statistics
 import tempfile
@@ -32,8 +36,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import GateProbe, LocalCluster, bench_config
-from benchmarks.scale import NODES, STATE_BYTES, populate_bulk
+from benchmarks.common import GateProbe, LocalCluster, bench_config, format_targets
+from benchmarks.scale import (
+    NODES,
+    STATE_BYTES,
+    format_scale,
+    measure_scale_point,
+    populate_bulk,
+    scale_targets,
+    with_growth,
+)
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.coordinator_api import SnapshotBegun
 
@@ -96,6 +108,7 @@ async def measure(sessions: int, repeats: int, workdir: Path) -> dict[str, Any]:
             out[arm] = {key: round(statistics.median(rep[key] for rep in reps), 1)
                         for key in reps[0]}
             out[arm]["tails_ms"] = [round(rep["tail_ms"], 1) for rep in reps]
+            out[arm]["exits_ms"] = [round(rep["exit_ms"]) for rep in reps]
         return out
     finally:
         first.shutdown()
@@ -108,7 +121,7 @@ def report(result: dict[str, Any]) -> str:
         f = result[arm]
         lines.append(f"  {arm:>16}: entry {f['entry_ms']:.1f}, paused {f['paused_ms']:.1f}, "
                      f"paused - entry {f['tail_ms']:.1f} (each: {f['tails_ms']}), "
-                     f"exit {f['exit_ms']:.1f}")
+                     f"exit {f['exit_ms']:.1f} (each: {f['exits_ms']})")
     direct, via = result["direct"]["tail_ms"], result["via coordinator"]["tail_ms"]
     lines.append(f"  paused - entry, direct / via coordinator: {direct / via:.2f}")
     holds = direct <= TAIL_TARGET_MS
@@ -123,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=150_000)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--object-store-mb", type=int, default=512)
+    p.add_argument("--series", action="store_true",
+                   help="also measure the point as the scale series does, with its targets")
     args = p.parse_args(argv)
     logging.getLogger("nemo_ckpt").setLevel(logging.WARNING)
     workdir = Path(tempfile.mkdtemp(prefix="nemo-ckpt-tail-"))
@@ -130,10 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.grow_to(NODES)
         result = asyncio.run(measure(args.sessions, args.repeats, workdir))
+        series = None
+        if args.series:
+            pool = random.Random(0).randbytes(64 * MiB)  # the disk baseline's data
+            point = asyncio.run(measure_scale_point(NODES, args.sessions, 3, workdir, pool))
+            series = {"points": with_growth([point]), "cut_check": [], "turn_overhead": []}
     finally:
         cluster.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
     print(report(result))
+    if series is not None:
+        print(format_scale(series))
+        print(format_targets(scale_targets(series)))
     return 0
 
 
