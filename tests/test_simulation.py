@@ -99,9 +99,12 @@ def test_a_removal_that_ignores_claims_is_caught(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(catalog, "_claim_alone", lambda *args, **kwargs: None)
     monkeypatch.setattr(simulation_faults, "remove_snapshot", careless)
-    _, _, bad = simulation.run_many(0, 400, jobs=1)
-    cases = {simulation.case_of(v) for r in bad for v in r.violations}
-    assert "1 committed snapshot lost" in cases
+    # The race is rare (a few schedules per thousand): only schedules whose plan has a
+    # retention script run, until one shows it.
+    shown = (seed for seed in range(2_000) if simulation.Plan.make(seed).retention
+             and "1 committed snapshot lost" in {
+                 simulation.case_of(v) for v in simulation.run_one(seed).violations})
+    assert next(shown, None) is not None
 
 
 def _blocking_world() -> tuple[SimWorld, SimActor]:
