@@ -5,6 +5,7 @@ release, which still follows. In-process, on virtual time (``tests.harness``).""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,11 @@ COMMIT_TRAVELS_S = 0.5  # the driver's commit to the coordinator, on a slow link
 
 
 @pytest.fixture
-def world(tmp_path: Path) -> World:
+def world(tmp_path: Path) -> Iterator[World]:
     w = World(tmp_path)
     w.sim.message_delay = lambda target, method, reply: (
         COMMIT_TRAVELS_S if method == "commit_snapshot" and not reply else 0.001)
-    yield w  # type: ignore[misc]
+    yield w
     w.close()
 
 
