@@ -35,8 +35,9 @@ The call order of a snapshot (driven by ``RayEnvironmentCheckpoint.snapshot``):
                                             holder, the files it replaced removed
     5) (driver) release(id) to each holder  right after 4 is sent, from the driver itself
                                             (``nemo_ckpt.holder_handles``: handles looked up
-                                            by name while the block ran, kept while 2's
-                                            ``holder_set`` is the same): each holder resumes
+                                            by name in the background once the driver knows
+                                            the holders, again when 2 names a new
+                                            ``holder_set``): each holder resumes
                                             at the sooner of this and 4's release, one hop
                                             shorter; 4 releases as before, so a driver that
                                             dies after 4, a lost or late copy, or a stale

@@ -3,19 +3,20 @@ them itself as its block exits, beside its commit to the coordinator: one hop le
 the coordinator's release (the call order: ``actors.coordinator``'s docstring).
 
 The handles are looked up by name through the driver's transport, off the pause's path
-(in the background while the caller's block runs), and kept as long as the coordinator
-names the same set of holders (``SnapshotBegun.holder_set``); a set that changed (a
-holder restarted, added or lost) is looked up again. A release opens a holder's gate
-only if that holder is paused for that very snapshot (``SessionHolder.release``), so a
-handle that is missing, stale or late only loses the hop saved: the coordinator's
-release still comes.
+(in the background): first when the driver learns the holders' names
+(``ensure_holders``, ``check_startup``), then whenever the coordinator names a new set
+of holders at a snapshot's begin (``SnapshotBegun.holder_set``: a holder restarted,
+added or lost). Until a new set's lookup ends, the handles held are used: one of a dead
+incarnation reaches nobody. A release opens a holder's gate only if that holder is
+paused for that very snapshot (``SessionHolder.release``), so a handle that is missing,
+stale or late only loses the hop saved: the coordinator's release still comes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nemo_ckpt.coordinator_api import SnapshotBegun
 from nemo_ckpt.holder_api import HolderCalls
@@ -27,25 +28,34 @@ log = logging.getLogger("nemo_ckpt")
 
 
 class HolderHandles:
-    """Handles on the holders of the coordinator's last named holder set."""
+    """Handles on the holders, by instance id, as last looked up."""
 
     def __init__(self, transport: Callable[[], Transport]) -> None:
         self._transport = transport  # the driver's, made on first use
-        self._set = ""  # the holder set the handles are of
         self._handles: dict[str, Actor] = {}
-        self._lookup: asyncio.Future[None] | None = None
+        self._handles_of = ""  # the holder set they were looked up for ("": none named)
+        self._lookup: asyncio.Future[None] | None = None  # the latest, if any
+        self._lookup_of = ""
+
+    def learn(self, instances: Iterable[str]) -> None:
+        """Start looking up ``instances``' handles unless some are held or being looked
+        up: the driver learned the holders' names before any snapshot named a set."""
+        if not self._handles and not self._looking_up():
+            self._start("", tuple(instances))
 
     def prepare(self, begun: SnapshotBegun) -> None:
         """Start looking up the handles of ``begun``'s holders, unless those of its set
-        are held or being looked up on this event loop (one that an earlier
+        are held, or being looked up on this event loop (one that an earlier
         ``asyncio.run`` closed never finishes its lookup). Returns at once."""
-        if not begun.holder_set:
+        named = begun.holder_set
+        if not named or named == self._handles_of \
+                or (named == self._lookup_of and self._looking_up()):
             return
-        if begun.holder_set == self._set and (self._handles or self._looking_up()):
-            return
-        self._set, self._handles = begun.holder_set, {}
-        self._lookup = asyncio.ensure_future(self._look_up(begun.holder_set,
-                                                           begun.instances))
+        self._start(named, begun.instances)
+
+    def _start(self, holder_set: str, instances: tuple[str, ...]) -> None:
+        self._lookup_of = holder_set
+        self._lookup = asyncio.ensure_future(self._look_up(holder_set, instances))
 
     def _looking_up(self) -> bool:
         lookup = self._lookup
@@ -54,6 +64,7 @@ class HolderHandles:
 
     async def _look_up(self, holder_set: str, instances: tuple[str, ...]) -> None:
         transport = self._transport()
+        me = asyncio.current_task()
 
         def resolve() -> dict[str, Actor]:
             found = {}
@@ -66,17 +77,15 @@ class HolderHandles:
         try:
             found = await transport.runtime.run_blocking(resolve)
         except Exception as exc:  # the coordinator's release still comes
-            log.debug("looking the holders of set %s up failed: %s", holder_set, exc)
-            return  # none held: the next snapshot looks them up again
-        if self._set == holder_set:
-            self._handles = found
+            log.debug("looking the holders %s up failed: %s", instances, exc)
+            return  # the next snapshot looks them up again
+        if me is self._lookup:  # a later lookup supersedes this one
+            self._handles, self._handles_of = found, holder_set
 
     def release(self, begun: SnapshotBegun) -> int:
         """Send ``release`` to each holder ``begun`` paused whose handle is held, the
         last instance first: the coordinator sends in instance order, so each holder
         gets the sooner of the two. Returns how many were sent; sending never raises."""
-        if begun.holder_set != self._set:
-            return 0
         transport = self._transport()
         sent = 0
         for instance_id in reversed(begun.instances):

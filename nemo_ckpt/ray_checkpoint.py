@@ -240,6 +240,7 @@ class RayEnvironmentCheckpoint:
         problems: list[str] = []
         warnings: list[str] = []
         holders = await self._coordinator.ensure_holders()
+        self._holder_handles.learn(h.instance_id for h in holders)
         alive = set(self._transport.alive_nodes())
         hosted = {h.node_id for h in holders}
         for node in sorted(alive - hosted):
@@ -546,7 +547,9 @@ class RayEnvironmentCheckpoint:
 
     async def ensure_holders(self) -> list[HolderInfo]:
         """Create the coordinator and a holder on every alive node that lacks one."""
-        return await self._coordinator.ensure_holders()
+        holders = await self._coordinator.ensure_holders()
+        self._holder_handles.learn(h.instance_id for h in holders)
+        return holders
 
     @overload
     def shutdown(self, wait: Literal[False] = False) -> None: ...

@@ -54,8 +54,7 @@ async def _seconds_paused_after_the_block(world: World, live: dict[str, list[Ep]
 def test_the_driver_releases_the_holders_one_hop_before_the_coordinator(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> tuple[float, float]:
-        live = await world.populate()
-        await _seconds_paused_after_the_block(world, live, world.path("a"))  # handles
+        live = await world.populate()  # its ensure_holders lets the driver learn them
         direct = await _seconds_paused_after_the_block(world, live, world.path("a"))
         monkeypatch.setattr(RayEnvironmentCheckpoint, "_release_holders",
                             lambda self, begun: 0)
@@ -68,36 +67,43 @@ def test_the_driver_releases_the_holders_one_hop_before_the_coordinator(
     assert via_coordinator >= COMMIT_TRAVELS_S
 
 
-def test_the_first_snapshot_and_a_changed_holder_set_wait_for_the_handles(
+def test_a_restarted_holder_is_released_through_its_new_incarnation_once_looked_up(
         world: World) -> None:
-    """Handles are looked up in the background: no release is sent before they are
-    known, and a holder set the coordinator names anew (a holder restarted, added or
-    lost) drops the old set's handles until its own are looked up."""
+    """No release is sent before the handles are known; a holder set the coordinator
+    names anew (here: a holder restarted) is looked up again, and meanwhile the old
+    handles serve (the dead incarnation's reaches nobody)."""
     transport = world.sim.transport(world.driver, world.config)
     handles = HolderHandles(lambda: transport)
-    sent: list[tuple[str, str]] = []
+    sent: list[tuple[str, int]] = []
     world.sim.on_send = lambda caller, callee, method, args: (
-        sent.append((callee.name, args[0])) if method == "release" else None)
+        sent.append((callee.name, callee.serial)) if method == "release" else None)
 
-    def begun(snapshot_id: str, holder_set: str) -> SnapshotBegun:
-        return SnapshotBegun(snapshot_id, ("holder-0", "holder-1", "holder-2"), (), (),
-                             0.0, holder_set)
+    def begun(holder_set: str) -> SnapshotBegun:
+        return SnapshotBegun("snap", ("holder-0", "holder-1", "holder-2"), (), (), 0.0,
+                             holder_set)
 
-    async def scenario() -> list[int]:
-        await world.populate()
+    async def scenario() -> tuple[int, int]:
+        await world.ckpt.ensure_holders()
         counts = []
-        handles.prepare(begun("snap-1", "set-a"))
-        counts.append(handles.release(begun("snap-1", "set-a")))  # not looked up yet
+        handles.prepare(begun("set-a"))
+        counts.append(handles.release(begun("set-a")))  # not looked up yet
         await asyncio.sleep(0.1)
-        counts.append(handles.release(begun("snap-1", "set-a")))
-        handles.prepare(begun("snap-2", "set-b"))
-        counts.append(handles.release(begun("snap-2", "set-a")))  # another set's name
-        counts.append(handles.release(begun("snap-2", "set-b")))
-        return counts
+        counts.append(handles.release(begun("set-a")))
+        old = next(a for a in world.sim.live(HOLDER) if a.name == "holder-0")
+        world.sim.kill(old)
+        await world.ckpt.ensure_holders()  # a new holder-0 on the same node
+        new = next(a for a in world.sim.live(HOLDER) if a.name == "holder-0")
+        handles.prepare(begun("set-b"))
+        counts.append(handles.release(begun("set-b")))  # the old handles meanwhile
+        await asyncio.sleep(0.1)
+        counts.append(handles.release(begun("set-b")))
+        assert counts == [0, 3, 3, 3]
+        return old.serial, new.serial
 
-    assert world.run(scenario()) == [0, 3, 0, 0]
+    old, new = world.run(scenario())
     # The last instance first: the coordinator releases in instance order.
-    assert sent == [("holder-2", "snap-1"), ("holder-1", "snap-1"), ("holder-0", "snap-1")]
+    assert [name for name, _ in sent[:3]] == ["holder-2", "holder-1", "holder-0"]
+    assert [serial for name, serial in sent if name == "holder-0"] == [old, old, new]
 
 
 def test_a_snapshot_that_fails_its_check_releases_no_holder_before_its_abort(
