@@ -33,7 +33,17 @@ The call order of a snapshot (driven by ``RayEnvironmentCheckpoint.snapshot``):
                                             shard durable, manifest.json written last (the
                                             commit point), the snapshot ended on every
                                             holder, the files it replaced removed
-    or abort(id, path) instead of 3-4, on any failure or cancellation; it answers
+    5) (driver) release(id) to each holder  right after 4 is sent, from the driver itself
+                                            (``nemo_ckpt.holder_handles``: handles looked up
+                                            by name in the background once the driver knows
+                                            the holders, again when 2 names a new
+                                            ``holder_set``): each holder resumes
+                                            at the sooner of this and 4's release, one hop
+                                            shorter; 4 releases as before, so a driver that
+                                            dies after 4, a lost or late copy, or a stale
+                                            handle changes nothing (a holder ignores a
+                                            release of a snapshot it is not paused for)
+    or abort(id, path) instead of 3-5, on any failure or cancellation; it answers
     with the operation's outcome, which is "committed" if the commit won.
 
 and of a restore (driven by ``RayEnvironmentCheckpoint.restored``):
@@ -135,7 +145,7 @@ class CheckpointCoordinator:
         self.folders = self._parts.folders
         self.blobs = self._parts.blobs
         self._calls = self._parts.calls
-        self._snapshots = Snapshots(self._parts)
+        self._snapshots = Snapshots(self._parts, self._incarnation)
         self._restores = Restores(self._parts)
         self._reaper: asyncio.Task[None] | None = None
 

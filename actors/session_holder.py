@@ -112,7 +112,9 @@ class SessionHolder:
         3) renew_lease(id, lease)           while the driver's block runs
         4) release(id)                      the driver's block exited: open the gate while
                                             the shard is still being written (the capture
-                                            is an immutable copy); the snapshot stays open
+                                            is an immutable copy); sent by the driver and
+                                            by the coordinator, so it comes twice, and
+                                            either may come late; the snapshot stays open
         5) finish_persist(id)               the shard is durable -> PersistReport, its
                                             manifest entry
         6) resume(id)                       the manifest is written: the snapshot ends here

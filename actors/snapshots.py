@@ -35,6 +35,7 @@ from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport
 from nemo_ckpt.sandbox_storage import blob_store_ref
 from nemo_ckpt.snapshot_files import write_manifest
+from nemo_ckpt.transport import Actor
 
 __all__ = ["Snapshots"]
 
@@ -44,13 +45,17 @@ log = logging.getLogger("nemo_ckpt.coordinator")
 class Snapshots:
     """The snapshot phases of one coordinator."""
 
-    def __init__(self, parts: CoordinatorParts) -> None:
+    def __init__(self, parts: CoordinatorParts, incarnation: str) -> None:
         self._parts = parts
+        self._incarnation = incarnation  # the coordinator's: names its holder sets
         self._runtime = parts.transport.runtime
         self._clock = self._runtime.clock
         self._metrics = self._runtime.metrics
         self._captures_done = 0
         self._background: set[asyncio.Future[Any]] = set()  # kept so they are not collected
+        # The holders the last snapshot paused, and the name of that set (``holder_set``).
+        self._paused_set: list[tuple[str, Any]] = []
+        self._sets = 0
 
     async def renew_claims(self, op: SnapshotOperation) -> None:
         """With the lease: the path's claim and the blob store's hold, once captured.
@@ -126,7 +131,18 @@ class Snapshots:
         return SnapshotBegun(
             snapshot_id=snapshot_id, instances=tuple(op.holders),
             pauses=tuple(p for p, _ in begun.values()), captures=captured.captures,
-            entry_seconds=self._clock.monotonic() - op.started)
+            entry_seconds=self._clock.monotonic() - op.started,
+            holder_set=self._holder_set(op.holders))
+
+    def _holder_set(self, holders: dict[str, Actor]) -> str:
+        """A new name whenever the holders differ from the last snapshot's, by instance
+        or by incarnation (a handle's ``ref`` compares equal only for the same actor);
+        it carries this coordinator's incarnation, so a successor's names are new too."""
+        refs = [(inst, handle.ref) for inst, handle in holders.items()]
+        if not self._sets or refs != self._paused_set:
+            self._paused_set = refs
+            self._sets += 1
+        return f"{self._incarnation}.{self._sets}"
 
     async def _prepare_and_claim(self, op: SnapshotOperation) -> None:
         assert op.path is not None

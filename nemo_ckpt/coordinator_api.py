@@ -37,6 +37,10 @@ class SnapshotBegun:
     pauses: tuple[PauseReport, ...]
     captures: tuple[CaptureReport, ...]
     entry_seconds: float
+    # Names the holders paused, incarnation by incarnation: it changes whenever one of
+    # them does, so that the driver looks its handles on them up again (it releases
+    # them itself as its block exits: ``RayEnvironmentCheckpoint``).
+    holder_set: str = ""
 
 
 @dataclass(frozen=True)

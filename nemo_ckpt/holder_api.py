@@ -1,7 +1,8 @@
 """A session holder's interface as its callers see it: typed, whatever carries the call.
 
 ``HolderControl`` is what the coordinator calls (the phases of a snapshot and a restore,
-the ledger operations, probes), ``HolderSessions`` what an environment worker's
+the ledger operations, probes; the driver sends ``release`` too, ``nemo_ckpt.holder_handles``),
+``HolderSessions`` what an environment worker's
 ``SessionClient`` calls; ``actors.session_holder.SessionHolder`` implements both, and
 ``actors.ray_transport`` has mypy check that it does. The holder's own docstring
 states the order of the calls. ``HolderCalls`` and ``SessionCalls`` make the same calls through a
@@ -68,7 +69,8 @@ class HolderControl(Protocol):
 class HolderCalls:
     """``HolderControl``'s calls to one holder through a transport, each with
     ``timeout`` (None: the transport's default); ``release`` and ``start_persist`` are
-    one-way messages here, as the coordinator never waits for them."""
+    one-way messages here, as their senders (the coordinator, and the driver's release)
+    never wait for them."""
 
     def __init__(self, transport: Transport, holder: Actor, timeout: float | None) -> None:
         self._transport = transport

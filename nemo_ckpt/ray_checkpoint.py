@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, overload
 
 from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.config import CheckpointConfig
-from nemo_ckpt.coordinator_api import CoordinatorCalls
+from nemo_ckpt.coordinator_api import CoordinatorCalls, SnapshotBegun
 from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_rows_against_cut
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -24,6 +24,7 @@ from nemo_ckpt.errors import (
     StartupCheckError,
     UncheckedSnapshotError,
 )
+from nemo_ckpt.holder_handles import HolderHandles
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.location import LocalLocation, join_location, levels_below, parse_location
 from nemo_ckpt.operations import new_operation_id
@@ -196,6 +197,8 @@ class RayEnvironmentCheckpoint:
         self._coordinator = CoordinatorCalls(
             self._call, lambda method, *args: self._transport.send(
                 self._transport.coordinator(), method, *args))
+        # Its own handles on the holders, to release them as a snapshot's block exits.
+        self._holder_handles = HolderHandles(lambda: self._transport)
 
     @property
     def last_restore_metrics(self) -> dict[str, float] | None:
@@ -239,6 +242,7 @@ class RayEnvironmentCheckpoint:
         problems: list[str] = []
         warnings: list[str] = []
         holders = await self._coordinator.ensure_holders()
+        self._holder_handles.learn(h.instance_id for h in holders)
         alive = set(self._transport.alive_nodes())
         hosted = {h.node_id for h in holders}
         for node in sorted(alive - hosted):
@@ -335,6 +339,7 @@ class RayEnvironmentCheckpoint:
                 snap = RaySnapshot(begun)
                 # Not awaited, and it never raises: the writes overlap the caller's block.
                 self._coordinator.start_writes(snapshot_id)
+                self._holder_handles.prepare(begun)  # in the background, for the exit
                 given = snap if snap.captured_rollouts or snap.restarted_rollouts else None
                 try:
                     yield given
@@ -348,7 +353,7 @@ class RayEnvironmentCheckpoint:
                 # The manifest carries what is known at commit; paused time ends at resume.
                 metrics = snap.metrics(clock.monotonic() - started)
                 committed = await self._commit_snapshot(snapshot_id, path, metrics,
-                                                        snap.restarted_rollouts)
+                                                        snap.restarted_rollouts, begun)
             snap._record_commit(committed.metrics)
             log.info("snapshot %s committed: %d rollouts, %d restarted, %.0f bytes, "
                      "paused %.3fs", snapshot_id, snap.captured_rollouts,
@@ -356,6 +361,12 @@ class RayEnvironmentCheckpoint:
                      clock.monotonic() - started)
         finally:
             self._set_open(None)
+
+    def _release_holders(self, begun: SnapshotBegun) -> int:
+        """Release the holders ``begun`` paused, from here: their gates open one hop
+        sooner than by the coordinator's release, which still follows
+        (``nemo_ckpt.holder_handles``). Returns how many releases were sent."""
+        return self._holder_handles.release(begun)
 
     def _checkpoint_location(self, checkpoint_path: Path | str) -> str:
         """``checkpoint_path`` as the actors are handed it, or ``CheckpointPathError``:
@@ -392,12 +403,17 @@ class RayEnvironmentCheckpoint:
             f"used without a data-plane cut")
 
     async def _commit_snapshot(self, snapshot_id: str, path: str, metrics: dict[str, float],
-                               restarted: int) -> Any:
-        """Commit, shielded from this task's cancellation. A commit that failed is
-        aborted, and the abort's answer decides: the commit may have won after all (its
-        coordinator died right after the manifest's rename)."""
-        answer, cancelled = await _finish(asyncio.ensure_future(
-            self._coordinator.commit_snapshot(snapshot_id, path, metrics, restarted)))
+                               restarted: int, begun: SnapshotBegun) -> Any:
+        """Commit, shielded from this task's cancellation, and release the holders
+        beside it. A commit that failed is aborted, and the abort's answer decides: the
+        commit may have won after all (its coordinator died right after the manifest's
+        rename)."""
+        commit = asyncio.ensure_future(
+            self._coordinator.commit_snapshot(snapshot_id, path, metrics, restarted))
+        # After the commit's first step (queued first), which sends it: the coordinator
+        # starts its own releases meanwhile, and each holder resumes at the sooner one.
+        asyncio.get_running_loop().call_soon(self._release_holders, begun)
+        answer, cancelled = await _finish(commit)
         if isinstance(answer, BaseException):
             outcome = await self._abort(snapshot_id, path, answer)
             if outcome != "committed":
@@ -533,7 +549,9 @@ class RayEnvironmentCheckpoint:
 
     async def ensure_holders(self) -> list[HolderInfo]:
         """Create the coordinator and a holder on every alive node that lacks one."""
-        return await self._coordinator.ensure_holders()
+        holders = await self._coordinator.ensure_holders()
+        self._holder_handles.learn(h.instance_id for h in holders)
+        return holders
 
     @overload
     def shutdown(self, wait: Literal[False] = False) -> None: ...

@@ -643,6 +643,26 @@ async def test_a_released_snapshot_lets_turns_run_while_its_shard_is_written(
 
 
 @on_virtual_time
+async def test_a_late_or_repeated_release_of_an_earlier_snapshot_leaves_the_next_one_paused(
+    tmp_path: Path,
+) -> None:
+    # The driver and the coordinator both release, and either copy may come late.
+    h = holder()
+    await h.open_session(Ep("r", 0), b"s0")
+    directory = str(prepare_environment_dir(tmp_path))
+    await h.begin("snap-1", 1, 10, directory)
+    await h.release("snap-1")
+    await h.release("snap-1")
+    await h.finish_persist("snap-1")
+    await h.resume("snap-1")
+    await h.begin("snap-2", 1, 10, directory)
+    await h.release("snap-1")
+    assert h.current == (HolderState.PAUSED, "snap-2")
+    await h.release("snap-2")
+    assert h.current == (HolderState.RUNNING, None)
+
+
+@on_virtual_time
 async def test_a_released_snapshot_aborted_or_lapsed_leaves_no_shard(tmp_path: Path) -> None:
     h = holder(watch_period_s=0.02)
     await h.open_session(Ep("r", 0), b"s0")

@@ -71,6 +71,22 @@ def test_a_snapshot_committed_despite_its_failed_check_is_caught(
     assert "10 refused snapshot committed" in cases
 
 
+def test_a_holder_that_releases_whatever_snapshot_is_paused_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drivers and the coordinator both release, and a copy may come late (issue 26's
+    faults): a holder that took any release for the snapshot it is paused for would
+    let turns run under the next snapshot's cut."""
+    original = SessionHolder.release
+
+    async def careless(self: SessionHolder, snapshot_id: str) -> None:
+        await original(self, self.current[1] or snapshot_id)
+
+    monkeypatch.setattr(SessionHolder, "release", careless)
+    _, _, bad = simulation.run_many(0, 150, jobs=1)
+    cases = {simulation.case_of(v) for r in bad for v in r.violations}
+    assert "26.1 a holder resumed for a snapshot whose block still ran" in cases
+
+
 def test_a_removal_that_ignores_claims_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The retention script's removals race the job's snapshots: one that removed files
     without claiming the path first, whatever snapshot is there now, tears or removes a
@@ -83,9 +99,12 @@ def test_a_removal_that_ignores_claims_is_caught(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(catalog, "_claim_alone", lambda *args, **kwargs: None)
     monkeypatch.setattr(simulation_faults, "remove_snapshot", careless)
-    _, _, bad = simulation.run_many(0, 400, jobs=1)
-    cases = {simulation.case_of(v) for r in bad for v in r.violations}
-    assert "1 committed snapshot lost" in cases
+    # The race is rare (a few schedules per thousand): only schedules whose plan has a
+    # retention script run, until one shows it.
+    shown = (seed for seed in range(2_000) if simulation.Plan.make(seed).retention
+             and "1 committed snapshot lost" in {
+                 simulation.case_of(v) for v in simulation.run_one(seed).violations})
+    assert next(shown, None) is not None
 
 
 def test_an_adapted_rollout_rebuilt_without_its_replay_is_caught(

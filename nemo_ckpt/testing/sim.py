@@ -12,6 +12,7 @@ seeded transport: the world the deterministic simulation (``tests/simulation/``)
   an async actor's calls), runs as a task of the callee, and its result travels back
   after another delay. Arguments and results are pickled on the way, as between
   processes. A caller that stops waiting (timeout, cancellation) does not stop the call.
+  A fault may lose a message or deliver it twice (``SimWorld.route``).
 - ``Runtime.run_blocking`` is a thread model: the work runs at a seeded later virtual
   time (two calls in flight run in a seeded order, one call at a time), whether or not
   its caller still waits (a thread outlives its cancelled caller; it dies with its
@@ -317,6 +318,11 @@ class SimWorld:
         # Seconds one leg of a call to ``target.method`` takes (``reply``: the answer).
         self.message_delay: Callable[[SimActor, str, bool], float] = \
             lambda target, method, reply: self._default_delay()
+        # How one message from a caller to ``target.method`` travels, when a fault
+        # decides: the delays of the copies that arrive (none: lost on the way; two: it
+        # arrives twice). None: one copy, after ``message_delay``.
+        self.route: Callable[[SimActor, SimActor, str], tuple[float, ...] | None] = \
+            lambda caller, target, method: None
         # Virtual seconds a blocking call costs, by the function's name.
         self.io_cost: Callable[[str], float] = lambda name: 0.002
         # Decides, per blocking call, "fail", "tear" or None (by function name, args).
@@ -607,10 +613,17 @@ class SimWorld:
         # already sent. Callbacks rather than a task per message: the simulation's
         # schedules are mostly event-loop turns. A stalled caller's message leaves as it
         # thaws.
-        delay = self._leg(target, method, False)
-        frozen = caller.stalled_until - self.loop.time()
-        self.loop.call_later(delay + frozen if frozen > 0 else delay, self._arrive,
-                             target, method, payload, done, False, context=_NO_ACTOR)
+        copies = self.route(caller, target, method)
+        if copies is None:
+            copies = (self._leg(target, method, False),)
+        frozen = max(0.0, caller.stalled_until - self.loop.time())
+        for k, delay in enumerate(copies):
+            answer = done
+            if k:  # a copy's answer goes nowhere: the caller has one
+                answer = self.loop.create_future()
+                answer.add_done_callback(_retrieve)
+            self.loop.call_later(delay + frozen, self._arrive, target, method, payload,
+                                 answer, False, context=_NO_ACTOR)
         return done
 
     def _pack(self, value: Any) -> bytes:

@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from actors.holder_states import Ended, SnapshotReleased
 from nemo_ckpt.catalog import list_snapshots
 from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.collection import committed_snapshots
@@ -29,6 +30,7 @@ from nemo_ckpt.errors import (
     is_retriable,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.operations import Outcome
 from nemo_ckpt.path_claims import read_claims
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.receipts import FinishedRollout
@@ -133,6 +135,18 @@ class Checkers(Part):
             self.violate(f"{record.op_id} committed although its check against the cut failed")
         if self.plan.sparse and self.sandbox_root is not None:
             self._check_dense()
+
+    def check_paused_through_block(self, record: OpRecord) -> None:
+        """As a snapshot's block ends (RL's cut taken inside it), every live holder
+        paused for it still is, unless its lease lapsed or it was aborted there: a
+        release or resume meant for another snapshot, or sent before the block exited,
+        would have let turns run under the cut."""
+        for actor in self.world.live(HOLDER):
+            state = actor.obj._ops.get(record.op_id)  # in-process, as the checks read
+            if isinstance(state, SnapshotReleased) or (
+                    isinstance(state, Ended) and state.outcome is Outcome.COMMITTED):
+                self.violate(f"{actor.name} resumed for {record.op_id} while its "
+                             f"driver's block still ran ({type(state).__name__})")
 
     def check_unchecked_commit(self, driver: Driver, record: OpRecord, unchecked: bool
                                ) -> None:
@@ -715,6 +729,8 @@ CASES = [
     ("28.1 an adapted rollout continued on a history it does not reproduce",
      ("differs from a crash-free run", "diverged from its recorded turns",
       "other observations than those recorded")),
+    ("26.1 a holder resumed for a snapshot whose block still ran",
+     ("while its driver's block still ran",)),
     ("29.1 a zombie coordinator's clean-up removed a newer snapshot's files",
      ("a zombie coordinator",)),
     ("29.2 a call after the coordinator's death met its dead name",

@@ -143,6 +143,7 @@ class Faults(Part):
         HostileSandbox.install(self)
         self.secret.write_bytes(SECRET + f"-{self.seed}".encode())
         self._install_ray()
+        self._install_releases()
 
     # --- at a message or a file operation (the world's hooks): the planned triggers -------
 
@@ -172,6 +173,15 @@ class Faults(Part):
         driver = self.s.drivers.get(caller)
         if driver is None:
             return
+        if method == "release" and callee.kind == HOLDER and self.plan.release_kill:
+            self.direct_releases += 1
+            if self.direct_releases == self.plan.release_kill:
+                # Its commit has left; the rest of its releases never do.
+                self.s.faults += 1
+                self.s.fired.append((self.now(), "kill_driver_at_release"))
+                self.log(f"fault: {driver.name} dies as it releases {callee} itself")
+                self.world.kill(caller)
+                return
         task = driver.op_task
         if task is not None and not task.done() and self._trigger("cancel_at", method):
             self.log(f"fault: {driver.name}'s operation is cancelled as it sends {method}")
@@ -273,6 +283,27 @@ class Faults(Part):
             self.world.concurrency = lambda actor, group: (
                 limit if actor.kind == HOLDER and group == "default" else None)
         self.manifests_written = 0
+
+    def _install_releases(self) -> None:
+        """How the releases a driver sends the holders itself travel (issue 26): late
+        (past the commit, into the next snapshot's pause), lost, or twice. Its own RNG."""
+        self.direct_releases = 0
+        link, rng = self.plan.release_link, random.Random(f"release-run-{self.seed}")
+        if link is None:
+            return
+
+        def route(caller: SimActor, target: SimActor, method: str) -> tuple[float, ...] | None:
+            if method != "release" or caller.kind != "driver":
+                return None
+            self.s.faults += 1
+            self.log(f"fault: {caller.name}'s release of {target} is {link}")
+            if link == "lost":
+                return ()
+            if link == "slow":
+                return (rng.uniform(0.5, 8.0),)
+            return (rng.uniform(0.0005, 0.05), rng.uniform(0.0, 8.0))
+
+        self.world.route = route
 
     async def inject_stalls(self) -> None:
         start = self.now()

@@ -70,6 +70,9 @@ class Plan:
     coordinator_node_dies: float | None  # when the coordinator and its node's holders die
     turn_limit: int | None  # a holder's concurrent calls in its (turn) group
     successor_config: str | None  # a restarted driver's config: "lease" or "mismatch"
+    # The driver's own releases of the holders (issue 26), drawn apart (``_release_plan``):
+    release_link: str | None  # each one "slow" (past the commit), "lost" or "twice"
+    release_kill: int | None  # the driver dies as it sends its n-th one
     # The rollouts run a text environment through nemo_ckpt.adapters (issue 28), in a
     # quarter of the schedules without sandboxes; drawn apart, last.
     adapted: bool = False
@@ -103,7 +106,7 @@ class Plan:
             # Its own draw: the plans of every other seed stay as they were.
             sandboxes=random.Random(f"sandboxes-{seed}").random() < 0.2,
             clock_skew_s=random.Random(f"skew-{seed}").choice([0.0, 60.0, 3 * 3600.0]),
-            **_world_plan(seed), **_ray_plan(seed),
+            **_world_plan(seed), **_ray_plan(seed), **_release_plan(seed),
         )
         plan.adapted = (not plan.sandboxes
                         and random.Random(f"adapted-{seed}").random() < 0.25)
@@ -154,4 +157,15 @@ def _ray_plan(seed: int) -> dict[str, Any]:
         successor_config=rng.choice([None] * 6 + ["lease", "lease", "mismatch"]),
         coordinator_node_dies=random.Random(f"ray-node-{seed}").choice(
             [None] * 6 + [round(random.Random(f"ray-at-{seed}").uniform(0.3, 9.0), 3)]),
+    )
+
+
+def _release_plan(seed: int) -> dict[str, Any]:
+    """Faults on the releases a driver sends the holders itself as its block exits,
+    beside its commit (issue 26): late enough to meet the next snapshot's pause, lost,
+    duplicated, or the driver dying between its releases and the coordinator's."""
+    rng = random.Random(f"release-{seed}")
+    return dict(
+        release_link=rng.choice([None] * 5 + ["slow", "lost", "twice"]),
+        release_kill=rng.choice([None] * 9 + [1, 2]),
     )

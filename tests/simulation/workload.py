@@ -125,6 +125,7 @@ class Workload(Part):
                 await asyncio.sleep(  # RL saves its half
                     CONFIG.lease_s * self.rng.uniform(1.2, 2.0) if self.plan.long_save
                     else self.rng.uniform(0.0, 1.5))
+                self.check.check_paused_through_block(record)
                 record.body_end = self.now()
             record.outcome = "committed"
             self.check.check_unchecked_commit(driver, record, held and not checked)
