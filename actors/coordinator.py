@@ -364,7 +364,7 @@ class CheckpointCoordinator:
                 elif targets[inst].ref != handle.ref:  # another incarnation of it now
                     targets[f"{inst} (now)"] = handle
         await self.holders.fan(targets, "abort", HolderCall("abort", (op.id, keep_committed)),
-                               tolerate_failures=True)
+                               tolerate_failures=True, direct=True)
 
     # --- snapshot and restore (actors.snapshots, actors.restores) ---------------------
 

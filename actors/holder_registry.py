@@ -168,7 +168,7 @@ class HolderRegistry:
                               ) -> dict[str, Any]:
         """Each group's calls through its relay. A relay that fails fails its group, or,
         with ``direct_after_relay`` (the calls that end or keep up an operation:
-        abort, resume, renewals, which holders take twice as once), has the coordinator
+        resume, renewals, which holders take twice as once), has the coordinator
         call that group itself: a dead relay must not leave holders paused."""
         timeout = self._timeout() if call.timeout is None else call.timeout
         out: dict[str, Any] = {}
@@ -305,10 +305,13 @@ class HolderRegistry:
         call: Callable[[str, Actor], Awaitable[T]] | HolderCall[T],
         tolerate_failures: bool = False,
         op_id: str | None = None,
+        direct: bool = False,
     ) -> dict[str, T]:
         """Call every holder concurrently; after all have answered, raise one error that
         carries every holder's failure (``aggregate``), unless ``tolerate_failures``.
-        A ``HolderCall`` goes through relays from ``relay_min_holders`` holders on.
+        A ``HolderCall`` goes through relays from ``relay_min_holders`` holders on,
+        unless ``direct`` (an abort: a relay that died unseen would keep its group
+        paused until Ray declares it dead, which the fallback to direct calls waits for).
 
         With ``op_id``, logs one structured line: the phase, its per-holder seconds and
         the slowest holder, so that a slow pause names its cause.
@@ -317,15 +320,15 @@ class HolderRegistry:
         seconds: dict[str, float] = {}
         start = self._clock.monotonic()
         results: list[Any]
-        if isinstance(call, HolderCall) and self._relayed(targets):
+        if isinstance(call, HolderCall) and self._relayed(targets) and not direct:
             relayed = await self._through_relays(targets, call, seconds, tolerate_failures)
             results = [relayed[i] for i in targets]
         else:
-            direct = self._direct(call) if isinstance(call, HolderCall) else call
+            each = self._direct(call) if isinstance(call, HolderCall) else call
 
             async def one(inst: str, handle: Actor) -> T:
                 try:
-                    return await direct(inst, handle)
+                    return await each(inst, handle)
                 finally:
                     seconds[inst] = self._clock.monotonic() - start
 

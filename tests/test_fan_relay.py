@@ -18,7 +18,7 @@ from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_snapshot
 from nemo_ckpt.testing.sim import SimActor
-from nemo_ckpt.transport import HOLDER, RELAY
+from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 from tests.harness import CONFIG, World
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,28 +117,33 @@ def test_failures_behind_different_relays_are_aggregated_not_first_wins(
     world.run(scenario())
 
 
-def test_an_abort_whose_relay_dies_still_resumes_its_group(world: World) -> None:
+def test_an_abort_reaches_every_holder_directly_so_no_dead_relay_keeps_a_group_paused(
+        world: World) -> None:
     async def scenario() -> None:
         live = await world.populate()
-        state: dict[str, bool] = {"holder_killed": False, "relay_killed": False}
+        killed: list[str] = []
+        aborts: list[tuple[str, str]] = []
 
         def kill_a_holder(target: SimActor, m: str, args: tuple[Any, ...]) -> None:
-            if m == "begin" and target.name == "holder-4" and not state["holder_killed"]:
-                state["holder_killed"] = True
+            if m == "begin" and target.name == "holder-4" and not killed:
+                killed.append(target.name)
                 world.sim.kill(target)
+                for relay in world.sim.live(RELAY):  # dead before the abort, unseen
+                    world.sim.kill(relay)
 
-        def kill_the_relay_passing_abort(caller: SimActor, callee: SimActor, m: str,
-                                         args: tuple[Any, ...]) -> None:
-            if caller.kind == RELAY and m == "abort" and not state["relay_killed"]:
-                state["relay_killed"] = True
-                world.sim.kill(caller)
+        def note_aborts(caller: SimActor, callee: SimActor, m: str,
+                        args: tuple[Any, ...]) -> None:
+            if m == "abort" or (m == "relay_call" and args and args[0] == "abort"):
+                aborts.append((caller.kind, callee.name))
 
         world.sim.on_deliver = kill_a_holder
-        world.sim.on_send = kill_the_relay_passing_abort
+        world.sim.on_send = note_aborts
         with pytest.raises(BackendUnavailableError):
             await world.snapshot(world.path("ckpt"), live)
-        assert state["relay_killed"]
-        # The coordinator called the dead relay's group itself: nobody stays paused.
+        assert killed == ["holder-4"]
+        assert {kind for kind, _ in aborts} <= {"driver", COORDINATOR}
+        reached = {name for kind, name in aborts if kind == COORDINATOR}
+        assert {f"holder-{k}" for k in range(NODES)} <= reached
         assert set(world.states().values()) == {HolderState.RUNNING}
 
     world.run(scenario())

@@ -38,7 +38,7 @@ from nemo_ckpt.sandbox_storage import verify_directories
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.sim import SimActor
-from nemo_ckpt.transport import COORDINATOR, HOLDER, SESSION_METHODS
+from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY, SESSION_METHODS
 
 from .plan import CONFIG, SPARSE_BYTES
 from .state import Driver, OpRecord, Part, State, short
@@ -59,6 +59,9 @@ class Checkers(Part):
         self.end_delivered: dict[tuple[int, str], float] = {}
         # (holder, operation) -> its abort or resume messages on their way (a slow link)
         self.end_in_flight: dict[tuple[int, str], int] = defaultdict(int)
+        # The same, still on their way to a relay: relay -> (holder's name, operation)
+        self.end_in_relay: dict[SimActor, dict[tuple[str, str], int]] = defaultdict(
+            lambda: defaultdict(int))
         self.turn_aborts_in_flight: dict[str, int] = defaultdict(int)  # by turn token
         self.blocked: list[str] = []  # blocking calls the guard found waiting
         self.dense_reported: set[Path] = set()
@@ -70,10 +73,20 @@ class Checkers(Part):
 
     # --- what the world delivers (its hooks), recorded for the checks ---------------------
 
+    def ending(self, holder: SimActor, op_id: str) -> bool:
+        """Whether an abort or resume of ``op_id`` is on its way to ``holder`` (a slow
+        link), directly or through a live relay."""
+        return bool(self.end_in_flight[(holder.serial, op_id)]) or any(
+            relay.alive and pending[(holder.name, op_id)] > 0
+            for relay, pending in self.end_in_relay.items())
+
     def on_send(self, caller: SimActor, callee: SimActor, method: str,
                 args: tuple[Any, ...]) -> None:
         if callee.kind == HOLDER and method in _END_METHODS and args:
             self.end_in_flight[(callee.serial, args[0])] += 1
+        if callee.kind == RELAY:
+            for name, op in _relayed_ends(method, args):
+                self.end_in_relay[callee][(name, op)] += 1
         if method == "abort_turn" and len(args) > 1:
             self.turn_aborts_in_flight[args[1]] += 1
         driver = self.s.drivers.get(caller)
@@ -87,6 +100,9 @@ class Checkers(Part):
                 record.dead_calls.append((self.now(), method, callee))
 
     def on_deliver(self, target: SimActor, method: str, args: tuple[Any, ...]) -> None:
+        if target.kind == RELAY:
+            for name, op in _relayed_ends(method, args):
+                self.end_in_relay[target][(name, op)] -= 1
         if method == "abort_turn" and len(args) > 1:
             self.turn_aborts_in_flight[args[1]] -= 1
         if target.kind == HOLDER and args and isinstance(args[0], str):
@@ -224,7 +240,7 @@ class Checkers(Part):
         for actor in self.world.live(HOLDER):
             info = await self.s.ask(actor, "info")
             if info.operation_id == record.op_id and info.state is not HolderState.RUNNING \
-                    and not self.end_in_flight[(actor.serial, info.operation_id)]:
+                    and not self.ending(actor, info.operation_id):
                 paused.append(info.instance_id)
                 self.paused_reported.add((actor.serial, info.operation_id))
         if paused and coordinator_died:
@@ -267,7 +283,7 @@ class Checkers(Part):
         restored = {r.continued().episode for recs in loaded.sessions.values() for r in recs}
         live = []
         for actor in self.world.live(HOLDER):
-            if self.end_in_flight[(actor.serial, record.op_id or "")]:
+            if self.ending(actor, record.op_id or ""):
                 continue  # its abort is on a slow link: it lands, or the retry adopts it
             live += [f"{actor.name}/{s.episode.capture_key}"
                      for s in await self.s.ask(actor, "sessions") if s.episode in restored]
@@ -412,7 +428,7 @@ class Checkers(Part):
                 record = next((r for r in self.s.ops if r.op_id == op_id), None)
                 key = (actor.serial, op_id)
                 if record is None or record.end is None or self._exempt(op_id) \
-                        or key in self.paused_reported or self.end_in_flight[key]:
+                        or key in self.paused_reported or self.ending(actor, op_id):
                     continue
                 since = max(self.paused_since.setdefault(key, now), record.end)
                 if now - since <= GRACE_S:
@@ -712,6 +728,15 @@ class Checkers(Part):
             return set()
         return {r.op_id for r in self.s.ops if r.path == record.path and r.begun is not None
                 and r.begun > record.begun}
+
+
+def _relayed_ends(method: str, args: tuple[Any, ...]) -> list[tuple[str, str]]:
+    """The (holder's name, operation) of each abort or resume a relay call carries."""
+    calls = args[2] if method == "relay_call" and len(args) > 2 else \
+        args[1] if method == "relay_send" and len(args) > 1 else None
+    if calls is None or args[0] not in _END_METHODS:
+        return []
+    return [(name, call_args[0]) for name, (_, call_args) in calls.items() if call_args]
 
 
 def _session_calls(methods: tuple[str, ...]) -> str:
