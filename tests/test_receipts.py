@@ -19,7 +19,7 @@ import pytest
 from nemo_ckpt.cut import check_capture_against_cut
 from nemo_ckpt.errors import RolloutFinishedError, SnapshotInProgressError, SnapshotMismatchError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.manifest import RECEIPTS_FORMAT_VERSION, Manifest
+from nemo_ckpt.manifest import FORMAT_VERSION, Manifest
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.data_plane import StaticCut
@@ -59,8 +59,8 @@ def test_a_finished_result_recorded_by_rl_survives_a_crash_and_comes_back_not_re
             assert snap is not None
             await snap.check_against_cut(recorded(live, done))  # RL recorded it already
         assert snap.metrics(0.0)["finished_rollouts"] == 1.0
-        assert read_manifest(path).format_version == RECEIPTS_FORMAT_VERSION
-        # The tools read format 5: the finished session with its result, the rest as before.
+        assert read_manifest(path).format_version == FORMAT_VERSION
+        # The tools read it (format 5, now 6): the finished session with its result, the rest as before.
         assert verify_snapshot(path).ok
         held = {r.episode: r for rs in read_snapshot(path).sessions.values() for r in rs}
         assert held[done].result == b"result-r0" and held[done].finished

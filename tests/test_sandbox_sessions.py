@@ -29,6 +29,7 @@ from nemo_ckpt.errors import (
     StartupCheckError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.manifest import FORMAT_VERSION
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
@@ -180,7 +181,7 @@ def test_a_later_snapshot_writes_only_the_files_that_changed(job: World, tmp_pat
             assert snap is not None
             await snap.check_against_cut(cut)
         second = read_manifest(tmp_path / "ckpt" / "b")
-        assert first.format_version == second.format_version == 4
+        assert first.format_version == second.format_version == FORMAT_VERSION
         assert first.blob_store == "../blobs"
         new1 = sum(s.trees.new_blob_bytes for s in first.shards if s.trees)
         new2 = sum(s.trees.new_blob_bytes for s in second.shards if s.trees)
@@ -585,7 +586,7 @@ def test_a_collection_this_coordinator_left_does_not_hold_up_the_next_snapshot(
             await snap.check_against_cut(StaticCut(live, set()))
         assert job.sim.loop.time() - started < 10  # not the claim's hour
         assert store.live_collection(ClaimWatch()) is None
-        assert read_manifest(tmp_path / "ckpt" / "a").format_version == 4
+        assert read_manifest(tmp_path / "ckpt" / "a").format_version == FORMAT_VERSION
 
     job.run(scenario())
 
@@ -609,7 +610,7 @@ def test_a_collection_a_predecessor_coordinator_left_is_waited_out_not_dropped(
                 assert store.live_collection(ClaimWatch()) == claim  # not dropped
             # The holders waited it out (the wait itself, on their clocks:
             # tests/test_storage.py, ..._waits_out_a_dead_collectors_claim_...).
-            assert read_manifest(tmp_path / "ckpt" / "a").format_version == 4
+            assert read_manifest(tmp_path / "ckpt" / "a").format_version == FORMAT_VERSION
             assert store.live_collection(ClaimWatch()) == claim
 
         job.run(scenario())
