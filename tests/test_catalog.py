@@ -74,7 +74,8 @@ def test_list_snapshots_gives_every_committed_snapshot_newest_first_with_its_fac
     assert [(s.path, s.snapshot_id, s.rollouts) for s in found] == [
         (str(three["new"]), "s3", 3), (str(three["mid"]), "s2", 2), (str(three["old"]), "s1", 1)]
     assert found[0].created_at == T0 + timedelta(minutes=3)
-    assert found[0].format_version == FORMAT_VERSION and found[0].instances == 1 and found[0].readable
+    assert found[0].format_version == FORMAT_VERSION
+    assert found[0].instances == 1 and found[0].readable
     assert found[0].bytes == first_shard(three["new"]).stat().st_size
 
 

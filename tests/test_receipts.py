@@ -60,7 +60,7 @@ def test_a_finished_result_recorded_by_rl_survives_a_crash_and_comes_back_not_re
             await snap.check_against_cut(recorded(live, done))  # RL recorded it already
         assert snap.metrics(0.0)["finished_rollouts"] == 1.0
         assert read_manifest(path).format_version == FORMAT_VERSION
-        # The tools read it (format 5, now 6): the finished session with its result, the rest as before.
+        # The tools read it: the finished session with its result, the rest as before.
         assert verify_snapshot(path).ok
         held = {r.episode: r for rs in read_snapshot(path).sessions.values() for r in rs}
         assert held[done].result == b"result-r0" and held[done].finished
