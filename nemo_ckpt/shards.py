@@ -196,10 +196,11 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
 
 
 def _streamed_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
+    assert entry.chunks is not None
     path, chunks = read_verified_chunks(directory, entry)
     stream = _VerifiedStream(chunks)
     try:
-        unpacker = msgpack.Unpacker(stream, raw=False, read_size=_UNPACK_READ_BYTES,
+        unpacker = msgpack.Unpacker(stream, raw=False, read_size=entry.chunks.bytes,
                                     max_buffer_size=max(entry.bytes, 1 << 20))
         try:
             header = unpacker.unpack()
@@ -240,10 +241,6 @@ def _streamed_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     return ShardParts(entry.instance_id, rows, turns, states)
 
 
-# How much of a verified stream msgpack copies in at a time.
-_UNPACK_READ_BYTES = 1 << 20
-
-
 class _VerifiedStream:
     """A shard's verified chunks as the file msgpack reads, keeping the bytes from the
     last ``keep`` on, so a session's turns are sliced out as written (``piece``)."""
@@ -265,6 +262,10 @@ class _VerifiedStream:
         start = self._at - offset
         stop = len(chunk) if size is None or size < 0 else min(len(chunk), start + size)
         self._at = offset + stop
+        whole = chunk.obj
+        if start == 0 and stop == len(chunk) and type(whole) is bytes \
+                and len(whole) == stop:
+            return whole  # a chunk read into its own bytes: handed over, not copied
         return bytes(chunk[start:stop])
 
     def keep(self, offset: int) -> None:
