@@ -182,7 +182,7 @@ def _verified_chunks(folder: Folder, entry: ShardEntry,
 def _short(path: str, entry: ShardEntry, got: int) -> ShardCorruptedError:
     return ShardCorruptedError(
         path, f"shard {path} ends after {got} bytes, but the manifest says {entry.bytes}: "
-              f"it was truncated; restore an earlier checkpoint")
+              f"it was truncated or overwritten; restore an earlier checkpoint")
 
 
 def _guarded(pieces: Iterator[memoryview], path: str) -> Generator[memoryview]:
