@@ -156,7 +156,7 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     does not match, and memory holds the sessions plus a few chunks.
     """
     if entry.chunks is not None:
-        return _streamed_parts(directory, entry)
+        return _streamed_parts(directory, entry, entry.chunks.bytes)
     path, data = read_verified(directory, entry)
     unpacker = view_unpacker(data)
     try:
@@ -195,12 +195,11 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     return ShardParts(entry.instance_id, rows, turns, states)
 
 
-def _streamed_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
-    assert entry.chunks is not None
+def _streamed_parts(directory: Folder | Path, entry: ShardEntry, chunk: int) -> ShardParts:
     path, chunks = read_verified_chunks(directory, entry)
     stream = _VerifiedStream(chunks)
     try:
-        unpacker = msgpack.Unpacker(stream, raw=False, read_size=entry.chunks.bytes,
+        unpacker = msgpack.Unpacker(stream, raw=False, read_size=chunk,
                                     max_buffer_size=max(entry.bytes, 1 << 20))
         try:
             header = unpacker.unpack()
