@@ -392,6 +392,11 @@ class CheckpointCoordinator:
         (``Restores.prepare``)."""
         return await self._restores.prepare(restore_id, checkpoint_path)
 
+    async def prefetch_restore(self, checkpoint_path: str) -> int:
+        """Have the holders start reading the snapshot a restore will read
+        (``Restores.prefetch``)."""
+        return await self._restores.prefetch(checkpoint_path)
+
     async def commit_restore(self, restore_id: str) -> int:
         """Make every restored session live, all or nothing (``Restores.commit``)."""
         return await self._restores.commit(restore_id)

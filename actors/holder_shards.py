@@ -4,6 +4,7 @@ loop through ``Runtime.run_blocking`` (the simulation names them, to aim faults 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,14 +15,19 @@ from actors.holder_states import Capture
 from actors.sandboxes import RestoredSandbox, Sandboxes
 from actors.session_table import Held
 from nemo_ckpt.cleanup import remove_files
-from nemo_ckpt.errors import HolderStateError, ShardCorruptedError
+from nemo_ckpt.errors import HolderStateError, ShardCorruptedError, SnapshotReadError
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.manifest import ShardEntry, shard_file_name, trees_file_name
 from nemo_ckpt.shards import ShardParts, read_shard_parts, write_shard_parts
 from nemo_ckpt.transport import Runtime
 
-__all__ = ["RestoredShard", "load_shard", "read_restore_shard", "write_capture",
-           "write_held_shard"]
+__all__ = ["PREFETCH_BYTES", "RestoredShard", "ShardPrefetch", "load_shard",
+           "read_restore_shard", "write_capture", "write_held_shard"]
+
+# The most shard bytes (as the manifest claims them; a read never goes past a claim) a
+# holder reads ahead of a restore: its memory bound. Shards past it are read by the
+# restore itself.
+PREFETCH_BYTES = 2 << 30
 
 
 def write_held_shard(directory: Folder, name: str, instance_id: str,
@@ -66,6 +72,55 @@ async def write_capture(runtime: Runtime, sandboxes: Sandboxes, instance_id: str
     return entry, names
 
 
+class ShardPrefetch:
+    """A holder's shards read ahead of a restore (``RayEnvironmentCheckpoint.prefetch``):
+    each one read and verified into parts (``load_shard``), installed nowhere, kept
+    until a restore of the very same shard entry takes it. Not an operation: nothing here
+    changes what a holder holds. One snapshot at a time: a new prefetch replaces the last
+    one, and a restore drops every read it did not take."""
+
+    def __init__(self, runtime: Runtime, limit_bytes: int = PREFETCH_BYTES) -> None:
+        self._runtime = runtime
+        self._limit = limit_bytes
+        self._reads: dict[tuple[str, str], asyncio.Future[ShardParts]] = {}
+
+    def start(self, directory: Folder, where: str, shards: list[ShardEntry]) -> int:
+        """Start reading ``shards`` of snapshot folder ``where``; returns how many."""
+        self.discard()
+        total = 0
+        for entry in shards:
+            total += entry.bytes
+            if total > self._limit:
+                break
+            read = asyncio.ensure_future(self._runtime.run_blocking(load_shard, directory,
+                                                                     entry))
+            read.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._reads[(where, entry.model_dump_json())] = read
+        return len(self._reads)
+
+    def take(self, where: str, entry: ShardEntry) -> asyncio.Future[ShardParts] | None:
+        """The read of exactly ``entry`` at ``where`` started ahead, if any."""
+        return self._reads.pop((where, entry.model_dump_json()), None)
+
+    def discard(self) -> None:
+        """Drop every read not taken (one still running ends in its thread, unused)."""
+        for read in self._reads.values():
+            read.cancel()
+        self._reads.clear()
+
+
+async def _parts(runtime: Runtime, directory: Folder, entry: ShardEntry,
+                 ahead: asyncio.Future[ShardParts] | None) -> ShardParts:
+    """The shard's parts: those read ahead when that read succeeded, else read now (a
+    prefetch that failed changes nothing: the restore reads, and refuses, for itself)."""
+    if ahead is not None:
+        try:
+            return await ahead
+        except (OSError, SnapshotReadError):
+            pass
+    return await runtime.run_blocking(load_shard, directory, entry)
+
+
 @dataclass(frozen=True)
 class RestoredShard:
     """One shard read back: its sessions, their staging keys, ``[[rollout_id, captured
@@ -83,15 +138,16 @@ class RestoredShard:
 async def read_restore_shard(
     runtime: Runtime, sandboxes: Sandboxes, instance_id: str, restore_id: str,
     directory: Folder, entry: ShardEntry, blob_store: str | None,
-    still_open: Callable[[], object],
+    still_open: Callable[[], object], ahead: asyncio.Future[ShardParts] | None = None,
 ) -> RestoredShard:
     """Read and verify one of this instance's shards, decode its sessions and stage their
     directories. ``still_open`` raises once the restore ended, checked after each step
-    so that an ended restore stages nothing more."""
+    so that an ended restore stages nothing more. ``ahead``: the shard's read started by
+    a prefetch, if any."""
     if entry.instance_id != instance_id:
         raise HolderStateError(
             f"{instance_id}: asked to restore shard {entry.file} of {entry.instance_id}")
-    parts = await runtime.run_blocking(load_shard, directory, entry)
+    parts = await _parts(runtime, directory, entry, ahead)
     still_open()
     keys: set[str] = set()
     try:

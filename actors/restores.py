@@ -6,6 +6,8 @@ session live, all or nothing (``commit``). The order of these calls is stated in
 
 from __future__ import annotations
 
+import asyncio
+
 from actors.coordinator_parts import CoordinatorParts
 from actors.holder_registry import HolderCall
 from actors.operation_states import (
@@ -19,7 +21,7 @@ from actors.operation_states import (
 from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.coordinator_api import RestoreBegun
 from nemo_ckpt.errors import RestoreConflictError, StaleSnapshotError
-from nemo_ckpt.manifest import Manifest
+from nemo_ckpt.manifest import Manifest, ShardEntry
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import RestorePrepared
 from nemo_ckpt.restore_plan import assign_shards, conflict_error, holder_said, verify_prepared
@@ -99,6 +101,25 @@ class Restores:
             staging_keys=verified.staging_keys, placement=placement,
             bytes_read=verified.bytes_read, read_seconds=verified.read_seconds,
             finished=verified.finished)
+
+    async def prefetch(self, checkpoint_path: str) -> int:
+        """Place every instance of the snapshot at ``checkpoint_path`` and have each
+        holder start reading and verifying its shards, so that a restore of it finds them
+        read. Not an operation: nothing is claimed or installed, a holder that fails or
+        dies only reads nothing ahead, and the restore reads (and checks) for itself
+        whatever was not read ahead. Returns how many shard reads started."""
+        manifest = await self._runtime.run_blocking(read_manifest, checkpoint_path)
+        await self._parts.holders.place(list(manifest.instances))
+        directory = str(environment_folder(checkpoint_path))
+        holders = self._parts.holders.handles
+        shards_of: dict[str, list[ShardEntry]] = {}
+        for shard in manifest.shards:
+            if shard.instance_id in holders:
+                shards_of.setdefault(shard.instance_id, []).append(shard)
+        started = await asyncio.gather(*(
+            self._parts.calls(holders[inst]).prefetch(directory, shards)
+            for inst, shards in shards_of.items()), return_exceptions=True)
+        return sum(n for n in started if isinstance(n, int))
 
     async def commit(self, restore_id: str) -> int:
         """Make every restored session live. Returns how many. If any holder fails, the

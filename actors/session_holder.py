@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from actors.holder_shards import read_restore_shard, write_capture
+from actors.holder_shards import ShardPrefetch, read_restore_shard, write_capture
 from actors.holder_states import (
     Capture,
     Ended,
@@ -173,6 +173,8 @@ class SessionHolder:
         self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root, namespace,
                                     sandbox_limits, sandbox_restore_setid)
         self._ops = Lifecycles(instance_id)
+        # Shards read ahead of a restore the driver announced (``prefetch``).
+        self._prefetch = ShardPrefetch(self._runtime)
         self._last_snapshot_id: str | None = None
         self._replay_restarts = 0  # SessionClient.replay_diverged, since the holder started
         self._injected_delays: dict[str, float] = {}
@@ -778,6 +780,16 @@ class SessionHolder:
 
     # --- restore phases (from the coordinator) ----------------------------------------
 
+    async def prefetch(self, where: str, shards: list[ShardEntry]) -> int:
+        """Start reading and verifying ``shards`` of snapshot folder ``where`` for a restore
+        to come, replacing any earlier prefetch; returns how many reads started. Nothing
+        is installed: a restore of exactly these shard entries takes the reads, and a
+        restore of anything else drops them."""
+        if any(entry.instance_id != self.instance_id for entry in shards):
+            raise HolderStateError(f"{self.instance_id}: asked to prefetch shards of "
+                                   f"another instance")
+        return self._prefetch.start(folder_at(where), where, shards)
+
     async def prepare_restore(
         self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
         blob_store: str | None = None,
@@ -799,11 +811,13 @@ class SessionHolder:
             shard_sessions = []
             keys: set[str] = set()
             started = self._clock.monotonic()
-            for entry in shards:
+            ahead = [self._prefetch.take(where, entry) for entry in shards]
+            self._prefetch.discard()  # read ahead for another snapshot: never used
+            for entry, read in zip(shards, ahead, strict=True):
                 shard = await read_restore_shard(
                     self._runtime, self._sandboxes, self.instance_id, restore_id,
                     directory, entry, blob_store,
-                    lambda: self._current_restore(restore_id))
+                    lambda: self._current_restore(restore_id), read)
                 op.sandboxes += shard.sandboxes
                 self._current_restore(restore_id)  # ended while materializing?
                 pending += shard.held

@@ -688,6 +688,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "from the page cache (POSIX_FADV_DONTNEED)")
     p.add_argument("--object-store-mb", type=int, default=2048,
                    help="object store per simulated node (the baseline's gather uses it)")
+    p.add_argument("--object-store-server", choices=("seaweedfs", "rclone"),
+                   default="seaweedfs",
+                   help="the S3 server of the object-store series (issue 26 asks for both)")
     p.add_argument("--crash-trials", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
@@ -766,10 +769,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     fanout = None
     try:
         if args.object_store:
-            from tests.s3_server import BUCKET, S3Server
+            from tests.s3_server import BUCKET, SERVERS
 
             # Before the cluster: its workers find the server through the AWS_* environment.
-            server = S3Server(workdir / "s3")
+            server = SERVERS[args.object_store_server](workdir / "s3")
             server.start()
             os.environ.update(server.env())
         t = time.perf_counter()
@@ -780,7 +783,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             cluster.grow_to(4)
             objects = asyncio.run(run_object_store(
                 args.quick, f"s3://{BUCKET}/bench-{uuid.uuid4().hex[:6]}", workdir,
-                args.repeats))
+                args.repeats, server.version() if server is not None else "SeaweedFS"))
         if args.scale or (args.quick and not args.object_store):
             cluster.grow_to(4)
             pool = random.Random(args.seed).randbytes(64 * MiB)

@@ -96,6 +96,8 @@ class CoordinatorApi(Protocol):
     async def prepare_restore(self, restore_id: str, checkpoint_path: str
                               ) -> RestoreBegun: ...
 
+    async def prefetch_restore(self, checkpoint_path: str) -> int: ...
+
     async def commit_restore(self, restore_id: str) -> int: ...
 
     async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
@@ -161,6 +163,9 @@ class CoordinatorCalls:
     def prepare_restore(self, restore_id: str, checkpoint_path: str
                         ) -> Awaitable[RestoreBegun]:
         return self._invoke("prepare_restore", restore_id, checkpoint_path)
+
+    def prefetch_restore(self, checkpoint_path: str) -> Awaitable[int]:
+        return self._invoke("prefetch_restore", checkpoint_path)
 
     def commit_restore(self, restore_id: str) -> Awaitable[int]:
         return self._invoke("commit_restore", restore_id)

@@ -21,7 +21,7 @@ A restore ``read``\\s the manifest, then each shard (``size`` first, then the by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Protocol
 
@@ -94,6 +94,14 @@ class Folder(Protocol):
     def read_view(self, name: str, limit: int | None = None) -> memoryview:
         """``read`` as a read-only view: of the buffer the medium filled, where it hands
         one over (a bucket's reply), so a shard is not copied once more to be read."""
+        ...
+
+    def read_chunks(self, name: str, length: int, chunk: int) -> Iterator[memoryview]:
+        """The first ``length`` bytes of ``name`` in pieces of ``chunk`` bytes (the last
+        one may be shorter; fewer pieces, or a short one, only where the file is
+        shorter), in order, read ahead of the consumer by a bounded amount (a reader
+        thread, or parallel ranged requests on a bucket) so the consumer's work on one
+        piece overlaps the read of the next. Stopping early releases the readers."""
         ...
 
     def open_read(self, name: str) -> AbstractContextManager[BinaryIO]:

@@ -59,6 +59,8 @@ class HolderControl(Protocol):
                               shards: list[ShardEntry], lease_s: float,
                               blob_store: str | None = None) -> RestorePrepared: ...
 
+    async def prefetch(self, where: str, shards: list[ShardEntry]) -> int: ...
+
     async def commit_restore(self, restore_id: str) -> int: ...
 
     async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
@@ -116,6 +118,9 @@ class HolderCalls:
                         ) -> Awaitable[RestorePrepared]:
         return self._call("prepare_restore", restore_id, where, shards, lease_s,
                           blob_store)
+
+    def prefetch(self, where: str, shards: list[ShardEntry]) -> Awaitable[int]:
+        return self._call("prefetch", where, shards)
 
     def commit_restore(self, restore_id: str) -> Awaitable[int]:
         return self._call("commit_restore", restore_id)

@@ -9,23 +9,25 @@ The manifest is JSON, validated by the pydantic models below. It carries each sh
 byte length, content hash and session count, so a restore verifies every byte before it
 installs anything.
 
-Format versions: 6 (written by every coordinator of this release) is 3, 4 or 5 plus the
-snapshot's ``sequence``: its place in its root's order of commits, by which
-``nemo_ckpt.catalog`` lists newest first, since the committing hosts' clocks cannot be
-compared. Earlier releases refuse it by its version. 5 (written by earlier releases when
-a shard holds finished, unacknowledged rollouts, ``nemo_ckpt.receipts``) is 3 or 4 plus,
-per shard, how many of its sessions are finished (``ShardEntry.finished``); their index
-rows carry a sixth element, ``true``, and their state slot holds the result. Earlier
-releases refuse it by its version rather than continue a finished rollout; a snapshot
-without finished rollouts was written as 3 or 4. 4 (written when sessions own sandbox
-directories) is 3 plus, per shard, the file of its sessions' directory trees
-(``TreesEntry``) and, once, where the blob store that holds their files lies relative to
-the checkpoint path (``blob_store``); a snapshot without directories was written as 3,
-which earlier releases read. 3 lists no rollouts: each shard holds its own index (one
-row per session, ``nemo_ckpt.shards``), so the manifest stays a few kilobytes at a
-million rollouts. 2 (still read) listed every rollout and the shard that holds it, and
-named each shard's hash with its algorithm (XXH3-128 by default); 1 (still read) carried
-a bare SHA-256 per shard, read as ``sha256:<hex>``.
+Format versions: 6 (written for every snapshot) is 5's content (trees and finished
+rollouts optional) plus, per shard, the hash of each of its fixed-size chunks
+(``ShardChunks``), so a restore verifies and decodes a shard chunk by chunk while the rest
+is still arriving; and, where a coordinator committed it, the snapshot's ``sequence``: its
+place in its root's order of commits, by which ``nemo_ckpt.catalog`` lists newest first,
+since the committing hosts' clocks cannot be compared. Earlier releases refuse it by its
+version. 5 (written, until 6, when a
+shard holds finished, unacknowledged rollouts, ``nemo_ckpt.receipts``) is 3 or 4 plus, per
+shard, how many of its sessions are finished (``ShardEntry.finished``); their index rows
+carry a sixth element, ``true``, and their state slot holds the result. Earlier releases
+refuse it by its version rather than continue a finished rollout. 4 (written, until 6,
+when sessions own sandbox directories) is 3 plus, per shard, the file of its sessions'
+directory trees (``TreesEntry``) and, once, where the blob store that holds their files
+lies relative to the checkpoint path (``blob_store``). 3 lists no
+rollouts: each shard holds its own index (one row per session, ``nemo_ckpt.shards``),
+so the manifest stays a few kilobytes at a million rollouts. 2 (still read) listed every
+rollout and the shard that holds it, and named each shard's hash with its algorithm
+(XXH3-128 by default); 1 (still read) carried a bare SHA-256 per shard, read as
+``sha256:<hex>``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -47,7 +49,6 @@ __all__ = [
     "FORMAT_VERSION",
     "SANDBOX_FORMAT_VERSION",
     "RECEIPTS_FORMAT_VERSION",
-    "ORDERED_FORMAT_VERSION",
     "TreesEntry",
     "trees_file_name",
     "CONTENT_HASH_PATTERN",
@@ -55,6 +56,9 @@ __all__ = [
     "ENVIRONMENT_DIR",
     "MANIFEST_NAME",
     "ShardEntry",
+    "ShardChunks",
+    "MIN_CHUNK_BYTES",
+    "MAX_CHUNK_BYTES",
     "RolloutEntry",
     "Manifest",
     "is_plain_file_name",
@@ -68,10 +72,10 @@ __all__ = [
     "safe_name_part",
 ]
 
-FORMAT_VERSION: Literal[3] = 3
+# The version every snapshot is written as; the others name where a feature came in.
+FORMAT_VERSION: Literal[6] = 6
 SANDBOX_FORMAT_VERSION: Literal[4] = 4
 RECEIPTS_FORMAT_VERSION: Literal[5] = 5
-ORDERED_FORMAT_VERSION: Literal[6] = 6
 SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
 ENVIRONMENT_DIR = "environment"
 MANIFEST_NAME = "manifest.json"
@@ -82,6 +86,11 @@ BLOB_STORE_PATTERN = r"^(\.\./)+blobs$"
 
 # "<algorithm>:<hex digest>"; storage.content_hasher knows each algorithm.
 CONTENT_HASH_PATTERN = r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$"
+# A chunk's hash, in its shard's algorithm (format 6 writes xxh3-128).
+CHUNK_HASH_PATTERN = r"^([0-9a-f]{32}|[0-9a-f]{64})$"
+# The chunk sizes a manifest may claim: a reader allocates one chunk at a time.
+MIN_CHUNK_BYTES = 64 << 10
+MAX_CHUNK_BYTES = 64 << 20
 
 _SAFE_PART = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -146,6 +155,16 @@ class TreesEntry(_Model):
     new_blob_bytes: int = Field(ge=0, description="The bytes of the blobs it wrote.")
 
 
+class ShardChunks(_Model):
+    """Format 6: a shard's bytes cut into chunks of ``bytes`` each (the last one may be
+    shorter), and each chunk's hash in the shard's ``content_hash`` algorithm."""
+
+    bytes: int = Field(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES,
+                       description="Every chunk's length but the last one's.")
+    hashes: list[Annotated[str, Field(pattern=CHUNK_HASH_PATTERN)]] = Field(
+        description="Each chunk's hex digest, in the file's order.")
+
+
 class ShardEntry(_Model):
     """One shard file of the snapshot."""
 
@@ -161,6 +180,23 @@ class ShardEntry(_Model):
     finished: int | None = Field(
         None, ge=1, description="Format 5: how many of its sessions are finished rollouts "
                                 "whose results RL has not acknowledged yet.")
+    chunks: ShardChunks | None = Field(
+        None, description="Format 6: the hash of each chunk of the file, checked before "
+                          "the chunk is decoded.")
+
+    @model_validator(mode="after")
+    def _chunks_cover_the_file(self) -> ShardEntry:
+        if self.chunks is not None:
+            expected = -(-self.bytes // self.chunks.bytes)
+            if len(self.chunks.hashes) != expected:
+                raise ValueError(f"shard {self.file!r} of {self.bytes} bytes in chunks of "
+                                 f"{self.chunks.bytes} has {expected} chunks, not "
+                                 f"{len(self.chunks.hashes)}")
+            digest = self.content_hash.partition(":")[2]
+            if any(len(h) != len(digest) for h in self.chunks.hashes):
+                raise ValueError(f"shard {self.file!r}: its chunks' hashes are not in its "
+                                 f"content hash's algorithm")
+        return self
 
 
 class RolloutEntry(_Model):
@@ -197,10 +233,9 @@ class Manifest(_Model):
                     "checkpoint path (\"../blobs\" when the path is directly under the root).")
     sequence: int | None = Field(
         None, ge=1,
-        description="Format 6: the snapshot's place in its root's order of commits, one "
-                    "more than the highest its coordinator had seen there "
-                    "(``nemo_ckpt.catalog``); newest first lists by it, not by a host's "
-                    "clock.")
+        description="Format 6, written by a coordinator: the number its commit took "
+                    "under its root (``nemo_ckpt.commit_sequence``); newest first lists "
+                    "by it, not by a host's clock.")
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -211,16 +246,24 @@ class Manifest(_Model):
         if self.format_version < 4 and (self.blob_store is not None or has_trees):
             raise ValueError(f"a format-{self.format_version} manifest has no sandbox "
                              f"trees or blob store")
-        if (self.format_version >= ORDERED_FORMAT_VERSION) != (self.sequence is not None):
-            raise ValueError(f"a format-{self.format_version} manifest "
-                             f"{'has' if self.sequence is None else 'has no'} a sequence")
-        if self.format_version == 5 and not has_finished:
-            raise ValueError("a format-5 manifest has a shard of finished rollouts")
-        if self.format_version >= 5:
+        has_chunks = [s.chunks is not None for s in self.shards]
+        if self.format_version == 6:
+            if not all(has_chunks):
+                raise ValueError("a format-6 manifest has every shard's chunk hashes")
             if has_trees != (self.blob_store is not None):
-                raise ValueError(f"a format-{self.format_version} manifest names a blob "
-                                 f"store exactly when it has sandbox trees")
-        elif has_finished:
+                raise ValueError("a format-6 manifest names a blob store exactly when it "
+                                 "has sandbox trees")
+        elif any(has_chunks):
+            raise ValueError(f"a format-{self.format_version} manifest has no chunk hashes")
+        if self.format_version < 6 and self.sequence is not None:
+            raise ValueError(f"a format-{self.format_version} manifest has no sequence")
+        if self.format_version == 5:
+            if not has_finished:
+                raise ValueError("a format-5 manifest has a shard of finished rollouts")
+            if has_trees != (self.blob_store is not None):
+                raise ValueError("a format-5 manifest names a blob store exactly when it "
+                                 "has sandbox trees")
+        elif has_finished and self.format_version < 5:
             raise ValueError(f"a format-{self.format_version} manifest holds no finished "
                              f"rollouts")
         for shard in self.shards:
@@ -304,13 +347,10 @@ def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[s
     sandboxes = any(s.trees is not None for s in shards)
     if sandboxes and blob_store is None:
         raise ValueError("shards with directory trees need the blob store's location")
-    # The lowest version that holds what the snapshot has, so that earlier releases read
-    # what they can; a sequence is written by every coordinator of this release.
-    version = ORDERED_FORMAT_VERSION if sequence is not None \
-        else RECEIPTS_FORMAT_VERSION if any(s.finished is not None for s in shards) \
-        else SANDBOX_FORMAT_VERSION if sandboxes else FORMAT_VERSION
+    if any(s.chunks is None for s in shards):
+        raise ValueError("every shard of a new snapshot carries its chunk hashes")
     data: dict[str, Any] = {
-        "format_version": version,
+        "format_version": FORMAT_VERSION,
         "snapshot_id": snapshot_id,
         "created_at": created_at.isoformat(),
         "instances": instances,

@@ -19,6 +19,7 @@ atomically. There are no temp names to clean up.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,7 @@ from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
 from nemo_ckpt.folder import ABSENT, Sink, unlistable
 from nemo_ckpt.location import ObjectLocation
 from nemo_ckpt.manifest import is_plain_file_name
+from nemo_ckpt.read_ahead import read_ahead
 from nemo_ckpt.store_errors import is_store_error, store_failure
 
 __all__ = ["SCHEMES", "ObjectFolder"]
@@ -40,6 +42,11 @@ _CONCURRENCY = 8
 _DELETE_BATCH = 1000  # S3's DeleteObjects limit
 # The pieces a streamed read takes at a time (a shard's head, the rest of it unread).
 _STREAM_CHUNK = 256 << 10
+# A streamed read's ranged requests: this many bytes each (whole chunks), this many at
+# once, and this many ranges fetched ahead of the consumer at most (its memory bound).
+_RANGE_BYTES = 8 << 20
+_RANGE_CONCURRENCY = 4
+_RANGES_AHEAD = 4
 
 
 class _WriterSink:
@@ -106,6 +113,12 @@ _MAX_STORES = 64
 _CONDITIONAL: dict[tuple[str, tuple[tuple[str, str], ...]], bool] = {}
 # obstore's errors for a conditional write refused (If-None-Match, If-Match).
 _REFUSED = ("AlreadyExistsError", "PreconditionError")
+
+
+# Whether a bucket's server answers a ranged GET with the range (206), by the same key as
+# _STORES; rclone's ``serve s3`` answers 200 with the range, which obstore refuses, so its
+# reads stream one plain GET instead.
+_RANGES: dict[tuple[str, tuple[tuple[str, str], ...]], bool] = {}
 
 
 # The stores by URL scheme, and the environment each one's client is made from.
@@ -292,6 +305,91 @@ class ObjectFolder:
             raise OSError(f"the store sent {len(data)} bytes of {self.describe(name)} "
                           f"where it announced {expected}")
         return data
+
+    def read_chunks(self, name: str, length: int, chunk: int) -> Iterator[memoryview]:
+        key = _store_key(self.location)
+        per_range = max(chunk, _RANGE_BYTES // chunk * chunk)
+        if length <= per_range or _RANGES.get(key) is False:
+            yield from self._streamed_chunks(name, length, chunk)
+            return
+        import obstore
+
+        describe = self.describe(name)
+        try:
+            # The first range says the object's size (and whether ranges are served).
+            first = _reading(self.location, lambda: obstore.get(
+                self.store, self.key(name), options={"range": (0, per_range)}))
+        except OSError as exc:
+            if "non-partial" not in str(exc) and "NotPartial" not in repr(exc.__cause__):
+                raise
+            _RANGES[key] = False
+            yield from self._streamed_chunks(name, length, chunk)
+            return
+        _RANGES[key] = True
+        size = int(first.meta["size"])
+        end = min(size, length)
+
+        def fetch(at: int, stop: int, result: Any = None) -> memoryview:
+            if result is None:
+                data = _body(lambda: obstore.get_range(self.store, self.key(name),
+                                                       start=at, end=stop), describe)
+            else:
+                data = _body(result.bytes, describe)
+            piece = memoryview(data)
+            if len(piece) != stop - at:
+                raise OSError(f"the store sent {len(piece)} bytes of {describe} for the "
+                              f"range {at}-{stop} of {size}")
+            return piece
+
+        spans = [(at, min(at + per_range, end)) for at in range(0, end, per_range)]
+        first_span = spans[0] if spans else (0, 0)
+        reads: list[Callable[[], memoryview]] = [
+            functools.partial(fetch, *first_span, result=first)]
+        reads += [functools.partial(fetch, at, stop) for at, stop in spans[1:]]
+        for piece in read_ahead(reads, workers=_RANGE_CONCURRENCY, depth=_RANGES_AHEAD):
+            for at in range(0, len(piece), chunk):
+                yield piece[at:at + chunk]
+        if size > length:  # a longer object shows as one byte more
+            yield fetch(length, length + 1)
+
+    def _streamed_chunks(self, name: str, length: int, chunk: int) -> Iterator[memoryview]:
+        """``read_chunks`` through one plain GET, its body cut into chunks as it
+        arrives, read ahead by one thread."""
+        describe = self.describe(name)
+        result = self._get(name)
+        least = min(chunk, _STREAM_CHUNK * 4)
+        body = iter(result.stream(min_chunk_size=least))
+        wanted = min(length + 1, int(result.meta["size"]))
+        received = [0]
+
+        def next_piece() -> memoryview:
+            piece = _next_chunk(body, describe)
+            if piece is None:
+                if received[0] < wanted:
+                    raise OSError(f"the store sent {received[0]} bytes of {describe} "
+                                  f"where it announced {wanted}")
+                return memoryview(b"")
+            received[0] += len(piece)
+            return memoryview(piece)
+
+        pieces = read_ahead((next_piece for _ in range(-(-wanted // least) + 1)),
+                            workers=1, depth=_RANGES_AHEAD * 4)
+        buffer = bytearray()
+        sent = 0
+        for piece in pieces:
+            if not piece:
+                break
+            buffer += piece
+            while len(buffer) >= chunk and sent + chunk <= length:
+                yield memoryview(bytes(buffer[:chunk]))
+                del buffer[:chunk]
+                sent += chunk
+            if sent + len(buffer) > length:
+                break
+        if buffer:
+            yield memoryview(bytes(buffer[:length - sent]))
+            if len(buffer) > length - sent:
+                yield memoryview(bytes(buffer[length - sent:length - sent + 1]))
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:

@@ -427,6 +427,17 @@ class RayEnvironmentCheckpoint:
             raise asyncio.CancelledError()
         return answer
 
+    async def prefetch(self, checkpoint_path: Path) -> int:
+        """Have the holders start reading and verifying the snapshot at
+        ``checkpoint_path`` now, so that ``restored(checkpoint_path)`` finds its shards
+        read (after a crash, while the rest of the job starts up). Returns once the reads
+        have started, with how many shards they cover. It changes nothing a restore
+        guarantees: nothing is installed, a restore of another snapshot drops these
+        reads, one that failed is read again by the restore, and memory is bounded per
+        holder. Raises as ``restored`` would for a path that holds no snapshot."""
+        path = self._checkpoint_location(checkpoint_path)
+        return await self._coordinator.prefetch_restore(path)
+
     @contextlib.asynccontextmanager
     async def restored(self, checkpoint_path: Path) -> AsyncIterator[RestoredEnvironmentRollouts]:
         """Restore every instance's sessions from ``checkpoint_path`` as next attempts.

@@ -10,7 +10,7 @@ it holds against its manifest entry; each refusal has its own exception class (s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,7 +25,12 @@ from nemo_ckpt.errors import (
     UnsafeShardNameError,
 )
 from nemo_ckpt.folder import Folder, Sink
-from nemo_ckpt.hashed_files import read_verified, view_unpacker, write_hashed
+from nemo_ckpt.hashed_files import (
+    read_verified,
+    read_verified_chunks,
+    view_unpacker,
+    write_chunk_hashed,
+)
 from nemo_ckpt.manifest import ShardEntry, is_plain_file_name
 from nemo_ckpt.session_record import SessionRecord, body_head, record_of, record_parts
 
@@ -104,9 +109,9 @@ def write_shard_parts(directory: Folder | Path, name: str, instance_id: str, ind
             raise ValueError(f"shard {name}: an index of {count} sessions, "
                              f"{written} bodies")
 
-    length, digest = write_hashed(directory, name, fill)
+    length, digest, chunks = write_chunk_hashed(directory, name, fill)
     return ShardEntry(file=name, bytes=length, content_hash=digest, instance_id=instance_id,
-                      sessions=count)
+                      sessions=count, chunks=chunks)
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,14 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     unpack into. Then only the index is decoded; each session's turns are a slice of
     the file and its state one bytes object.
     Shards of the older layout (a map per session) are read too.
+
+    A shard with chunk hashes (manifest format 6) is read as a stream instead: each chunk
+    is decoded once its own hash matches, while the next ones are read
+    (``read_verified_chunks``), so a crafted shard is never unpacked past a chunk that
+    does not match, and memory holds the sessions plus a few chunks.
     """
+    if entry.chunks is not None:
+        return _streamed_parts(directory, entry, entry.chunks.bytes)
     path, data = read_verified(directory, entry)
     unpacker = view_unpacker(data)
     try:
@@ -181,6 +193,99 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     if any(type(state) is not bytes for state in states):
         raise _undecodable(path, "a session's state is not bytes")
     return ShardParts(entry.instance_id, rows, turns, states)
+
+
+def _streamed_parts(directory: Folder | Path, entry: ShardEntry, chunk: int) -> ShardParts:
+    path, chunks = read_verified_chunks(directory, entry)
+    stream = _VerifiedStream(chunks)
+    try:
+        unpacker = msgpack.Unpacker(stream, raw=False, read_size=chunk,
+                                    max_buffer_size=max(entry.bytes, 1 << 20))
+        try:
+            header = unpacker.unpack()
+            if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
+                raise _undecodable(path, "no nemo-ckpt shard header")
+            if header.get("instance_id") != entry.instance_id:
+                raise _undecodable(path, f"header {header!r} does not fit the manifest "
+                                         f"entry for {entry.instance_id}")
+            if header.get("version") != SHARD_VERSION:
+                raise _undecodable(path, f"shard layout {header.get('version')!r} is not "
+                                         f"the one a chunked shard has")
+            rows = unpacker.unpack()
+            if not isinstance(rows, list) or len(rows) != entry.sessions \
+                    or header.get("sessions") != entry.sessions:
+                raise _undecodable(path, f"its index does not hold the {entry.sessions} "
+                                         f"sessions the manifest says")
+            turns, states = [], []
+            read_array_header, skip, tell, unpack = (
+                unpacker.read_array_header, unpacker.skip, unpacker.tell, unpacker.unpack)
+            keep, piece = stream.keep, stream.piece
+            for _ in range(entry.sessions):
+                keep(tell())
+                if read_array_header() != 2:
+                    raise _undecodable(path, "a session's body is not [turns, state]")
+                start = tell()
+                skip()
+                turns.append(piece(start, tell()))
+                states.append(unpack())
+        except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
+            raise _undecodable(path, str(exc) or type(exc).__name__) from exc
+        # Read to the end, so that the file's length and whole hash are checked.
+        if stream.read(1) or unpacker.tell() != entry.bytes:
+            raise _undecodable(path, f"{entry.bytes - unpacker.tell()} trailing bytes")
+    finally:
+        stream.close()
+    if any(type(state) is not bytes for state in states):
+        raise _undecodable(path, "a session's state is not bytes")
+    return ShardParts(entry.instance_id, rows, turns, states)
+
+
+class _VerifiedStream:
+    """A shard's verified chunks as the file msgpack reads, keeping the bytes from the
+    last ``keep`` on, so a session's turns are sliced out as written (``piece``)."""
+
+    def __init__(self, chunks: Iterator[memoryview]) -> None:
+        self._chunks = chunks
+        self._pieces: list[tuple[int, memoryview]] = []  # (offset, chunk), kept ones
+        self._end = 0  # the offset after the last chunk taken
+        self._at = 0  # what ``read`` has handed out
+
+    def read(self, size: int = -1) -> bytes:
+        while self._at >= self._end:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return b""
+            self._pieces.append((self._end, chunk))
+            self._end += len(chunk)
+        offset, chunk = next(p for p in reversed(self._pieces) if p[0] <= self._at)
+        start = self._at - offset
+        stop = len(chunk) if size is None or size < 0 else min(len(chunk), start + size)
+        self._at = offset + stop
+        whole = chunk.obj
+        if start == 0 and stop == len(chunk) and type(whole) is bytes \
+                and len(whole) == stop:
+            return whole  # a chunk read into its own bytes: handed over, not copied
+        return bytes(chunk[start:stop])
+
+    def keep(self, offset: int) -> None:
+        """Forget the chunks that end at or before ``offset``."""
+        while len(self._pieces) > 1 and self._pieces[1][0] <= offset:
+            del self._pieces[0]
+
+    def piece(self, start: int, stop: int) -> bytes:
+        """The bytes ``[start, stop)``, which ``read`` has handed out."""
+        parts = []
+        for offset, chunk in self._pieces:
+            if offset >= stop:
+                break
+            if offset + len(chunk) > start:
+                parts.append(chunk[max(0, start - offset):stop - offset])
+        return b"".join(parts)
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
 
 
 def _legacy_parts(path: str, entry: ShardEntry, unpacker: msgpack.Unpacker,

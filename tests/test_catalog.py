@@ -20,7 +20,7 @@ from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch, encode_claim
 from nemo_ckpt.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, SnapshotNotFoundError
 from nemo_ckpt.local_folder import LocalFolder
-from nemo_ckpt.manifest import encode_manifest, shard_file_name
+from nemo_ckpt.manifest import FORMAT_VERSION, encode_manifest, shard_file_name
 from nemo_ckpt.path_claims import claim_path, read_claims
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_snapshot, write_manifest
@@ -79,7 +79,8 @@ def test_list_snapshots_gives_every_committed_snapshot_newest_first_with_its_fac
     assert [(s.path, s.snapshot_id, s.rollouts) for s in found] == [
         (str(three["new"]), "s3", 3), (str(three["mid"]), "s2", 2), (str(three["old"]), "s1", 1)]
     assert found[0].created_at == T0 + timedelta(minutes=3)
-    assert found[0].format_version == 3 and found[0].instances == 1 and found[0].readable
+    assert found[0].format_version == FORMAT_VERSION
+    assert found[0].instances == 1 and found[0].readable
     assert found[0].bytes == first_shard(three["new"]).stat().st_size
 
 

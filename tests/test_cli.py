@@ -22,7 +22,7 @@ from nemo_ckpt.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.cli.status import HolderStatus, holder_status, run_status
 from nemo_ckpt.errors import SnapshotReadError
-from nemo_ckpt.manifest import shard_file_name
+from nemo_ckpt.manifest import FORMAT_VERSION, shard_file_name
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_snapshot
@@ -65,8 +65,9 @@ def escape_first_shard(data: dict[str, Any]) -> None:
 
 @pytest.fixture(params=[3, 2], ids=["format-3", "format-2"])
 def fmt(request: pytest.FixtureRequest) -> int:
-    """The manifest format the snapshots under test are written in: 3, as written now,
-    and 2, which lists the rollouts in the manifest itself (still read)."""
+    """The manifest format the snapshots under test are written in: "3", as written now
+    (format 6 since the chunk hashes: rollouts in each shard's index), and 2, which lists
+    the rollouts in the manifest itself (still read)."""
     return int(request.param)
 
 
@@ -158,7 +159,7 @@ def test_inspect_json_carries_the_same_facts_as_fields(
     assert (code, err) == (0, "")
     data = json.loads(out)
     assert (data["snapshot_id"], data["format_version"], data["path"]) == (
-        "snap-1", fmt, str(snap_a))
+        "snap-1", FORMAT_VERSION if fmt == 3 else fmt, str(snap_a))
     assert (data["captured_rollouts"], data["restarted_rollouts"]) == (3, 3)
     assert data["metrics"] == {"paused_seconds": 0.01}
     by_inst = {i["instance_id"]: i for i in data["instances"]}
@@ -350,9 +351,9 @@ def test_verify_refuses_a_format_3_shard_holding_a_rollout_twice_or_another_shar
                         [session("holder-0", "a"), session("holder-0", "a", 3)])
     theirs = write_shard(directory, shard(root, "holder-1").name, "holder-1",
                          [session("holder-1", "a")])
-    edit_manifest(root, lambda d: [d["shards"][k].update(bytes=e.bytes,
-                                                         content_hash=e.content_hash)
-                                   for k, e in ((0, twice), (1, theirs))])
+    edit_manifest(root, lambda d: [d["shards"][k].update(
+        e.model_dump(include={"bytes", "content_hash", "chunks"}))
+        for k, e in ((0, twice), (1, theirs))])
     code, _, err = run(capsys, "verify", str(root))
     assert code == 1
     assert "holds rollout 'a' twice" in err

@@ -7,6 +7,7 @@ against real servers: tests/test_object_storage.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.cli.main import main as cli_main
 from nemo_ckpt.errors import CheckpointPathError, ShardCorruptedError
 from nemo_ckpt.manifest import shard_file_name
+from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.snapshot_files import read_snapshot
 from tests.test_object_storage import session, write_snapshot
 
@@ -31,8 +33,10 @@ RECORDS = [session("holder-0", "r0", state=b"x" * 5000), session("holder-0", "r1
 
 class OddServer(ThreadingHTTPServer):
     """Objects by key, shards served with the oddity ``mode`` names: ``range-as-200``
-    (a ranged GET answered 200 with the range, as rclone does), ``short`` (a body that
-    ends before its Content-Length), ``long`` (more bytes than were written)."""
+    (a ranged GET answered 200 with the range, as rclone does), ``ranges`` (answered
+    206, as S3 does), ``short`` (a body that ends before its Content-Length),
+    ``short-range`` (ranges answered 206, every one after the first ending short),
+    ``long`` (more bytes than were written)."""
 
     daemon_threads = True
 
@@ -41,6 +45,7 @@ class OddServer(ThreadingHTTPServer):
         self.objects: dict[str, bytes] = {}
         self.mode = "range-as-200"
         self.gets = 0
+        self.ranges = 0
 
     @property
     def endpoint(self) -> str:
@@ -82,11 +87,25 @@ class _Handler(BaseHTTPRequestHandler):
         if data is None:
             return
         ranged = self.headers.get("Range")
-        if ranged and self.server.mode == "range-as-200":
+        status = 200
+        if ranged and self.server.mode in ("range-as-200", "ranges", "short-range"):
             start, _, end = ranged.removeprefix("bytes=").partition("-")
+            whole = len(data)
             data = data[int(start):int(end) + 1 if end else None]
-        self._headers(data)
-        if self.server.mode == "short" and "/shard-" in self.path:
+            if self.server.mode != "range-as-200":
+                status = 206
+                self.server.ranges += 1
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        if status == 206:
+            self.send_header("Content-Range",
+                             f"bytes {start}-{int(start) + len(data) - 1}/{whole}")
+        self.send_header("ETag", '"e"')
+        self.send_header("Last-Modified", "Thu, 03 Dec 2026 12:00:00 GMT")
+        self.end_headers()
+        cut = self.server.mode == "short" or (
+            self.server.mode == "short-range" and status == 206 and int(start) > 0)
+        if cut and "/shard-" in self.path:
             self.wfile.write(data[:len(data) // 2])
             self.close_connection = True
         else:
@@ -111,11 +130,12 @@ def odd_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[OddServer]:
         thread.join(5)
 
 
-def snapshot_on(server: OddServer, tmp_path: Path) -> str:
+def snapshot_on(server: OddServer, tmp_path: Path,
+                records: list[SessionRecord] = RECORDS) -> str:
     """A snapshot written to a folder, its files then put on ``server``; its URL."""
     prefix = f"p{uuid.uuid4().hex[:6]}/ckpt"
     local = tmp_path / "ckpt"
-    write_snapshot(str(local), {"holder-0": RECORDS})
+    write_snapshot(str(local), {"holder-0": records})
     for f in (local / "environment").iterdir():
         server.objects[f"{prefix}/environment/{f.name}"] = f.read_bytes()
     return f"s3://{BUCKET}/{prefix}"
@@ -163,3 +183,28 @@ def test_a_body_longer_than_the_written_object_is_a_corrupted_shard(
     with pytest.raises(ShardCorruptedError) as caught:
         read_snapshot(url)
     assert folder.describe(shard) in str(caught.value)
+
+
+# A shard of several ranges: read with parallel ranged GETs where the server serves them.
+BIG = [session("holder-0", f"b{i}", state=os.urandom(3 << 20)) for i in range(7)]
+
+
+@pytest.mark.parametrize("mode", ["ranges", "range-as-200"])
+def test_a_large_shard_reads_the_same_in_ranges_or_in_one_get(
+        odd_server: OddServer, tmp_path: Path, mode: str) -> None:
+    odd_server.mode = mode
+    url = snapshot_on(odd_server, tmp_path, BIG)
+    assert read_snapshot(url).sessions == {"holder-0": BIG}
+    assert (odd_server.ranges >= 3) == (mode == "ranges")
+
+
+def test_a_range_that_comes_back_short_is_an_error_naming_the_object(
+        odd_server: OddServer, tmp_path: Path) -> None:
+    url = snapshot_on(odd_server, tmp_path, BIG)
+    odd_server.mode = "short-range"
+    folder: Any = environment_folder(url)
+    with pytest.raises(CheckpointPathError) as caught:
+        read_snapshot(url)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert folder.describe(shard_file_name("snap-1", "holder-0")) in message

@@ -358,3 +358,16 @@ def test_a_mistake_on_the_bucket_is_one_line_in_the_cli_naming_what_to_change(
         with pytest.raises(SnapshotWriteError) as caught:
             write_snapshot(url + "/again", {"holder-0": [session("holder-0", "b")]})
         assert "\n" not in str(caught.value) and says in str(caught.value)
+
+
+def test_a_large_shard_read_in_chunks_equals_one_plain_read_on_each_server(
+        url: str) -> None:
+    big = [session("holder-0", f"r{i}", state=os.urandom(3 << 20)) for i in range(7)]
+    written = write_snapshot(url, {"holder-0": big})
+    entry = written.shards[0]
+    folder: Any = environment_folder(url)
+    assert entry.chunks is not None and entry.bytes > 2 * (8 << 20)
+    pieces = list(folder.read_chunks(entry.file, entry.bytes, entry.chunks.bytes))
+    assert b"".join(pieces) == folder.read(entry.file)
+    assert {len(p) for p in pieces[:-1]} == {entry.chunks.bytes}
+    assert read_snapshot(url).sessions == {"holder-0": big}

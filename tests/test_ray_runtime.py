@@ -386,7 +386,7 @@ def write_fake_snapshot(path: Path, instances: list[str]) -> None:
     for n, inst in enumerate(instances):
         rec = SessionRecord(inst, Ep(f"r{n}", 0), (b"t0",), b"s", frozenset({f"r{n}/row0"}))
         entry = write_shard(directory, shard_file_name("old", inst), inst, [rec])
-        shards.append(entry)
+        shards.append(entry.model_copy(update={"chunks": None}))  # format 2 had none
         rollouts.append(RolloutEntry(instance_id=inst, rollout_id=f"r{n}", attempt=0,
                                      turns=1, staging_keys=[f"r{n}/row0"], shard=entry.file))
     write_manifest(directory, Manifest(

@@ -19,7 +19,7 @@ import pytest
 from nemo_ckpt.cut import check_capture_against_cut
 from nemo_ckpt.errors import RolloutFinishedError, SnapshotInProgressError, SnapshotMismatchError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.manifest import ORDERED_FORMAT_VERSION, Manifest
+from nemo_ckpt.manifest import FORMAT_VERSION, Manifest
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.data_plane import StaticCut
@@ -60,7 +60,7 @@ def test_a_finished_result_recorded_by_rl_survives_a_crash_and_comes_back_not_re
             await snap.check_against_cut(recorded(live, done))  # RL recorded it already
         assert snap.metrics(0.0)["finished_rollouts"] == 1.0
         manifest = read_manifest(path)
-        assert manifest.format_version == ORDERED_FORMAT_VERSION
+        assert manifest.format_version == FORMAT_VERSION
         assert sum(s.finished or 0 for s in manifest.shards) == 1
         # The tools read it: the finished session with its result, the rest as before.
         assert verify_snapshot(path).ok

@@ -9,6 +9,7 @@ on a real cluster in ``tests/test_faults.py``.)
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -589,9 +590,11 @@ def test_a_restore_refuses_a_shard_holding_a_rollout_twice(tmp_path: Path) -> No
     shard = next(s for s in loaded.manifest.shards if s.instance_id == "holder-0")
     entry = write_shard(environment_dir(path), shard.file, "holder-0", [records[0], twin])
     manifest_file = environment_dir(path) / "manifest.json"
-    text = manifest_file.read_text().replace(shard.content_hash, entry.content_hash)
-    manifest_file.write_text(re.sub(rf'("file":"{shard.file}","bytes":)\d+',
-                                    rf"\g<1>{entry.bytes}", text))
+    data = json.loads(manifest_file.read_text())
+    for listed in data["shards"]:
+        if listed["file"] == shard.file:  # its length, hash and chunk hashes
+            listed.update(entry.model_dump(include={"bytes", "content_hash", "chunks"}))
+    manifest_file.write_text(json.dumps(data))
     world = World(tmp_path)
     try:
         async def scenario() -> None:

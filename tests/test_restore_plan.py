@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
-from nemo_ckpt.manifest import Manifest, ShardEntry, encode_manifest
+from nemo_ckpt.manifest import MIN_CHUNK_BYTES, Manifest, ShardChunks, ShardEntry, encode_manifest
 from nemo_ckpt.phases import RestorePrepared
 from nemo_ckpt.restore_plan import (
     assign_shards,
@@ -24,7 +24,8 @@ HASH = "xxh3-128:" + "0" * 32
 
 def _shard(instance: str, sessions: int) -> ShardEntry:
     return ShardEntry(file=f"shard-{instance}.msgpack", bytes=10, content_hash=HASH,
-                      instance_id=instance, sessions=sessions)
+                      instance_id=instance, sessions=sessions,
+                      chunks=ShardChunks(bytes=MIN_CHUNK_BYTES, hashes=["0" * 32]))
 
 
 def _manifest(*shards: ShardEntry, instances: list[str] | None = None) -> Manifest:

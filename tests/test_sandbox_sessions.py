@@ -29,7 +29,7 @@ from nemo_ckpt.errors import (
     StartupCheckError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.manifest import ORDERED_FORMAT_VERSION
+from nemo_ckpt.manifest import FORMAT_VERSION
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
@@ -181,7 +181,7 @@ def test_a_later_snapshot_writes_only_the_files_that_changed(job: World, tmp_pat
             assert snap is not None
             await snap.check_against_cut(cut)
         second = read_manifest(tmp_path / "ckpt" / "b")
-        assert first.format_version == second.format_version == ORDERED_FORMAT_VERSION
+        assert first.format_version == second.format_version == FORMAT_VERSION
         assert first.blob_store == "../blobs"
         new1 = sum(s.trees.new_blob_bytes for s in first.shards if s.trees)
         new2 = sum(s.trees.new_blob_bytes for s in second.shards if s.trees)

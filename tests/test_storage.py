@@ -38,6 +38,9 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.manifest import (
+    ENVIRONMENT_DIR,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
     Manifest,
     RolloutEntry,
     ShardEntry,
@@ -74,6 +77,7 @@ def write_snapshot(root: Path, by_instance: dict[str, list[SessionRecord]],
         if not records:
             continue
         entry = write_shard(directory, shard_file_name(snapshot_id, inst), inst, records)
+        entry = entry.model_copy(update={"chunks": None})  # chunks came with format 6
         shards.append(entry)
         rollouts += [
             RolloutEntry(instance_id=inst, rollout_id=r.episode.rollout_id,
@@ -491,7 +495,8 @@ def test_a_shard_written_through_short_writes_is_complete_and_verifies(
 
 def write_snapshot_v3(root: Path, by_instance: dict[str, list[SessionRecord]],
                       snapshot_id: str = "snap-3", restarted: int = 0) -> Manifest:
-    """Write shards, then the manifest as the coordinator commits now (format 3)."""
+    """Write shards, then the manifest as the coordinator commits now (format 3 until
+    format 6 added chunk hashes; ``as_format_3`` makes the format-3 one)."""
     directory = prepare_environment_dir(root)
     shards = [write_shard(directory, shard_file_name(snapshot_id, inst), inst, records)
               for inst, records in by_instance.items() if records]
@@ -502,13 +507,27 @@ def write_snapshot_v3(root: Path, by_instance: dict[str, list[SessionRecord]],
     return Manifest.model_validate_json(raw)
 
 
-def test_a_format_3_manifest_reads_back_and_the_shards_hold_the_rollouts(
-        tmp_path: Path) -> None:
+def as_format_3(root: Path) -> Manifest:
+    """Rewrite the manifest under ``root`` as format 3 wrote it: no chunk hashes."""
+    path = root / ENVIRONMENT_DIR / MANIFEST_NAME
+    data = json.loads(path.read_bytes())
+    data["format_version"] = 3
+    for shard in data["shards"]:
+        del shard["chunks"]
+    path.write_text(json.dumps(data))
+    return Manifest.model_validate_json(path.read_bytes())
+
+
+@pytest.mark.parametrize("version", [3, FORMAT_VERSION])
+def test_a_manifest_without_rollouts_reads_back_and_the_shards_hold_them(
+        tmp_path: Path, version: int) -> None:
     by_instance = {"holder-0": [session("holder-0", "a"), session("holder-0", "b", 2)],
                    "holder-1": [session("holder-1", "c", 1)], "holder-2": []}
     written = write_snapshot_v3(tmp_path, by_instance)
+    if version == 3:
+        written = as_format_3(tmp_path)
     loaded = read_snapshot(tmp_path)
-    assert loaded.manifest == written and written.format_version == 3
+    assert loaded.manifest == written and written.format_version == version
     assert loaded.manifest.rollouts == [] and loaded.manifest.sessions == 3
     assert loaded.sessions == by_instance
     rollouts, unreadable = snapshot_rollouts(tmp_path, loaded.manifest)

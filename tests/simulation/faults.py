@@ -58,14 +58,15 @@ class DiskFaults:
         cls._installed = True
         for method, kind in (("prepare", "write"), ("write_stream", "write"),
                              ("write_bytes", "write"), ("remove", "remove"),
-                             ("read", "read"), ("names", "read")):
+                             ("read", "read"), ("read_chunks", "read"),
+                             ("names", "read")):
             setattr(LocalFolder, method, cls._wrap(getattr(LocalFolder, method), kind))
 
     @staticmethod
     def _as_raised(method: str, target: str, error: OSError) -> Exception:
         if method == "names":
             return unlistable(target, error)
-        if method == "read":
+        if method in ("read", "read_chunks"):
             return error
         return SnapshotWriteError(target, write_failure(target, error))
 

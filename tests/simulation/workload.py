@@ -195,7 +195,11 @@ class Workload(Part):
         self.s.ops.append(record)
         driver.record = record
         raise_inside = self.plan.raise_in_restore and self.rng.random() < 0.5
-        task = self.world.spawn(driver.actor, self._restore(driver, path, raise_inside))
+        # Some restores are read ahead first (RayEnvironmentCheckpoint.prefetch): of the
+        # snapshot restored, or of another one, whose reads the restore must drop.
+        ahead = self.rng.choice([None, None, path, self.rng.choice(candidates)])
+        task = self.world.spawn(driver.actor, self._restore(driver, path, raise_inside,
+                                                            ahead))
         driver.op_task = task
         try:
             restored = await task
@@ -241,7 +245,14 @@ class Workload(Part):
             await self._acknowledge([r.episode for r in results])
         await self.start_workers(fresh=False, restored=restored)
 
-    async def _restore(self, driver: Driver, path: str, raise_inside: bool) -> Any:
+    async def _restore(self, driver: Driver, path: str, raise_inside: bool,
+                       ahead: str | None = None) -> Any:
+        if ahead is not None:
+            try:
+                started = await driver.ckpt.prefetch(Path(ahead))
+                self.log(f"prefetch of {Path(ahead).name}: {started} shard reads started")
+            except Exception as exc:  # a prefetch that fails changes nothing
+                self.log(f"prefetch of {Path(ahead).name} failed: {type(exc).__name__}")
         async with driver.ckpt.restored(Path(path)) as restored:
             if raise_inside:
                 self.s.faults += 1
