@@ -411,16 +411,27 @@ class CheckpointCoordinator:
         """Forget these attempts on every holder; returns the capture keys dropped."""
         return await self._ledger_op("forget", episodes)
 
+    def _require_registered(self, what: str) -> None:
+        if not self._transport.is_registered_coordinator():
+            raise BackendUnavailableError(
+                f"{what} reached a nemo-ckpt coordinator that Ray declared dead and that "
+                f"another has replaced; retry (the live coordinator takes it)")
+
     async def _ledger_op(self, what: str, episodes: list[EnvironmentEpisode]) -> list[str]:
         # RL retires an attempt per finished rollout: use the known holders, and pay for
-        # a rediscovery only when there are none or one of them has gone.
+        # a rediscovery only when there are none or one of them has gone. Only the
+        # coordinator registered under the name rediscovers: one Ray declared dead that
+        # runs again would reach the holders of a job restored since, and drop what it
+        # restored (simulation seed 6063).
         if not self.holders.handles:
+            self._require_registered(what)
             await self.holders.ensure()
 
         call: HolderCall[list[str]] = HolderCall(what, (episodes,))
         try:
             dropped = await self.holders.fan(self.holders.handles, what, call)
         except BackendUnavailableError:
+            self._require_registered(what)
             await self.holders.ensure()
             dropped = await self.holders.fan(self.holders.handles, what, call)
         return sorted(k for keys in dropped.values() for k in keys)

@@ -128,6 +128,14 @@ class RayTransport:
         self._require_ray()
         return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
 
+    def is_registered_coordinator(self) -> bool:
+        self._require_ray()
+        try:
+            registered = ray.get_actor(self._config.coordinator_name, namespace=self.namespace)
+        except ValueError:  # no actor has the name now
+            return False
+        return bool(registered._actor_id.hex() == ray.get_runtime_context().get_actor_id())
+
     def coordinator(self) -> Actor:
         self._require_ray()
         if self._coordinator is not None and self._coordinator.ref.session != _session():

@@ -147,7 +147,8 @@ def _verified_chunks(folder: Folder, entry: ShardEntry,
     whole = content_hasher(algorithm)
     count = len(chunks.hashes)
     at = 0
-    guarded = _guarded(folder.read_chunks(entry.file, entry.bytes, chunks.bytes), path)
+    guarded = _guarded(lambda: folder.read_chunks(entry.file, entry.bytes, chunks.bytes),
+                       path)
     try:
         for i, piece in enumerate(guarded):
             if i >= count:
@@ -185,11 +186,12 @@ def _short(path: str, entry: ShardEntry, got: int) -> ShardCorruptedError:
               f"it was truncated or overwritten; restore an earlier checkpoint")
 
 
-def _guarded(pieces: Iterator[memoryview], path: str) -> Generator[memoryview]:
-    """``pieces``, with a missing file and a failed read as the errors a restore
-    names."""
+def _guarded(pieces: Callable[[], Iterator[memoryview]], path: str
+             ) -> Generator[memoryview]:
+    """What ``pieces()`` yields, with a missing file and a failed read as the errors a
+    restore names, whether the folder raises them when called or while iterated."""
     try:
-        yield from pieces
+        yield from pieces()
     except FileNotFoundError:
         raise TornSnapshotError(
             path, f"shard {path}, named in the manifest, is missing: the snapshot is torn "

@@ -209,6 +209,11 @@ class Transport(Protocol):
         be listed briefly; calls to them fail as unavailable)."""
         ...
 
+    def is_registered_coordinator(self) -> bool:
+        """Whether this process is the actor registered under the coordinator's name now:
+        one that Ray declared dead may run again after a successor took the name."""
+        ...
+
     def holder(self, instance_id: str) -> Actor | None:
         """The holder of ``instance_id``, or None if there is none."""
         ...

@@ -785,6 +785,10 @@ class SimTransport:
     def alive_nodes(self) -> list[str]:
         return self._world.alive_nodes()
 
+    def is_registered_coordinator(self) -> bool:
+        registered = self._world.registry.get((self.namespace, self._config.coordinator_name))
+        return registered is self._me
+
     def coordinator(self) -> Actor:
         key = (self.namespace, self._config.coordinator_name)
         actor = self._world.registry.get(key)
