@@ -22,6 +22,7 @@ from nemo_ckpt import (
 )
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
+from nemo_ckpt.manifest import FORMAT_VERSION
 from tests.test_catalog import first_shard
 from tests.test_storage import flip_middle_byte, session, write_snapshot_v3
 
@@ -46,7 +47,7 @@ def test_inspect_snapshot_gives_rollouts_and_shards_by_instance_as_typed_fields(
     summary = inspect_snapshot(a)
     assert isinstance(summary, SnapshotSummary)
     assert (summary.snapshot_id, summary.format_version, summary.captured_rollouts,
-            summary.restarted_rollouts) == ("snap-a", 3, 2, 1)
+            summary.restarted_rollouts) == ("snap-a", FORMAT_VERSION, 2, 1)
     holder_0, holder_1 = summary.instances
     assert [(r.rollout_id, r.attempt, r.turns) for r in holder_0.rollouts] == [
         ("x", 0, 2), ("y", 2, 2)]
