@@ -160,22 +160,13 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     path, data = read_verified(directory, entry)
     unpacker = view_unpacker(data)
     try:
-        header = unpacker.unpack()
-        if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
-            raise _undecodable(path, "no nemo-ckpt shard header")
-        if header.get("instance_id") != entry.instance_id:
-            raise _undecodable(path, f"header {header!r} does not fit the manifest entry "
-                                     f"for {entry.instance_id}")
+        header = _header(unpacker, path, entry)
         if header.get("version") == 1:
             return _legacy_parts(path, entry, unpacker, len(data))
         if header.get("version") != SHARD_VERSION:
             raise _undecodable(path, f"shard layout {header.get('version')!r} is not one "
                                      f"this nemo-ckpt reads")
-        rows = unpacker.unpack()
-        if not isinstance(rows, list) or len(rows) != entry.sessions \
-                or header.get("sessions") != entry.sessions:
-            raise _undecodable(path, f"its index does not hold the {entry.sessions} "
-                                     f"sessions the manifest says")
+        rows = _index(unpacker, path, entry, header)
         turns, states = [], []
         read_array_header, skip, tell, unpack = (unpacker.read_array_header, unpacker.skip,
                                                  unpacker.tell, unpacker.unpack)
@@ -195,6 +186,28 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     return ShardParts(entry.instance_id, rows, turns, states)
 
 
+def _header(unpacker: msgpack.Unpacker, path: str, entry: ShardEntry) -> dict[str, Any]:
+    """The shard's header, once it names this format and the entry's instance."""
+    header = unpacker.unpack()
+    if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
+        raise _undecodable(path, "no nemo-ckpt shard header")
+    if header.get("instance_id") != entry.instance_id:
+        raise _undecodable(path, f"header {header!r} does not fit the manifest entry "
+                                 f"for {entry.instance_id}")
+    return header
+
+
+def _index(unpacker: msgpack.Unpacker, path: str, entry: ShardEntry,
+           header: dict[str, Any]) -> list[Any]:
+    """The shard's index, once it holds the sessions its header and manifest entry say."""
+    rows = unpacker.unpack()
+    if not isinstance(rows, list) or len(rows) != entry.sessions \
+            or header.get("sessions") != entry.sessions:
+        raise _undecodable(path, f"its index does not hold the {entry.sessions} "
+                                 f"sessions the manifest says")
+    return rows
+
+
 def _streamed_parts(directory: Folder | Path, entry: ShardEntry, chunk: int) -> ShardParts:
     path, chunks = read_verified_chunks(directory, entry)
     stream = _VerifiedStream(chunks)
@@ -202,20 +215,11 @@ def _streamed_parts(directory: Folder | Path, entry: ShardEntry, chunk: int) -> 
         unpacker = msgpack.Unpacker(stream, raw=False, read_size=chunk,
                                     max_buffer_size=max(entry.bytes, 1 << 20))
         try:
-            header = unpacker.unpack()
-            if not isinstance(header, dict) or header.get("format") != SHARD_MAGIC:
-                raise _undecodable(path, "no nemo-ckpt shard header")
-            if header.get("instance_id") != entry.instance_id:
-                raise _undecodable(path, f"header {header!r} does not fit the manifest "
-                                         f"entry for {entry.instance_id}")
+            header = _header(unpacker, path, entry)
             if header.get("version") != SHARD_VERSION:
                 raise _undecodable(path, f"shard layout {header.get('version')!r} is not "
                                          f"the one a chunked shard has")
-            rows = unpacker.unpack()
-            if not isinstance(rows, list) or len(rows) != entry.sessions \
-                    or header.get("sessions") != entry.sessions:
-                raise _undecodable(path, f"its index does not hold the {entry.sessions} "
-                                         f"sessions the manifest says")
+            rows = _index(unpacker, path, entry, header)
             turns, states = [], []
             read_array_header, skip, tell, unpack = (
                 unpacker.read_array_header, unpacker.skip, unpacker.tell, unpacker.unpack)
