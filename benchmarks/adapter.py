@@ -25,18 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import pickle
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import ray
-
-from benchmarks.common import verdict
+from benchmarks.common import on_local_ray, print_verdicts
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.adapters import AdaptedRollout
 from nemo_ckpt.adapters.skyrl_gym import SkyRLGym
@@ -173,20 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.blocks, args.rebuilds = 50, 2, 3
-    work = Path(tempfile.mkdtemp(prefix="nemo-ckpt-adapter-bench-"))
-    # A new instance of its own, even where another cluster on this machine would be
-    # joined by default.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
-    try:
-        results = asyncio.run(run(args, work))
-    finally:
-        ray.shutdown()
-        shutil.rmtree(work, ignore_errors=True)
+    results = on_local_ray(lambda work: run(args, work), "nemo-ckpt-adapter-bench-")
     print()
-    for target, holds, detail in results:
-        print(f"  {verdict(holds)} {target}")
-        print(f"         {detail}")
+    print_verdicts(results)
     return 0
 
 

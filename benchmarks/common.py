@@ -14,14 +14,16 @@ import math
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -29,6 +31,7 @@ from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.interfaces import EnvironmentEpisode
 
+T = TypeVar("T")
 MiB = 1 << 20
 _DISK_CHUNK = 4 * MiB  # the same chunk size the shard writer uses
 # Opens in flight per holder while populating (asyncio.gather over Ray calls). More in
@@ -383,6 +386,26 @@ def target(name: str, point: str, value: Any, holds: bool, limit: str) -> dict[s
 
 def verdict(holds: bool) -> str:
     return f"{'HOLDS' if holds else 'MISSED':6}"
+
+
+def on_local_ray(run: Callable[[Path], Coroutine[Any, Any, T]], prefix: str) -> T:
+    """``run(work)`` on an embedded Ray instance of its own (even where another cluster on
+    this machine would be joined by default), in a scratch folder removed after."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING)
+    try:
+        return asyncio.run(run(work))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def print_verdicts(results: Iterable[tuple[str, bool, str]]) -> None:
+    """Each target as HOLDS or MISSED, with its detail below it."""
+    for target, holds, detail in results:
+        print(f"  {verdict(holds)} {target}")
+        print(f"         {detail}")
 
 
 def format_targets(targets: Iterable[dict[str, Any]]) -> str:

@@ -23,19 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import random
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-import ray
-
 from actors.sandboxes import Sandboxes
-from benchmarks.common import verdict
+from benchmarks.common import on_local_ray, print_verdicts
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -265,20 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.sandboxes = 100
-    work = Path(tempfile.mkdtemp(prefix="nemo-ckpt-sandboxes-"))
-    # A new instance of its own, even where another cluster on this machine would be
-    # joined by default.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
-    try:
-        results = asyncio.run(run(args, work))
-    finally:
-        ray.shutdown()
-        shutil.rmtree(work, ignore_errors=True)
+    results = on_local_ray(lambda work: run(args, work), "nemo-ckpt-sandboxes-")
     print()
-    for target, holds, detail in results:
-        print(f"  {verdict(holds)} {target}")
-        print(f"         {detail}")
+    print_verdicts(results)
     return 0
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import ray
 
-from benchmarks.common import verdict
+from benchmarks.common import print_verdicts
 from benchmarks.sandboxes import pause_s
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import CheckpointConfig
@@ -399,9 +399,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{extra['pause_s'] * 1000:.1f} ms\n")
     if not results:
         print("  (no targets: restic was not run)")
-    for target, holds, detail in results:
-        print(f"  {verdict(holds)} {target}")
-        print(f"         {detail}")
+    print_verdicts(results)
     sys.stdout.flush()
     return 0
 
