@@ -105,26 +105,33 @@ def test_the_store_reports_whether_it_enforces_conditional_writes(
     assert folder.names() == []  # the probe left nothing
 
 
+def _two_writers(folder: Any, expect: str, before: Any = lambda: None) -> list[str]:
+    """Two threads write ``.claim-x.json`` (b"a" and b"b") on condition ``expect`` at
+    once; what each saw: "written" or "refused"."""
+    outcomes: list[str] = []
+
+    def write(data: bytes) -> None:
+        before()
+        try:
+            folder.write_bytes(".claim-x.json", data, sync=False, expect=expect)
+            outcomes.append("written")
+        except FileExistsError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=write, args=(d,)) for d in (b"a", b"b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return outcomes
+
+
 def test_of_two_writers_creating_one_name_at_once_exactly_one_wins(
         enforcing_store: str) -> None:
     folder = environment_folder(enforcing_store)
     folder.prepare()
     start = threading.Barrier(2)
-    outcomes: list[str] = []
-
-    def create(data: bytes) -> None:
-        start.wait()
-        try:
-            folder.write_bytes(".claim-x.json", data, sync=False, expect=ABSENT)
-            outcomes.append("written")
-        except FileExistsError:
-            outcomes.append("refused")
-
-    threads = [threading.Thread(target=create, args=(d,)) for d in (b"a", b"b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    outcomes = _two_writers(folder, ABSENT, before=start.wait)
     assert sorted(outcomes) == ["refused", "written"]
     assert folder.read(".claim-x.json") in (b"a", b"b")
 
@@ -230,19 +237,6 @@ def test_of_two_writers_replacing_one_version_at_once_on_a_local_folder_exactly_
         return found
 
     monkeypatch.setattr(type(folder), "version", read_then_wait)
-    outcomes: list[str] = []
-
-    def replace(data: bytes) -> None:
-        try:
-            folder.write_bytes(".claim-x.json", data, sync=False, expect=seen)
-            outcomes.append("written")
-        except FileExistsError:
-            outcomes.append("refused")
-
-    threads = [threading.Thread(target=replace, args=(d,)) for d in (b"a", b"b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    outcomes = _two_writers(folder, seen)
     assert sorted(outcomes) == ["refused", "written"]
     assert folder.read(".claim-x.json") in (b"a", b"b")
