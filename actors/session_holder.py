@@ -347,7 +347,7 @@ class SessionHolder:
         """Write a probe file under ``root`` (a folder or a bucket's prefix) and return
         where (for check_startup)."""
         def write() -> str:
-            folder = folder_at(join_location(root, PROBE_DIR))
+            folder = folder_at(join_location(root, PROBE_DIR), probe=True)
             folder.prepare()
             name = f"{self.instance_id}-{uuid.uuid4().hex}"
             folder.write_bytes(name, f"{self.instance_id} {self.node_id}\n".encode())

@@ -29,13 +29,14 @@ def environment_dir(checkpoint_path: Path | str) -> Path:
 PROBE_DIR = ".nemo_ckpt_probe"
 
 
-def folder_at(where: Path | str) -> Folder:
-    """The ``Folder`` at a path or URL (``nemo_ckpt.location``)."""
+def folder_at(where: Path | str, *, probe: bool = False) -> Folder:
+    """The ``Folder`` at a path or URL (``nemo_ckpt.location``). A ``probe``'s folder
+    fails fast: a bucket's client retries only briefly before saying nobody answers."""
     location = parse_location(where)
     if isinstance(location, ObjectLocation):
         from nemo_ckpt.object_folder import ObjectFolder  # obstore only when used
 
-        return ObjectFolder(location)
+        return ObjectFolder(location, probe=probe)
     return LocalFolder(location.path)
 
 

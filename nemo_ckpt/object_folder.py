@@ -23,7 +23,8 @@ import functools
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, BinaryIO, cast
 
 from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
@@ -104,8 +105,16 @@ def _body(call: Callable[[], Any], describe: str) -> Any:
 # Clients by bucket and the AWS_* environment they were made from: one per bucket, not
 # one per folder or call. Making one loads the TLS roots and a connection pool, which
 # costs milliseconds, and every snapshot is a new prefix; a changed environment makes anew.
-_STORES: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+_STORES: dict[tuple[tuple[str, tuple[tuple[str, str], ...]], bool], Any] = {}
 _MAX_STORES = 64
+
+# A probe's client gives up after a few quick retries: check_startup's probe must answer
+# within the holder call's deadline, and the store's default (ten retries, backoff drawn
+# at random up to 15 s each) can outlast it against a server that is down, which would
+# report a slow holder instead of the server nobody reaches.
+_PROBE_RETRIES = {"max_retries": 2, "retry_timeout": timedelta(seconds=2),
+                  "backoff": {"init_backoff": timedelta(milliseconds=50),
+                              "max_backoff": timedelta(milliseconds=500), "base": 2}}
 
 
 # Whether a bucket's server refuses a conditional write that no longer holds, by the
@@ -132,16 +141,17 @@ def _store_key(location: ObjectLocation) -> tuple[str, tuple[tuple[str, str], ..
             tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(prefixes))))
 
 
-def _store(location: ObjectLocation) -> Any:
+def _store(location: ObjectLocation, probe: bool = False) -> Any:
     from obstore.store import AzureStore, S3Store
 
-    key = _store_key(location)
+    key = (_store_key(location), probe)
     store = _STORES.get(key)
     if store is None:
         if len(_STORES) >= _MAX_STORES:
             _STORES.pop(next(iter(_STORES)))
         make = S3Store if location.scheme == "s3" else AzureStore
-        store = _STORES[key] = make(location.bucket)
+        retries = _PROBE_RETRIES if probe else None
+        store = _STORES[key] = make(location.bucket, retry_config=retries)  # type: ignore[arg-type]
     return store
 
 
@@ -150,6 +160,8 @@ class ObjectFolder:
     """A ``Folder`` under a prefix of a bucket. Equal folders have equal URLs."""
 
     location: ObjectLocation
+    # A probe's folder: its client retries briefly (``_PROBE_RETRIES``).
+    probe: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.location.scheme not in _ENVIRONMENT:
@@ -165,7 +177,7 @@ class ObjectFolder:
     def store(self) -> Any:
         """The bucket's obstore client (made from the environment on first use); it
         takes whole keys (``key``)."""
-        return _store(self.location)
+        return _store(self.location, self.probe)
 
     def key(self, name: str) -> str:
         """The whole key of file ``name`` of this folder in its bucket."""

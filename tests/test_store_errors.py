@@ -10,6 +10,7 @@ import socket
 
 import pytest
 
+from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.errors import SnapshotWriteError
 from tests.test_object_storage import session, write_snapshot
@@ -74,3 +75,23 @@ def test_an_endpoint_where_no_server_answers_is_named_in_one_line(
         write_snapshot("s3://ckpt/run", {"holder-0": [session("holder-0", "a")]})
     assert str(caught.value).endswith(f"no server answers at {endpoint} for s3://ckpt; "
                                        f"check AWS_ENDPOINT_URL's host and port")
+
+
+def test_a_startup_probe_gives_up_on_a_dead_server_after_two_retries_where_a_write_tries_ten(
+        no_aws_environment: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # check_startup's probe must answer within the holder call's deadline, so it names
+    # the server nobody reaches rather than a holder too slow to answer.
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k",
+                 "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1",
+                 "AWS_ALLOW_HTTP": "true"}.items():
+        monkeypatch.setenv(k, v)
+    causes = {}
+    for probe in (True, False):
+        with pytest.raises(SnapshotWriteError) as caught:
+            folder_at(f"s3://ckpt/{PROBE_DIR}", probe=probe).write_bytes("p", b"x")
+        assert str(caught.value).endswith(f"no server answers at {endpoint} for s3://ckpt; "
+                                          f"check AWS_ENDPOINT_URL's host and port")
+        causes[probe] = str(caught.value.__cause__)
+    assert "max_retries: 2," in causes[True], causes[True]
+    assert "max_retries: 10," in causes[False], causes[False]
