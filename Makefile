@@ -59,7 +59,7 @@ demo-s3: $(STAMP)
 # series to a million sessions (~7 min); BENCH_ARGS=--object-store snapshots into a
 # local S3-compatible server against the client library's own put and get (~3 min).
 # Without BENCH_ARGS or with --quick, then benchmarks.sandboxes_vs_restic (issue 26:
-# sandboxes against restic and tar; 1,000 x 1,000 files, or 100 sandboxes with --quick).
+# sandboxes against restic and tar; 1,000 x 1,000 files, ~15 min, or 100 sandboxes with --quick).
 BENCH_ARGS ?=
 # Then the adapter's benchmark (issue 28; ~1 min): ADAPTER_BENCH_ARGS=--quick for ~15 s.
 ADAPTER_BENCH_ARGS ?=
