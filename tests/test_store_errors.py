@@ -59,14 +59,20 @@ def test_a_scheme_nemo_ckpt_has_no_store_for_is_refused_in_one_line(
     assert "gs:// is not a store nemo-ckpt reads or writes; use s3://" in err
 
 
-def test_an_endpoint_where_no_server_answers_is_named_in_one_line(
-        no_aws_environment: None, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def dead_endpoint(no_aws_environment: None, monkeypatch: pytest.MonkeyPatch) -> str:
+    """An S3 endpoint, with credentials, where no server answers."""
     endpoint = f"http://127.0.0.1:{closed_port()}"
     for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k",
                  "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1",
                  "AWS_ALLOW_HTTP": "true"}.items():
         monkeypatch.setenv(k, v)
+    return endpoint
+
+
+def test_an_endpoint_where_no_server_answers_is_named_in_one_line(
+        dead_endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    endpoint = dead_endpoint
     assert main(["verify", "s3://ckpt/run"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
@@ -78,14 +84,10 @@ def test_an_endpoint_where_no_server_answers_is_named_in_one_line(
 
 
 def test_a_startup_probe_gives_up_on_a_dead_server_after_two_retries_where_a_write_tries_ten(
-        no_aws_environment: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        dead_endpoint: str) -> None:
     # check_startup's probe must answer within the holder call's deadline, so it names
     # the server nobody reaches rather than a holder too slow to answer.
-    endpoint = f"http://127.0.0.1:{closed_port()}"
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k",
-                 "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1",
-                 "AWS_ALLOW_HTTP": "true"}.items():
-        monkeypatch.setenv(k, v)
+    endpoint = dead_endpoint
     causes = {}
     for probe in (True, False):
         with pytest.raises(SnapshotWriteError) as caught:
