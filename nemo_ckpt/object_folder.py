@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
 from nemo_ckpt.folder import ABSENT, Sink, unlistable
@@ -33,6 +33,9 @@ from nemo_ckpt.location import ObjectLocation
 from nemo_ckpt.manifest import is_plain_file_name
 from nemo_ckpt.read_ahead import read_ahead
 from nemo_ckpt.store_errors import is_store_error, store_failure
+
+if TYPE_CHECKING:  # obstore itself is imported only when a bucket is used
+    from obstore.store import RetryConfig
 
 __all__ = ["SCHEMES", "ObjectFolder"]
 
@@ -112,7 +115,7 @@ _MAX_STORES = 64
 # within the holder call's deadline, and the store's default (ten retries, backoff drawn
 # at random up to 15 s each) can outlast it against a server that is down, which would
 # report a slow holder instead of the server nobody reaches.
-_PROBE_RETRIES = {"max_retries": 2, "retry_timeout": timedelta(seconds=2),
+_PROBE_RETRIES: RetryConfig = {"max_retries": 2, "retry_timeout": timedelta(seconds=2),
                   "backoff": {"init_backoff": timedelta(milliseconds=50),
                               "max_backoff": timedelta(milliseconds=500), "base": 2}}
 
@@ -151,7 +154,7 @@ def _store(location: ObjectLocation, probe: bool = False) -> Any:
             _STORES.pop(next(iter(_STORES)))
         make = S3Store if location.scheme == "s3" else AzureStore
         retries = _PROBE_RETRIES if probe else None
-        store = _STORES[key] = make(location.bucket, retry_config=retries)  # type: ignore[arg-type]
+        store = _STORES[key] = make(location.bucket, retry_config=retries)
     return store
 
 
