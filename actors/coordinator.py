@@ -34,7 +34,7 @@ The call order of a snapshot (driven by ``RayEnvironmentCheckpoint.snapshot``):
                                             commit point), the snapshot ended on every
                                             holder, the files it replaced removed
     5) (driver) release(id) to each holder  right after 4 is sent, from the driver itself
-                                            (``nemo_ckpt.holder_handles``: handles looked up
+                                            (``nemo_ckpt.driver.holder_handles``: handles looked up
                                             by name in the background once the driver knows
                                             the holders, again when 2 names a new
                                             ``holder_set``): each holder resumes

@@ -54,6 +54,7 @@ import ray
 from nemo_ckpt.blobs import BLOB_DIR
 from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.driver import RayEnvironmentCheckpoint
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.location import (
@@ -63,7 +64,6 @@ from nemo_ckpt.location import (
     join_location,
     parse_location,
 )
-from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import (

@@ -23,6 +23,7 @@ from nemo_ckpt.collection import CollectionReport, collect_blobs
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.cut import DataPlaneMutationCut
 from nemo_ckpt.diff import SnapshotDiff, diff_snapshots
+from nemo_ckpt.driver import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.interfaces import (
     EnvironmentCheckpoint,
     EnvironmentEpisode,
@@ -30,7 +31,6 @@ from nemo_ckpt.interfaces import (
     NoEnvironmentCheckpoint,
     RestoredEnvironmentRollouts,
 )
-from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
 from nemo_ckpt.summary import SnapshotSummary, inspect_snapshot

@@ -1,8 +1,8 @@
 """A session holder's interface as its callers see it: typed, whatever carries the call.
 
 ``HolderControl`` is what the coordinator calls (the phases of a snapshot and a restore,
-the ledger operations, probes; the driver sends ``release`` too, ``nemo_ckpt.holder_handles``),
-``HolderSessions`` what an environment worker's
+the ledger operations, probes; the driver sends ``release`` too,
+``nemo_ckpt.driver.holder_handles``), ``HolderSessions`` what an environment worker's
 ``SessionClient`` calls; ``actors.session_holder.SessionHolder`` implements both, and
 ``actors.ray_transport`` has mypy check that it does. The holder's own docstring
 states the order of the calls. ``HolderCalls`` and ``SessionCalls`` make the same calls through a

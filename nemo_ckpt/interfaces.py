@@ -3,7 +3,7 @@
 The controller saves and restores the rollout state that lives in the environment
 backend (agent sessions, tool state, the turns already run) only through
 ``EnvironmentCheckpoint``; it never names the backend. ``RayEnvironmentCheckpoint``
-(in ``nemo_ckpt.ray_checkpoint``) implements it over Ray actors; a backend that keeps
+(in ``nemo_ckpt.driver``) implements it over Ray actors; a backend that keeps
 no rollout state uses ``NoEnvironmentCheckpoint``.
 
 A rollout snapshot calls the interface in this order::

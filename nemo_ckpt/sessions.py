@@ -3,7 +3,7 @@ the ``Turn`` it hands out. The session's data is ``nemo_ckpt.session_record``.
 
 The client reaches its holder through a ``Transport``. The core does not import the Ray
 side: without a ``transport``, ``connect`` uses the one registered with
-``register_default_transport``, which ``nemo_ckpt.ray_checkpoint`` does on import
+``register_default_transport``, which ``nemo_ckpt.driver`` does on import
 (``import nemo_ckpt`` imports it), so a worker gets Ray's.
 """
 
@@ -32,7 +32,7 @@ _default_transport: Callable[[str], Transport] | None = None
 def register_default_transport(factory: Callable[[str], Transport]
                                ) -> Callable[[str], Transport] | None:
     """Make ``factory(namespace)`` the transport of ``SessionClient.connect`` calls that
-    pass none (``nemo_ckpt.ray_checkpoint`` registers Ray's); returns the one it replaces."""
+    pass none (``nemo_ckpt.driver`` registers Ray's); returns the one it replaces."""
     global _default_transport
     previous, _default_transport = _default_transport, factory
     return previous

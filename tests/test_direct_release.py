@@ -1,5 +1,5 @@
 """The driver releases the holders itself as a snapshot's block exits, beside its commit
-(``nemo_ckpt.holder_handles``): the gates open one hop sooner than by the coordinator's
+(``nemo_ckpt.driver.holder_handles``): the gates open one hop sooner than by the coordinator's
 release, which still follows. In-process, on virtual time (``tests.harness``)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from nemo_ckpt import RayEnvironmentCheckpoint
 from nemo_ckpt.coordinator_api import SnapshotBegun
+from nemo_ckpt.driver.holder_handles import HolderHandles
 from nemo_ckpt.errors import SnapshotMismatchError
-from nemo_ckpt.holder_handles import HolderHandles
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.transport import HOLDER, Actor, Runtime

@@ -17,8 +17,8 @@ import pytest
 from actors.session_holder import SessionHolder
 from nemo_ckpt import catalog
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
+from nemo_ckpt.driver import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.errors import BackendUnavailableError
-from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.testing import sim
 from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import HOLDER, Actor

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_ckpt.config import CheckpointConfig
-from nemo_ckpt.ray_checkpoint import RayEnvironmentCheckpoint
+from nemo_ckpt.driver import RayEnvironmentCheckpoint
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import COORDINATOR, HOLDER

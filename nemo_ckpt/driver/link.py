@@ -1,0 +1,176 @@
+"""The driver's link to the coordinator: calls attached to it, sent again while its name
+still resolves to a dead incarnation, lease renewals, aborts that learn an operation's
+outcome, the ledger's retries and the wait for a shutdown's names to go.
+
+The call order a driver follows is stated once, on ``nemo_ckpt.coordinator_api.CoordinatorApi``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.coordinator_api import CoordinatorCalls
+from nemo_ckpt.errors import BackendUnavailableError
+from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.operations import new_operation_id
+from nemo_ckpt.transport import COORDINATOR, Transport
+
+__all__ = ["CoordinatorLink", "finish"]
+
+log = logging.getLogger("nemo_ckpt")
+# retire/forget are idempotent: a restarted coordinator or a lost holder is retried.
+_LEDGER_OP_TRIES = 4
+# How often a call looks the coordinator's name up again while it resolves to the dead.
+NAME_RETRY_S = 0.25
+# How often shutdown(wait=True) looks whether Ray has released the names.
+_GONE_POLL_S = 0.1
+# Calls whose outcome, when the coordinator died under them, only the abort can tell.
+_OUTCOME_CALLS = frozenset({"commit_snapshot", "commit_restore"})
+
+
+class CoordinatorLink:
+    """Everything the driver says to the coordinator, and how it copes with its loss."""
+
+    def __init__(self, config: CheckpointConfig, transport: Callable[[], Transport]) -> None:
+        self.config = config
+        self._transport = transport  # the driver's, made on first use
+        self._attached = False  # whether the coordinator has compared our config
+        self._driver_id: str | None = None  # names this driver in its operation ids
+        self._sequence = 0
+        self.calls = CoordinatorCalls(
+            self._call, lambda method, *args: self._transport().send(
+                self._transport().coordinator(), method, *args))
+
+    @property
+    def name_wait_s(self) -> float:
+        """How long a call waits for the coordinator's name to stop resolving to a dead
+        incarnation: past a lease, the holders have resumed by themselves anyway."""
+        return self.config.lease_s + self.config.phase_timeout_s
+
+    def new_operation_id(self, kind: str) -> str:
+        runtime = self._transport().runtime
+        if self._driver_id is None:
+            self._driver_id = runtime.token()[:8]
+        self._sequence += 1
+        return new_operation_id(kind, runtime.clock.wall(), self._driver_id, self._sequence)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """Call the coordinator (errors as ``Transport.call`` raises them), attached first:
+        a coordinator found alive was made with someone's config
+        (``CheckpointCoordinator.attach``). A call that finds the coordinator dead is sent
+        again, within a lease and a phase, while Ray may still resolve its name to the
+        dead actor (until it has declared the actor's node dead): the next attempt after
+        a coordinator's loss then finds its successor. A commit is not: its outcome is
+        learned from the abort (``RayEnvironmentCheckpoint``'s commit)."""
+        transport = self._transport()
+        clock = transport.runtime.clock
+        deadline = clock.monotonic() + self.name_wait_s
+        while True:
+            try:
+                if not self._attached:
+                    await CoordinatorCalls.direct(transport).attach(self.config)
+                    self._attached = True
+                return await transport.call(transport.coordinator(), method, *args)
+            except BackendUnavailableError as exc:
+                self._attached = False  # another coordinator may answer next: attach to it
+                if exc.unreachable != COORDINATOR or exc.timed_out \
+                        or method in _OUTCOME_CALLS or clock.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(NAME_RETRY_S)
+
+    async def abort(self, op_id: str, path: str | None, cause: BaseException) -> str | None:
+        """Abort ``op_id`` everywhere, even from a cancelled task, and return its outcome
+        ("committed" if its commit won), or None if the coordinator could not be reached
+        (the holders then end it by their lease)."""
+        # ``_call`` sends it again while the coordinator's name resolves to the dead:
+        # the survivors resume at once after a node's loss, not by their lease.
+        answer, _ = await finish(asyncio.ensure_future(
+            self.calls.abort(op_id, path, type(cause).__name__)))
+        if isinstance(answer, BaseException):
+            log.warning("abort of %s after %s also failed: %s", op_id,
+                        type(cause).__name__, answer)
+            return None
+        return str(answer)
+
+    @contextlib.asynccontextmanager
+    async def renewing(self, op_id: str) -> AsyncIterator[None]:
+        """Renew ``op_id``'s lease every renewal period while the block runs; each
+        renewal on its own, so that one slow answer does not delay the next."""
+        pending: set[asyncio.Future[Any]] = set()
+
+        async def renew_once() -> None:
+            try:
+                await CoordinatorCalls.direct(self._transport(),
+                                              self.config.lease_s).renew(op_id)
+            except Exception as exc:
+                log.debug("lease renewal of %s failed: %s", op_id, exc)
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self.config.renew_interval_s)
+                task = asyncio.ensure_future(renew_once())
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+
+        task = asyncio.ensure_future(renew())
+        try:
+            yield
+        finally:
+            task.cancel()
+            for each in list(pending):
+                each.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def ledger_op(self, op: str, episodes: list[EnvironmentEpisode]) -> list[str]:
+        """``retire`` or ``forget``, sent again after a coordinator or holder was briefly
+        unavailable (both are idempotent)."""
+        call = self.calls.retire if op == "retire" else self.calls.forget
+        for attempt in range(_LEDGER_OP_TRIES):
+            try:
+                return await call(episodes)
+            except BackendUnavailableError:
+                if attempt == _LEDGER_OP_TRIES - 1:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def until_gone(self, timeout_s: float) -> None:
+        """Return once Ray has released every name of the namespace (killing any actor a
+        straggling call made meanwhile); ``BackendUnavailableError`` after ``timeout_s``."""
+        transport = self._transport()
+        clock = transport.runtime.clock
+        deadline = clock.monotonic() + timeout_s
+        while names := transport.actor_names():
+            if clock.monotonic() >= deadline:
+                raise BackendUnavailableError(
+                    f"shutdown of namespace {transport.namespace}: {', '.join(sorted(names))} "
+                    f"still registered {timeout_s:g}s after the kill (Ray releases a name "
+                    f"once it has seen the actor dead; its node may be unreachable); call "
+                    f"shutdown(wait=True) again")
+            transport.kill_namespace()  # one created meanwhile by a straggling call
+            await asyncio.sleep(_GONE_POLL_S)
+
+
+async def finish(future: asyncio.Future[Any]) -> tuple[Any, bool]:
+    """Wait for ``future`` to end even if this task is cancelled meanwhile. Returns its
+    result (or the exception it raised) and whether a cancellation came, for the caller
+    to raise once it has acted on the result."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                cancelled = True
+        except BaseException:
+            break
+    if future.cancelled():
+        return asyncio.CancelledError(), True
+    error = future.exception()
+    return (error if error is not None else future.result()), cancelled
