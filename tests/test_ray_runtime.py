@@ -314,7 +314,7 @@ async def test_a_lapsed_lease_resumes_holders_and_the_commit_is_refused(
         await asyncio.sleep(1.6)
         assert set((await states(ckpt)).values()) == {HolderState.RUNNING}
         with pytest.raises(LeaseExpiredError, match="lease of snap-x lapsed"):
-            await ckpt._call("commit_snapshot", "snap-x", path, {}, 0)
+            await ckpt._coordinator.commit_snapshot("snap-x", path, {}, 0)
         assert not (Path(path) / "environment" / "manifest.json").exists()
         assert list((Path(path) / "environment").glob("shard-*")) == []
         async with c.turn(Ep("a", 0)) as turn:  # turns flow again

@@ -262,6 +262,43 @@ def test_a_holder_dying_during_commit_restore_leaves_nothing_live_and_the_retry_
         world.close()
 
 
+def test_a_restore_whose_commit_reply_was_lost_is_live_and_reported_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator ran ``commit_restore`` but its reply never reached the driver:
+    the driver learns the outcome from the abort's answer ("committed"), so
+    ``restored()`` exits cleanly and the sessions stay live, as for a snapshot."""
+    first = World(tmp_path)
+    path = tmp_path / "ckpt"
+    try:
+        live = first.run(first.populate())
+        first.run(first.snapshot(path, live))
+    finally:
+        first.close()
+    world = World(tmp_path)
+    try:
+        sent = world.ckpt._coordinator.commit_restore
+
+        async def reply_lost(restore_id: str) -> int:
+            await sent(restore_id)
+            error = BackendUnavailableError("the reply to commit_restore was lost (injected)")
+            error.unreachable = COORDINATOR
+            raise error
+
+        monkeypatch.setattr(world.ckpt._coordinator, "commit_restore", reply_lost)
+
+        async def scenario() -> None:
+            async with world.ckpt.restored(path) as restored:
+                assert len(restored.continued_attempts) == 6
+            restored_eps = {s.episode for h in world.holders().values()
+                            for s in await h.sessions()}
+            assert restored_eps == {ep.next_attempt() for eps in live.values() for ep in eps}
+            assert world.ckpt.last_restore_metrics is not None
+
+        world.run(scenario())
+    finally:
+        world.close()
+
+
 # --- case 6: leases are renewed through long phases ------------------------------------------
 
 
