@@ -5,13 +5,13 @@ Each operation the holder takes part in is, at any moment, in one of these state
     SnapshotPaused(work, lease)      the gate is closed for it: drain, capture, maybe write
     SnapshotReleased(work, lease)    the gate opened again while its shard is written; it
                                      awaits its commit or abort under its lease
-    RestorePreparing(work, lease)    the gate is closed for it: shards read and verified,
+    RestoreLoading(work, lease)      the gate is closed for it: shards read and verified,
                                      nothing live yet
     RestoreLive(rollouts, dirs)      committed here and live, yet undone by its abort until
                                      a turn uses it or another restore starts
     Ended(outcome)                   terminal: committed, aborted or lapsed
 
-and it moves only through ``Lifecycles.enter``, which alone records an outcome, and only
+and it moves only through ``HolderOperationTable.enter``, which alone records an outcome, and only
 when an operation enters ``Ended``: once, whatever comes later, so a late or repeated
 call gets that outcome or a clear refusal. A restore found committed here after its
 abort elsewhere is the named transition RestoreLive -> Ended(aborted) ("undone"); one
@@ -24,31 +24,24 @@ snapshots and at most one live restore run beside it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.sandboxes import RestoredSandbox, SandboxCapture
 from actors.session_table import Held
-from nemo_ckpt.errors import (
-    HolderBusyError,
-    HolderStateError,
-    LeaseExpiredError,
-    OperationAbortedError,
-    StaleSnapshotError,
-)
+from nemo_ckpt.errors import HolderBusyError, HolderStateError, StaleSnapshotError
 from nemo_ckpt.folder import Folder
-from nemo_ckpt.operations import OperationHistory, Outcome
+from nemo_ckpt.operations import LifecycleTable, Outcome
 from nemo_ckpt.phases import CaptureReport, HolderState, PauseReport, PersistReport
 from nemo_ckpt.phases import RestorePrepared as PreparedReport
 
 __all__ = [
     "Capture",
     "Ended",
-    "Lifecycles",
+    "HolderOperationTable",
     "OperationState",
     "RestoreLive",
-    "RestorePreparing",
+    "RestoreLoading",
     "RestoreWork",
     "SnapshotPaused",
     "SnapshotReleased",
@@ -110,7 +103,7 @@ class SnapshotReleased:
 
 
 @dataclass(eq=False)
-class RestorePreparing:
+class RestoreLoading:
     """Loading one restore, under a lease; new turns wait at the gate."""
 
     work: RestoreWork
@@ -137,29 +130,29 @@ class Ended:
     outcome: Outcome
 
 
-Leased = SnapshotPaused | SnapshotReleased | RestorePreparing
-OperationState = SnapshotPaused | SnapshotReleased | RestorePreparing | RestoreLive | Ended
+Leased = SnapshotPaused | SnapshotReleased | RestoreLoading
+OperationState = SnapshotPaused | SnapshotReleased | RestoreLoading | RestoreLive | Ended
 
 # The transitions allowed, by the state left; an operation never seen here may enter
-# SnapshotPaused, RestorePreparing or Ended (an abort that overtook its first call).
+# SnapshotPaused, RestoreLoading or Ended (an abort that overtook its first call).
 _NEXT: dict[type, tuple[type, ...]] = {
-    type(None): (SnapshotPaused, RestorePreparing, Ended),
+    type(None): (SnapshotPaused, RestoreLoading, Ended),
     SnapshotPaused: (SnapshotReleased, Ended),
     SnapshotReleased: (Ended,),
-    RestorePreparing: (RestoreLive, Ended),
+    RestoreLoading: (RestoreLive, Ended),
     RestoreLive: (Ended,),
     Ended: (),
 }
 
 
-class Lifecycles:
+class HolderOperationTable(LifecycleTable[OperationState]):
     """The open operations' states, and the bounded history of the ended ones, of the
-    holder of ``instance_id``."""
+    holder of ``instance_id`` (the base: ``nemo_ckpt.operations.LifecycleTable``)."""
 
     def __init__(self, instance_id: str) -> None:
+        super().__init__()
         self.instance_id = instance_id
-        self._open: dict[str, OperationState] = {}
-        self.history = OperationHistory()
+        self._who = f"{instance_id}: "
 
     def enter(self, op_id: str, new: OperationState) -> OperationState | None:
         """Move ``op_id`` to ``new`` and return the state it left (None if not open).
@@ -174,8 +167,7 @@ class Lifecycles:
             raise HolderStateError(
                 f"{op_id}: no transition from {type(old).__name__} to {type(new).__name__}")
         if isinstance(new, Ended):
-            self._open.pop(op_id, None)
-            self.history.record(op_id, new.outcome)
+            self._close(op_id, new.outcome)
         else:
             if not new.gate_open:
                 current = self.current
@@ -183,10 +175,6 @@ class Lifecycles:
                     raise HolderStateError(f"{op_id}: the gate is closed for another one")
             self._open[op_id] = new
         return old
-
-    def get(self, op_id: str) -> OperationState | None:
-        """``op_id``'s state while it is open, else None."""
-        return self._open.get(op_id)
 
     def outcome(self, op_id: str) -> Outcome | None:
         """How ``op_id`` ended, or committed for a live restore (its commit stands unless
@@ -196,17 +184,17 @@ class Lifecycles:
         return self.history.outcome(op_id)
 
     @property
-    def current(self) -> SnapshotPaused | RestorePreparing | None:
+    def current(self) -> SnapshotPaused | RestoreLoading | None:
         """The one operation the gate is closed for, if any."""
         for state in self._open.values():
-            if isinstance(state, (SnapshotPaused, RestorePreparing)):
+            if isinstance(state, (SnapshotPaused, RestoreLoading)):
                 return state
         return None
 
     def current_id(self) -> str | None:
         """The id of ``current``."""
         for op_id, state in self._open.items():
-            if isinstance(state, (SnapshotPaused, RestorePreparing)):
+            if isinstance(state, (SnapshotPaused, RestoreLoading)):
                 return op_id
         return None
 
@@ -239,29 +227,6 @@ class Lifecycles:
         state = self.current
         return 0.0 if state is None else max(0.0, state.lease_deadline - now)
 
-    def refusal(self, op_id: str, now: float) -> Exception:
-        """Why a call for ``op_id``, which is not open in the state the call needs, is
-        refused: its recorded outcome, or that it is late, or that another one runs."""
-        who = self.instance_id
-        outcome = self.outcome(op_id)
-        if outcome is Outcome.LAPSED:
-            return LeaseExpiredError(
-                f"{who}: the lease of {op_id} lapsed, so the holder resumed by itself and "
-                f"{op_id} cannot commit; retry (renewals stopped: was the driver or "
-                f"coordinator stalled or gone?)")
-        if outcome is Outcome.ABORTED:
-            return OperationAbortedError(
-                f"{who}: {op_id} was aborted; a late call for it changes nothing here")
-        if outcome is Outcome.COMMITTED:
-            return StaleSnapshotError(f"{who}: {op_id} already committed")
-        if self.history.is_late(op_id):
-            return StaleSnapshotError(
-                f"{who}: {op_id} is late: its driver has started a newer operation since, "
-                f"so it ended; refused without pausing anything")
-        if self.current is not None:
-            return self.busy(f"a call for {op_id}", now)
-        return StaleSnapshotError(f"{who}: no operation {op_id} here (the holder is running)")
-
     def busy(self, what: str, now: float) -> HolderBusyError:
         """The refusal of ``what`` while the gate is closed for ``current``."""
         state = self.current
@@ -271,5 +236,20 @@ class Lifecycles:
             f"{self.current_id()}; wait until that operation finishes (its lease lapses in "
             f"at most {self.lease_left(now):.1f}s if its driver died)")
 
-    def __iter__(self) -> Iterator[tuple[str, OperationState]]:
-        return iter(list(self._open.items()))
+    # --- the holder's words for a refusal (``LifecycleTable.refusal``) -------------------
+
+    _late_advice = ", so it ended; refused without pausing anything"
+
+    def _lapsed(self, op_id: str) -> str:
+        return (f"{self.instance_id}: the lease of {op_id} lapsed, so the holder resumed by "
+                f"itself and {op_id} cannot commit; retry (renewals stopped: was the driver "
+                f"or coordinator stalled or gone?)")
+
+    def _aborted(self, op_id: str) -> str:
+        return f"{self.instance_id}: {op_id} was aborted; a late call for it changes nothing here"
+
+    def _unknown(self, op_id: str, now: float) -> Exception:
+        if self.current is not None:
+            return self.busy(f"a call for {op_id}", now)
+        return StaleSnapshotError(
+            f"{self.instance_id}: no operation {op_id} here (the holder is running)")

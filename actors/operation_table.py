@@ -21,45 +21,29 @@ from actors.operation_states import (
     Unseen,
     can_move,
 )
-from nemo_ckpt.errors import (
-    BackendUnavailableError,
-    LeaseExpiredError,
-    OperationAbortedError,
-    StaleSnapshotError,
-)
-from nemo_ckpt.operations import HISTORY_SIZE, OperationHistory, Outcome
+from nemo_ckpt.errors import BackendUnavailableError, StaleSnapshotError
+from nemo_ckpt.operations import HISTORY_SIZE, LifecycleTable
 
 __all__ = ["OperationTable"]
 
 
-class OperationTable:
-    """Open operations by id, and the outcomes of the last ones that ended."""
+class OperationTable(LifecycleTable[Operation]):
+    """Open operations by id, and the outcomes of the last ones that ended (the base:
+    ``nemo_ckpt.operations.LifecycleTable``)."""
 
     def __init__(self, lease_s: float) -> None:
+        super().__init__()
         self.lease_s = lease_s  # for the refusal of a lapsed operation
-        self._open: dict[str, Operation] = {}
-        self._history = OperationHistory()
         # What a committed snapshot's commit answered, for a repeated commit.
         self._results: OrderedDict[str, Any] = OrderedDict()
-
-    def __bool__(self) -> bool:
-        return bool(self._open)
-
-    def get(self, op_id: str) -> Operation | None:
-        """The open operation ``op_id``, if any."""
-        return self._open.get(op_id)
 
     def open_ones(self) -> list[Operation]:
         return list(self._open.values())
 
     def bounds(self) -> dict[str, int]:
         """The sizes of what the table remembers: open records, outcomes, results."""
-        return {"open": len(self._open), "history": len(self._history),
+        return {"open": len(self._open), "history": len(self.history),
                 "results": len(self._results)}
-
-    def outcome(self, op_id: str) -> Outcome | None:
-        """How ``op_id`` ended, if it is among the last ones that did."""
-        return self._history.outcome(op_id)
 
     def result(self, op_id: str) -> Any:
         """What the commit of ``op_id`` answered, if it committed recently here."""
@@ -76,9 +60,8 @@ class OperationTable:
         if op.id in self._open:
             raise StaleSnapshotError(f"{op.id} is already in progress; a repeated first "
                                      f"call is refused")
-        if self._history.outcome(op.id) is not None or self._history.is_late(op.id):
-            raise self.refusal(op.id)
-        self._history.note(op.id)
+        self.refuse_ended(op.id)
+        self.history.note(op.id)
         self._open[op.id] = op
         return op
 
@@ -97,27 +80,22 @@ class OperationTable:
         old, op.state = op.state, state
         if not isinstance(state, Terminal):
             return
-        self._history.record(op.id, state.outcome, replace=isinstance(state, FoundCommitted))
-        self._open.pop(op.id, None)
+        self._close(op.id, state.outcome, replace=isinstance(state, FoundCommitted))
         if isinstance(old, SnapshotCommitting) and old.unique_check is not None:
             old.unique_check.cancel()  # decodes every capture: needless now
         op.closed.set()
 
-    def refusal(self, op_id: str) -> Exception:
-        """Why a call for ``op_id``, which is not open here, is refused."""
-        outcome = self._history.outcome(op_id)
-        if outcome is Outcome.LAPSED:
-            return LeaseExpiredError(
-                f"the lease of {op_id} lapsed (no renewal for {self.lease_s:g}s: the "
+    # --- the coordinator's words for a refusal (``LifecycleTable.refusal``) --------------
+
+    def _lapsed(self, op_id: str) -> str:
+        return (f"the lease of {op_id} lapsed (no renewal for {self.lease_s:g}s: the "
                 f"driver stalled or could not reach the coordinator), so it was aborted and "
                 f"the holders resumed; retry")
-        if outcome is Outcome.ABORTED:
-            return OperationAbortedError(f"{op_id} was aborted; retry the operation")
-        if outcome is Outcome.COMMITTED:
-            return StaleSnapshotError(f"{op_id} already committed")
-        if self._history.is_late(op_id):
-            return StaleSnapshotError(
-                f"{op_id} is late: its driver has started a newer operation since")
+
+    def _aborted(self, op_id: str) -> str:
+        return f"{op_id} was aborted; retry the operation"
+
+    def _unknown(self, op_id: str, now: float) -> Exception:
         return BackendUnavailableError(
             f"coordinator knows no operation {op_id}: it restarted since the operation "
             f"began, and the holders resume by their lease; retry the operation")

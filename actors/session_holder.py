@@ -25,10 +25,10 @@ from actors.holder_shards import ShardPrefetch, read_restore_shard, write_captur
 from actors.holder_states import (
     Capture,
     Ended,
-    Lifecycles,
+    HolderOperationTable,
     OperationState,
     RestoreLive,
-    RestorePreparing,
+    RestoreLoading,
     RestoreWork,
     SnapshotPaused,
     SnapshotReleased,
@@ -172,7 +172,7 @@ class SessionHolder:
         # The sessions' sandbox directories, and the node cache of their files.
         self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root, namespace,
                                     sandbox_limits, sandbox_restore_setid)
-        self._ops = Lifecycles(instance_id)
+        self._ops = HolderOperationTable(instance_id)
         # Shards read ahead of a restore the driver announced (``prefetch``).
         self._prefetch = ShardPrefetch(self._runtime)
         self._last_snapshot_id: str | None = None
@@ -198,7 +198,7 @@ class SessionHolder:
             if isinstance(old, SnapshotPaused | SnapshotReleased) \
                     and new.outcome is Outcome.COMMITTED:
                 self._last_snapshot_id = op_id
-            if isinstance(old, RestorePreparing):
+            if isinstance(old, RestoreLoading):
                 self._discard_restore(old.work)
             if isinstance(old, RestoreLive) and new.outcome is not Outcome.COMMITTED:
                 self._undo(op_id, old)
@@ -251,8 +251,7 @@ class SessionHolder:
         (no turn since): its sessions go first. That is how the retry of a restore that
         failed elsewhere adopts this holder when the failed one's abort has not reached
         it yet (a slow link): all or nothing, whichever message comes first."""
-        if self._ops.outcome(op_id) is not None or self._ops.history.is_late(op_id):
-            raise self._refusal(op_id)
+        self._ops.refuse_ended(op_id, self._clock.monotonic())
         if self._ops.current is not None:
             raise self._busy(what)
         self._ops.history.note(op_id)
@@ -268,7 +267,7 @@ class SessionHolder:
 
     def _current_restore(self, op_id: str) -> RestoreWork:
         state = self._ops.get(op_id)
-        if not isinstance(state, RestorePreparing):
+        if not isinstance(state, RestoreLoading):
             raise self._refusal(op_id)
         return state.work
 
@@ -679,7 +678,7 @@ class SessionHolder:
         released); returns seconds left. Refused, without changing anything, for any
         other operation."""
         state = self._ops.get(operation_id)
-        if not isinstance(state, SnapshotPaused | SnapshotReleased | RestorePreparing):
+        if not isinstance(state, SnapshotPaused | SnapshotReleased | RestoreLoading):
             raise self._refusal(operation_id)
         state.lease_deadline = self._clock.monotonic() + lease_s
         return lease_s
@@ -798,11 +797,11 @@ class SessionHolder:
         directories (from ``blob_store``) in a staging folder; nothing goes live until
         commit. Repeating it waits for and returns the first call's result."""
         state = self._ops.get(restore_id)
-        if isinstance(state, RestorePreparing):
+        if isinstance(state, RestoreLoading):
             return await asyncio.shield(state.work.prepared)
         self._admit(restore_id, f"restore {restore_id}", restore=True)
         op = RestoreWork(restore_id)
-        self._set_state(restore_id, RestorePreparing(op, self._clock.monotonic() + lease_s))
+        self._set_state(restore_id, RestoreLoading(op, self._clock.monotonic() + lease_s))
         try:
             await self._injected_delay("prepare_restore")
             directory = folder_at(where)
@@ -856,7 +855,7 @@ class SessionHolder:
     async def commit_restore(self, restore_id: str) -> int:
         """Make the restored sessions live and resume. Returns how many went live."""
         state = self._ops.get(restore_id)
-        if not isinstance(state, RestorePreparing):
+        if not isinstance(state, RestoreLoading):
             if self._ops.outcome(restore_id) is Outcome.COMMITTED:
                 return 0
             raise self._refusal(restore_id)
@@ -929,7 +928,7 @@ class SessionHolder:
     def _restore_open(self, work: RestoreWork) -> bool:
         """Whether ``work``'s restore is still preparing (not aborted or lapsed)."""
         state = self._ops.get(work.id)
-        return isinstance(state, RestorePreparing) and state.work is work
+        return isinstance(state, RestoreLoading) and state.work is work
 
     def _check_episode(self, episode: object) -> None:
         if not isinstance(episode, EnvironmentEpisode):

@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import enum
 import re
+from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Iterator
 from datetime import datetime, timezone
+from typing import Generic, TypeVar
+
+from nemo_ckpt.errors import LeaseExpiredError, OperationAbortedError, StaleSnapshotError
 
 __all__ = [
     "HISTORY_SIZE",
+    "LifecycleTable",
     "OperationHistory",
     "Outcome",
     "new_operation_id",
@@ -107,3 +113,79 @@ class OperationHistory:
             self._outcomes.popitem(last=False)
         self.note(operation_id)
         return outcome
+
+
+S = TypeVar("S")
+
+
+class LifecycleTable(ABC, Generic[S]):
+    """Open operations by id, each in a state ``S``, and the bounded history of the ended
+    ones: what the holder's and the coordinator's tables share
+    (``actors.holder_states.HolderOperationTable``, ``actors.operation_table.OperationTable``).
+    Each keeps its own moves between states; both close an operation only through
+    ``_close``, the one place an outcome is recorded, and refuse a call for an operation
+    that is not open in the same order (``refusal``), in their own words."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, S] = {}
+        self.history = OperationHistory()
+
+    def __bool__(self) -> bool:
+        return bool(self._open)
+
+    def __iter__(self) -> Iterator[tuple[str, S]]:
+        return iter(list(self._open.items()))
+
+    def get(self, op_id: str) -> S | None:
+        """``op_id``'s state (or record) while it is open, else None."""
+        return self._open.get(op_id)
+
+    def outcome(self, op_id: str) -> Outcome | None:
+        """How ``op_id`` ended, if it is among the last ones that did."""
+        return self.history.outcome(op_id)
+
+    def refuse_ended(self, op_id: str, now: float = 0.0) -> None:
+        """Refuse a first call for an operation that ended here or is late (its driver
+        has started a newer one since). The caller notes it as started
+        (``history.note``) once nothing else refuses it."""
+        if self.outcome(op_id) is not None or self.history.is_late(op_id):
+            raise self.refusal(op_id, now)
+
+    def _close(self, op_id: str, outcome: Outcome, replace: bool = False) -> None:
+        """End ``op_id`` with ``outcome``: the one place an outcome is recorded (the
+        first one stands unless ``replace``)."""
+        self._open.pop(op_id, None)
+        self.history.record(op_id, outcome, replace=replace)
+
+    def refusal(self, op_id: str, now: float = 0.0) -> Exception:
+        """Why a call for ``op_id``, which is not open in the state the call needs, is
+        refused: its recorded outcome, or that it is late, or what else is going on."""
+        outcome = self.outcome(op_id)
+        if outcome is Outcome.LAPSED:
+            return LeaseExpiredError(self._lapsed(op_id))
+        if outcome is Outcome.ABORTED:
+            return OperationAbortedError(self._aborted(op_id))
+        if outcome is Outcome.COMMITTED:
+            return StaleSnapshotError(f"{self._who}{op_id} already committed")
+        if self.history.is_late(op_id):
+            return StaleSnapshotError(
+                f"{self._who}{op_id} is late: its driver has started a newer operation "
+                f"since{self._late_advice}")
+        return self._unknown(op_id, now)
+
+    # --- each side's words ---------------------------------------------------------------
+
+    _who = ""  # how a refusal names the participant, e.g. "holder-0: "
+    _late_advice = ""
+
+    @abstractmethod
+    def _lapsed(self, op_id: str) -> str:
+        """The words of a lapsed operation's refusal."""
+
+    @abstractmethod
+    def _aborted(self, op_id: str) -> str:
+        """The words of an aborted operation's refusal."""
+
+    @abstractmethod
+    def _unknown(self, op_id: str, now: float) -> Exception:
+        """The refusal of an operation this table has no outcome of."""

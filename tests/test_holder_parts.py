@@ -9,9 +9,9 @@ import pytest
 
 from actors.holder_states import (
     Ended,
-    Lifecycles,
+    HolderOperationTable,
     RestoreLive,
-    RestorePreparing,
+    RestoreLoading,
     RestoreWork,
     SnapshotPaused,
     SnapshotReleased,
@@ -43,7 +43,7 @@ def paused(op_id: str, deadline: float = 10.0) -> SnapshotPaused:
 
 
 def test_an_ended_operation_keeps_its_first_outcome() -> None:
-    ops = Lifecycles("holder-0")
+    ops = HolderOperationTable("holder-0")
     ops.enter("snap-1", paused("snap-1"))
     ops.enter("snap-1", Ended(Outcome.LAPSED))
     ops.enter("snap-1", Ended(Outcome.COMMITTED))  # a late resume
@@ -52,7 +52,7 @@ def test_an_ended_operation_keeps_its_first_outcome() -> None:
 
 
 def test_an_abort_that_comes_first_is_the_outcome_and_the_operation_cannot_start() -> None:
-    ops = Lifecycles("holder-0")
+    ops = HolderOperationTable("holder-0")
     ops.enter("snap-1", Ended(Outcome.ABORTED))
     with pytest.raises(HolderStateError, match="already ended"):
         ops.enter("snap-1", paused("snap-1"))
@@ -60,7 +60,7 @@ def test_an_abort_that_comes_first_is_the_outcome_and_the_operation_cannot_start
 
 
 def test_the_gate_closes_for_one_operation_at_a_time() -> None:
-    ops = Lifecycles("holder-0")
+    ops = HolderOperationTable("holder-0")
     first = paused("snap-1")
     ops.enter("snap-1", first)
     with pytest.raises(HolderStateError, match="closed for another"):
@@ -73,7 +73,7 @@ def test_the_gate_closes_for_one_operation_at_a_time() -> None:
 
 
 def test_a_transition_not_in_the_list_is_refused() -> None:
-    ops = Lifecycles("holder-0")
+    ops = HolderOperationTable("holder-0")
     state = paused("snap-1")
     ops.enter("snap-1", state)
     ops.enter("snap-1", SnapshotReleased(state.work, 10.0))
@@ -84,8 +84,8 @@ def test_a_transition_not_in_the_list_is_refused() -> None:
 
 
 async def test_a_live_restore_is_committed_until_undone_and_undone_is_its_outcome() -> None:
-    ops = Lifecycles("holder-0")
-    ops.enter("restore-1", RestorePreparing(RestoreWork("restore-1"), 10.0))
+    ops = HolderOperationTable("holder-0")
+    ops.enter("restore-1", RestoreLoading(RestoreWork("restore-1"), 10.0))
     assert ops.current is not None and ops.current.value is HolderState.RESTORING
     ops.enter("restore-1", RestoreLive(("r",), ()))
     assert ops.outcome("restore-1") is Outcome.COMMITTED and ops.current is None
@@ -94,8 +94,8 @@ async def test_a_live_restore_is_committed_until_undone_and_undone_is_its_outcom
 
 
 async def test_a_live_restore_settled_by_a_turn_stays_committed_after_a_late_abort() -> None:
-    ops = Lifecycles("holder-0")
-    ops.enter("restore-1", RestorePreparing(RestoreWork("restore-1"), 10.0))
+    ops = HolderOperationTable("holder-0")
+    ops.enter("restore-1", RestoreLoading(RestoreWork("restore-1"), 10.0))
     ops.enter("restore-1", RestoreLive(("r",), ()))
     ops.enter("restore-1", Ended(Outcome.COMMITTED))
     ops.enter("restore-1", Ended(Outcome.ABORTED))
@@ -103,7 +103,7 @@ async def test_a_live_restore_settled_by_a_turn_stays_committed_after_a_late_abo
 
 
 def test_a_late_call_is_refused_with_its_operations_recorded_outcome() -> None:
-    ops = Lifecycles("holder-0")
+    ops = HolderOperationTable("holder-0")
     for op_id, outcome in (("snap-1", Outcome.LAPSED), ("snap-2", Outcome.ABORTED),
                            ("snap-3", Outcome.COMMITTED)):
         ops.enter(op_id, paused(op_id))
@@ -116,7 +116,7 @@ def test_a_late_call_is_refused_with_its_operations_recorded_outcome() -> None:
 
 
 def test_a_call_for_another_operation_while_the_gate_is_closed_names_the_lease_left() -> None:
-    ops = Lifecycles("holder-0")
+    ops = HolderOperationTable("holder-0")
     ops.enter("snap-1", paused("snap-1", deadline=10.0))
     refusal = ops.refusal("snap-0", now=7.5)
     assert isinstance(refusal, HolderBusyError)
@@ -125,7 +125,7 @@ def test_a_call_for_another_operation_while_the_gate_is_closed_names_the_lease_l
 
 
 def test_lapsed_leases_list_the_gate_closing_operation_first() -> None:
-    ops = Lifecycles("holder-0")
+    ops = HolderOperationTable("holder-0")
     first = paused("snap-1", deadline=5.0)
     ops.enter("snap-1", first)
     ops.enter("snap-1", SnapshotReleased(first.work, 5.0))
