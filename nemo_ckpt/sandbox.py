@@ -123,6 +123,9 @@ class Entry:
 # directory's entry carries no data here (its tree object's digest is the encoding's).
 Tree = dict[str, Entry]
 MAX_DEPTH = 256  # directories deeper than this are refused when a stored tree is read
+# Called by ``decode_tree`` with (where, entries expanded so far) as it reads each tree
+# object: the simulation observes that no read expands past its budget.
+expansion_observer: Callable[[str, int], None] | None = None
 _INFLATE_RATIO = 32  # rows hold a random 16-byte digest each: they never deflate this far
 
 
@@ -653,8 +656,11 @@ def decode_tree(root: bytes, size: int, fetch: Callable[[bytes, int], bytes], wh
     tree: Tree = {}
     objects: dict[bytes, int] = {}
     pending: list[tuple[str, bytes, int, int]] = [("", root, size, 0)]
+    expanded = 0
     while pending:
         prefix, digest, length, depth = pending.pop()
+        if expansion_observer is not None:
+            expansion_observer(where, expanded)
         if depth > MAX_DEPTH:
             raise SandboxError(f"the sandbox tree of {where} is deeper than {MAX_DEPTH} "
                                f"directories")
@@ -678,6 +684,7 @@ def decode_tree(root: bytes, size: int, fetch: Callable[[bytes, int], bytes], wh
                     and isinstance(blob, bytes)):
                 raise SandboxError(f"the sandbox tree of {where} has a malformed entry "
                                    f"{row!r:.100}")
+            expanded += 1
             path = prefix + name
             if not _plain_name(name):
                 raise SandboxError(f"the sandbox tree of {where} holds the path {path!r}, "

@@ -76,6 +76,12 @@ class Plan:
     # The rollouts run a text environment through nemo_ckpt.adapters (issue 28), in a
     # quarter of the schedules without sandboxes; drawn apart, last.
     adapted: bool = False
+    # Untrusted stored data (issue 34), drawn apart, in sandbox schedules only: the first
+    # rollout of each node has an id this long (near and past what a file name holds),
+    # and a hostile writer plants a tree that expands to 2^30 directories in a copy of a
+    # committed snapshot.
+    long_id: int | None = None
+    tree_bomb: bool = False
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -110,6 +116,10 @@ class Plan:
         )
         plan.adapted = (not plan.sandboxes
                         and random.Random(f"adapted-{seed}").random() < 0.25)
+        if plan.sandboxes:
+            untrusted = random.Random(f"untrusted-{seed}")
+            plan.long_id = untrusted.choice([None] * 4 + [200, 216, 217, 233, 254])
+            plan.tree_bomb = untrusted.random() < 0.25
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))
