@@ -60,7 +60,8 @@ _END_METHODS = ("resume", "abort")
 GRACE_S = 1.0
 # What one read of a stored tree may expand to in a schedule (entries): the simulation's
 # sandboxes hold a few files; a planted tree names 2^30 directories.
-READ_BUDGET = 10_000
+BUDGET = CONFIG.tree_budget
+READ_BUDGET = BUDGET.entries
 BOMB_LEVELS = 30
 _PLANTED = ".planted"  # a copy of a committed snapshot that a hostile writer changes
 
@@ -731,11 +732,12 @@ class Checkers(Part):
         rollout = read_trees_file(folder, shard.trees, shard.instance_id)[0]
         scratch = self.root / "restore-check"
         readers: list[tuple[str, Any]] = [
-            ("verify", lambda: verify_directories(copy, manifest)),
-            ("inspect or diff", lambda: snapshot_directories(copy, manifest)),
-            ("gc", lambda: snapshot_refs(str(copy), store)),
+            ("verify", lambda: verify_directories(copy, manifest, BUDGET)),
+            ("inspect or diff", lambda: snapshot_directories(copy, manifest, BUDGET)),
+            ("gc", lambda: snapshot_refs(str(copy), store, budget=BUDGET)),
             ("a restore", lambda: Sandboxes(shard.instance_id, str(scratch), None,
-                                            namespace="check").prepare_restore(
+                                            namespace="check", tree_budget=BUDGET
+                                            ).prepare_restore(
                 "restore-check", folder, shard, blob_store_of(copy, manifest),
                 {rollout[0]: Ep(rollout[0], rollout[1]).next_attempt().capture_key})),
         ]

@@ -11,7 +11,8 @@ from typing import Any
 from nemo_ckpt.config import CheckpointConfig
 
 CONFIG = CheckpointConfig(namespace="sim", drain_timeout_s=1.0, lease_s=6.0,
-                          phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=10.0)
+                          phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=10.0,
+                          sandbox_read_max_entries=10_000)
 
 
 # Faults aimed at a phase boundary: kill the actor a call arrives at, kill an actor right
