@@ -26,6 +26,7 @@ from nemo_ckpt.collection import (
 )
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.location import join_location
+from nemo_ckpt.sandbox import TreeBudget
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["BlobCollector"]
@@ -37,7 +38,8 @@ class BlobCollector:
     """Holds and collects the blob store of one checkpoint root."""
 
     def __init__(self, root: str | None, runtime: Runtime, owner: str, collector: str,
-                 claim_watch: ClaimWatch, busy: Callable[[], bool]) -> None:
+                 claim_watch: ClaimWatch, busy: Callable[[], bool],
+                 budget: TreeBudget | None = None) -> None:
         """``root`` is the checkpoint root when sessions may own sandboxes (else None:
         no store); ``collector`` names this incarnation in the store's collection claim;
         ``busy`` tells whether an operation is open (a collection yields to it)."""
@@ -48,6 +50,7 @@ class BlobCollector:
         self._collector = collector
         self._claim_watch = claim_watch
         self._busy = busy
+        self._budget = budget  # what one read of a snapshot's tree may expand to
         self._collection: asyncio.Future[Any] | None = None
         self._collect_again = False
         self._refs_cache: RefsCache = {}  # committed snapshots' references, by id
@@ -120,7 +123,7 @@ class BlobCollector:
                 self._garbage_possible = False
                 report = await self._runtime.run_blocking(
                     collect_quietly, root, self._collector, self._refs_cache,
-                    self._clock.monotonic, self._busy, self._claim_watch)
+                    self._clock.monotonic, self._busy, self._claim_watch, self._budget)
                 if report is None or report.interrupted:
                     self._garbage_possible = True  # the next commit tries again
                 else:

@@ -138,7 +138,7 @@ class CheckpointCoordinator:
                 None if config.sandbox_root is None or config.checkpoint_root is None
                 else str(config.checkpoint_root),
                 self._runtime, self._owner, self.collector_name, claim_watch,
-                lambda: bool(operations)),
+                lambda: bool(operations), config.tree_budget),
             open=self._open, abort=self._abort)
         self.operations = operations
         self.holders = self._parts.holders
@@ -199,7 +199,7 @@ class CheckpointCoordinator:
                 "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
                 "blob_root": None if self.blobs.store is None
                 else join_location(str(cfg.checkpoint_root), BLOB_DIR),
-                "sandbox_limits": cfg.sandbox_limits,
+                "sandbox_limits": cfg.sandbox_limits, "tree_budget": cfg.tree_budget,
                 "sandbox_restore_setid": cfg.sandbox_restore_setid}
 
     # --- holders ---------------------------------------------------------------------

@@ -25,6 +25,7 @@ Layout under ``sandbox_root`` (the same path on every node):
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -38,10 +39,19 @@ from nemo_ckpt.blobs import BlobCache, BlobStore
 from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import RestoreConflictError, SandboxError
 from nemo_ckpt.folder import Folder
-from nemo_ckpt.manifest import ShardEntry, TreesEntry, safe_name_part, trees_file_name
+from nemo_ckpt.manifest import (
+    MAX_SANDBOX_ID_BYTES,
+    NAME_MAX,
+    ShardEntry,
+    TreesEntry,
+    restored_name_problem,
+    safe_name_part,
+    trees_file_name,
+)
 from nemo_ckpt.sandbox import (
     Listings,
     SandboxLimits,
+    TreeBudget,
     decode_tree,
     materialize,
     scan,
@@ -120,6 +130,17 @@ class SandboxCapture:
         return rows, blobs
 
 
+def _beside(key: str, restore_id: str) -> str:
+    """The name of a restored directory beside one left in place: ``<key>.<restore id>``,
+    or, when that passes ``NAME_MAX``, a 16-digit tag of the restore id in its place."""
+    name = f"{safe_name_part(key)}.{safe_name_part(restore_id)}"
+    if len(name) > NAME_MAX:
+        tag = hashlib.blake2b(restore_id.encode("utf-8", "surrogatepass"),
+                              digest_size=8).hexdigest()
+        name = f"{safe_name_part(key)}.{tag}"
+    return name
+
+
 class Session(Protocol):
     """A captured session, as a capture names it (the holder's ``Held``)."""
 
@@ -135,9 +156,11 @@ class Sandboxes:
 
     def __init__(self, instance_id: str, sandbox_root: str | None,
                  blob_root: str | None, namespace: str = "nemo_ckpt",
-                 limits: SandboxLimits | None = None, restore_setid: bool = False) -> None:
+                 limits: SandboxLimits | None = None, restore_setid: bool = False,
+                 tree_budget: TreeBudget | None = None) -> None:
         self.instance_id = instance_id
         self.limits = limits or SandboxLimits()
+        self.tree_budget = tree_budget or TreeBudget()
         self.restore_setid = restore_setid
         self.root = None if sandbox_root is None else Path(os.path.abspath(sandbox_root))
         self.blob_root = blob_root
@@ -339,6 +362,13 @@ class Sandboxes:
 
         store = BlobStore(self.blob_root, folder_at)
         rows, refs = capture.rows()
+        for rollout_id, attempt, _, _ in rows:  # never commit what a restore cannot name
+            problem = restored_name_problem(f"{rollout_id}-a{attempt + 1}")
+            if problem is not None:
+                raise SandboxError(
+                    f"{self.instance_id}: snapshot {snapshot_id} cannot hold the directory "
+                    f"of rollout {rollout_id!r} (attempt {attempt}): {problem}; close the "
+                    f"session (a shorter id fits: at most {MAX_SANDBOX_ID_BYTES} bytes)")
         needed: set[bytes] = set()
         for blobs in refs:
             needed |= blobs
@@ -375,7 +405,11 @@ class Sandboxes:
         store = BlobStore(blob_store, folder_at)
         cache = self.cache
         staging = self._private / f"restore-{safe_name_part(restore_id)}"
-        staging.mkdir(parents=True, exist_ok=True)
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SandboxError(f"{self.instance_id}: cannot make the restore's staging "
+                               f"folder {staging}: {exc.strerror or exc}") from exc
         restored: list[RestoredSandbox] = []
         # Blobs verified once, kept in memory while the shard's directories are made:
         # rollouts started from one repository share most of their files.
@@ -393,28 +427,45 @@ class Sandboxes:
                 held += len(data)
             return data
 
-        for rollout_id, attempt, tree_digest, tree_size, _ in read_trees_file(
-                directory, entry.trees, self.instance_id):
+        rows = read_trees_file(directory, entry.trees, self.instance_id)
+        for rollout_id, attempt, _, _, _ in rows:  # every name, before any is made
             key = new_keys.get(rollout_id)
             if key is None:
                 raise SandboxError(f"trees file {entry.trees.file} names rollout "
                                    f"{rollout_id!r}, which its shard does not hold")
+            problem = restored_name_problem(key)
+            if problem is not None:
+                raise SandboxError(f"{self.instance_id}: cannot restore the directory of "
+                                   f"rollout {rollout_id!r} (attempt {attempt}) of "
+                                   f"{directory.describe(entry.trees.file)}: {problem}; "
+                                   f"the snapshot was written before rollout ids were "
+                                   f"bounded, or crafted: restore another one")
+        for rollout_id, attempt, tree_digest, tree_size, _ in rows:
+            key = new_keys[rollout_id]
             target = self.target_of(key)
             if os.path.lexists(target):
                 # Left by a restore of this snapshot that did not survive (its holder
                 # died after it went live), or someone else's: keep it, and go beside it.
-                target = self.root / f"{safe_name_part(key)}.{safe_name_part(restore_id)}"
+                target = self.root / _beside(key, restore_id)
             if os.path.lexists(target):
                 raise RestoreConflictError(
                     f"{self.instance_id}: cannot restore the directory of {key}: "
                     f"{target} already exists; remove it, or restore into a fresh job")
-            tree, objects = decode_tree(tree_digest, tree_size, fetch,
-                                        f"{rollout_id} (attempt {attempt})")
+            tree, objects = decode_tree(
+                tree_digest, tree_size, fetch,
+                f"{rollout_id} (attempt {attempt}) in {directory.describe()}",
+                self.tree_budget)
 
             place = staging / safe_name_part(key)
-            if os.path.lexists(place):
-                shutil.rmtree(place)
-            materialize(tree, place, fetch, allow_setid=self.restore_setid)
+            try:
+                if os.path.lexists(place):
+                    shutil.rmtree(place)
+                materialize(tree, place, fetch, allow_setid=self.restore_setid)
+            except OSError as exc:
+                raise SandboxError(
+                    f"{self.instance_id}: cannot restore the directory of rollout "
+                    f"{rollout_id!r} (attempt {attempt}) into {exc.filename or place}: "
+                    f"{exc.strerror or exc}") from exc
             stats = tree_stats(tree)
             restored.append(RestoredSandbox(
                 rollout_id, place, target,
@@ -429,7 +480,13 @@ class Sandboxes:
                 raise RestoreConflictError(
                     f"{self.instance_id}: {box.target} appeared during the restore")
         for box in restored:
-            os.rename(box.staging, box.target)
+            try:
+                os.rename(box.staging, box.target)
+            except OSError as exc:
+                raise SandboxError(
+                    f"{self.instance_id}: cannot move the restored directory of rollout "
+                    f"{box.rollout_id!r} from {box.staging} to {box.target}: "
+                    f"{exc.strerror or exc}") from exc
 
     def discard_staging(self, restore_id: str) -> None:
         """Remove a restore's staging folder (blocking)."""

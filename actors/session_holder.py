@@ -47,6 +47,7 @@ from nemo_ckpt.errors import (
     RestoreConflictError,
     RetiredAttemptError,
     RolloutFinishedError,
+    SandboxError,
     SessionExistsError,
     SessionNotFoundError,
     StateTooLargeError,
@@ -56,7 +57,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.location import join_location
-from nemo_ckpt.manifest import ShardEntry
+from nemo_ckpt.manifest import ShardEntry, sandbox_id_problem
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import (
     CaptureReport,
@@ -67,7 +68,7 @@ from nemo_ckpt.phases import (
     RestorePrepared,
     join_captured,
 )
-from nemo_ckpt.sandbox import SandboxLimits
+from nemo_ckpt.sandbox import SandboxLimits, TreeBudget
 from nemo_ckpt.session_record import SessionRecord, check_staging_keys
 from nemo_ckpt.transport import Runtime
 
@@ -152,6 +153,7 @@ class SessionHolder:
         namespace: str = "nemo_ckpt",
         sandbox_limits: SandboxLimits | None = None,
         sandbox_restore_setid: bool = False,
+        tree_budget: TreeBudget | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.node_id = node_id
@@ -159,7 +161,8 @@ class SessionHolder:
             "max_state_bytes": max_state_bytes, "turn_timeout_s": turn_timeout_s,
             "max_retired_marks": max_retired_marks, "namespace": namespace,
             "sandbox_root": sandbox_root, "blob_root": blob_root,
-            "sandbox_limits": sandbox_limits, "sandbox_restore_setid": sandbox_restore_setid}
+            "sandbox_limits": sandbox_limits, "sandbox_restore_setid": sandbox_restore_setid,
+            "tree_budget": tree_budget}
         self._runtime = runtime or Runtime()
         self._clock = self._runtime.clock
         self._metrics = self._runtime.metrics
@@ -171,7 +174,7 @@ class SessionHolder:
         self._gate = TurnGate(instance_id, max_retired_marks)
         # The sessions' sandbox directories, and the node cache of their files.
         self._sandboxes = Sandboxes(instance_id, sandbox_root, blob_root, namespace,
-                                    sandbox_limits, sandbox_restore_setid)
+                                    sandbox_limits, sandbox_restore_setid, tree_budget)
         self._ops = HolderOperationTable(instance_id)
         # Shards read ahead of a restore the driver announced (``prefetch``).
         self._prefetch = ShardPrefetch(self._runtime)
@@ -400,6 +403,11 @@ class SessionHolder:
             where = item[2] if len(item) > 2 else None
             self._check_episode(episode)
             self._check_size("initial state", episode, state)
+            if where is not None:  # its id names the directories its restores make
+                problem = sandbox_id_problem(episode.rollout_id, episode.attempt)
+                if problem is not None:
+                    raise SandboxError(f"{self.instance_id}: cannot open a session with "
+                                       f"directory {where}: {problem}; nothing was opened")
             opening.append((episode, state, None if where is None else
                             self._sandboxes.check_directory(where, episode.capture_key)))
         # Recorded before the gate: once it opens, the sessions go live with no await.

@@ -29,11 +29,16 @@ from pathlib import Path
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore
 from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.claims import ClaimWatch
-from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotReadError
+from nemo_ckpt.errors import (
+    CheckpointPathBusyError,
+    NemoCkptError,
+    SandboxError,
+    SnapshotReadError,
+)
 from nemo_ckpt.folder import Folder
 from nemo_ckpt.location import join_location
 from nemo_ckpt.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
-from nemo_ckpt.sandbox import tree_digests
+from nemo_ckpt.sandbox import TreeBudget, tree_digests
 from nemo_ckpt.sandbox_storage import blob_store_of, fetch_tree, read_trees_file
 from nemo_ckpt.snapshot_files import read_manifest
 
@@ -88,8 +93,8 @@ def committed_snapshots(root: str | Path) -> list[str]:
 RefsCache = dict[tuple[str, str], frozenset[bytes]]
 
 
-def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None
-                  ) -> frozenset[bytes]:
+def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None,
+                  budget: TreeBudget | None = None) -> frozenset[bytes]:
     """Every blob (trees and files) the snapshot at ``path`` references; a
     ``SnapshotReadError`` when its manifest, a trees file or a tree cannot be read.
     ``cache`` keeps the answer per (path, snapshot id): a committed snapshot's
@@ -108,8 +113,11 @@ def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None
                     directory, shard.trees, shard.instance_id):
                 if tree_digest in refs:
                     continue
-                tree, objects = fetch_tree(store, None, tree_digest, tree_size,
-                                           f"{rollout_id} in {path}")
+                try:
+                    tree, objects = fetch_tree(store, None, tree_digest, tree_size,
+                                               f"{rollout_id} in {path}", budget)
+                except SandboxError as exc:  # what it references is unknown
+                    raise SnapshotReadError(path, str(exc)) from exc
                 refs.update(objects)
                 refs |= tree_digests(tree)
     out = frozenset(refs)
@@ -125,7 +133,8 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
                   cache: RefsCache | None = None,
                   should_stop: Callable[[], bool] = lambda: False,
                   watch: ClaimWatch | None = None, wait_s: float = 0.0,
-                  sleep: Callable[[float], None] = time.sleep) -> CollectionReport:
+                  sleep: Callable[[float], None] = time.sleep,
+                  budget: TreeBudget | None = None) -> CollectionReport:
     """Collect the blob store under ``root`` (see the module docstring). Raises
     ``CheckpointPathBusyError`` while a snapshot holds the store or another collection
     runs, and a ``SnapshotReadError`` naming the snapshot whose references could not be
@@ -137,7 +146,8 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
     ``clock``) judges the others' claims. A claim seen for the first time is live, so a
     busy store is retried, watching, for up to ``wait_s`` seconds (``sleep`` between
     tries) before the refusal: long enough, a hold whose snapshot died is seen
-    abandoned."""
+    abandoned. Each tree is read within ``budget`` (by default ``TreeBudget()``): one past
+    it refuses the collection."""
     where = join_location(root, BLOB_DIR)
     store = BlobStore(where, folder_at)
     report = CollectionReport(store=where, dry_run=dry_run)
@@ -176,7 +186,7 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
                 report.interrupted = True
                 return report
             try:
-                referenced |= snapshot_refs(path, store, cache)
+                referenced |= snapshot_refs(path, store, cache, budget)
             except SnapshotReadError as exc:
                 raise type(exc)(exc.path, f"collection of {where} stopped, nothing was "
                                           f"removed: {exc}") from exc
@@ -215,13 +225,14 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
 def collect_quietly(root: str | Path, owner: str, cache: RefsCache,
                     clock: Callable[[], float] = time.monotonic,
                     should_stop: Callable[[], bool] = lambda: False,
-                    watch: ClaimWatch | None = None) -> CollectionReport | None:
+                    watch: ClaimWatch | None = None,
+                    budget: TreeBudget | None = None) -> CollectionReport | None:
     """``collect_blobs`` after a commit, at once: a busy store or an unreadable snapshot
     skips it (the next commit, or ``nemo-ckpt gc``, tries again), with a log line.
     ``watch``: the caller's, kept across collections (see ``collect_blobs``)."""
     try:
         return collect_blobs(root, owner, cache=cache, clock=clock, should_stop=should_stop,
-                             watch=watch)
+                             watch=watch, budget=budget)
     except (NemoCkptError, OSError) as exc:
         log.info("blob collection under %s skipped: %s", root, exc)
         return None

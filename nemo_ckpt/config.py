@@ -17,7 +17,7 @@ from pydantic import (
 
 from nemo_ckpt.errors import CheckpointPathError
 from nemo_ckpt.location import LocalLocation, parse_location
-from nemo_ckpt.sandbox import SandboxLimits
+from nemo_ckpt.sandbox import SandboxLimits, TreeBudget
 
 __all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN", "DRIVER_FIELDS",
            "ADOPTED_FIELDS", "config_differences"]
@@ -116,6 +116,18 @@ class CheckpointConfig(BaseModel):
         description="Most entries (files, directories and links) one sandbox may hold; "
                     "more refuse the turn's commit with SandboxError. The default "
                     "(200,000) fits a large repository with its dependencies installed.")
+    sandbox_read_max_entries: Optional[int] = Field(
+        None, gt=0,
+        description="Most entries one stored sandbox tree may expand to when it is read "
+                    "(a restore, the blob store's collection), a subtree counting at each "
+                    "place that names it; more refuse the read with SandboxError (the tree "
+                    "may be crafted: a few objects can name 2^30 directories). By default "
+                    "sandbox_max_files, what a turn's scan may record. nemo-ckpt verify, "
+                    "inspect, diff and gc use the default limits.")
+    sandbox_read_max_bytes: Optional[int] = Field(
+        None, gt=0,
+        description="Most bytes of files one stored sandbox tree may claim when it is "
+                    "read, as above; by default sandbox_max_bytes.")
     sandbox_restore_setid: bool = Field(
         False,
         description="Let a restore recreate setuid and setgid files as captured; by "
@@ -192,6 +204,12 @@ class CheckpointConfig(BaseModel):
         """What a turn's scan of a sandbox may record."""
         return SandboxLimits(self.sandbox_max_file_bytes, self.sandbox_max_bytes,
                              self.sandbox_max_files)
+
+    @property
+    def tree_budget(self) -> TreeBudget:
+        """What one read of a stored sandbox tree may expand to."""
+        return TreeBudget(self.sandbox_read_max_entries or self.sandbox_max_files,
+                          self.sandbox_read_max_bytes or self.sandbox_max_bytes)
 
     @property
     def renew_interval_s(self) -> float:

@@ -70,6 +70,10 @@ __all__ = [
     "rollouts_by_shard",
     "shard_problems",
     "safe_name_part",
+    "NAME_MAX",
+    "MAX_SANDBOX_ID_BYTES",
+    "sandbox_id_problem",
+    "restored_name_problem",
 ]
 
 # The version every snapshot is written as; the others name where a feature came in.
@@ -118,6 +122,43 @@ def is_plain_file_name(name: str) -> bool:
 def safe_name_part(text: str) -> str:
     """``text`` with every character a file name should not hold replaced by ``_``."""
     return _SAFE_PART.sub("_", text)
+
+
+# What a rollout's id becomes on disk when its session owns a sandbox: the directory a
+# restore makes is named by the restored attempt's key, ``<id>-a<attempt>`` (escaped by
+# ``safe_name_part``: one ASCII byte per character), or, beside one left in place, that
+# and ``.<restore id>`` (at most ``RESTORE_SUFFIX_BYTES``). A file name holds at most
+# ``NAME_MAX`` bytes; an id within ``MAX_SANDBOX_ID_BYTES`` leaves room for both
+# suffixes at any attempt up to 20 digits (docs/DESIGN.md, "On disk").
+NAME_MAX = 255
+ATTEMPT_SUFFIX_BYTES = 22  # "-a" and 20 digits
+RESTORE_SUFFIX_BYTES = 17  # "." and a 16-digit restore tag
+MAX_SANDBOX_ID_BYTES = NAME_MAX - ATTEMPT_SUFFIX_BYTES - RESTORE_SUFFIX_BYTES  # 216
+MAX_ATTEMPT = 10**20 - 1
+
+
+def sandbox_id_problem(rollout_id: str, attempt: int) -> str | None:
+    """Why a session of ``rollout_id`` (at ``attempt``) may not own a sandbox: the
+    names its restores would make could not exist on disk; None when they can."""
+    size = len(safe_name_part(rollout_id))
+    if size > MAX_SANDBOX_ID_BYTES:
+        return (f"rollout id {rollout_id[:40]!r}... is {size} bytes as a file name; at "
+                f"most {MAX_SANDBOX_ID_BYTES} for a session with a sandbox directory (a "
+                f"restore names the directory <id>-a<attempt>, within the {NAME_MAX}-byte "
+                f"limit of a file name); use a shorter id")
+    if attempt > MAX_ATTEMPT:
+        return f"attempt {attempt} has more than 20 digits"
+    return None
+
+
+def restored_name_problem(key: str) -> str | None:
+    """Why a restore cannot name the directory of capture key ``key`` (the restored
+    attempt's): it and the suffix of a restore beside it pass ``NAME_MAX``."""
+    size = len(safe_name_part(key)) + RESTORE_SUFFIX_BYTES
+    if size > NAME_MAX:
+        return (f"its restored directory would be named {key[:40]!r}... ({size} bytes "
+                f"with a restore's suffix), past the {NAME_MAX}-byte limit of a file name")
+    return None
 
 
 def shard_file_name(snapshot_id: str, instance_id: str, index: int = 0) -> str:

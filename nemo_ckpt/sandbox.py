@@ -72,7 +72,7 @@ from nemo_ckpt.errors import SandboxError
 
 __all__ = ["DIR", "FILE", "LINK", "SPARSE", "Entry", "SandboxLimits", "Store", "sparse_layout",
            "Tree", "TreeStats", "ScanResult", "Seen", "Listing",
-           "Listings",
+           "Listings", "TreeBudget",
            "EncodedTree", "scan", "encode_tree", "decode_tree", "materialize", "tree_digests",
            "tree_stats", "diff_trees", "pack_tree_object", "MAX_DEPTH"]
 
@@ -109,6 +109,22 @@ class SandboxLimits:
     files: int = 200_000  # entries of any kind: files, directories and links
 
 
+MAX_DEPTH = 256  # directories deeper than this are refused when a stored tree is read
+
+
+@dataclass(frozen=True, slots=True)
+class TreeBudget:
+    """What one read of a stored tree may expand to: entries (a subtree named twice
+    counts twice: a tree object may be referenced from many places, so a few crafted
+    objects could name 2^30 directories), the bytes its files claim, and its depth.
+    Checked as the tree is expanded, so an over-budget tree costs at most the budget.
+    ``entries`` and ``bytes`` are ``CheckpointConfig`` fields (named in the error)."""
+
+    entries: int = SandboxLimits().files
+    bytes: int = SandboxLimits().sandbox_bytes
+    depth: int = MAX_DEPTH
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One entry of a tree: ``data`` is a file's digest or a link's target."""
@@ -122,7 +138,9 @@ class Entry:
 # A tree: relative POSIX path -> entry. "." (the directory itself) is not listed. A
 # directory's entry carries no data here (its tree object's digest is the encoding's).
 Tree = dict[str, Entry]
-MAX_DEPTH = 256  # directories deeper than this are refused when a stored tree is read
+# Called by ``decode_tree`` with (where, entries expanded so far) as it reads each tree
+# object: the simulation observes that no read expands past its budget.
+expansion_observer: Callable[[str, int], None] | None = None
 _INFLATE_RATIO = 32  # rows hold a random 16-byte digest each: they never deflate this far
 
 
@@ -645,56 +663,99 @@ def encode_tree(tree: Tree) -> EncodedTree:
     return EncodedTree(root, size, objects)
 
 
-def decode_tree(root: bytes, size: int, fetch: Callable[[bytes, int], bytes], where: str
-                ) -> tuple[Tree, dict[bytes, int]]:
+def decode_tree(root: bytes, size: int, fetch: Callable[[bytes, int], bytes], where: str,
+                budget: TreeBudget | None = None) -> tuple[Tree, dict[bytes, int]]:
     """The tree whose top object is ``root`` (``fetch(digest, size)`` returns a tree
     object's verified bytes), and every tree object it took; ``SandboxError`` (naming
-    ``where``) for anything a restore must not create (see the module docstring)."""
+    ``where``) for anything a restore must not create (see the module docstring), and
+    for a tree that expands past ``budget`` (by default ``TreeBudget()``), refused as
+    soon as it does: a tree object is read and checked once, then expanded at every
+    place that names it, each entry counted."""
+    budget = budget or TreeBudget()
+    max_entries, max_bytes, max_depth = budget.entries, budget.bytes, budget.depth
     tree: Tree = {}
     objects: dict[bytes, int] = {}
     pending: list[tuple[str, bytes, int, int]] = [("", root, size, 0)]
+    expanded = claimed = 0
+    checked: dict[tuple[bytes, int], list[_Row]] = {}
     while pending:
         prefix, digest, length, depth = pending.pop()
-        if depth > MAX_DEPTH:
-            raise SandboxError(f"the sandbox tree of {where} is deeper than {MAX_DEPTH} "
+        if expansion_observer is not None:
+            expansion_observer(where, expanded)
+        if depth > max_depth:
+            raise SandboxError(f"the sandbox tree of {where} is deeper than {max_depth} "
                                f"directories")
-        objects[digest] = length
-        data = fetch(digest, length)
-        try:
-            rows = msgpack.unpackb(_inflate(data, where), raw=False, use_list=True)
-        except (ValueError, msgpack.UnpackException) as exc:
-            raise SandboxError(f"a tree object of {where} does not decode ({exc})") from None
-        if not isinstance(rows, list):
-            raise SandboxError(f"a tree object of {where} is not a list of entries")
-        names: set[str] = set()
-        for row in rows:
-            if not (isinstance(row, list) and len(row) == 5):
-                raise SandboxError(f"the sandbox tree of {where} has a malformed entry "
-                                   f"{row!r:.100}")
-            name, kind, mode, entry_size, blob = row
-            if not (isinstance(name, str) and type(kind) is int and kind in _KIND_NAMES
-                    and type(mode) is int and 0 <= mode <= 0o7777
-                    and type(entry_size) is int and entry_size >= 0
-                    and isinstance(blob, bytes)):
-                raise SandboxError(f"the sandbox tree of {where} has a malformed entry "
-                                   f"{row!r:.100}")
+        rows = checked.get((digest, length))
+        if rows is None:
+            objects[digest] = length
+            rows = checked[digest, length] = _checked_rows(fetch(digest, length), prefix,
+                                                           where)
+        expanded += len(rows)
+        if expanded > max_entries:
+            raise SandboxError(
+                f"the sandbox tree of {where} expands to more than {max_entries} entries "
+                f"(a subtree counts at each place that names it), past "
+                f"sandbox_read_max_entries: a scan within that limit never wrote it, so it "
+                f"may be crafted; restore an earlier checkpoint, or raise "
+                f"CheckpointConfig.sandbox_read_max_entries if the tree is genuine")
+        for name, entry, child, child_size in rows:
             path = prefix + name
-            if not _plain_name(name):
-                raise SandboxError(f"the sandbox tree of {where} holds the path {path!r}, "
-                                   f"which would leave its directory; restore an earlier "
-                                   f"checkpoint")
-            if name in names:
-                raise SandboxError(f"the sandbox tree of {where} lists {path!r} twice")
-            names.add(name)
-            if kind != LINK and len(blob) != 16:
-                raise SandboxError(f"the sandbox tree of {where} gives {path!r} a digest "
-                                   f"of {len(blob)} bytes, not 16")
-            if kind == DIR:
-                tree[path] = Entry(DIR, mode, 0, b"")
-                pending.append((path + "/", blob, entry_size, depth + 1))
-            else:
-                tree[path] = Entry(kind, mode, entry_size, blob)
+            tree[path] = entry
+            if child is not None:
+                pending.append((path + "/", child, child_size, depth + 1))
+            elif entry.kind != LINK:
+                claimed += entry.size
+        if claimed > max_bytes:
+            raise SandboxError(
+                f"the sandbox tree of {where} claims more than {max_bytes} bytes of files, "
+                f"past sandbox_read_max_bytes; restore an earlier checkpoint, or raise "
+                f"CheckpointConfig.sandbox_read_max_bytes if the tree is genuine")
     return tree, objects
+
+
+# One checked row of a tree object: its name, its entry, and for a directory the digest
+# and length of the directory's own tree object.
+_Row = tuple[str, Entry, bytes | None, int]
+
+
+def _checked_rows(data: bytes, prefix: str, where: str) -> list[_Row]:
+    """A tree object's rows, each checked safe (``prefix``: where it was first met, for
+    the errors)."""
+    try:
+        rows = msgpack.unpackb(_inflate(data, where), raw=False, use_list=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise SandboxError(f"a tree object of {where} does not decode ({exc})") from None
+    if not isinstance(rows, list):
+        raise SandboxError(f"a tree object of {where} is not a list of entries")
+    out: list[_Row] = []
+    names: set[str] = set()
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 5):
+            raise SandboxError(f"the sandbox tree of {where} has a malformed entry "
+                               f"{row!r:.100}")
+        name, kind, mode, entry_size, blob = row
+        if not (isinstance(name, str) and type(kind) is int and kind in _KIND_NAMES
+                and type(mode) is int and 0 <= mode <= 0o7777
+                and type(entry_size) is int and entry_size >= 0
+                and isinstance(blob, bytes)):
+            raise SandboxError(f"the sandbox tree of {where} has a malformed entry "
+                               f"{row!r:.100}")
+        path = prefix + name
+        if not _plain_name(name):
+            raise SandboxError(f"the sandbox tree of {where} holds the path {path!r}, "
+                               f"which would leave its directory; restore an earlier "
+                               f"checkpoint")
+        if name in names:
+            raise SandboxError(f"the sandbox tree of {where} lists {path!r} twice")
+        names.add(name)
+        if kind != LINK and len(blob) != 16:
+            raise SandboxError(f"the sandbox tree of {where} gives {path!r} a digest "
+                               f"of {len(blob)} bytes, not 16")
+        if kind == DIR:
+            out.append((name, Entry(DIR, mode, 0, b""), blob, entry_size))
+        else:
+            out.append((name, Entry(kind, mode, entry_size, blob), None, 0))
+    return out
 
 
 def _plain_name(name: str) -> bool:

@@ -30,8 +30,8 @@ from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
 from nemo_ckpt.folder import Folder, Sink
 from nemo_ckpt.hashed_files import read_verified, view_unpacker, write_hashed
 from nemo_ckpt.location import join_location, levels_below, parent_location
-from nemo_ckpt.manifest import Manifest, TreesEntry
-from nemo_ckpt.sandbox import FILE, SPARSE, Tree, decode_tree, sparse_layout
+from nemo_ckpt.manifest import Manifest, TreesEntry, restored_name_problem
+from nemo_ckpt.sandbox import FILE, SPARSE, Tree, TreeBudget, decode_tree, sparse_layout
 
 __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
            "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree", "read_blob",
@@ -154,10 +154,12 @@ def persist_blobs(store: BlobStore, cache: BlobCache, needed: Iterable[bytes],
 
 
 def fetch_tree(store: BlobStore, cache: BlobCache | None, digest: bytes, size: int,
-               where: str) -> tuple[Tree, dict[bytes, int]]:
+               where: str, budget: TreeBudget | None = None) -> tuple[Tree, dict[bytes, int]]:
     """The tree whose top object is ``digest``, its objects read from the cache or the
-    store (verified, and kept in the cache), checked safe; and those objects."""
-    return decode_tree(digest, size, lambda d, n: read_blob(store, cache, d, n), where)
+    store (verified, and kept in the cache), checked safe and within ``budget``; and
+    those objects."""
+    return decode_tree(digest, size, lambda d, n: read_blob(store, cache, d, n), where,
+                       budget)
 
 
 def read_blob(store: BlobStore, cache: BlobCache | None, digest: bytes, size: int) -> bytes:
@@ -185,7 +187,8 @@ class SessionDirectory:
     error: str | None = None
 
 
-def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest
+def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest,
+                         budget: TreeBudget | None = None
                          ) -> tuple[dict[str, SessionDirectory], dict[str, str]]:
     """Every captured session's directory by rollout id, and the trees files that do not
     read (file -> why). Trees and trees files are verified as they are read; the files'
@@ -207,19 +210,27 @@ def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest
             continue
         for rollout_id, attempt, digest, size, new in rows:
             entry = SessionDirectory(shard.instance_id, rollout_id, attempt, digest, new)
+            problem = restored_name_problem(f"{rollout_id}-a{attempt + 1}")
+            if problem is not None:  # a restore refuses it before it reads the tree
+                entry.error = (f"a restore cannot make it: {problem}; the snapshot was "
+                               f"written before rollout ids were bounded, or crafted")
+                found[rollout_id] = entry
+                continue
             try:
                 entry.tree, _ = fetch_tree(store, None, digest, size,
-                                           f"{rollout_id} in {checkpoint_path}")
+                                           f"{rollout_id} in {checkpoint_path}", budget)
             except NemoCkptError as exc:
                 entry.error = str(exc)
             found[rollout_id] = entry
     return found, unreadable
 
 
-def verify_directories(checkpoint_path: str | Path, manifest: Manifest) -> list[str]:
+def verify_directories(checkpoint_path: str | Path, manifest: Manifest,
+                       budget: TreeBudget | None = None) -> list[str]:
     """Every problem with the directories a restore of this snapshot would materialize:
-    trees files, trees, and every file blob (read and hashed, each once)."""
-    directories, unreadable = snapshot_directories(checkpoint_path, manifest)
+    trees files, names, trees (each read within ``budget``), and every file blob (read
+    and hashed, each once)."""
+    directories, unreadable = snapshot_directories(checkpoint_path, manifest, budget)
     problems = [f"trees file {name}: {why}" for name, why in sorted(unreadable.items())]
     where = blob_store_of(checkpoint_path, manifest)
     if where is None:

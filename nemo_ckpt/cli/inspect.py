@@ -80,6 +80,11 @@ def render_summary(summary: SnapshotSummary) -> list[str]:
                          for inst, s in shards])
     else:
         lines.append("no shards (the backend held no rollouts)")
+    for inst in instances:  # why a directory is unreadable, in one line each
+        for r in inst.rollouts:
+            if r.directory is not None and r.directory.error is not None:
+                lines.append(f"directory of {r.rollout_id}: unreadable "
+                             f"({r.directory.error}); run verify")
     for file, why in summary.unreadable_shards.items():
         lines.append(f"shard {file}: its index does not read ({why}); run verify")
     lines.append("")

@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from actors.holder_states import Ended, SnapshotReleased
+from actors.sandboxes import Sandboxes
+from nemo_ckpt import sandbox
+from nemo_ckpt.blobs import BlobStore, digest_of
 from nemo_ckpt.catalog import list_snapshots
-from nemo_ckpt.checkpoint_folder import environment_dir
-from nemo_ckpt.collection import committed_snapshots
+from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, folder_at
+from nemo_ckpt.collection import committed_snapshots, snapshot_refs
 from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -34,7 +37,15 @@ from nemo_ckpt.operations import Outcome
 from nemo_ckpt.path_claims import read_claims
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.receipts import FinishedRollout
-from nemo_ckpt.sandbox_storage import verify_directories
+from nemo_ckpt.sandbox import DIR, pack_tree_object
+from nemo_ckpt.sandbox_storage import (
+    BlobsWritten,
+    blob_store_of,
+    read_trees_file,
+    snapshot_directories,
+    verify_directories,
+    write_trees_file,
+)
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.sim import SimActor
@@ -47,6 +58,17 @@ _END_METHODS = ("resume", "abort")
 # How long after an operation ended a holder may still be paused for it (its abort or
 # resume in flight): well under a lease, so a stuck pause is seen before it lapses.
 GRACE_S = 1.0
+# What one read of a stored tree may expand to in a schedule (entries): the simulation's
+# sandboxes hold a few files; a planted tree names 2^30 directories.
+BUDGET = CONFIG.tree_budget
+READ_BUDGET = BUDGET.entries
+BOMB_LEVELS = 30
+_PLANTED = ".planted"  # a copy of a committed snapshot that a hostile writer changes
+
+
+class _Runaway(Exception):
+    """A read of a stored tree went past its budget: stopped here, so that the schedule
+    ends (the read alone would run until killed)."""
 
 
 class Checkers(Part):
@@ -70,6 +92,15 @@ class Checkers(Part):
         # Control calls that waited for a slot behind session calls (turns, opens):
         # (when, holder, method, operation, seconds waited, session calls ahead, limit).
         self.queued_behind_turns: list[tuple[float, str, str, str, float, str, int]] = []
+        sandbox.expansion_observer = self._observe_expansion
+
+    def _observe_expansion(self, where: str, expanded: int) -> None:
+        """No read of a stored tree expands past its budget (``decode_tree``'s hook)."""
+        if expanded > READ_BUDGET:
+            self.violate(f"a read of the stored tree of {where} expanded {expanded} entries "
+                         f"(a tree planted: {self.plan.tree_bomb}), past its budget of "
+                         f"{READ_BUDGET}")
+            raise _Runaway(where)
 
     # --- what the world delivers (its hooks), recorded for the checks ---------------------
 
@@ -151,6 +182,12 @@ class Checkers(Part):
             self.violate(f"{record.op_id} committed although its check against the cut failed")
         if self.plan.sparse and self.sandbox_root is not None:
             self._check_dense()
+        planted = self.root / _PLANTED
+        if self.plan.tree_bomb and not planted.exists() and any(
+                s.trees for s in loaded.manifest.shards):
+            # Kept aside (a hidden folder: no collection counts it) for the hostile
+            # writer of ``_check_tree_bomb``, whatever later commits and removals leave.
+            shutil.copytree(environment_dir(record.path), environment_dir(planted))
 
     def check_paused_through_block(self, record: OpRecord) -> None:
         """As a snapshot's block ends (RL's cut taken inside it), every live holder
@@ -616,10 +653,107 @@ class Checkers(Part):
                                          f"into one: {path.relative_to(root)} holds it")
                     except OSError:
                         continue
+            self._check_snapshots_restore()
+            if self.plan.tree_bomb:
+                self._check_tree_bomb()
         if self.plan.sparse:
             self._check_dense()
         if self.plan.damage is not None:
             self._check_damaged_manifest()
+
+    def _check_snapshots_restore(self) -> None:
+        """Every committed snapshot the schedule leaves restores: its directories
+        materialize, each as its next attempt's (the holder's own restore code, into a
+        scratch sandbox root). Those that do not verify are reported already."""
+        scratch = self.root / "restore-check"
+        for snapshot in committed_snapshots(self.root):
+            try:
+                manifest = read_manifest(snapshot)
+            except Exception:
+                continue  # reported by the checks of each path
+            where = blob_store_of(snapshot, manifest)
+            if where is None or verify_directories(snapshot, manifest):
+                continue
+            try:
+                for shard in manifest.shards:
+                    if shard.trees is None:
+                        continue
+                    rows = read_trees_file(environment_folder(snapshot), shard.trees,
+                                           shard.instance_id)
+                    keys = {r[0]: Ep(r[0], r[1]).next_attempt().capture_key for r in rows}
+                    boxes = Sandboxes(shard.instance_id, str(scratch), None,
+                                      namespace="check")
+                    boxes.prepare_restore("restore-check", environment_folder(snapshot),
+                                          shard, where, keys)
+                    boxes.discard_staging("restore-check")
+            except Exception as exc:
+                self.violate(f"committed snapshot {manifest.snapshot_id} at "
+                             f"{Path(snapshot).name} does not restore: {type(exc).__name__}: "
+                             f"{short(exc)}")
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def _check_tree_bomb(self) -> None:
+        """A hostile writer plants, in a copy of a committed snapshot, a session tree whose
+        every directory names the same subtree twice (2^30 directories from 31 objects of
+        under 100 bytes): verify, inspect and diff, gc and a restore each refuse it within
+        their budget (``_observe_expansion``), with a nemo-ckpt error or a problem."""
+        copy = self.root / _PLANTED
+        if not copy.exists():
+            return  # no snapshot with sandboxes committed
+        where = blob_store_of(copy, read_manifest(copy))
+        assert where is not None
+        store = BlobStore(where, folder_at)
+        data = pack_tree_object([])  # the empty directory at the bottom
+        for _ in range(BOMB_LEVELS):
+            digest = digest_of(data)
+            store.put(digest, data)
+            data = pack_tree_object([["a", DIR, 0o755, len(data), digest],
+                                     ["b", DIR, 0o755, len(data), digest]])
+        root_digest, root_size = digest_of(data), len(data)
+        store.put(root_digest, data)
+        folder = environment_folder(copy)
+        manifest_path = environment_dir(copy) / "manifest.json"
+        raw = json.loads(manifest_path.read_bytes())
+        for k, shard in enumerate(read_manifest(copy).shards):
+            if shard.trees is None:
+                continue
+            old = read_trees_file(folder, shard.trees, shard.instance_id)
+            planted = [(r[0], r[1], root_digest, root_size, r[4]) for r in old]
+            entry = write_trees_file(folder, shard.trees.file, shard.instance_id, planted,
+                                     shard.trees.blobs, BlobsWritten())
+            raw["shards"][k]["trees"] = entry.model_dump()
+            break
+        manifest_path.write_text(json.dumps(raw))
+        self.s.faults += 1
+        manifest = read_manifest(copy)
+        shard = next(s for s in manifest.shards if s.trees is not None)
+        assert shard.trees is not None
+        rollout = read_trees_file(folder, shard.trees, shard.instance_id)[0]
+        scratch = self.root / "restore-check"
+        readers: list[tuple[str, Any]] = [
+            ("verify", lambda: verify_directories(copy, manifest, BUDGET)),
+            ("inspect or diff", lambda: snapshot_directories(copy, manifest, BUDGET)),
+            ("gc", lambda: snapshot_refs(str(copy), store, budget=BUDGET)),
+            ("a restore", lambda: Sandboxes(shard.instance_id, str(scratch), None,
+                                            namespace="check", tree_budget=BUDGET
+                                            ).prepare_restore(
+                "restore-check", folder, shard, blob_store_of(copy, manifest),
+                {rollout[0]: Ep(rollout[0], rollout[1]).next_attempt().capture_key})),
+        ]
+        for what, read in readers:
+            try:
+                read()
+            except _Runaway:
+                pass  # reported by ``_observe_expansion``
+            except NemoCkptError:
+                pass
+            except Exception as exc:
+                self.violate(f"{what} of a planted tree raised {type(exc).__name__}, not a "
+                             f"nemo-ckpt error: {short(exc)}")
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(copy, ignore_errors=True)
 
     def _check_dense(self) -> None:
         """No copy of a sandbox's sparse file (in the node caches, the blob store or a
@@ -772,6 +906,8 @@ CASES = [
     ("23.7 two jobs hold one checkpoint path", ("a second job claimed",)),
     ("23.8 a disk error escaped as OSError", ("raised OSError, not a nemo-ckpt error",)),
     ("30.1 the newest snapshot not listed first", ("is not listed first",)),
+    ("34.1 a committed snapshot that does not restore", ("does not restore",)),
+    ("34.2 a stored tree read past its budget", ("past its budget",)),
     ("1 committed snapshot lost", ("does not verify", "but no manifest is there",
                                    "was committed last, but")),
     ("2 holders left paused by a failed operation", ("paused for it", "restoring for it")),

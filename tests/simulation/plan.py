@@ -11,7 +11,8 @@ from typing import Any
 from nemo_ckpt.config import CheckpointConfig
 
 CONFIG = CheckpointConfig(namespace="sim", drain_timeout_s=1.0, lease_s=6.0,
-                          phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=10.0)
+                          phase_timeout_s=3.0, persist_timeout_s=15.0, turn_timeout_s=10.0,
+                          sandbox_read_max_entries=10_000)
 
 
 # Faults aimed at a phase boundary: kill the actor a call arrives at, kill an actor right
@@ -76,6 +77,12 @@ class Plan:
     # The rollouts run a text environment through nemo_ckpt.adapters (issue 28), in a
     # quarter of the schedules without sandboxes; drawn apart, last.
     adapted: bool = False
+    # Untrusted stored data (issue 34), drawn apart, in sandbox schedules only: the first
+    # rollout of each node has an id this long (near and past what a file name holds),
+    # and a hostile writer plants a tree that expands to 2^30 directories in a copy of a
+    # committed snapshot.
+    long_id: int | None = None
+    tree_bomb: bool = False
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -110,6 +117,10 @@ class Plan:
         )
         plan.adapted = (not plan.sandboxes
                         and random.Random(f"adapted-{seed}").random() < 0.25)
+        if plan.sandboxes:
+            untrusted = random.Random(f"untrusted-{seed}")
+            plan.long_id = untrusted.choice([None] * 4 + [200, 216, 217, 233, 254])
+            plan.tree_bomb = untrusted.random() < 0.25
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))

@@ -318,7 +318,7 @@ class Workload(Part):
             self._restart = []
             for info in infos:
                 for k in range(self.plan.rollouts_per_node):
-                    ep = Ep(f"{info.instance_id}-r{k}", 0)
+                    ep = Ep(self._rollout_id(info.instance_id, k), 0)
                     self._spawn_rollout(info.instance_id, ep, 0, True)
             return
         assert restored is not None
@@ -331,6 +331,15 @@ class Workload(Part):
         for instance, ep in self._restart:
             self._spawn_rollout(instance, ep, 0, True)
         self._restart = []
+
+    def _rollout_id(self, instance: str, k: int) -> str:
+        """The id of a node's ``k``-th rollout: the first one's ``plan.long_id``
+        characters long, when the plan draws long ids (near and past what a restored
+        directory's name can hold)."""
+        rollout_id = f"{instance}-r{k}"
+        if k == 0 and self.plan.long_id is not None:
+            rollout_id = f"{rollout_id}-".ljust(self.plan.long_id, "x")
+        return rollout_id
 
     def _spawn_rollout(self, instance: str, ep: Ep, start: int, fresh: bool) -> None:
         worker = self.s.workers.get(instance)
@@ -356,7 +365,8 @@ class Workload(Part):
                 await self.s.rl.dispatch(instance, ep)
                 directory = None
                 if self.sandbox_root is not None:
-                    directory = self.sandbox_root / "work" / ep.capture_key
+                    # A worker's own name for it: a long id is not a file name here.
+                    directory = self.sandbox_root / "work" / ep.capture_key[:64]
                     shutil.rmtree(directory, ignore_errors=True)
                     directory.mkdir(parents=True)
                     (directory / "state").write_bytes(f"{ep.rollout_id}:0".encode())
