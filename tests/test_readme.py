@@ -3,7 +3,8 @@ minimal example, its call order from the contract; its public names import; its 
 commands and links exist, and it links every reference page. The reference pages it
 links (docs/CONFIG.md, docs/CLI.md, docs/METRICS.md) hold the config table made from the
 model and the metrics table of the actors; the changelog names the formats this version
-reads; docs/LAYOUT.md names every module; and nothing refers outside the repository."""
+reads; docs/LAYOUT.md names every module; benchmarks/README.md stays a reference that names
+every benchmark; and nothing refers outside the repository."""
 
 from __future__ import annotations
 
@@ -228,3 +229,12 @@ def test_the_glossary_defines_the_words_a_newcomer_meets_in_alphabetical_order()
     for word in ("instance", "attempt", "capture key", "cut", "staging row", "ledger",
                  "holder", "snapshot", "session", "turn"):
         assert word in terms, word
+
+
+def test_the_benchmarks_page_is_a_reference_that_names_every_benchmark() -> None:
+    page = (ROOT / "benchmarks" / "README.md").read_text()
+    assert len(page.splitlines()) <= 400, "the runs' history belongs in git, not on the page"
+    modules = [p.stem for p in sorted((ROOT / "benchmarks").glob("*.py"))
+               if p.name != "__init__.py"]
+    assert [m for m in modules
+            if f"benchmarks/{m}.py" not in page and f"benchmarks.{m}" not in page] == []
