@@ -301,7 +301,7 @@ async def restore_once(config: CheckpointConfig, namespace: str, path: Path | st
 
 # --- the coordinator's phase log lines ----------------------------------------------------------
 
-# Where and how the coordinator logs each phase of a snapshot or a restore (README.md,
+# Where and how the coordinator logs each phase of a snapshot or a restore (docs/METRICS.md,
 # "Each phase of a snapshot or restore logs one structured line"): the only place the
 # benchmarks name them.
 PHASE_LOGGER = "nemo_ckpt.coordinator"

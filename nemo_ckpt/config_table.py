@@ -1,8 +1,8 @@
-"""The README's table of ``CheckpointConfig`` fields, made from the model itself.
+"""The table of ``CheckpointConfig`` fields on docs/CONFIG.md, made from the model itself.
 
-``python -m nemo_ckpt.config_table`` prints the table; ``--write README.md`` replaces the
-table between the README's markers. tests/test_readme.py fails when the two differ, so a
-field's description is written once, in ``nemo_ckpt/config.py``.
+``python -m nemo_ckpt.config_table`` prints the table; ``--write docs/CONFIG.md`` replaces
+the table between that page's markers. tests/test_readme.py fails when the two differ, so
+a field's description is written once, in ``nemo_ckpt/config.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from pydantic.fields import FieldInfo
 
 from nemo_ckpt.config import CheckpointConfig
 
-__all__ = ["BEGIN_MARKER", "END_MARKER", "config_table", "replace_table", "main"]
+__all__ = ["BEGIN_MARKER", "CONFIG_PAGE", "END_MARKER", "config_table", "replace_table", "main"]
+
+# The page that holds the table, relative to the repository's root (the README links it).
+CONFIG_PAGE = "docs/CONFIG.md"
 
 BEGIN_MARKER = ("<!-- CheckpointConfig table: made by `python -m nemo_ckpt.config_table`, "
                 "do not edit -->")
@@ -92,8 +95,9 @@ def replace_table(text: str) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nemo_ckpt.config_table",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--write", type=Path, metavar="README",
-                        help="replace the table between the markers in this file")
+    parser.add_argument("--write", type=Path, metavar="PAGE",
+                        help=f"replace the table between the markers in this file "
+                             f"({CONFIG_PAGE})")
     args = parser.parse_args(argv)
     if args.write is None:
         sys.stdout.write(config_table())

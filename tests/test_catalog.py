@@ -439,14 +439,14 @@ def test_a_removal_while_a_restore_reads_the_snapshot_is_refused_and_the_restore
     assert verify_snapshot(path).ok
 
 
-def test_the_readmes_example_runs_as_written(tmp_path: Path, three: dict[str, Path],
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    start = readme.index("\n## Finding, keeping and removing snapshots\n")
-    block = readme[readme.index("```python\n", start) + 10:readme.index("```\n", start + 1)]
+def test_the_cli_pages_example_runs_as_written(tmp_path: Path, three: dict[str, Path],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "CLI.md").read_text()
+    start = page.index("\n## Finding, keeping and removing snapshots\n")
+    block = page[page.index("```python\n", start) + 10:page.index("```\n", start + 1)]
     flip_middle_byte(first_shard(three["new"]))
     scope: dict[str, Any] = {"root": tmp_path / "ckpt"}
-    exec(compile(block, "README.md", "exec"), scope)
+    exec(compile(block, "docs/CLI.md", "exec"), scope)
     out = capsys.readouterr().out
     assert f"skipped {three['new']} it does not verify" in out
     assert scope["path"] == str(three["mid"])

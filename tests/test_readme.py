@@ -1,8 +1,10 @@
 """The README says what the repository does: its integration guide is cut from the
-minimal example, its call order from the contract, its config table from the model and
-its metrics table from the actors; its public names import; its set-up commands and
-links exist; the changelog names the formats this version reads; docs/LAYOUT.md names
-every module; and nothing refers outside the repository."""
+minimal example, its call order from the contract; its public names import; its set-up
+commands and links exist, and it links every reference page. The reference pages it
+links (docs/CONFIG.md, docs/CLI.md, docs/METRICS.md) hold the config table made from the
+model and the metrics table of the actors; the changelog names the formats this version
+reads; docs/LAYOUT.md names every module; benchmarks/README.md stays a reference that names
+every benchmark; and nothing refers outside the repository."""
 
 from __future__ import annotations
 
@@ -16,7 +18,13 @@ import pytest
 
 import nemo_ckpt
 from nemo_ckpt import interfaces
-from nemo_ckpt.config_table import BEGIN_MARKER, END_MARKER, config_table, replace_table
+from nemo_ckpt.config_table import (
+    BEGIN_MARKER,
+    CONFIG_PAGE,
+    END_MARKER,
+    config_table,
+    replace_table,
+)
 from nemo_ckpt.config_table import main as config_table_command
 from nemo_ckpt.manifest import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
 
@@ -25,14 +33,18 @@ pytestmark = pytest.mark.timeout(30)
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
+# The reference pages the README links: its long tables live there.
+CONFIG = (ROOT / CONFIG_PAGE).read_text()
+METRICS = (ROOT / "docs" / "METRICS.md").read_text()
+REFERENCE_PAGES = [CONFIG_PAGE, "docs/CLI.md", "docs/METRICS.md"]
 EXAMPLES = [ROOT / "examples" / "minimal_driver.py", ROOT / "examples" / "minimal_worker.py",
             ROOT / "examples" / "adapter_recovery.py"]
 
 
-def section(title: str) -> str:
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start:end if end != -1 else None]
+def section(title: str, text: str = README) -> str:
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else None]
 
 
 def code_blocks(text: str) -> list[str]:
@@ -90,19 +102,26 @@ def test_the_set_up_is_make_demo_and_make_test_and_the_makefile_has_both() -> No
         assert re.search(rf"^{target}:", makefile, flags=re.M), target
 
 
-def test_the_readmes_config_table_is_the_one_the_model_makes() -> None:
-    begin = README.index(BEGIN_MARKER) + len(BEGIN_MARKER) + 1
-    assert README[begin:README.index(END_MARKER)] == config_table(), (
-        "run: .venv/bin/python -m nemo_ckpt.config_table --write README.md")
+def test_the_config_pages_table_is_the_one_the_model_makes() -> None:
+    begin = CONFIG.index(BEGIN_MARKER) + len(BEGIN_MARKER) + 1
+    assert CONFIG[begin:CONFIG.index(END_MARKER)] == config_table(), (
+        f"run: .venv/bin/python -m nemo_ckpt.config_table --write {CONFIG_PAGE}")
 
 
 def test_the_config_table_command_remakes_a_table_edited_by_hand(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text(README.replace("| `lease_s` | float | `30.0` |",
-                                     "| `lease_s` | float | `60.0` |"))
-    assert readme.read_text() != README
-    assert config_table_command(["--write", str(readme)]) == 0
-    assert readme.read_text() == README
+    page = tmp_path / "CONFIG.md"
+    page.write_text(CONFIG.replace("| `lease_s` | float | `30.0` |",
+                                   "| `lease_s` | float | `60.0` |"))
+    assert page.read_text() != CONFIG
+    assert config_table_command(["--write", str(page)]) == 0
+    assert page.read_text() == CONFIG
+
+
+def test_the_readme_holds_no_config_table_and_links_every_reference_page() -> None:
+    assert BEGIN_MARKER not in README and "| `lease_s` |" not in README
+    assert "| `nemo_ckpt_" not in README  # the metrics table is on its own page
+    for page in REFERENCE_PAGES:
+        assert f"]({page}" in README, page
 
 
 def test_the_config_table_command_refuses_a_file_without_the_markers(tmp_path: Path) -> None:
@@ -139,16 +158,21 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md", "docs/LAYOUT.md"])
+def anchors(path: Path) -> set[str]:
+    return {slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), flags=re.M)}
+
+
+@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md", "docs/LAYOUT.md",
+                                  "benchmarks/README.md", *REFERENCE_PAGES])
 def test_every_link_leads_to_a_file_or_a_heading_that_exists(name: str) -> None:
     path = ROOT / name
-    text = path.read_text()
-    anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
-    for target in re.findall(r"\]\(([^)]+)\)", text):
-        if target.startswith("#"):
-            assert target[1:] in anchors, target
-        else:
-            assert (path.parent / target).exists(), target
+    for target in re.findall(r"\]\(([^)]+)\)", path.read_text()):
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), target
+        assert linked.is_relative_to(ROOT), target
+        if anchor:
+            assert anchor in anchors(linked), target
 
 
 def test_the_changelog_says_which_formats_this_version_reads_and_writes() -> None:
@@ -195,7 +219,7 @@ def test_every_module_of_the_core_and_the_actors_is_in_the_layout() -> None:
 
 def test_the_metrics_table_lists_every_metric_the_actors_publish() -> None:
     published = set(re.findall(r'"(nemo_ckpt_\w+)"', (ROOT / "actors" / "metrics.py").read_text()))
-    listed = set(re.findall(r"^\| `(nemo_ckpt_\w+)", section("Metrics and logs"), flags=re.M))
+    listed = set(re.findall(r"^\| `(nemo_ckpt_\w+)", section("Metrics", METRICS), flags=re.M))
     assert published and listed == published
 
 
@@ -205,3 +229,12 @@ def test_the_glossary_defines_the_words_a_newcomer_meets_in_alphabetical_order()
     for word in ("instance", "attempt", "capture key", "cut", "staging row", "ledger",
                  "holder", "snapshot", "session", "turn"):
         assert word in terms, word
+
+
+def test_the_benchmarks_page_is_a_reference_that_names_every_benchmark() -> None:
+    page = (ROOT / "benchmarks" / "README.md").read_text()
+    assert len(page.splitlines()) <= 400, "the runs' history belongs in git, not on the page"
+    modules = [p.stem for p in sorted((ROOT / "benchmarks").glob("*.py"))
+               if p.name != "__init__.py"]
+    assert [m for m in modules
+            if f"benchmarks/{m}.py" not in page and f"benchmarks.{m}" not in page] == []
