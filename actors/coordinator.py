@@ -17,44 +17,11 @@ The coordinator routes each call to its parts:
 - ``nemo_ckpt.restore_plan``: a restore's shard assignment and checks, pure.
 
 An operation whose driver stopped renewing is reaped when its lease lapses. The
-coordinator's interface is ``nemo_ckpt.coordinator_api.CoordinatorApi``; the holders'
-calls and their own order, ``SessionHolder``'s docstring.
+coordinator's interface is ``nemo_ckpt.coordinator_api.CoordinatorApi``.
 
-The call order of a snapshot (driven by ``RayEnvironmentCheckpoint.snapshot``):
-
-    1) (driver) renew(id)                   every renewal period, from the start to the
-                                            end, whatever phase is running
-    2) (driver) begin_snapshot(id, path)    claim the path; every holder pauses and
-                                            captures (one call each)
-    3) (driver) start_writes(id)            at the yield: every holder starts writing;
-                                            the manifest's rollouts are encoded meanwhile
-    4) (driver) commit_snapshot(id, path, metrics, restarted)
-                                            holders released (gates open) at once; every
-                                            shard durable, manifest.json written last (the
-                                            commit point), the snapshot ended on every
-                                            holder, the files it replaced removed
-    5) (driver) release(id) to each holder  right after 4 is sent, from the driver itself
-                                            (``nemo_ckpt.driver.holder_handles``: handles looked up
-                                            by name in the background once the driver knows
-                                            the holders, again when 2 names a new
-                                            ``holder_set``): each holder resumes
-                                            at the sooner of this and 4's release, one hop
-                                            shorter; 4 releases as before, so a driver that
-                                            dies after 4, a lost or late copy, or a stale
-                                            handle changes nothing (a holder ignores a
-                                            release of a snapshot it is not paused for)
-    or abort(id, path) instead of 3-5, on any failure or cancellation; it answers
-    with the operation's outcome, which is "committed" if the commit won.
-
-and of a restore (driven by ``RayEnvironmentCheckpoint.restored``):
-
-    1) (driver) renew(id)                   as above
-    2) (driver) prepare_restore(id, path)   read the manifest; place every instance;
-                                            holders read and verify their shards; what
-                                            they read is checked against the manifest
-    3) (driver) commit_restore(id)          every holder makes its sessions live
-    or abort(id) instead of 3, or after a 3 that failed on some holder: the holders
-    that went live drop the restored sessions again (all or nothing).
+The order of the driver's calls is stated once, numbered, on
+``nemo_ckpt.coordinator_api.CoordinatorApi``; the holders', on
+``nemo_ckpt.holder_api.HolderControl``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Every operation is one record (``SnapshotOperation`` or ``RestoreOperation``) wh
 more. A state changes only through ``OperationTable.set_state``
 (``actors.operation_table``), which checks the move against ``_MOVES`` and, on entering
 a terminal state, alone records the outcome. The call order that drives these moves is
-stated once, in ``actors.coordinator``'s module docstring.
+stated once, on ``nemo_ckpt.coordinator_api.CoordinatorApi``.
 
 A snapshot::
 

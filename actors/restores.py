@@ -1,7 +1,7 @@
 """The coordinator's side of a restore: read the manifest, place every instance, have
 the holders read and verify their shards (``prepare``), then make every restored
-session live, all or nothing (``commit``). The order of these calls is stated in
-``actors.coordinator``'s docstring; the plan itself, pure, in ``nemo_ckpt.restore_plan``.
+session live, all or nothing (``commit``). The order of these calls is stated on
+``nemo_ckpt.coordinator_api.CoordinatorApi``; the plan itself, pure, in ``nemo_ckpt.restore_plan``.
 """
 
 from __future__ import annotations

@@ -101,35 +101,8 @@ class _NoTrimmer:
 class SessionHolder:
     """Holds the sessions of one instance, and takes part in snapshots and restores.
 
-    The call order, as the coordinator drives it (stated here once; the other
-    docstrings point here). A snapshot, every call carrying the snapshot's id:
-
-        1) begin(id, drain, lease, folder)  close the turn gate, wait up to ``drain`` for
-                                            turns in flight, take a lease, capture in
-                                            memory (``pause`` then ``capture``, in one
-                                            call) -> (PauseReport, CaptureReport)
-        2) start_persist(id)                write the shard in the background (a
-                                            finish_persist that comes first starts it)
-        3) renew_lease(id, lease)           while the driver's block runs
-        4) release(id)                      the driver's block exited: open the gate while
-                                            the shard is still being written (the capture
-                                            is an immutable copy); sent by the driver and
-                                            by the coordinator, so it comes twice, and
-                                            either may come late; the snapshot stays open
-        5) finish_persist(id)               the shard is durable -> PersistReport, its
-                                            manifest entry
-        6) resume(id)                       the manifest is written: the snapshot ends here
-        or abort(id), at any point, instead of 2-6.
-
-    A restore, carrying the restore's id:
-
-        1) prepare_restore(id, folder, shards, lease)   close the gate, read and verify
-                                                        the shards; nothing goes live yet
-                                                        -> RestorePrepared
-        2) renew_lease(id, lease)
-        3) commit_restore(id)                           the sessions go live; open the gate
-        or abort(id) instead of 3, or after 3 while the restore is not yet in use: every
-        session it made live goes again (a restore is all or nothing across holders).
+    The order of the coordinator's calls is stated once, numbered, on
+    ``nemo_ckpt.holder_api.HolderControl``.
 
     Each operation's state is a value of ``actors.holder_states``, entered only through
     ``_set_state``, which alone opens and closes the turn gate and, on entering

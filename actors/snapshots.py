@@ -1,7 +1,7 @@
 """The coordinator's side of a snapshot: claim the path and pause and capture on every
 holder (``begin``), start every holder's write (``start_writes``), then wait for every
 shard, write the manifest last and resume the holders (``commit``). The order of these
-calls is stated in ``actors.coordinator``'s docstring; the states a snapshot passes
+calls is stated on ``nemo_ckpt.coordinator_api.CoordinatorApi``; the states a snapshot passes
 through, in ``actors.operation_states``.
 """
 

@@ -1,8 +1,7 @@
 """What holders report to the coordinator, phase by phase: pure data, no Ray.
 
-The call order of a snapshot's and a restore's phases is stated once, numbered, in the
-docstring of ``actors.session_holder.SessionHolder``; each report here names the call that
-returns it."""
+The call order of a snapshot's and a restore's phases is stated once, numbered, on
+``nemo_ckpt.holder_api.HolderControl``; each report here names the call that returns it."""
 
 from __future__ import annotations
 

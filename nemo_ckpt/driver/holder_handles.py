@@ -1,6 +1,6 @@
 """The driver's own handles on the holders a snapshot paused, with which it releases
 them itself as its block exits, beside its commit to the coordinator: one hop less than
-the coordinator's release (the call order: ``actors.coordinator``'s docstring).
+the coordinator's release (the call order: ``nemo_ckpt.coordinator_api.CoordinatorApi``).
 
 The handles are looked up by name through the driver's transport, off the pause's path
 (in the background): first when the driver learns the holders' names
