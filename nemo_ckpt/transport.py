@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Protocol, TypeVar
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "concurrency_group",
     "HOLDER",
     "RELAY",
+    "TRANSPORTS_GROUP",
     "Actor",
     "Clock",
     "Metrics",
@@ -39,6 +41,7 @@ __all__ = [
     "Runtime",
     "SystemClock",
     "Transport",
+    "runtime_transport",
     "unavailable_error",
 ]
 
@@ -252,3 +255,21 @@ class Transport(Protocol):
         """The names the namespace's coordinator and holders are registered under now:
         a killed actor keeps its name until the cluster has seen it dead."""
         ...
+
+
+# The entry-point group that names each runtime's ``Transport`` class (pyproject.toml).
+TRANSPORTS_GROUP = "nemo_ckpt.transports"
+
+
+def runtime_transport(config: Any, runtime: str = "ray") -> Transport:
+    """The ``Transport`` of ``runtime`` for ``config``, found through the entry point
+    that names it (Ray's: ``actors.ray_transport.RayTransport``), so the core imports
+    nothing of the runtime's side, not even inside a function."""
+    found = entry_points(group=TRANSPORTS_GROUP, name=runtime)
+    if not found:
+        raise ImportError(
+            f"no {runtime!r} transport is installed (the {TRANSPORTS_GROUP!r} entry point "
+            f"of the nemo-ckpt package names it): reinstall nemo-ckpt (`make install`, or "
+            f"`pip install -e .` in its checkout)")
+    transport: Transport = next(iter(found)).load()(config)
+    return transport

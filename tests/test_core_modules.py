@@ -7,6 +7,8 @@ import ast
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.sessions import SessionClient, register_default_transport
 from nemo_ckpt.transport import HOLDER, Transport
@@ -108,6 +110,29 @@ def test_the_core_imports_nothing_from_the_actors_or_ray_not_even_inside_a_funct
         if bad:
             offending[name] = bad
     assert offending == {}
+
+
+def test_no_module_of_the_package_but_the_simulated_world_imports_the_actors() -> None:
+    """The driver and the CLI reach Ray's actors through the ``nemo_ckpt.transports``
+    entry point, not by importing them, even inside a function."""
+    offending = {}
+    for path in (ROOT / "nemo_ckpt").rglob("*.py"):
+        name = _module_name(path)
+        bad = sorted(m for m in _imports(path) if m.split(".")[0] == "actors")
+        if bad and name != "nemo_ckpt.testing.sim":
+            offending[name] = bad
+    assert offending == {}
+
+
+def test_the_ray_transport_is_found_through_its_entry_point_and_a_missing_one_says_so() -> None:
+    from importlib.metadata import entry_points
+
+    from nemo_ckpt.transport import TRANSPORTS_GROUP, runtime_transport
+
+    (ray_entry,) = entry_points(group=TRANSPORTS_GROUP, name="ray")
+    assert ray_entry.value == "actors.ray_transport:RayTransport"
+    with pytest.raises(ImportError, match="no 'kubernetes' transport is installed.*reinstall"):
+        runtime_transport(CONFIG, "kubernetes")
 
 
 def test_a_client_connected_without_a_transport_reaches_its_holder_through_the_registered_one(

@@ -22,7 +22,7 @@ from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.holder_api import HolderCalls
 from nemo_ckpt.options import non_empty, positive_float
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
-from nemo_ckpt.transport import Actor, Transport
+from nemo_ckpt.transport import Actor, Transport, runtime_transport
 
 __all__ = ["HolderStatus", "add_parser", "holder_status", "run", "run_status"]
 
@@ -81,9 +81,7 @@ async def holder_status(transport: Transport, timeout_s: float = 10.0) -> list[H
 
 
 def _ray_transport(namespace: str) -> Transport:
-    from actors.ray_transport import RayTransport
-
-    return RayTransport(CheckpointConfig(namespace=namespace))
+    return runtime_transport(CheckpointConfig(namespace=namespace), "ray")
 
 
 def _cluster_view(namespace: str) -> tuple[dict[str, dict[str, Any]], bool]:

@@ -41,7 +41,7 @@ from nemo_ckpt.location import LocalLocation, join_location, levels_below, parse
 from nemo_ckpt.phases import HolderInfo
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import register_default_transport
-from nemo_ckpt.transport import Transport
+from nemo_ckpt.transport import Transport, runtime_transport
 
 __all__ = ["RayEnvironmentCheckpoint", "ray_transport"]
 
@@ -463,10 +463,8 @@ class _Committed:
 
 
 def ray_transport(config: CheckpointConfig) -> Transport:
-    """Ray's transport for ``config``'s namespace (Ray is imported here, when first used)."""
-    from actors.ray_transport import RayTransport
-
-    return RayTransport(config)
+    """Ray's transport for ``config``'s namespace (Ray is imported when first used)."""
+    return runtime_transport(config, "ray")
 
 
 # A worker's SessionClient.connect() without a transport reaches its holder over Ray; the
