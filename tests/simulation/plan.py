@@ -76,6 +76,9 @@ class Plan:
     # The rollouts run a text environment through nemo_ckpt.adapters (issue 28), in a
     # quarter of the schedules without sandboxes; drawn apart, last.
     adapted: bool = False
+    # At-most-once delivery (issue 34): the chance that the answer of any call that ran
+    # is lost on its way back; drawn apart, after the others.
+    reply_loss: float = 0.0
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -110,6 +113,8 @@ class Plan:
         )
         plan.adapted = (not plan.sandboxes
                         and random.Random(f"adapted-{seed}").random() < 0.25)
+        plan.reply_loss = random.Random(f"reply-loss-{seed}").choice(
+            [0.0, 0.0, 0.0, 0.005, 0.02, 0.05])
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))
