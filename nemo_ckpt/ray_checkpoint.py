@@ -472,12 +472,17 @@ class RayEnvironmentCheckpoint:
                 live, cancelled = await _finish(asyncio.ensure_future(
                     self._coordinator.commit_restore(restore_id)))
                 if isinstance(live, BaseException):
-                    # Some holders may have gone live: the abort makes them drop it again.
-                    self._restored_results = ()
-                    await self._abort(restore_id, None, live)
-                    if cancelled:
-                        raise asyncio.CancelledError()
-                    raise live
+                    # Some holders may have gone live: the abort makes them drop it again,
+                    # unless the commit won (only its answer was lost): then it stands.
+                    outcome = await self._abort(restore_id, None, live)
+                    if outcome != "committed":
+                        self._restored_results = ()
+                        if cancelled:
+                            raise asyncio.CancelledError()
+                        raise live
+                    log.warning("restore %s: its commit call failed (%s), but the commit "
+                                "won: its sessions are live", restore_id, live)
+                    live = len(begun.continued_attempts)
                 if cancelled:
                     raise asyncio.CancelledError()
             self._last_restore = {

@@ -262,6 +262,35 @@ def test_a_holder_dying_during_commit_restore_leaves_nothing_live_and_the_retry_
         world.close()
 
 
+def test_a_restore_whose_commit_answer_is_lost_but_won_returns_with_its_sessions_live(
+        tmp_path: Path) -> None:
+    """Issue 34 (found by the simulation's lost answers, seed 7 at 2d6310c): the driver
+    raised "unavailable, retry" for a restore its coordinator had committed."""
+    first = World(tmp_path)
+    path = tmp_path / "ckpt"
+    try:
+        live = first.run(first.populate())
+        first.run(first.snapshot(path, live))
+    finally:
+        first.close()
+    world = World(tmp_path)
+    try:
+        async def scenario() -> None:
+            await world.ckpt.ensure_holders()
+            world.sim.lose_reply = lambda target, method: (
+                target.kind == COORDINATOR and method == "commit_restore")
+            async with world.ckpt.restored(path) as restored:
+                assert len(restored.continued_attempts) == 6
+            world.sim.lose_reply = lambda target, method: False
+            restored_eps = {s.episode for h in world.holders().values()
+                            for s in await h.sessions()}
+            assert restored_eps == {ep.next_attempt() for eps in live.values() for ep in eps}
+
+        world.run(scenario())
+    finally:
+        world.close()
+
+
 # --- case 6: leases are renewed through long phases ------------------------------------------
 
 
