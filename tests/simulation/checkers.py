@@ -90,7 +90,7 @@ class Checkers(Part):
         if callee.kind == RELAY:
             for name, op in _relayed_ends(method, args):
                 self.end_in_relay[callee][(name, op)] += 1
-        if method == "abort_turn" and len(args) > 1:
+        if method in ("abort_turn", "resolve_turn") and len(args) > 1:
             self.turn_aborts_in_flight[args[1]] += 1
         driver = self.s.drivers.get(caller)
         if driver is None:
@@ -106,7 +106,7 @@ class Checkers(Part):
         if target.kind == RELAY:
             for name, op in _relayed_ends(method, args):
                 self.end_in_relay[target][(name, op)] -= 1
-        if method == "abort_turn" and len(args) > 1:
+        if method in ("abort_turn", "resolve_turn") and len(args) > 1:
             self.turn_aborts_in_flight[args[1]] -= 1
         if target.kind == HOLDER and args and isinstance(args[0], str):
             if method in ("begin", "pause", "prepare_restore"):
