@@ -69,7 +69,7 @@ from nemo_ckpt.phases import (
     join_captured,
 )
 from nemo_ckpt.sandbox import SandboxLimits, TreeBudget
-from nemo_ckpt.session_record import SessionRecord, check_staging_keys
+from nemo_ckpt.session_record import NO_TURNS, SessionRecord, check_staging_keys
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["SessionHolder", "Trimmer"]
@@ -369,7 +369,10 @@ class SessionHolder:
         """Open many sessions in one call (a worker starting a batch of rollouts, or a
         group of samples per prompt): each ``(episode, state)`` or ``(episode, state,
         directory)`` as ``open_session`` would, all or none. Returns how many were
-        opened. Waits while paused."""
+        opened. Waits while paused.
+
+        Repeated after its answer was lost (every session open as this call opens it,
+        no turn begun since), it changes nothing and returns the same count at once."""
         opening: list[tuple[EnvironmentEpisode, bytes, Path | None]] = []
         for item in sessions:
             episode, state = item[0], item[1]
@@ -383,6 +386,8 @@ class SessionHolder:
                                        f"directory {where}: {problem}; nothing was opened")
             opening.append((episode, state, None if where is None else
                             self._sandboxes.check_directory(where, episode.capture_key)))
+        if opening and all(self._opened_as(*each) for each in opening):
+            return len(opening)
         # Recorded before the gate: once it opens, the sessions go live with no await.
         recorded = await self._sandboxes.record_all(
             self._runtime.run_blocking,
@@ -425,6 +430,18 @@ class SessionHolder:
         if box is None:
             return record
         return dataclasses.replace(record, directory=str(box.directory))
+
+    def _opened_as(self, episode: EnvironmentEpisode, state: bytes,
+                   directory: Path | None) -> bool:
+        """Whether ``episode``'s session is live exactly as an open with ``state`` and
+        ``directory`` makes it, untouched since (no turn begun, not finished)."""
+        held = self._table.get(episode)
+        if held is None or held.finished or held.turns != NO_TURNS \
+                or held.last_turn is not None or held.capture_key in self._gate \
+                or held.state != bytes(state) or held.row != Held.fresh(episode, b"").row:
+            return False  # not as opened (a restored one has earlier capture keys)
+        box = self._sandboxes.get(episode.rollout_id)
+        return (None if box is None else box.directory) == directory
 
     def _check_openable(self, episode: EnvironmentEpisode) -> None:
         self._refuse_retired(episode)
@@ -517,7 +534,7 @@ class SessionHolder:
                 earlier_capture_keys=old.earlier_capture_keys,
                 directory=old.directory,
             )
-            self._table.put(Held.of(new))
+            self._table.put(Held.of(new, last_turn=token))
             if recorded is not None and box is not None:
                 self._sandboxes.install(episode.rollout_id, box.directory, recorded)
                 recorded = None
@@ -537,6 +554,30 @@ class SessionHolder:
         self._check_episode(episode)
         if self._gate.abort(episode.capture_key, token):
             await self._gate.notify()
+
+    async def resolve_turn(self, episode: EnvironmentEpisode, token: str
+                           ) -> SessionRecord | None:
+        """The outcome of the turn of ``token``, for a caller whose ``commit_turn`` got no
+        answer: the session as that commit left it if the turn committed, else None,
+        and then the turn can no longer commit (aborted here now if it is in flight,
+        its token refused if its begin is still on its way). Read and decided with no
+        await between, so no commit lands between the look and the abort.
+
+        A session remembers the token of its last committed turn, and nothing older,
+        until it leaves the holder: enough, as a session runs one turn at a time and
+        ``SessionClient`` asks before it begins the session's next turn. Raises as any
+        session call does when the session is not live here (retired, closed, or lost
+        with a holder that died)."""
+        self._check_episode(episode)
+        if not isinstance(token, str) or not token:
+            raise TypeError("a turn token must be a non-empty string made by the caller")
+        held = self._table.get(episode)
+        if held is not None and held.last_turn == token:
+            return self._record(held)
+        if self._gate.abort(episode.capture_key, token):
+            await self._gate.notify()
+        self._held(episode)  # the session is gone: say so rather than "not recorded"
+        return None
 
     async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
         """Close a finished session (of ``episode``, or with that capture key) and return

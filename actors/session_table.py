@@ -48,16 +48,20 @@ _ATTEMPT_SUFFIX = re.compile(r"^(?P<rollout>.+)-a(?P<attempt>[0-9]+)$")
 class Held:
     """One live session, encoded."""
 
-    __slots__ = ("rollout_id", "attempt", "row", "turns", "state", "finished")
+    __slots__ = ("rollout_id", "attempt", "row", "turns", "state", "finished", "last_turn")
 
     def __init__(self, rollout_id: str, attempt: int, row: bytes, turns: bytes,
-                 state: bytes, finished: bool = False) -> None:
+                 state: bytes, finished: bool = False, last_turn: str | None = None) -> None:
         self.rollout_id = rollout_id
         self.attempt = attempt
         self.row = row
         self.turns = turns
         self.state = state
         self.finished = finished
+        # The token of the session's last committed turn (None before one commits here):
+        # the history ``SessionHolder.resolve_turn`` answers from, one token per live
+        # session, gone with it.
+        self.last_turn = last_turn
 
     @property
     def size(self) -> int:
@@ -72,12 +76,12 @@ class Held:
         return EnvironmentEpisode(self.rollout_id, self.attempt)
 
     @classmethod
-    def of(cls, record: SessionRecord) -> Held:
+    def of(cls, record: SessionRecord, last_turn: str | None = None) -> Held:
         ep = record.episode
         row, turns, state = record_parts(record)
         return cls(ep.rollout_id, ep.attempt, row, turns,
                    state if record.result is not None else record.state,
-                   finished=record.finished)
+                   finished=record.finished, last_turn=last_turn)
 
     def finish(self, result: bytes) -> Held:
         """This session with its rollout handed in as finished: the result takes the
@@ -85,7 +89,8 @@ class Held:
         row = msgpack.unpackb(self.row, raw=False, use_list=True)
         return Held(self.rollout_id, self.attempt,
                     msgpack.packb([*row[:5], True], use_bin_type=True), self.turns,
-                    result if type(result) is bytes else bytes(result), finished=True)
+                    result if type(result) is bytes else bytes(result), finished=True,
+                    last_turn=self.last_turn)
 
     @classmethod
     def fresh(cls, episode: EnvironmentEpisode, state: bytes) -> Held:

@@ -260,6 +260,12 @@ class TurnAbortedError(TurnInProgressError):
     """The turn was aborted by its own caller (cancelled, gone) before it began here."""
 
 
+class TurnOutcomeUnknownError(SessionError):
+    """A turn's commit got no answer and its holder could not be asked within
+    ``SessionClient.resolve_s`` whether it committed: the turn may have been recorded.
+    Not retriable: running the turn again could record it twice."""
+
+
 class StateTooLargeError(SessionError):
     """A session's state or turn record exceeds the configured limit."""
 

@@ -188,6 +188,9 @@ class HolderSessions(Protocol):
 
     async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None: ...
 
+    async def resolve_turn(self, episode: EnvironmentEpisode, token: str
+                           ) -> SessionRecord | None: ...
+
     async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord: ...
 
     async def finish_session(self, episode: EnvironmentEpisode, result: bytes
@@ -226,6 +229,10 @@ class SessionCalls:
 
     def abort_turn(self, episode: EnvironmentEpisode, token: str) -> Awaitable[None]:
         return self._invoke("abort_turn", episode, token)
+
+    def resolve_turn(self, episode: EnvironmentEpisode, token: str
+                     ) -> Awaitable[SessionRecord | None]:
+        return self._invoke("resolve_turn", episode, token)
 
     def close_session(self, episode: EnvironmentEpisode | str) -> Awaitable[SessionRecord]:
         return self._invoke("close_session", episode)

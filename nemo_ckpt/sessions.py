@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.errors import BackendUnavailableError, SessionNotFoundError
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    SessionNotFoundError,
+    TurnOutcomeUnknownError,
+)
 from nemo_ckpt.holder_api import HolderCalls, SessionCalls
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import instance_sort_key
@@ -24,6 +29,9 @@ from nemo_ckpt.session_record import SessionRecord, check_staging_keys
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["SessionClient", "Turn", "register_default_transport"]
+
+# Seconds between two questions to a holder that did not answer ``resolve_turn``.
+_RESOLVE_RETRY_S = 0.5
 
 # namespace -> the transport ``SessionClient.connect`` uses when it is given none.
 _default_transport: Callable[[str], Transport] | None = None
@@ -98,6 +106,10 @@ class SessionClient:
         final = await client.close(episode)
     """
 
+    # Seconds a turn whose commit got no answer keeps asking its holder whether it
+    # committed (``resolve_turn``) before it raises ``TurnOutcomeUnknownError``.
+    resolve_s: float = 30.0
+
     def __init__(self, holder: Actor, transport: Transport) -> None:
         # None once a call found it dead or unreachable: the next call looks its
         # instance's name up again (check_startup may have made a successor).
@@ -147,16 +159,20 @@ class SessionClient:
                 f"starting environment workers")
         return cls(handles[here[0]], transport)
 
-    def _call(self, method: str, *args: Any) -> Awaitable[Any]:
+    def _call(self, method: str, *args: Any, timeout: float | None = None
+              ) -> Awaitable[Any]:
         """Send ``method`` to the instance's holder now; its result's awaitable."""
         if self._holder is None:
             self._holder = self._transport.holder(self.instance_id)
             if self._holder is None:
-                raise BackendUnavailableError(
+                error = BackendUnavailableError(
                     f"holder {self.instance_id} is not running (its process or node died); "
                     f"retry once RayEnvironmentCheckpoint.check_startup() or "
                     f"ensure_holders() has started its successor")
-        return self._result(self._holder, self._transport.call(self._holder, method, *args))
+                error.unreachable = "holder"
+                raise error
+        return self._result(self._holder, self._transport.call(self._holder, method, *args,
+                                                               timeout=timeout))
 
     async def _result(self, holder: Actor, call: Awaitable[Any]) -> Any:
         try:
@@ -191,7 +207,12 @@ class SessionClient:
         The caller owns the turn: its token is made here, so a turn whose caller goes
         away (an exception, a cancellation, even while waiting at a closed gate) is
         aborted with it, and never stays open on the holder. A dead worker's turn ends
-        at ``CheckpointConfig.turn_timeout_s``."""
+        at ``CheckpointConfig.turn_timeout_s``.
+
+        A commit that gets no answer is resolved by asking the holder: the block exits
+        cleanly if the turn committed; ``BackendUnavailableError`` (retry: nothing was
+        recorded) if not; ``TurnOutcomeUnknownError`` if the holder could not be asked
+        within ``resolve_s``."""
         pending = self._aborting.get(episode.capture_key)
         if pending is not None:
             await asyncio.wait([pending])
@@ -216,9 +237,51 @@ class SessionClient:
         try:
             turn.session = await self._holder_calls.commit_turn(episode, token, record,
                                                                state, keys)
+        except BackendUnavailableError as lost:
+            # The commit may have run and only its answer been lost: ask, don't guess.
+            turn.session = await self._resolve(episode, token, lost)
         except BaseException:
-            self._abort(episode, token)  # a no-op if the commit landed
+            self._abort(episode, token)
             raise
+
+    async def _resolve(self, episode: EnvironmentEpisode, token: str,
+                       lost: BackendUnavailableError) -> SessionRecord:
+        """The outcome of a commit that got no answer, from its holder (``resolve_turn``),
+        asked again until ``resolve_s`` has passed: the session as the commit left it,
+        or, when the turn did not commit (and now never will), ``lost`` said again as
+        "nothing was recorded, retry". If the holder cannot be asked in time,
+        ``TurnOutcomeUnknownError``: the turn may have been recorded."""
+        clock = self._transport.runtime.clock
+        deadline = clock.monotonic() + self.resolve_s
+        key = episode.capture_key
+        why: BaseException = lost
+        try:
+            while (remaining := deadline - clock.monotonic()) > 0:
+                calls = SessionCalls(functools.partial(self._call, timeout=remaining))
+                try:
+                    session = await calls.resolve_turn(episode, token)
+                except BackendUnavailableError as exc:
+                    why = exc
+                    await asyncio.sleep(min(_RESOLVE_RETRY_S, max(0.0, remaining)))
+                    continue
+                if session is not None:
+                    return session
+                error = BackendUnavailableError(
+                    f"holder {self.instance_id} did not answer the commit of a turn of "
+                    f"{key} ({lost}); asked, it says the turn did not commit, and it is "
+                    f"aborted: nothing was recorded; retry the turn")
+                error.unreachable, error.timed_out = lost.unreachable, lost.timed_out
+                raise error from lost
+        except BaseException as exc:
+            if not isinstance(exc, BackendUnavailableError):
+                self._abort(episode, token)  # gone before the answer: it never commits late
+            raise
+        raise TurnOutcomeUnknownError(
+            f"holder {self.instance_id} did not answer the commit of a turn of {key} "
+            f"({lost}), nor, within {self.resolve_s:g}s, whether it committed ({why}): "
+            f"the turn may have been recorded. Do not run it again blindly: read the "
+            f"session (client.get(episode)) once the holder answers and compare its turn "
+            f"count with the one this turn began at") from lost
 
     def _abort(self, episode: EnvironmentEpisode, token: str) -> None:
         """Abort a turn without waiting: sent even from a cancelled task. Its outcome

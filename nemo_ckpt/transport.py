@@ -128,7 +128,8 @@ RELAY = "relay"  # calls a group of holders for the coordinator (``create_relay`
 CONTROL_GROUP = "control"
 SESSION_METHODS = frozenset({
     "open_session", "open_sessions", "get_session", "begin_turn", "commit_turn",
-    "abort_turn", "close_session", "finish_session", "sessions", "replay_diverged"})
+    "abort_turn", "resolve_turn", "close_session", "finish_session", "sessions",
+    "replay_diverged"})
 
 
 def concurrency_group(kind: str, method: str) -> str | None:

@@ -12,7 +12,8 @@ seeded transport: the world the deterministic simulation (``tests/simulation/``)
   an async actor's calls), runs as a task of the callee, and its result travels back
   after another delay. Arguments and results are pickled on the way, as between
   processes. A caller that stops waiting (timeout, cancellation) does not stop the call.
-  A fault may lose a message or deliver it twice (``SimWorld.route``).
+  A fault may lose a message or deliver it twice (``SimWorld.route``), or lose the
+  answer of a call that ran (``SimWorld.lose_reply``: at-most-once delivery).
 - ``Runtime.run_blocking`` is a thread model: the work runs at a seeded later virtual
   time (two calls in flight run in a seeded order, one call at a time), whether or not
   its caller still waits (a thread outlives its cancelled caller; it dies with its
@@ -323,6 +324,10 @@ class SimWorld:
         # arrives twice). None: one copy, after ``message_delay``.
         self.route: Callable[[SimActor, SimActor, str], tuple[float, ...] | None] = \
             lambda caller, target, method: None
+        # At-most-once delivery as Ray gives it: whether the answer of ``target.method``,
+        # which ran, is lost on its way back (the caller sees what Ray's
+        # ActorUnavailableError says: the call may or may not have run).
+        self.lose_reply: Callable[[SimActor, str], bool] = lambda target, method: False
         # Virtual seconds a blocking call costs, by the function's name.
         self.io_cost: Callable[[str], float] = lambda name: 0.002
         # Decides, per blocking call, "fail", "tear" or None (by function name, args).
@@ -726,6 +731,9 @@ class SimWorld:
             except Exception as error:  # an unpicklable reply is a bug in the callee
                 reply = (None, error)
         delay = self._leg(target, method, True)
+        if self.lose_reply(target, method):
+            reply = (None, ActorDied(f"the answer of {method} from {target} was lost (its "
+                                     f"connection reset): it may or may not have run"))
         frozen = target.stalled_until - self.loop.time()
         self.loop.call_later(delay + frozen if frozen > 0 else delay, _settle, done, *reply,
                              context=_NO_ACTOR)

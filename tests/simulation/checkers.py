@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import shutil
 import stat
 from collections import defaultdict
@@ -29,7 +30,9 @@ from nemo_ckpt.errors import (
     BackendUnavailableError,
     LeaseExpiredError,
     NemoCkptError,
+    SessionExistsError,
     SnapshotNotFoundError,
+    TurnInProgressError,
     is_retriable,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
@@ -118,7 +121,7 @@ class Checkers(Part):
         if callee.kind == RELAY:
             for name, op in _relayed_ends(method, args):
                 self.end_in_relay[callee][(name, op)] += 1
-        if method == "abort_turn" and len(args) > 1:
+        if method in ("abort_turn", "resolve_turn") and len(args) > 1:
             self.turn_aborts_in_flight[args[1]] += 1
         driver = self.s.drivers.get(caller)
         if driver is None:
@@ -134,7 +137,7 @@ class Checkers(Part):
         if target.kind == RELAY:
             for name, op in _relayed_ends(method, args):
                 self.end_in_relay[target][(name, op)] -= 1
-        if method == "abort_turn" and len(args) > 1:
+        if method in ("abort_turn", "resolve_turn") and len(args) > 1:
             self.turn_aborts_in_flight[args[1]] -= 1
         if target.kind == HOLDER and args and isinstance(args[0], str):
             if method in ("begin", "pause", "prepare_restore"):
@@ -427,6 +430,24 @@ class Checkers(Part):
             self.violate(f"{ep.capture_key} ({when}, {len(outputs)} turns) differs from a "
                          f"crash-free run of it")
 
+    def check_turns_once(self, session: SessionRecord, when: str) -> None:
+        """A turn is recorded at most once: no step's record twice in a session (the
+        workload's records name their step, ``t<step>``)."""
+        steps = [r for r in session.turns if re.fullmatch(rb"t[0-9]+", r)]
+        twice = sorted({r for r in steps if steps.count(r) > 1})
+        if twice:
+            self.violate(f"{session.instance_id}/{session.episode.capture_key} recorded "
+                         f"turn {twice[0].decode()} twice ({when}; {len(session.turns)} "
+                         f"turns): a turn reported unavailable had committed, and its "
+                         f"retry ran it again")
+
+    def check_retry_refusal(self, exc: BaseException, what: str) -> None:
+        """A call retried because its error said nothing changed is not refused because
+        the first call changed something after all (its answer was lost)."""
+        if isinstance(exc, (SessionExistsError, TurnInProgressError)):
+            self.violate(f"the {what} retried after an unavailable error was refused: "
+                         f"{type(exc).__name__}: {short(exc)}")
+
     def check_turn_directory(self, ep: Ep, directory: Path, before: bytes, t: int) -> None:
         """A turn's directory starts as its session's state says (after a restore too)."""
         found = (directory / "state").read_bytes() if (directory / "state").exists() else None
@@ -525,7 +546,11 @@ class Checkers(Part):
             if info.turns_in_flight:
                 self.violate(f"{info.instance_id} has {info.turns_in_flight} turn(s) in "
                              f"flight past the turn deadline")
-        self._check_one_live_session_per_rollout(await self.s.live_sessions())
+        sessions = await self.s.live_sessions()
+        self._check_one_live_session_per_rollout(sessions)
+        for records in sessions.values():
+            for session in records:
+                self.check_turns_once(session, "at the end")
         for actor in self.world.live(HOLDER):
             bounds = actor.obj.bounds()
             if bounds["history"] > 64 or bounds["drivers"] > 64 \
@@ -885,6 +910,8 @@ def _session_calls(methods: tuple[str, ...]) -> str:
 
 # Which reviewed case (issue 11, then 23, then 29) a violation shows, by its wording.
 CASES = [
+    ("34.3 a turn recorded twice", ("recorded turn",)),
+    ("34.4 a call retried after a lost answer refused", ("retried after an unavailable",)),
     ("28.1 an adapted rollout continued on a history it does not reproduce",
      ("differs from a crash-free run", "diverged from its recorded turns",
       "other observations than those recorded")),

@@ -145,6 +145,7 @@ class Faults(Part):
         self.secret.write_bytes(SECRET + f"-{self.seed}".encode())
         self._install_ray()
         self._install_releases()
+        self._install_reply_loss()
 
     # --- at a message or a file operation (the world's hooks): the planned triggers -------
 
@@ -305,6 +306,24 @@ class Faults(Part):
             return (rng.uniform(0.0005, 0.05), rng.uniform(0.0, 8.0))
 
         self.world.route = route
+
+    def _install_reply_loss(self) -> None:
+        """At-most-once delivery as Ray gives it (issue 34): the answer of a call that ran
+        is lost on its way back (a connection reset), for any call between workers, the
+        driver, the coordinator and the holders. Its own RNG."""
+        chance, rng = self.plan.reply_loss, random.Random(f"reply-loss-run-{self.seed}")
+        if not chance:
+            return
+
+        def lose(target: SimActor, method: str) -> bool:
+            if rng.random() >= chance:
+                return False
+            self.s.faults += 1
+            self.s.fired.append((self.now(), f"lose_reply:{method}"))
+            self.log(f"fault: the answer of {method} from {target} is lost")
+            return True
+
+        self.world.lose_reply = lose
 
     async def inject_stalls(self) -> None:
         start = self.now()

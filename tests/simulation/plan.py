@@ -83,6 +83,9 @@ class Plan:
     # committed snapshot.
     long_id: int | None = None
     tree_bomb: bool = False
+    # At-most-once delivery (issue 34): the chance that the answer of any call that ran
+    # is lost on its way back; drawn apart, after the others.
+    reply_loss: float = 0.0
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -121,6 +124,8 @@ class Plan:
             untrusted = random.Random(f"untrusted-{seed}")
             plan.long_id = untrusted.choice([None] * 4 + [200, 216, 217, 233, 254])
             plan.tree_bomb = untrusted.random() < 0.25
+        plan.reply_loss = random.Random(f"reply-loss-{seed}").choice(
+            [0.0, 0.0, 0.0, 0.005, 0.02, 0.05])
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))

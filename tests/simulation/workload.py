@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nemo_ckpt.adapters import AdaptedRollout
 from nemo_ckpt.errors import (
@@ -34,6 +36,8 @@ from .plan import CONFIG, SPARSE_BYTES
 from .rl import Saved, SimRL
 from .state import Driver, OpRecord, Part, State, short
 from .text_env import CounterFramework, policy, reference
+
+T = TypeVar("T")
 
 
 class InjectedError(Exception):
@@ -370,24 +374,52 @@ class Workload(Part):
                     shutil.rmtree(directory, ignore_errors=True)
                     directory.mkdir(parents=True)
                     (directory / "state").write_bytes(f"{ep.rollout_id}:0".encode())
-                await client.open(ep, f"{ep.rollout_id}:0".encode(), directory=directory)
+                await self._retried(f"open of {ep.capture_key}", lambda: client.open(
+                    ep, f"{ep.rollout_id}:0".encode(), directory=directory))
             for t in range(start, self.plan.turns):
                 if self.stop:
                     return
-                async with client.turn(ep) as turn:
-                    await asyncio.sleep(self.rng.uniform(0.05, 0.6))
-                    key = f"{ep.capture_key}/row{t}"
-                    await self.s.rl.write_row(key)
-                    state = f"{ep.rollout_id}:{t + 1}".encode()
-                    if turn.directory is not None:
-                        self._sandbox_turn(ep, turn.directory, turn.state, t, state)
-                    turn.complete(f"t{t}".encode(), state, [key])
+                await self._retried(f"turn {t} of {ep.capture_key}",
+                                    functools.partial(self._turn, client, ep, t))
                 await asyncio.sleep(self.rng.uniform(0.0, 0.2))
-            await client.finish(ep, f"{ep.rollout_id}:done".encode())  # the receipt
+            final = await self._retried(f"finish of {ep.capture_key}", lambda: client.finish(
+                ep, f"{ep.rollout_id}:done".encode()))  # the receipt
+            self.check.check_turns_once(final, "as handed in")
             await self._finish(instance, ep)
         except Exception as exc:
             self.log(f"rollout {ep.capture_key} gives up: {type(exc).__name__}: {short(exc)}")
             self.check.check_error_kind(exc, f"a session call of {ep.capture_key}")
+
+    async def _retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, run again as a worker following the docs does while its error's
+        ``is_unavailable`` is true (nothing changed), a few times; a retry refused only
+        because the first call had landed (its answer lost) is a violation."""
+        for attempt in range(4):
+            try:
+                return await call()
+            except NemoCkptError as exc:
+                if not is_retriable(exc) or attempt == 3 or self.stop:
+                    if attempt:
+                        self.check.check_retry_refusal(exc, what)
+                    raise
+                self.log(f"{what} retried: {type(exc).__name__}: {short(exc)}")
+            await asyncio.sleep(self.rng.uniform(0.1, 1.0))
+        raise AssertionError("unreachable")
+
+    async def _turn(self, client: SessionClient, ep: Ep, t: int) -> None:
+        """Turn ``t``: its record names its step, so a turn recorded twice shows."""
+        async with client.turn(ep) as turn:
+            await asyncio.sleep(self.rng.uniform(0.05, 0.6))
+            key = f"{ep.capture_key}/row{t}"
+            await self.s.rl.write_row(key)
+            state = f"{ep.rollout_id}:{t + 1}".encode()
+            if turn.directory is not None:
+                # A retry after an aborted turn: the environment undoes what that turn
+                # did to its directory (nemo-ckpt does not roll a live directory back).
+                (turn.directory / "state").write_bytes(turn.state)
+                self._sandbox_turn(ep, turn.directory, turn.state, t, state)
+            turn.complete(f"t{t}".encode(), state, [key])
+        self.check.check_turns_once(turn.session, f"after turn {t}")
 
     async def _adapted_rollout(self, client: SessionClient, instance: str, ep: Ep,
                                fresh: bool) -> None:
