@@ -101,8 +101,10 @@ async def test_colliding_capture_keys_are_refused() -> None:
     await h.open_session(Ep("r", 1))  # capture key "r-a1"
     with pytest.raises(CaptureKeyCollisionError, match="'r-a1'"):
         await h.open_session(Ep("r-a1", 0))
+    # The same open again (its answer was lost) changes nothing; another one is refused.
+    assert (await h.open_session(Ep("r", 1))).episode == Ep("r", 1)
     with pytest.raises(SessionExistsError, match="already open"):
-        await h.open_session(Ep("r", 1))
+        await h.open_session(Ep("r", 1), b"another initial state")
     with pytest.raises(SessionExistsError, match="already has a live session"):
         await h.open_session(Ep("r", 2))
 
