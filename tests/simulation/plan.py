@@ -76,6 +76,10 @@ class Plan:
     # The rollouts run a text environment through nemo_ckpt.adapters (issue 28), in a
     # quarter of the schedules without sandboxes; drawn apart, last.
     adapted: bool = False
+    # A conditional store write (a claim's create or renewal, the collection claim, a
+    # commit number, the manifest) that lands and then errors, as a bucket's client
+    # retry makes it (issue 34): the chance of each, drawn apart, last.
+    disk_landed: float = 0.0
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -110,6 +114,7 @@ class Plan:
         )
         plan.adapted = (not plan.sandboxes
                         and random.Random(f"adapted-{seed}").random() < 0.25)
+        plan.disk_landed = random.Random(f"landed-{seed}").choice([0.0, 0.0, 0.0, 0.2])
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))
