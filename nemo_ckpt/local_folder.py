@@ -254,15 +254,9 @@ class LocalFolder:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
 
-    def create_new(self, name: str, data: bytes) -> bool:
-        """Write ``name`` whole (not fsynced) unless it exists: whether it was created.
-        Exclusive, so of two callers one wins (a link fails on an existing name; a
-        bucket has no such write, so ``Folder`` does not promise it)."""
-        return self._link_new(name, data, sync=False)
-
     def remove_if(self, name: str, data: bytes) -> bool:
         """Remove ``name`` if it holds exactly ``data``: whether it did. Exclusive, as
-        ``create_new``: the file is renamed away first, so a writer that replaced it
+        a create is: the file is renamed away first, so a writer that replaced it
         meanwhile keeps its own (put back by a link)."""
         target = self._file(name)
         aside = self.path / f".{name}{TMP_MARK}{uuid.uuid4().hex}"

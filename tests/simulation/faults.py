@@ -46,10 +46,9 @@ class DiskFaults:
     raise EIO, and windows of virtual time in which every write finds the disk full.
     Errors are raised as the folder raises them (``Folder``'s contract: a write or a
     removal ``SnapshotWriteError``, a listing ``CheckpointPathError``, a read ``OSError``).
-    A conditional write (``expect``, or ``create_new``) may also land and then meet the
-    conflict a bucket client's retry of it meets (issue 34: the server wrote it, its answer
-    was a 500, the retry gets a 412): ``FileExistsError``, or ``False`` from
-    ``create_new``. Who wrote each claim file last is kept (``State.claim_writers``)."""
+    A conditional write (``expect``) may also land and then meet the conflict a bucket
+    client's retry of it meets (issue 34: the server wrote it, its answer was a 500, the
+    retry gets a 412): ``FileExistsError``. Who wrote each claim file last is kept (``State.claim_writers``)."""
 
     active: Faults | None = None
     _installed = False
@@ -61,8 +60,7 @@ class DiskFaults:
             return
         cls._installed = True
         for method, kind in (("prepare", "write"), ("write_stream", "write"),
-                             ("write_bytes", "write"), ("create_new", "write"),
-                             ("remove", "remove"),
+                             ("write_bytes", "write"), ("remove", "remove"),
                              ("read", "read"), ("read_chunks", "read"),
                              ("names", "read")):
             setattr(LocalFolder, method, cls._wrap(getattr(LocalFolder, method), kind))
@@ -84,7 +82,7 @@ class DiskFaults:
             target = folder.describe(args[0] if args and isinstance(args[0], str) else "")
             name = original.__name__
             expect = kwargs.get("expect", args[3] if len(args) > 3 else None)
-            conditional = name == "create_new" or (name == "write_bytes" and expect is not None)
+            conditional = name == "write_bytes" and expect is not None
             fault = faults.disk_fault("conditional" if conditional else kind, target)
             if fault == "enospc":
                 raise SnapshotWriteError(target, write_failure(
@@ -93,12 +91,9 @@ class DiskFaults:
                 raise cls._as_raised(original.__name__, target, OSError(
                     errno.EIO, f"{os.strerror(errno.EIO)} (injected): {target}"))
             result = original(folder, *args, **kwargs)
-            if kind == "write" and result is not False and \
-                    Path(target).name.startswith(".claim-"):
+            if kind == "write" and Path(target).name.startswith(".claim-"):
                 faults.s.claim_writers[target] = (faults.world.running, faults.now())
             if fault == "landed":
-                if name == "create_new":
-                    return False
                 raise FileExistsError(f"{target} exists or changed (injected: the write "
                                       f"landed, its answer was lost, and its retry met it)")
             if fault == "after":
