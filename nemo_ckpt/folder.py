@@ -156,14 +156,14 @@ def remove_if_holds(folder: Folder, name: str, candidates: Collection[bytes]) ->
     (``LocalFolder.remove_if``: a writer that replaced it meanwhile keeps its own); on a
     bucket it is read, then removed. A missing file is not removed; a failed read or
     removal raises."""
+    remove_if = getattr(folder, "remove_if", None)
+    if remove_if is not None:
+        return bool(remove_if(name, candidates))
     try:
         current = folder.read(name)
     except FileNotFoundError:
         return False
     if current not in candidates:
         return False
-    remove_if = getattr(folder, "remove_if", None)
-    if remove_if is not None:
-        return bool(remove_if(name, current))
     folder.remove([name])
     return True

@@ -48,7 +48,8 @@ class DiskFaults:
     removal ``SnapshotWriteError``, a listing ``CheckpointPathError``, a read ``OSError``).
     A conditional write (``expect``) may also land and then meet the conflict a bucket
     client's retry of it meets (issue 34: the server wrote it, its answer was a 500, the
-    retry gets a 412): ``FileExistsError``. Who wrote each claim file last is kept (``State.claim_writers``)."""
+    retry gets a 412): ``FileExistsError``. Who wrote each claim file last is kept
+    (``State.claim_writers``)."""
 
     active: Faults | None = None
     _installed = False
