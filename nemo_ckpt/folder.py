@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Protocol
 
-from nemo_ckpt.errors import CheckpointPathError
+from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
 
 __all__ = ["ABSENT", "Folder", "Sink", "remove_if_holds", "unlistable",
            "write_conditionally"]
@@ -138,16 +138,28 @@ def write_conditionally(folder: Folder, name: str, data: bytes, expect: str,
     ``FileExistsError``). So a refusal reads ``name`` back: holding ``data``, the write
     is this one's, and it succeeded. ``data`` must be this write's own (a claim's beat,
     a manifest's snapshot id, a token): another writer's equal bytes would pass for it.
-    A back-read that fails leaves the refusal standing (fail closed)."""
+    A back-read that fails twice raises ``SnapshotWriteError``: whether the write is this
+    one's is unknown, so it neither succeeds nor blames another writer (fail closed, and
+    retriable, as a write that failed)."""
     try:
         folder.write_bytes(name, data, sync=sync, expect=expect)
-    except FileExistsError:
-        try:
-            landed = folder.read(name) == data
-        except OSError:
-            landed = False
-        if not landed:
+    except FileExistsError as conflict:
+        error: OSError | None = None
+        for _ in range(2):  # once more: a read error is often transient
+            try:
+                landed = folder.read(name) == data
+            except OSError as exc:
+                error = exc
+                continue
+            if landed:
+                return
             raise
+        assert error is not None
+        where = folder.describe(name)
+        raise SnapshotWriteError(
+            where, f"could not write {where}: the write met a conflict (another writer's, "
+                   f"or its own retried write) and reading it back failed: "
+                   f"{error.strerror or error}; retry") from conflict
 
 
 def remove_if_holds(folder: Folder, name: str, candidates: Collection[bytes]) -> bool:

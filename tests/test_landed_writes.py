@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from actors.claimed_folders import ClaimedFolders
+from actors.operation_states import SnapshotBeginning, SnapshotOperation
 from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
 from nemo_ckpt.catalog import remove_snapshot
 from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
@@ -26,10 +28,12 @@ from nemo_ckpt.claims import ClaimWatch, encode_claim
 from nemo_ckpt.cleanup import remove_snapshot_files
 from nemo_ckpt.collection import collect_blobs
 from nemo_ckpt.commit_sequence import SEQUENCE_DIR, take_sequence
-from nemo_ckpt.errors import SnapshotWriteError
+from nemo_ckpt.errors import CheckpointPathBusyError, SnapshotWriteError
+from nemo_ckpt.folder import unlistable
 from nemo_ckpt.local_folder import LocalFolder
 from nemo_ckpt.location import join_location
 from nemo_ckpt.path_claims import claim_of, claim_path
+from nemo_ckpt.transport import Runtime
 from tests.s3_server import LocalS3Server
 from tests.test_object_storage import session, write_snapshot
 
@@ -296,3 +300,91 @@ def test_a_commit_number_whose_create_landed_and_met_itself_is_taken(
     _landing(monkeypatch, "", "conflict")
     assert take_sequence(str(tmp_path)) == 1
     assert sorted(p.name for p in (tmp_path / SEQUENCE_DIR).iterdir()) == ["1"]
+
+
+def test_a_claim_whose_create_met_a_conflict_it_could_not_read_back_fails_and_is_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write landed, its retry met it, and both reads back failed: whose claim it is
+    is unknown, so the snapshot fails as a write that failed (retriable), not as busy
+    "by another writer" (a job that does not exist), and the claim, ours, is gone."""
+    folder = environment_folder(str(tmp_path / "ckpt"))
+    folder.prepare()
+    _landing(monkeypatch, ".claim-snap-1", "conflict")
+    real_read = LocalFolder.read
+    reads: list[str] = []
+
+    def failing_read(self: LocalFolder, name: str, *args: Any) -> bytes:
+        if name.startswith(".claim-snap-1") and len(reads) < 2:
+            reads.append(name)
+            raise OSError(5, "Input/output error (injected)")
+        return real_read(self, name, *args)
+
+    monkeypatch.setattr(LocalFolder, "read", failing_read)
+    with pytest.raises(SnapshotWriteError, match="met a conflict .* reading it back failed"):
+        claim_path(folder, "snap-1", "job@a", ClaimWatch(), 60.0)
+    assert len(reads) == 2  # read back twice
+    assert claim_of(folder, "snap-1") is None
+    claim_path(folder, "snap-2", "job@b", ClaimWatch(), 60.0)  # not refused
+
+
+def test_a_claim_whose_read_back_fails_once_is_this_jobs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = environment_folder(str(tmp_path / "ckpt"))
+    folder.prepare()
+    _landing(monkeypatch, ".claim-snap-1", "conflict")
+    real_read = LocalFolder.read
+    reads: list[str] = []
+
+    def failing_read(self: LocalFolder, name: str, *args: Any) -> bytes:
+        if name.startswith(".claim-snap-1") and not reads:
+            reads.append(name)
+            raise OSError(5, "Input/output error (injected)")
+        return real_read(self, name, *args)
+
+    monkeypatch.setattr(LocalFolder, "read", failing_read)
+    claim_path(folder, "snap-1", "job@a", ClaimWatch(), 60.0, beat="beat-1")
+    claim = claim_of(folder, "snap-1")
+    assert reads and claim is not None and (claim.owner, claim.beat) == ("job@a", "beat-1")
+
+
+def test_a_claim_whose_create_met_another_writers_claim_is_refused_as_busy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read back is what stops a writer taking another's claim for its own."""
+    folder = environment_folder(str(tmp_path / "ckpt"))
+    folder.prepare()
+    other, _ = encode_claim("snap-1", "job@b", 60.0)
+    real = LocalFolder.write_bytes
+
+    def raced(self: LocalFolder, name: str, data: bytes, sync: bool = True,
+              expect: str | None = None) -> None:
+        if name.startswith(".claim-snap-1"):
+            real(self, name, other, sync)  # another writer's, just before ours
+        real(self, name, data, sync, expect)
+
+    monkeypatch.setattr(LocalFolder, "write_bytes", raced)
+    with pytest.raises(CheckpointPathBusyError, match="by another writer at the same moment"):
+        claim_path(folder, "snap-1", "job@a", ClaimWatch(), 60.0)
+    claim = claim_of(folder, "snap-1")
+    assert claim is not None and claim.owner == "job@b"
+
+
+async def test_a_commits_clean_up_that_cannot_read_the_claims_still_drops_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clean-up read the folder's claims first and gave up on a read error before
+    it removed the committed snapshot's claim: left behind, it refused the next gc and
+    held the path for nothing (simulation seed 219)."""
+    path = str(tmp_path / "ckpt")
+    folder = environment_folder(path)
+    folder.prepare()
+    folders = ClaimedFolders(Runtime(), "job@a", "inc-1", ClaimWatch(), lambda: 60.0)
+    op = SnapshotOperation("snap-1", path, 0.0, 10.0, SnapshotBeginning())
+    await folders.claim(op)
+    assert claim_of(folder, "snap-1") is not None
+
+    def eio(self: LocalFolder) -> list[str]:
+        raise unlistable(self.describe(), OSError(5, "Input/output error (injected)"))
+
+    monkeypatch.setattr(LocalFolder, "names", eio)
+    assert await folders.clean_up(op, {"snap-1"}) == []
+    monkeypatch.undo()
+    assert claim_of(folder, "snap-1") is None
