@@ -87,9 +87,13 @@ class ClaimedFolders:
         ours = set(open_ids)
 
         def clean() -> list[str]:
-            protect = live_claims(directory, self._owner, self._watch, ours,
-                                  self._incarnation)
-            release_claim(directory, op.id)
+            try:
+                protect = live_claims(directory, self._owner, self._watch, ours,
+                                      self._incarnation)
+            finally:
+                # Even when the others' claims cannot be read: the operation committed,
+                # and its claim left behind would hold the path for nothing.
+                release_claim(directory, op.id)
             for claim in read_claims(directory):
                 if claim.operation not in protect:
                     release_claim(directory, claim.operation)

@@ -42,14 +42,21 @@ from pathlib import Path
 
 import xxhash
 
-from nemo_ckpt.claims import STALE_FACTOR, Claim, ClaimWatch, decode_claim, encode_claim
+from nemo_ckpt.claims import (
+    STALE_FACTOR,
+    Claim,
+    ClaimWatch,
+    decode_claim,
+    encode_claim,
+    write_claim,
+)
 from nemo_ckpt.errors import (
     BlobCorruptedError,
     CheckpointPathBusyError,
     CheckpointPathError,
     NemoCkptError,
 )
-from nemo_ckpt.folder import ABSENT, Folder, Sink
+from nemo_ckpt.folder import Folder, Sink, remove_if_holds
 from nemo_ckpt.location import join_location
 
 __all__ = ["BLOB_DIR", "BlobStore", "BlobCache", "digest_of", "hex_of", "COLLECTOR"]
@@ -77,7 +84,9 @@ class BlobStore:
         self._folder_at = folder_at
         self._root = folder_at(where)
         self._folders: dict[str, Folder] = {}
-        self._collecting: bytes | None = None  # this collection's claim as last written
+        # This collection's claim, every write of it (the last one may have failed and
+        # landed all the same); empty when none runs.
+        self._collecting: list[bytes] = []
 
     def _folder(self, prefix: str) -> Folder:
         folder = self._folders.get(prefix)
@@ -273,43 +282,26 @@ class BlobStore:
             if left[COLLECTOR] > 0:
                 raise self._busy_collecting(claim.owner, left[COLLECTOR])
             # Abandoned: its collector died. Drop exactly the write judged so.
-            remove_if = getattr(self._root, "remove_if", None)
-            if remove_if is not None:
-                if not remove_if(name, data):
-                    raise self._busy_collecting(claim.owner, claim.ttl_s * STALE_FACTOR)
-            else:
-                self._root.remove([name])
+            if not remove_if_holds(self._root, name, (data,)) and \
+                    self._root.version(name) is not None:
+                raise self._busy_collecting(claim.owner, claim.ttl_s * STALE_FACTOR)
         data, _ = encode_claim(COLLECTOR, owner, ttl_s)
-        create_new = getattr(self._root, "create_new", None)
         try:
-            if create_new is not None:
-                if not create_new(name, data):
-                    raise self._busy_collecting("another collector", ttl_s * STALE_FACTOR)
-            else:
-                try:
-                    self._root.write_bytes(name, data, sync=False, expect=ABSENT)
-                except FileExistsError:
-                    raise self._busy_collecting("another collector",
-                                                ttl_s * STALE_FACTOR) from None
-        except (OSError, NemoCkptError) as exc:
-            if not isinstance(exc, CheckpointPathBusyError):
-                # The write may have landed before it failed: a claim no collector runs
-                # under would hold every snapshot's persist for its ttl.
-                self._drop_own(name, data)
-            raise
-        self._collecting = data
+            # Our own claim met by a retry is ours; one that failed otherwise is gone.
+            write_claim(self._root, name, data)
+        except FileExistsError:
+            raise self._busy_collecting("another collector", ttl_s * STALE_FACTOR) from None
+        self._collecting = [data]
         try:
             claims, left = self._observe(watch)
         except BaseException:
             # Ours must not linger with no collection behind it: every snapshot's
             # persist would wait on it until it is taken as abandoned.
-            self._collecting = None
-            self._drop_own(name, data)
+            self._drop_own(name)
             raise
         mine = claims.get(COLLECTOR)
         if mine is None or mine[1] != data:  # a bucket: another collector wrote since
-            self._collecting = None
-            self._drop_own(name, data)
+            self._drop_own(name)
             raise self._busy_collecting(mine[0].owner if mine else "another collector",
                                         ttl_s * STALE_FACTOR)
         holding = {op: left[op] for op in claims if op != COLLECTOR and left[op] > 0}
@@ -321,15 +313,12 @@ class BlobStore:
                 f"snapshot died is taken as abandoned once seen unchanged for "
                 f"{max(holding.values()):.0f}s more)")
 
-    def _drop_own(self, name: str, data: bytes) -> None:
-        """Remove the claim ``name`` if it is still the one this process wrote as
-        ``data`` (best effort: it expires by itself otherwise)."""
+    def _drop_own(self, name: str) -> None:
+        """Remove the claim ``name`` if it is still one this collection wrote (best
+        effort: it expires by itself otherwise), and forget them."""
+        ours, self._collecting = self._collecting, []
         with contextlib.suppress(OSError, NemoCkptError):
-            remove_if = getattr(self._root, "remove_if", None)
-            if remove_if is not None:
-                remove_if(name, data)
-            elif self._root.read(name) == data:
-                self._root.remove([name])
+            remove_if_holds(self._root, name, ours)
 
     def _busy_collecting(self, owner: str, left_s: float) -> CheckpointPathBusyError:
         return CheckpointPathBusyError(
@@ -346,28 +335,22 @@ class BlobStore:
             current: bytes | None = self._root.read(name)
         except FileNotFoundError:
             current = None
-        if current is None or current != self._collecting:
-            self._collecting = None
+        if current is None or current not in self._collecting:
+            self._collecting = []
             raise CheckpointPathBusyError(
                 f"the collection of {self.where} lost its claim (it was renewed too late "
                 f"and dropped); run it again")
         data, _ = encode_claim(COLLECTOR, owner, ttl_s)
+        # Kept before the write: it may land and still raise, and the collection's end
+        # must remove it then too.
+        self._collecting.append(data)
         self._root.write_bytes(name, data, sync=False)
-        self._collecting = data
 
     def end_collection(self) -> None:
         """Drop this collection's claim (not another collector's that replaced it)."""
-        data, self._collecting = self._collecting, None
-        if data is None:
-            return
-        name = _claim_name(COLLECTOR)
-        remove_if = getattr(self._root, "remove_if", None)
-        if remove_if is not None:
-            remove_if(name, data)
-            return
-        with contextlib.suppress(FileNotFoundError):
-            if self._root.read(name) == data:
-                self.release(COLLECTOR)
+        ours, self._collecting = self._collecting, []
+        if ours:
+            remove_if_holds(self._root, _claim_name(COLLECTOR), ours)
 
     def clear_dead_collection(self, owner: str) -> bool:
         """Drop a collection claim of ``owner`` that its owner knows it is not running

@@ -26,6 +26,7 @@ Only the environment's half of a checkpoint path is removed; RL's files there ar
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -227,13 +228,20 @@ def _claim_alone(path: Path | str, operation: str, owner: str, watch: ClaimWatch
         live = [c for c in others if left[c.operation] > 0]
         if not live:
             try:
-                claim_path(folder, operation, owner, watch, _REMOVAL_TTL_S)
-            except CheckpointPathBusyError:  # claimed since our read: retried below
-                pass
-            after = [c for c in read_claims(folder) if c.operation != operation]
-            live = [c for c in after if c.operation not in {o.operation for o in others}]
-            if not live and any(c.operation == operation for c in read_claims(folder)):
-                return
+                try:
+                    claim_path(folder, operation, owner, watch, _REMOVAL_TTL_S)
+                except CheckpointPathBusyError:  # claimed since our read: retried below
+                    pass
+                after = [c for c in read_claims(folder) if c.operation != operation]
+                live = [c for c in after if c.operation not in {o.operation for o in others}]
+                if not live and any(c.operation == operation for c in read_claims(folder)):
+                    return
+            except BaseException:
+                # Giving up: a claim of ours may be there, and would refuse this path's
+                # snapshots until seen abandoned.
+                with contextlib.suppress(OSError, NemoCkptError):
+                    release_claim(folder, operation)
+                raise
             release_claim(folder, operation)
         if clock() >= give_up or not live:
             who = live[0] if live else None

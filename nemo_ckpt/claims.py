@@ -22,6 +22,7 @@ still write an ``expires_at``, for older readers only; nothing here reads it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -32,10 +33,12 @@ from dataclasses import dataclass
 
 import xxhash
 
+from nemo_ckpt.errors import NemoCkptError
+from nemo_ckpt.folder import ABSENT, Folder, remove_if_holds, write_conditionally
 from nemo_ckpt.manifest import load_json
 
-__all__ = ["Claim", "ClaimWatch", "encode_claim", "decode_claim", "LEGACY_TTL_S",
-           "RATE_TOLERANCE", "STALE_FACTOR"]
+__all__ = ["Claim", "ClaimWatch", "encode_claim", "decode_claim", "write_claim",
+           "LEGACY_TTL_S", "RATE_TOLERANCE", "STALE_FACTOR"]
 
 # Clock rates of the hosts that share a checkpoint root differ by at most this much.
 RATE_TOLERANCE = 0.1
@@ -77,6 +80,26 @@ def encode_claim(operation: str, owner: str, ttl_s: float, incarnation: str = ""
     if base is not None:
         fields["base"] = base
     return json.dumps(fields).encode(), beat
+
+
+def write_claim(folder: Folder, name: str, data: bytes, expect: str = ABSENT) -> None:
+    """Write the claim ``data`` (from ``encode_claim``: its beat makes it this write's
+    own) as ``name``, only if ``expect`` holds (``ABSENT``: create it; else the version
+    it replaces). ``FileExistsError`` when another writer's claim is there, never for
+    this write's own bytes (``write_conditionally``: a retry that met its own landed
+    write). A create that fails otherwise may have landed before its error: the claim is
+    removed again, since the caller gives up on it, and a claim no operation runs under
+    refuses or holds up the others until it is seen abandoned. (A renewal that fails
+    leaves the claim its operation holds: it ends with the operation.)"""
+    try:
+        write_conditionally(folder, name, data, expect, sync=False)
+    except FileExistsError:
+        raise
+    except BaseException:
+        if expect == ABSENT:
+            with contextlib.suppress(OSError, NemoCkptError):
+                remove_if_holds(folder, name, (data,))
+        raise
 
 
 def decode_claim(data: bytes) -> Claim:

@@ -109,11 +109,15 @@ def remove_snapshot_files(directory: Folder | Path, snapshot_id: str) -> bool:
     unless the manifest here names it: committed is final. Returns whether it is the
     committed snapshot (then nothing is removed but its claim)."""
     folder = as_folder(directory)
-    if manifest_snapshot_id(folder) == snapshot_id:
+    try:
+        if manifest_snapshot_id(folder) == snapshot_id:
+            return True
+        stem = _operation_stem(snapshot_id)
+        folder.remove([name for name in folder.names() if name.startswith(stem)
+                       or (name.startswith("." + stem) and TMP_MARK in name)])
+        return False
+    finally:
+        # Whatever failed above: the operation has ended, and a claim it left would
+        # refuse or protect others for nothing until seen abandoned. (Files it failed
+        # to remove are garbage to the next commit's clean-up.)
         release_claim(folder, snapshot_id)
-        return True
-    stem = _operation_stem(snapshot_id)
-    folder.remove([name for name in folder.names()
-                   if name.startswith(stem) or (name.startswith("." + stem) and TMP_MARK in name)])
-    release_claim(folder, snapshot_id)
-    return False

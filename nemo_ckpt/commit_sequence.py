@@ -2,26 +2,29 @@
 which ``nemo_ckpt.catalog`` lists a root's snapshots newest first, because the hosts that
 commit under one root across a job's restarts have clocks with any offset.
 
-A commit takes the next number just before its manifest is written, by creating an empty
-file named for it in ``<root>/.nemo_ckpt_sequence`` that must not exist yet: of two
-coordinators taking a number at once (a zombie and its successor, say), the medium lets
-one create it and the other takes the next. So a commit that began after another's
-manifest was written always numbers higher; two commits that overlap may come out in
-either order, as either may be called the newer. A medium that ignores the condition
-(``Folder.enforces_conditions``) may give one number twice; the commits' times, then
-their ids, break such ties (``nemo_ckpt.catalog``). Only the newest few files are kept.
-When the folder is missing or empty (a new root, or one a user tidied), the first number
-is past the highest any committed manifest under the root carries.
+A commit takes the next number just before its manifest is written, by creating a file
+named for it (holding a token of the commit's own) in ``<root>/.nemo_ckpt_sequence``
+that must not exist yet: of two coordinators taking a number at once (a zombie and its
+successor, say), the medium lets one create it and the other takes the next. So a commit
+that began after another's manifest was written always numbers higher; two commits that
+overlap may come out in either order, as either may be called the newer. A medium that
+ignores the condition (``Folder.enforces_conditions``) may give one number twice; the
+commits' times, then their ids, break such ties (``nemo_ckpt.catalog``). Only the newest
+few files are kept. When the folder is missing or empty (a new root, or one a user
+tidied), the first number is past the highest any committed manifest under the root
+carries.
 
 The root is the job's checkpoint root, or the checkpoint path's parent when it names none.
 """
 
 from __future__ import annotations
 
+import uuid
+
 from nemo_ckpt.catalog import highest_sequence
 from nemo_ckpt.checkpoint_folder import folder_at
 from nemo_ckpt.errors import NemoCkptError, SnapshotWriteError
-from nemo_ckpt.folder import ABSENT, Folder
+from nemo_ckpt.folder import ABSENT, Folder, write_conditionally
 from nemo_ckpt.location import join_location, parent_location
 
 __all__ = ["SEQUENCE_DIR", "sequence_root", "take_sequence"]
@@ -51,9 +54,11 @@ def take_sequence(root: str) -> int:
     folder.prepare()
     taken = _numbers(folder)
     number = max(taken) + 1 if taken else highest_sequence(root) + 1
+    # Written into the number's file: a retry that meets its own landed create takes it.
+    token = uuid.uuid4().hex.encode()
     for _ in range(_ATTEMPTS):
         try:
-            folder.write_bytes(str(number), b"", sync=False, expect=ABSENT)
+            write_conditionally(folder, str(number), token, ABSENT, sync=False)
         except FileExistsError:
             number = max([number, *_numbers(folder)]) + 1
             continue

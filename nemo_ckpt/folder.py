@@ -21,13 +21,14 @@ A restore ``read``\\s the manifest, then each shard (``size`` first, then the by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Protocol
 
-from nemo_ckpt.errors import CheckpointPathError
+from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
 
-__all__ = ["ABSENT", "Folder", "Sink", "unlistable"]
+__all__ = ["ABSENT", "Folder", "Sink", "remove_if_holds", "unlistable",
+           "write_conditionally"]
 
 # ``write_bytes``'s ``expect`` for a file that must not exist yet.
 ABSENT = ""
@@ -127,3 +128,54 @@ def unlistable(folder: str, exc: OSError) -> CheckpointPathError:
     """The error of a listing that failed (a disk error, permissions, a store that does
     not answer), naming the folder and the cause."""
     return CheckpointPathError(folder, f"cannot list {folder}: {exc.strerror or exc}")
+
+
+def write_conditionally(folder: Folder, name: str, data: bytes, expect: str,
+                        sync: bool = True) -> None:
+    """``folder.write_bytes(name, data, sync, expect)``, a write that may land and still
+    be refused: a bucket's client retries a put whose answer was lost (a 500 after the
+    server wrote it), and the retry meets the condition its own first try broke (a 412,
+    ``FileExistsError``). So a refusal reads ``name`` back: holding ``data``, the write
+    is this one's, and it succeeded. ``data`` must be this write's own (a claim's beat,
+    a manifest's snapshot id, a token): another writer's equal bytes would pass for it.
+    A back-read that fails twice raises ``SnapshotWriteError``: whether the write is this
+    one's is unknown, so it neither succeeds nor blames another writer (fail closed, and
+    retriable, as a write that failed)."""
+    try:
+        folder.write_bytes(name, data, sync=sync, expect=expect)
+    except FileExistsError as conflict:
+        error: OSError | None = None
+        for _ in range(2):  # once more: a read error is often transient
+            try:
+                landed = folder.read(name) == data
+            except OSError as exc:
+                error = exc
+                continue
+            if landed:
+                return
+            raise
+        assert error is not None
+        where = folder.describe(name)
+        raise SnapshotWriteError(
+            where, f"could not write {where}: the write met a conflict (another writer's, "
+                   f"or its own retried write) and reading it back failed: "
+                   f"{error.strerror or error}; retry") from conflict
+
+
+def remove_if_holds(folder: Folder, name: str, candidates: Collection[bytes]) -> bool:
+    """Remove ``name`` if it holds one of ``candidates`` (what this process wrote there,
+    or a claim judged abandoned as read): whether it did. Exclusive on a local folder
+    (``LocalFolder.remove_if``: a writer that replaced it meanwhile keeps its own); on a
+    bucket it is read, then removed. A missing file is not removed; a failed read or
+    removal raises."""
+    remove_if = getattr(folder, "remove_if", None)
+    if remove_if is not None:
+        return bool(remove_if(name, candidates))
+    try:
+        current = folder.read(name)
+    except FileNotFoundError:
+        return False
+    if current not in candidates:
+        return False
+    folder.remove([name])
+    return True

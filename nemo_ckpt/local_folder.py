@@ -12,7 +12,7 @@ import errno
 import fcntl
 import os
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -254,16 +254,10 @@ class LocalFolder:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
 
-    def create_new(self, name: str, data: bytes) -> bool:
-        """Write ``name`` whole (not fsynced) unless it exists: whether it was created.
-        Exclusive, so of two callers one wins (a link fails on an existing name; a
-        bucket has no such write, so ``Folder`` does not promise it)."""
-        return self._link_new(name, data, sync=False)
-
-    def remove_if(self, name: str, data: bytes) -> bool:
-        """Remove ``name`` if it holds exactly ``data``: whether it did. Exclusive, as
-        ``create_new``: the file is renamed away first, so a writer that replaced it
-        meanwhile keeps its own (put back by a link)."""
+    def remove_if(self, name: str, candidates: Collection[bytes]) -> bool:
+        """Remove ``name`` if it holds exactly one of ``candidates``: whether it did.
+        Exclusive, as a create is: the file is renamed away first, so a writer that
+        replaced it meanwhile keeps its own (put back by a link)."""
         target = self._file(name)
         aside = self.path / f".{name}{TMP_MARK}{uuid.uuid4().hex}"
         try:
@@ -271,7 +265,7 @@ class LocalFolder:
         except FileNotFoundError:
             return False
         try:
-            if aside.read_bytes() == data:
+            if aside.read_bytes() in candidates:
                 return True
             with contextlib.suppress(FileExistsError):
                 os.link(aside, target)

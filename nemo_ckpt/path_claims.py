@@ -20,7 +20,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from nemo_ckpt.checkpoint_folder import as_folder
-from nemo_ckpt.claims import Claim, ClaimWatch, decode_claim, encode_claim
+from nemo_ckpt.claims import Claim, ClaimWatch, decode_claim, encode_claim, write_claim
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, OperationAbortedError
 from nemo_ckpt.folder import ABSENT, Folder
 from nemo_ckpt.manifest import MANIFEST_NAME, safe_name_part
@@ -141,8 +141,7 @@ def claim_path(directory: Folder | Path, operation_id: str, owner: str, watch: C
     base = (folder.version(MANIFEST_NAME) or ABSENT) if mine is None else mine.base
     data, _ = encode_claim(operation_id, owner, ttl_s, incarnation, beat, base)
     try:
-        folder.write_bytes(name, data, sync=False,
-                           expect=ABSENT if mine is None or version is None else version)
+        write_claim(folder, name, data, ABSENT if mine is None or version is None else version)
     except FileExistsError:
         if renewing is not None:
             raise _fenced(operation_id) from None

@@ -8,7 +8,6 @@ shard name, then every shard (``nemo_ckpt.shards``) against the manifest.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from nemo_ckpt.errors import (
     UnsafeShardNameError,
     UnsupportedFormatVersionError,
 )
-from nemo_ckpt.folder import Folder
+from nemo_ckpt.folder import Folder, write_conditionally
 from nemo_ckpt.manifest import (
     ENVIRONMENT_DIR,
     MANIFEST_NAME,
@@ -80,21 +79,24 @@ def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
     # Compact: it is written while the holders are paused; `nemo-ckpt inspect` reads it.
     data = manifest if isinstance(manifest, bytes) else manifest.model_dump_json().encode()
     committed = (folder.describe(), owner)
+
+    def write(expect: str | None) -> None:
+        if expect is None:
+            folder.write_bytes(MANIFEST_NAME, data)
+        else:  # a retry of a write that landed finds its own manifest there
+            write_conditionally(folder, MANIFEST_NAME, data, expect)
+
     try:
         try:
-            folder.write_bytes(MANIFEST_NAME, data, expect=expect)
+            write(expect)
         except FileExistsError:
             # This job's own earlier snapshot, committed since this one claimed the
             # folder (commits of a job are ordered), may be replaced.
             current = folder.version(MANIFEST_NAME)
             if current is None or _COMMITTED.get(committed) != current:
                 raise
-            folder.write_bytes(MANIFEST_NAME, data, expect=current)
+            write(current)
     except FileExistsError:
-        # A retry of a write that landed finds its own manifest there.
-        with contextlib.suppress(OSError):
-            if folder.read(MANIFEST_NAME) == data:
-                return
         raise CheckpointPathBusyError(
             f"{folder.describe(MANIFEST_NAME)} was replaced by another writer since this "
             f"snapshot began, so it was not committed: two jobs must not write snapshots "

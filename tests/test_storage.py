@@ -716,13 +716,14 @@ def test_a_collection_claim_whose_write_landed_but_raised_is_not_left_behind(
     """Left behind, it held every snapshot's persist until it was judged abandoned."""
     store = BlobStore(str(tmp_path / BLOB_DIR), folder_at)
     root = tmp_path / BLOB_DIR
-    real = type(folder_at(root)).create_new
+    real = type(folder_at(root)).write_bytes
 
-    def landed_then_failed(self: Any, name: str, data: bytes) -> bool:
-        real(self, name, data)
+    def landed_then_failed(self: Any, name: str, data: bytes, sync: bool = True,
+                           expect: str | None = None) -> None:
+        real(self, name, data, sync, expect)
         raise SnapshotWriteError(self.path / name, "EIO after the link (injected)")
 
-    monkeypatch.setattr(type(folder_at(root)), "create_new", landed_then_failed)
+    monkeypatch.setattr(type(folder_at(root)), "write_bytes", landed_then_failed)
     with pytest.raises(SnapshotWriteError, match="after the link"):
         store.begin_collection("gc", 30.0, ClaimWatch())
     assert not [p.name for p in root.iterdir() if p.name.startswith(".claim-")]

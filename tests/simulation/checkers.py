@@ -21,15 +21,18 @@ from typing import Any
 from actors.holder_states import Ended, SnapshotReleased
 from actors.sandboxes import Sandboxes
 from nemo_ckpt import sandbox
-from nemo_ckpt.blobs import BlobStore, digest_of
+from nemo_ckpt.blobs import BLOB_DIR, COLLECTOR, BlobStore, digest_of
 from nemo_ckpt.catalog import list_snapshots
 from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, folder_at
+from nemo_ckpt.claims import decode_claim
 from nemo_ckpt.collection import committed_snapshots, snapshot_refs
 from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
+    CheckpointPathBusyError,
     LeaseExpiredError,
     NemoCkptError,
+    OperationAbortedError,
     SessionExistsError,
     SnapshotNotFoundError,
     TurnInProgressError,
@@ -272,6 +275,7 @@ class Checkers(Part):
         driver's abort went out (the abort finds the successor)."""
         if self.killed_since(record.start, ("driver",)):
             return
+        self._check_not_refused_by_its_own_claim(record, exc)
         after_abort = record.abort_sent if record.abort_sent is not None else self.now()
         if self.killed_since(after_abort - 1e-9, (COORDINATOR,)):
             return
@@ -315,6 +319,59 @@ class Checkers(Part):
             else:
                 self.violate(f"{record.op_id} lost its lease although nothing stalled its "
                              f"renewals{self._queue_note(record.op_id)}")
+
+    def _check_not_refused_by_its_own_claim(self, record: OpRecord,
+                                             exc: BaseException) -> None:
+        """A snapshot is refused as busy only for another operation's claim, and fenced
+        only by a successor coordinator (one ran since it began): never for the claim it
+        wrote itself (issue 34 case 4: a claim's create or renewal that landed, and whose
+        retry met it)."""
+        if isinstance(exc, CheckpointPathBusyError) and record.op_id and \
+                f"claimed for {record.op_id} by" in str(exc):
+            self.violate(f"{record.op_id} was refused by a claim of its own: "
+                         f"CheckpointPathBusyError: {short(exc)}")
+        if isinstance(exc, OperationAbortedError) and "taken for dead" in str(exc) and \
+                not self.killed_since(record.start - CONFIG.lease_s, (COORDINATOR,)) and \
+                not self._stalled(record):
+            self.violate(f"{record.op_id} was refused by a claim of its own: fenced "
+                         f"although no other coordinator ran: {short(exc)}")
+
+    def check_gc_refused(self, owner: str, exc: BaseException) -> None:
+        """A gc refused as busy was refused for a collection that runs, or a snapshot's
+        hold: never for a collection claim of its own, which no collection runs under
+        (issue 34 case 5)."""
+        claim = self.root / BLOB_DIR / f".claim-{COLLECTOR}.json"
+        try:
+            found = decode_claim(claim.read_bytes())
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if found.owner == owner:
+            self.violate(f"gc ({owner}) was refused by a collection claim of its own, which "
+                         f"no collection runs under: {type(exc).__name__}: {short(exc)}")
+
+    def _check_claims_left(self) -> None:
+        """Past every lease, every claim on disk belongs to a process that died holding
+        it: one whose writer lives on was left behind when it gave up (issue 34: a claim
+        written, then an error), and holds the path or the store for nothing."""
+        writers = self.s.claim_writers
+        for where, _, files in os.walk(self.root):
+            for name in sorted(files):
+                if not (name.startswith(".claim-") and name.endswith(".json")):
+                    continue
+                path = str(Path(where) / name)
+                writer, when = writers.get(path, (None, 0.0))
+                if writer is None or not writer.alive or \
+                        any(a is writer for _, a in self.world.declared):
+                    continue
+                try:
+                    claim = decode_claim(Path(path).read_bytes())
+                    what = f"{claim.operation} of {claim.owner}"
+                except (OSError, ValueError, KeyError, TypeError):
+                    what = "unreadable"
+                self.violate(f"a claim was left behind by a process that gave up: "
+                             f"{Path(path).relative_to(self.root)} ({what}), written by "
+                             f"{writer.name} at t={when:.2f}, which lives on and runs no "
+                             f"operation")
 
     async def check_failed_restore(self, record: OpRecord, loaded: Any) -> None:
         """A failed restore left nothing it restored live: all or nothing."""
@@ -536,6 +593,7 @@ class Checkers(Part):
         for message in self.blocked:
             self.violate(message)
         self._check_control_not_queued()
+        self._check_claims_left()
         self._check_world()
         self._check_newest_listed_first()
         for info in await self.s.holder_infos():
@@ -911,7 +969,10 @@ def _session_calls(methods: tuple[str, ...]) -> str:
 # Which reviewed case (issue 11, then 23, then 29) a violation shows, by its wording.
 CASES = [
     ("34.3 a turn recorded twice", ("recorded turn",)),
-    ("34.4 a call retried after a lost answer refused", ("retried after an unavailable",)),
+    ("34.3 a call retried after a lost answer refused", ("retried after an unavailable",)),
+    ("34.4 refused by a claim of its own", ("was refused by a claim of its own",
+                                             "refused by a collection claim of its own")),
+    ("34.5 a claim left behind by a process that gave up", ("a claim was left behind",)),
     ("28.1 an adapted rollout continued on a history it does not reproduce",
      ("differs from a crash-free run", "diverged from its recorded turns",
       "other observations than those recorded")),

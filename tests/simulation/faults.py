@@ -22,7 +22,7 @@ from typing import Any
 from nemo_ckpt.catalog import remove_snapshot
 from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.collection import collect_blobs
-from nemo_ckpt.errors import NemoCkptError, SnapshotWriteError
+from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotWriteError
 from nemo_ckpt.folder import unlistable
 from nemo_ckpt.local_folder import LocalFolder, write_failure
 from nemo_ckpt.path_claims import claim_path, release_claim
@@ -45,7 +45,11 @@ class DiskFaults:
     removals that raise after they happened (the file is in place, or gone), reads that
     raise EIO, and windows of virtual time in which every write finds the disk full.
     Errors are raised as the folder raises them (``Folder``'s contract: a write or a
-    removal ``SnapshotWriteError``, a listing ``CheckpointPathError``, a read ``OSError``)."""
+    removal ``SnapshotWriteError``, a listing ``CheckpointPathError``, a read ``OSError``).
+    A conditional write (``expect``) may also land and then meet the conflict a bucket
+    client's retry of it meets (issue 34: the server wrote it, its answer was a 500, the
+    retry gets a 412): ``FileExistsError``. Who wrote each claim file last is kept
+    (``State.claim_writers``)."""
 
     active: Faults | None = None
     _installed = False
@@ -77,7 +81,10 @@ class DiskFaults:
             if faults is None or faults.world.running is None:
                 return original(folder, *args, **kwargs)  # the checkers' own calls
             target = folder.describe(args[0] if args and isinstance(args[0], str) else "")
-            fault = faults.disk_fault(kind, target)
+            name = original.__name__
+            expect = kwargs.get("expect", args[3] if len(args) > 3 else None)
+            conditional = name == "write_bytes" and expect is not None
+            fault = faults.disk_fault("conditional" if conditional else kind, target)
             if fault == "enospc":
                 raise SnapshotWriteError(target, write_failure(
                     target, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
@@ -85,6 +92,11 @@ class DiskFaults:
                 raise cls._as_raised(original.__name__, target, OSError(
                     errno.EIO, f"{os.strerror(errno.EIO)} (injected): {target}"))
             result = original(folder, *args, **kwargs)
+            if kind == "write" and Path(target).name.startswith(".claim-"):
+                faults.s.claim_writers[target] = (faults.world.running, faults.now())
+            if fault == "landed":
+                raise FileExistsError(f"{target} exists or changed (injected: the write "
+                                      f"landed, its answer was lost, and its retry met it)")
             if fault == "after":
                 raise cls._as_raised(original.__name__, target, OSError(
                     errno.EIO, f"{os.strerror(errno.EIO)} after the fsync and the rename "
@@ -409,6 +421,15 @@ class Faults(Part):
     def disk_fault(self, kind: str, target: str) -> str | None:
         """What the disk does to this ``kind`` of call on ``target`` now (``DiskFaults``)."""
         plan, now = self.plan, self.now()
+        if kind == "conditional":
+            if plan.disk_landed and self.rng.random() < plan.disk_landed:
+                form = self.rng.choice(["landed", "after"])
+                self.s.faults += 1
+                self.log(f"fault: a conditional write of {Path(target).name} lands, then "
+                         + ("its retry meets it (a 412)" if form == "landed" else
+                            "raises (a 500 after the retries)"))
+                return form
+            kind = "write"
         if kind == "write":
             for k, (start, seconds) in enumerate(plan.enospc):
                 if start <= now <= start + seconds:
@@ -472,6 +493,8 @@ class Faults(Part):
                     collect_blobs, str(self.root), "gc-cli", 30.0, False, runtime.clock.wall)
             except (NemoCkptError, OSError) as exc:
                 self.log(f"gc: {type(exc).__name__}: {short(exc)}")
+                if isinstance(exc, CheckpointPathBusyError):
+                    self.check.check_gc_refused("gc-cli", exc)
             else:
                 self.log(f"gc removed {report.removed} blobs")
                 if report.removed:

@@ -86,6 +86,10 @@ class Plan:
     # At-most-once delivery (issue 34): the chance that the answer of any call that ran
     # is lost on its way back; drawn apart, after the others.
     reply_loss: float = 0.0
+    # A conditional store write (a claim's create or renewal, the collection claim, a
+    # commit number, the manifest) that lands and then errors, as a bucket's client
+    # retry makes it (issue 34): the chance of each, drawn apart, last.
+    disk_landed: float = 0.0
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -126,6 +130,7 @@ class Plan:
             plan.tree_bomb = untrusted.random() < 0.25
         plan.reply_loss = random.Random(f"reply-loss-{seed}").choice(
             [0.0, 0.0, 0.0, 0.005, 0.02, 0.05])
+        plan.disk_landed = random.Random(f"landed-{seed}").choice([0.0, 0.0, 0.0, 0.2])
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))

@@ -111,6 +111,8 @@ class State:
         # (when, blobs removed, the gc's clock minus the coordinator's) of each gc pass
         self.gc_removals: list[tuple[float, int, float]] = []
         self.removed: dict[str, float] = {}  # path -> when a user's retention removed it
+        # claim file -> the process that wrote it last, and when (``DiskFaults``)
+        self.claim_writers: dict[str, tuple[SimActor | None, float]] = {}
 
     def now(self) -> float:
         return self.world.loop.time()
