@@ -337,7 +337,8 @@ class CheckpointCoordinator:
 
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
         """Claim the path, pause every holder and capture (``Snapshots.begin``)."""
-        return await self._snapshots.begin(snapshot_id, checkpoint_path)
+        return await self.operations.first_call(
+            snapshot_id, lambda: self._snapshots.begin(snapshot_id, checkpoint_path))
 
     async def start_writes(self, snapshot_id: str) -> None:
         """Start every holder's write of the snapshot; never raises."""
@@ -357,7 +358,8 @@ class CheckpointCoordinator:
     async def prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
         """Verify the snapshot and have each instance's holder load it, nothing live yet
         (``Restores.prepare``)."""
-        return await self._restores.prepare(restore_id, checkpoint_path)
+        return await self.operations.first_call(
+            restore_id, lambda: self._restores.prepare(restore_id, checkpoint_path))
 
     async def prefetch_restore(self, checkpoint_path: str) -> int:
         """Have the holders start reading the snapshot a restore will read

@@ -9,8 +9,10 @@ and repeated calls once the record is gone.
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from actors.operation_states import (
     FoundCommitted,
@@ -26,6 +28,8 @@ from nemo_ckpt.operations import HISTORY_SIZE, LifecycleTable
 
 __all__ = ["OperationTable"]
 
+T = TypeVar("T")
+
 
 class OperationTable(LifecycleTable[Operation]):
     """Open operations by id, and the outcomes of the last ones that ended (the base:
@@ -36,6 +40,9 @@ class OperationTable(LifecycleTable[Operation]):
         self.lease_s = lease_s  # for the refusal of a lapsed operation
         # What a committed snapshot's commit answered, for a repeated commit.
         self._results: OrderedDict[str, Any] = OrderedDict()
+        # The first call of each operation (begin_snapshot, prepare_restore) as it runs
+        # or answered, for a repeat of it: kept while the operation is open.
+        self._first: dict[str, asyncio.Future[Any]] = {}
 
     def open_ones(self) -> list[Operation]:
         return list(self._open.values())
@@ -64,6 +71,22 @@ class OperationTable(LifecycleTable[Operation]):
         self.history.note(op.id)
         self._open[op.id] = op
         return op
+
+    async def first_call(self, op_id: str, start: Callable[[], Awaitable[T]]) -> T:
+        """Run ``op_id``'s first call, or answer a repeat of it as the first one answers
+        (waiting for it while it runs): a driver whose answer was lost sends it again
+        (``nemo_ckpt.driver.link``), and it must learn what happened, not meet its own
+        operation "already in progress". A repeat after the operation ended starts it
+        again, which ``open`` refuses with its outcome."""
+        running = self._first.get(op_id)
+        if running is None or (running.done() and op_id not in self._open):
+            for ended in [i for i, f in self._first.items() if f.done() and i not in self._open]:
+                del self._first[ended]
+            running = asyncio.ensure_future(start())
+            running.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._first[op_id] = running
+        answer: T = await asyncio.shield(running)
+        return answer
 
     def adopt(self, op: Operation) -> Operation:
         """Record an operation first heard of by its abort; it must be ``Unseen``."""

@@ -291,6 +291,50 @@ def test_a_restore_whose_commit_answer_is_lost_but_won_returns_with_its_sessions
         world.close()
 
 
+def _lose_first_answer(world: World, method: str) -> list[str]:
+    """Lose the coordinator's answer to the first ``method`` call after it ran."""
+    lost: list[str] = []
+
+    def lose_once(target: Any, m: str) -> bool:
+        if target.kind == COORDINATOR and m == method and not lost:
+            lost.append(m)
+            return True
+        return False
+
+    world.sim.lose_reply = lose_once
+    return lost
+
+
+@pytest.mark.parametrize("first_call", ["begin_snapshot", "prepare_restore"])
+def test_a_first_call_whose_answer_is_lost_is_answered_again_not_refused_as_in_progress(
+        tmp_path: Path, first_call: str) -> None:
+    """The coordinator ran the operation's first call, its answer was lost, and the
+    driver sent it again (simulation seed 202): the repeat answers as the first one did,
+    instead of "already in progress", so the snapshot commits and the restore goes live."""
+    path = tmp_path / "ckpt"
+    first = World(tmp_path)
+    try:
+        lost = _lose_first_answer(first, first_call)
+        live = first.run(first.populate())
+        first.run(first.snapshot(path, live))
+        assert (environment_dir(path) / "manifest.json").exists()
+    finally:
+        first.close()
+    world = World(tmp_path)
+    try:
+        if first_call == "prepare_restore":
+            lost = _lose_first_answer(world, first_call)
+
+        async def scenario() -> None:
+            async with world.ckpt.restored(path) as restored:
+                assert len(restored.continued_attempts) == 6
+
+        world.run(scenario())
+        assert lost == [first_call]
+    finally:
+        world.close()
+
+
 # --- case 6: leases are renewed through long phases ------------------------------------------
 
 
