@@ -60,6 +60,7 @@ from nemo_ckpt.sandbox import (
 )
 from nemo_ckpt.sandbox_storage import (
     BlobsWritten,
+    TreeRow,
     persist_blobs,
     read_blob,
     read_trees_file,
@@ -404,12 +405,7 @@ class Sandboxes:
         self.remove_doomed()  # an undone restore's directories: its retry makes them again
         store = BlobStore(blob_store, folder_at)
         cache = self.cache
-        staging = self._private / f"restore-{safe_name_part(restore_id)}"
-        try:
-            staging.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SandboxError(f"{self.instance_id}: cannot make the restore's staging "
-                               f"folder {staging}: {exc.strerror or exc}") from exc
+        staging = self._make_staging(self._private, restore_id)
         restored: list[RestoredSandbox] = []
         # Blobs verified once, kept in memory while the shard's directories are made:
         # rollouts started from one repository share most of their files.
@@ -428,29 +424,10 @@ class Sandboxes:
             return data
 
         rows = read_trees_file(directory, entry.trees, self.instance_id)
-        for rollout_id, attempt, _, _, _ in rows:  # every name, before any is made
-            key = new_keys.get(rollout_id)
-            if key is None:
-                raise SandboxError(f"trees file {entry.trees.file} names rollout "
-                                   f"{rollout_id!r}, which its shard does not hold")
-            problem = restored_name_problem(key)
-            if problem is not None:
-                raise SandboxError(f"{self.instance_id}: cannot restore the directory of "
-                                   f"rollout {rollout_id!r} (attempt {attempt}) of "
-                                   f"{directory.describe(entry.trees.file)}: {problem}; "
-                                   f"the snapshot was written before rollout ids were "
-                                   f"bounded, or crafted: restore another one")
+        self._check_restored_names(rows, new_keys, directory, entry.trees.file)
         for rollout_id, attempt, tree_digest, tree_size, _ in rows:
             key = new_keys[rollout_id]
-            target = self.target_of(key)
-            if os.path.lexists(target):
-                # Left by a restore of this snapshot that did not survive (its holder
-                # died after it went live), or someone else's: keep it, and go beside it.
-                target = self.root / _beside(key, restore_id)
-            if os.path.lexists(target):
-                raise RestoreConflictError(
-                    f"{self.instance_id}: cannot restore the directory of {key}: "
-                    f"{target} already exists; remove it, or restore into a fresh job")
+            target = self._restore_target(self.root, key, restore_id)
             tree, objects = decode_tree(
                 tree_digest, tree_size, fetch,
                 f"{rollout_id} (attempt {attempt}) in {directory.describe()}",
@@ -472,6 +449,48 @@ class Sandboxes:
                 Recorded({}, tree_digest, tree_size,
                          frozenset(objects) | tree_digests(tree), stats.files, stats.bytes)))
         return restored
+
+    def _make_staging(self, private: Path, restore_id: str) -> Path:
+        """The restore's staging folder, made (a retry's is reused)."""
+        staging = private / f"restore-{safe_name_part(restore_id)}"
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SandboxError(f"{self.instance_id}: cannot make the restore's staging "
+                               f"folder {staging}: {exc.strerror or exc}") from exc
+        return staging
+
+    def _check_restored_names(self, rows: list[TreeRow], new_keys: dict[str, str],
+                              directory: Folder, trees_file: str) -> None:
+        """Refuse the restore, before any directory is made, when a row of the trees
+        file names a rollout its shard does not hold or one whose restored name is not
+        a safe directory name."""
+        for rollout_id, attempt, _, _, _ in rows:
+            key = new_keys.get(rollout_id)
+            if key is None:
+                raise SandboxError(f"trees file {trees_file} names rollout "
+                                   f"{rollout_id!r}, which its shard does not hold")
+            problem = restored_name_problem(key)
+            if problem is not None:
+                raise SandboxError(f"{self.instance_id}: cannot restore the directory of "
+                                   f"rollout {rollout_id!r} (attempt {attempt}) of "
+                                   f"{directory.describe(trees_file)}: {problem}; "
+                                   f"the snapshot was written before rollout ids were "
+                                   f"bounded, or crafted: restore another one")
+
+    def _restore_target(self, root: Path, key: str, restore_id: str) -> Path:
+        """Where the directory restored as ``key`` goes live: its own place, or beside
+        it when that is taken; refuses the restore when both are."""
+        target = self.target_of(key)
+        if os.path.lexists(target):
+            # Left by a restore of this snapshot that did not survive (its holder
+            # died after it went live), or someone else's: keep it, and go beside it.
+            target = root / _beside(key, restore_id)
+        if os.path.lexists(target):
+            raise RestoreConflictError(
+                f"{self.instance_id}: cannot restore the directory of {key}: "
+                f"{target} already exists; remove it, or restore into a fresh job")
+        return target
 
     def commit_restore(self, restored: list[RestoredSandbox]) -> None:
         """Move a prepared restore's directories into place (blocking)."""

@@ -217,20 +217,7 @@ class Snapshots:
         if not isinstance(op, SnapshotOperation) or op.captured is None:
             raise StaleSnapshotError(f"commit of {snapshot_id} before its begin finished")
         captured = op.captured
-        # The backend resumes as the exit begins: the capture is an immutable copy, so
-        # turns may run while the shards are written; the commit still waits for every
-        # shard and the manifest, and a failure still aborts the snapshot.
-        self._parts.holders.send(op.holders, "release", snapshot_id)
-        # The check that no rollout was captured by two instances starts now, after the
-        # release went out: a thread that decodes every capture holds this process's
-        # GIL meanwhile. Its error is raised by the await below; an abort cancels it.
-        unique = asyncio.ensure_future(self._runtime.run_blocking(
-            _check_captured_once, captured.captures))
-        unique.add_done_callback(lambda f: f.cancelled() or f.exception())
-        committing = SnapshotCommitting(captured.captures, captured.order,
-                                        released=self._clock.monotonic(),
-                                        unique_check=unique)
-        self._parts.operations.set_state(op, committing)
+        committing, unique = self._release(op, captured, snapshot_id)
         directory = environment_folder(checkpoint_path)
         try:
             await self._parts.injected_delay("commit_snapshot")
@@ -242,23 +229,14 @@ class Snapshots:
                            self._parts.config.persist_timeout_s),
                 op_id=snapshot_id)
             shards: list[ShardEntry] = [s for p in persists.values() for s in p.shards]
-            all_metrics = dict(metrics)
-            all_metrics.update(
-                persist_seconds=max((p.persist_seconds for p in persists.values()),
-                                    default=0.0),
-                bytes_written=float(sum(p.bytes_written for p in persists.values())),
-            )
+            all_metrics = _commit_metrics(metrics, persists)
             rollouts = await unique
             await self._earlier_commits(op, captured.order)
             root = self._parts.config.checkpoint_root
             sequence = await self._runtime.run_blocking(take_sequence, sequence_root(
                 None if root is None else str(root), checkpoint_path))
-            manifest = encode_manifest(
-                snapshot_id=snapshot_id,
-                created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
-                instances=list(op.holders), shards=shards,
-                restarted_rollouts=restarted, metrics=all_metrics, blob_store=op.blob_ref,
-                sequence=sequence)
+            manifest = self._manifest(snapshot_id, op, shards, restarted, all_metrics,
+                                      sequence)
             await self._parts.injected_delay("before_manifest")
             await self._claims_hold(op)
             async with self._parts.folders.lock(checkpoint_path):
@@ -294,6 +272,36 @@ class Snapshots:
                                    shards=len(shards), removed_files=tuple(removed))
         self._parts.operations.keep_result(snapshot_id, result)
         return result
+
+    def _release(self, op: SnapshotOperation, captured: SnapshotCaptured, snapshot_id: str
+                 ) -> tuple[SnapshotCommitting, asyncio.Future[int]]:
+        """Resume the holders' backends and start the check that no rollout was captured
+        twice: ``op`` is committing from here. Its state, and the check to await."""
+        # The backend resumes as the exit begins: the capture is an immutable copy, so
+        # turns may run while the shards are written; the commit still waits for every
+        # shard and the manifest, and a failure still aborts the snapshot.
+        self._parts.holders.send(op.holders, "release", snapshot_id)
+        # The check that no rollout was captured by two instances starts now, after the
+        # release went out: a thread that decodes every capture holds this process's
+        # GIL meanwhile. Its error is raised by commit's await on it; an abort cancels it.
+        unique = asyncio.ensure_future(self._runtime.run_blocking(
+            _check_captured_once, captured.captures))
+        unique.add_done_callback(lambda f: f.cancelled() or f.exception())
+        committing = SnapshotCommitting(captured.captures, captured.order,
+                                        released=self._clock.monotonic(),
+                                        unique_check=unique)
+        self._parts.operations.set_state(op, committing)
+        return committing, unique
+
+    def _manifest(self, snapshot_id: str, op: SnapshotOperation, shards: list[ShardEntry],
+                  restarted: int, metrics: dict[str, float], sequence: int) -> bytes:
+        """The manifest of snapshot ``op``, stamped with the wall clock now."""
+        return encode_manifest(
+            snapshot_id=snapshot_id,
+            created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
+            instances=list(op.holders), shards=shards,
+            restarted_rollouts=restarted, metrics=metrics, blob_store=op.blob_ref,
+            sequence=sequence)
 
     async def _earlier_commits(self, op: SnapshotOperation, order: int) -> None:
         """Wait until every snapshot into the same folder captured before ``op`` has
@@ -338,3 +346,14 @@ def _check_captured_once(captures: tuple[CaptureReport, ...]) -> int:
         f"each was captured by more than one instance, so the same rollout runs on two "
         f"holders; retire the extra attempt, and check snapshots against the "
         f"data-plane cut, which names them")
+
+
+def _commit_metrics(metrics: dict[str, float], persists: dict[str, PersistReport]
+                    ) -> dict[str, float]:
+    """The driver's ``metrics`` with the slowest shard write and the bytes written."""
+    all_metrics = dict(metrics)
+    all_metrics.update(
+        persist_seconds=max((p.persist_seconds for p in persists.values()), default=0.0),
+        bytes_written=float(sum(p.bytes_written for p in persists.values())),
+    )
+    return all_metrics

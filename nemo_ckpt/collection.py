@@ -153,23 +153,7 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
     report = CollectionReport(store=where, dry_run=dry_run)
     owner = owner or f"collector-{uuid.uuid4().hex[:8]}"
     watch = watch or ClaimWatch(clock)
-    give_up = clock() + wait_s
-    while True:
-        # A short claim, renewed as the work goes: one left by a collector that died
-        # blocks snapshots' writes for about ttl_s. It runs out ttl_s after the write, on
-        # this clock: read before the write, ``until`` errs early.
-        until = clock() + ttl_s
-        try:
-            store.begin_collection(owner, ttl_s, watch)
-            break
-        except CheckpointPathBusyError as exc:
-            left = give_up - clock()
-            if left <= 0:
-                if wait_s > 0:
-                    raise CheckpointPathBusyError(f"{exc}; gave up after waiting "
-                                                  f"{wait_s:g}s") from exc
-                raise
-            sleep(min(_WAIT_POLL_S, left))
+    until = _claim(store, owner, ttl_s, watch, clock, wait_s, sleep)
 
     def keep_claim() -> None:
         nonlocal until
@@ -179,18 +163,11 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
             until = renewed
 
     try:
-        referenced: set[bytes] = set()
-        for path in committed_snapshots(root):
-            keep_claim()
-            if should_stop():
-                report.interrupted = True
-                return report
-            try:
-                referenced |= snapshot_refs(path, store, cache, budget)
-            except SnapshotReadError as exc:
-                raise type(exc)(exc.path, f"collection of {where} stopped, nothing was "
-                                          f"removed: {exc}") from exc
-            report.snapshots.append(path)
+        referenced = _referenced(root, store, cache, budget, report, keep_claim,
+                                 should_stop)
+        if referenced is None:
+            report.interrupted = True
+            return report
         if cache is not None:  # snapshots removed since: forget them
             for old in [k for k in cache if k[0] not in report.snapshots]:
                 del cache[old]
@@ -220,6 +197,50 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
     finally:
         store.end_collection()
     return report
+
+
+def _claim(store: BlobStore, owner: str, ttl_s: float, watch: ClaimWatch,
+           clock: Callable[[], float], wait_s: float, sleep: Callable[[float], None]
+           ) -> float:
+    """Claim ``store`` for a collection, retrying a busy one for up to ``wait_s``
+    seconds; the time on ``clock`` by which the claim must be renewed."""
+    give_up = clock() + wait_s
+    while True:
+        # A short claim, renewed as the work goes: one left by a collector that died
+        # blocks snapshots' writes for about ttl_s. It runs out ttl_s after the write, on
+        # this clock: read before the write, ``until`` errs early.
+        until = clock() + ttl_s
+        try:
+            store.begin_collection(owner, ttl_s, watch)
+            return until
+        except CheckpointPathBusyError as exc:
+            left = give_up - clock()
+            if left <= 0:
+                if wait_s > 0:
+                    raise CheckpointPathBusyError(f"{exc}; gave up after waiting "
+                                                  f"{wait_s:g}s") from exc
+                raise
+            sleep(min(_WAIT_POLL_S, left))
+
+
+def _referenced(root: str | Path, store: BlobStore, cache: RefsCache | None,
+                budget: TreeBudget | None, report: CollectionReport,
+                keep_claim: Callable[[], None], should_stop: Callable[[], bool]
+                ) -> set[bytes] | None:
+    """The digests the committed snapshots under ``root`` reference, each snapshot read
+    added to ``report``; None when ``should_stop`` ends the collection first."""
+    referenced: set[bytes] = set()
+    for path in committed_snapshots(root):
+        keep_claim()
+        if should_stop():
+            return None
+        try:
+            referenced |= snapshot_refs(path, store, cache, budget)
+        except SnapshotReadError as exc:
+            raise type(exc)(exc.path, f"collection of {report.store} stopped, nothing "
+                                      f"was removed: {exc}") from exc
+        report.snapshots.append(path)
+    return referenced
 
 
 def collect_quietly(root: str | Path, owner: str, cache: RefsCache,

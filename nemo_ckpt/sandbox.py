@@ -275,21 +275,7 @@ class _Scanner:
         changed = old is None
         renewed = False
         prefix = rel + "/" if rel else ""
-        items = []
-        max_entries = self.limits.files
-        try:
-            with os.scandir(fd) as listed:
-                for item in listed:
-                    items.append(item)
-                    self.entries += 1
-                    if self.entries > max_entries:
-                        raise SandboxError(
-                            f"sandbox {self.top} holds more than sandbox_max_files "
-                            f"({max_entries}) entries (files, directories and links; "
-                            f"{path}/{item.name} is one too many): remove some, or raise "
-                            f"CheckpointConfig.sandbox_max_files")
-        except OSError as exc:
-            raise SandboxError(f"sandbox directory {path} cannot be listed ({exc})") from None
+        items = self._list(fd, path)
         if len(items) != len(old_entries):
             changed = True  # with every name found below, the names are the same ones
         # This loop runs once per entry at every turn commit (benchmarks/sandboxes.py):
@@ -323,14 +309,7 @@ class _Scanner:
                 except OSError as exc:
                     found = self._reexamine(fd, name, full, exc)
                 else:
-                    try:
-                        # The mode of the directory scanned (one renamed over the listed
-                        # one is recorded as what it now is).
-                        mode = os.fstat(sub_fd).st_mode
-                        sub = self.directory(sub_fd, full, prefix + name, depth + 1)
-                    finally:
-                        os.close(sub_fd)
-                    entry = Entry(DIR, stat.S_IMODE(mode), sub.size, sub.digest)
+                    entry = self._subdirectory(sub_fd, full, prefix + name, depth + 1)
                     if seen.entry == entry:
                         entries[name] = seen
                         continue
@@ -342,10 +321,7 @@ class _Scanner:
                     continue
                 found = self._link(fd, name, path + "/" + name, key)
             else:
-                raise SandboxError(
-                    f"sandbox {self.top} holds {path}/{name}, a {_special_kind(mode)}: a "
-                    f"sandbox may hold files, directories and symlinks only; remove it "
-                    f"before the turn commits")
+                raise self._special(path + "/" + name, mode)
             if found is None:
                 changed = True  # removed since the listing
                 continue
@@ -356,6 +332,51 @@ class _Scanner:
             else:
                 changed = True
                 entries[name] = Seen(key, entry)
+        return self._settle(rel, old, entries, changed, renewed)
+
+    def _list(self, fd: int, path: str) -> list[os.DirEntry[str]]:
+        """The entries of the directory ``fd`` (at ``path``), each counted against
+        ``sandbox_max_files`` as it is listed, so an oversized tree stops the scan early."""
+        items = []
+        max_entries = self.limits.files
+        try:
+            with os.scandir(fd) as listed:
+                for item in listed:
+                    items.append(item)
+                    self.entries += 1
+                    if self.entries > max_entries:
+                        raise SandboxError(
+                            f"sandbox {self.top} holds more than sandbox_max_files "
+                            f"({max_entries}) entries (files, directories and links; "
+                            f"{path}/{item.name} is one too many): remove some, or raise "
+                            f"CheckpointConfig.sandbox_max_files")
+        except OSError as exc:
+            raise SandboxError(f"sandbox directory {path} cannot be listed ({exc})") from None
+        return items
+
+    def _subdirectory(self, sub_fd: int, path: str, rel: str, depth: int) -> Entry:
+        """Scan the opened subdirectory ``sub_fd`` (at ``path``, ``rel`` in the tree), close
+        it, and return its entry."""
+        try:
+            # The mode of the directory scanned (one renamed over the listed one is
+            # recorded as what it now is).
+            mode = os.fstat(sub_fd).st_mode
+            sub = self.directory(sub_fd, path, rel, depth)
+        finally:
+            os.close(sub_fd)
+        return Entry(DIR, stat.S_IMODE(mode), sub.size, sub.digest)
+
+    def _special(self, path: str, mode: int) -> SandboxError:
+        """The refusal of a device, FIFO or socket at ``path``."""
+        return SandboxError(
+            f"sandbox {self.top} holds {path}, a {_special_kind(mode)}: a "
+            f"sandbox may hold files, directories and symlinks only; remove it "
+            f"before the turn commits")
+
+    def _settle(self, rel: str, old: Listing | None, entries: dict[str, Seen],
+                changed: bool, renewed: bool) -> Listing:
+        """Record the directory ``rel``'s listing: the previous one when no entry changed
+        (a copy carrying the renewed keys when only those did), else a new tree object."""
         if old is not None and not changed:
             listing = old if not renewed else Listing(
                 entries, old.digest, old.size, old.files, old.file_count, old.file_bytes)

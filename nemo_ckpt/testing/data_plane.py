@@ -658,10 +658,13 @@ class ReferenceDataPlane:
         )
 
 
+_Recorded = tuple[FinishedRollout, tuple[list[Any], list[str]]]
+"""A handed-back result to record, with its trajectory's records and staging keys."""
+
+
 def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts,
                    results: Sequence[FinishedRollout] = ()
-                   ) -> tuple[dict[str, _Rollout], DataPlaneRestoreReport,
-                              list[tuple[FinishedRollout, tuple[list[Any], list[str]]]]]:
+                   ) -> tuple[dict[str, _Rollout], DataPlaneRestoreReport, list[_Recorded]]:
     """The restored ledger, its report, and the handed-back results to record (with
     their records and staging keys); raises before anything changes."""
     ledger = {
@@ -670,7 +673,36 @@ def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts,
                                 for a in r.earlier_attempts])
         for r in saved.rollouts}
     problems: list[str] = []
-    continued: list[tuple[str, EnvironmentEpisode]] = []
+    continued_ids = _continued_ids(ledger, restored, problems)
+    recorded, excused = _results_to_record(ledger, saved, restored, results,
+                                           continued_ids, problems)
+    missing = sorted(restored.staging_keys - saved.staging.keys() - excused)
+    if missing:
+        problems.append(f"staging rows the restored sessions reference are not in the "
+                        f"saved data plane: {missing[:10]}")
+    if problems:
+        raise DataPlaneRestoreError(
+            f"the environment restore does not match the data plane saved at cut "
+            f"{saved.cut_id} ({len(problems)} problem(s)); restore both halves from the "
+            f"same checkpoint path:\n" + "\n".join(f"  - {p}" for p in problems))
+    continued, restarted = _advance_ledger(ledger, recorded, continued_ids)
+    kept = restored.staging_keys & saved.staging.keys()
+    report = DataPlaneRestoreReport(
+        continued=tuple(continued),
+        restarted=tuple(restarted),
+        finished=tuple(sorted(t.rollout_id for t in saved.finished)),
+        orphans_cleared=len(saved.staging) - len(kept),
+        cut_id=saved.cut_id,
+        rows_written_at_cut=saved.rows_written,
+        recorded=tuple(sorted(r.episode.rollout_id for r, _ in recorded)),
+    )
+    return ledger, report, recorded
+
+
+def _continued_ids(ledger: dict[str, _Rollout], restored: RestoredEnvironmentRollouts,
+                   problems: list[str]) -> set[str]:
+    """The rollouts whose dispatched attempt the environment continued; a continued
+    attempt the ledger does not have dispatched, as it says, adds to ``problems``."""
     continued_ids: set[str] = set()
     for instance_id, rollout_id, attempt in sorted(restored.continued_attempts):
         entry = ledger.get(rollout_id)
@@ -685,7 +717,17 @@ def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts,
             problems.append(f"{rollout_id}: continued twice")
         else:
             continued_ids.add(rollout_id)
-    recorded: list[tuple[FinishedRollout, tuple[list[Any], list[str]]]] = []
+    return continued_ids
+
+
+def _results_to_record(ledger: dict[str, _Rollout], saved: DataPlaneFile,
+                       restored: RestoredEnvironmentRollouts,
+                       results: Sequence[FinishedRollout], continued_ids: set[str],
+                       problems: list[str]) -> tuple[list[_Recorded], set[str]]:
+    """The handed-back results to record, and the staging keys of those recorded before
+    the cut (moved out of staging already); a result the ledger cannot take adds to
+    ``problems``."""
+    recorded: list[_Recorded] = []
     excused: set[str] = set()  # rows of results recorded before the cut: moved out already
     for result in sorted(results, key=lambda r: (r.instance_id, r.episode)):
         rollout_id, where = result.episode.rollout_id, \
@@ -715,15 +757,16 @@ def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts,
                 problems.append(f"{where}: its finished result names staging rows the "
                                 f"restore does not keep: {absent[:10]}")
             recorded.append((result, parts))
-    missing = sorted(restored.staging_keys - saved.staging.keys() - excused)
-    if missing:
-        problems.append(f"staging rows the restored sessions reference are not in the "
-                        f"saved data plane: {missing[:10]}")
-    if problems:
-        raise DataPlaneRestoreError(
-            f"the environment restore does not match the data plane saved at cut "
-            f"{saved.cut_id} ({len(problems)} problem(s)); restore both halves from the "
-            f"same checkpoint path:\n" + "\n".join(f"  - {p}" for p in problems))
+    return recorded, excused
+
+
+def _advance_ledger(ledger: dict[str, _Rollout], recorded: list[_Recorded],
+                    continued_ids: set[str]
+                    ) -> tuple[list[tuple[str, EnvironmentEpisode]], list[str]]:
+    """Apply the checked restore to ``ledger``: recorded results finish their rollouts,
+    a continued attempt moves to its next attempt, every other dispatched one is
+    abandoned. The continued episodes and the restarted rollouts."""
+    continued: list[tuple[str, EnvironmentEpisode]] = []
     restarted: list[str] = []
     for result, _ in recorded:
         ledger[result.episode.rollout_id].status = RolloutStatus.FINISHED
@@ -738,17 +781,7 @@ def _apply_restore(saved: DataPlaneFile, restored: RestoredEnvironmentRollouts,
         else:
             entry.status = RolloutStatus.ABANDONED
             restarted.append(rollout_id)
-    kept = restored.staging_keys & saved.staging.keys()
-    report = DataPlaneRestoreReport(
-        continued=tuple(continued),
-        restarted=tuple(restarted),
-        finished=tuple(sorted(t.rollout_id for t in saved.finished)),
-        orphans_cleared=len(saved.staging) - len(kept),
-        cut_id=saved.cut_id,
-        rows_written_at_cut=saved.rows_written,
-        recorded=tuple(sorted(r.episode.rollout_id for r, _ in recorded)),
-    )
-    return ledger, report, recorded
+    return continued, restarted
 
 
 def _actor_options() -> dict[str, Any]:
