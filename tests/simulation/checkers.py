@@ -58,7 +58,7 @@ from nemo_ckpt.testing.sim import SimActor
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY, SESSION_METHODS
 
 from .plan import CONFIG, SPARSE_BYTES
-from .state import Driver, OpRecord, Part, State, short
+from .state import Driver, OpRecord, Part, State, secret_bytes, short
 
 _END_METHODS = ("resume", "abort")
 # How long after an operation ended a holder may still be paused for it (its abort or
@@ -715,7 +715,12 @@ class Checkers(Part):
                                  f"{Path(snapshot).name} references a blob that is missing or "
                                  f"damaged ({len(problems)} problem(s)): {problems[0]}{gcs}"
                                  f"{self.zombie_work(0.0)}")
-            secret = self.secret.read_bytes()
+            # What the file was made with, not what it holds now: a write through a link
+            # would change it to what every sandbox holds.
+            secret = secret_bytes(self.seed)
+            if self.secret.read_bytes() != secret:
+                self.violate("the secret file outside every sandbox was written through a "
+                             "link in a sandbox")
             for holder in self.world.actors:
                 boxes = getattr(holder.obj, "_sandboxes", None)
                 cache = getattr(boxes, "_cache", None)

@@ -33,7 +33,7 @@ from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 
 from .checkers import Checkers
 from .plan import CONFIG
-from .state import Part, State, short
+from .state import Part, State, secret_bytes, short
 
 # --- disk faults at every Folder call -------------------------------------------------
 
@@ -109,7 +109,6 @@ class DiskFaults:
 
 # --- a hostile process inside a sandbox -----------------------------------------------
 
-SECRET = b"the-secret-outside-every-sandbox"
 
 
 class HostileSandbox:
@@ -154,7 +153,7 @@ class Faults(Part):
         self._install_io_faults()
         DiskFaults.install(self)
         HostileSandbox.install(self)
-        self.secret.write_bytes(SECRET + f"-{self.seed}".encode())
+        self.secret.write_bytes(secret_bytes(self.seed))
         self._install_ray()
         self._install_releases()
         self._install_reply_loss()

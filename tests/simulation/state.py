@@ -23,6 +23,14 @@ from .plan import CONFIG, Plan
 from .rl import SimRL
 
 
+SECRET = b"the-secret-outside-every-sandbox"
+
+
+def secret_bytes(seed: int) -> bytes:
+    """What the file outside every sandbox holds in schedule ``seed`` (``HostileSandbox``)."""
+    return SECRET + f"-{seed}".encode()
+
+
 @dataclass
 class OpRecord:
     driver: str

@@ -457,6 +457,9 @@ class Workload(Part):
         """A turn's work in its directory: it must start as the session's state says
         (after a restore too), then a file is added, one edited, one removed."""
         self.check.check_turn_directory(ep, directory, before, t)
+        # Replaced, not written through: a turn run again (its answer lost) must not
+        # follow the link the sandbox's process swapped in (HostileSandbox) to the secret.
+        (directory / f"t{t}").unlink(missing_ok=True)
         (directory / f"t{t}").write_bytes(b"x" * (t + 1))
         if self.plan.sparse and t == 1 and not (directory / "sparse").exists():
             self.s.faults += 1
