@@ -69,7 +69,7 @@ from nemo_ckpt.phases import (
     HolderInfo,
     instance_sort_key,
 )
-from nemo_ckpt.transport import Transport
+from nemo_ckpt.transport import COORDINATOR, Transport
 
 __all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "RestoreBegun"]
 
@@ -115,6 +115,7 @@ class CheckpointCoordinator:
         self._snapshots = Snapshots(self._parts, self._incarnation)
         self._restores = Restores(self._parts)
         self._reaper: asyncio.Task[None] | None = None
+        self._ending = False  # stepping aside for a coordinator of the job's config
 
     @property
     def _config(self) -> CheckpointConfig:
@@ -127,28 +128,27 @@ class CheckpointCoordinator:
         holders it finds were made with (a restarted driver finds them alive, made by
         whoever created them). Deadlines are adopted from the newest driver; any other
         difference is refused with ``ConfigMismatchError`` naming each field
-        (``nemo_ckpt.config.ADOPTED_FIELDS`` says which are which)."""
+        (``nemo_ckpt.config.ADOPTED_FIELDS`` says which are which).
+
+        A coordinator whose own config the holders it finds were not made with was made
+        after its predecessor died, by a call of a driver with another config: it cannot
+        serve them, so it ends itself (``_step_aside``) and frees the name for a driver
+        with the job's config, which is told to retry (simulation seed 2654)."""
+        async with self.holders.lock:
+            infos = await self.holders.discover()
+        if _made_otherwise(infos, holder_options(self._config)):
+            self._step_aside()
+            yours = _made_otherwise(infos, holder_options(config))
+            if not yours:
+                raise _stepping_aside(self._config.namespace)
+            raise _mismatch(self._config.namespace, yours)
         fixed = config_differences(
             self._config, config,
             frozenset(CheckpointConfig.model_fields) - DRIVER_FIELDS - ADOPTED_FIELDS)
         problems = [f"{name} is {theirs!r} there, {ours!r} in yours"
                     for name, (theirs, ours) in fixed.items()]
-        if not problems:
-            wanted = self._holder_options()
-            async with self.holders.lock:
-                infos = await self.holders.discover()
-            for info in sorted(infos, key=lambda i: instance_sort_key(i.instance_id)):
-                differ = sorted(k for k, v in info.options.items()
-                                if k in wanted and wanted[k] != v)
-                problems += [f"{info.instance_id} was made with {k}={info.options[k]!r}, "
-                             f"yours gives {wanted[k]!r}" for k in differ]
         if problems:
-            raise ConfigMismatchError(
-                f"namespace {self._config.namespace!r} already runs nemo-ckpt actors made "
-                f"with another CheckpointConfig: {'; '.join(problems)}. Use the job's "
-                f"values, end the old job's actors first "
-                f"(RayEnvironmentCheckpoint(old_config).shutdown()), or give this job a "
-                f"namespace of its own")
+            raise _mismatch(self._config.namespace, problems)
         adopted = config_differences(self._config, config, ADOPTED_FIELDS)
         if adopted:
             log.warning("a driver attached with other deadlines; adopting them: %s",
@@ -158,16 +158,19 @@ class CheckpointCoordinator:
                 **{k: getattr(config, k) for k in ADOPTED_FIELDS | DRIVER_FIELDS}})
             self.operations.lease_s = self._config.lease_s
 
+    def _step_aside(self) -> None:
+        """End this coordinator once its answer has left (once, and only while the name
+        is still its own: a successor's is not ours to end)."""
+        if self._ending or not self._transport.is_registered_coordinator():
+            return
+        self._ending = True
+        log.warning("this coordinator was made with a config the namespace's holders were "
+                    "not made with; it ends itself")
+        asyncio.get_running_loop().call_later(_STEP_ASIDE_AFTER_S, self._transport.end_self)
+
     def _holder_options(self) -> dict[str, Any]:
         """The ``SessionHolder`` keyword arguments this job's holders are made with."""
-        cfg = self._config
-        return {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s,
-                "max_retired_marks": cfg.max_retired_marks, "namespace": cfg.namespace,
-                "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
-                "blob_root": None if self.blobs.store is None
-                else join_location(str(cfg.checkpoint_root), BLOB_DIR),
-                "sandbox_limits": cfg.sandbox_limits, "tree_budget": cfg.tree_budget,
-                "sandbox_restore_setid": cfg.sandbox_restore_setid}
+        return holder_options(self._config)
 
     # --- holders ---------------------------------------------------------------------
 
@@ -404,3 +407,49 @@ class CheckpointCoordinator:
             await self.holders.ensure()
             dropped = await self.holders.fan(self.holders.handles, what, call)
         return sorted(k for keys in dropped.values() for k in keys)
+
+
+# How long a coordinator that steps aside waits for its answer to leave before it ends.
+_STEP_ASIDE_AFTER_S = 0.5
+
+
+def holder_options(cfg: CheckpointConfig) -> dict[str, Any]:
+    """The ``SessionHolder`` keyword arguments ``cfg``'s holders are made with (the blob
+    store is the root's when sandboxes are saved: ``BlobCollector``)."""
+    blobs = cfg.sandbox_root is not None and cfg.checkpoint_root is not None
+    return {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s,
+            "max_retired_marks": cfg.max_retired_marks, "namespace": cfg.namespace,
+            "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
+            "blob_root": join_location(str(cfg.checkpoint_root), BLOB_DIR) if blobs
+            else None,
+            "sandbox_limits": cfg.sandbox_limits, "tree_budget": cfg.tree_budget,
+            "sandbox_restore_setid": cfg.sandbox_restore_setid}
+
+
+def _made_otherwise(infos: list[HolderInfo], wanted: dict[str, Any]) -> list[str]:
+    """Each way the holders of ``infos`` were made otherwise than ``wanted`` says."""
+    problems = []
+    for info in sorted(infos, key=lambda i: instance_sort_key(i.instance_id)):
+        differ = sorted(k for k, v in info.options.items() if k in wanted and wanted[k] != v)
+        problems += [f"{info.instance_id} was made with {k}={info.options[k]!r}, "
+                     f"yours gives {wanted[k]!r}" for k in differ]
+    return problems
+
+
+def _mismatch(namespace: str, problems: list[str]) -> ConfigMismatchError:
+    return ConfigMismatchError(
+        f"namespace {namespace!r} already runs nemo-ckpt actors made with another "
+        f"CheckpointConfig: {'; '.join(problems)}. Use the job's values, end the old job's "
+        f"actors first (RayEnvironmentCheckpoint(old_config).shutdown()), or give this job "
+        f"a namespace of its own")
+
+
+def _stepping_aside(namespace: str) -> BackendUnavailableError:
+    """To a driver whose config the holders were made with, from a coordinator that was
+    not: the coordinator is as good as gone, so the driver's call is sent again."""
+    error = BackendUnavailableError(
+        f"the nemo-ckpt coordinator of namespace {namespace!r} was made by a driver with "
+        f"another CheckpointConfig after its predecessor ended; it ends itself so that a "
+        f"driver with the job's config makes the next one; retry")
+    error.unreachable = COORDINATOR
+    return error

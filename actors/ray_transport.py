@@ -253,6 +253,10 @@ class RayTransport:
         if actor.kind == COORDINATOR:
             self._coordinator = None
 
+    def end_self(self) -> None:
+        self._require_ray()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
     def kill_namespace(self) -> None:
         for name in self.actor_names():
             with contextlib.suppress(ValueError):

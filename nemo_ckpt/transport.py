@@ -252,6 +252,11 @@ class Transport(Protocol):
         """Kill the coordinator and every holder of the namespace."""
         ...
 
+    def end_self(self) -> None:
+        """End the actor this process is, as a kill would (its name is released once the
+        cluster has seen it dead)."""
+        ...
+
     def actor_names(self) -> list[str]:
         """The names the namespace's coordinator and holders are registered under now:
         a killed actor keeps its name until the cluster has seen it dead."""

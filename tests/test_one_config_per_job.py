@@ -85,3 +85,32 @@ def test_holders_found_alive_by_a_new_coordinator_are_compared_with_the_drivers_
                     f"yours gives 4096") in message
 
     world.run(scenario())
+
+
+@pytest.mark.parametrize("first_call", ["its maker's", "the job's driver's"])
+def test_a_coordinator_made_by_a_mismatched_driver_steps_aside_for_the_jobs_config(
+        world: World, first_call: str) -> None:
+    # The job's coordinator died; a driver with another config made the next one by its
+    # call. The holders were made with the job's config: the job's driver still snapshots
+    # (simulation seed 2654), whichever of the two reaches the new coordinator first.
+    second = restarted_driver(world, max_state_bytes=4096)
+    path = world.path("ckpt")
+
+    async def scenario() -> None:
+        live = await world.populate()
+        world.sim.kill(world.sim.live(COORDINATOR)[0])
+        await asyncio.sleep(CONFIG.lease_s)  # the dead one's name is released
+        if first_call == "its maker's":
+            with pytest.raises(ConfigMismatchError, match="holder-0 was made with"):
+                await second.ensure_holders()
+        else:  # made, not yet attached to
+            second._transport.coordinator()
+        impostor = world.sim.live(COORDINATOR)[0]
+        await world.snapshot(path, live)
+        assert not impostor.alive
+        (successor,) = world.sim.live(COORDINATOR)
+        assert successor.obj._config.max_state_bytes == CONFIG.max_state_bytes
+        assert sum(len(v) for v in read_snapshot(path).sessions.values()) == 6
+        assert set(world.states().values()) == {HolderState.RUNNING}
+
+    world.run(scenario())

@@ -770,6 +770,9 @@ class SimTransport:
         self._me = me
         self._config = config
         self._runtime = world.runtime(me)
+        # Kept until a call finds it dead, as Ray's transport keeps its handle: a driver
+        # reaches a successor only through a failed call, which makes it attach again.
+        self._coordinator: SimActor | None = None
 
     @property
     def runtime(self) -> Runtime:
@@ -798,6 +801,8 @@ class SimTransport:
         return registered is self._me
 
     def coordinator(self) -> Actor:
+        if self._coordinator is not None:
+            return Actor(COORDINATOR, COORDINATOR, self._coordinator)
         key = (self.namespace, self._config.coordinator_name)
         actor = self._world.registry.get(key)
         if actor is None:
@@ -806,6 +811,7 @@ class SimTransport:
             actor.obj = CheckpointCoordinator(self._config, transport)
             if actor.alive:
                 self._world.registry[key] = actor
+        self._coordinator = actor
         return Actor(COORDINATOR, COORDINATOR, actor)
 
     def holders(self) -> dict[str, Actor]:
@@ -865,6 +871,8 @@ class SimTransport:
             raise unavailable_error(actor, method, timeout=timeout)
         exc = done.exception()
         if isinstance(exc, ActorDied):
+            if actor.kind == COORDINATOR:
+                self._coordinator = None  # the next call finds or creates a new one
             raise unavailable_error(actor, method, cause=exc) from exc
         if exc is not None:
             raise exc
@@ -877,11 +885,17 @@ class SimTransport:
 
     def kill(self, actor: Actor) -> None:
         self._world.kill(actor.ref)
+        if actor.kind == COORDINATOR:
+            self._coordinator = None
+
+    def end_self(self) -> None:
+        self._world.kill(self._me)
 
     def kill_namespace(self) -> None:
         for (ns, _), actor in list(self._world.registry.items()):
             if ns == self.namespace:
                 self._world.kill(actor)
+        self._coordinator = None
 
     def actor_names(self) -> list[str]:
         return [name for ns, name in self._world.registry if ns == self.namespace]

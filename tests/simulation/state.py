@@ -22,7 +22,6 @@ from nemo_ckpt.transport import COORDINATOR, HOLDER
 from .plan import CONFIG, Plan
 from .rl import SimRL
 
-
 SECRET = b"the-secret-outside-every-sandbox"
 
 
