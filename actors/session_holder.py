@@ -180,7 +180,7 @@ class SessionHolder:
                 self._undo(op_id, old)
             elif old is not None and new.outcome is not Outcome.COMMITTED:
                 log.info("%s: %s %s", self.instance_id, op_id, new.outcome.value)
-        self._gate.set_open(self._ops.current is None)
+        self._gate.set_open(self._ops.current is None, self._clock.monotonic())
         if not self._gate.is_open:
             self._watchdog.ensure_running()  # the lease must be watched from now on
 

@@ -33,6 +33,7 @@ class TurnGate:
         self.instance_id = instance_id
         self._open = asyncio.Event()
         self._open.set()
+        self._closed_at: float | None = None  # since when the gate is closed
         self._turns: dict[str, _Turn] = {}
         self._turns_done = asyncio.Condition()
         self._aborted: OrderedDict[str, None] = OrderedDict()
@@ -44,10 +45,18 @@ class TurnGate:
 
     # --- the gate ----------------------------------------------------------------------
 
-    def set_open(self, is_open: bool) -> None:
-        if is_open:
+    def set_open(self, is_open: bool, now: float) -> None:
+        """Open or close the gate at ``now``. The time it stays closed (a pause for a
+        snapshot or a restore) does not count against the turns in flight: RL's barrier
+        may hold their worker for as long (simulation seed 8146)."""
+        if is_open and not self._open.is_set():
+            if self._closed_at is not None:
+                for turn in self._turns.values():
+                    turn.started += max(0.0, now - max(turn.started, self._closed_at))
+            self._closed_at = None
             self._open.set()
-        else:
+        elif not is_open and self._open.is_set():
+            self._closed_at = now
             self._open.clear()
 
     @property
@@ -128,7 +137,10 @@ class TurnGate:
                 pass
 
     def time_out(self, now: float, timeout_s: float) -> list[str]:
-        """End the turns in flight for longer than ``timeout_s``; their capture keys."""
+        """End the turns in flight for longer than ``timeout_s``, not counting the time
+        the gate was closed; their capture keys. None ends while it is closed."""
+        if not self._open.is_set():
+            return []
         stale = [k for k, t in self._turns.items() if now - t.started > timeout_s]
         for key in stale:
             log.warning("%s: turn of %s exceeded %.1fs; aborting it",

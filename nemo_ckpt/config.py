@@ -87,7 +87,8 @@ class CheckpointConfig(BaseModel):
         1800.0, gt=0, allow_inf_nan=False,
         description="A turn in flight longer than this is aborted by its holder (its "
                     "worker is presumed dead or stuck), so a lost worker never holds a "
-                    "session for ever; set it above your longest tool call.")
+                    "session for ever; the time its holder is paused for a snapshot or a "
+                    "restore does not count. Set it above your longest tool call.")
     max_state_bytes: int = Field(
         64 << 20, gt=0,
         description="Largest environment state or turn record a session may hold; larger "

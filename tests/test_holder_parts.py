@@ -183,6 +183,19 @@ def test_time_out_ends_only_the_turns_past_the_timeout() -> None:
     assert "new" in gate and "old" not in gate
 
 
+def test_time_out_does_not_count_the_time_the_gate_was_closed() -> None:
+    gate = TurnGate("holder-0", max_retired_marks=10)
+    gate.begin("a", "t1", 0.0)
+    gate.set_open(False, now=0.5)
+    assert gate.time_out(now=5.0, timeout_s=1.0) == []  # none ends while closed
+    gate.begin("b", "t2", 6.0)  # a begin that passed the gate before it closed
+    gate.set_open(True, now=10.0)
+    assert gate.time_out(now=10.4, timeout_s=1.0) == []  # a: 0.5 + 0.4 s counted
+    assert gate.time_out(now=10.6, timeout_s=1.0) == ["a"]
+    assert gate.time_out(now=10.9, timeout_s=1.0) == []  # b: counted from the opening
+    assert gate.time_out(now=11.1, timeout_s=1.0) == ["b"]
+
+
 def test_retire_marks_only_rise_and_the_oldest_go_past_the_bound() -> None:
     gate = TurnGate("holder-0", max_retired_marks=2)
     assert gate.retire("r", 3) == 3 and gate.retire("r", 1) == 3
