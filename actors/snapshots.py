@@ -60,15 +60,21 @@ class Snapshots:
     async def renew_claims(self, op: SnapshotOperation) -> None:
         """With the lease: the path's claim and the blob store's hold, once captured.
         A failed write is left to the commit, which writes them again first."""
-        if op.captured is None:
+        if op.captured is None or op.outcome is not None:
             return
+        renewing_hold = op.blob_hold is not None and op.blob_hold.done()
         try:
             await self._parts.folders.claim(op)
-            if op.blob_hold is not None and op.blob_hold.done():
+            if renewing_hold:
                 await self.hold_blobs(op)
         except (OSError, NemoCkptError) as exc:
             log.warning("%s: could not renew its claims (%s); they stand until their "
                         "ttl, and the commit writes them again first", op.id, exc)
+        if renewing_hold and op.outcome is not None:
+            # It ended while the hold was written (which may have landed and raised): the
+            # end's release may have come first (simulation seed 2999); no hold may
+            # outlive its snapshot.
+            await self._parts.blobs.release(op.id)
 
     async def begin(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
         """Claim the path, pause every holder and capture.

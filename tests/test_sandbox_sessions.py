@@ -816,3 +816,35 @@ def test_what_a_file_read_again_or_a_refused_scan_kept_is_swept_from_the_node_ca
     # Its first read found the recorded content; the next two, new content each.
     assert len(cached()) == 3
     assert boxes.sweep() == 2 and len(cached()) == 1  # only the live session's content
+
+
+def test_a_hold_renewal_that_lands_after_its_snapshots_abort_is_removed(job: World) -> None:
+    # The lease's renewal writes the snapshot's hold on the blob store again; this one is
+    # slow, and the block raises meanwhile: the abort's release comes before the write
+    # lands (simulation seed 2999). No hold may outlive its snapshot: it would refuse
+    # every collection until its ttl.
+    path = job.root / "ckpt" / "step-1"
+    blobs = job.root / "ckpt" / "blobs"
+    holds: list[float] = []
+
+    def io_cost(name: str) -> float:
+        if name == "hold":
+            holds.append(job.sim.loop.time())
+            return 3.0 if len(holds) > 1 else 0.002  # the renewals
+        return 0.002
+
+    async def scenario() -> None:
+        live, _ = await _open_with_directories(job, rollouts=1)
+        job.sim.io_cost = io_cost
+        with pytest.raises(RuntimeError, match="the block fails"):
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut(live, set()))
+                while len(holds) < 2:  # a renewal's write is under way
+                    await asyncio.sleep(0.1)
+                raise RuntimeError("the block fails")
+        await asyncio.sleep(5.0)  # the renewal's write has landed
+        assert len(holds) >= 2
+
+    job.run(scenario())
+    assert sorted(p.name for p in blobs.glob(".claim-*")) == []
