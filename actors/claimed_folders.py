@@ -120,11 +120,14 @@ class ClaimedFolders:
             await self._runtime.run_blocking(claim_for_reading, directory, operation_id,
                                              self._owner, self._ttl(), self._incarnation)
 
+        writes: list[asyncio.Future[None]] = []  # the renewal's write under way, if any
+
         async def renew() -> None:
             while True:
                 await asyncio.sleep(self._ttl() * CLAIM_SAFE / 2)
                 try:
-                    await write()
+                    writes[:] = [asyncio.ensure_future(write())]
+                    await asyncio.shield(writes[0])
                 except (OSError, NemoCkptError) as exc:
                     log.warning("%s: could not renew its claim on %s: %s", operation_id,
                                 directory.describe(), exc)
@@ -135,7 +138,7 @@ class ClaimedFolders:
             log.warning("%s: reads %s without a claim (%s); a removal there is not "
                         "refused meanwhile", operation_id, directory.describe(), exc)
         return ReadClaim(self._runtime, directory, operation_id,
-                         asyncio.ensure_future(renew()))
+                         asyncio.ensure_future(renew()), writes)
 
     @contextlib.asynccontextmanager
     async def lock(self, path: str) -> AsyncIterator[None]:
@@ -158,17 +161,23 @@ class ReadClaim:
     """A restore's claim on the folder it reads, renewed until ``release``."""
 
     def __init__(self, runtime: Runtime, directory: Folder, operation_id: str,
-                 renewing: asyncio.Future[None]) -> None:
+                 renewing: asyncio.Future[None],
+                 writes: list[asyncio.Future[None]]) -> None:
         self._runtime = runtime
         self._directory = directory
         self._operation_id = operation_id
         self._renewing = renewing
+        self._writes = writes
 
     async def release(self) -> None:
         """Stop renewing and remove the claim; a second call does nothing."""
         if self._renewing.done():
             return
         self._renewing.cancel()
+        if self._writes:
+            # A renewal's write runs on in its thread: removed before it lands, the
+            # claim would come back and outlive the restore (simulation seed 3277).
+            await asyncio.wait(self._writes)
         with contextlib.suppress(OSError, NemoCkptError):
             await self._runtime.run_blocking(release_claim, self._directory,
                                              self._operation_id)

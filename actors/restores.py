@@ -61,6 +61,11 @@ class Restores:
         # can read them again. One that came between the read above and the claim leaves
         # shards missing: the holders' reads refuse them.
         op.read_claim = await self._parts.folders.hold_for_reading(checkpoint_path, op.id)
+        if op.outcome is not None:
+            # Aborted while the claim was written: that abort found no claim to release
+            # (simulation seed 3277).
+            await op.read_claim.release()
+            raise self._parts.operations.refusal(op.id)
         return await self._read_and_verify(op, checkpoint_path, manifest)
 
     async def _read_and_verify(self, op: Operation, checkpoint_path: str,
