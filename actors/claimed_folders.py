@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 
 from actors.operation_states import SnapshotOperation
 from nemo_ckpt.checkpoint_folder import environment_folder
@@ -107,38 +107,22 @@ class ClaimedFolders:
             log.warning("clean-up after %s failed: %s", op.id, exc)
             return []
 
-    async def hold_for_reading(self, path: str, operation_id: str) -> ReadClaim:
+    def hold_for_reading(self, path: str, operation_id: str) -> ReadClaim:
         """Claim the folder at ``path`` for a restore, renewed until the restore ends
         (``ReadClaim.release``, from its commit or its abort): a removal
         (``nemo_ckpt.catalog``) is refused meanwhile, so a restore whose commit fails can
         read the snapshot again. Never refused itself (``claim_for_reading``); a claim that
         cannot be written (a read-only copy of a snapshot) does not stop the restore:
-        nothing can remove files there either."""
+        nothing can remove files there either. Returned as its first write starts, so an
+        abort that comes meanwhile finds it (``ReadClaim.written`` waits for that write)."""
         directory = environment_folder(path)
 
         async def write() -> None:
             await self._runtime.run_blocking(claim_for_reading, directory, operation_id,
                                              self._owner, self._ttl(), self._incarnation)
 
-        writes: list[asyncio.Future[None]] = []  # the renewal's write under way, if any
-
-        async def renew() -> None:
-            while True:
-                await asyncio.sleep(self._ttl() * CLAIM_SAFE / 2)
-                try:
-                    writes[:] = [asyncio.ensure_future(write())]
-                    await asyncio.shield(writes[0])
-                except (OSError, NemoCkptError) as exc:
-                    log.warning("%s: could not renew its claim on %s: %s", operation_id,
-                                directory.describe(), exc)
-
-        try:
-            await write()
-        except (OSError, NemoCkptError) as exc:
-            log.warning("%s: reads %s without a claim (%s); a removal there is not "
-                        "refused meanwhile", operation_id, directory.describe(), exc)
-        return ReadClaim(self._runtime, directory, operation_id,
-                         asyncio.ensure_future(renew()), writes)
+        return ReadClaim(self._runtime, directory, operation_id, write,
+                         lambda: self._ttl() * CLAIM_SAFE / 2)
 
     @contextlib.asynccontextmanager
     async def lock(self, path: str) -> AsyncIterator[None]:
@@ -158,26 +142,54 @@ class ClaimedFolders:
 
 
 class ReadClaim:
-    """A restore's claim on the folder it reads, renewed until ``release``."""
+    """A restore's claim on the folder it reads, written at once and renewed until
+    ``release``."""
 
     def __init__(self, runtime: Runtime, directory: Folder, operation_id: str,
-                 renewing: asyncio.Future[None],
-                 writes: list[asyncio.Future[None]]) -> None:
+                 write: Callable[[], Awaitable[None]], period_s: Callable[[], float]) -> None:
         self._runtime = runtime
         self._directory = directory
         self._operation_id = operation_id
-        self._renewing = renewing
-        self._writes = writes
+        self._write = write
+        self._period_s = period_s
+        self._first = self._writing = self._start_write()
+        self._renewing = asyncio.ensure_future(self._renew())
+        self._released = False
+
+    def _start_write(self) -> asyncio.Future[None]:
+        """A write, left to run to its end (its thread does) whoever stops waiting."""
+        writing = asyncio.ensure_future(self._write())
+        writing.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return writing
+
+    async def written(self) -> None:
+        """Wait for the first write; one that failed is logged, not raised."""
+        try:
+            await asyncio.shield(self._first)
+        except (OSError, NemoCkptError) as exc:
+            log.warning("%s: reads %s without a claim (%s); a removal there is not "
+                        "refused meanwhile", self._operation_id, self._directory.describe(),
+                        exc)
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self._period_s())
+            self._writing = self._start_write()
+            try:
+                await asyncio.shield(self._writing)
+            except (OSError, NemoCkptError) as exc:
+                log.warning("%s: could not renew its claim on %s: %s", self._operation_id,
+                            self._directory.describe(), exc)
 
     async def release(self) -> None:
-        """Stop renewing and remove the claim; a second call does nothing."""
-        if self._renewing.done():
+        """Stop renewing and remove the claim; a second call does nothing. A write under
+        way runs on in its thread: removed before it lands, the claim would come back
+        and outlive the restore (simulation seed 3277)."""
+        if self._released:
             return
+        self._released = True
         self._renewing.cancel()
-        if self._writes:
-            # A renewal's write runs on in its thread: removed before it lands, the
-            # claim would come back and outlive the restore (simulation seed 3277).
-            await asyncio.wait(self._writes)
+        await asyncio.wait([self._writing])
         with contextlib.suppress(OSError, NemoCkptError):
             await self._runtime.run_blocking(release_claim, self._directory,
                                              self._operation_id)

@@ -97,13 +97,12 @@ class CheckpointCoordinator:
         self._parts = CoordinatorParts(
             config=config, transport=transport, operations=operations,
             holders=HolderRegistry(transport, lambda: self._config.phase_timeout_s,
-                                   self._holder_options,
+                                   lambda: holder_options(self._config),
                                    lambda: self._config.relay_min_holders),
             folders=ClaimedFolders(self._runtime, self._owner, self._incarnation,
                                    claim_watch, lambda: self._parts.claim_ttl),
             blobs=BlobCollector(
-                None if config.sandbox_root is None or config.checkpoint_root is None
-                else str(config.checkpoint_root),
+                _blob_store_root(config),
                 self._runtime, self._owner, self.collector_name, claim_watch,
                 lambda: bool(operations), config.tree_budget),
             open=self._open, abort=self._abort)
@@ -167,10 +166,6 @@ class CheckpointCoordinator:
         log.warning("this coordinator was made with a config the namespace's holders were "
                     "not made with; it ends itself")
         asyncio.get_running_loop().call_later(_STEP_ASIDE_AFTER_S, self._transport.end_self)
-
-    def _holder_options(self) -> dict[str, Any]:
-        """The ``SessionHolder`` keyword arguments this job's holders are made with."""
-        return holder_options(self._config)
 
     # --- holders ---------------------------------------------------------------------
 
@@ -413,15 +408,21 @@ class CheckpointCoordinator:
 _STEP_ASIDE_AFTER_S = 0.5
 
 
+def _blob_store_root(cfg: CheckpointConfig) -> str | None:
+    """The root whose blob store holds sandbox files: the checkpoint root, once sessions
+    may own sandboxes."""
+    if cfg.sandbox_root is None or cfg.checkpoint_root is None:
+        return None
+    return str(cfg.checkpoint_root)
+
+
 def holder_options(cfg: CheckpointConfig) -> dict[str, Any]:
-    """The ``SessionHolder`` keyword arguments ``cfg``'s holders are made with (the blob
-    store is the root's when sandboxes are saved: ``BlobCollector``)."""
-    blobs = cfg.sandbox_root is not None and cfg.checkpoint_root is not None
+    """The ``SessionHolder`` keyword arguments ``cfg``'s holders are made with."""
+    root = _blob_store_root(cfg)
     return {"max_state_bytes": cfg.max_state_bytes, "turn_timeout_s": cfg.turn_timeout_s,
             "max_retired_marks": cfg.max_retired_marks, "namespace": cfg.namespace,
             "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
-            "blob_root": join_location(str(cfg.checkpoint_root), BLOB_DIR) if blobs
-            else None,
+            "blob_root": None if root is None else join_location(root, BLOB_DIR),
             "sandbox_limits": cfg.sandbox_limits, "tree_budget": cfg.tree_budget,
             "sandbox_restore_setid": cfg.sandbox_restore_setid}
 

@@ -60,12 +60,8 @@ class Restores:
         # that no removal takes the files meanwhile, and a restore whose commit failed
         # can read them again. One that came between the read above and the claim leaves
         # shards missing: the holders' reads refuse them.
-        op.read_claim = await self._parts.folders.hold_for_reading(checkpoint_path, op.id)
-        if op.outcome is not None:
-            # Aborted while the claim was written: that abort found no claim to release
-            # (simulation seed 3277).
-            await op.read_claim.release()
-            raise self._parts.operations.refusal(op.id)
+        op.read_claim = self._parts.folders.hold_for_reading(checkpoint_path, op.id)
+        await op.read_claim.written()
         return await self._read_and_verify(op, checkpoint_path, manifest)
 
     async def _read_and_verify(self, op: Operation, checkpoint_path: str,

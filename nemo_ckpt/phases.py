@@ -54,7 +54,7 @@ class HolderInfo:
     sessions: int
     turns_in_flight: int
     last_snapshot_id: str | None
-    # What it was made with (``CheckpointCoordinator._holder_options``): a holder found
+    # What it was made with (``actors.coordinator.holder_options``): a holder found
     # alive keeps them, whatever config the coordinator that finds it has.
     options: Mapping[str, Any] = field(default_factory=dict)
 
