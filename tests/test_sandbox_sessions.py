@@ -685,7 +685,7 @@ def test_a_fifo_swapped_in_during_a_commit_refuses_the_turn_at_once_and_the_swee
         ep, d = next(iter(dirs.items()))
         instance = ep.rollout_id.split("-r")[0]
         client = await job.client(instance)
-        boxes = job.holders()[instance]._sandboxes
+        boxes = job.holders()[instance]._parts.sandboxes
         old, extra = os.urandom(2 << 20), os.urandom(2 << 20)  # kept in the cache's files
         for t, content in enumerate((old, os.urandom(2 << 20))):
             async with client.turn(ep) as turn:

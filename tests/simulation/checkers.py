@@ -201,7 +201,7 @@ class Checkers(Part):
         release or resume meant for another snapshot, or sent before the block exited,
         would have let turns run under the cut."""
         for actor in self.world.live(HOLDER):
-            state = actor.obj._ops.get(record.op_id)  # in-process, as the checks read
+            state = actor.obj._parts.ops.get(record.op_id)  # in-process, as the checks read
             if isinstance(state, SnapshotReleased) or (
                     isinstance(state, Ended) and state.outcome is Outcome.COMMITTED):
                 self.violate(f"{actor.name} resumed for {record.op_id} while its "
@@ -722,7 +722,7 @@ class Checkers(Part):
                 self.violate("the secret file outside every sandbox was written through a "
                              "link in a sandbox")
             for holder in self.world.actors:
-                boxes = getattr(holder.obj, "_sandboxes", None)
+                boxes = getattr(getattr(holder.obj, "_parts", None), "sandboxes", None)
                 cache = getattr(boxes, "_cache", None)
                 if cache is not None and any(secret in b for b in cache._memory.values()):
                     self.violate(f"the secret file outside every sandbox was read into "

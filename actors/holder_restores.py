@@ -1,0 +1,162 @@
+"""The holder's side of a restore: shards read ahead of it (``prefetch``), this
+instance's shards read and verified and their sandboxes staged, nothing live yet
+(``prepare_restore``), then the sessions made live (``commit_restore``). The order of
+these calls is stated on ``nemo_ckpt.holder_api.HolderControl``; the states a restore
+passes through, and its undo, in ``actors.holder_states`` and
+``actors.holder_parts.HolderParts.set_state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import msgpack
+
+from actors.holder_parts import HolderParts
+from actors.holder_shards import ShardPrefetch, read_restore_shard
+from actors.holder_states import Ended, RestoreLive, RestoreLoading, RestoreWork
+from actors.session_table import Held
+from nemo_ckpt.checkpoint_folder import folder_at
+from nemo_ckpt.errors import HolderStateError, RestoreConflictError
+from nemo_ckpt.folder import Folder
+from nemo_ckpt.manifest import ShardEntry
+from nemo_ckpt.operations import Outcome
+from nemo_ckpt.phases import RestorePrepared
+
+__all__ = ["RestorePhases"]
+
+
+@dataclass
+class _Read:
+    """What a restore's shards held, gathered shard by shard."""
+
+    pending: list[Held] = field(default_factory=list)
+    finished: list[list[object]] = field(default_factory=list)
+    keys: set[str] = field(default_factory=set)
+    shard_sessions: list[tuple[str, bytes]] = field(default_factory=list)
+
+
+class RestorePhases:
+    """The restore phases of one holder."""
+
+    def __init__(self, parts: HolderParts) -> None:
+        self._parts = parts
+        self.instance_id = parts.instance_id
+        self._runtime = parts.runtime
+        self._clock = parts.clock
+        # Shards read ahead of a restore the driver announced (``prefetch``).
+        self._prefetch = ShardPrefetch(parts.runtime)
+
+    async def prefetch(self, where: str, shards: list[ShardEntry]) -> int:
+        """Start reading and verifying ``shards`` of snapshot folder ``where`` for a restore
+        to come, replacing any earlier prefetch; returns how many reads started. Nothing
+        is installed: a restore of exactly these shard entries takes the reads, and a
+        restore of anything else drops them."""
+        if any(entry.instance_id != self.instance_id for entry in shards):
+            raise HolderStateError(f"{self.instance_id}: asked to prefetch shards of "
+                                   f"another instance")
+        return self._prefetch.start(folder_at(where), where, shards)
+
+    async def prepare_restore(
+        self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
+        blob_store: str | None = None,
+    ) -> RestorePrepared:
+        """Read and verify this instance's shards, and materialize their sessions'
+        directories (from ``blob_store``) in a staging folder; nothing goes live until
+        commit. Repeating it waits for and returns the first call's result."""
+        parts = self._parts
+        state = parts.ops.get(restore_id)
+        if isinstance(state, RestoreLoading):
+            return await asyncio.shield(state.work.prepared)
+        parts.admit(restore_id, f"restore {restore_id}", restore=True)
+        op = RestoreWork(restore_id)
+        parts.set_state(restore_id, RestoreLoading(op, self._clock.monotonic() + lease_s))
+        try:
+            await parts.injected_delay("prepare_restore")
+            directory = folder_at(where)
+            started = self._clock.monotonic()
+            read = await self._read(op, directory, where, shards, blob_store)
+            loaded = self._clock.monotonic()
+            conflicts = sorted(h.rollout_id for h in read.pending
+                               if parts.table.of_rollout(h.rollout_id) is not None)
+            if conflicts:
+                raise RestoreConflictError(
+                    f"{self.instance_id}: cannot restore rollouts {conflicts[:10]}"
+                    f"{' ...' if len(conflicts) > 10 else ''}: sessions of them are live "
+                    f"here; retire or close them first, or restore into a fresh job")
+            op = parts.current_restore(restore_id)
+            op.pending = read.pending
+            prepared = RestorePrepared(
+                instance_id=self.instance_id,
+                staging_keys=frozenset(read.keys),
+                bytes_read=sum(entry.bytes for entry in shards),
+                read_seconds=loaded - started,
+                shard_sessions=tuple(read.shard_sessions),
+                live_rollouts=msgpack.packb(parts.table.rollouts(), use_bin_type=True),
+                finished=msgpack.packb(read.finished, use_bin_type=True),
+            )
+            op.prepared.set_result(prepared)
+            return prepared
+        except BaseException as exc:
+            if not op.prepared.done():
+                op.prepared.set_exception(exc)
+                op.prepared.exception()  # retrieved here; a repeat call re-raises it
+            if parts.restore_open(op):
+                parts.set_state(restore_id, Ended(Outcome.ABORTED))
+            raise
+
+    async def _read(self, op: RestoreWork, directory: Folder, where: str,
+                    shards: list[ShardEntry], blob_store: str | None) -> _Read:
+        """Read and verify each shard, taking a prefetched read when there is one, and
+        stage its sandboxes (recorded on ``op`` as they are, for a discard)."""
+        parts = self._parts
+        read = _Read()
+        ahead = [self._prefetch.take(where, entry) for entry in shards]
+        self._prefetch.discard()  # read ahead for another snapshot: never used
+        for entry, early in zip(shards, ahead, strict=True):
+            shard = await read_restore_shard(
+                self._runtime, parts.sandboxes, self.instance_id, op.id,
+                directory, entry, blob_store,
+                lambda: parts.current_restore(op.id), early)
+            op.sandboxes += shard.sandboxes
+            parts.current_restore(op.id)  # ended while materializing?
+            read.pending += shard.held
+            read.finished += shard.finished
+            read.keys |= shard.staging_keys
+            read.shard_sessions.append((entry.file, shard.sessions_msgpack))
+        return read
+
+    async def commit_restore(self, restore_id: str) -> int:
+        """Make the restored sessions live and resume. Returns how many went live."""
+        parts = self._parts
+        state = parts.ops.get(restore_id)
+        if not isinstance(state, RestoreLoading):
+            if parts.ops.outcome(restore_id) is Outcome.COMMITTED:
+                return 0
+            raise parts.refusal(restore_id)
+        op = state.work
+        if not op.prepared.done() or op.prepared.exception() is not None:
+            raise HolderStateError(
+                f"{self.instance_id}: commit of restore {restore_id} before it was prepared")
+        await parts.injected_delay("commit_restore")
+        op = parts.current_restore(restore_id)
+        for held in op.pending:
+            if parts.table.of_rollout(held.rollout_id) is not None:
+                raise RestoreConflictError(
+                    f"{self.instance_id}: rollout {held.rollout_id!r} went live during the "
+                    f"restore")
+        if op.sandboxes:
+            await self._runtime.run_blocking(parts.sandboxes.commit_restore, op.sandboxes)
+            if not parts.restore_open(op):  # aborted or lapsed while they moved
+                parts.sandboxes.doom(b.target for b in op.sandboxes)
+                parts.background(parts.sandboxes.remove_doomed)
+                raise parts.refusal(restore_id)
+        for held in op.pending:
+            parts.table.put(held)
+        for box in op.sandboxes:
+            parts.sandboxes.install(box.rollout_id, box.target, box.recorded)
+        parts.set_state(restore_id, RestoreLive(tuple(h.rollout_id for h in op.pending),
+                                                tuple(b.target for b in op.sandboxes)))
+        parts.heap.request()
+        return len(op.pending)

@@ -1,0 +1,402 @@
+"""The holder's session calls: sessions and their turns, from environment workers
+(``nemo_ckpt.holder_api.HolderSessions``), and the ledger's calls from RL through the
+coordinator (``retire``, ``forget``), with the checks they make of what they are given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from actors.holder_parts import HolderParts
+from actors.sandboxes import Recorded
+from actors.session_table import Held
+from nemo_ckpt.errors import (
+    CaptureKeyCollisionError,
+    RetiredAttemptError,
+    RolloutFinishedError,
+    SandboxError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StateTooLargeError,
+    TurnAbortedError,
+    TurnInProgressError,
+)
+from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.manifest import sandbox_id_problem
+from nemo_ckpt.session_record import NO_TURNS, SessionRecord, check_staging_keys
+
+__all__ = ["Sessions"]
+
+log = logging.getLogger("nemo_ckpt.holder")
+
+
+class Sessions:
+    """The session calls and the ledger's calls of one holder."""
+
+    def __init__(self, parts: HolderParts, max_state_bytes: int) -> None:
+        self._parts = parts
+        self.instance_id = parts.instance_id
+        self._max_state_bytes = max_state_bytes
+        self._runtime = parts.runtime
+        self._table = parts.table
+        self._gate = parts.gate
+        self._sandboxes = parts.sandboxes
+
+    # --- sessions (from environment workers) -------------------------------------------
+
+    async def open_session(
+        self, episode: EnvironmentEpisode, state: bytes = b"",
+        directory: str | None = None,
+    ) -> SessionRecord:
+        """Open a session for ``episode`` with its initial state, and the sandbox
+        ``directory`` it owns, if any (inside ``sandbox_root``; its tree is recorded
+        now, as the session's start). Waits while paused."""
+        await self.open_sessions([(episode, state, directory)])
+        return self._parts.record(self._held(episode))
+
+    async def open_sessions(
+        self, sessions: list[tuple[EnvironmentEpisode, bytes] |
+                             tuple[EnvironmentEpisode, bytes, str | None]]
+    ) -> int:
+        """Open many sessions in one call (a worker starting a batch of rollouts, or a
+        group of samples per prompt): each ``(episode, state)`` or ``(episode, state,
+        directory)`` as ``open_session`` would, all or none. Returns how many were
+        opened. Waits while paused.
+
+        Repeated after its answer was lost (every session open as this call opens it,
+        no turn begun since), it changes nothing and returns the same count at once."""
+        opening = [self._opening(item) for item in sessions]
+        if opening and all(self._opened_as(*each) for each in opening):
+            return len(opening)
+        # Recorded before the gate: once it opens, the sessions go live with no await.
+        recorded = await self._sandboxes.record_all(
+            self._runtime.run_blocking,
+            [(ep.capture_key, d) for ep, _, d in opening if d is not None])
+        try:
+            await self._parts.wait_for_gate()
+            rollouts: set[str] = set()
+            for episode, _, _ in opening:
+                if episode.rollout_id in rollouts:
+                    raise SessionExistsError(
+                        f"{self.instance_id}: rollout {episode.rollout_id!r} is listed twice "
+                        f"in this call; nothing was opened")
+                self._check_openable(episode)
+                rollouts.add(episode.rollout_id)
+        except BaseException:
+            for rec in recorded.values():
+                self._sandboxes.forget_unused(rec)
+            raise
+        for episode, state, directory in opening:
+            self._table.put(Held.fresh(episode, state))
+            if directory is not None:
+                self._sandboxes.install(episode.rollout_id, directory,
+                                        recorded[episode.capture_key])
+        self._parts.heap.note(sum(len(state) for _, state, _ in opening))
+        return len(opening)
+
+    def _opening(self, item: tuple[EnvironmentEpisode, bytes] |
+                 tuple[EnvironmentEpisode, bytes, str | None]
+                 ) -> tuple[EnvironmentEpisode, bytes, Path | None]:
+        """One session of ``open_sessions`` checked: its episode, state and directory."""
+        episode, state = item[0], item[1]
+        where = item[2] if len(item) > 2 else None
+        self._check_episode(episode)
+        self._check_size("initial state", episode, state)
+        if where is not None:  # its id names the directories its restores make
+            problem = sandbox_id_problem(episode.rollout_id, episode.attempt)
+            if problem is not None:
+                raise SandboxError(f"{self.instance_id}: cannot open a session with "
+                                   f"directory {where}: {problem}; nothing was opened")
+        return (episode, state, None if where is None else
+                self._sandboxes.check_directory(where, episode.capture_key))
+
+    def _opened_as(self, episode: EnvironmentEpisode, state: bytes,
+                   directory: Path | None) -> bool:
+        """Whether ``episode``'s session is live exactly as an open with ``state`` and
+        ``directory`` makes it, untouched since (no turn begun, not finished)."""
+        held = self._table.get(episode)
+        if held is None or held.finished or held.turns != NO_TURNS \
+                or held.last_turn is not None or held.capture_key in self._gate \
+                or held.state != bytes(state) or held.row != Held.fresh(episode, b"").row:
+            return False  # not as opened (a restored one has earlier capture keys)
+        box = self._sandboxes.get(episode.rollout_id)
+        return (None if box is None else box.directory) == directory
+
+    def _check_openable(self, episode: EnvironmentEpisode) -> None:
+        self._refuse_retired(episode)
+        key = episode.capture_key
+        live = self._table.of_rollout(episode.rollout_id)
+        if live is not None:
+            if live.attempt == episode.attempt:
+                raise SessionExistsError(
+                    f"{self.instance_id}: a session for {key} is already open")
+            raise SessionExistsError(
+                f"{self.instance_id}: rollout {episode.rollout_id!r} already has a live "
+                f"session ({live.capture_key}); close or retire it before opening {key}")
+        other = self._table.collision(episode)
+        if other is not None:
+            raise CaptureKeyCollisionError(
+                f"{self.instance_id}: rollout {episode.rollout_id!r} attempt "
+                f"{episode.attempt} has capture key {key!r}, which live session "
+                f"{other.rollout_id!r} attempt {other.attempt} already uses; rename the "
+                f"rollout (ids ending in '-a<digits>' collide with later attempts)")
+
+    async def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> int:
+        """A continued rollout starts over because its replay diverged: warn, naming it,
+        and count it for the next snapshot's metrics. Returns the count so far."""
+        self._check_episode(episode)
+        self._held(episode)  # only a live session's rollout restarts
+        self._parts.replay_restarts += 1
+        log.warning("%s: rollout %s starts over: replaying its recorded steps diverged (%s)",
+                    self.instance_id, episode.capture_key, detail[:500])
+        return self._parts.replay_restarts
+
+    async def get_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
+        """The live session of ``episode`` (or with that capture key)."""
+        return self._parts.record(self._held(episode))
+
+    async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
+        """Close a finished session (of ``episode``, or with that capture key) and return
+        its final record. Waits while paused."""
+        await self._parts.wait_for_gate()
+        held = self._held(episode)
+        if held.capture_key in self._gate:
+            raise TurnInProgressError(
+                f"{self.instance_id}: session {held.capture_key} has a turn in flight; "
+                f"finish the turn before closing the session")
+        record = self._parts.record(held)
+        self._table.drop(held.rollout_id)
+        self._sandboxes.drop(held.rollout_id)
+        return record
+
+    async def finish_session(self, episode: EnvironmentEpisode, result: bytes
+                             ) -> SessionRecord:
+        """Hand in a finished rollout's ``result`` (``nemo_ckpt.receipts``): the session
+        stays, finished, until RL acknowledges it (``retire``); it runs no more turns.
+        Waits while paused, like a turn: a snapshot captures the session either as it
+        was before, or finished. Repeating it with the same result changes nothing."""
+        self._check_episode(episode)
+        self._check_size("result", episode, result)
+        await self._parts.wait_for_gate()
+        held = self._held(episode)
+        if held.finished:
+            if held.state != bytes(result):
+                raise RolloutFinishedError(
+                    f"{self.instance_id}: {held.capture_key} was already handed in as "
+                    f"finished with another result; nothing changed")
+            return self._parts.record(held)
+        if held.capture_key in self._gate:
+            raise TurnInProgressError(
+                f"{self.instance_id}: session {held.capture_key} has a turn in flight; "
+                f"finish the turn before handing in the rollout")
+        finished = held.finish(result)
+        self._table.put(finished)
+        self._sandboxes.drop(held.rollout_id)  # the worker owns the directory from now on
+        return self._parts.record(finished)
+
+    # --- turns -------------------------------------------------------------------------
+
+    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionRecord:
+        """Start a turn whose token the caller made: wait while paused, then return the
+        session. A token its caller already aborted (it went away while this call
+        travelled or waited at the gate) is refused, so no turn stays open for ever."""
+        self._check_episode(episode)
+        if not isinstance(token, str) or not token:
+            raise TypeError("a turn token must be a non-empty string made by the caller")
+        self._refuse_aborted(episode, token)
+        await self._parts.wait_for_gate()
+        self._refuse_aborted(episode, token)
+        held = self._held(episode)
+        if held.finished:
+            raise RolloutFinishedError(
+                f"{self.instance_id}: {held.capture_key} was handed in as finished; it "
+                f"runs no more turns (RL reads its result and acknowledges it)")
+        record = self._parts.record(held)
+        self._gate.begin(episode.capture_key, token, self._parts.clock.monotonic())
+        self._parts.settle_restore()
+        return record
+
+    async def commit_turn(
+        self,
+        episode: EnvironmentEpisode,
+        token: str,
+        record: bytes,
+        state: bytes,
+        staging_keys: Iterable[str] = (),
+    ) -> SessionRecord:
+        """Commit a turn: append its record, replace the state, add its staging keys,
+        and record the session's directory as the turn left it (a thread re-reads the
+        files that changed; the turn stays in flight until that is done, so a pause
+        waits for it). Invalid arguments, or a directory that cannot be recorded, abort
+        the turn and change nothing."""
+        self._check_episode(episode)
+        box = self._sandboxes.get(episode.rollout_id)
+        recorded: Recorded | None = None
+        if box is not None and self._turn_is(episode, token):
+            try:
+                self._check_size("turn record", episode, record)
+                self._check_size("state", episode, state)
+                recorded = (await self._sandboxes.record_all(
+                    self._runtime.run_blocking, [(episode.capture_key, box.directory)],
+                    box.recorded))[episode.capture_key]
+            except BaseException:
+                if self._turn_is(episode, token):
+                    self._take_turn(episode, token)
+                    await self._gate.notify()
+                raise
+        try:
+            self._take_turn(episode, token)
+        except BaseException:
+            if recorded is not None:
+                self._sandboxes.forget_unused(recorded)
+            raise
+        try:
+            old = self._parts.record(self._held(episode))
+            self._check_size("turn record", episode, record)
+            self._check_size("state", episode, state)
+            keys = check_staging_keys(staging_keys, episode.capture_key)
+            new = SessionRecord(
+                instance_id=old.instance_id,
+                episode=old.episode,
+                turns=(*old.turns, bytes(record)),
+                state=bytes(state),
+                staging_keys=old.staging_keys | keys,
+                earlier_capture_keys=old.earlier_capture_keys,
+                directory=old.directory,
+            )
+            self._table.put(Held.of(new, last_turn=token))
+            if recorded is not None and box is not None:
+                self._sandboxes.install(episode.rollout_id, box.directory, recorded)
+                recorded = None
+            self._parts.heap.note(len(record) + len(state))
+            return new
+        finally:
+            if recorded is not None:
+                self._sandboxes.forget_unused(recorded)
+            await self._gate.notify()
+
+    async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None:
+        """Abort a turn: nothing it did is recorded. A token not in flight (its begin
+        still travelling, or already finished) is remembered and refused later."""
+        self._check_episode(episode)
+        if self._gate.abort(episode.capture_key, token):
+            await self._gate.notify()
+
+    async def resolve_turn(self, episode: EnvironmentEpisode, token: str
+                           ) -> SessionRecord | None:
+        """The outcome of the turn of ``token``, for a caller whose ``commit_turn`` got no
+        answer: the session as that commit left it if the turn committed, else None,
+        and then the turn can no longer commit (aborted here now if it is in flight,
+        its token refused if its begin is still on its way). Read and decided with no
+        await between, so no commit lands between the look and the abort.
+
+        A session remembers the token of its last committed turn, and nothing older,
+        until it leaves the holder: enough, as a session runs one turn at a time and
+        ``SessionClient`` asks before it begins the session's next turn. Raises as any
+        session call does when the session is not live here (retired, closed, or lost
+        with a holder that died)."""
+        self._check_episode(episode)
+        if not isinstance(token, str) or not token:
+            raise TypeError("a turn token must be a non-empty string made by the caller")
+        held = self._table.get(episode)
+        if held is not None and held.last_turn == token:
+            return self._parts.record(held)
+        if self._gate.abort(episode.capture_key, token):
+            await self._gate.notify()
+        self._held(episode)  # the session is gone: say so rather than "not recorded"
+        return None
+
+    # --- ledger operations (from RL, through the coordinator) ------------------------
+
+    async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]:
+        """Refuse every attempt up to each of these of its rollout, and drop their live
+        sessions (RL consumed the result). Returns the capture keys dropped."""
+        self._parts.require_running("retire")
+        dropped = []
+        for ep in episodes:
+            self._check_episode(ep)
+            mark = self._gate.retire(ep.rollout_id, ep.attempt)
+            held = self._table.of_rollout(ep.rollout_id)
+            if held is not None and held.attempt <= mark:
+                self._gate.drop(held.capture_key)  # it can no longer commit
+                self._table.drop(held.rollout_id)
+                self._sandboxes.drop(held.rollout_id)
+                dropped.append(held.capture_key)
+        self._gate.bound_marks()
+        await self._gate.notify()
+        return dropped
+
+    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
+        """Drop these attempts' sessions, and the retire mark of their rollout when it
+        reaches no further than them. Returns the capture keys dropped."""
+        self._parts.require_running("forget")
+        dropped = []
+        for ep in episodes:
+            self._check_episode(ep)
+            self._gate.forget(ep.rollout_id, ep.attempt)
+            if self._table.get(ep) is not None:
+                self._gate.drop(ep.capture_key)
+                self._table.drop(ep.rollout_id)
+                self._sandboxes.drop(ep.rollout_id)
+                dropped.append(ep.capture_key)
+        await self._gate.notify()
+        return dropped
+
+    # --- the checks ------------------------------------------------------------------
+
+    def _held(self, episode: EnvironmentEpisode | str) -> Held:
+        """The live session of ``episode`` (or with that capture key), or a refusal."""
+        if isinstance(episode, str):
+            held = self._table.by_capture_key(episode)
+            key = episode
+        else:
+            self._check_episode(episode)
+            self._refuse_retired(episode)
+            held = self._table.get(episode)
+            key = episode.capture_key
+        if held is None:
+            raise SessionNotFoundError(
+                f"{self.instance_id}: no live session {key!r}; open it first, or connect "
+                f"to the instance that holds it")
+        return held
+
+    def _refuse_retired(self, episode: EnvironmentEpisode) -> None:
+        mark = self._gate.retired_up_to(episode.rollout_id)
+        if mark is not None and episode.attempt <= mark:
+            raise RetiredAttemptError(
+                f"{self.instance_id}: attempt {episode.capture_key} was retired by RL "
+                f"(every attempt up to {mark} of {episode.rollout_id!r} is); open the next "
+                f"attempt instead, or forget this one first")
+
+    def _refuse_aborted(self, episode: EnvironmentEpisode, token: str) -> None:
+        if self._gate.consume_aborted(token):
+            raise TurnAbortedError(
+                f"{self.instance_id}: the turn of {episode.capture_key} was aborted by its "
+                f"caller before it began here; nothing was recorded")
+
+    def _turn_is(self, episode: EnvironmentEpisode, token: str) -> bool:
+        return self._gate.holds(episode.capture_key, token)
+
+    def _take_turn(self, episode: EnvironmentEpisode, token: str) -> None:
+        if not self._gate.take(episode.capture_key, token):
+            self._refuse_retired(episode)
+            raise TurnInProgressError(
+                f"{self.instance_id}: no turn in flight for {episode.capture_key} with "
+                f"that token; it was aborted (turn timeout, retire or forget) or already "
+                f"finished")
+
+    def _check_episode(self, episode: object) -> None:
+        if not isinstance(episode, EnvironmentEpisode):
+            raise TypeError(f"expected an EnvironmentEpisode, got {type(episode).__name__}")
+
+    def _check_size(self, what: str, episode: EnvironmentEpisode, data: bytes) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"{what} of {episode.capture_key} must be bytes, not "
+                            f"{type(data).__name__}; serialize it in the environment")
+        if len(data) > self._max_state_bytes:
+            raise StateTooLargeError(
+                f"{self.instance_id}: {what} of {episode.capture_key} is {len(data)} bytes, "
+                f"over the limit of {self._max_state_bytes}; keep large artefacts outside "
+                f"the session or raise CheckpointConfig.max_state_bytes")

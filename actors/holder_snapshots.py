@@ -1,0 +1,213 @@
+"""The holder's side of a snapshot: pause and capture (``begin``), the shard written in
+the background (``start_persist``, ``finish_persist``), the lease renewed, the gate
+opened by ``release`` and the snapshot ended by ``resume`` or ``abort``; a shard whose
+snapshot ended while it was written removes itself (``_persist``). The order of these
+calls is stated on ``nemo_ckpt.holder_api.HolderControl``; the states a snapshot passes
+through, in ``actors.holder_states``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from actors.holder_parts import HolderParts
+from actors.holder_shards import write_capture
+from actors.holder_states import (
+    Capture,
+    Ended,
+    RestoreLive,
+    RestoreLoading,
+    SnapshotPaused,
+    SnapshotReleased,
+    SnapshotWork,
+)
+from nemo_ckpt.checkpoint_folder import folder_at
+from nemo_ckpt.cleanup import remove_files
+from nemo_ckpt.errors import HolderStateError
+from nemo_ckpt.folder import Folder
+from nemo_ckpt.manifest import ShardEntry
+from nemo_ckpt.operations import Outcome
+from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport, join_captured
+
+__all__ = ["SnapshotPhases"]
+
+log = logging.getLogger("nemo_ckpt.holder")
+
+
+class SnapshotPhases:
+    """The snapshot phases of one holder, and the end of any of its operations."""
+
+    def __init__(self, parts: HolderParts) -> None:
+        self._parts = parts
+        self.instance_id = parts.instance_id
+        self._runtime = parts.runtime
+        self._clock = parts.clock
+        self._metrics = parts.runtime.metrics
+
+    async def pause(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
+                    directory: str | None = None) -> PauseReport:
+        """Close the turn gate, drain turns in flight up to the deadline, take a lease.
+        Repeating it returns the first report."""
+        parts = self._parts
+        state = parts.ops.get(snapshot_id)
+        if isinstance(state, SnapshotPaused):
+            op = state.work
+        else:
+            parts.admit(snapshot_id, f"pause for snapshot {snapshot_id}")
+            op = SnapshotWork(snapshot_id, folder_at(directory or "."))
+            parts.set_state(snapshot_id,
+                            SnapshotPaused(op, self._clock.monotonic() + lease_s))
+        if op.pause is not None:
+            return op.pause
+        start = self._clock.monotonic()
+        await parts.injected_delay("pause")
+        await parts.gate.drain(drain_timeout_s)
+        op = parts.current_snapshot(snapshot_id)  # aborted or lapsed while draining?
+        if op.pause is None:
+            op.pause = PauseReport(self.instance_id, self._clock.monotonic() - start,
+                                   len(parts.gate))
+            tags = {"instance": self.instance_id}
+            self._metrics.observe("drain", op.pause.drain_seconds, tags)
+            self._metrics.set_gauge("sessions", float(len(parts.table)), tags)
+        return op.pause
+
+    async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
+                    directory: str) -> tuple[PauseReport, CaptureReport]:
+        """``pause`` and ``capture`` in one call, the pause's hot path: one round trip.
+        Idempotent like each of them.
+
+        The write does not start here: a writer thread started before the reply leaves
+        holds the GIL while the reply is serialized and delays it (~15 ms at 2,500
+        sessions). ``start_persist`` (sent once every capture is in) or
+        ``finish_persist`` starts it, into ``directory``."""
+        pause = await self.pause(snapshot_id, drain_timeout_s, lease_s, directory)
+        capture = await self.capture(snapshot_id)
+        return pause, capture
+
+    async def renew_lease(self, operation_id: str, lease_s: float) -> float:
+        """Extend the lease of the snapshot or restore in progress (paused, restoring or
+        released); returns seconds left. Refused, without changing anything, for any
+        other operation."""
+        state = self._parts.ops.get(operation_id)
+        if not isinstance(state, SnapshotPaused | SnapshotReleased | RestoreLoading):
+            raise self._parts.refusal(operation_id)
+        state.lease_deadline = self._clock.monotonic() + lease_s
+        return lease_s
+
+    async def release(self, snapshot_id: str) -> None:
+        """The driver's block exited: open the turn gate now, while the shard is still
+        being written; the snapshot stays open here (under its lease) until its commit
+        or abort. Repeating it, or for a snapshot not paused here, changes nothing."""
+        state = self._parts.ops.get(snapshot_id)
+        if isinstance(state, SnapshotPaused):
+            self._parts.set_state(snapshot_id,
+                                  SnapshotReleased(state.work, state.lease_deadline))
+
+    async def capture(self, snapshot_id: str) -> CaptureReport:
+        """Copy the idle sessions in memory; sessions mid-turn are reported restarting."""
+        parts = self._parts
+        op = parts.current_snapshot(snapshot_id)
+        if op.capture is not None:
+            return op.capture.report
+        await parts.injected_delay("capture")
+        op = parts.current_snapshot(snapshot_id)
+        if op.capture is not None:
+            return op.capture.report
+        start = self._clock.monotonic()
+        # Held sessions are immutable (a turn replaces its session's): a list of them is
+        # a consistent, cheap capture, and their rows are the report.
+        held = list(parts.table)
+        mid_turn = [h for h in held if h.capture_key in parts.gate] if len(parts.gate) else []
+        if mid_turn:
+            busy = set(map(id, mid_turn))
+            held = [h for h in held if id(h) not in busy]
+        sandboxes = parts.sandboxes.capture(held) if len(parts.sandboxes) else None
+        report = CaptureReport(
+            instance_id=self.instance_id,
+            captured_msgpack=join_captured([h.row for h in held]),
+            captured_count=len(held),
+            restarting=tuple((h.rollout_id, h.attempt) for h in mid_turn),
+            capture_seconds=self._clock.monotonic() - start,
+            state_bytes=parts.table.held_bytes - sum(h.size for h in mid_turn),
+            finished_count=parts.table.finished,  # a finished session is never mid-turn
+            replay_restarts=parts.replay_restarts,
+        )
+        op.capture = Capture(held, report, sandboxes)
+        return report
+
+    async def start_persist(self, snapshot_id: str, directory: str | None = None) -> None:
+        """Start writing the captured sessions' shard in the background, into
+        ``directory`` or the one ``begin`` named. Repeating it is a no-op."""
+        op = self._parts.current_snapshot(snapshot_id)
+        if op.capture is None:
+            raise HolderStateError(
+                f"{self.instance_id}: persist for snapshot {snapshot_id} before capture")
+        if directory is not None:
+            op.directory = folder_at(directory)
+        if op.persist is None:
+            op.persist = asyncio.ensure_future(self._persist(op, op.directory, op.capture))
+            # Its error reaches finish_persist; one of a snapshot that ended meanwhile
+            # (aborted, lapsed) has no reader, and is not an error to report.
+            op.persist.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def finish_persist(self, snapshot_id: str) -> PersistReport:
+        """Wait for the shard to be durable, starting the write if ``start_persist`` has
+        not (its message may come second). Refused once the snapshot ended here (its
+        lease lapsed, or it was aborted)."""
+        op = self._parts.current_snapshot(snapshot_id)
+        if op.persist is None:
+            await self.start_persist(snapshot_id)
+        assert op.persist is not None
+        await self._parts.injected_delay("finish_persist")
+        report = await asyncio.shield(op.persist)
+        self._parts.current_snapshot(snapshot_id)  # it may have ended while writing
+        return report
+
+    async def resume(self, snapshot_id: str) -> None:
+        """The snapshot committed: open the turn gate. Repeating it, or after the
+        snapshot ended here otherwise (its lease lapsed), is a no-op."""
+        if self._parts.ops.snapshot(snapshot_id) is not None:
+            self._parts.set_state(snapshot_id, Ended(Outcome.COMMITTED))
+            self._parts.heap.request()
+
+    async def abort(self, operation_id: str, keep_committed: bool = False) -> None:
+        """End ``operation_id`` without a trace here, whatever it is and wherever it got:
+
+        - the current snapshot or restore: the gate opens; a shard being written removes
+          itself once written; a pending restore is dropped;
+        - a restore committed here but aborted elsewhere (and not in use yet): the
+          sessions it made live go again, so a restore is all or nothing; unless
+          ``keep_committed``: the abort comes from a coordinator that never reached the
+          restore's commit (one taken for dead that runs again, whose successor
+          committed it), and must not undo what its successor committed;
+        - one never seen (this abort overtook its first call): remembered, so that
+          its late first call is refused instead of pausing the holder.
+        """
+        if keep_committed and isinstance(self._parts.ops.get(operation_id), RestoreLive):
+            log.warning("%s: an abort of %s from a coordinator that never committed it "
+                        "leaves it live: it was committed here", self.instance_id,
+                        operation_id)
+            return
+        self._parts.set_state(operation_id, Ended(Outcome.ABORTED))
+
+    async def _persist(self, op: SnapshotWork, directory: Folder,
+                       capture: Capture) -> PersistReport:
+        start = self._clock.monotonic()
+        await self._parts.injected_delay("persist")
+        shards: tuple[ShardEntry, ...] = ()
+        if capture.held:
+            entry, names = await write_capture(self._runtime, self._parts.sandboxes,
+                                               self.instance_id, op.id, directory, capture)
+            if self._parts.ops.snapshot(op.id) is not op \
+                    and self._parts.ops.outcome(op.id) is not Outcome.COMMITTED:
+                # Aborted or lapsed while the thread wrote: the files must not outlive it.
+                await self._runtime.run_blocking(remove_files, directory, names)
+                raise self._parts.refusal(op.id)
+            shards = (entry,)
+        return PersistReport(
+            instance_id=self.instance_id, shards=shards,
+            persist_seconds=self._clock.monotonic() - start,
+            bytes_written=sum(s.bytes + (s.trees.bytes + s.trees.new_blob_bytes
+                                         if s.trees else 0) for s in shards),
+        )
