@@ -16,8 +16,8 @@ from tests.harness import CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("nemo_ckpt", "actors")
-# The Ray-facing modules of the package, and its testing helpers, may reach Ray and the
-# actors; the rest is the core.
+# The Ray-facing modules of the package, and its testing helpers, may reach Ray (none of
+# the package reaches the actors: the next test); the rest is the core.
 RAY_FACING = ("nemo_ckpt.cli", "nemo_ckpt.connect", "nemo_ckpt.driver",
               "nemo_ckpt.testing")
 
