@@ -9,7 +9,7 @@ Measured in one run:
   (``actors.coordinator.CheckpointCoordinator``) runs in this process over Ray's
   transport and drives one empty snapshot and one restore of it per repetition.
 - **Simulated holders** (256 and 1,024): the same coordinator code in this process over
-  the simulation's transport (``nemo_ckpt.testing.sim``), one simulated node per holder.
+  the simulation's transport (``actors.sim``), one simulated node per holder.
 - **Ray's cost per actor call at the caller**: an empty actor method called from this
   process on the same cluster, many calls in flight as a fan-out sends them.
 
@@ -65,6 +65,7 @@ import ray
 from actors.coordinator import CheckpointCoordinator
 from actors.holder_registry import PHASE_LOGGER
 from actors.ray_transport import RayTransport
+from actors.sim import SimWorld, current_actor
 from benchmarks.common import (
     LocalCluster,
     MiB,
@@ -77,7 +78,6 @@ from benchmarks.common import (
 from benchmarks.scale import NODES, make_instances
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
 from nemo_ckpt.operations import new_operation_id
-from nemo_ckpt.testing.sim import SimWorld, current_actor
 from nemo_ckpt.transport import COORDINATOR
 
 # (holders, relayed): the flat fan-out's fit, and the relays at the widest real point.

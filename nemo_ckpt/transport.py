@@ -4,9 +4,9 @@ what time it is, and where blocking work runs. Protocols and small values only; 
 The driver (``RayEnvironmentCheckpoint``), the coordinator and the session holders never
 call Ray themselves. They find, create, call and kill actors through a ``Transport``,
 read time from a ``Clock``, and run blocking file work through ``Runtime.run_blocking``.
-``actors.ray_transport.RayTransport`` is the real transport; ``nemo_ckpt.testing.sim``
-runs the same driver, coordinator and holder code in one process, under a virtual clock
-and a seeded transport (the deterministic simulation).
+``actors.ray_transport.RayTransport`` is the real transport; ``actors.sim`` runs the
+same driver, coordinator and holder code in one process, under a virtual clock and a
+seeded transport (the deterministic simulation).
 
 A transport's ``call`` has one error contract, whatever carries the call:
 

@@ -1,4 +1,4 @@
-"""The scenario tests' harness: one job in-process (``nemo_ckpt.testing.sim``), under
+"""The scenario tests' harness: one job in-process (``actors.sim``), under
 virtual time, with the real driver, coordinator and holders: a driver, holders on every
 node, a worker's session clients, and hooks that aim a fault at one message. The
 reviewed cases (``tests/test_reliability.py``), the sandbox sessions
@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from actors.sim import SimActor, SimWorld
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.testing.data_plane import StaticCut
-from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import HOLDER
 
 # A job's config with deadlines short enough for scenarios of a few leases.

@@ -281,7 +281,7 @@ def test_nemo_ckpt_testing_imports_ray_only_when_an_actor_class_is_asked_for() -
     # A fresh interpreter: this one has imported Ray already.
     script = (
         "import sys\n"
-        "import nemo_ckpt.testing, nemo_ckpt.testing.sim\n"
+        "import nemo_ckpt.testing, nemo_ckpt.testing.virtual_time, actors.sim\n"
         "from nemo_ckpt.testing import ReferenceDataPlane, StaticCut, reference_trajectory\n"
         "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
         "from nemo_ckpt.testing import DataPlaneActor\n"

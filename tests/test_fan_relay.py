@@ -1,6 +1,6 @@
 """The coordinator's fan-out through relays (``actors.holder_registry``, from
 ``relay_min_holders`` holders on), in-process under virtual time
-(``nemo_ckpt.testing.sim``): what a user sees is what a flat fan-out gives them, and a
+(``actors.sim``): what a user sees is what a flat fan-out gives them, and a
 relay that dies mid-phase fails only its group's calls, as those holders' own deaths
 would, without leaving any holder paused. (The simulation kills relays at random points
 too: ``tests/simulation/faults.py``.)
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from actors.sim import SimActor
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_snapshot
-from nemo_ckpt.testing.sim import SimActor
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 from tests.harness import CONFIG, World
 

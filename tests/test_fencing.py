@@ -17,7 +17,7 @@ from nemo_ckpt.errors import OperationAbortedError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
-from nemo_ckpt.testing.sim import EPOCH
+from nemo_ckpt.testing.virtual_time import EPOCH
 from nemo_ckpt.transport import COORDINATOR
 from tests.harness import CONFIG, World
 

@@ -1,7 +1,7 @@
 """Completion receipts (``nemo_ckpt.receipts``): finished rollouts handed to the backend,
 kept until RL acknowledges them, captured by snapshots and handed back by restores, with
 no lock between finishing and snapshotting. Run in-process on the simulated world
-(``nemo_ckpt.testing.sim``), under virtual time."""
+(``actors.sim``), under virtual time."""
 
 from __future__ import annotations
 

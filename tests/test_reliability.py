@@ -1,5 +1,5 @@
 """The reviewed cases of issue 11, each replayed as one deterministic scenario: the real
-driver, coordinator and holders in-process (``nemo_ckpt.testing.sim``), under virtual
+driver, coordinator and holders in-process (``actors.sim``), under virtual
 time, with a fault aimed at one phase boundary. Each asserts what a user would see: the
 error raised, the holders' state, the files on disk, the sessions that are live.
 (The same faults, at random points, run in ``tests/simulation/``; cases 1-6 also run
@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from actors.sim import SimActor
 from nemo_ckpt import RayEnvironmentCheckpoint
 from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder
 from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
@@ -38,7 +39,6 @@ from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sessions import Turn
 from nemo_ckpt.shards import write_shard
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
-from nemo_ckpt.testing.sim import SimActor
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 from tests.harness import CONFIG, World, cut_of, files
 

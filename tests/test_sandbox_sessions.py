@@ -1,5 +1,5 @@
 """Sessions that own sandbox directories, through the real driver, coordinator and
-holders in-process (``nemo_ckpt.testing.sim``): recorded at turn commit, snapshotted
+holders in-process (``actors.sim``): recorded at turn commit, snapshotted
 incrementally into the root's blob store, restored byte for byte into a fresh job."""
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from nemo_ckpt.manifest import FORMAT_VERSION
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
-from nemo_ckpt.testing.sim import EPOCH
 from nemo_ckpt.testing.toy_env import directory_listing
+from nemo_ckpt.testing.virtual_time import EPOCH
 from nemo_ckpt.transport import COORDINATOR
 from nemo_ckpt.verify import verify_snapshot
 from tests.harness import World

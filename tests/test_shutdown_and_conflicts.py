@@ -1,6 +1,6 @@
 """``shutdown(wait=True)`` and the refusal of a restore into a job whose old sessions
 still live, through the real driver, coordinator and holders in-process
-(``nemo_ckpt.testing.sim``, with Ray's delay in releasing a killed actor's name)."""
+(``actors.sim``, with Ray's delay in releasing a killed actor's name)."""
 
 from __future__ import annotations
 

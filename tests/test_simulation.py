@@ -15,12 +15,11 @@ from typing import Any
 import pytest
 
 from actors.session_holder import SessionHolder
+from actors.sim import SimActor, SimWorld, delivery
 from nemo_ckpt import catalog
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.driver import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.errors import BackendUnavailableError
-from nemo_ckpt.testing import sim
-from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import HOLDER, Actor
 from tests import simulation
 from tests.simulation import faults as simulation_faults
@@ -283,5 +282,5 @@ def test_control_calls_behind_turns_are_found_unless_they_have_a_group_of_their_
                 for v in simulation.run_one(seed).violations}
 
     assert "29.3 control calls queued behind waiting turns" not in cases()
-    monkeypatch.setattr(sim, "method_group", lambda kind, method: "default")
+    monkeypatch.setattr(delivery, "method_group", lambda kind, method: "default")
     assert "29.3 control calls queued behind waiting turns" in cases()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.sim import ActorDied, SimActor
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     SessionExistsError,
@@ -18,7 +19,6 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.sessions import SessionClient
-from nemo_ckpt.testing.sim import ActorDied, SimActor
 from tests.harness import World
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec
 
-from nemo_ckpt.testing.sim import VirtualTimeLoop
+from nemo_ckpt.testing.virtual_time import VirtualTimeLoop
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["LoopClock", "now", "on_virtual_time", "virtual_runtime"]

@@ -6,8 +6,8 @@ integration tests. Importing this package imports no Ray: the Ray actor classes
   with a barrier (``DataPlaneBarrier.checkpoint()`` yields a live ``LiveCut``), its
   own save and restore, and ``StaticCut`` for a fixed cut;
 - a deterministic toy multi-turn environment (``toy_env``) and its worker actor;
-- the deterministic simulation's in-process world (``sim``: the driver, coordinator and
-  holders under a virtual clock and a seeded transport).
+- virtual time (``virtual_time``: an event loop whose clock jumps to the next timer), on
+  which the simulation's in-process world (``actors.sim``) and unit tests run.
 
 The end-to-end recovery run behind ``make demo`` is ``examples/recovery_demo.py``; the
 local S3-compatible server for object-store tests is ``tests/s3_server.py``.

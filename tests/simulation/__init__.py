@@ -3,7 +3,7 @@ holders, with environment workers running turns, RL's ledger and barrier, finish
 results handed in and acknowledged with no lock against snapshots (completion receipts), a
 crash and restore, a second driver, and faults at any await; invariants after each.
 
-Each schedule is a pure function of its seed (``nemo_ckpt.testing.sim``: virtual time, a
+Each schedule is a pure function of its seed (``actors.sim``: virtual time, a
 seeded transport that delivers an actor's calls in a seeded order, pickled messages,
 real files in a temporary folder). Faults: actors killed (holders, the coordinator, the
 driver, workers, whole nodes), the driver's operation and workers' rollouts cancelled,
@@ -31,7 +31,7 @@ Ray as it behaves (issue 29; ``_ray_plan``): a death is noticed late, and the na
 to the dead actor until Ray releases it; a stalled node (or the coordinator's process,
 once right after a manifest's rename) is declared dead past Ray's detection delay, and
 runs again as a zombie whose work still reaches files and holders; a holder admits a few
-concurrent calls in its one concurrency group (``nemo_ckpt.testing.sim.method_group``),
+concurrent calls in its one concurrency group (``actors.sim.method_group``),
 with more workers' turns than that; a restarted driver brings another config. Its
 invariants: no zombie's clean-up tears a newer snapshot (case 29.1), no abort or next
 call fails only because it met the dead coordinator's name (29.2), no control call waits

@@ -20,6 +20,7 @@ from typing import Any
 
 from actors.holder_states import Ended, SnapshotReleased
 from actors.sandboxes import Sandboxes
+from actors.sim import SimActor
 from nemo_ckpt import sandbox
 from nemo_ckpt.blobs import BLOB_DIR, COLLECTOR, BlobStore, digest_of
 from nemo_ckpt.catalog import list_snapshots
@@ -54,7 +55,6 @@ from nemo_ckpt.sandbox_storage import (
 )
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
-from nemo_ckpt.testing.sim import SimActor
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY, SESSION_METHODS
 
 from .plan import CONFIG, SPARSE_BYTES

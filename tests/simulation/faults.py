@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from actors.sim import SimActor
 from nemo_ckpt.catalog import remove_snapshot
 from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.collection import collect_blobs
@@ -28,7 +29,6 @@ from nemo_ckpt.local_folder import LocalFolder, write_failure
 from nemo_ckpt.path_claims import claim_path, release_claim
 from nemo_ckpt.sandbox import _Scanner
 from nemo_ckpt.testing.data_plane import StaticCut
-from nemo_ckpt.testing.sim import SimActor
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 
 from .checkers import Checkers

@@ -8,7 +8,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.testing.sim import SimActor
+from actors.sim import SimActor
 
 from .checkers import Checkers
 from .faults import Faults

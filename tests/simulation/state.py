@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.sim import SimActor, SimWorld
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver import RayEnvironmentCheckpoint
 from nemo_ckpt.session_record import SessionRecord
-from nemo_ckpt.testing.sim import SimActor, SimWorld
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 
 from .plan import CONFIG, Plan

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from actors.sim import SimActor
 from nemo_ckpt.adapters import AdaptedRollout
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -27,7 +28,6 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
-from nemo_ckpt.testing.sim import SimActor
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 
 from .checkers import Checkers
