@@ -32,7 +32,7 @@ from typing import Any
 
 from actors.blob_collector import BlobCollector
 from actors.claimed_folders import ClaimedFolders
-from actors.coordinator_parts import INJECTABLE_PHASES, CoordinatorParts
+from actors.coordinator_parts import CoordinatorParts
 from actors.holder_registry import HolderCall, HolderRegistry
 from actors.operation_states import (
     Aborted,
@@ -195,17 +195,6 @@ class CheckpointCoordinator:
             return_exceptions=True)
         return {inst: ("" if not isinstance(r, BaseException) else f"error: {r}")
                 for inst, r in zip(self.holders.handles, results, strict=True)}
-
-    async def inject_delay(self, phase: str, seconds: float) -> None:
-        """Fault-injection seam for tests and drills: make ``phase`` take ``seconds``
-        longer, so a fault (a kill, a cancellation) can be aimed at it. Phases:
-        begin_snapshot (before the holders are asked), commit_snapshot (before the
-        shards are awaited), before_manifest (every shard durable, the manifest not yet
-        written), after_manifest (the manifest renamed, holders not yet resumed),
-        commit_restore (before the holders are asked). 0 removes it."""
-        if phase not in INJECTABLE_PHASES:
-            raise ValueError(f"unknown phase {phase!r}; one of {sorted(INJECTABLE_PHASES)}")
-        self._parts.delays[phase] = seconds
 
     # --- operations: leases, aborts ---------------------------------------------------
 

@@ -6,9 +6,8 @@ modules (``actors.snapshots``, ``actors.restores``) that use it.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from actors.blob_collector import BlobCollector
@@ -21,12 +20,9 @@ from nemo_ckpt.holder_api import HolderCalls
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.transport import Actor, Transport
 
-__all__ = ["INJECTABLE_PHASES", "CoordinatorParts"]
+__all__ = ["CoordinatorParts"]
 
 OpT = TypeVar("OpT", bound=Operation)
-# Where a test or drill may make the coordinator wait (``CheckpointCoordinator.inject_delay``).
-INJECTABLE_PHASES = frozenset({"begin_snapshot", "commit_snapshot", "before_manifest",
-                               "after_manifest", "commit_restore"})
 
 
 @dataclass
@@ -42,7 +38,6 @@ class CoordinatorParts:
     # Record a first call's operation (and watch its lease); end one and undo it.
     open: Callable[[Operation], Operation]
     abort: Callable[[Operation, Outcome], Awaitable[None]]
-    delays: dict[str, float] = field(default_factory=dict)
 
     def calls(self, holder: Actor, timeout: float | None = None) -> HolderCalls:
         """Typed calls to one holder, with a control call's timeout unless given."""
@@ -62,8 +57,3 @@ class CoordinatorParts:
         kind = error if isinstance(error, str) else type(error).__name__
         self.transport.runtime.metrics.inc("failures", 1.0,
                                            tags={"operation": operation, "kind": kind})
-
-    async def injected_delay(self, phase: str) -> None:
-        seconds = self.delays.get(phase, 0.0)
-        if seconds > 0:
-            await asyncio.sleep(seconds)

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from actors.holder_states import (
@@ -34,14 +34,9 @@ from nemo_ckpt.operations import Outcome
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.transport import Clock, Runtime
 
-__all__ = ["INJECTABLE_PHASES", "HolderParts", "NoTrimmer", "Trimmer"]
+__all__ = ["HolderParts", "NoTrimmer", "Trimmer"]
 
 log = logging.getLogger("nemo_ckpt.holder")
-
-# Where a test or drill may make the holder wait (``SessionHolder.inject_delay``).
-INJECTABLE_PHASES = frozenset({"pause", "capture", "persist", "finish_persist",
-                               "prepare_restore", "commit_restore"})
-
 
 class Trimmer(Protocol):
     """Gives freed heap memory back to the OS (``actors.heap.HeapTrimmer`` under Ray)."""
@@ -89,7 +84,6 @@ class HolderParts:
     watchdog: Watchdog
     last_snapshot_id: str | None = None
     replay_restarts: int = 0  # SessionClient.replay_diverged, since the holder started
-    delays: dict[str, float] = field(default_factory=dict)
 
     @property
     def clock(self) -> Clock:
@@ -205,8 +199,3 @@ class HolderParts:
         if box is None:
             return record
         return dataclasses.replace(record, directory=str(box.directory))
-
-    async def injected_delay(self, phase: str) -> None:
-        seconds = self.delays.get(phase, 0.0)
-        if seconds > 0:
-            await asyncio.sleep(seconds)

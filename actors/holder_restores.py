@@ -73,7 +73,7 @@ class RestorePhases:
         op = RestoreWork(restore_id)
         parts.set_state(restore_id, RestoreLoading(op, self._clock.monotonic() + lease_s))
         try:
-            await parts.injected_delay("prepare_restore")
+            await parts.runtime.reached("prepare_restore")
             directory = folder_at(where)
             started = self._clock.monotonic()
             read = await self._read(op, directory, where, shards, blob_store)
@@ -139,7 +139,7 @@ class RestorePhases:
         if not op.prepared.done() or op.prepared.exception() is not None:
             raise HolderStateError(
                 f"{self.instance_id}: commit of restore {restore_id} before it was prepared")
-        await parts.injected_delay("commit_restore")
+        await parts.runtime.reached("commit_restore")
         op = parts.current_restore(restore_id)
         for held in op.pending:
             if parts.table.of_rollout(held.rollout_id) is not None:

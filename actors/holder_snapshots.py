@@ -61,7 +61,7 @@ class SnapshotPhases:
         if op.pause is not None:
             return op.pause
         start = self._clock.monotonic()
-        await parts.injected_delay("pause")
+        await parts.runtime.reached("pause")
         await parts.gate.drain(drain_timeout_s)
         op = parts.current_snapshot(snapshot_id)  # aborted or lapsed while draining?
         if op.pause is None:
@@ -110,7 +110,7 @@ class SnapshotPhases:
         op = parts.current_snapshot(snapshot_id)
         if op.capture is not None:
             return op.capture.report
-        await parts.injected_delay("capture")
+        await parts.runtime.reached("capture")
         op = parts.current_snapshot(snapshot_id)
         if op.capture is not None:
             return op.capture.report
@@ -159,7 +159,7 @@ class SnapshotPhases:
         if op.persist is None:
             await self.start_persist(snapshot_id)
         assert op.persist is not None
-        await self._parts.injected_delay("finish_persist")
+        await self._parts.runtime.reached("finish_persist")
         report = await asyncio.shield(op.persist)
         self._parts.current_snapshot(snapshot_id)  # it may have ended while writing
         return report
@@ -194,7 +194,7 @@ class SnapshotPhases:
     async def _persist(self, op: SnapshotWork, directory: Folder,
                        capture: Capture) -> PersistReport:
         start = self._clock.monotonic()
-        await self._parts.injected_delay("persist")
+        await self._parts.runtime.reached("persist")
         shards: tuple[ShardEntry, ...] = ()
         if capture.held:
             entry, names = await write_capture(self._runtime, self._parts.sandboxes,

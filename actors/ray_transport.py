@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors import metrics
 from actors.coordinator import CheckpointCoordinator
+from actors.drills import COORDINATOR_POINTS, HOLDER_POINTS, PhaseDelays
 from actors.heap import HeapTrimmer, freeze_startup_objects
 from actors.holder_registry import FanRelay
 from actors.session_holder import SessionHolder
@@ -313,9 +314,16 @@ class _RaySessionHolder(SessionHolder):
 
     def __init__(self, instance_id: str, **options: Any) -> None:
         self._home = _HomeLoop()
+        self._delays = PhaseDelays(HOLDER_POINTS)
         super().__init__(instance_id, node_id=ray.get_runtime_context().get_node_id(),
-                         runtime=Runtime(metrics=RayMetrics()), trimmer=HeapTrimmer(),
-                         **options)
+                         runtime=Runtime(metrics=RayMetrics(), reached=self._delays.reached),
+                         trimmer=HeapTrimmer(), **options)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def inject_delay(self, phase: str, seconds: float) -> None:
+        """For tests and drills: make ``phase`` (``actors.drills.HOLDER_POINTS``) take
+        ``seconds`` longer, so a fault can be aimed at it; 0 removes the delay."""
+        self._delays.set(phase, seconds)
 
 
 for _name, _member in inspect.getmembers(SessionHolder, inspect.isfunction):
@@ -327,8 +335,15 @@ class _RayCheckpointCoordinator(CheckpointCoordinator):
     """The coordinator in its own Ray actor process."""
 
     def __init__(self, config: CheckpointConfig) -> None:
-        super().__init__(config, RayTransport(config))
+        self._delays = PhaseDelays(COORDINATOR_POINTS)
+        super().__init__(config, RayTransport(
+            config, Runtime(metrics=RayMetrics(), reached=self._delays.reached)))
         freeze_startup_objects()
+
+    async def inject_delay(self, phase: str, seconds: float) -> None:
+        """For tests and drills: make ``phase`` (``actors.drills.COORDINATOR_POINTS``)
+        take ``seconds`` longer, so a fault can be aimed at it; 0 removes the delay."""
+        self._delays.set(phase, seconds)
 
 
 class _RayFanRelay(FanRelay):

@@ -138,7 +138,7 @@ class Restores:
         read_seconds = op.state.read_seconds
         self._parts.operations.set_state(op, RestoreCommitting(read_seconds))
         try:
-            await self._parts.injected_delay("commit_restore")
+            await self._runtime.reached("commit_restore")
             counts: dict[str, int] = await self._parts.holders.fan(
                 op.holders, "commit_restore", HolderCall("commit_restore", (restore_id,)),
                 op_id=restore_id)

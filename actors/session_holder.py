@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from actors.holder_parts import INJECTABLE_PHASES, HolderParts, NoTrimmer, Trimmer
+from actors.holder_parts import HolderParts, NoTrimmer, Trimmer
 from actors.holder_restores import RestorePhases
 from actors.holder_sessions import Sessions
 from actors.holder_snapshots import SnapshotPhases
@@ -202,14 +202,6 @@ class SessionHolder:
         """Check that this node can hold sandboxes' files under ``sandbox_root`` (for
         check_startup); raises ``SandboxError`` saying why not."""
         await self._parts.runtime.run_blocking(self._parts.sandboxes.probe)
-
-    async def inject_delay(self, phase: str, seconds: float) -> None:
-        """Fault-injection seam for tests and drills: make ``phase`` take ``seconds``
-        longer, so a fault can be aimed at it. Phases: pause, capture, persist,
-        finish_persist, prepare_restore, commit_restore. 0 removes the delay."""
-        if phase not in INJECTABLE_PHASES:
-            raise ValueError(f"unknown phase {phase!r}; one of {sorted(INJECTABLE_PHASES)}")
-        self._parts.delays[phase] = seconds
 
     # --- session calls (from environment workers): ``Sessions`` -----------------------
 

@@ -97,7 +97,7 @@ class Snapshots:
             if self._parts.blobs.store is not None:
                 assert cfg.checkpoint_root is not None  # the config requires it
                 op.blob_ref = blob_store_ref(cfg.checkpoint_root, checkpoint_path)
-            await self._parts.injected_delay("begin_snapshot")
+            await self._runtime.reached("begin_snapshot")
             if op.outcome is not None:  # aborted before any holder was asked: ask none
                 raise self._parts.operations.refusal(snapshot_id)
             # The claim runs beside the pause, not before it: no shard is written before
@@ -226,7 +226,7 @@ class Snapshots:
         committing, unique = self._release(op, captured, snapshot_id)
         directory = environment_folder(checkpoint_path)
         try:
-            await self._parts.injected_delay("commit_snapshot")
+            await self._runtime.reached("commit_snapshot")
             if op.blob_hold is not None:  # no holder relies on the store before it holds
                 await asyncio.shield(op.blob_hold)
             persists: dict[str, PersistReport] = await self._parts.holders.fan(
@@ -243,14 +243,14 @@ class Snapshots:
                 None if root is None else str(root), checkpoint_path))
             manifest = self._manifest(snapshot_id, op, shards, restarted, all_metrics,
                                       sequence)
-            await self._parts.injected_delay("before_manifest")
+            await self._runtime.reached("before_manifest")
             await self._claims_hold(op)
             async with self._parts.folders.lock(checkpoint_path):
                 # Fenced: a successor that took this incarnation for dead and aborted the
                 # snapshot removed its claim (``write_manifest`` checks in the same call).
                 await self._runtime.run_blocking(write_manifest, directory, manifest,
                                                  (op.id, frozenset(op.claim_beats)))
-            await self._parts.injected_delay("after_manifest")
+            await self._runtime.reached("after_manifest")
         except BaseException as exc:
             self._parts.count_failure("snapshot", exc)
             await self._parts.abort(op, Outcome.ABORTED)

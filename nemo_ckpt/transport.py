@@ -100,6 +100,10 @@ async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args)
 
 
+async def _passed(point: str) -> None:
+    del point
+
+
 @dataclass(frozen=True)
 class Runtime:
     """What an actor's code needs from the process it runs in.
@@ -107,13 +111,16 @@ class Runtime:
     ``run_blocking(fn, *args)`` runs file work off the event loop (a thread under Ray;
     inline, at a simulated cost, in the simulation). ``token()`` returns a fresh unique
     hex string (turn tokens, operation ids); seeded in the simulation, so that a seed
-    replays exactly.
+    replays exactly. ``reached(point)`` is awaited where a phase reaches a named point
+    (``actors.drills`` lists them): it returns at once, unless a test or drill delays that
+    point to aim a fault (a kill, a cancellation) at it.
     """
 
     clock: Clock = field(default_factory=SystemClock)
     metrics: Metrics = field(default_factory=NoMetrics)
     run_blocking: Callable[..., Awaitable[Any]] = _to_thread
     token: Callable[[], str] = field(default=lambda: uuid.uuid4().hex)
+    reached: Callable[[str], Awaitable[None]] = _passed
 
 
 HOLDER = "holder"

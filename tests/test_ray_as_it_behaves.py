@@ -17,7 +17,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.coordinator import CheckpointCoordinator
-from actors.ray_transport import CheckpointCoordinatorActor, RayTransport
+from actors.drills import COORDINATOR_POINTS, PhaseDelays
+from actors.ray_transport import CheckpointCoordinatorActor, RayMetrics, RayTransport
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import (
@@ -29,6 +30,7 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.transport import Runtime
 from tests.test_faults import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,11 +49,13 @@ async def test_a_zombie_coordinators_late_commit_spares_the_next_snapshot(
         await c.open(Ep(f"{inst}-r", 0), b"s")
     async with ckpt.snapshot(path):
         pass
-    zombie = CheckpointCoordinator(ckpt.config, RayTransport(ckpt.config))
+    delays = PhaseDelays(COORDINATOR_POINTS)
+    zombie = CheckpointCoordinator(ckpt.config, RayTransport(
+        ckpt.config, Runtime(metrics=RayMetrics(), reached=delays.reached)))
     op = new_operation_id("snap", time.time(), "olddrivr", 1)
     await zombie.begin_snapshot(op, str(path))
     await zombie.start_writes(op)
-    await zombie.inject_delay("after_manifest", 4.0)
+    delays.set("after_manifest", 4.0)
     late = asyncio.ensure_future(zombie.commit_snapshot(op, str(path), {}, 0))
     await wait_until(lambda: _manifest_names(path, op), 30, "the zombie's manifest")
 

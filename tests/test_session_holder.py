@@ -6,11 +6,13 @@ that times out is stepped exactly, without waiting for it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from pathlib import Path
 
 import pytest
 
+from actors.drills import HOLDER_POINTS, PhaseDelays
 from actors.session_holder import SessionHolder
 from nemo_ckpt.checkpoint_folder import prepare_environment_dir
 from nemo_ckpt.errors import (
@@ -41,8 +43,15 @@ from tests.virtual_time import now, on_virtual_time, virtual_runtime
 pytestmark = pytest.mark.timeout(30)
 
 
-def holder(node_id: str = "node-a", **kw: object) -> SessionHolder:
-    return SessionHolder("holder-0", node_id=node_id, runtime=virtual_runtime(),
+def holder(node_id: str = "node-a", delays: dict[str, float] | None = None,
+           **kw: object) -> SessionHolder:
+    """A holder on virtual time; ``delays`` makes those of its phases take longer
+    (``actors.drills``), to aim a fault at them."""
+    phases = PhaseDelays(HOLDER_POINTS)
+    for phase, seconds in (delays or {}).items():
+        phases.set(phase, seconds)
+    runtime = dataclasses.replace(virtual_runtime(), reached=phases.reached)
+    return SessionHolder("holder-0", node_id=node_id, runtime=runtime,
                          **kw)  # type: ignore[arg-type]
 
 
@@ -283,9 +292,8 @@ async def test_a_lapsed_lease_resumes_the_holder_and_blocks_the_commit(tmp_path:
 async def test_a_shard_finished_after_its_snapshot_was_aborted_removes_itself(
     tmp_path: Path,
 ) -> None:
-    h = holder()
+    h = holder(delays={"persist": 0.3})
     await h.open_session(Ep("r", 0))
-    await h.inject_delay("persist", 0.3)
     await h.pause("snap-1", 1, 10)
     await h.capture("snap-1")
     await h.start_persist("snap-1", str(prepare_environment_dir(tmp_path)))
@@ -553,8 +561,7 @@ async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: P
     directory = prepare_environment_dir(tmp_path)
     await src.begin("snap-1", 1, 10, str(directory))
     shards = list((await src.finish_persist("snap-1")).shards)
-    dst = holder("node-b", watch_period_s=0.02)
-    await dst.inject_delay("prepare_restore", 0.6)
+    dst = holder("node-b", watch_period_s=0.02, delays={"prepare_restore": 0.6})
     preparing = asyncio.ensure_future(dst.prepare_restore("restore-1", str(directory),
                                                           shards, 0.2))
     for _ in range(8):
@@ -647,11 +654,10 @@ async def test_a_released_snapshot_lets_turns_run_while_its_shard_is_written(
     tmp_path: Path,
 ) -> None:
     # The backend resumes as the context exits; the capture is an immutable copy.
-    h = holder()
+    h = holder(delays={"persist": 0.3})
     ep = Ep("r", 0)
     await h.open_session(ep, b"s0")
     directory = prepare_environment_dir(tmp_path)
-    await h.inject_delay("persist", 0.3)
     await h.begin("snap-1", 1, 10, str(directory))
     await h.start_persist("snap-1")
     await h.release("snap-1")
@@ -686,10 +692,9 @@ async def test_a_late_or_repeated_release_of_an_earlier_snapshot_leaves_the_next
 
 @on_virtual_time
 async def test_a_released_snapshot_aborted_or_lapsed_leaves_no_shard(tmp_path: Path) -> None:
-    h = holder(watch_period_s=0.02)
+    h = holder(watch_period_s=0.02, delays={"persist": 0.2})
     await h.open_session(Ep("r", 0), b"s0")
     directory = prepare_environment_dir(tmp_path)
-    await h.inject_delay("persist", 0.2)
     for op, end in (("snap-1", "abort"), ("snap-2", "lapse")):
         await h.begin(op, 1, lease_s=0.1 if end == "lapse" else 10,
                       directory=str(directory))
