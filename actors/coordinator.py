@@ -14,10 +14,14 @@ The coordinator routes each call to its parts:
 - ``actors.claimed_folders.ClaimedFolders``: the claims on snapshot folders and the clean-up;
 - ``actors.blob_collector.BlobCollector``: snapshots' holds on the blob store and its
   collection;
+- ``actors.operation_lifecycle.OperationLifecycle``: an operation opened, renewed,
+  reaped when its driver stopped renewing, and aborted: the one place an operation ends
+  without committing; each kind's undo (``SnapshotHolds``, ``RestoreHolds``) lives
+  beside its phases;
+- ``actors.snapshots.Snapshots`` and ``actors.restores.Restores``: the phases;
 - ``nemo_ckpt.restore_plan``: a restore's shard assignment and checks, pure.
 
-An operation whose driver stopped renewing is reaped when its lease lapses. The
-coordinator's interface is ``nemo_ckpt.coordinator_api.CoordinatorApi``.
+The coordinator's interface is ``nemo_ckpt.coordinator_api.CoordinatorApi``.
 
 The order of the driver's calls is stated once, numbered, on
 ``nemo_ckpt.coordinator_api.CoordinatorApi``; the holders', on
@@ -34,21 +38,12 @@ from actors.blob_collector import BlobCollector
 from actors.claimed_folders import ClaimedFolders
 from actors.coordinator_parts import CoordinatorParts
 from actors.holder_registry import HolderCall, HolderRegistry
-from actors.operation_states import (
-    Aborted,
-    FoundCommitted,
-    Operation,
-    RestoreOperation,
-    SnapshotOperation,
-    Unseen,
-)
+from actors.operation_lifecycle import OperationLifecycle
 from actors.operation_table import OperationTable
-from actors.restores import Restores
-from actors.snapshots import Snapshots
+from actors.restores import RestoreHolds, Restores
+from actors.snapshots import SnapshotHolds, Snapshots
 from nemo_ckpt.blobs import BLOB_DIR
-from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.claims import ClaimWatch
-from nemo_ckpt.cleanup import remove_snapshot_files
 from nemo_ckpt.collection import CollectionReport
 from nemo_ckpt.config import (
     ADOPTED_FIELDS,
@@ -60,11 +55,9 @@ from nemo_ckpt.coordinator_api import RestoreBegun, SnapshotBegun, SnapshotCommi
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     ConfigMismatchError,
-    NemoCkptError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.location import join_location
-from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import (
     HolderInfo,
     instance_sort_key,
@@ -104,16 +97,17 @@ class CheckpointCoordinator:
             blobs=BlobCollector(
                 _blob_store_root(config),
                 self._runtime, self._owner, self.collector_name, claim_watch,
-                lambda: bool(operations), config.tree_budget),
-            open=self._open, abort=self._abort)
+                lambda: bool(operations), config.tree_budget))
         self.operations = operations
         self.holders = self._parts.holders
         self.folders = self._parts.folders
         self.blobs = self._parts.blobs
         self._calls = self._parts.calls
-        self._snapshots = Snapshots(self._parts, self._incarnation)
-        self._restores = Restores(self._parts)
-        self._reaper: asyncio.Task[None] | None = None
+        snapshot_holds = SnapshotHolds(self._parts)
+        self._lifecycle = OperationLifecycle(self._parts, snapshot_holds, RestoreHolds())
+        self._snapshots = Snapshots(self._parts, self._lifecycle, snapshot_holds,
+                                    self._incarnation)
+        self._restores = Restores(self._parts, self._lifecycle)
         self._ending = False  # stepping aside for a coordinator of the job's config
 
     @property
@@ -196,40 +190,11 @@ class CheckpointCoordinator:
         return {inst: ("" if not isinstance(r, BaseException) else f"error: {r}")
                 for inst, r in zip(self.holders.handles, results, strict=True)}
 
-    # --- operations: leases, aborts ---------------------------------------------------
-
-    def _open(self, op: Operation) -> Operation:
-        self.operations.open(op)
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.ensure_future(self._reap())
-        return op
-
-    async def _reap(self) -> None:
-        """Abort every operation whose lease lapsed: its driver stopped renewing."""
-        period = min(self._config.lease_s / 4, 1.0)
-        while self.operations:
-            await asyncio.sleep(period)
-            now = self._clock.monotonic()
-            for op in self.operations.open_ones():
-                if not op.committing and now > op.lease_deadline:
-                    log.warning("operation %s: no renewal for %.1fs; aborting it", op.id,
-                                self._config.lease_s)
-                    await self._abort(op, Outcome.LAPSED)
+    # --- operations: leases, aborts (actors.operation_lifecycle) ----------------------
 
     async def renew(self, operation_id: str) -> None:
         """Renew the lease of the operation and of every holder taking part in it."""
-        op = self.operations.get(operation_id)
-        if op is None:
-            raise self.operations.refusal(operation_id)
-        op.lease_deadline = self._clock.monotonic() + self._config.lease_s
-        # The holders first, and whatever the claims' writes do: a disk full for a few
-        # seconds must not lapse the holders' leases (the commit checks the claims).
-        await self.holders.fan(
-            op.holders, "renew_lease",
-            HolderCall("renew_lease", (operation_id, self._config.lease_s)),
-            tolerate_failures=True)
-        if isinstance(op, SnapshotOperation):
-            await self._snapshots.renew_claims(op)
+        await self._lifecycle.renew(operation_id)
 
     async def abort(self, operation_id: str, checkpoint_path: str | None = None,
                     caller_error: str | None = None) -> str:
@@ -243,82 +208,7 @@ class CheckpointCoordinator:
         driver names its ``checkpoint_path``. ``caller_error`` names the exception that
         ended the caller's block, for the failure metric.
         """
-        op = self.operations.get(operation_id)
-        if op is None:
-            known = self.operations.outcome(operation_id)
-            if known is not None:
-                if caller_error is not None:
-                    self._parts.count_failure("snapshot" if checkpoint_path else "restore",
-                                        caller_error)
-                return known.value
-            op = self._unseen(operation_id, checkpoint_path)
-        if caller_error is not None:
-            self._parts.count_failure(op.kind, caller_error)
-        if op.committing:  # commit and abort exclude each other: the commit decides
-            await op.closed.wait()
-        else:
-            await self._abort(op, Outcome.ABORTED)
-        assert op.outcome is not None
-        return op.outcome.value
-
-    def _unseen(self, operation_id: str, path: str | None) -> Operation:
-        now = self._clock.monotonic()
-        kind = SnapshotOperation if path is not None else RestoreOperation
-        return self.operations.adopt(kind(operation_id, path, now, now, Unseen()))
-
-    async def _abort(self, op: Operation, outcome: Outcome) -> None:
-        """End ``op`` and undo it everywhere: every holder it involved, its files."""
-        if op.outcome is not None:
-            await op.closed.wait()
-            return
-        unseen = isinstance(op.state, Unseen)
-        # Only an abort that may follow a commit undoes a restore committed on a holder: a
-        # restore this coordinator never began to commit (it stalled, was taken for dead,
-        # and its successor committed the same id) must stay live.
-        keep = isinstance(op, RestoreOperation) and not unseen and not op.committing
-        self.operations.set_state(op, Aborted(outcome))
-        await self._holders_drop(op, unseen, keep)
-        if isinstance(op, RestoreOperation):
-            if op.read_claim is not None:
-                await op.read_claim.release()
-            return
-        assert isinstance(op, SnapshotOperation)
-        if op.blob_hold is not None:
-            if not op.blob_hold.done():
-                await asyncio.wait([op.blob_hold])  # its put must not land after the release
-            self.blobs.garbage_possible()  # its holders may have written blobs
-            await self.blobs.release(op.id)
-        if op.path is None:
-            return
-        try:
-            committed = await self._runtime.run_blocking(
-                remove_snapshot_files, environment_folder(op.path), op.id)
-        except (OSError, NemoCkptError) as exc:
-            log.warning("could not remove the files of %s: %s", op.id, exc)
-            return
-        if committed:  # the manifest was renamed into place before a step failed (or
-            # before the coordinator that wrote it died): the commit won
-            self.operations.set_state(op, FoundCommitted())
-
-    async def _holders_drop(self, op: Operation, unseen: bool, keep_committed: bool) -> None:
-        """Every holder ``op`` involved drops it, and every holder registered now: a
-        holder made since (its predecessor died) may have been paused by a late call of
-        this operation (a coordinator taken for dead that runs again); the abort it
-        records refuses any later one. For an operation never seen here, every holder
-        registered, answering or not: one slow to answer its info (a stalled link) may
-        still be paused for it."""
-        if unseen:
-            await self.holders.discover()
-            targets = self.holders.registered
-        else:
-            targets = dict(op.holders)
-            for inst, handle in self._transport.holders().items():
-                if inst not in targets:
-                    targets[inst] = handle
-                elif targets[inst].ref != handle.ref:  # another incarnation of it now
-                    targets[f"{inst} (now)"] = handle
-        await self.holders.fan(targets, "abort", HolderCall("abort", (op.id, keep_committed)),
-                               tolerate_failures=True, direct=True)
+        return await self._lifecycle.abort(operation_id, checkpoint_path, caller_error)
 
     # --- snapshot and restore (actors.snapshots, actors.restores) ---------------------
 

@@ -10,6 +10,7 @@ import asyncio
 
 from actors.coordinator_parts import CoordinatorParts
 from actors.holder_registry import HolderCall
+from actors.operation_lifecycle import OperationLifecycle
 from actors.operation_states import (
     Committed,
     Operation,
@@ -29,14 +30,30 @@ from nemo_ckpt.sandbox_storage import blob_store_of
 from nemo_ckpt.snapshot_files import read_manifest
 from nemo_ckpt.transport import Actor
 
-__all__ = ["Restores"]
+__all__ = ["RestoreHolds", "Restores"]
+
+
+class RestoreHolds:
+    """What a restore holds beyond its holders: its read claim on the snapshot's folder,
+    which renews itself (``actors.claimed_folders.ReadClaim``). Released when it ends
+    without committing (``actors.operation_lifecycle`` calls ``release``); its commit
+    releases it too."""
+
+    async def renew(self, op: Operation) -> None:
+        del op  # the read claim renews itself while it stands
+
+    async def release(self, op: Operation) -> None:
+        assert isinstance(op, RestoreOperation)
+        if op.read_claim is not None:
+            await op.read_claim.release()
 
 
 class Restores:
     """The restore phases of one coordinator."""
 
-    def __init__(self, parts: CoordinatorParts) -> None:
+    def __init__(self, parts: CoordinatorParts, lifecycle: OperationLifecycle) -> None:
         self._parts = parts
+        self._lifecycle = lifecycle
         self._runtime = parts.transport.runtime
         self._clock = self._runtime.clock
         self._metrics = self._runtime.metrics
@@ -44,13 +61,13 @@ class Restores:
     async def prepare(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
         """Verify the snapshot and have each instance's holder load it, nothing live yet."""
         now = self._clock.monotonic()
-        op = self._parts.opened(RestoreOperation(restore_id, checkpoint_path, now,
+        op = self._lifecycle.open(RestoreOperation(restore_id, checkpoint_path, now,
                                          now + self._parts.config.lease_s, RestorePreparing()))
         try:
             return await self._prepare_restore(op, checkpoint_path)
         except BaseException as exc:
             self._parts.count_failure("restore", exc)
-            await self._parts.abort(op, Outcome.ABORTED)
+            await self._lifecycle.end(op, Outcome.ABORTED)
             raise
 
     async def _prepare_restore(self, op: RestoreOperation, checkpoint_path: str
@@ -144,7 +161,7 @@ class Restores:
                 op_id=restore_id)
         except BaseException as exc:
             self._parts.count_failure("restore", exc)
-            await self._parts.abort(op, Outcome.ABORTED)
+            await self._lifecycle.end(op, Outcome.ABORTED)
             raise
         self._parts.operations.set_state(op, Committed())
         if isinstance(op, RestoreOperation) and op.read_claim is not None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from actors.coordinator_parts import CoordinatorParts
 from actors.holder_registry import HolderCall
+from actors.operation_lifecycle import OperationLifecycle
 from actors.operation_states import (
     Committed,
     FoundCommitted,
@@ -27,6 +28,7 @@ from actors.operation_states import (
     SnapshotWriting,
 )
 from nemo_ckpt.checkpoint_folder import environment_folder
+from nemo_ckpt.cleanup import remove_snapshot_files
 from nemo_ckpt.commit_sequence import sequence_root, take_sequence
 from nemo_ckpt.coordinator_api import SnapshotBegun, SnapshotCommitted
 from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
@@ -37,29 +39,25 @@ from nemo_ckpt.sandbox_storage import blob_store_ref
 from nemo_ckpt.snapshot_files import write_manifest
 from nemo_ckpt.transport import Actor
 
-__all__ = ["Snapshots"]
+__all__ = ["SnapshotHolds", "Snapshots"]
 
 log = logging.getLogger("nemo_ckpt.coordinator")
 
 
-class Snapshots:
-    """The snapshot phases of one coordinator."""
 
-    def __init__(self, parts: CoordinatorParts, incarnation: str) -> None:
+class SnapshotHolds:
+    """What a snapshot holds beyond its holders: its path's claim, its hold on the blob
+    store, its files. Renewed with its lease (``renew``), released when it ends without
+    committing (``release``; ``actors.operation_lifecycle`` calls both)."""
+
+    def __init__(self, parts: CoordinatorParts) -> None:
         self._parts = parts
-        self._incarnation = incarnation  # the coordinator's: names its holder sets
         self._runtime = parts.transport.runtime
-        self._clock = self._runtime.clock
-        self._metrics = self._runtime.metrics
-        self._captures_done = 0
-        self._background: set[asyncio.Future[Any]] = set()  # kept so they are not collected
-        # The holders the last snapshot paused, and the name of that set (``holder_set``).
-        self._paused_set: list[tuple[str, Any]] = []
-        self._sets = 0
 
-    async def renew_claims(self, op: SnapshotOperation) -> None:
+    async def renew(self, op: Operation) -> None:
         """With the lease: the path's claim and the blob store's hold, once captured.
         A failed write is left to the commit, which writes them again first."""
+        assert isinstance(op, SnapshotOperation)
         if op.captured is None or op.outcome is not None:
             return
         renewing_hold = op.blob_hold is not None and op.blob_hold.done()
@@ -76,6 +74,53 @@ class Snapshots:
             # outlive its snapshot.
             await self._parts.blobs.release(op.id)
 
+    async def hold_blobs(self, op: SnapshotOperation, first: bool = False) -> None:
+        """Hold the blob store for the snapshot (or renew the hold): it relies on the
+        blobs there until it commits, so no collection may run meanwhile."""
+        held_at = await self._parts.blobs.hold(op.id, self._parts.claim_ttl, first)
+        if held_at is not None:
+            op.held_at = held_at
+
+    async def release(self, op: Operation) -> None:
+        """The snapshot was aborted or lapsed: its hold and its files go. Its files may
+        show that its commit won after all (the manifest was renamed into place before a
+        step failed, or before the coordinator that wrote it died): then it is
+        committed."""
+        assert isinstance(op, SnapshotOperation)
+        if op.blob_hold is not None:
+            if not op.blob_hold.done():
+                await asyncio.wait([op.blob_hold])  # its put must not land after the release
+            self._parts.blobs.garbage_possible()  # its holders may have written blobs
+            await self._parts.blobs.release(op.id)
+        if op.path is None:
+            return
+        try:
+            committed = await self._runtime.run_blocking(
+                remove_snapshot_files, environment_folder(op.path), op.id)
+        except (OSError, NemoCkptError) as exc:
+            log.warning("could not remove the files of %s: %s", op.id, exc)
+            return
+        if committed:
+            self._parts.operations.set_state(op, FoundCommitted())
+
+class Snapshots:
+    """The snapshot phases of one coordinator."""
+
+    def __init__(self, parts: CoordinatorParts, lifecycle: OperationLifecycle,
+                 holds: SnapshotHolds, incarnation: str) -> None:
+        self._parts = parts
+        self._lifecycle = lifecycle
+        self._holds = holds
+        self._incarnation = incarnation  # the coordinator's: names its holder sets
+        self._runtime = parts.transport.runtime
+        self._clock = self._runtime.clock
+        self._metrics = self._runtime.metrics
+        self._captures_done = 0
+        self._background: set[asyncio.Future[Any]] = set()  # kept so they are not collected
+        # The holders the last snapshot paused, and the name of that set (``holder_set``).
+        self._paused_set: list[tuple[str, Any]] = []
+        self._sets = 0
+
     async def begin(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
         """Claim the path, pause every holder and capture.
 
@@ -87,7 +132,7 @@ class Snapshots:
         starts any write whose start message has not arrived.
         """
         now = self._clock.monotonic()
-        op = self._parts.opened(SnapshotOperation(snapshot_id, checkpoint_path, now,
+        op = self._lifecycle.open(SnapshotOperation(snapshot_id, checkpoint_path, now,
                                           now + self._parts.config.lease_s, SnapshotBeginning()))
         cfg = self._parts.config
         claimed: asyncio.Future[None] | None = None
@@ -109,7 +154,7 @@ class Snapshots:
                 # Not awaited here: no holder relies on the store before it holds (the
                 # writes start after it, and the commit awaits it), and its file work
                 # would otherwise lengthen every pause.
-                op.blob_hold = asyncio.ensure_future(self.hold_blobs(op, first=True))
+                op.blob_hold = asyncio.ensure_future(self._holds.hold_blobs(op, first=True))
                 op.blob_hold.add_done_callback(lambda f: f.cancelled() or f.exception())
             begun: dict[str, tuple[PauseReport, CaptureReport]] = await self._parts.holders.fan(
                 op.holders, "pause_capture",
@@ -129,7 +174,7 @@ class Snapshots:
             if claimed is not None and claimed.done() and not claimed.cancelled():
                 claimed.exception()  # retrieved: the first error is the one raised
             self._parts.count_failure("snapshot", exc)
-            await self._parts.abort(op, Outcome.ABORTED)
+            await self._lifecycle.end(op, Outcome.ABORTED)
             raise
         self._captures_done += 1
         captured = SnapshotCaptured(tuple(c for _, c in begun.values()), self._captures_done)
@@ -155,11 +200,6 @@ class Snapshots:
         await self._runtime.run_blocking(environment_folder(op.path).prepare)
         await self._parts.folders.claim(op)
 
-    @property
-    def _claim_ttl(self) -> float:
-        """How long a claim or a hold stands without a renewal."""
-        return self._parts.config.lease_s * 2
-
     async def _claims_hold(self, op: SnapshotOperation) -> None:
         """Before the manifest: the path's claim and the store's hold must not have
         lapsed since they were last written (their renewals may have failed). A claim
@@ -173,13 +213,6 @@ class Snapshots:
                 f"{op.id}: its hold on the blob store could not be renewed for too long "
                 f"(a full or failing disk?), so a collection may have removed blobs it "
                 f"relies on; it was not committed: retry the snapshot")
-
-    async def hold_blobs(self, op: SnapshotOperation, first: bool = False) -> None:
-        """Hold the blob store for the snapshot (or renew the hold): it relies on the
-        blobs there until it commits, so no collection may run meanwhile."""
-        held_at = await self._parts.blobs.hold(op.id, self._parts.claim_ttl, first)
-        if held_at is not None:
-            op.held_at = held_at
 
     async def start_writes(self, snapshot_id: str) -> None:
         """Start every holder's write of the snapshot; waits for none. Never raises:
@@ -253,7 +286,7 @@ class Snapshots:
             await self._runtime.reached("after_manifest")
         except BaseException as exc:
             self._parts.count_failure("snapshot", exc)
-            await self._parts.abort(op, Outcome.ABORTED)
+            await self._lifecycle.end(op, Outcome.ABORTED)
             if not isinstance(op.state, FoundCommitted):
                 raise
             # Only the manifest's write can fail after its rename (the folder's fsync):

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from actors.drills import PhaseDelays
 from actors.sim import SimActor, SimWorld
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.checkpoint_folder import environment_dir
@@ -64,6 +65,10 @@ class World:
 
     def holders(self) -> dict[str, Any]:
         return {a.name: a.obj for a in self.sim.live(HOLDER)}
+
+    def holder_delays(self) -> dict[str, PhaseDelays]:
+        """Where each live holder's phases wait (``actors.drills``), for a test to set."""
+        return {a.name: a.delays for a in self.sim.live(HOLDER)}
 
     def states(self) -> dict[str, HolderState]:
         return {name: h.current[0] for name, h in self.holders().items()}

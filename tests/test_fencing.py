@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 import pytest
 
 from actors.coordinator import CheckpointCoordinator
-from actors.drills import COORDINATOR_POINTS, PhaseDelays
 from nemo_ckpt.errors import OperationAbortedError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.operations import new_operation_id
@@ -37,15 +36,14 @@ async def stalled_commit(world: World, path: Path, stall_at: str) -> Stalled:
     finds by name (Ray declared it dead), still running, commits its own snapshot there
     and stalls for 3 s at ``stall_at``: the next driver call makes a successor."""
     actor = world.sim.new_actor(COORDINATOR, "zombie", "node-0")
-    delays = PhaseDelays(COORDINATOR_POINTS)
-    old = CheckpointCoordinator(CONFIG, world.sim.transport(actor, CONFIG, delays))
+    old = CheckpointCoordinator(CONFIG, world.sim.transport(actor, CONFIG))
     live = await world.populate()
     await world.snapshot(path, live)
     committed = read_manifest(path).snapshot_id
     op = new_operation_id("snap", EPOCH + world.sim.loop.time(), "olddrivr", 1)
     await old.begin_snapshot(op, str(path))
     await old.start_writes(op)
-    delays.set(stall_at, 3.0)
+    actor.delays.set(stall_at, 3.0)
     late = asyncio.ensure_future(old.commit_snapshot(op, str(path), {}, 0))
     return Stalled(committed, op, live, late)
 

@@ -164,16 +164,16 @@ def test_a_driver_cancelled_during_begin_resumes_every_holder(world: World, when
 
     async def scenario() -> None:
         live = await world.populate()
-        for holder in world.holders().values():
-            holder._parts.delays["pause"] = 3.0  # a long drain: renewals come meanwhile
+        for delays in world.holder_delays().values():
+            delays.set("pause", 3.0)  # a long drain: renewals come meanwhile
         task = asyncio.current_task()
         assert task is not None
         world.on_send(when, lambda: world.sim.loop.call_later(0.002, task.cancel))
         with pytest.raises(asyncio.CancelledError):
             await world.snapshot(path, live)
         assert set(world.states().values()) == {HolderState.RUNNING}
-        for holder in world.holders().values():
-            holder._parts.delays.clear()
+        for delays in world.holder_delays().values():
+            delays.set("pause", 0)
         await world.snapshot(path, live)  # the same driver's next snapshot works
 
     world.run(scenario())

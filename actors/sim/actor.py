@@ -10,6 +10,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.drills import COORDINATOR_POINTS, HOLDER_POINTS, PhaseDelays
+
 __all__ = ["NO_ACTOR", "ActorDied", "IoFault", "SimActor", "current_actor", "retrieve",
            "settle"]
 
@@ -50,6 +52,13 @@ class SimActor:
     queues: dict[str, deque[tuple[str, bytes, asyncio.Future[Any], float, tuple[str, ...]]]] \
         = field(
         default_factory=dict)
+    # Where a test makes its phases wait (``actors.drills``): its runtime's ``reached``.
+    delays: PhaseDelays = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.delays = PhaseDelays(
+            {"holder": HOLDER_POINTS, "coordinator": COORDINATOR_POINTS}.get(
+                self.kind, frozenset()))
 
     @property
     def zombie(self) -> bool:

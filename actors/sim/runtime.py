@@ -72,7 +72,8 @@ class BlockingRunner:
         world = self._world
         return Runtime(clock=SimClock(world, actor), metrics=NoMetrics(),
                        run_blocking=self.runner(actor),
-                       token=lambda: f"{world.rng.getrandbits(64):016x}")
+                       token=lambda: f"{world.rng.getrandbits(64):016x}",
+                       reached=actor.delays.reached)
 
     def runner(self, actor: SimActor) -> Callable[..., Awaitable[Any]]:
         world = self._world

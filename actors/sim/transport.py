@@ -7,12 +7,10 @@ call that the callee's death or a deadline ended into ``BackendUnavailableError`
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from actors.coordinator import CheckpointCoordinator
-from actors.drills import PhaseDelays
 from actors.holder_registry import FanRelay
 from actors.session_holder import SessionHolder
 from actors.sim.actor import ActorDied, SimActor
@@ -28,14 +26,11 @@ __all__ = ["SimTransport"]
 class SimTransport:
     """``Transport`` over a ``SimWorld``, as seen from one (pseudo-)actor."""
 
-    def __init__(self, world: SimWorld, me: SimActor, config: CheckpointConfig,
-                 delays: PhaseDelays | None = None) -> None:
+    def __init__(self, world: SimWorld, me: SimActor, config: CheckpointConfig) -> None:
         self._world = world
         self._me = me
         self._config = config
         self._runtime = world.runtime(me)
-        if delays is not None:
-            self._runtime = dataclasses.replace(self._runtime, reached=delays.reached)
         # Kept until a call finds it dead, as Ray's transport keeps its handle: a driver
         # reaches a successor only through a failed call, which makes it attach again.
         self._coordinator: SimActor | None = None

@@ -11,7 +11,6 @@ import random
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from actors.drills import PhaseDelays
 from actors.sim.actor import NO_ACTOR, ActorDied, SimActor, current_actor, settle
 from actors.sim.delivery import Delivery
 from actors.sim.runtime import BlockingRunner, IoDecision, model_clock
@@ -137,11 +136,8 @@ class SimWorld:
         """``actor``'s clocks and its blocking work (``actors.sim.runtime``)."""
         return self._blocking.runtime(actor)
 
-    def transport(self, actor: SimActor, config: CheckpointConfig,
-                  delays: PhaseDelays | None = None) -> SimTransport:
-        """``actor``'s transport; ``delays`` make its phases wait where a test sets them
-        (``actors.drills``)."""
-        return SimTransport(self, actor, config, delays)
+    def transport(self, actor: SimActor, config: CheckpointConfig) -> SimTransport:
+        return SimTransport(self, actor, config)
 
     def deliver(self, caller: SimActor, target: SimActor, method: str,
                 args: tuple[Any, ...]) -> asyncio.Future[Any]:
