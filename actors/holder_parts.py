@@ -1,8 +1,8 @@
 """What the session holder's parts share: its session table, turn gate, sandboxes and
 operation table, its clock and blocking-work runner, its heap trimmer and watchdog, and
-the one transition (``HolderParts.set_state``) with the admission of a new operation.
-``actors.session_holder`` makes one and routes to the parts that use it
-(``actors.holder_sessions``, ``actors.holder_snapshots``, ``actors.holder_restores``).
+the one transition (``HolderParts.set_state``). ``actors.session_holder`` makes one and
+routes to the parts that use it (``actors.holder_operations``, ``actors.holder_sessions``,
+``actors.holder_snapshots``, ``actors.holder_restores``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from actors.holder_states import (
     Ended,
     HolderOperationTable,
     OperationState,
-    RestoreLive,
     RestoreLoading,
     RestoreWork,
     SnapshotPaused,
@@ -91,42 +90,19 @@ class HolderParts:
 
     # --- the one transition ------------------------------------------------------------
 
-    def set_state(self, op_id: str, new: OperationState) -> None:
+    def set_state(self, op_id: str, new: OperationState) -> OperationState | None:
         """Move operation ``op_id`` to ``new``: the only place that opens or closes the
-        turn gate and that ends an operation (recording its outcome)."""
+        turn gate and that ends an operation (recording its outcome). Returns the state
+        it left (None if it was not open); an end that is not a commit goes through
+        ``actors.holder_operations.HolderOperations.end``, which undoes what it left."""
         old = self.ops.enter(op_id, new)
-        if isinstance(new, Ended):
-            if isinstance(old, SnapshotPaused | SnapshotReleased) \
-                    and new.outcome is Outcome.COMMITTED:
-                self.last_snapshot_id = op_id
-            if isinstance(old, RestoreLoading):
-                self._discard_restore(old.work)
-            if isinstance(old, RestoreLive) and new.outcome is not Outcome.COMMITTED:
-                self._undo(op_id, old)
-            elif old is not None and new.outcome is not Outcome.COMMITTED:
-                log.info("%s: %s %s", self.instance_id, op_id, new.outcome.value)
+        if isinstance(new, Ended) and isinstance(old, SnapshotPaused | SnapshotReleased) \
+                and new.outcome is Outcome.COMMITTED:
+            self.last_snapshot_id = op_id
         self.gate.set_open(self.ops.current is None, self.clock.monotonic())
         if not self.gate.is_open:
             self.watchdog.ensure_running()  # the lease must be watched from now on
-
-    def _discard_restore(self, work: RestoreWork) -> None:
-        """A restore that will not go live: its staged directories go (in the background:
-        nothing refers to them), their blobs may leave the cache."""
-        self.sandboxes.forget_restore(work.sandboxes)
-        if work.sandboxes or self.sandboxes.root is not None:
-            self.background(self.sandboxes.discard_staging, work.id)
-
-    def _undo(self, restore_id: str, live: RestoreLive) -> None:
-        """Drop the sessions a committed restore made live (see ``RestoreLive``)."""
-        for rollout_id in live.rollouts:
-            self.table.drop(rollout_id)
-            self.sandboxes.drop(rollout_id)
-        if live.directories:
-            self.sandboxes.doom(live.directories)
-            self.background(self.sandboxes.remove_doomed)
-        log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
-                    "sessions were dropped again", self.instance_id, restore_id,
-                    len(live.rollouts))
+        return old
 
     def settle_restore(self) -> None:
         """A turn ran: the restore live here is in use, and no abort undoes it now."""
@@ -139,29 +115,13 @@ class HolderParts:
         task = asyncio.ensure_future(self.runtime.run_blocking(fn, *args))
         task.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    # --- admission -----------------------------------------------------------------------
+    # --- refusals -----------------------------------------------------------------------
 
     def refusal(self, op_id: str) -> Exception:
         return self.ops.refusal(op_id, self.clock.monotonic())
 
     def busy(self, what: str) -> HolderBusyError:
         return self.ops.busy(what, self.clock.monotonic())
-
-    def admit(self, op_id: str, what: str, restore: bool = False) -> None:
-        """Let a new operation start, or refuse: one that already ended or that its
-        driver has moved past (a late call), or while another one runs.
-
-        A new restore supersedes the last one if it went live here but was never used
-        (no turn since): its sessions go first. That is how the retry of a restore that
-        failed elsewhere adopts this holder when the failed one's abort has not reached
-        it yet (a slow link): all or nothing, whichever message comes first."""
-        self.ops.refuse_ended(op_id, self.clock.monotonic())
-        if self.ops.current is not None:
-            raise self.busy(what)
-        self.ops.history.note(op_id)
-        live = self.ops.live_restore()
-        if restore and live is not None:
-            self.set_state(live[0], Ended(Outcome.ABORTED))
 
     def require_running(self, what: str) -> None:
         if self.ops.current is not None:

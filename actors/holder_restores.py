@@ -9,13 +9,20 @@ passes through, and its undo, in ``actors.holder_states`` and
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 import msgpack
 
+from actors.holder_operations import HolderOperations
 from actors.holder_parts import HolderParts
 from actors.holder_shards import ShardPrefetch, read_restore_shard
-from actors.holder_states import Ended, RestoreLive, RestoreLoading, RestoreWork
+from actors.holder_states import (
+    OperationState,
+    RestoreLive,
+    RestoreLoading,
+    RestoreWork,
+)
 from actors.session_table import Held
 from nemo_ckpt.checkpoint_folder import folder_at
 from nemo_ckpt.errors import HolderStateError, RestoreConflictError
@@ -24,7 +31,9 @@ from nemo_ckpt.manifest import ShardEntry
 from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import RestorePrepared
 
-__all__ = ["RestorePhases"]
+__all__ = ["RestorePhases", "RestoreUndo"]
+
+log = logging.getLogger("nemo_ckpt.holder")
 
 
 @dataclass
@@ -37,11 +46,48 @@ class _Read:
     shard_sessions: list[tuple[str, bytes]] = field(default_factory=list)
 
 
-class RestorePhases:
-    """The restore phases of one holder."""
+class RestoreUndo:
+    """What a restore leaves behind when it ends without committing
+    (``actors.holder_operations.HolderOperations.end`` calls ``undo``): the directories it
+    staged, or the sessions a commit made live here but no turn used yet."""
 
     def __init__(self, parts: HolderParts) -> None:
         self._parts = parts
+
+    def undo(self, op_id: str, old: OperationState) -> None:
+        if isinstance(old, RestoreLoading):
+            self._discard(old.work)
+        elif isinstance(old, RestoreLive):
+            self._drop_live(op_id, old)
+
+    def _discard(self, work: RestoreWork) -> None:
+        """A restore that will not go live: its staged directories go (in the background:
+        nothing refers to them), their blobs may leave the cache."""
+        sandboxes = self._parts.sandboxes
+        sandboxes.forget_restore(work.sandboxes)
+        if work.sandboxes or sandboxes.root is not None:
+            self._parts.background(sandboxes.discard_staging, work.id)
+
+    def _drop_live(self, restore_id: str, live: RestoreLive) -> None:
+        """Drop the sessions a committed restore made live (see ``RestoreLive``)."""
+        parts = self._parts
+        for rollout_id in live.rollouts:
+            parts.table.drop(rollout_id)
+            parts.sandboxes.drop(rollout_id)
+        if live.directories:
+            parts.sandboxes.doom(live.directories)
+            parts.background(parts.sandboxes.remove_doomed)
+        log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
+                    "sessions were dropped again", parts.instance_id, restore_id,
+                    len(live.rollouts))
+
+
+class RestorePhases:
+    """The restore phases of one holder."""
+
+    def __init__(self, parts: HolderParts, operations: HolderOperations) -> None:
+        self._parts = parts
+        self._operations = operations
         self.instance_id = parts.instance_id
         self._runtime = parts.runtime
         self._clock = parts.clock
@@ -69,7 +115,7 @@ class RestorePhases:
         state = parts.ops.get(restore_id)
         if isinstance(state, RestoreLoading):
             return await asyncio.shield(state.work.prepared)
-        parts.admit(restore_id, f"restore {restore_id}", restore=True)
+        self._operations.admit(restore_id, f"restore {restore_id}", restore=True)
         op = RestoreWork(restore_id)
         parts.set_state(restore_id, RestoreLoading(op, self._clock.monotonic() + lease_s))
         try:
@@ -103,7 +149,7 @@ class RestorePhases:
                 op.prepared.set_exception(exc)
                 op.prepared.exception()  # retrieved here; a repeat call re-raises it
             if parts.restore_open(op):
-                parts.set_state(restore_id, Ended(Outcome.ABORTED))
+                self._operations.end(restore_id, Outcome.ABORTED)
             raise
 
     async def _read(self, op: RestoreWork, directory: Folder, where: str,

@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from actors.holder_operations import HolderOperations
 from actors.holder_parts import HolderParts
 from actors.holder_shards import write_capture
 from actors.holder_states import (
     Capture,
     Ended,
-    RestoreLive,
-    RestoreLoading,
     SnapshotPaused,
     SnapshotReleased,
     SnapshotWork,
@@ -38,8 +37,9 @@ log = logging.getLogger("nemo_ckpt.holder")
 class SnapshotPhases:
     """The snapshot phases of one holder, and the end of any of its operations."""
 
-    def __init__(self, parts: HolderParts) -> None:
+    def __init__(self, parts: HolderParts, operations: HolderOperations) -> None:
         self._parts = parts
+        self._operations = operations
         self.instance_id = parts.instance_id
         self._runtime = parts.runtime
         self._clock = parts.clock
@@ -54,7 +54,7 @@ class SnapshotPhases:
         if isinstance(state, SnapshotPaused):
             op = state.work
         else:
-            parts.admit(snapshot_id, f"pause for snapshot {snapshot_id}")
+            self._operations.admit(snapshot_id, f"pause for snapshot {snapshot_id}")
             op = SnapshotWork(snapshot_id, folder_at(directory or "."))
             parts.set_state(snapshot_id,
                             SnapshotPaused(op, self._clock.monotonic() + lease_s))
@@ -84,16 +84,6 @@ class SnapshotPhases:
         pause = await self.pause(snapshot_id, drain_timeout_s, lease_s, directory)
         capture = await self.capture(snapshot_id)
         return pause, capture
-
-    async def renew_lease(self, operation_id: str, lease_s: float) -> float:
-        """Extend the lease of the snapshot or restore in progress (paused, restoring or
-        released); returns seconds left. Refused, without changing anything, for any
-        other operation."""
-        state = self._parts.ops.get(operation_id)
-        if not isinstance(state, SnapshotPaused | SnapshotReleased | RestoreLoading):
-            raise self._parts.refusal(operation_id)
-        state.lease_deadline = self._clock.monotonic() + lease_s
-        return lease_s
 
     async def release(self, snapshot_id: str) -> None:
         """The driver's block exited: open the turn gate now, while the shard is still
@@ -170,26 +160,6 @@ class SnapshotPhases:
         if self._parts.ops.snapshot(snapshot_id) is not None:
             self._parts.set_state(snapshot_id, Ended(Outcome.COMMITTED))
             self._parts.heap.request()
-
-    async def abort(self, operation_id: str, keep_committed: bool = False) -> None:
-        """End ``operation_id`` without a trace here, whatever it is and wherever it got:
-
-        - the current snapshot or restore: the gate opens; a shard being written removes
-          itself once written; a pending restore is dropped;
-        - a restore committed here but aborted elsewhere (and not in use yet): the
-          sessions it made live go again, so a restore is all or nothing; unless
-          ``keep_committed``: the abort comes from a coordinator that never reached the
-          restore's commit (one taken for dead that runs again, whose successor
-          committed it), and must not undo what its successor committed;
-        - one never seen (this abort overtook its first call): remembered, so that
-          its late first call is refused instead of pausing the holder.
-        """
-        if keep_committed and isinstance(self._parts.ops.get(operation_id), RestoreLive):
-            log.warning("%s: an abort of %s from a coordinator that never committed it "
-                        "leaves it live: it was committed here", self.instance_id,
-                        operation_id)
-            return
-        self._parts.set_state(operation_id, Ended(Outcome.ABORTED))
 
     async def _persist(self, op: SnapshotWork, directory: Folder,
                        capture: Capture) -> PersistReport:

@@ -10,7 +10,10 @@ operation table and ``set_state``, the one transition):
 
 - ``actors.holder_sessions.Sessions``: sessions and turns from workers, and the ledger's
   ``retire`` and ``forget``;
-- ``actors.holder_snapshots.SnapshotPhases``: a snapshot's phases, and ``abort``;
+- ``actors.holder_operations.HolderOperations``: an operation admitted, its lease
+  renewed and lapsed, and aborted: the one place one ends without committing; a
+  restore's undo (``actors.holder_restores.RestoreUndo``) lives beside its phases;
+- ``actors.holder_snapshots.SnapshotPhases``: a snapshot's phases;
 - ``actors.holder_restores.RestorePhases``: a restore's phases.
 
 The order of the coordinator's calls is stated once, numbered, on
@@ -24,11 +27,12 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from actors.holder_operations import HolderOperations
 from actors.holder_parts import HolderParts, NoTrimmer, Trimmer
-from actors.holder_restores import RestorePhases
+from actors.holder_restores import RestorePhases, RestoreUndo
 from actors.holder_sessions import Sessions
 from actors.holder_snapshots import SnapshotPhases
-from actors.holder_states import Ended, HolderOperationTable, SnapshotReleased
+from actors.holder_states import HolderOperationTable
 from actors.sandboxes import Sandboxes
 from actors.session_table import SessionTable
 from actors.turn_gate import TurnGate
@@ -37,7 +41,6 @@ from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.location import join_location
 from nemo_ckpt.manifest import ShardEntry
-from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import (
     CaptureReport,
     HolderInfo,
@@ -96,7 +99,7 @@ class SessionHolder:
         self._turn_timeout_s = turn_timeout_s
         self._heap_state_seen = HolderState.RUNNING  # the state at the watchdog's last look
         self._watchdog = Watchdog(self._clock, watch_period_s, [
-            Check("leases", self._lapse_leases),
+            Check("leases", lambda now: self._operations.lapse(now)),
             Check("turn timeouts", self._time_out_turns),
             Check("heap and cache", self._trim_when_running),
         ])
@@ -108,22 +111,11 @@ class SessionHolder:
             ops=HolderOperationTable(instance_id), heap=trimmer or NoTrimmer(),
             watchdog=self._watchdog)
         self._sessions = Sessions(self._parts, max_state_bytes)
-        self._snapshots = SnapshotPhases(self._parts)
-        self._restores = RestorePhases(self._parts)
+        self._operations = HolderOperations(self._parts, RestoreUndo(self._parts))
+        self._snapshots = SnapshotPhases(self._parts, self._operations)
+        self._restores = RestorePhases(self._parts, self._operations)
 
     # --- the watchdog's checks -----------------------------------------------------------
-
-    async def _lapse_leases(self, now: float) -> None:
-        """End every open operation whose lease ran out: nobody renews it any more. A
-        shard already written stays (a coordinator may hold its report and commit it);
-        one written later removes itself (``SnapshotPhases._persist``)."""
-        ops = self._parts.ops
-        for op_id in ops.lapsed(now):
-            released = isinstance(ops.get(op_id), SnapshotReleased)
-            log.warning("%s: lease of %s lapsed%s", self.instance_id, op_id,
-                        " while its shard was written" if released
-                        else "; resuming by itself")
-            self._parts.set_state(op_id, Ended(Outcome.LAPSED))
 
     async def _time_out_turns(self, now: float) -> None:
         gate = self._parts.gate
@@ -275,8 +267,8 @@ class SessionHolder:
         return await self._snapshots.begin(snapshot_id, drain_timeout_s, lease_s, directory)
 
     async def renew_lease(self, operation_id: str, lease_s: float) -> float:
-        """Extend the current operation's lease (``SnapshotPhases.renew_lease``)."""
-        return await self._snapshots.renew_lease(operation_id, lease_s)
+        """Extend the current operation's lease (``HolderOperations.renew_lease``)."""
+        return await self._operations.renew_lease(operation_id, lease_s)
 
     async def release(self, snapshot_id: str) -> None:
         """Open the gate while the shard is written (``SnapshotPhases.release``)."""
@@ -299,8 +291,8 @@ class SessionHolder:
         await self._snapshots.resume(snapshot_id)
 
     async def abort(self, operation_id: str, keep_committed: bool = False) -> None:
-        """End any operation without a trace here (``SnapshotPhases.abort``)."""
-        await self._snapshots.abort(operation_id, keep_committed)
+        """End any operation without a trace here (``HolderOperations.abort``)."""
+        await self._operations.abort(operation_id, keep_committed)
 
     # --- restore phases (from the coordinator): ``RestorePhases`` -----------------------
 
