@@ -1,10 +1,10 @@
 """The coordinator's side of the blob store: snapshots' holds on it, and its collection.
 
 A snapshot whose sessions may own sandboxes holds the root's blob store
-(``nemo_ckpt.blobs``) from its pause to its end, since it relies on the blobs it found
+(``nemo_ckpt.sandboxes.blobs``) from its pause to its end, since it relies on the blobs it found
 present; no collection runs while any hold stands. After a commit that may have made
 blobs garbage (an older snapshot replaced or removed, one aborted after writing), the
-store is collected in the background (``nemo_ckpt.collection``): one collection at a
+store is collected in the background (``nemo_ckpt.sandboxes.collection``): one collection at a
 time, and one more when a commit lands while it runs.
 """
 
@@ -15,18 +15,18 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from nemo_ckpt.blobs import BLOB_DIR, BlobStore
-from nemo_ckpt.checkpoint_folder import folder_at
-from nemo_ckpt.claims import ClaimWatch
-from nemo_ckpt.collection import (
+from nemo_ckpt.errors import NemoCkptError
+from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.sandboxes.collection import (
     CollectionReport,
     RefsCache,
     collect_quietly,
     committed_snapshots,
 )
-from nemo_ckpt.errors import NemoCkptError
-from nemo_ckpt.location import join_location
-from nemo_ckpt.sandbox import TreeBudget
+from nemo_ckpt.sandboxes.tree import TreeBudget
+from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["BlobCollector"]

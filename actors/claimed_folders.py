@@ -1,7 +1,7 @@
 """The coordinator's claims on snapshot folders, its clean-up after a commit, and the
 per-folder lock that keeps a manifest's rename and a clean-up apart.
 
-A snapshot claims its folder (``nemo_ckpt.path_claims.claim_path``) beside the pause and
+A snapshot claims its folder (``nemo_ckpt.storage.path_claims.claim_path``) beside the pause and
 renews the claim with its lease; the claim carries this coordinator's incarnation and a
 beat redrawn at each write, so a successor that took this incarnation for dead and
 aborted the snapshot fences it (the manifest's write checks the beat). After a commit,
@@ -16,12 +16,12 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 
 from actors.operation_states import SnapshotOperation
-from nemo_ckpt.checkpoint_folder import environment_folder
-from nemo_ckpt.claims import ClaimWatch
-from nemo_ckpt.cleanup import remove_unreferenced_files
 from nemo_ckpt.errors import NemoCkptError
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.path_claims import (
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.cleanup import remove_unreferenced_files
+from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.path_claims import (
     claim_for_reading,
     claim_path,
     live_claims,
@@ -110,7 +110,7 @@ class ClaimedFolders:
     def hold_for_reading(self, path: str, operation_id: str) -> ReadClaim:
         """Claim the folder at ``path`` for a restore, renewed until the restore ends
         (``ReadClaim.release``, from its commit or its abort): a removal
-        (``nemo_ckpt.catalog``) is refused meanwhile, so a restore whose commit fails can
+        (``nemo_ckpt.catalog.listing``) is refused meanwhile, so a restore whose commit fails can
         read the snapshot again. Never refused itself (``claim_for_reading``); a claim that
         cannot be written (a read-only copy of a snapshot) does not stop the restore:
         nothing can remove files there either. Returned as its first write starts, so an

@@ -19,13 +19,13 @@ The coordinator routes each call to its parts:
   without committing; each kind's undo (``SnapshotHolds``, ``RestoreHolds``) lives
   beside its phases;
 - ``actors.snapshots.Snapshots`` and ``actors.restores.Restores``: the phases;
-- ``nemo_ckpt.restore_plan``: a restore's shard assignment and checks, pure.
+- ``nemo_ckpt.protocol.restore_plan``: a restore's shard assignment and checks, pure.
 
-The coordinator's interface is ``nemo_ckpt.coordinator_api.CoordinatorApi``.
+The coordinator's interface is ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``.
 
 The order of the driver's calls is stated once, numbered, on
-``nemo_ckpt.coordinator_api.CoordinatorApi``; the holders', on
-``nemo_ckpt.holder_api.HolderControl``.
+``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``; the holders', on
+``nemo_ckpt.protocol.holder_api.HolderControl``.
 """
 
 from __future__ import annotations
@@ -42,26 +42,26 @@ from actors.operation_lifecycle import OperationLifecycle
 from actors.operation_table import OperationTable
 from actors.restores import RestoreHolds, Restores
 from actors.snapshots import SnapshotHolds, Snapshots
-from nemo_ckpt.blobs import BLOB_DIR
-from nemo_ckpt.claims import ClaimWatch
-from nemo_ckpt.collection import CollectionReport
 from nemo_ckpt.config import (
     ADOPTED_FIELDS,
     DRIVER_FIELDS,
     CheckpointConfig,
     config_differences,
 )
-from nemo_ckpt.coordinator_api import RestoreBegun, SnapshotBegun, SnapshotCommitted
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     ConfigMismatchError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.location import join_location
 from nemo_ckpt.phases import (
     HolderInfo,
     instance_sort_key,
 )
+from nemo_ckpt.protocol.coordinator_api import RestoreBegun, SnapshotBegun, SnapshotCommitted
+from nemo_ckpt.sandboxes.blobs import BLOB_DIR
+from nemo_ckpt.sandboxes.collection import CollectionReport
+from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.transport import COORDINATOR, Transport
 
 __all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "RestoreBegun"]
@@ -84,7 +84,7 @@ class CheckpointCoordinator:
         self.collector_name = f"{self._owner}#{self._incarnation}"
         # Other writers' claims (paths, the blob store), judged on this process's clock:
         # kept for the coordinator's life, as only a claim seen before can be found
-        # abandoned (nemo_ckpt.claims).
+        # abandoned (nemo_ckpt.storage.claims).
         claim_watch = ClaimWatch(self._clock.monotonic)
         operations = OperationTable(config.lease_s)
         self._parts = CoordinatorParts(

@@ -13,7 +13,7 @@ from actors.claimed_folders import ClaimedFolders
 from actors.holder_registry import HolderRegistry
 from actors.operation_table import OperationTable
 from nemo_ckpt.config import CheckpointConfig
-from nemo_ckpt.holder_api import HolderCalls
+from nemo_ckpt.protocol.holder_api import HolderCalls
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["CoordinatorParts"]

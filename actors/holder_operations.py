@@ -24,7 +24,7 @@ from actors.holder_states import (
     SnapshotPaused,
     SnapshotReleased,
 )
-from nemo_ckpt.operations import Outcome
+from nemo_ckpt.protocol.operations import Outcome
 
 __all__ = ["HolderOperations", "Undo"]
 

@@ -29,7 +29,7 @@ from actors.session_table import Held, SessionTable
 from actors.turn_gate import TurnGate
 from actors.watchdog import Watchdog
 from nemo_ckpt.errors import HolderBusyError
-from nemo_ckpt.operations import Outcome
+from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.transport import Clock, Runtime
 

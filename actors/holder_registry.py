@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from nemo_ckpt.errors import BackendUnavailableError, aggregate
-from nemo_ckpt.holder_api import HolderCalls
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
-from nemo_ckpt.restore_plan import least_loaded_node
+from nemo_ckpt.protocol.holder_api import HolderCalls
+from nemo_ckpt.protocol.restore_plan import least_loaded_node
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["FanRelay", "HolderCall", "HolderRegistry", "PHASE_LOGGER"]

@@ -1,7 +1,7 @@
 """The holder's side of a restore: shards read ahead of it (``prefetch``), this
 instance's shards read and verified and their sandboxes staged, nothing live yet
 (``prepare_restore``), then the sessions made live (``commit_restore``). The order of
-these calls is stated on ``nemo_ckpt.holder_api.HolderControl``; the states a restore
+these calls is stated on ``nemo_ckpt.protocol.holder_api.HolderControl``; the states a restore
 passes through, and its undo, in ``actors.holder_states`` and
 ``actors.holder_parts.HolderParts.set_state``.
 """
@@ -24,12 +24,12 @@ from actors.holder_states import (
     RestoreWork,
 )
 from actors.session_table import Held
-from nemo_ckpt.checkpoint_folder import folder_at
 from nemo_ckpt.errors import HolderStateError, RestoreConflictError
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.manifest import ShardEntry
-from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import RestorePrepared
+from nemo_ckpt.protocol.operations import Outcome
+from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.manifest import ShardEntry
 
 __all__ = ["RestorePhases", "RestoreUndo"]
 

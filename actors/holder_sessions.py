@@ -1,5 +1,5 @@
 """The holder's session calls: sessions and their turns, from environment workers
-(``nemo_ckpt.holder_api.HolderSessions``), and the ledger's calls from RL through the
+(``nemo_ckpt.protocol.holder_api.HolderSessions``), and the ledger's calls from RL through the
 coordinator (``retire``, ``forget``), with the checks they make of what they are given.
 """
 
@@ -24,8 +24,8 @@ from nemo_ckpt.errors import (
     TurnInProgressError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.manifest import sandbox_id_problem
 from nemo_ckpt.session_record import NO_TURNS, SessionRecord, check_staging_keys
+from nemo_ckpt.storage.manifest import sandbox_id_problem
 
 __all__ = ["Sessions"]
 

@@ -14,11 +14,11 @@ from actors.heap import collector_paused
 from actors.holder_states import Capture
 from actors.sandboxes import RestoredSandbox, Sandboxes
 from actors.session_table import Held
-from nemo_ckpt.cleanup import remove_files
 from nemo_ckpt.errors import HolderStateError, ShardCorruptedError, SnapshotReadError
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.manifest import ShardEntry, shard_file_name, trees_file_name
-from nemo_ckpt.shards import ShardParts, read_shard_parts, write_shard_parts
+from nemo_ckpt.storage.cleanup import remove_files
+from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.manifest import ShardEntry, shard_file_name, trees_file_name
+from nemo_ckpt.storage.shards import ShardParts, read_shard_parts, write_shard_parts
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["PREFETCH_BYTES", "RestoredShard", "ShardPrefetch", "load_shard",

@@ -2,7 +2,7 @@
 the background (``start_persist``, ``finish_persist``), the lease renewed, the gate
 opened by ``release`` and the snapshot ended by ``resume`` or ``abort``; a shard whose
 snapshot ended while it was written removes itself (``_persist``). The order of these
-calls is stated on ``nemo_ckpt.holder_api.HolderControl``; the states a snapshot passes
+calls is stated on ``nemo_ckpt.protocol.holder_api.HolderControl``; the states a snapshot passes
 through, in ``actors.holder_states``.
 """
 
@@ -21,13 +21,13 @@ from actors.holder_states import (
     SnapshotReleased,
     SnapshotWork,
 )
-from nemo_ckpt.checkpoint_folder import folder_at
-from nemo_ckpt.cleanup import remove_files
 from nemo_ckpt.errors import HolderStateError
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.manifest import ShardEntry
-from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport, join_captured
+from nemo_ckpt.protocol.operations import Outcome
+from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.cleanup import remove_files
+from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.manifest import ShardEntry
 
 __all__ = ["SnapshotPhases"]
 

@@ -30,10 +30,10 @@ from pathlib import Path
 from actors.sandboxes import RestoredSandbox, SandboxCapture
 from actors.session_table import Held
 from nemo_ckpt.errors import HolderBusyError, HolderStateError, StaleSnapshotError
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.operations import LifecycleTable, Outcome
 from nemo_ckpt.phases import CaptureReport, HolderState, PauseReport, PersistReport
 from nemo_ckpt.phases import RestorePrepared as PreparedReport
+from nemo_ckpt.protocol.operations import LifecycleTable, Outcome
+from nemo_ckpt.storage.folder import Folder
 
 __all__ = [
     "Capture",
@@ -147,7 +147,7 @@ _NEXT: dict[type, tuple[type, ...]] = {
 
 class HolderOperationTable(LifecycleTable[OperationState]):
     """The open operations' states, and the bounded history of the ended ones, of the
-    holder of ``instance_id`` (the base: ``nemo_ckpt.operations.LifecycleTable``)."""
+    holder of ``instance_id`` (the base: ``nemo_ckpt.protocol.operations.LifecycleTable``)."""
 
     def __init__(self, instance_id: str) -> None:
         super().__init__()

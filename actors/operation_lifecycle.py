@@ -25,7 +25,7 @@ from actors.operation_states import (
     SnapshotOperation,
     Unseen,
 )
-from nemo_ckpt.operations import Outcome
+from nemo_ckpt.protocol.operations import Outcome
 
 __all__ = ["Holds", "OperationLifecycle"]
 

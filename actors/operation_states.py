@@ -5,7 +5,7 @@ Every operation is one record (``SnapshotOperation`` or ``RestoreOperation``) wh
 more. A state changes only through ``OperationTable.set_state``
 (``actors.operation_table``), which checks the move against ``_MOVES`` and, on entering
 a terminal state, alone records the outcome. The call order that drives these moves is
-stated once, on ``nemo_ckpt.coordinator_api.CoordinatorApi``.
+stated once, on ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``.
 
 A snapshot::
 
@@ -32,8 +32,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import CaptureReport
+from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.transport import Actor
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ class SnapshotOperation(Operation):
     blob store's hold."""
 
     # The manifest's blob_store ("../blobs") when sessions may own sandboxes, and the
-    # snapshot's hold on that store (``nemo_ckpt.blobs``), taken beside the pause.
+    # snapshot's hold on that store (``nemo_ckpt.sandboxes.blobs``), taken beside the pause.
     blob_ref: str | None = None
     blob_hold: asyncio.Future[None] | None = None
     # When (this process's monotonic clock) the path's claim and the store's hold were

@@ -3,7 +3,7 @@
 ``OperationTable`` opens a record for each first call, answers or refuses every later
 one from it, and is the only place a record's state changes (``set_state``): the move
 is checked against ``actors.operation_states``, and entering a terminal state alone
-records the outcome, in a bounded history (``nemo_ckpt.operations``) that answers late
+records the outcome, in a bounded history (``nemo_ckpt.protocol.operations``) that answers late
 and repeated calls once the record is gone.
 """
 
@@ -24,7 +24,7 @@ from actors.operation_states import (
     can_move,
 )
 from nemo_ckpt.errors import BackendUnavailableError, StaleSnapshotError
-from nemo_ckpt.operations import HISTORY_SIZE, LifecycleTable
+from nemo_ckpt.protocol.operations import HISTORY_SIZE, LifecycleTable
 
 __all__ = ["OperationTable"]
 
@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 class OperationTable(LifecycleTable[Operation]):
     """Open operations by id, and the outcomes of the last ones that ended (the base:
-    ``nemo_ckpt.operations.LifecycleTable``)."""
+    ``nemo_ckpt.protocol.operations.LifecycleTable``)."""
 
     def __init__(self, lease_s: float) -> None:
         super().__init__()

@@ -29,9 +29,9 @@ from actors.heap import HeapTrimmer, freeze_startup_objects
 from actors.holder_registry import FanRelay
 from actors.session_holder import SessionHolder
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
-from nemo_ckpt.coordinator_api import CoordinatorApi
 from nemo_ckpt.errors import BackendUnavailableError
-from nemo_ckpt.holder_api import HolderControl, HolderSessions
+from nemo_ckpt.protocol.coordinator_api import CoordinatorApi
+from nemo_ckpt.protocol.holder_api import HolderControl, HolderSessions
 from nemo_ckpt.transport import (
     CONTROL_GROUP,
     COORDINATOR,

@@ -1,7 +1,8 @@
 """The coordinator's side of a restore: read the manifest, place every instance, have
 the holders read and verify their shards (``prepare``), then make every restored
 session live, all or nothing (``commit``). The order of these calls is stated on
-``nemo_ckpt.coordinator_api.CoordinatorApi``; the plan itself, pure, in ``nemo_ckpt.restore_plan``.
+``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``; the plan itself, pure, in
+``nemo_ckpt.protocol.restore_plan``.
 """
 
 from __future__ import annotations
@@ -19,15 +20,20 @@ from actors.operation_states import (
     RestorePreparing,
     RestoreVerified,
 )
-from nemo_ckpt.checkpoint_folder import environment_folder
-from nemo_ckpt.coordinator_api import RestoreBegun
 from nemo_ckpt.errors import RestoreConflictError, StaleSnapshotError
-from nemo_ckpt.manifest import Manifest, ShardEntry
-from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import RestorePrepared
-from nemo_ckpt.restore_plan import assign_shards, conflict_error, holder_said, verify_prepared
-from nemo_ckpt.sandbox_storage import blob_store_of
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.protocol.coordinator_api import RestoreBegun
+from nemo_ckpt.protocol.operations import Outcome
+from nemo_ckpt.protocol.restore_plan import (
+    assign_shards,
+    conflict_error,
+    holder_said,
+    verify_prepared,
+)
+from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.manifest import Manifest, ShardEntry
+from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.transport import Actor
 
 __all__ = ["RestoreHolds", "Restores"]

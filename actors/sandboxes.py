@@ -35,20 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from nemo_ckpt.blobs import BlobCache, BlobStore
-from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import RestoreConflictError, SandboxError
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.manifest import (
-    MAX_SANDBOX_ID_BYTES,
-    NAME_MAX,
-    ShardEntry,
-    TreesEntry,
-    restored_name_problem,
-    safe_name_part,
-    trees_file_name,
+from nemo_ckpt.sandboxes.blobs import BlobCache, BlobStore
+from nemo_ckpt.sandboxes.snapshot_trees import (
+    BlobsWritten,
+    TreeRow,
+    persist_blobs,
+    read_blob,
+    read_trees_file,
+    write_trees_file,
 )
-from nemo_ckpt.sandbox import (
+from nemo_ckpt.sandboxes.tree import (
     Listings,
     SandboxLimits,
     TreeBudget,
@@ -58,13 +55,16 @@ from nemo_ckpt.sandbox import (
     tree_digests,
     tree_stats,
 )
-from nemo_ckpt.sandbox_storage import (
-    BlobsWritten,
-    TreeRow,
-    persist_blobs,
-    read_blob,
-    read_trees_file,
-    write_trees_file,
+from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.manifest import (
+    MAX_SANDBOX_ID_BYTES,
+    NAME_MAX,
+    ShardEntry,
+    TreesEntry,
+    restored_name_problem,
+    safe_name_part,
+    trees_file_name,
 )
 
 __all__ = ["Sandbox", "Recorded", "Sandboxes", "RestoredSandbox", "SandboxCapture", "PRIVATE_DIR"]
@@ -359,7 +359,7 @@ class Sandboxes:
         if self.blob_root is None:
             raise SandboxError(f"{self.instance_id}: sessions own sandboxes but no blob "
                                f"store is configured (CheckpointConfig.checkpoint_root)")
-        from nemo_ckpt.checkpoint_folder import folder_at
+        from nemo_ckpt.storage.checkpoint_folder import folder_at
 
         store = BlobStore(self.blob_root, folder_at)
         rows, refs = capture.rows()
@@ -400,7 +400,7 @@ class Sandboxes:
         if blob_store is None:
             raise SandboxError(f"{self.instance_id}: shard {entry.file} holds sandbox "
                                f"directories, but its manifest names no blob store")
-        from nemo_ckpt.checkpoint_folder import folder_at
+        from nemo_ckpt.storage.checkpoint_folder import folder_at
 
         self.remove_doomed()  # an undone restore's directories: its retry makes them again
         store = BlobStore(blob_store, folder_at)

@@ -17,7 +17,7 @@ operation table and ``set_state``, the one transition):
 - ``actors.holder_restores.RestorePhases``: a restore's phases.
 
 The order of the coordinator's calls is stated once, numbered, on
-``nemo_ckpt.holder_api.HolderControl``.
+``nemo_ckpt.protocol.holder_api.HolderControl``.
 """
 
 from __future__ import annotations
@@ -37,10 +37,7 @@ from actors.sandboxes import Sandboxes
 from actors.session_table import SessionTable
 from actors.turn_gate import TurnGate
 from actors.watchdog import Check, Watchdog
-from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.location import join_location
-from nemo_ckpt.manifest import ShardEntry
 from nemo_ckpt.phases import (
     CaptureReport,
     HolderInfo,
@@ -49,8 +46,11 @@ from nemo_ckpt.phases import (
     PersistReport,
     RestorePrepared,
 )
-from nemo_ckpt.sandbox import SandboxLimits, TreeBudget
+from nemo_ckpt.sandboxes.tree import SandboxLimits, TreeBudget
 from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
+from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["SessionHolder", "Trimmer"]

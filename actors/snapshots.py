@@ -1,8 +1,8 @@
 """The coordinator's side of a snapshot: claim the path and pause and capture on every
 holder (``begin``), start every holder's write (``start_writes``), then wait for every
 shard, write the manifest last and resume the holders (``commit``). The order of these
-calls is stated on ``nemo_ckpt.coordinator_api.CoordinatorApi``; the states a snapshot passes
-through, in ``actors.operation_states``.
+calls is stated on ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``; the states a snapshot
+passes through, in ``actors.operation_states``.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from actors.operation_states import (
     SnapshotOperation,
     SnapshotWriting,
 )
-from nemo_ckpt.checkpoint_folder import environment_folder
-from nemo_ckpt.cleanup import remove_snapshot_files
-from nemo_ckpt.commit_sequence import sequence_root, take_sequence
-from nemo_ckpt.coordinator_api import SnapshotBegun, SnapshotCommitted
+from nemo_ckpt.catalog.commit_sequence import sequence_root, take_sequence
 from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
-from nemo_ckpt.manifest import ShardEntry, encode_manifest
-from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport
-from nemo_ckpt.sandbox_storage import blob_store_ref
-from nemo_ckpt.snapshot_files import write_manifest
+from nemo_ckpt.protocol.coordinator_api import SnapshotBegun, SnapshotCommitted
+from nemo_ckpt.protocol.operations import Outcome
+from nemo_ckpt.sandboxes.snapshot_trees import blob_store_ref
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.cleanup import remove_snapshot_files
+from nemo_ckpt.storage.manifest import ShardEntry, encode_manifest
+from nemo_ckpt.storage.snapshot_files import write_manifest
 from nemo_ckpt.transport import Actor
 
 __all__ = ["SnapshotHolds", "Snapshots"]

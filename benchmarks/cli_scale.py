@@ -21,12 +21,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.manifest import encode_manifest, shard_file_name
 from nemo_ckpt.session_record import SessionRecord
-from nemo_ckpt.shards import write_shard
-from nemo_ckpt.snapshot_files import write_manifest
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.manifest import encode_manifest, shard_file_name
+from nemo_ckpt.storage.shards import write_shard
+from nemo_ckpt.storage.snapshot_files import write_manifest
 
 INSTANCES = 4
 

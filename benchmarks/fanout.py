@@ -77,7 +77,7 @@ from benchmarks.common import (
 )
 from benchmarks.scale import NODES, make_instances
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
-from nemo_ckpt.operations import new_operation_id
+from nemo_ckpt.protocol.operations import new_operation_id
 from nemo_ckpt.transport import COORDINATOR
 
 # (holders, relayed): the flat fan-out's fit, and the relays at the widest real point.

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from actors.holder_shards import write_held_shard
 from actors.session_table import Held, SessionTable
-from nemo_ckpt.checkpoint_folder import folder_at
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import join_captured
+from nemo_ckpt.storage.checkpoint_folder import folder_at
 
 
 def _status(field: str) -> int:

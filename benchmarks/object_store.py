@@ -52,10 +52,10 @@ from benchmarks.common import (
     target,
 )
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
-from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.manifest import Manifest
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.manifest import Manifest
+from nemo_ckpt.storage.snapshot_files import read_manifest
 
 # (sessions over 4 holders, state bytes per session)
 POINTS = ((1_000, 64 * 1024), (4_000, 64 * 1024), (10_000, 1024))

@@ -47,7 +47,7 @@ from benchmarks.scale import (
     with_growth,
 )
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
-from nemo_ckpt.coordinator_api import SnapshotBegun
+from nemo_ckpt.protocol.coordinator_api import SnapshotBegun
 
 MiB = 1 << 20
 TAIL_TARGET_MS = 20.0

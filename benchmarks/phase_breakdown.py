@@ -12,7 +12,7 @@ the holders (discovery, the folder and its claim, the manifest, the resume, clea
 is the call's time on this process's clock minus its phase's. Ray's pickling of the
 values the coordinator actor would return to the driver is timed separately (the same
 ``ray.cloudpickle`` round trip). A second part times a shard's write and read paths
-(``nemo_ckpt.shards``) piece by piece in this process, with no Ray at all.
+(``nemo_ckpt.storage.shards``) piece by piece in this process, with no Ray at all.
 
     python -m benchmarks.phase_breakdown --holders 4 --sessions 10000 --state-bytes 1024
     python -m benchmarks.phase_breakdown --shard-only --sessions 2500 --state-bytes 65536
@@ -43,14 +43,14 @@ from actors.coordinator import CheckpointCoordinator
 from actors.ray_transport import RayTransport
 from benchmarks.common import LocalCluster, MiB, PhaseLog, evict_from_page_cache, populate
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
-from nemo_ckpt.checkpoint_folder import environment_dir, prepare_environment_dir
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
-from nemo_ckpt.hashed_files import CONTENT_HASH, content_hasher, view_unpacker
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.operations import new_operation_id as _new_id
+from nemo_ckpt.protocol.operations import new_operation_id as _new_id
 from nemo_ckpt.session_record import SessionRecord, body_head, record_of, record_parts
-from nemo_ckpt.shards import read_shard, write_shard
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, prepare_environment_dir
+from nemo_ckpt.storage.hashed_files import CONTENT_HASH, content_hasher, view_unpacker
+from nemo_ckpt.storage.shards import read_shard, write_shard
+from nemo_ckpt.storage.snapshot_files import read_manifest
 
 _timings: dict[str, list[float]] = {}
 

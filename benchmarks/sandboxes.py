@@ -35,7 +35,7 @@ from benchmarks.common import on_local_ray, print_verdicts
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import read_manifest
 
 PAUSE_ROUNDS = 15
 

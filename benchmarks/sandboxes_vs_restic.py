@@ -49,7 +49,7 @@ from benchmarks.sandboxes import pause_s
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import read_manifest
 
 PER_DIR = 33  # files per directory of the generated repository
 STATE = b"s" * 32  # each session's own state: small, the directories are what is measured

@@ -52,13 +52,13 @@ from benchmarks.common import (
     target,
 )
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
-from nemo_ckpt.checkpoint_folder import environment_dir, prepare_environment_dir
 from nemo_ckpt.driver import RaySnapshot
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.manifest import encode_manifest
 from nemo_ckpt.phases import CaptureReport, PauseReport, join_captured
 from nemo_ckpt.session_record import encode_row
-from nemo_ckpt.snapshot_files import write_manifest
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, prepare_environment_dir
+from nemo_ckpt.storage.manifest import encode_manifest
+from nemo_ckpt.storage.snapshot_files import write_manifest
 from nemo_ckpt.testing.data_plane import LiveCut
 
 SCALE_SESSIONS = (10_000, 100_000, 150_000, 1_000_000)

@@ -84,8 +84,8 @@ from benchmarks.object_store import format_object_store, object_store_targets, r
 from benchmarks.scale import format_scale, run_scale, scale_targets
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
-from nemo_ckpt.hashed_files import write_hashed as _write_durably
-from nemo_ckpt.shards import SHARD_MAGIC, SHARD_VERSION
+from nemo_ckpt.storage.hashed_files import write_hashed as _write_durably
+from nemo_ckpt.storage.shards import SHARD_MAGIC, SHARD_VERSION
 
 log = logging.getLogger("benchmarks.snapshot_bench")
 

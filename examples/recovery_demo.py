@@ -51,21 +51,21 @@ from typing import Any, Optional, cast
 
 import ray
 
-from nemo_ckpt.blobs import BLOB_DIR
-from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver import RayEnvironmentCheckpoint
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.location import (
+from nemo_ckpt.sandboxes.blobs import BLOB_DIR
+from nemo_ckpt.sessions import SessionClient
+from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
+from nemo_ckpt.storage.location import (
     LocalLocation,
     as_path_or_url,
     base_name,
     join_location,
     parse_location,
 )
-from nemo_ckpt.sessions import SessionClient
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import (
     DATA_PLANE_FILE,
     DataPlaneBarrier,
@@ -211,7 +211,7 @@ ProgressFn = Callable[[DemoProgress], None]
 
 def _as_contract_path(where: Where) -> Path:
     # The contract types a checkpoint path as Path; a URL goes as its text (a Path would
-    # collapse its "//"), which RayEnvironmentCheckpoint takes (nemo_ckpt.location).
+    # collapse its "//"), which RayEnvironmentCheckpoint takes (nemo_ckpt.storage.location).
     return cast(Path, where)
 
 

@@ -8,7 +8,7 @@ Snapshots on disk are listed, found, kept and removed with ``list_snapshots``,
 ``nemo-ckpt`` command line renders the same results).
 """
 
-from nemo_ckpt.catalog import (
+from nemo_ckpt.catalog.listing import (
     LatestSnapshot,
     RemovalReport,
     RetentionReport,
@@ -19,10 +19,11 @@ from nemo_ckpt.catalog import (
     list_snapshots,
     remove_snapshot,
 )
-from nemo_ckpt.collection import CollectionReport, collect_blobs
+from nemo_ckpt.catalog.snapshot_diff import SnapshotDiff, diff_snapshots
+from nemo_ckpt.catalog.summary import SnapshotSummary, inspect_snapshot
+from nemo_ckpt.catalog.verification import VerifyReport, verify_snapshot
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.cut import DataPlaneMutationCut
-from nemo_ckpt.diff import SnapshotDiff, diff_snapshots
 from nemo_ckpt.driver import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.interfaces import (
     EnvironmentCheckpoint,
@@ -31,10 +32,9 @@ from nemo_ckpt.interfaces import (
     NoEnvironmentCheckpoint,
     RestoredEnvironmentRollouts,
 )
+from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
-from nemo_ckpt.summary import SnapshotSummary, inspect_snapshot
-from nemo_ckpt.verify import VerifyReport, verify_snapshot
 
 __all__ = [
     "CheckpointConfig",

@@ -16,8 +16,8 @@ from pydantic import (
 )
 
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.location import LocalLocation, parse_location
-from nemo_ckpt.sandbox import SandboxLimits, TreeBudget
+from nemo_ckpt.sandboxes.tree import SandboxLimits, TreeBudget
+from nemo_ckpt.storage.location import LocalLocation, parse_location
 
 __all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN", "DRIVER_FIELDS",
            "ADOPTED_FIELDS", "config_differences"]

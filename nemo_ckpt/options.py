@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.location import LocalLocation, as_path_or_url, parse_location
+from nemo_ckpt.storage.location import LocalLocation, as_path_or_url, parse_location
 
 __all__ = [
     "checkpoint_path",
@@ -82,7 +82,7 @@ def non_empty(text: str) -> str:
 
 def checkpoint_path(text: str) -> Path | str:
     """An argparse ``type=`` for a checkpoint path: a folder (a ``Path``) or an object
-    store's URL (text, as ``nemo_ckpt.location`` writes it); a malformed URL is refused
+    store's URL (text, as ``nemo_ckpt.storage.location`` writes it); a malformed URL is refused
     with why, never taken for a folder named after it."""
     try:
         return as_path_or_url(text)

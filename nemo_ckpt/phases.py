@@ -1,7 +1,7 @@
 """What holders report to the coordinator, phase by phase: pure data, no Ray.
 
 The call order of a snapshot's and a restore's phases is stated once, numbered, on
-``nemo_ckpt.holder_api.HolderControl``; each report here names the call that returns it."""
+``nemo_ckpt.protocol.holder_api.HolderControl``; each report here names the call that returns it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-from nemo_ckpt.manifest import ShardEntry
+from nemo_ckpt.storage.manifest import ShardEntry
 
 __all__ = [
     "HolderState",

@@ -22,9 +22,9 @@ from nemo_ckpt.errors import (
     SessionNotFoundError,
     TurnOutcomeUnknownError,
 )
-from nemo_ckpt.holder_api import HolderCalls, SessionCalls
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import instance_sort_key
+from nemo_ckpt.protocol.holder_api import HolderCalls, SessionCalls
 from nemo_ckpt.session_record import SessionRecord, check_staging_keys
 from nemo_ckpt.transport import Actor, Transport
 

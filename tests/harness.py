@@ -14,10 +14,10 @@ from typing import Any
 from actors.drills import PhaseDelays
 from actors.sim import SimActor, SimWorld
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
-from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
+from nemo_ckpt.storage.checkpoint_folder import environment_dir
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.transport import HOLDER
 

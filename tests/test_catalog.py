@@ -1,4 +1,4 @@
-"""Snapshots as a collection (``nemo_ckpt.catalog``): listed newest first, the newest
+"""Snapshots as a collection (``nemo_ckpt.catalog.listing``): listed newest first, the newest
 that verifies found (and why newer ones were passed over), removed beside a running job,
 the last N kept."""
 
@@ -13,20 +13,24 @@ from typing import Any
 import pytest
 
 from actors.restores import Restores
-from nemo_ckpt import catalog
-from nemo_ckpt.catalog import keep_last, latest_snapshot, list_snapshots, remove_snapshot
-from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, prepare_environment_dir
-from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch, encode_claim
-from nemo_ckpt.commit_sequence import SEQUENCE_DIR, take_sequence
+from nemo_ckpt.catalog import listing as catalog
+from nemo_ckpt.catalog.commit_sequence import SEQUENCE_DIR, take_sequence
+from nemo_ckpt.catalog.listing import keep_last, latest_snapshot, list_snapshots, remove_snapshot
+from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, SnapshotNotFoundError
-from nemo_ckpt.local_folder import LocalFolder
-from nemo_ckpt.manifest import FORMAT_VERSION, encode_manifest, shard_file_name
-from nemo_ckpt.path_claims import claim_path, read_claims
-from nemo_ckpt.shards import write_shard
-from nemo_ckpt.snapshot_files import read_snapshot, write_manifest
+from nemo_ckpt.storage.checkpoint_folder import (
+    environment_dir,
+    environment_folder,
+    prepare_environment_dir,
+)
+from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch, encode_claim
+from nemo_ckpt.storage.local_folder import LocalFolder
+from nemo_ckpt.storage.manifest import FORMAT_VERSION, encode_manifest, shard_file_name
+from nemo_ckpt.storage.path_claims import claim_path, read_claims
+from nemo_ckpt.storage.shards import write_shard
+from nemo_ckpt.storage.snapshot_files import read_snapshot, write_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.transport import COORDINATOR
-from nemo_ckpt.verify import verify_snapshot
 from tests.harness import World
 from tests.s3_server import BUCKET
 from tests.test_sandbox_sessions import (

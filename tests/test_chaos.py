@@ -36,10 +36,10 @@ from nemo_ckpt import (
     SessionClient,
     SessionRecord,
 )
-from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts
+from nemo_ckpt.storage.checkpoint_folder import environment_dir
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts
 from nemo_ckpt.testing.data_plane import DataPlaneBarrier, ReferenceDataPlane
 from nemo_ckpt.testing.toy_env import (
     ToyState,

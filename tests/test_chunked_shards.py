@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.cli.main import main as cli_main
 from nemo_ckpt.errors import ManifestInvalidError, ShardCorruptedError
-from nemo_ckpt.hashed_files import CHUNK_BYTES
-from nemo_ckpt.manifest import ENVIRONMENT_DIR, FORMAT_VERSION, MANIFEST_NAME, Manifest
-from nemo_ckpt.shards import read_shard_parts
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.hashed_files import CHUNK_BYTES
+from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, FORMAT_VERSION, MANIFEST_NAME, Manifest
+from nemo_ckpt.storage.shards import read_shard_parts
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from tests.test_object_storage import session, write_snapshot
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,7 +41,7 @@ def test_a_snapshot_is_written_as_format_6_with_a_hash_per_chunk(tmp_path: Path)
 
 def decoded(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     """Every byte msgpack is given to decode, from here on."""
-    import nemo_ckpt.shards as shards
+    import nemo_ckpt.storage.shards as shards
 
     given: list[bytes] = []
     stream = shards._VerifiedStream

@@ -1,17 +1,21 @@
-"""Clean-up of a checkpoint folder (``nemo_ckpt.cleanup``): committed is final, and the
+"""Clean-up of a checkpoint folder (``nemo_ckpt.storage.cleanup``): committed is final, and the
 files of operations in progress stay (issue 11)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from nemo_ckpt.checkpoint_folder import environment_dir, prepare_environment_dir
-from nemo_ckpt.claims import ClaimWatch
-from nemo_ckpt.cleanup import manifest_snapshot_id, remove_snapshot_files, remove_unreferenced_files
-from nemo_ckpt.manifest import shard_file_name
-from nemo_ckpt.path_claims import claim_path
-from nemo_ckpt.shards import write_shard
-from nemo_ckpt.snapshot_files import read_snapshot
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, prepare_environment_dir
+from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.cleanup import (
+    manifest_snapshot_id,
+    remove_snapshot_files,
+    remove_unreferenced_files,
+)
+from nemo_ckpt.storage.manifest import shard_file_name
+from nemo_ckpt.storage.path_claims import claim_path
+from nemo_ckpt.storage.shards import write_shard
+from nemo_ckpt.storage.snapshot_files import read_snapshot
 from tests.test_storage import session, tree, write_snapshot
 
 

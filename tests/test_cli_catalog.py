@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_ckpt.catalog import list_snapshots
-from nemo_ckpt.checkpoint_folder import environment_dir
+from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.cli.main import main
+from nemo_ckpt.storage.checkpoint_folder import environment_dir
 from tests.test_catalog import _claim_as_snapshot, first_shard, snap
 from tests.test_storage import flip_middle_byte, manifest_path
 

@@ -16,17 +16,17 @@ from typing import Any
 
 import pytest
 
-from nemo_ckpt.blobs import BLOB_DIR, BlobStore
-from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
-from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
-from nemo_ckpt.commit_sequence import take_sequence
+from nemo_ckpt.catalog.commit_sequence import take_sequence
 from nemo_ckpt.errors import CheckpointPathBusyError, OperationAbortedError
-from nemo_ckpt.folder import ABSENT
-from nemo_ckpt.location import join_location
-from nemo_ckpt.manifest import encode_manifest, shard_file_name
-from nemo_ckpt.path_claims import advisory_claims_warning, claim_path
-from nemo_ckpt.shards import write_shard
-from nemo_ckpt.snapshot_files import read_manifest, write_manifest
+from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
+from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
+from nemo_ckpt.storage.folder import ABSENT
+from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.storage.manifest import encode_manifest, shard_file_name
+from nemo_ckpt.storage.path_claims import advisory_claims_warning, claim_path
+from nemo_ckpt.storage.shards import write_shard
+from nemo_ckpt.storage.snapshot_files import read_manifest, write_manifest
 from tests.azurite_server import AzuriteServer
 from tests.s3_server import LocalS3Server, RcloneServer
 from tests.test_object_storage import session

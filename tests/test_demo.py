@@ -121,7 +121,7 @@ async def test_a_crashed_run_restores_mid_rollout_and_ends_like_the_crash_free_r
 @pytest.mark.timeout(120)
 async def test_a_crashed_run_restores_from_a_bucket_and_writes_nothing_local(
         cluster: Any, s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
+    from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
     from tests.s3_server import BUCKET
 
     monkeypatch.chdir(tmp_path)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from nemo_ckpt import RayEnvironmentCheckpoint
-from nemo_ckpt.coordinator_api import SnapshotBegun
 from nemo_ckpt.driver.holder_handles import HolderHandles
 from nemo_ckpt.errors import SnapshotMismatchError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
+from nemo_ckpt.protocol.coordinator_api import SnapshotBegun
 from nemo_ckpt.transport import HOLDER, Actor, Runtime
 from tests.harness import World, cut_of
 

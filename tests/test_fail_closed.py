@@ -16,7 +16,7 @@ from nemo_ckpt.cut import check_rows_against_cut
 from nemo_ckpt.errors import CheckpointPathError, UncheckedSnapshotError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from tests.harness import CONFIG, World, files
 
 pytestmark = pytest.mark.timeout(60)

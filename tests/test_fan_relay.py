@@ -17,7 +17,7 @@ import pytest
 from actors.sim import SimActor
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_snapshot
+from nemo_ckpt.storage.snapshot_files import read_snapshot
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 from tests.harness import CONFIG, World
 

@@ -19,9 +19,9 @@ from actors.ray_transport import RayTransport
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt.errors import BackendUnavailableError
-from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_snapshot
+from nemo_ckpt.protocol.operations import new_operation_id
+from nemo_ckpt.storage.snapshot_files import read_snapshot
 
 pytestmark = pytest.mark.timeout(120)
 

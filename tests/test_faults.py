@@ -23,7 +23,6 @@ import ray
 
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient, SessionRecord
 from nemo_ckpt import EnvironmentEpisode as Ep
-from nemo_ckpt.checkpoint_folder import environment_dir
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -40,7 +39,13 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sessions import Turn
-from nemo_ckpt.snapshot_files import LoadedSnapshot, read_manifest, read_snapshot, snapshot_rollouts
+from nemo_ckpt.storage.checkpoint_folder import environment_dir
+from nemo_ckpt.storage.snapshot_files import (
+    LoadedSnapshot,
+    read_manifest,
+    read_snapshot,
+    snapshot_rollouts,
+)
 from nemo_ckpt.testing import StaticCut
 from tests.conftest import alive_node_ids, remove_node_and_wait
 

@@ -15,8 +15,8 @@ import pytest
 from actors.coordinator import CheckpointCoordinator
 from nemo_ckpt.errors import OperationAbortedError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.operations import new_operation_id
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.protocol.operations import new_operation_id
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.virtual_time import EPOCH
 from nemo_ckpt.transport import COORDINATOR
 from tests.harness import CONFIG, World

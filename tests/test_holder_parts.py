@@ -27,9 +27,9 @@ from nemo_ckpt.errors import (
     StaleSnapshotError,
     TurnInProgressError,
 )
-from nemo_ckpt.local_folder import LocalFolder
-from nemo_ckpt.operations import Outcome
 from nemo_ckpt.phases import HolderState
+from nemo_ckpt.protocol.operations import Outcome
+from nemo_ckpt.storage.local_folder import LocalFolder
 from tests.virtual_time import LoopClock, now, on_virtual_time
 
 pytestmark = pytest.mark.timeout(30)

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from nemo_ckpt import CheckpointConfig
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.location import LocalLocation, ObjectLocation, join_location, parse_location
+from nemo_ckpt.storage.location import LocalLocation, ObjectLocation, join_location, parse_location
 
 REPO = Path(__file__).resolve().parent.parent
 

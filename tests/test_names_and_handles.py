@@ -9,7 +9,7 @@ import pytest
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_snapshot
+from nemo_ckpt.storage.snapshot_files import read_snapshot
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 from tests.harness import CONFIG, World
 

@@ -1,7 +1,7 @@
 """Snapshots in a bucket, against each real object store the tests start on 127.0.0.1:
 the S3 servers of ``tests/s3_server.py`` (SeaweedFS and rclone) and Azurite
 (``tests/azurite_server.py``, for ``az://``): the same guarantees as in a folder,
-through ``nemo_ckpt.object_folder``."""
+through ``nemo_ckpt.storage.object_folder``."""
 
 from __future__ import annotations
 
@@ -17,10 +17,6 @@ from typing import Any
 import obstore
 import pytest
 
-from nemo_ckpt.blobs import BLOB_DIR, BlobStore
-from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
-from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
-from nemo_ckpt.cleanup import manifest_snapshot_id, remove_snapshot_files, remove_unreferenced_files
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     ShardCorruptedError,
@@ -30,12 +26,25 @@ from nemo_ckpt.errors import (
     UnsafeShardNameError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.location import join_location
-from nemo_ckpt.manifest import Manifest, encode_manifest, shard_file_name
-from nemo_ckpt.path_claims import claim_path, live_claims, release_claim
+from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore
 from nemo_ckpt.session_record import SessionRecord
-from nemo_ckpt.shards import write_shard
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
+from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
+from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
+from nemo_ckpt.storage.cleanup import (
+    manifest_snapshot_id,
+    remove_snapshot_files,
+    remove_unreferenced_files,
+)
+from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.storage.manifest import Manifest, encode_manifest, shard_file_name
+from nemo_ckpt.storage.path_claims import claim_path, live_claims, release_claim
+from nemo_ckpt.storage.shards import write_shard
+from nemo_ckpt.storage.snapshot_files import (
+    read_manifest,
+    read_snapshot,
+    snapshot_rollouts,
+    write_manifest,
+)
 from tests.s3_server import BUCKET, SERVERS, LocalS3Server
 
 pytestmark = pytest.mark.timeout(120)
@@ -305,7 +314,7 @@ def test_the_server_command_runs_a_command_against_its_bucket_and_stops_after_it
     import sys
 
     script = ("import os, sys\n"
-              "from nemo_ckpt.checkpoint_folder import folder_at\n"
+              "from nemo_ckpt.storage.checkpoint_folder import folder_at\n"
               f"folder_at('s3://{BUCKET}/cmd').write_bytes('f', b'hello')\n"
               f"print(os.environ['AWS_ENDPOINT_URL'], folder_at('s3://{BUCKET}/cmd').read('f'))\n"
               "sys.exit(3)\n")

@@ -16,12 +16,12 @@ import ray
 
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt import EnvironmentEpisode as Ep
-from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import NemoCkptError, StartupCheckError
-from nemo_ckpt.manifest import shard_file_name
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.manifest import shard_file_name
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing import StaticCut
 from tests.conftest import alive_node_ids
 from tests.s3_server import BUCKET, S3Server

@@ -13,7 +13,7 @@ import pytest
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import ConfigMismatchError
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_snapshot
+from nemo_ckpt.storage.snapshot_files import read_snapshot
 from nemo_ckpt.transport import COORDINATOR
 from tests.harness import CONFIG, World, cut_of
 

@@ -29,7 +29,7 @@ from nemo_ckpt.errors import (
     OperationAbortedError,
     StaleSnapshotError,
 )
-from nemo_ckpt.operations import Outcome
+from nemo_ckpt.protocol.operations import Outcome
 
 SNAP = "snap-20261201T000000-0badf00d-000002"
 EARLIER = "snap-20261201T000000-0badf00d-000001"

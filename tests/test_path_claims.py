@@ -1,4 +1,4 @@
-"""Claims on a checkpoint folder (``nemo_ckpt.path_claims``): a second job is refused a
+"""Claims on a checkpoint folder (``nemo_ckpt.storage.path_claims``): a second job is refused a
 live job's path, and takes over a dead job's only once it watched the claim unchanged for
 its ttl on its own clock (issues 11, 23 and 29)."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_ckpt.checkpoint_folder import prepare_environment_dir
-from nemo_ckpt.claims import LEGACY_TTL_S, STALE_FACTOR, ClaimWatch
 from nemo_ckpt.errors import CheckpointPathBusyError
-from nemo_ckpt.path_claims import claim_path, live_claims, read_claims
+from nemo_ckpt.storage.checkpoint_folder import prepare_environment_dir
+from nemo_ckpt.storage.claims import LEGACY_TTL_S, STALE_FACTOR, ClaimWatch
+from nemo_ckpt.storage.path_claims import claim_path, live_claims, read_claims
 from tests.test_storage import FakeClock
 
 

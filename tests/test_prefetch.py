@@ -13,7 +13,7 @@ import pytest
 
 import actors.holder_shards as holder_shards
 from nemo_ckpt.errors import SnapshotNotFoundError
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import read_manifest
 from tests.harness import World
 
 pytestmark = pytest.mark.timeout(60)

@@ -22,7 +22,7 @@ from nemo_ckpt import (
 )
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
-from nemo_ckpt.manifest import FORMAT_VERSION
+from nemo_ckpt.storage.manifest import FORMAT_VERSION
 from tests.test_catalog import first_shard
 from tests.test_storage import flip_middle_byte, session, write_snapshot_v3
 

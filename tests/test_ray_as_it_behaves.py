@@ -27,9 +27,9 @@ from nemo_ckpt.errors import (
     SnapshotNotFoundError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.protocol.operations import new_operation_id
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.transport import Runtime
 from tests.test_faults import wait_until
 

@@ -19,7 +19,6 @@ from nemo_ckpt import (
 from nemo_ckpt import (
     EnvironmentEpisode as Ep,
 )
-from nemo_ckpt.checkpoint_folder import environment_dir, prepare_environment_dir
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -33,11 +32,17 @@ from nemo_ckpt.errors import (
     StartupCheckError,
     UncheckedSnapshotError,
 )
-from nemo_ckpt.manifest import Manifest, RolloutEntry, shard_file_name
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.session_record import SessionRecord
-from nemo_ckpt.shards import write_shard
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, prepare_environment_dir
+from nemo_ckpt.storage.manifest import Manifest, RolloutEntry, shard_file_name
+from nemo_ckpt.storage.shards import write_shard
+from nemo_ckpt.storage.snapshot_files import (
+    read_manifest,
+    read_snapshot,
+    snapshot_rollouts,
+    write_manifest,
+)
 from nemo_ckpt.testing import StaticCut
 from tests.conftest import alive_node_ids
 

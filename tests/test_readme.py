@@ -26,7 +26,7 @@ from nemo_ckpt.config_table import (
     replace_table,
 )
 from nemo_ckpt.config_table import main as config_table_command
-from nemo_ckpt.manifest import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
+from nemo_ckpt.storage.manifest import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
 
 pytestmark = pytest.mark.timeout(30)
 

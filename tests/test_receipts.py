@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
+from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.cut import check_capture_against_cut
 from nemo_ckpt.errors import RolloutFinishedError, SnapshotInProgressError, SnapshotMismatchError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.manifest import FORMAT_VERSION, Manifest
 from nemo_ckpt.receipts import FinishedRollout
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.storage.manifest import FORMAT_VERSION, Manifest
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing.data_plane import StaticCut
-from nemo_ckpt.verify import verify_snapshot
 from tests.harness import World, cut_of
 
 pytestmark = pytest.mark.timeout(60)

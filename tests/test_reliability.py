@@ -18,8 +18,6 @@ import pytest
 
 from actors.sim import SimActor
 from nemo_ckpt import RayEnvironmentCheckpoint
-from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder
-from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -34,11 +32,13 @@ from nemo_ckpt.errors import (
     StaleSnapshotError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.path_claims import claim_path
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sessions import Turn
-from nemo_ckpt.shards import write_shard
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder
+from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
+from nemo_ckpt.storage.path_claims import claim_path
+from nemo_ckpt.storage.shards import write_shard
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 from tests.harness import CONFIG, World, cut_of, files
 

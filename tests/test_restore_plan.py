@@ -1,5 +1,5 @@
 """A restore's plan decided without actors: placement, shard assignment, and the checks
-of what the holders read (``nemo_ckpt.restore_plan``)."""
+of what the holders read (``nemo_ckpt.protocol.restore_plan``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,20 @@ import msgpack
 import pytest
 
 from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
-from nemo_ckpt.manifest import MIN_CHUNK_BYTES, Manifest, ShardChunks, ShardEntry, encode_manifest
 from nemo_ckpt.phases import RestorePrepared
-from nemo_ckpt.restore_plan import (
+from nemo_ckpt.protocol.restore_plan import (
     assign_shards,
     conflict_error,
     holder_said,
     least_loaded_node,
     verify_prepared,
+)
+from nemo_ckpt.storage.manifest import (
+    MIN_CHUNK_BYTES,
+    Manifest,
+    ShardChunks,
+    ShardEntry,
+    encode_manifest,
 )
 
 HASH = "xxh3-128:" + "0" * 32

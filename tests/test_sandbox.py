@@ -17,11 +17,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from nemo_ckpt.blobs import BlobCache, BlobStore, digest_of
-from nemo_ckpt.checkpoint_folder import folder_at
-from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError, SandboxError
-from nemo_ckpt.sandbox import (
+from nemo_ckpt.sandboxes.blobs import BlobCache, BlobStore, digest_of
+from nemo_ckpt.sandboxes.tree import (
     DIR,
     FILE,
     LINK,
@@ -35,6 +33,8 @@ from nemo_ckpt.sandbox import (
     materialize,
     scan,
 )
+from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.testing.toy_env import directory_listing
 
 

@@ -15,12 +15,12 @@ import ray
 
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt import EnvironmentEpisode as Ep
+from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.testing.toy_env import directory_listing
-from nemo_ckpt.verify import verify_snapshot
 from tests.conftest import alive_node_ids, remove_node_and_wait
 
 pytestmark = pytest.mark.timeout(180)

@@ -15,11 +15,8 @@ from typing import Any
 
 import pytest
 
-from nemo_ckpt.blobs import BlobStore, digest_of
-from nemo_ckpt.checkpoint_folder import environment_dir, folder_at
-from nemo_ckpt.claims import STALE_FACTOR, ClaimWatch
+from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.cli.main import main
-from nemo_ckpt.collection import collect_blobs, committed_snapshots, snapshot_refs
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import (
     BlobCorruptedError,
@@ -29,14 +26,17 @@ from nemo_ckpt.errors import (
     StartupCheckError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.manifest import FORMAT_VERSION
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.sandboxes.blobs import BlobStore, digest_of
+from nemo_ckpt.sandboxes.collection import collect_blobs, committed_snapshots, snapshot_refs
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at
+from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
+from nemo_ckpt.storage.manifest import FORMAT_VERSION
+from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.toy_env import directory_listing
 from nemo_ckpt.testing.virtual_time import EPOCH
 from nemo_ckpt.transport import COORDINATOR
-from nemo_ckpt.verify import verify_snapshot
 from tests.harness import World
 from tests.test_sandbox import same_content, sparse_file, swap_before_open
 

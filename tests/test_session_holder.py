@@ -14,7 +14,6 @@ import pytest
 
 from actors.drills import HOLDER_POINTS, PhaseDelays
 from actors.session_holder import SessionHolder
-from nemo_ckpt.checkpoint_folder import prepare_environment_dir
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     HolderBusyError,
@@ -32,12 +31,13 @@ from nemo_ckpt.errors import (
     TurnInProgressError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.manifest import ShardEntry
-from nemo_ckpt.operations import new_operation_id
 from nemo_ckpt.phases import HolderState
+from nemo_ckpt.protocol.operations import new_operation_id
 from nemo_ckpt.session_record import encode_turns
-from nemo_ckpt.shards import read_shard
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.storage.checkpoint_folder import prepare_environment_dir
+from nemo_ckpt.storage.manifest import ShardEntry
+from nemo_ckpt.storage.shards import read_shard
+from nemo_ckpt.storage.snapshot_files import read_manifest
 from tests.virtual_time import now, on_virtual_time, virtual_runtime
 
 pytestmark = pytest.mark.timeout(30)

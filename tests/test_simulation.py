@@ -16,7 +16,7 @@ import pytest
 
 from actors.session_holder import SessionHolder
 from actors.sim import SimActor, SimWorld, delivery
-from nemo_ckpt import catalog
+from nemo_ckpt.catalog import listing as catalog
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.driver import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.errors import BackendUnavailableError

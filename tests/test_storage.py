@@ -15,15 +15,6 @@ import msgpack
 import pytest
 import xxhash
 
-from nemo_ckpt.blobs import BLOB_DIR, BlobStore, digest_of
-from nemo_ckpt.checkpoint_folder import environment_dir, folder_at, prepare_environment_dir
-from nemo_ckpt.claims import LEGACY_TTL_S, STALE_FACTOR, ClaimWatch
-from nemo_ckpt.cleanup import (
-    manifest_shard_files,
-    manifest_snapshot_id,
-    remove_unreferenced_files,
-)
-from nemo_ckpt.collection import collect_blobs
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     CheckpointPathError,
@@ -37,7 +28,17 @@ from nemo_ckpt.errors import (
     UnsupportedFormatVersionError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.manifest import (
+from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.sandboxes.collection import collect_blobs
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at, prepare_environment_dir
+from nemo_ckpt.storage.claims import LEGACY_TTL_S, STALE_FACTOR, ClaimWatch
+from nemo_ckpt.storage.cleanup import (
+    manifest_shard_files,
+    manifest_snapshot_id,
+    remove_unreferenced_files,
+)
+from nemo_ckpt.storage.manifest import (
     ENVIRONMENT_DIR,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -49,10 +50,14 @@ from nemo_ckpt.manifest import (
     shard_file_name,
     shard_problems,
 )
-from nemo_ckpt.path_claims import claim_path, live_claims
-from nemo_ckpt.session_record import SessionRecord
-from nemo_ckpt.shards import read_shard, read_shard_index, write_shard
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot, snapshot_rollouts, write_manifest
+from nemo_ckpt.storage.path_claims import claim_path, live_claims
+from nemo_ckpt.storage.shards import read_shard, read_shard_index, write_shard
+from nemo_ckpt.storage.snapshot_files import (
+    read_manifest,
+    read_snapshot,
+    snapshot_rollouts,
+    write_manifest,
+)
 
 
 def session(inst: str, rid: str, attempt: int = 0, state: bytes = b"s", turns: int = 2

@@ -10,9 +10,9 @@ import socket
 
 import pytest
 
-from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.errors import SnapshotWriteError
+from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
 from tests.test_object_storage import session, write_snapshot
 
 pytestmark = pytest.mark.timeout(90)

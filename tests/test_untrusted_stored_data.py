@@ -12,20 +12,20 @@ from typing import Any
 
 import pytest
 
-from nemo_ckpt import sandbox
-from nemo_ckpt.blobs import BlobStore, digest_of
-from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, folder_at
+from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.cli.main import main
-from nemo_ckpt.collection import collect_blobs
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import SandboxError, SnapshotReadError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.manifest import MAX_SANDBOX_ID_BYTES, NAME_MAX
-from nemo_ckpt.sandbox import DIR, TreeBudget, decode_tree, pack_tree_object
-from nemo_ckpt.sandbox_storage import BlobsWritten, read_trees_file, write_trees_file
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.sandboxes import tree as sandbox
+from nemo_ckpt.sandboxes.blobs import BlobStore, digest_of
+from nemo_ckpt.sandboxes.collection import collect_blobs
+from nemo_ckpt.sandboxes.snapshot_trees import BlobsWritten, read_trees_file, write_trees_file
+from nemo_ckpt.sandboxes.tree import DIR, TreeBudget, decode_tree, pack_tree_object
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
+from nemo_ckpt.storage.manifest import MAX_SANDBOX_ID_BYTES, NAME_MAX
+from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
-from nemo_ckpt.verify import verify_snapshot
 from tests.harness import World
 from tests.test_sandbox_sessions import sandbox_job
 

@@ -1,5 +1,5 @@
 """``nemo-ckpt diff A B``: rollouts added, finished and advanced from A to B
-(``nemo_ckpt.diff``), rendered."""
+(``nemo_ckpt.catalog.snapshot_diff``), rendered."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ import argparse
 from pathlib import Path
 from typing import TextIO
 
+from nemo_ckpt.catalog.snapshot_diff import (
+    SnapshotDiff,
+    compare_directories,
+    diff_manifests,
+    snapshot_index,
+)
 from nemo_ckpt.cli.render import read_error, table
-from nemo_ckpt.diff import SnapshotDiff, compare_directories, diff_manifests, snapshot_index
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.options import checkpoint_path
 

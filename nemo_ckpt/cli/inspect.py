@@ -6,11 +6,11 @@ import argparse
 import json
 from typing import TextIO
 
+from nemo_ckpt.catalog.summary import SnapshotSummary, snapshot_summary
 from nemo_ckpt.cli.render import human_bytes, number, read_error, table
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.options import checkpoint_path
-from nemo_ckpt.snapshot_files import read_manifest
-from nemo_ckpt.summary import SnapshotSummary, snapshot_summary
+from nemo_ckpt.storage.snapshot_files import read_manifest
 
 __all__ = ["add_parser", "render_summary", "run"]
 
@@ -18,7 +18,7 @@ __all__ = ["add_parser", "render_summary", "run"]
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                path_help: str) -> None:
     """Add ``inspect`` to the parser's subcommands."""
-    # A URL is refused here, before anything reads (nemo_ckpt.location).
+    # A URL is refused here, before anything reads (nemo_ckpt.storage.location).
     p = sub.add_parser("inspect", help="show what a snapshot holds (reads its manifest)",
                        description="Show a snapshot's rollouts by instance, their attempts "
                                    "and turns, bytes per shard, the restarted count and the "

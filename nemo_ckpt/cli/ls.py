@@ -1,5 +1,5 @@
 """``nemo-ckpt ls ROOT [--verify] [--latest] [--json]``: the committed snapshots under a
-checkpoint root, newest first (``nemo_ckpt.catalog``), rendered."""
+checkpoint root, newest first (``nemo_ckpt.catalog.listing``), rendered."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import argparse
 import json
 from typing import Any, TextIO
 
-from nemo_ckpt.catalog import SnapshotInfo, latest_snapshot, list_snapshots
+from nemo_ckpt.catalog.listing import SnapshotInfo, latest_snapshot, list_snapshots
+from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.cli.render import PROG, human_bytes, one_line, table
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.options import checkpoint_path
-from nemo_ckpt.verify import verify_snapshot
 
 __all__ = ["add_parser", "render_snapshots", "run"]
 

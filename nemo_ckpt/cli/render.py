@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from nemo_ckpt.catalog.verification import one_line
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
-from nemo_ckpt.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
-from nemo_ckpt.verify import one_line
+from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
 
 __all__ = ["PROG", "human_bytes", "number", "one_line", "read_error", "table"]
 

@@ -1,16 +1,16 @@
 """``nemo-ckpt rm PATH...`` and ``nemo-ckpt rm --keep-last N ROOT``: remove snapshots
-beside a running job, then their unreferenced blobs (``nemo_ckpt.catalog``), rendered."""
+beside a running job, then their unreferenced blobs (``nemo_ckpt.catalog.listing``), rendered."""
 
 from __future__ import annotations
 
 import argparse
 from typing import TextIO
 
-from nemo_ckpt.catalog import RemovalReport, keep_last, remove_snapshot
+from nemo_ckpt.catalog.listing import RemovalReport, keep_last, remove_snapshot
 from nemo_ckpt.cli.render import PROG, human_bytes, one_line
-from nemo_ckpt.collection import CollectionReport
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.options import at_least, checkpoint_path, non_negative_float
+from nemo_ckpt.sandboxes.collection import CollectionReport
 
 __all__ = ["add_parser", "run"]
 

@@ -19,9 +19,9 @@ from nemo_ckpt.cli.render import PROG, table
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.connect import ray_address
 from nemo_ckpt.errors import BackendUnavailableError
-from nemo_ckpt.holder_api import HolderCalls
 from nemo_ckpt.options import non_empty, positive_float
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
+from nemo_ckpt.protocol.holder_api import HolderCalls
 from nemo_ckpt.transport import Actor, Transport, runtime_transport
 
 __all__ = ["HolderStatus", "add_parser", "holder_status", "run", "run_status"]

@@ -1,17 +1,17 @@
 """``nemo-ckpt verify PATH``: every check a restore makes, without Ray
-(``nemo_ckpt.verify``), rendered."""
+(``nemo_ckpt.catalog.verification``), rendered."""
 
 from __future__ import annotations
 
 import argparse
 from typing import TextIO
 
-from nemo_ckpt.checkpoint_folder import environment_folder
+from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.cli.render import read_error, table
-from nemo_ckpt.manifest import MANIFEST_NAME
 from nemo_ckpt.options import checkpoint_path
 from nemo_ckpt.phases import instance_sort_key
-from nemo_ckpt.verify import verify_snapshot
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.manifest import MANIFEST_NAME
 
 __all__ = ["add_parser", "run"]
 

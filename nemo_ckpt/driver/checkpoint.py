@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Literal, Optional, overload
 
 from nemo_ckpt.config import CheckpointConfig
-from nemo_ckpt.coordinator_api import SnapshotBegun
 from nemo_ckpt.driver.holder_handles import HolderHandles
 from nemo_ckpt.driver.link import NAME_RETRY_S, CoordinatorLink, finish
 from nemo_ckpt.driver.snapshot import RaySnapshot
@@ -37,10 +36,11 @@ from nemo_ckpt.errors import (
     UncheckedSnapshotError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
-from nemo_ckpt.location import LocalLocation, join_location, levels_below, parse_location
 from nemo_ckpt.phases import HolderInfo
+from nemo_ckpt.protocol.coordinator_api import SnapshotBegun
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import register_default_transport
+from nemo_ckpt.storage.location import LocalLocation, join_location, levels_below, parse_location
 from nemo_ckpt.transport import Transport, runtime_transport
 
 __all__ = ["RayEnvironmentCheckpoint", "ray_transport"]

@@ -1,6 +1,6 @@
 """The driver's own handles on the holders a snapshot paused, with which it releases
 them itself as its block exits, beside its commit to the coordinator: one hop less than
-the coordinator's release (the call order: ``nemo_ckpt.coordinator_api.CoordinatorApi``).
+the coordinator's release (the call order: ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``).
 
 The handles are looked up by name through the driver's transport, off the pause's path
 (in the background): first when the driver learns the holders' names
@@ -18,8 +18,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
-from nemo_ckpt.coordinator_api import SnapshotBegun
-from nemo_ckpt.holder_api import HolderCalls
+from nemo_ckpt.protocol.coordinator_api import SnapshotBegun
+from nemo_ckpt.protocol.holder_api import HolderCalls
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["HolderHandles"]

@@ -2,7 +2,8 @@
 still resolves to a dead incarnation, lease renewals, aborts that learn an operation's
 outcome, the ledger's retries and the wait for a shutdown's names to go.
 
-The call order a driver follows is stated once, on ``nemo_ckpt.coordinator_api.CoordinatorApi``.
+The call order a driver follows is stated once, on
+``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from nemo_ckpt.config import CheckpointConfig
-from nemo_ckpt.coordinator_api import CoordinatorCalls
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.operations import new_operation_id
+from nemo_ckpt.protocol.coordinator_api import CoordinatorCalls
+from nemo_ckpt.protocol.operations import new_operation_id
 from nemo_ckpt.transport import COORDINATOR, Transport
 
 __all__ = ["CoordinatorLink", "finish"]

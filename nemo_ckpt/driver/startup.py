@@ -9,12 +9,12 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nemo_ckpt.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import NemoCkptError
-from nemo_ckpt.location import LocalLocation, join_location, parse_location
-from nemo_ckpt.path_claims import advisory_claims_warning
 from nemo_ckpt.phases import HolderInfo, HolderState
+from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
+from nemo_ckpt.storage.location import LocalLocation, join_location, parse_location
+from nemo_ckpt.storage.path_claims import advisory_claims_warning
 
 __all__ = ["Findings", "deadline_findings", "holder_findings", "sandbox_findings",
            "storage_findings"]

@@ -47,7 +47,6 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
-from nemo_ckpt.checkpoint_folder import folder_at
 from nemo_ckpt.errors import (
     NemoCkptError,
     SnapshotInProgressError,
@@ -56,8 +55,9 @@ from nemo_ckpt.errors import (
     StaleCutError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
-from nemo_ckpt.location import as_path_or_url
 from nemo_ckpt.receipts import FinishedRollout
+from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.location import as_path_or_url
 
 __all__ = [
     "trajectory_result",

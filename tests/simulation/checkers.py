@@ -21,12 +21,7 @@ from typing import Any
 from actors.holder_states import Ended, SnapshotReleased
 from actors.sandboxes import Sandboxes
 from actors.sim import SimActor
-from nemo_ckpt import sandbox
-from nemo_ckpt.blobs import BLOB_DIR, COLLECTOR, BlobStore, digest_of
-from nemo_ckpt.catalog import list_snapshots
-from nemo_ckpt.checkpoint_folder import environment_dir, environment_folder, folder_at
-from nemo_ckpt.claims import decode_claim
-from nemo_ckpt.collection import committed_snapshots, snapshot_refs
+from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig
 from nemo_ckpt.errors import (
     BackendUnavailableError,
@@ -40,12 +35,13 @@ from nemo_ckpt.errors import (
     is_retriable,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.operations import Outcome
-from nemo_ckpt.path_claims import read_claims
 from nemo_ckpt.phases import HolderState
+from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.receipts import FinishedRollout
-from nemo_ckpt.sandbox import DIR, pack_tree_object
-from nemo_ckpt.sandbox_storage import (
+from nemo_ckpt.sandboxes import tree as sandbox
+from nemo_ckpt.sandboxes.blobs import BLOB_DIR, COLLECTOR, BlobStore, digest_of
+from nemo_ckpt.sandboxes.collection import committed_snapshots, snapshot_refs
+from nemo_ckpt.sandboxes.snapshot_trees import (
     BlobsWritten,
     blob_store_of,
     read_trees_file,
@@ -53,8 +49,12 @@ from nemo_ckpt.sandbox_storage import (
     verify_directories,
     write_trees_file,
 )
+from nemo_ckpt.sandboxes.tree import DIR, pack_tree_object
 from nemo_ckpt.session_record import SessionRecord
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
+from nemo_ckpt.storage.claims import decode_claim
+from nemo_ckpt.storage.path_claims import read_claims
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY, SESSION_METHODS
 
 from .plan import CONFIG, SPARSE_BYTES

@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from actors.sim import SimActor
-from nemo_ckpt.catalog import remove_snapshot
-from nemo_ckpt.checkpoint_folder import environment_dir
-from nemo_ckpt.collection import collect_blobs
+from nemo_ckpt.catalog.listing import remove_snapshot
 from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotWriteError
-from nemo_ckpt.folder import unlistable
-from nemo_ckpt.local_folder import LocalFolder, write_failure
-from nemo_ckpt.path_claims import claim_path, release_claim
-from nemo_ckpt.sandbox import _Scanner
+from nemo_ckpt.sandboxes.collection import collect_blobs
+from nemo_ckpt.sandboxes.tree import _Scanner
+from nemo_ckpt.storage.checkpoint_folder import environment_dir
+from nemo_ckpt.storage.folder import unlistable
+from nemo_ckpt.storage.local_folder import LocalFolder, write_failure
+from nemo_ckpt.storage.path_claims import claim_path, release_claim
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 
@@ -115,7 +115,8 @@ class HostileSandbox:
     """The process inside a sandbox (model-generated code), acting just before the scan
     opens a file it listed: it swaps the file for a symlink to a secret file outside
     every sandbox, for a FIFO, or changes it. The scan's ``_Scanner._file`` opens each
-    listed file (``nemo_ckpt/sandbox.py``), so it is wrapped (once per process) here alone."""
+    listed file (``nemo_ckpt/sandboxes/tree.py``), so it is wrapped (once per process) here
+    alone."""
 
     active: Faults | None = None
     _installed = False

@@ -27,7 +27,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import SessionClient
-from nemo_ckpt.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 
 from .checkers import Checkers

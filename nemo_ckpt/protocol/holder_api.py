@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.manifest import ShardEntry
 from nemo_ckpt.phases import (
     CaptureReport,
     HolderInfo,
@@ -26,6 +25,7 @@ from nemo_ckpt.phases import (
     RestorePrepared,
 )
 from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["HolderCalls", "HolderControl", "HolderSessions", "SessionCalls"]
@@ -36,7 +36,7 @@ class HolderControl(Protocol):
 
     The call order, as the coordinator drives it (stated here once; the other
     docstrings point here; the driver's own calls:
-    ``nemo_ckpt.coordinator_api.CoordinatorApi``). A snapshot, every call carrying the
+    ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``). A snapshot, every call carrying the
     snapshot's id:
 
         1) begin(id, drain, lease, folder)  close the turn gate, wait up to ``drain`` for

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from nemo_ckpt.location import ObjectLocation
+from nemo_ckpt.storage.location import ObjectLocation
 
 __all__ = ["is_store_error", "store_failure"]
 

@@ -1,20 +1,20 @@
 """Where a checkpoint's files go: the ``Folder`` at a path or URL, and the environment's
 half of a checkpoint (``<checkpoint_path>/environment/``).
 
-Files go through a ``Folder`` (``nemo_ckpt.folder``; on a filesystem,
-``nemo_ckpt.local_folder``, in a bucket ``nemo_ckpt.object_folder``), which makes each
-appear whole once durable, or not at all. A path is a local folder, a URL a bucket's
-prefix (``nemo_ckpt.location``).
+Files go through a ``Folder`` (``nemo_ckpt.storage.folder``; on a filesystem,
+``nemo_ckpt.storage.local_folder``, in a bucket ``nemo_ckpt.storage.object_folder``), which makes
+each appear whole once durable, or not at all. A path is a local folder, a URL a bucket's
+prefix (``nemo_ckpt.storage.location``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.local_folder import LocalFolder
-from nemo_ckpt.location import ObjectLocation, parse_location
-from nemo_ckpt.manifest import ENVIRONMENT_DIR
+from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.local_folder import LocalFolder
+from nemo_ckpt.storage.location import ObjectLocation, parse_location
+from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR
 
 __all__ = ["PROBE_DIR", "as_folder", "environment_dir", "environment_folder", "folder_at",
            "prepare_environment_dir"]
@@ -30,11 +30,11 @@ PROBE_DIR = ".nemo_ckpt_probe"
 
 
 def folder_at(where: Path | str, *, probe: bool = False) -> Folder:
-    """The ``Folder`` at a path or URL (``nemo_ckpt.location``). A ``probe``'s folder
+    """The ``Folder`` at a path or URL (``nemo_ckpt.storage.location``). A ``probe``'s folder
     fails fast: a bucket's client retries only briefly before saying nobody answers."""
     location = parse_location(where)
     if isinstance(location, ObjectLocation):
-        from nemo_ckpt.object_folder import ObjectFolder  # obstore only when used
+        from nemo_ckpt.storage.object_folder import ObjectFolder  # obstore only when used
 
         return ObjectFolder(location, probe=probe)
     return LocalFolder(location.path)
@@ -44,7 +44,7 @@ def environment_folder(checkpoint_path: Path | str) -> Folder:
     """The ``Folder`` that holds the environment's half of a checkpoint."""
     location = parse_location(checkpoint_path)
     if isinstance(location, ObjectLocation):
-        from nemo_ckpt.object_folder import ObjectFolder
+        from nemo_ckpt.storage.object_folder import ObjectFolder
 
         prefix = f"{location.prefix}/{ENVIRONMENT_DIR}" if location.prefix else ENVIRONMENT_DIR
         return ObjectFolder(ObjectLocation(location.scheme, location.bucket, prefix))

@@ -17,15 +17,15 @@ from typing import Any
 import msgpack
 import xxhash
 
-from nemo_ckpt.checkpoint_folder import as_folder
 from nemo_ckpt.errors import (
     CheckpointPathError,
     ShardCorruptedError,
     TornSnapshotError,
     UnsafeShardNameError,
 )
-from nemo_ckpt.folder import Folder, Sink
-from nemo_ckpt.manifest import ShardChunks, ShardEntry, TreesEntry, is_plain_file_name
+from nemo_ckpt.storage.checkpoint_folder import as_folder
+from nemo_ckpt.storage.folder import Folder, Sink
+from nemo_ckpt.storage.manifest import ShardChunks, ShardEntry, TreesEntry, is_plain_file_name
 
 __all__ = ["CHUNK_BYTES", "CONTENT_HASH", "content_hasher", "read_verified",
            "read_verified_chunks", "view_unpacker", "write_chunk_hashed", "write_hashed"]

@@ -2,7 +2,7 @@
 
 Committed is final: a file the manifest at a path names is never removed by anything
 here until a newer manifest replaces it. Files of operations in progress elsewhere stay
-too (their claims: ``nemo_ckpt.path_claims``), and only files whose names nemo-ckpt makes
+too (their claims: ``nemo_ckpt.storage.path_claims``), and only files whose names nemo-ckpt makes
 are touched.
 """
 
@@ -13,11 +13,11 @@ import re
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
-from nemo_ckpt.checkpoint_folder import as_folder
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.local_folder import TMP_MARK
-from nemo_ckpt.manifest import (
+from nemo_ckpt.storage.checkpoint_folder import as_folder
+from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.local_folder import TMP_MARK
+from nemo_ckpt.storage.manifest import (
     MANIFEST_NAME,
     SHARD_PREFIX,
     SHARD_SUFFIX,
@@ -25,7 +25,7 @@ from nemo_ckpt.manifest import (
     load_json,
     shard_file_name,
 )
-from nemo_ckpt.path_claims import release_claim
+from nemo_ckpt.storage.path_claims import release_claim
 
 __all__ = ["manifest_shard_files", "manifest_snapshot_id", "remove_files",
            "remove_snapshot_files", "remove_unreferenced_files"]

@@ -4,7 +4,7 @@ A session may own a directory on its node (under ``CheckpointConfig.sandbox_root
 When one of its turns commits, its holder records the directory's tree with ``scan``:
 it walks the directory, re-reads only the files whose size, mtime, ctime, inode or mode
 changed since the session's previous tree, puts their content into the node's
-``nemo_ckpt.blobs.BlobCache`` under its digest, and encodes again only the directories
+``nemo_ckpt.sandboxes.blobs.BlobCache`` under its digest, and encodes again only the directories
 along a change. A snapshot then stores the trees and
 writes only the blobs its store lacks; a restore rebuilds each directory with
 ``materialize``.
@@ -67,8 +67,8 @@ from typing import Any
 
 import msgpack
 
-from nemo_ckpt.blobs import digest_of
 from nemo_ckpt.errors import SandboxError
+from nemo_ckpt.sandboxes.blobs import digest_of
 
 __all__ = ["DIR", "FILE", "LINK", "SPARSE", "Entry", "SandboxLimits", "Store", "sparse_layout",
            "Tree", "TreeStats", "ScanResult", "Seen", "Listing",

@@ -1,5 +1,5 @@
 """The numbers of a root's commits: each snapshot's ``sequence`` (manifest format 6), by
-which ``nemo_ckpt.catalog`` lists a root's snapshots newest first, because the hosts that
+which ``nemo_ckpt.catalog.listing`` lists a root's snapshots newest first, because the hosts that
 commit under one root across a job's restarts have clocks with any offset.
 
 A commit takes the next number just before its manifest is written, by creating a file
@@ -9,7 +9,7 @@ successor, say), the medium lets one create it and the other takes the next. So 
 that began after another's manifest was written always numbers higher; two commits that
 overlap may come out in either order, as either may be called the newer. A medium that
 ignores the condition (``Folder.enforces_conditions``) may give one number twice; the
-commits' times, then their ids, break such ties (``nemo_ckpt.catalog``). Only the newest
+commits' times, then their ids, break such ties (``nemo_ckpt.catalog.listing``). Only the newest
 few files are kept. When the folder is missing or empty (a new root, or one a user
 tidied), the first number is past the highest any committed manifest under the root
 carries.
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import uuid
 
-from nemo_ckpt.catalog import highest_sequence
-from nemo_ckpt.checkpoint_folder import folder_at
+from nemo_ckpt.catalog.listing import highest_sequence
 from nemo_ckpt.errors import NemoCkptError, SnapshotWriteError
-from nemo_ckpt.folder import ABSENT, Folder, write_conditionally
-from nemo_ckpt.location import join_location, parent_location
+from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.folder import ABSENT, Folder, write_conditionally
+from nemo_ckpt.storage.location import join_location, parent_location
 
 __all__ = ["SEQUENCE_DIR", "sequence_root", "take_sequence"]
 

@@ -3,7 +3,7 @@ keep them (``nemo_ckpt.session_record``) and read back verified.
 
 A shard is a stream of msgpack objects: a header map, the index (one row per session,
 readable without the rest), then each session's body, ``[turns, state]``. Reading
-verifies the whole file's length and hash first (``nemo_ckpt.hashed_files``), then what
+verifies the whole file's length and hash first (``nemo_ckpt.storage.hashed_files``), then what
 it holds against its manifest entry; each refusal has its own exception class (see
 ``nemo_ckpt.errors``), and a refused read changes nothing on disk.
 """
@@ -17,22 +17,22 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from nemo_ckpt.checkpoint_folder import as_folder
 from nemo_ckpt.errors import (
     CheckpointPathError,
     ShardCorruptedError,
     TornSnapshotError,
     UnsafeShardNameError,
 )
-from nemo_ckpt.folder import Folder, Sink
-from nemo_ckpt.hashed_files import (
+from nemo_ckpt.session_record import SessionRecord, body_head, record_of, record_parts
+from nemo_ckpt.storage.checkpoint_folder import as_folder
+from nemo_ckpt.storage.folder import Folder, Sink
+from nemo_ckpt.storage.hashed_files import (
     read_verified,
     read_verified_chunks,
     view_unpacker,
     write_chunk_hashed,
 )
-from nemo_ckpt.manifest import ShardEntry, is_plain_file_name
-from nemo_ckpt.session_record import SessionRecord, body_head, record_of, record_parts
+from nemo_ckpt.storage.manifest import ShardEntry, is_plain_file_name
 
 __all__ = ["SHARD_MAGIC", "SHARD_VERSION", "RolloutIndexEntry", "ShardParts", "read_shard",
            "read_shard_index", "read_shard_parts", "write_shard", "write_shard_parts"]

@@ -2,8 +2,8 @@
 
 Operations in progress hold a *claim* on the folder (``.claim-<operation>.json``: its
 owner, a ttl and a beat it renews, judged on the reader's own clock:
-``nemo_ckpt.claims``), so that a commit's clean-up leaves another operation's files alone
-(``nemo_ckpt.cleanup``) and a second job's snapshot into the same folder is refused
+``nemo_ckpt.storage.claims``), so that a commit's clean-up leaves another operation's files alone
+(``nemo_ckpt.storage.cleanup``) and a second job's snapshot into the same folder is refused
 instead of cleaned away.
 
 Where the folder enforces conditional writes (``Folder.enforces_conditions``: a local
@@ -19,20 +19,20 @@ from __future__ import annotations
 from collections.abc import Collection
 from pathlib import Path
 
-from nemo_ckpt.checkpoint_folder import as_folder
-from nemo_ckpt.claims import Claim, ClaimWatch, decode_claim, encode_claim, write_claim
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, OperationAbortedError
-from nemo_ckpt.folder import ABSENT, Folder
-from nemo_ckpt.manifest import MANIFEST_NAME, safe_name_part
+from nemo_ckpt.storage.checkpoint_folder import as_folder
+from nemo_ckpt.storage.claims import Claim, ClaimWatch, decode_claim, encode_claim, write_claim
+from nemo_ckpt.storage.folder import ABSENT, Folder
+from nemo_ckpt.storage.manifest import MANIFEST_NAME, safe_name_part
 
 __all__ = ["CLAIM_PREFIX", "REMOVAL_PREFIX", "PathClaim", "advisory_claims_warning",
            "claim_beat", "claim_for_reading", "claim_of", "claim_path", "live_claims",
            "read_claims", "release_claim"]
 
 CLAIM_PREFIX = ".claim-"
-# The operation ids of removals (``nemo_ckpt.catalog``), so a refusal says what is going on.
+# The operation ids of removals (``nemo_ckpt.catalog.listing``), so a refusal says what is going on.
 REMOVAL_PREFIX = "remove-"
-# An operation in progress in a checkpoint folder (``nemo_ckpt.claims``).
+# An operation in progress in a checkpoint folder (``nemo_ckpt.storage.claims``).
 PathClaim = Claim
 
 
@@ -163,7 +163,7 @@ def claim_for_reading(directory: Folder | Path, operation_id: str, owner: str, t
     restore); calling it again renews the claim. Never refused: a committed snapshot is
     final, so reading it conflicts with no writer (a job restarted after its cluster died
     must restore past the claims its old snapshot left); the claim makes a removal
-    (``nemo_ckpt.catalog``) refuse meanwhile."""
+    (``nemo_ckpt.catalog.listing``) refuse meanwhile."""
     data, _ = encode_claim(operation_id, owner, ttl_s, incarnation)
     as_folder(directory).write_bytes(_claim_name(operation_id), data, sync=False)
 

@@ -28,7 +28,7 @@ others' after, so of two that overlap at least one sees the other:
    each removal within its claim's life; ``end_collection()``.
 
 Claims carry no time to compare: each reader judges them on its own monotonic clock
-(``nemo_ckpt.claims``), so a host whose clock is ahead cannot take a live hold as over.
+(``nemo_ckpt.storage.claims``), so a host whose clock is ahead cannot take a live hold as over.
 """
 
 from __future__ import annotations
@@ -42,7 +42,13 @@ from pathlib import Path
 
 import xxhash
 
-from nemo_ckpt.claims import (
+from nemo_ckpt.errors import (
+    BlobCorruptedError,
+    CheckpointPathBusyError,
+    CheckpointPathError,
+    NemoCkptError,
+)
+from nemo_ckpt.storage.claims import (
     STALE_FACTOR,
     Claim,
     ClaimWatch,
@@ -50,14 +56,8 @@ from nemo_ckpt.claims import (
     encode_claim,
     write_claim,
 )
-from nemo_ckpt.errors import (
-    BlobCorruptedError,
-    CheckpointPathBusyError,
-    CheckpointPathError,
-    NemoCkptError,
-)
-from nemo_ckpt.folder import Folder, Sink, remove_if_holds
-from nemo_ckpt.location import join_location
+from nemo_ckpt.storage.folder import Folder, Sink, remove_if_holds
+from nemo_ckpt.storage.location import join_location
 
 __all__ = ["BLOB_DIR", "BlobStore", "BlobCache", "digest_of", "hex_of", "COLLECTOR"]
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nemo_ckpt.checkpoint_folder import environment_folder
 from nemo_ckpt.errors import SnapshotReadError
-from nemo_ckpt.manifest import Manifest, rollouts_by_shard, shard_problems
-from nemo_ckpt.sandbox_storage import verify_directories
-from nemo_ckpt.shards import read_shard
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.sandboxes.snapshot_trees import verify_directories
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.manifest import Manifest, rollouts_by_shard, shard_problems
+from nemo_ckpt.storage.shards import read_shard
+from nemo_ckpt.storage.snapshot_files import read_manifest
 
 __all__ = ["VerifyReport", "one_line", "verify_snapshot"]
 

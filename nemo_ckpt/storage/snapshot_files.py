@@ -3,7 +3,7 @@ first, and the whole snapshot read and verified.
 
 The manifest is written last, so a folder without one holds no snapshot, whatever shards
 it has. Reading verifies before it returns: the manifest's version and schema, every
-shard name, then every shard (``nemo_ckpt.shards``) against the manifest.
+shard name, then every shard (``nemo_ckpt.storage.shards``) against the manifest.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from nemo_ckpt.checkpoint_folder import as_folder, environment_folder
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     CheckpointPathError,
@@ -27,8 +26,10 @@ from nemo_ckpt.errors import (
     UnsafeShardNameError,
     UnsupportedFormatVersionError,
 )
-from nemo_ckpt.folder import Folder, write_conditionally
-from nemo_ckpt.manifest import (
+from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.storage.checkpoint_folder import as_folder, environment_folder
+from nemo_ckpt.storage.folder import Folder, write_conditionally
+from nemo_ckpt.storage.manifest import (
     ENVIRONMENT_DIR,
     MANIFEST_NAME,
     SHARD_PREFIX,
@@ -40,9 +41,8 @@ from nemo_ckpt.manifest import (
     shard_problems,
     upgrade_v1,
 )
-from nemo_ckpt.path_claims import claim_of
-from nemo_ckpt.session_record import SessionRecord
-from nemo_ckpt.shards import RolloutIndexEntry, read_shard, read_shard_index
+from nemo_ckpt.storage.path_claims import claim_of
+from nemo_ckpt.storage.shards import RolloutIndexEntry, read_shard, read_shard_index
 
 __all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollouts",
            "write_manifest"]
@@ -63,7 +63,7 @@ def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
     dead that runs again finds its claim removed by its successor's abort. Checked here,
     in the same call as the write, so a stall cannot fall between them on the caller's
     side. Where the folder enforces conditional writes, the manifest replaces only the
-    one the claim recorded when the operation began (``nemo_ckpt.path_claims``): another
+    one the claim recorded when the operation began (``nemo_ckpt.storage.path_claims``): another
     writer's commit since then refuses this one with ``CheckpointPathBusyError``."""
     folder = as_folder(directory)
     expect: str | None = None

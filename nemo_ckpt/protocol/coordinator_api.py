@@ -70,7 +70,7 @@ class CoordinatorApi(Protocol):
     """The calls a driver makes of the coordinator.
 
     The call order, stated here once (the other docstrings point here; what each holder
-    is asked meanwhile: ``nemo_ckpt.holder_api.HolderControl``). A snapshot (driven by
+    is asked meanwhile: ``nemo_ckpt.protocol.holder_api.HolderControl``). A snapshot (driven by
     ``RayEnvironmentCheckpoint.snapshot``):
 
         1) (driver) renew(id)                   every renewal period, from the start to the

@@ -1,9 +1,9 @@
 """The snapshots under a checkpoint root as a collection: list them, find the newest one
 that verifies, remove one, keep the last N.
 
-A snapshot is committed once its manifest is written (``nemo_ckpt.snapshot_files``), so
+A snapshot is committed once its manifest is written (``nemo_ckpt.storage.snapshot_files``), so
 the collection is every checkpoint path below the root that holds a manifest
-(``nemo_ckpt.collection.committed_snapshots``). Newest first means by the manifest's
+(``nemo_ckpt.sandboxes.collection.committed_snapshots``). Newest first means by the manifest's
 ``sequence`` (format 6): a coordinator numbers each commit one more than the highest it
 has seen under its root (``highest_sequence``, read once per coordinator, then its own
 commits and the snapshot it restored), because the hosts that commit a root's snapshots
@@ -15,12 +15,12 @@ whose manifest does not read has no place we can trust: it is listed first, as i
 the newest, and ``latest_snapshot`` says why it was passed over.
 
 A removal is safe beside a running job. It claims the snapshot's folder as a snapshot
-does (``nemo_ckpt.path_claims``), so it is refused while a snapshot is in progress there
+does (``nemo_ckpt.storage.path_claims``), so it is refused while a snapshot is in progress there
 or a restore reads it, and a snapshot that begins during the removal is refused in turn
 (``CheckpointPathBusyError``) rather than having its files taken. It removes the
 manifest first, so a removal cut short leaves no committed snapshot that is missing
 files, then the shards and trees files, then collects the blob store
-(``nemo_ckpt.collection``), which keeps every blob another committed snapshot references.
+(``nemo_ckpt.sandboxes.collection``), which keeps every blob another committed snapshot references.
 Only the environment's half of a checkpoint path is removed; RL's files there are RL's.
 """
 
@@ -35,10 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from nemo_ckpt.checkpoint_folder import environment_folder
-from nemo_ckpt.claims import ClaimWatch
-from nemo_ckpt.cleanup import manifest_snapshot_id, remove_unreferenced_files
-from nemo_ckpt.collection import CollectionReport, collect_blobs, committed_snapshots
+from nemo_ckpt.catalog.verification import one_line, verify_snapshot
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     CheckpointPathError,
@@ -46,13 +43,16 @@ from nemo_ckpt.errors import (
     SnapshotNotFoundError,
     SnapshotReadError,
 )
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.location import LocalLocation, parent_location, parse_location
-from nemo_ckpt.manifest import MANIFEST_NAME, SHARD_PREFIX, Manifest
-from nemo_ckpt.path_claims import REMOVAL_PREFIX, claim_path, read_claims, release_claim
-from nemo_ckpt.sandbox_storage import blob_store_of
-from nemo_ckpt.snapshot_files import read_manifest
-from nemo_ckpt.verify import one_line, verify_snapshot
+from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs, committed_snapshots
+from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of
+from nemo_ckpt.storage.checkpoint_folder import environment_folder
+from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.cleanup import manifest_snapshot_id, remove_unreferenced_files
+from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.location import LocalLocation, parent_location, parse_location
+from nemo_ckpt.storage.manifest import MANIFEST_NAME, SHARD_PREFIX, Manifest
+from nemo_ckpt.storage.path_claims import REMOVAL_PREFIX, claim_path, read_claims, release_claim
+from nemo_ckpt.storage.snapshot_files import read_manifest
 
 __all__ = ["LatestSnapshot", "RemovalReport", "RetentionReport", "SkippedSnapshot",
            "SnapshotInfo", "highest_sequence", "keep_last", "latest_snapshot",

@@ -28,11 +28,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
-from nemo_ckpt.folder import ABSENT, Sink, unlistable
-from nemo_ckpt.location import ObjectLocation
-from nemo_ckpt.manifest import is_plain_file_name
-from nemo_ckpt.read_ahead import read_ahead
-from nemo_ckpt.store_errors import is_store_error, store_failure
+from nemo_ckpt.storage.folder import ABSENT, Sink, unlistable
+from nemo_ckpt.storage.location import ObjectLocation
+from nemo_ckpt.storage.manifest import is_plain_file_name
+from nemo_ckpt.storage.read_ahead import read_ahead
+from nemo_ckpt.storage.store_errors import is_store_error, store_failure
 
 if TYPE_CHECKING:  # obstore itself is imported only when a bucket is used
     from obstore.store import RetryConfig

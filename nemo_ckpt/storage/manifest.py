@@ -13,7 +13,7 @@ Format versions: 6 (written for every snapshot) is 5's content (trees and finish
 rollouts optional) plus, per shard, the hash of each of its fixed-size chunks
 (``ShardChunks``), so a restore verifies and decodes a shard chunk by chunk while the rest
 is still arriving; and, where a coordinator committed it, the snapshot's ``sequence``: its
-place in its root's order of commits, by which ``nemo_ckpt.catalog`` lists newest first,
+place in its root's order of commits, by which ``nemo_ckpt.catalog.listing`` lists newest first,
 since the committing hosts' clocks cannot be compared. Earlier releases refuse it by its
 version. 5 (written, until 6, when a
 shard holds finished, unacknowledged rollouts, ``nemo_ckpt.receipts``) is 3 or 4 plus, per
@@ -23,7 +23,7 @@ refuse it by its version rather than continue a finished rollout. 4 (written, un
 when sessions own sandbox directories) is 3 plus, per shard, the file of its sessions'
 directory trees (``TreesEntry``) and, once, where the blob store that holds their files
 lies relative to the checkpoint path (``blob_store``). 3 lists no
-rollouts: each shard holds its own index (one row per session, ``nemo_ckpt.shards``),
+rollouts: each shard holds its own index (one row per session, ``nemo_ckpt.storage.shards``),
 so the manifest stays a few kilobytes at a million rollouts. 2 (still read) listed every
 rollout and the shard that holds it, and named each shard's hash with its algorithm
 (XXH3-128 by default); 1 (still read) carried a bare SHA-256 per shard, read as
@@ -275,7 +275,7 @@ class Manifest(_Model):
     sequence: int | None = Field(
         None, ge=1,
         description="Format 6, written by a coordinator: the number its commit took "
-                    "under its root (``nemo_ckpt.commit_sequence``); newest first lists "
+                    "under its root (``nemo_ckpt.catalog.commit_sequence``); newest first lists "
                     "by it, not by a host's clock.")
 
     @model_validator(mode="after")

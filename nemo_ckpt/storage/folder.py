@@ -1,9 +1,9 @@
 """The folder a snapshot is written to and read from, whatever holds it.
 
 The format's modules own what is written, in which order, how it is verified
-(``nemo_ckpt.shards``, ``nemo_ckpt.snapshot_files``, ``nemo_ckpt.hashed_files``); a
-``Folder`` owns the bytes' durability in one place: a folder on a shared filesystem
-(``nemo_ckpt.local_folder``), or a prefix in an object-store bucket.
+(``nemo_ckpt.storage.shards``, ``nemo_ckpt.storage.snapshot_files``,
+``nemo_ckpt.storage.hashed_files``); a ``Folder`` owns the bytes' durability in one place: a folder
+on a shared filesystem (``nemo_ckpt.storage.local_folder``), or a prefix in an object-store bucket.
 
 The order a snapshot uses a folder, which is what makes a manifest the commit point:
 
@@ -46,7 +46,7 @@ class Sink(Protocol):
 
 class Folder(Protocol):
     """One snapshot folder (``<checkpoint path>/environment``). Names are plain file
-    names (``nemo_ckpt.manifest.is_plain_file_name``). A missing file raises
+    names (``nemo_ckpt.storage.manifest.is_plain_file_name``). A missing file raises
     ``FileNotFoundError``; a failed write raises ``SnapshotWriteError`` saying where and
     why, and leaves nothing under the name."""
 

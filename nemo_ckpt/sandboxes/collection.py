@@ -26,21 +26,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nemo_ckpt.blobs import BLOB_DIR, BlobStore
-from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
-from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     NemoCkptError,
     SandboxError,
     SnapshotReadError,
 )
-from nemo_ckpt.folder import Folder
-from nemo_ckpt.location import join_location
-from nemo_ckpt.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
-from nemo_ckpt.sandbox import TreeBudget, tree_digests
-from nemo_ckpt.sandbox_storage import blob_store_of, fetch_tree, read_trees_file
-from nemo_ckpt.snapshot_files import read_manifest
+from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of, fetch_tree, read_trees_file
+from nemo_ckpt.sandboxes.tree import TreeBudget, tree_digests
+from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
+from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
+from nemo_ckpt.storage.snapshot_files import read_manifest
 
 __all__ = ["CollectionReport", "collect_blobs", "collect_quietly", "committed_snapshots",
            "snapshot_refs", "RefsCache"]

@@ -1,8 +1,8 @@
 """How a snapshot stores its sessions' sandbox directories (manifest format 4).
 
 Beside each holder's shard, a *trees file* lists, per session that owns a directory, the
-digest of its tree (``nemo_ckpt.sandbox``); trees and the files they name are blobs in
-the root's ``BlobStore`` (``nemo_ckpt.blobs``), so a snapshot writes only the blobs the
+digest of its tree (``nemo_ckpt.sandboxes.tree``); trees and the files they name are blobs in
+the root's ``BlobStore`` (``nemo_ckpt.sandboxes.blobs``), so a snapshot writes only the blobs the
 store lacks, and an unchanged directory costs its row in the trees file.
 
 Trees file: a msgpack header map, then ``[[rollout_id, attempt, tree digest, tree
@@ -23,15 +23,15 @@ from typing import Any
 
 import msgpack
 
-from nemo_ckpt.blobs import BLOB_DIR, BlobCache, BlobStore
-from nemo_ckpt.checkpoint_folder import environment_folder, folder_at
-from nemo_ckpt.claims import ClaimWatch
 from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
-from nemo_ckpt.folder import Folder, Sink
-from nemo_ckpt.hashed_files import read_verified, view_unpacker, write_hashed
-from nemo_ckpt.location import join_location, levels_below, parent_location
-from nemo_ckpt.manifest import Manifest, TreesEntry, restored_name_problem
-from nemo_ckpt.sandbox import FILE, SPARSE, Tree, TreeBudget, decode_tree, sparse_layout
+from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobCache, BlobStore
+from nemo_ckpt.sandboxes.tree import FILE, SPARSE, Tree, TreeBudget, decode_tree, sparse_layout
+from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
+from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.folder import Folder, Sink
+from nemo_ckpt.storage.hashed_files import read_verified, view_unpacker, write_hashed
+from nemo_ckpt.storage.location import join_location, levels_below, parent_location
+from nemo_ckpt.storage.manifest import Manifest, TreesEntry, restored_name_problem
 
 __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
            "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree", "read_blob",

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from nemo_ckpt.errors import SnapshotWriteError
-from nemo_ckpt.folder import ABSENT, Sink, unlistable
-from nemo_ckpt.manifest import is_plain_file_name
-from nemo_ckpt.read_ahead import read_ahead
+from nemo_ckpt.storage.folder import ABSENT, Sink, unlistable
+from nemo_ckpt.storage.manifest import is_plain_file_name
+from nemo_ckpt.storage.read_ahead import read_ahead
 
 __all__ = ["LocalFolder", "TMP_MARK"]
 

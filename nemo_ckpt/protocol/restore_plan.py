@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.manifest import Manifest, ShardEntry, rollouts_by_shard, shard_problems
 from nemo_ckpt.phases import RestorePrepared, instance_sort_key
 from nemo_ckpt.receipts import FinishedRollout
+from nemo_ckpt.storage.manifest import Manifest, ShardEntry, rollouts_by_shard, shard_problems
 
 __all__ = ["CONFLICT_FIX", "VerifiedRestore", "assign_shards", "conflict_error", "holder_said",
            "least_loaded_node", "verify_prepared"]

@@ -1,0 +1,1 @@
+"""The snapshots under a root, and what each holds: listed, verified, compared, removed."""

@@ -1,0 +1,1 @@
+"""Sessions' sandbox directories: trees, the blob store, snapshots' trees, collection."""
