@@ -22,6 +22,7 @@ from nemo_ckpt.errors import (
     StateTooLargeError,
     TurnAbortedError,
     TurnInProgressError,
+    TurnTimedOutError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.session_record import NO_TURNS, SessionRecord, check_staging_keys
@@ -382,6 +383,14 @@ class Sessions:
     def _take_turn(self, episode: EnvironmentEpisode, token: str) -> None:
         if not self._gate.take(episode.capture_key, token):
             self._refuse_retired(episode)
+            timeout_s = self._gate.timed_out(token)
+            if timeout_s is not None:
+                raise TurnTimedOutError(
+                    f"{self.instance_id}: the turn of {episode.capture_key} ran longer than "
+                    f"turn_timeout_s ({timeout_s:g}s, not counting the time the "
+                    f"holder was paused), so the holder aborted it and recorded nothing; "
+                    f"run the turn again, and raise CheckpointConfig.turn_timeout_s if "
+                    f"your tool calls take that long")
             raise TurnInProgressError(
                 f"{self.instance_id}: no turn in flight for {episode.capture_key} with "
                 f"that token; it was aborted (turn timeout, retire or forget) or already "

@@ -1,6 +1,6 @@
 """The holder's turn gate: the gate new turns wait at, the turns in flight (drained by a
-pause, timed out by the watchdog), the tokens their callers aborted early, and RL's
-retire marks."""
+pause, timed out by the watchdog), the tokens their callers aborted early or the
+watchdog timed out, and RL's retire marks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TypeVar
 
 from nemo_ckpt.errors import TurnInProgressError
 
@@ -15,7 +16,10 @@ __all__ = ["TurnGate", "ABORTED_TOKENS"]
 
 log = logging.getLogger("nemo_ckpt.holder")
 
-# Turn tokens aborted before their begin_turn arrived, kept to refuse that late begin.
+V = TypeVar("V")
+
+# Turn tokens aborted before their begin_turn arrived, kept to refuse that late begin;
+# and tokens of turns timed out, kept to say so to their late commit. Bounded each.
 ABORTED_TOKENS = 4096
 
 
@@ -37,6 +41,7 @@ class TurnGate:
         self._turns: dict[str, _Turn] = {}
         self._turns_done = asyncio.Condition()
         self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._timed_out: OrderedDict[str, float] = OrderedDict()  # token -> timeout
         self._max_aborted = max_aborted_tokens
         # Monotone as NeMo Gym's: rollout id -> the highest attempt retired; every
         # attempt up to it is refused until RL forgets it.
@@ -106,9 +111,7 @@ class TurnGate:
         travelling), remember the token to refuse that begin; whether it was in flight."""
         if self.take(capture_key, token):
             return True
-        self._aborted[token] = None
-        while len(self._aborted) > self._max_aborted:
-            self._aborted.popitem(last=False)
+        _remember(self._aborted, token, None, self._max_aborted)
         return False
 
     def consume_aborted(self, token: str) -> bool:
@@ -121,6 +124,11 @@ class TurnGate:
     @property
     def aborted_tokens(self) -> int:
         return len(self._aborted)
+
+    def timed_out(self, token: str) -> float | None:
+        """The timeout the turn of ``token`` exceeded, if ``time_out`` ended it (among
+        the last ``ABORTED_TOKENS`` it ended)."""
+        return self._timed_out.get(token)
 
     async def notify(self) -> None:
         """Wake a drain: a turn ended."""
@@ -145,7 +153,8 @@ class TurnGate:
         for key in stale:
             log.warning("%s: turn of %s exceeded %.1fs; aborting it",
                         self.instance_id, key, timeout_s)
-            del self._turns[key]
+            _remember(self._timed_out, self._turns.pop(key).token, timeout_s,
+                      self._max_aborted)
         return stale
 
     # --- retire marks ------------------------------------------------------------------
@@ -175,3 +184,9 @@ class TurnGate:
     @property
     def retire_marks(self) -> int:
         return len(self._retired)
+
+
+def _remember(tokens: OrderedDict[str, V], token: str, value: V, bound: int) -> None:
+    tokens[token] = value
+    while len(tokens) > bound:
+        tokens.popitem(last=False)

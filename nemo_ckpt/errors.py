@@ -260,6 +260,11 @@ class TurnAbortedError(TurnInProgressError):
     """The turn was aborted by its own caller (cancelled, gone) before it began here."""
 
 
+class TurnTimedOutError(TurnInProgressError):
+    """The turn ran longer than ``turn_timeout_s`` (not counting the time its holder was
+    paused), so its holder aborted it; its commit records nothing."""
+
+
 class TurnOutcomeUnknownError(SessionError):
     """A turn's commit got no answer and its holder could not be asked within
     ``SessionClient.resolve_s`` whether it committed: the turn may have been recorded.

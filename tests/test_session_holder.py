@@ -29,6 +29,7 @@ from nemo_ckpt.errors import (
     StateTooLargeError,
     TurnAbortedError,
     TurnInProgressError,
+    TurnTimedOutError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
@@ -409,6 +410,27 @@ async def test_a_turn_past_its_timeout_is_aborted_by_the_holder() -> None:
     with pytest.raises(TurnInProgressError, match="aborted"):
         await h.commit_turn(Ep("r", 0), token, b"late", b"")
     assert (await h.sessions())[0].turns == ()
+
+
+@on_virtual_time
+async def test_a_timed_out_turns_commit_says_it_ran_past_turn_timeout_s() -> None:
+    # Its worker learns why, and that it may run the turn again; a retried commit is
+    # refused for the timeout, not taken for a second turn in flight (seed 21174).
+    h = holder(turn_timeout_s=0.2)
+    await h.open_session(Ep("r", 0))
+    token = await begin(h, Ep("r", 0))
+    await asyncio.sleep(0.35)
+    for _ in range(2):
+        with pytest.raises(TurnTimedOutError, match=r"ran longer than turn_timeout_s "
+                                                    r"\(0.2s.*run the turn again"):
+            await h.commit_turn(Ep("r", 0), token, b"late", b"")
+    # A token that never began is refused as before, not as a timeout.
+    with pytest.raises(TurnInProgressError, match="no turn in flight") as refused:
+        await h.commit_turn(Ep("r", 0), "never-begun", b"t", b"")
+    assert not isinstance(refused.value, TurnTimedOutError)
+    token = await begin(h, Ep("r", 0))  # the turn runs again
+    record = await h.commit_turn(Ep("r", 0), token, b"t0", b"s1")
+    assert record.turns == (b"t0",)
 
 
 @on_virtual_time

@@ -32,6 +32,7 @@ from nemo_ckpt.errors import (
     SessionExistsError,
     SnapshotNotFoundError,
     TurnInProgressError,
+    TurnTimedOutError,
     is_retriable,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
@@ -500,7 +501,12 @@ class Checkers(Part):
 
     def check_retry_refusal(self, exc: BaseException, what: str) -> None:
         """A call retried because its error said nothing changed is not refused because
-        the first call changed something after all (its answer was lost)."""
+        the first call changed something after all (its answer was lost). A turn whose
+        holder timed it out meanwhile is refused for that, rightly (seed 21174: RL's
+        barrier held its worker while the pause's relay was lost, so that holder was
+        never paused, and a clock jump took the turn past its timeout)."""
+        if isinstance(exc, TurnTimedOutError):
+            return
         if isinstance(exc, (SessionExistsError, TurnInProgressError)):
             self.violate(f"the {what} retried after an unavailable error was refused: "
                          f"{type(exc).__name__}: {short(exc)}")
