@@ -1,8 +1,8 @@
 """The coordinator's side of the blob store: snapshots' holds on it, and its collection.
 
 A snapshot whose sessions may own sandboxes holds the root's blob store
-(``nemo_ckpt.sandboxes.blobs``) from its pause to its end, since it relies on the blobs it found
-present; no collection runs while any hold stands. After a commit that may have made
+(``nemo_ckpt.sandboxes.blob_claims``) from its pause to its end, since it relies on the
+blobs it found present; no collection runs while any hold stands. After a commit that may have made
 blobs garbage (an older snapshot replaced or removed, one aborted after writing), the
 store is collected in the background (``nemo_ckpt.sandboxes.collection``): one collection at a
 time, and one more when a commit lands while it runs.
@@ -16,14 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from nemo_ckpt.errors import NemoCkptError
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.sandboxes.collection import (
     CollectionReport,
     RefsCache,
     collect_quietly,
     committed_snapshots,
 )
-from nemo_ckpt.sandboxes.tree import TreeBudget
+from nemo_ckpt.sandboxes.limits import TreeBudget
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.location import join_location
@@ -81,9 +81,9 @@ class BlobCollector:
         if store is None:
             return None
         start = self._clock.monotonic()
-        await self._runtime.run_blocking(store.hold, op_id, self._owner, ttl)
+        await self._runtime.run_blocking(store.claims.hold, op_id, self._owner, ttl)
         if first and (self._collection is None or self._collection.done()):
-            if await self._runtime.run_blocking(store.clear_dead_collection,
+            if await self._runtime.run_blocking(store.claims.clear_dead_collection,
                                                 self._collector):
                 log.warning("dropped the blob store's collection claim that a previous "
                             "coordinator of this job left when it died")
@@ -95,7 +95,7 @@ class BlobCollector:
         if store is None:
             return
         try:
-            await self._runtime.run_blocking(store.release, op_id)
+            await self._runtime.run_blocking(store.claims.release, op_id)
         except (OSError, NemoCkptError) as exc:
             log.warning("could not release the blob store's claim of %s: %s", op_id, exc)
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from actors.holder_sandboxes import Sandboxes
 from actors.holder_states import (
     Ended,
     HolderOperationTable,
@@ -24,7 +25,6 @@ from actors.holder_states import (
     SnapshotReleased,
     SnapshotWork,
 )
-from actors.sandboxes import Sandboxes
 from actors.session_table import Held, SessionTable
 from actors.turn_gate import TurnGate
 from actors.watchdog import Watchdog

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from actors.holder_parts import HolderParts
-from actors.sandboxes import Recorded
+from actors.holder_sandboxes import Recorded
 from actors.session_table import Held
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,

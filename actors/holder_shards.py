@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import msgpack
 
 from actors.heap import collector_paused
+from actors.holder_sandboxes import RestoredSandbox, Sandboxes
 from actors.holder_states import Capture
-from actors.sandboxes import RestoredSandbox, Sandboxes
 from actors.session_table import Held
 from nemo_ckpt.errors import HolderStateError, ShardCorruptedError, SnapshotReadError
 from nemo_ckpt.storage.cleanup import remove_files

@@ -27,7 +27,7 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.sandboxes import RestoredSandbox, SandboxCapture
+from actors.holder_sandboxes import RestoredSandbox, SandboxCapture
 from actors.session_table import Held
 from nemo_ckpt.errors import HolderBusyError, HolderStateError, StaleSnapshotError
 from nemo_ckpt.phases import CaptureReport, HolderState, PauseReport, PersistReport

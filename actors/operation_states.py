@@ -213,7 +213,7 @@ class SnapshotOperation(Operation):
     blob store's hold."""
 
     # The manifest's blob_store ("../blobs") when sessions may own sandboxes, and the
-    # snapshot's hold on that store (``nemo_ckpt.sandboxes.blobs``), taken beside the pause.
+    # snapshot's hold on that store (``nemo_ckpt.sandboxes.blob_claims``), taken beside the pause.
     blob_ref: str | None = None
     blob_hold: asyncio.Future[None] | None = None
     # When (this process's monotonic clock) the path's claim and the store's hold were

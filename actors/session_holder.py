@@ -30,10 +30,10 @@ from typing import Any
 from actors.holder_operations import HolderOperations
 from actors.holder_parts import HolderParts, NoTrimmer, Trimmer
 from actors.holder_restores import RestorePhases, RestoreUndo
+from actors.holder_sandboxes import Sandboxes
 from actors.holder_sessions import Sessions
 from actors.holder_snapshots import SnapshotPhases
 from actors.holder_states import HolderOperationTable
-from actors.sandboxes import Sandboxes
 from actors.session_table import SessionTable
 from actors.turn_gate import TurnGate
 from actors.watchdog import Check, Watchdog
@@ -46,7 +46,7 @@ from nemo_ckpt.phases import (
     PersistReport,
     RestorePrepared,
 )
-from nemo_ckpt.sandboxes.tree import SandboxLimits, TreeBudget
+from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.storage.location import join_location

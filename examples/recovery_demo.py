@@ -55,7 +55,7 @@ from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver import RayEnvironmentCheckpoint
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.location import (

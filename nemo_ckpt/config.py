@@ -16,7 +16,7 @@ from pydantic import (
 )
 
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.sandboxes.tree import SandboxLimits, TreeBudget
+from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.storage.location import LocalLocation, parse_location
 
 __all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN", "DRIVER_FIELDS",

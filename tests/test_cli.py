@@ -21,7 +21,7 @@ from nemo_ckpt.cli.main import main
 from nemo_ckpt.cli.status import HolderStatus, holder_status, run_status
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore, digest_of
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.storage.manifest import FORMAT_VERSION, shard_file_name
 from nemo_ckpt.storage.shards import write_shard
@@ -463,7 +463,7 @@ def test_gc_refuses_a_held_store_at_once_and_with_wait_collects_once_the_hold_is
     store = BlobStore(str(tmp_path / BLOB_DIR), folder_at)
     stray = digest_of(b"nobody references this")
     store.put(stray, b"nobody references this")
-    store.hold("snap-dead", "a-job-that-died", ttl_s=0.05)
+    store.claims.hold("snap-dead", "a-job-that-died", ttl_s=0.05)
     assert main(["gc", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "in use by snapshot(s) ['snap-dead']" in err

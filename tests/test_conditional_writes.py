@@ -18,7 +18,7 @@ import pytest
 
 from nemo_ckpt.catalog.commit_sequence import take_sequence
 from nemo_ckpt.errors import CheckpointPathBusyError, OperationAbortedError
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.storage.folder import ABSENT
@@ -185,7 +185,7 @@ def test_of_two_collectors_beginning_at_once_on_one_blob_store_exactly_one_begin
     def begin(store: BlobStore, owner: str) -> None:
         start.wait()
         try:
-            store.begin_collection(owner, ttl_s=30, watch=ClaimWatch())
+            store.claims.begin_collection(owner, ttl_s=30, watch=ClaimWatch())
             outcomes.append("collecting")
         except CheckpointPathBusyError:
             outcomes.append("refused")

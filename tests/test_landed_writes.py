@@ -24,7 +24,7 @@ from actors.operation_states import SnapshotBeginning, SnapshotOperation
 from nemo_ckpt.catalog.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.catalog.listing import remove_snapshot
 from nemo_ckpt.errors import CheckpointPathBusyError, SnapshotWriteError
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore, digest_of
 from nemo_ckpt.sandboxes.collection import collect_blobs
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import ClaimWatch, encode_claim
@@ -253,11 +253,11 @@ def test_a_collection_whose_renewal_landed_then_failed_leaves_no_claim(
     """The renewal's bytes were not yet taken for the collection's own, so its end left
     them: every snapshot's persist then waited on a collection no one ran."""
     store = BlobStore(str(tmp_path / BLOB_DIR), folder_at)
-    store.begin_collection("gc-1", 30.0, ClaimWatch())
+    store.claims.begin_collection("gc-1", 30.0, ClaimWatch())
     _landing(monkeypatch, ".claim-collector", "error")
     with pytest.raises(SnapshotWriteError, match="EIO after the rename"):
-        store.renew_collection("gc-1", 30.0)
-    store.end_collection()
+        store.claims.renew_collection("gc-1", 30.0)
+    store.claims.end_collection()
     assert not [p.name for p in (tmp_path / BLOB_DIR).iterdir() if p.name.startswith(".claim")]
 
 

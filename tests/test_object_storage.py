@@ -26,7 +26,7 @@ from nemo_ckpt.errors import (
     UnsafeShardNameError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
@@ -200,16 +200,16 @@ def test_on_a_bucket_the_collection_claim_is_judged_on_the_readers_clock(url: st
     store = BlobStore(join_location(url, BLOB_DIR), folder_at)
     now = [0.0]
     watch = ClaimWatch(lambda: now[0])
-    store.hold("snap-1", "job-a", ttl_s=10)
+    store.claims.hold("snap-1", "job-a", ttl_s=10)
     with pytest.raises(CheckpointPathBusyError, match=r"in use by snapshot\(s\) \['snap-1'\]"):
-        store.begin_collection("gc-1", ttl_s=10, watch=watch)
+        store.claims.begin_collection("gc-1", ttl_s=10, watch=watch)
     now[0] += 10 * STALE_FACTOR + 1  # snap-1's job died: its hold never changed
-    store.begin_collection("gc-1", ttl_s=10, watch=watch)
+    store.claims.begin_collection("gc-1", ttl_s=10, watch=watch)
     other = BlobStore(join_location(url, BLOB_DIR), folder_at)
     with pytest.raises(CheckpointPathBusyError, match="already being collected by gc-1"):
-        other.begin_collection("gc-2", ttl_s=10, watch=ClaimWatch())
-    store.end_collection()
-    store.release("snap-1")
+        other.claims.begin_collection("gc-2", ttl_s=10, watch=ClaimWatch())
+    store.claims.end_collection()
+    store.claims.release("snap-1")
     assert folder_at(join_location(url, BLOB_DIR)).names() == []
 
 

@@ -18,21 +18,13 @@ import msgpack
 import pytest
 
 from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError, SandboxError
-from nemo_ckpt.sandboxes.blobs import BlobCache, BlobStore, digest_of
-from nemo_ckpt.sandboxes.tree import (
-    DIR,
-    FILE,
-    LINK,
-    MAX_DEPTH,
-    SPARSE,
-    Entry,
-    SandboxLimits,
-    decode_tree,
-    diff_trees,
-    encode_tree,
-    materialize,
-    scan,
-)
+from nemo_ckpt.sandboxes.blob_store import BlobStore, digest_of
+from nemo_ckpt.sandboxes.limits import MAX_DEPTH, SandboxLimits
+from nemo_ckpt.sandboxes.materialize import materialize
+from nemo_ckpt.sandboxes.node_cache import BlobCache
+from nemo_ckpt.sandboxes.scan import scan
+from nemo_ckpt.sandboxes.tree_codec import decode_tree, encode_tree
+from nemo_ckpt.sandboxes.tree_types import DIR, FILE, LINK, SPARSE, Entry, diff_trees
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.testing.toy_env import directory_listing
@@ -314,18 +306,18 @@ def test_the_blob_store_writes_only_what_it_lacks_and_refuses_a_damaged_blob(
 def test_collection_and_snapshots_exclude_each_other(tmp_path: Path) -> None:
     store = BlobStore(str(tmp_path / "blobs"), folder_at)
     watch = ClaimWatch()
-    store.hold("snap-1", "job-a", ttl_s=60)
+    store.claims.hold("snap-1", "job-a", ttl_s=60)
     with pytest.raises(CheckpointPathBusyError, match=r"in use by snapshot\(s\) \['snap-1'\]"):
-        store.begin_collection("gc", ttl_s=30, watch=watch)
-    assert store.live_collection(watch) is None  # the refused collection left no claim
-    store.release("snap-1")
-    store.begin_collection("gc", ttl_s=30, watch=watch)
-    assert store.live_collection(watch) is not None
+        store.claims.begin_collection("gc", ttl_s=30, watch=watch)
+    assert store.claims.live_collection(watch) is None  # the refused collection left no claim
+    store.claims.release("snap-1")
+    store.claims.begin_collection("gc", ttl_s=30, watch=watch)
+    assert store.claims.live_collection(watch) is not None
     with pytest.raises(CheckpointPathBusyError, match="being collected"):
-        store.wait_for_collection(clock=lambda: 120.0, sleep=lambda s: None, deadline=100.0)
-    store.end_collection()
-    store.wait_for_collection(clock=lambda: 120.0)  # returns at once
-    assert store.live_collection(watch) is None
+        store.claims.wait_for_collection(clock=lambda: 120.0, sleep=lambda s: None, deadline=100.0)
+    store.claims.end_collection()
+    store.claims.wait_for_collection(clock=lambda: 120.0)  # returns at once
+    assert store.claims.live_collection(watch) is None
 
 
 # --- a hostile sandbox: what its processes change while the scan reads it ---------------

@@ -27,7 +27,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.sandboxes.blobs import BlobStore, digest_of
+from nemo_ckpt.sandboxes.blob_store import BlobStore, digest_of
 from nemo_ckpt.sandboxes.collection import collect_blobs, committed_snapshots, snapshot_refs
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
@@ -425,7 +425,7 @@ def test_nemo_ckpt_gc_removes_unreferenced_blobs_and_says_what(job: World, tmp_p
     out = capsys.readouterr().out
     assert "1 committed snapshot(s)" in out and "removed 1 unreferenced blob(s) (22 B)" in out
     assert len(store.digests()) == kept
-    store.hold("snap-x", "other-job", ttl_s=60)
+    store.claims.hold("snap-x", "other-job", ttl_s=60)
     assert main(["gc", str(tmp_path / "ckpt")]) == 1
     err = capsys.readouterr().err
     assert "in use by snapshot(s) ['snap-x']" in err
@@ -480,7 +480,7 @@ def test_gc_told_to_wait_collects_once_a_dead_snapshots_hold_is_seen_unchanged_f
     store = _store(tmp_path)
     stray = digest_of(b"nobody references this")
     store.put(stray, b"nobody references this")
-    store.hold("snap-dead", "a-job-that-died", ttl_s=60)
+    store.claims.hold("snap-dead", "a-job-that-died", ttl_s=60)
     now = [0.0]
 
     def sleep(seconds: float) -> None:
@@ -512,9 +512,9 @@ def test_gc_told_to_wait_never_collects_under_a_hold_that_is_renewed(
 
     def sleep(seconds: float) -> None:  # meanwhile the snapshot renews its hold
         now[0] += seconds
-        store.hold("snap-live", "a-job-that-runs", ttl_s=10)
+        store.claims.hold("snap-live", "a-job-that-runs", ttl_s=10)
 
-    store.hold("snap-live", "a-job-that-runs", ttl_s=10)
+    store.claims.hold("snap-live", "a-job-that-runs", ttl_s=10)
     with pytest.raises(CheckpointPathBusyError, match="snap-live"):
         collect_blobs(tmp_path / "ckpt", clock=lambda: now[0], sleep=sleep, wait_s=300)
     assert stray in store.digests()
@@ -579,13 +579,13 @@ def test_a_collection_this_coordinator_left_does_not_hold_up_the_next_snapshot(
         coordinator = _coordinator(job)
         store = _store(tmp_path)
         # What a collection of this coordinator that ended without its release leaves.
-        store.begin_collection(coordinator.collector_name, ttl_s=3600, watch=ClaimWatch())
+        store.claims.begin_collection(coordinator.collector_name, ttl_s=3600, watch=ClaimWatch())
         started = job.sim.loop.time()
         async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
             assert snap is not None
             await snap.check_against_cut(StaticCut(live, set()))
         assert job.sim.loop.time() - started < 10  # not the claim's hour
-        assert store.live_collection(ClaimWatch()) is None
+        assert store.claims.live_collection(ClaimWatch()) is None
         assert read_manifest(tmp_path / "ckpt" / "a").blob_store == "../blobs"
 
     job.run(scenario())
@@ -602,16 +602,16 @@ def test_a_collection_a_predecessor_coordinator_left_is_waited_out_not_dropped(
             live, dirs = await _open_with_directories(job, rollouts=1)
             store = _store(tmp_path)
             predecessor = f"{_coordinator(job)._owner}#older"
-            store.begin_collection(predecessor, ttl_s=30.0, watch=ClaimWatch())
-            claim = store.live_collection(ClaimWatch())
+            store.claims.begin_collection(predecessor, ttl_s=30.0, watch=ClaimWatch())
+            claim = store.claims.live_collection(ClaimWatch())
             async with job.ckpt.snapshot(tmp_path / "ckpt" / "a") as snap:
                 assert snap is not None
                 await snap.check_against_cut(StaticCut(live, set()))
-                assert store.live_collection(ClaimWatch()) == claim  # not dropped
+                assert store.claims.live_collection(ClaimWatch()) == claim  # not dropped
             # The holders waited it out (the wait itself, on their clocks:
             # tests/test_storage.py, ..._waits_out_a_dead_collectors_claim_...).
             assert read_manifest(tmp_path / "ckpt" / "a").blob_store == "../blobs"
-            assert store.live_collection(ClaimWatch()) == claim
+            assert store.claims.live_collection(ClaimWatch()) == claim
 
         job.run(scenario())
     finally:
@@ -636,7 +636,7 @@ def test_check_startup_refuses_a_sandbox_root_a_holder_cannot_write(tmp_path: Pa
 
 
 def test_jobs_sharing_a_sandbox_root_keep_their_node_caches_apart(tmp_path: Path) -> None:
-    from actors.sandboxes import Sandboxes
+    from actors.holder_sandboxes import Sandboxes
 
     root = tmp_path / "sandboxes"
     big = os.urandom(2 << 20)  # past the in-memory tier: kept in a file of the cache
@@ -657,7 +657,7 @@ def test_jobs_sharing_a_sandbox_root_keep_their_node_caches_apart(tmp_path: Path
 
 def test_a_new_holder_removes_what_an_earlier_holder_of_its_instance_left(
         tmp_path: Path) -> None:
-    from actors.sandboxes import Sandboxes
+    from actors.holder_sandboxes import Sandboxes
 
     root = tmp_path / "sandboxes"
     d = root / "r0"
@@ -786,7 +786,7 @@ def test_a_sparse_file_is_snapshotted_and_restored_with_its_holes_and_no_setuid_
 
 def test_what_a_file_read_again_or_a_refused_scan_kept_is_swept_from_the_node_cache(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from actors.sandboxes import Sandboxes
+    from actors.holder_sandboxes import Sandboxes
 
     d = tmp_path / "sandboxes" / "r0"
     d.mkdir(parents=True)

@@ -28,7 +28,7 @@ from nemo_ckpt.errors import (
     UnsupportedFormatVersionError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore, digest_of
 from nemo_ckpt.sandboxes.collection import collect_blobs
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at, prepare_environment_dir
@@ -646,14 +646,14 @@ def test_a_holder_whose_clock_is_a_day_ahead_still_waits_for_a_running_collectio
     def a_snapshot_relies_on_the_store_now() -> bool:
         start = holder()
         with pytest.raises(CheckpointPathBusyError, match="is being collected by gc-1"):
-            store.wait_for_collection(clock=holder, sleep=holder.advance, deadline=start + 5)
+            store.claims.wait_for_collection(clock=holder, sleep=holder.advance, deadline=start + 5)
         waited.append(holder() - start)
         return True  # the collector stops for the snapshot
 
     report = collect_blobs(tmp_path, owner="gc-1", clock=collector,
                            should_stop=a_snapshot_relies_on_the_store_now)
     assert report.interrupted and len(waited) == 1 and 5 <= waited[0] < 5.1
-    store.wait_for_collection(clock=holder, sleep=holder.advance)  # over: returns at once
+    store.claims.wait_for_collection(clock=holder, sleep=holder.advance)  # over: returns at once
     assert store.missing([digest_of(b"garbage")]) == set()
 
 
@@ -664,7 +664,7 @@ def test_a_holder_waits_out_a_dead_collectors_claim_for_its_ttl_on_its_own_clock
     claim = {"operation": "collector", "owner": "gc-old", "expires_at": time.time() + 3e7}
     (tmp_path / BLOB_DIR / ".claim-collector.json").write_text(json.dumps(claim))
     holder = FakeClock(0.0)
-    store.wait_for_collection(clock=holder, sleep=holder.advance, deadline=600.0)
+    store.claims.wait_for_collection(clock=holder, sleep=holder.advance, deadline=600.0)
     assert LEGACY_TTL_S * STALE_FACTOR <= holder() < LEGACY_TTL_S * STALE_FACTOR + 0.1
 
 
@@ -674,22 +674,22 @@ def test_two_collectors_never_both_run_and_a_dead_ones_claim_is_taken_over_after
     store_b = BlobStore(str(tmp_path / BLOB_DIR), folder_at)
     clock_b = FakeClock(0.0)
     watch_b = ClaimWatch(clock_b)
-    store_a.begin_collection("gc-a", ttl_s=30, watch=ClaimWatch())
+    store_a.claims.begin_collection("gc-a", ttl_s=30, watch=ClaimWatch())
     with pytest.raises(CheckpointPathBusyError, match="already being collected by gc-a"):
-        store_b.begin_collection("gc-b", ttl_s=30, watch=watch_b)
+        store_b.claims.begin_collection("gc-b", ttl_s=30, watch=watch_b)
     clock_b.advance(30 * STALE_FACTOR - 1)  # gc-a stalls: its claim unchanged
     with pytest.raises(CheckpointPathBusyError, match="already being collected by gc-a"):
-        store_b.begin_collection("gc-b", ttl_s=30, watch=watch_b)
+        store_b.claims.begin_collection("gc-b", ttl_s=30, watch=watch_b)
     clock_b.advance(2)
-    store_b.begin_collection("gc-b", ttl_s=30, watch=watch_b)
+    store_b.claims.begin_collection("gc-b", ttl_s=30, watch=watch_b)
     # gc-a wakes up: its claim is gone, so it stops, and leaves gc-b's claim alone.
     with pytest.raises(CheckpointPathBusyError, match="lost its claim"):
-        store_a.renew_collection("gc-a", ttl_s=30)
-    store_a.end_collection()
-    live = store_b.live_collection(ClaimWatch())
+        store_a.claims.renew_collection("gc-a", ttl_s=30)
+    store_a.claims.end_collection()
+    live = store_b.claims.live_collection(ClaimWatch())
     assert live is not None and live.owner == "gc-b"
-    store_b.end_collection()
-    assert store_b.live_collection(ClaimWatch()) is None
+    store_b.claims.end_collection()
+    assert store_b.claims.live_collection(ClaimWatch()) is None
     assert [n for n in os.listdir(tmp_path / BLOB_DIR) if n.startswith(".")] == []
 
 
@@ -730,16 +730,16 @@ def test_a_collection_claim_whose_write_landed_but_raised_is_not_left_behind(
 
     monkeypatch.setattr(type(folder_at(root)), "write_bytes", landed_then_failed)
     with pytest.raises(SnapshotWriteError, match="after the link"):
-        store.begin_collection("gc", 30.0, ClaimWatch())
+        store.claims.begin_collection("gc", 30.0, ClaimWatch())
     assert not [p.name for p in root.iterdir() if p.name.startswith(".claim-")]
-    store.wait_for_collection(deadline=time.monotonic())  # nothing to wait for
+    store.claims.wait_for_collection(deadline=time.monotonic())  # nothing to wait for
 
 
 def test_a_claim_that_cannot_be_read_stops_a_collection_instead_of_being_skipped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Skipped, a snapshot's hold let a collection remove blobs it relied on."""
     store = BlobStore(str(tmp_path / BLOB_DIR), folder_at)
-    store.hold("snap-1", "job@c", 60.0)
+    store.claims.hold("snap-1", "job@c", 60.0)
     local = type(folder_at(tmp_path))
     real_read = local.read
 
@@ -750,7 +750,7 @@ def test_a_claim_that_cannot_be_read_stops_a_collection_instead_of_being_skipped
 
     monkeypatch.setattr(local, "read", eio_on_claims)
     with pytest.raises(CheckpointPathError, match="cannot read the claim .*claim-snap-1"):
-        store.begin_collection("gc", 30.0, ClaimWatch())
+        store.claims.begin_collection("gc", 30.0, ClaimWatch())
     directory = prepare_environment_dir(tmp_path / "ckpt")
     claim_path(directory, "snap-2", "job@c", ClaimWatch(), 60.0)
     with pytest.raises(CheckpointPathError, match="cannot read the claim"):

@@ -17,11 +17,13 @@ from nemo_ckpt.cli.main import main
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import SandboxError, SnapshotReadError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.sandboxes import tree as sandbox
-from nemo_ckpt.sandboxes.blobs import BlobStore, digest_of
+from nemo_ckpt.sandboxes import tree_codec
+from nemo_ckpt.sandboxes.blob_store import BlobStore, digest_of
 from nemo_ckpt.sandboxes.collection import collect_blobs
+from nemo_ckpt.sandboxes.limits import TreeBudget
 from nemo_ckpt.sandboxes.snapshot_trees import BlobsWritten, read_trees_file, write_trees_file
-from nemo_ckpt.sandboxes.tree import DIR, TreeBudget, decode_tree, pack_tree_object
+from nemo_ckpt.sandboxes.tree_codec import decode_tree, pack_tree_object
+from nemo_ckpt.sandboxes.tree_types import DIR
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
 from nemo_ckpt.storage.manifest import MAX_SANDBOX_ID_BYTES, NAME_MAX
 from nemo_ckpt.storage.snapshot_files import read_manifest
@@ -124,11 +126,11 @@ def test_a_snapshot_refuses_to_capture_a_session_a_restore_could_not_name(
 
 def test_a_stored_session_a_restore_cannot_name_is_reported_by_verify_and_refused_by_restore(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    import actors.holder_sandboxes
     import actors.holder_sessions
-    import actors.sandboxes
     # Holders as they were before ids were bounded: any id opens and is captured.
     monkeypatch.setattr(actors.holder_sessions, "sandbox_id_problem", lambda *a: None)
-    monkeypatch.setattr(actors.sandboxes, "restored_name_problem", lambda key: None)
+    monkeypatch.setattr(actors.holder_sandboxes, "restored_name_problem", lambda key: None)
     path = tmp_path / "ckpt" / "step-1"
     job = sandbox_job(tmp_path)
     try:
@@ -168,12 +170,12 @@ def test_a_restore_that_cannot_write_a_directory_raises_a_sandbox_error_naming_i
     finally:
         job.close()
     shutil.rmtree(tmp_path / "sandboxes")
-    import actors.sandboxes
+    import actors.holder_sandboxes
 
     def full_disk(tree: Any, target: Path, *args: Any, **kwargs: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device", str(target / "state"))
 
-    monkeypatch.setattr(actors.sandboxes, "materialize", full_disk)
+    monkeypatch.setattr(actors.holder_sandboxes, "materialize", full_disk)
     fresh = sandbox_job(tmp_path, seed=1)
     try:
         async def restore() -> None:
@@ -223,7 +225,7 @@ def _plant_tree_bomb(snapshot: Path) -> None:
 def expansions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The most entries each stored tree's read had expanded (decode_tree's hook)."""
     seen: list[int] = []
-    monkeypatch.setattr(sandbox, "expansion_observer",
+    monkeypatch.setattr(tree_codec, "expansion_observer",
                         lambda where, n: seen.append(n))
     return seen
 

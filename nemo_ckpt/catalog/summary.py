@@ -13,7 +13,7 @@ from typing import Any
 
 from nemo_ckpt.phases import instance_sort_key
 from nemo_ckpt.sandboxes.snapshot_trees import snapshot_directories
-from nemo_ckpt.sandboxes.tree import tree_stats
+from nemo_ckpt.sandboxes.tree_types import tree_stats
 from nemo_ckpt.storage.manifest import Manifest
 from nemo_ckpt.storage.snapshot_files import read_manifest, snapshot_rollouts
 

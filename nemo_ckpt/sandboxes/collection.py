@@ -4,7 +4,7 @@ A blob stays while any committed manifest under the checkpoint root references i
 (through its trees), and while any snapshot in progress holds the store (it may rely on
 a blob it found there). Live sessions reference their node's cache, never only the
 store, so collecting the store cannot take a file a live session needs
-(``actors.sandboxes``). A collection:
+(``actors.holder_sandboxes``). A collection:
 
 1) claims the store (``BlobStore.begin_collection``), refused while a snapshot holds it;
 2) lists every committed snapshot under the root and the blobs their trees reference; a
@@ -32,9 +32,10 @@ from nemo_ckpt.errors import (
     SandboxError,
     SnapshotReadError,
 )
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobStore
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
+from nemo_ckpt.sandboxes.limits import TreeBudget
 from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of, fetch_tree, read_trees_file
-from nemo_ckpt.sandboxes.tree import TreeBudget, tree_digests
+from nemo_ckpt.sandboxes.tree_types import tree_digests
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder
@@ -159,7 +160,7 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
         nonlocal until
         if clock() > until - ttl_s / 2:
             renewed = clock() + ttl_s
-            store.renew_collection(owner, ttl_s)
+            store.claims.renew_collection(owner, ttl_s)
             until = renewed
 
     try:
@@ -195,7 +196,7 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
             report.removed += 1
         store.remove_temp_files()
     finally:
-        store.end_collection()
+        store.claims.end_collection()
     return report
 
 
@@ -211,7 +212,7 @@ def _claim(store: BlobStore, owner: str, ttl_s: float, watch: ClaimWatch,
         # this clock: read before the write, ``until`` errs early.
         until = clock() + ttl_s
         try:
-            store.begin_collection(owner, ttl_s, watch)
+            store.claims.begin_collection(owner, ttl_s, watch)
             return until
         except CheckpointPathBusyError as exc:
             left = give_up - clock()

@@ -1,9 +1,10 @@
 """How a snapshot stores its sessions' sandbox directories (manifest format 4).
 
 Beside each holder's shard, a *trees file* lists, per session that owns a directory, the
-digest of its tree (``nemo_ckpt.sandboxes.tree``); trees and the files they name are blobs in
-the root's ``BlobStore`` (``nemo_ckpt.sandboxes.blobs``), so a snapshot writes only the blobs the
-store lacks, and an unchanged directory costs its row in the trees file.
+digest of its tree (``nemo_ckpt.sandboxes.tree_codec``); trees and the files they name
+are blobs in the root's ``BlobStore`` (``nemo_ckpt.sandboxes.blob_store``), so a snapshot
+writes only the blobs the store lacks, and an unchanged directory costs its row in the
+trees file.
 
 Trees file: a msgpack header map, then ``[[rollout_id, attempt, tree digest, tree
 length, new bytes], ...]`` in the shard's session order (sessions without a directory
@@ -24,8 +25,12 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR, BlobCache, BlobStore
-from nemo_ckpt.sandboxes.tree import FILE, SPARSE, Tree, TreeBudget, decode_tree, sparse_layout
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
+from nemo_ckpt.sandboxes.extents import sparse_layout
+from nemo_ckpt.sandboxes.limits import TreeBudget
+from nemo_ckpt.sandboxes.node_cache import BlobCache
+from nemo_ckpt.sandboxes.tree_codec import decode_tree
+from nemo_ckpt.sandboxes.tree_types import FILE, SPARSE, Tree
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder, Sink
@@ -138,7 +143,7 @@ def persist_blobs(store: BlobStore, cache: BlobCache, needed: Iterable[bytes],
     lacks. Call it with the store held by the snapshot (``BlobStore.hold``): it first
     waits out a collection that began before the hold, judged on ``clock``, this
     process's monotonic clock (``deadline`` is on it; ``BlobStore.wait_for_collection``)."""
-    store.wait_for_collection(clock=clock, deadline=deadline, watch=watch)
+    store.claims.wait_for_collection(clock=clock, deadline=deadline, watch=watch)
     written = BlobsWritten()
     for digest in sorted(store.missing(needed)):
         source: Path | bytes | None = cache.held(digest)

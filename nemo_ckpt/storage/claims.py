@@ -1,8 +1,9 @@
 """Claims of operations in progress, judged on the reader's own clock.
 
 A claim is a small file an operation writes, and rewrites to renew, in a folder others
-share: a checkpoint folder (``nemo_ckpt.storage.path_claims``: two jobs must not write one path) or
-the blob store's root (``nemo_ckpt.sandboxes.blobs``: snapshots' holds and a collection's claim).
+share: a checkpoint folder (``nemo_ckpt.storage.path_claims``: two jobs must not write
+one path) or the blob store's root (``nemo_ckpt.sandboxes.blob_claims``: snapshots' holds
+and a collection's claim).
 Its reader may run on another host, whose wall clock has any offset from the writer's,
 so a claim carries no time to compare: it carries its owner, its ttl (a duration) and a
 *beat*, a nonce drawn at every write. A reader keeps what it has seen (``ClaimWatch``)

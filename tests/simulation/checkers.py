@@ -18,8 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from actors.holder_sandboxes import Sandboxes
 from actors.holder_states import Ended, SnapshotReleased
-from actors.sandboxes import Sandboxes
 from actors.sim import SimActor
 from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig
@@ -39,8 +39,9 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.receipts import FinishedRollout
-from nemo_ckpt.sandboxes import tree as sandbox
-from nemo_ckpt.sandboxes.blobs import BLOB_DIR, COLLECTOR, BlobStore, digest_of
+from nemo_ckpt.sandboxes import tree_codec
+from nemo_ckpt.sandboxes.blob_claims import COLLECTOR
+from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore, digest_of
 from nemo_ckpt.sandboxes.collection import committed_snapshots, snapshot_refs
 from nemo_ckpt.sandboxes.snapshot_trees import (
     BlobsWritten,
@@ -50,7 +51,8 @@ from nemo_ckpt.sandboxes.snapshot_trees import (
     verify_directories,
     write_trees_file,
 )
-from nemo_ckpt.sandboxes.tree import DIR, pack_tree_object
+from nemo_ckpt.sandboxes.tree_codec import pack_tree_object
+from nemo_ckpt.sandboxes.tree_types import DIR
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
 from nemo_ckpt.storage.claims import decode_claim
@@ -99,7 +101,7 @@ class Checkers(Part):
         # Control calls that waited for a slot behind session calls (turns, opens):
         # (when, holder, method, operation, seconds waited, session calls ahead, limit).
         self.queued_behind_turns: list[tuple[float, str, str, str, float, str, int]] = []
-        sandbox.expansion_observer = self._observe_expansion
+        tree_codec.expansion_observer = self._observe_expansion
 
     def _observe_expansion(self, where: str, expanded: int) -> None:
         """No read of a stored tree expands past its budget (``decode_tree``'s hook)."""

@@ -23,7 +23,7 @@ from actors.sim import SimActor
 from nemo_ckpt.catalog.listing import remove_snapshot
 from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotWriteError
 from nemo_ckpt.sandboxes.collection import collect_blobs
-from nemo_ckpt.sandboxes.tree import _Scanner
+from nemo_ckpt.sandboxes.scan import _Scanner
 from nemo_ckpt.storage.checkpoint_folder import environment_dir
 from nemo_ckpt.storage.folder import unlistable
 from nemo_ckpt.storage.local_folder import LocalFolder, write_failure

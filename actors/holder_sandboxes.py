@@ -36,7 +36,11 @@ from pathlib import Path
 from typing import Protocol
 
 from nemo_ckpt.errors import RestoreConflictError, SandboxError
-from nemo_ckpt.sandboxes.blobs import BlobCache, BlobStore
+from nemo_ckpt.sandboxes.blob_store import BlobStore
+from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
+from nemo_ckpt.sandboxes.materialize import materialize
+from nemo_ckpt.sandboxes.node_cache import BlobCache
+from nemo_ckpt.sandboxes.scan import Listings, scan
 from nemo_ckpt.sandboxes.snapshot_trees import (
     BlobsWritten,
     TreeRow,
@@ -45,16 +49,8 @@ from nemo_ckpt.sandboxes.snapshot_trees import (
     read_trees_file,
     write_trees_file,
 )
-from nemo_ckpt.sandboxes.tree import (
-    Listings,
-    SandboxLimits,
-    TreeBudget,
-    decode_tree,
-    materialize,
-    scan,
-    tree_digests,
-    tree_stats,
-)
+from nemo_ckpt.sandboxes.tree_codec import decode_tree
+from nemo_ckpt.sandboxes.tree_types import tree_digests, tree_stats
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.manifest import (
