@@ -4,6 +4,8 @@ ones included (the core they render: tests/test_catalog.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,40 @@ def test_rm_keep_last_refuses_zero_and_more_than_one_root_before_removing_anythi
     code, _, err = run(capsys, "rm", "--keep-last", "1", str(root), str(root / "step-1"))
     assert code == 2 and "--keep-last takes one ROOT, got 2 paths" in err
     assert len(list_snapshots(root)) == 3
+
+
+def _tree(top: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(top)): p.read_bytes() for p in sorted(top.rglob("*"))
+            if p.is_file()}
+
+
+def test_ls_latest_names_each_skipped_snapshot_once_on_stderr(root: Path) -> None:
+    # A subprocess: under pytest, logging's handlers hide a warning that a user's
+    # terminal shows beside the CLI's own line.
+    flip_middle_byte(first_shard(root / "step-3"))
+    done = subprocess.run([sys.executable, "-m", "nemo_ckpt", "ls", "--latest", str(root)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stdout) == (0, f"{root / 'step-2'}\n")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"nemo-ckpt ls: skipped {root / 'step-3'}: it does not verify")
+
+
+def test_gc_of_a_mistyped_root_exits_1_in_one_line_and_creates_nothing(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    typo = root.parent / "ckpt-typo"
+    code, out, err = run(capsys, "gc", str(typo))
+    assert (code, out, len(err.splitlines())) == (1, "", 1)
+    assert f"there is nothing at {typo}, so it is no checkpoint root (mistyped?)" in err
+    assert "nothing was created" in err
+    assert not typo.exists()
+
+
+def test_gc_of_a_snapshot_path_exits_1_naming_the_root_and_changes_nothing(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = _tree(root)
+    code, out, err = run(capsys, "gc", str(root / "step-2"))
+    assert (code, out, len(err.splitlines())) == (1, "", 1)
+    assert f"{root / 'step-2'} is a snapshot, not a checkpoint root: pass the root it " \
+           f"lies under" in err
+    assert _tree(root) == before
+    assert run(capsys, "gc", str(root))[0] == 0  # the root itself collects

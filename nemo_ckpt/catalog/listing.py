@@ -162,14 +162,15 @@ class LatestSnapshot:
         return None if self.snapshot is None else self.snapshot.path
 
 
-def latest_snapshot(root: Path | str, verify: bool = True) -> LatestSnapshot:
+def latest_snapshot(root: Path | str, verify: bool = True, warn: bool = True) -> LatestSnapshot:
     """The newest committed snapshot below ``root`` that a restore would accept.
 
     With ``verify`` (the default), each candidate, newest first, gets every check a
     restore makes (``verify_snapshot``: every shard and blob read and hashed) until one
     passes; without it, a candidate passes when its manifest reads. Each snapshot passed
-    over is in ``skipped`` with the reason, and logged as a warning: a damaged newest
-    snapshot means turns since the one chosen are lost, which the caller should know.
+    over is in ``skipped`` with the reason, and, with ``warn``, logged as a warning: a
+    damaged newest snapshot means turns since the one chosen are lost, which the caller
+    should know (``nemo-ckpt ls --latest`` prints ``skipped`` itself, so once).
     """
     skipped: list[SkippedSnapshot] = []
     chosen: SnapshotInfo | None = None
@@ -182,7 +183,8 @@ def latest_snapshot(root: Path | str, verify: bool = True) -> LatestSnapshot:
         else:
             chosen = info
             break
-        log.warning("latest_snapshot under %s skipped %s: %s", root, info.path, reason)
+        if warn:
+            log.warning("latest_snapshot under %s skipped %s: %s", root, info.path, reason)
         skipped.append(SkippedSnapshot(info.path, reason))
     return LatestSnapshot(root=str(root), snapshot=chosen, skipped=tuple(skipped))
 

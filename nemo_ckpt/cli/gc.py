@@ -9,7 +9,7 @@ from typing import TextIO
 from nemo_ckpt.cli.render import PROG, human_bytes, one_line
 from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError
 from nemo_ckpt.options import checkpoint_path, non_negative_float
-from nemo_ckpt.sandboxes.collection import collect_blobs
+from nemo_ckpt.sandboxes.collection import check_collection_root, collect_blobs
 
 __all__ = ["add_parser", "run"]
 
@@ -37,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
+        check_collection_root(args.root)
         report = collect_blobs(args.root, dry_run=args.dry_run, wait_s=args.wait)
     except CheckpointPathBusyError as exc:
         # Claims are judged on this host's clock only: one seen for the first time is

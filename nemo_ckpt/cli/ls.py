@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.latest:
-        latest = latest_snapshot(args.root, verify=args.latest_verify)
+        latest = latest_snapshot(args.root, verify=args.latest_verify, warn=False)
         for skipped in latest.skipped:
             print(f"{PROG} ls: skipped {skipped.path}: {skipped.reason}", file=err)
         if latest.path is None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
+    CheckpointPathError,
     NemoCkptError,
     SandboxError,
     SnapshotReadError,
@@ -92,6 +93,31 @@ def committed_snapshots(root: str | Path) -> list[str]:
 
 
 RefsCache = dict[tuple[str, str], frozenset[bytes]]
+
+
+def check_collection_root(root: str | Path) -> None:
+    """Refuse, with ``CheckpointPathError``, a ``root`` a user typed that is no checkpoint
+    root: one with nothing there (a mistyped path, which a collection's claim would
+    create) or a snapshot's own path (its blobs lie in the store of the root above it).
+    The coordinator's own collections need no check: they run under its configured
+    root, after a commit there."""
+    folder = folder_at(str(root))
+    where = folder.describe()
+    problem = folder.problem()
+    if problem is not None:
+        raise CheckpointPathError(where, f"{problem}: pass the checkpoint root "
+                                         f"(CheckpointConfig.checkpoint_root)")
+    subfolders = folder.subfolders()
+    if not subfolders and not folder.names():
+        raise CheckpointPathError(
+            where, f"there is nothing at {where}, so it is no checkpoint root (mistyped?): "
+                   f"pass CheckpointConfig.checkpoint_root; nothing was created")
+    if ENVIRONMENT_DIR in subfolders and \
+            MANIFEST_NAME in folder_at(join_location(str(root), ENVIRONMENT_DIR)).names():
+        raise CheckpointPathError(
+            where, f"{where} is a snapshot, not a checkpoint root: pass the root it lies "
+                   f"under (CheckpointConfig.checkpoint_root), whose blobs/ it uses; to "
+                   f"remove this snapshot, use `nemo-ckpt rm`")
 
 
 def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None,
