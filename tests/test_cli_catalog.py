@@ -187,3 +187,21 @@ def test_gc_of_a_snapshot_path_exits_1_naming_the_root_and_changes_nothing(
            f"lies under" in err
     assert _tree(root) == before
     assert run(capsys, "gc", str(root))[0] == 0  # the root itself collects
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect", "rm"])
+def test_a_root_or_a_mistyped_path_given_for_a_snapshot_is_named_as_such_not_as_damage(
+        root: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    before = _tree(root)
+    code, out, err = run(capsys, command, str(root))
+    assert (code, out, len(err.splitlines())) == (1, "", 1)
+    assert f"no environment snapshot at {root}: it is a folder above 3 committed " \
+           f"snapshot(s): pass one of them (`nemo-ckpt ls {root}` lists them)." in err
+    typo = root / "step-4"
+    code, out, err2 = run(capsys, command, str(typo))
+    assert (code, out, len(err2.splitlines())) == (1, "", 1)
+    assert f"no environment snapshot at {typo}: there is nothing there (mistyped?)" in err2
+    for line in (err, err2):
+        assert "restore an earlier checkpoint" not in line
+        assert line.rstrip().endswith("Nothing was removed.") == (command == "rm")
+    assert _tree(root) == before and not typo.exists()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from nemo_ckpt.catalog.verification import one_line
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
+from nemo_ckpt.sandboxes.collection import committed_snapshots
+from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
 
 __all__ = ["PROG", "human_bytes", "number", "one_line", "read_error", "table"]
@@ -35,12 +37,34 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]
             for row in cells]
 
 
-def read_error(command: str, path: Path | str, error: SnapshotReadError) -> str:
-    """The one stderr line for a snapshot that cannot be read, with a hint where one helps."""
+def read_error(command: str, path: Path | str, error: SnapshotReadError,
+               then: str = "") -> str:
+    """The one stderr line for a snapshot that cannot be read, with a hint where one helps.
+    A path that holds no snapshot is a user's slip, not damage: it is told apart from a
+    snapshot to give up on (``then``: what the command did, as "Nothing was removed.")."""
     message = one_line(error)
-    if isinstance(error, SnapshotNotFoundError) and isinstance(path, Path) \
-            and (path / MANIFEST_NAME).is_file():
-        # The commonest slip: pointing at <checkpoint>/environment instead of <checkpoint>.
-        message += (f" ({path} itself holds {MANIFEST_NAME}: it looks like the "
-                    f"{ENVIRONMENT_DIR}/ folder; pass its parent, {path.parent})")
+    if isinstance(error, SnapshotNotFoundError):
+        why = _not_a_snapshot(path)
+        if why is not None:
+            message = f"no environment snapshot at {folder_at(str(path)).describe()}: {why}"
+    if then and then not in message:
+        message += f" {then}"
     return f"{PROG} {command}: error: {message}"
+
+
+def _not_a_snapshot(path: Path | str) -> str | None:
+    """Why ``path`` (no manifest under it) is not a snapshot, when it is a slip: the
+    environment folder itself, a checkpoint root, or nothing at all."""
+    if isinstance(path, Path) and (path / MANIFEST_NAME).is_file():
+        # The commonest slip: pointing at <checkpoint>/environment instead of <checkpoint>.
+        return (f"{path} itself holds {MANIFEST_NAME}: it looks like the {ENVIRONMENT_DIR}/ "
+                f"folder; pass its parent, {path.parent}.")
+    folder = folder_at(str(path))
+    if not folder.names() and not folder.subfolders():
+        return (f"there is nothing there (mistyped?): pass the checkpoint path snapshot() "
+                f"was given; `{PROG} ls ROOT` lists the snapshots under a root.")
+    below = committed_snapshots(path)
+    if below:
+        return (f"it is a folder above {len(below)} committed snapshot(s): pass one of "
+                f"them (`{PROG} ls {folder.describe()}` lists them).")
+    return None

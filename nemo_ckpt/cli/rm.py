@@ -7,8 +7,8 @@ import argparse
 from typing import TextIO
 
 from nemo_ckpt.catalog.listing import RemovalReport, keep_last, remove_snapshot
-from nemo_ckpt.cli.render import PROG, human_bytes, one_line
-from nemo_ckpt.errors import NemoCkptError
+from nemo_ckpt.cli.render import PROG, human_bytes, one_line, read_error
+from nemo_ckpt.errors import NemoCkptError, SnapshotNotFoundError
 from nemo_ckpt.options import at_least, checkpoint_path, non_negative_float
 from nemo_ckpt.sandboxes.collection import CollectionReport
 
@@ -80,6 +80,10 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     for path in args.paths:
         try:
             report = remove_snapshot(path, collect=args.gc, wait_s=args.wait)
+        except SnapshotNotFoundError as exc:  # nothing of it was touched
+            print(read_error("rm", path, exc, then="Nothing was removed."), file=err)
+            code = 1
+            continue
         except (NemoCkptError, OSError) as exc:
             print(f"{PROG} rm: error: {one_line(exc)}", file=err)
             code = 1
