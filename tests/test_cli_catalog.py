@@ -205,3 +205,15 @@ def test_a_root_or_a_mistyped_path_given_for_a_snapshot_is_named_as_such_not_as_
         assert "restore an earlier checkpoint" not in line
         assert line.rstrip().endswith("Nothing was removed.") == (command == "rm")
     assert _tree(root) == before and not typo.exists()
+
+
+def test_ls_marks_a_damaged_manifest_unreadable_in_its_row_and_says_why_below(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest_path(root / "step-1").write_bytes(b"{")
+    code, out, err = run(capsys, "ls", str(root))
+    assert code == 0
+    rows = out.splitlines()[2:]
+    assert rows[0].split() == ["?", "UNREADABLE", "-", "-", str(root / "step-1")]
+    assert max(len(line) for line in out.splitlines()) < 80 + len(str(root))
+    assert err.startswith(f"nemo-ckpt ls: {root / 'step-1'}: its manifest does not read: ")
+    assert "is not valid JSON" in err and len(err.splitlines()) == 1

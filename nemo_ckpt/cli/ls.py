@@ -13,7 +13,7 @@ from nemo_ckpt.cli.render import PROG, human_bytes, one_line, table
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.options import checkpoint_path
 
-__all__ = ["add_parser", "render_snapshots", "run"]
+__all__ = ["add_parser", "render_snapshots", "run", "unreadable_lines"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,7 +55,9 @@ def render_snapshots(found: list[SnapshotInfo], verdicts: dict[str, str] | None 
     rows: list[tuple[object, ...]] = []
     for s in found:
         if s.created_at is None:
-            row: tuple[object, ...] = ("?", f"UNREADABLE: {s.error}", "-", "-", s.path)
+            # The reason goes below the table (``unreadable_lines``): a whole error
+            # would stretch every row.
+            row: tuple[object, ...] = ("?", "UNREADABLE", "-", "-", s.path)
         else:
             row = (s.created_at.isoformat(timespec="seconds"), s.snapshot_id, s.rollouts,
                    human_bytes(s.bytes), s.path)
@@ -66,6 +68,12 @@ def render_snapshots(found: list[SnapshotInfo], verdicts: dict[str, str] | None 
     if verdicts is not None:
         headers = (*headers[:4], "VERIFY", headers[4])
     return table(headers, rows)
+
+
+def unreadable_lines(found: list[SnapshotInfo]) -> list[str]:
+    """One stderr line per snapshot in the table whose manifest does not read, saying why."""
+    return [f"{PROG} ls: {s.path}: its manifest does not read: {s.error}"
+            for s in found if s.created_at is None]
 
 
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -110,6 +118,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     print(f"{len(found)} committed snapshot(s) under {args.root}, newest first", file=out)
     for line in render_snapshots(found, verdicts):
         print(line, file=out)
+    out.flush()
+    for line in unreadable_lines(found):
+        print(line, file=err)
     failed = [p for p, v in (verdicts or {}).items() if v != "ok"]
     if failed:
         out.flush()
