@@ -70,6 +70,13 @@ class CollectionReport:
     interrupted: bool = False  # stopped early for a snapshot (``should_stop``)
 
 
+def _holds_manifest(where: str, subfolders: list[str]) -> bool:
+    """Whether the folder ``where`` (whose subfolders are ``subfolders``) is a committed
+    snapshot: its ``environment/`` holds a manifest."""
+    return ENVIRONMENT_DIR in subfolders and \
+        MANIFEST_NAME in folder_at(join_location(where, ENVIRONMENT_DIR)).names()
+
+
 def committed_snapshots(root: str | Path) -> list[str]:
     """Every checkpoint path below ``root`` that holds a committed snapshot (a manifest),
     sorted; the blob store and hidden folders are not searched."""
@@ -79,8 +86,7 @@ def committed_snapshots(root: str | Path) -> list[str]:
         where, depth = pending.pop()
         folder = folder_at(where)
         names = folder.subfolders()
-        if ENVIRONMENT_DIR in names and \
-                MANIFEST_NAME in folder_at(join_location(where, ENVIRONMENT_DIR)).names():
+        if _holds_manifest(where, names):
             found.append(where)
             continue
         if depth >= _MAX_DEPTH:
@@ -112,8 +118,7 @@ def check_collection_root(root: str | Path) -> None:
         raise CheckpointPathError(
             where, f"there is nothing at {where}, so it is no checkpoint root (mistyped?): "
                    f"pass CheckpointConfig.checkpoint_root; nothing was created")
-    if ENVIRONMENT_DIR in subfolders and \
-            MANIFEST_NAME in folder_at(join_location(str(root), ENVIRONMENT_DIR)).names():
+    if _holds_manifest(str(root), subfolders):
         raise CheckpointPathError(
             where, f"{where} is a snapshot, not a checkpoint root: pass the root it lies "
                    f"under (CheckpointConfig.checkpoint_root), whose blobs/ it uses; to "

@@ -357,7 +357,7 @@ class _Scanner:
         limit = self.limits.file_bytes
         extents = find_extents(fd, size, limit) if st.st_blocks * 512 < size else None
         if extents is None:
-            kind, chunks, length = FILE, _dense(fd, size), size
+            kind, chunks, length = FILE, _range(fd, 0, size), size
         else:
             header = sparse_header(size, extents)
             length = len(header) + sum(e - s for s, e in extents)
@@ -412,12 +412,12 @@ class _Scanner:
                        len(files), sum(e.size for e in files))
 
 
-def _dense(fd: int, size: int) -> Iterator[bytes]:
-    """``size`` bytes of ``fd`` from its start; ``_Changed`` if it has fewer (it grew: the
+def _range(fd: int, start: int, end: int) -> Iterator[bytes]:
+    """Bytes ``start`` to ``end`` of ``fd``; ``_Changed`` if it has fewer (it shrank: the
     caller's ``fstat`` sees it)."""
-    off = 0
-    while off < size:
-        chunk = os.pread(fd, min(_CHUNK, size - off), off)
+    off = start
+    while off < end:
+        chunk = os.pread(fd, min(_CHUNK, end - off), off)
         if not chunk:
             raise _Changed()
         off += len(chunk)
@@ -428,13 +428,7 @@ def _sparse(fd: int, header: bytes, extents: list[tuple[int, int]]) -> Iterator[
     """A sparse blob (``nemo_ckpt.sandboxes.extents``): ``header``, then each extent's bytes."""
     yield header
     for start, end in extents:
-        off = start
-        while off < end:
-            chunk = os.pread(fd, min(_CHUNK, end - off), off)
-            if not chunk:
-                raise _Changed()
-            off += len(chunk)
-            yield chunk
+        yield from _range(fd, start, end)
 
 
 def _special_kind(mode: int) -> str:
