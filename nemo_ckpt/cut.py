@@ -29,6 +29,7 @@ from nemo_ckpt.session_record import row_is_finished
 
 __all__ = [
     "DataPlaneMutationCut",
+    "ScopedCut",
     "Difference",
     "CutCheckResult",
     "check_capture_against_cut",
@@ -55,6 +56,24 @@ class DataPlaneMutationCut(Protocol):
 
     def staging_keys(self) -> frozenset[str]:
         """The token-capture staging rows present in the data plane at the cut."""
+        ...
+
+
+@runtime_checkable
+class ScopedCut(DataPlaneMutationCut, Protocol):
+    """A cut whose RL continues only some rollouts at turn level (NeMo RL: the turn-level
+    prompt groups; ``nemo_ckpt.integrations.nemo_rl`` makes one). The check reads these
+    two methods when the cut has them.
+    """
+
+    def rollouts_in_scope(self) -> frozenset[str]:
+        """The rollout ids RL continues from a snapshot. A captured session of any other
+        rollout is outside the check: RL starts it over, and a restore drops it."""
+        ...
+
+    def retained_staging_keys(self) -> frozenset[str]:
+        """Staging rows RL keeps for its own reasons (NeMo RL: sealed attempts' rows,
+        kept until their group is trained); never orphans."""
         ...
 
 
@@ -99,12 +118,16 @@ class CutCheckResult:
         finished: ``(instance_id, episode)`` of the captured sessions whose rollout was
             handed in as finished, not yet acknowledged: a restore hands their results
             back to RL.
+        outside_scope: ``(instance_id, episode)`` of the sessions held (captured or
+            mid-turn) whose rollout a ``ScopedCut`` does not name: not checked, and
+            started over by RL after a crash.
     """
 
     not_held: frozenset[tuple[str, EnvironmentEpisode]]
     restarting: frozenset[tuple[str, EnvironmentEpisode]]
     orphan_staging_keys: frozenset[str]
     finished: frozenset[tuple[str, EnvironmentEpisode]] = frozenset()
+    outside_scope: frozenset[tuple[str, EnvironmentEpisode]] = frozenset()
 
 
 # One captured session as a holder reports it: (rollout_id, attempt, staging keys, turns,
@@ -163,6 +186,11 @@ def check_rows_against_cut(
     """
     cut.require_live()
     restarting = restarting or {}
+    scope = _scope(cut)
+    outside: set[tuple[str, str, int]] = set()
+    outside_keys: set[str] = set()
+    if scope is not None:
+        captured, restarting = _within(scope, captured, restarting, outside, outside_keys)
     expected_eps = _expected_episodes(cut)
     expected = {(inst, ep.rollout_id, ep.attempt)
                 for inst, eps in expected_eps.items() for ep in eps}
@@ -196,9 +224,58 @@ def check_rows_against_cut(
                            for inst, rid, att in expected - everything),
         restarting=frozenset((inst, EnvironmentEpisode(rid, att))
                              for inst, rid, att in mid_turn),
-        orphan_staging_keys=frozenset(cut_rows - referenced - kept),
+        orphan_staging_keys=frozenset(cut_rows - referenced - kept - outside_keys
+                                      - _retained(cut)),
         finished=frozenset((inst, EnvironmentEpisode(rid, att)) for inst, rid, att in finished),
+        outside_scope=frozenset((inst, EnvironmentEpisode(rid, att))
+                                for inst, rid, att in outside),
     )
+
+
+def _scope(cut: DataPlaneMutationCut) -> Set[str] | None:
+    method = getattr(cut, "rollouts_in_scope", None)
+    if method is None:
+        return None
+    found = method()
+    if not _is_collection(found):
+        raise _wrong_type("rollouts_in_scope", "a frozenset of rollout ids (str)", found)
+    return found if isinstance(found, (set, frozenset)) else frozenset(found)
+
+
+def _retained(cut: DataPlaneMutationCut) -> Set[str]:
+    method = getattr(cut, "retained_staging_keys", None)
+    if method is None:
+        return frozenset()
+    found = method()
+    if not _is_collection(found):
+        raise _wrong_type("retained_staging_keys", "a frozenset of staging keys (str)", found)
+    return found if isinstance(found, (set, frozenset)) else frozenset(found)
+
+
+def _within(scope: Set[str], captured: Mapping[str, Iterable[CapturedRow]],
+            restarting: Mapping[str, Iterable[tuple[str, int]]],
+            outside: set[tuple[str, str, int]], outside_keys: set[str],
+            ) -> tuple[dict[str, list[CapturedRow]], dict[str, list[tuple[str, int]]]]:
+    """The rows whose rollout ``scope`` names; the others' (instance, rollout, attempt)
+    go into ``outside`` and the rows they reference into ``outside_keys``."""
+    kept: dict[str, list[CapturedRow]] = {}
+    for inst, rows in captured.items():
+        rows = list(rows)
+        kept[inst] = [row for row in rows if row[0] in scope]
+        if len(kept[inst]) != len(rows):
+            for row in rows:
+                if row[0] not in scope:
+                    outside.add((inst, row[0], row[1]))
+                    outside_keys.update(row[2])
+    mid_turn: dict[str, list[tuple[str, int]]] = {}
+    for inst, pairs in restarting.items():
+        mid_turn[inst] = []
+        for rid, att in pairs:
+            if rid in scope:
+                mid_turn[inst].append((rid, att))
+            else:
+                outside.add((inst, rid, att))
+    return kept, mid_turn
 
 
 def _recorded_by_rl(finished: set[tuple[str, str, int]], expected: set[tuple[str, str, int]]

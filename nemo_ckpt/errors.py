@@ -294,6 +294,32 @@ class StartupCheckError(NemoCkptError):
     """The deployment cannot recover as configured; the message lists every reason."""
 
 
+# --- RL's side: the NeMo RL integration and the rollout checkpoint manager --------------
+
+
+class StagingListingError(NemoCkptError):
+    """Listing RL's staging partition under the cut failed; the snapshot did not commit."""
+
+
+class StagingListingTimeoutError(StagingListingError):
+    """Listing RL's staging partition missed its deadline; nothing changed."""
+
+    retriable = True
+
+
+class FingerprintMismatchError(NemoCkptError):
+    """A snapshot was taken under another job configuration than the restoring job's,
+    in fields recovery depends on; ``changed`` maps each field to (saved, now). Nothing
+    on disk was modified."""
+
+    changed: Mapping[str, tuple[Any, Any]] = {}
+
+
+class RolloutCheckpointFailedError(NemoCkptError):
+    """Rollout snapshots failed ``max_consecutive_failures`` times in a row: the job
+    would otherwise run on without a recoverable snapshot."""
+
+
 # --- sandbox directories ---------------------------------------------------------------
 
 
