@@ -5,7 +5,9 @@ The driver constructs ``RayEnvironmentCheckpoint`` and uses it through the
 Snapshots on disk are listed, found, kept and removed with ``list_snapshots``,
 ``latest_snapshot``, ``keep_last`` and ``remove_snapshot``, and looked into with
 ``inspect_snapshot``, ``verify_snapshot`` and ``diff_snapshots`` (no Ray needed; the
-``nemo-ckpt`` command line renders the same results).
+``nemo-ckpt`` command line renders the same results). ``RolloutCheckpointManager`` takes
+snapshots on an interval and at trainer checkpoints, keeps the newest, and restores one
+under a checked configuration fingerprint.
 """
 
 from nemo_ckpt.catalog.listing import (
@@ -32,6 +34,8 @@ from nemo_ckpt.interfaces import (
     NoEnvironmentCheckpoint,
     RestoredEnvironmentRollouts,
 )
+from nemo_ckpt.manager.config import RolloutCheckpointConfig
+from nemo_ckpt.manager.rollout_manager import ManagedSnapshot, RlHalf, RolloutCheckpointManager
 from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
@@ -44,12 +48,16 @@ __all__ = [
     "EnvironmentEpisode",
     "EnvironmentSnapshot",
     "LatestSnapshot",
+    "ManagedSnapshot",
     "NoEnvironmentCheckpoint",
     "RayEnvironmentCheckpoint",
     "RaySnapshot",
     "RemovalReport",
     "RestoredEnvironmentRollouts",
     "RetentionReport",
+    "RlHalf",
+    "RolloutCheckpointConfig",
+    "RolloutCheckpointManager",
     "SessionClient",
     "SessionRecord",
     "SkippedSnapshot",

@@ -20,10 +20,14 @@ import asyncio
 import contextlib
 import copy
 import enum
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from nemo_ckpt.interfaces import RestoredEnvironmentRollouts
+from nemo_ckpt.storage.checkpoint_folder import folder_at
 
 __all__ = [
     "LEDGER_SCHEMA_VERSION",
@@ -34,8 +38,12 @@ __all__ = [
     "PromptGroupRecord",
     "RestoreLevel",
     "RolloutRecoveryLedger",
+    "NemoRlState",
+    "STATE_FILE",
     "StagingPartition",
 ]
+
+STATE_FILE = "nemo_rl_state.json"
 
 LEDGER_SCHEMA_VERSION = 4
 
@@ -454,3 +462,42 @@ class RolloutRecoveryLedger:
                 and attempt.status is AttemptStatus.DISPATCHED:
             rollout_id, gym_attempt = record.gym_episode(sibling.generation_index)
             self._retirements.add((attempt.gym_instance_id, rollout_id, gym_attempt))
+
+
+class NemoRlState:
+    """RL's half of a rollout snapshot for ``RolloutCheckpointManager`` (``RlHalf``): the
+    ledger and the staging partition, saved as ``<path>/nemo_rl_state.json``, restored
+    through ``NemoRlEnvironmentCheckpoint.prepare_for_restart`` (rows it does not keep
+    cleared), removed with the snapshot. ``ledger`` and ``staging`` are replaced by a
+    restore; read them from here."""
+
+    def __init__(self, integration: Any, barrier: DataPlaneCheckpointBarrier,
+                 ledger: Optional[RolloutRecoveryLedger] = None,
+                 staging: Optional[StagingPartition] = None) -> None:
+        self.integration = integration
+        self.barrier = barrier
+        self.ledger = ledger or RolloutRecoveryLedger()
+        self.staging = staging or StagingPartition()
+        self.cleared: frozenset[str] = frozenset()
+
+    async def save(self, cut: DataPlaneMutationCut, path: str) -> None:
+        cut.require_live()
+        data = json.dumps({"ledger": self.ledger.state_dict(),
+                           "staging": {k: v.hex() for k, v in self.staging.rows.items()}})
+        folder = folder_at(path)
+        await asyncio.to_thread(folder.prepare)
+        await asyncio.to_thread(folder.write_bytes, STATE_FILE, data.encode())
+
+    async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> None:
+        raw = json.loads(await asyncio.to_thread(folder_at(path).read, STATE_FILE))
+        self.ledger = RolloutRecoveryLedger.from_state_dict(raw["ledger"])
+        self.staging = StagingPartition.from_state_dict(
+            {k: bytes.fromhex(v) for k, v in raw["staging"].items()})
+        async with self.barrier.checkpoint() as cut:
+            plan = await self.integration.prepare_for_restart(cut, restored)
+            self.cleared = self.staging.keep_only(cut, plan.keep_staging_keys)
+
+    async def remove(self, path: str) -> None:
+        folder = folder_at(path)
+        if STATE_FILE in await asyncio.to_thread(folder.names):
+            await asyncio.to_thread(folder.remove, [STATE_FILE])

@@ -1,0 +1,55 @@
+"""What the manager writes beside each snapshot it takes: ``rollout_checkpoint.json`` in
+the checkpoint folder, written inside the barrier before the environment's manifest (so
+a committed snapshot always has it), read on a budget like any stored data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+
+from nemo_ckpt.errors import ManifestInvalidError
+from nemo_ckpt.storage.checkpoint_folder import folder_at
+
+__all__ = ["RECORD_FILE", "ManagedRecord", "read_record", "write_record"]
+
+RECORD_FILE = "rollout_checkpoint.json"
+# A fingerprint is a handful of fields: more is a claim, not a record we wrote.
+_MAX_BYTES = 256 * 1024
+
+
+class ManagedRecord(BaseModel):
+    """One managed snapshot's facts: the trainer step it anchors to (None for a periodic
+    one) and the fingerprint of the job that took it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal[1] = 1
+    anchor_step: int | None = Field(default=None, ge=0)
+    fingerprint: dict[str, JsonValue]
+
+
+def write_record(checkpoint_path: str, record: ManagedRecord) -> None:
+    folder = folder_at(checkpoint_path)
+    folder.prepare()
+    folder.write_bytes(RECORD_FILE, record.model_dump_json().encode())
+
+
+def read_record(checkpoint_path: str | Path) -> ManagedRecord | None:
+    """The record, None where the manager wrote none (a snapshot taken without it), or
+    ``ManifestInvalidError`` for one that does not read."""
+    folder = folder_at(checkpoint_path)
+    if RECORD_FILE not in folder.names():
+        return None
+    data = folder.read(RECORD_FILE, limit=_MAX_BYTES + 1)
+    if len(data) > _MAX_BYTES:
+        raise ManifestInvalidError(checkpoint_path, f"{folder.describe(RECORD_FILE)} is "
+                                                    f"larger than {_MAX_BYTES} bytes")
+    try:
+        raw: Any = json.loads(data)
+        return ManagedRecord.model_validate(raw)
+    except (ValueError, ValidationError) as exc:
+        raise ManifestInvalidError(
+            checkpoint_path, f"{folder.describe(RECORD_FILE)} does not read: {exc}") from exc

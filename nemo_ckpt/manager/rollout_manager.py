@@ -1,0 +1,361 @@
+"""``RolloutCheckpointManager``: what NeMo RL's periodic rollout snapshots and Orbax's
+``CheckpointManager`` do, around the seed's call order.
+
+Each snapshot it takes runs the order ``nemo_ckpt.interfaces`` states, with RL's half
+saved by the ``RlHalf`` it is given inside the barrier section, and its own record
+(``nemo_ckpt.manager.record``: the trainer step it anchors to, the job's fingerprint)
+written there too, before the environment's manifest commits. Snapshots are numbered by
+their commit sequence (``SnapshotInfo.sequence``), never by parsing a path. Retention
+keeps the ``keep_latest_k`` newest and the one the newest trainer checkpoint anchors,
+removing the environment's half first (its manifest is the commit point), then the
+record, then RL's half through ``RlHalf.remove``; what an interrupted removal or
+snapshot left behind is swept at the next retention.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+from nemo_ckpt.catalog.listing import SnapshotInfo, list_snapshots, remove_snapshot
+from nemo_ckpt.catalog.verification import verify_snapshot
+from nemo_ckpt.errors import (
+    NemoCkptError,
+    RolloutCheckpointFailedError,
+    SnapshotNotFoundError,
+)
+from nemo_ckpt.interfaces import RestoredEnvironmentRollouts
+from nemo_ckpt.manager.config import RolloutCheckpointConfig
+from nemo_ckpt.manager.fingerprint import refuse_changes
+from nemo_ckpt.manager.record import RECORD_FILE, ManagedRecord, read_record, write_record
+from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.location import LocalLocation, join_location, parse_location
+from nemo_ckpt.storage.manifest import FORMAT_VERSION
+from nemo_ckpt.storage.snapshot_files import read_manifest
+
+__all__ = ["ManagedSnapshot", "RlHalf", "RolloutCheckpointManager", "SNAPSHOT_PREFIX"]
+
+log = logging.getLogger("nemo_ckpt")
+
+# The folders the manager names under the root begin so: its sweep looks at no other.
+SNAPSHOT_PREFIX = "rollout-"
+
+
+class RlHalf(Protocol):
+    """RL's half of each rollout snapshot, as the manager drives it."""
+
+    async def save(self, cut: Any, path: str) -> None:
+        """Save RL's data plane at ``cut`` under ``path`` (inside the barrier section)."""
+        ...
+
+    async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> None:
+        """Restore RL's data plane from ``path`` (inside ``restored()``'s block)."""
+        ...
+
+    async def remove(self, path: str) -> None:
+        """Remove RL's half under ``path`` (retention); nothing there is no error."""
+        ...
+
+
+@dataclass(frozen=True)
+class ManagedSnapshot:
+    """One committed snapshot the manager took.
+
+    Attributes:
+        number: Its commit number under the root (newer is higher).
+        path: Its checkpoint path.
+        anchor_step: The trainer step it anchors to; None for a periodic one.
+        created_at: When it committed (the committing host's clock: for people).
+    """
+
+    number: int | None
+    path: str
+    anchor_step: int | None
+    created_at: datetime | None
+
+
+class RolloutCheckpointManager:
+    """Interval and trainer-anchored rollout snapshots, retention, a failure budget and a
+    configuration fingerprint (the module docstring).
+
+    Args:
+        checkpoint: The environment's checkpoint (``RayEnvironmentCheckpoint``, or
+            ``NemoRlEnvironmentCheckpoint`` under NeMo RL).
+        barrier: RL's data-plane barrier: ``checkpoint()`` yields a live cut.
+        rl: RL's half (``RlHalf``).
+        config: ``RolloutCheckpointConfig``.
+        fingerprint: Fields of the job's configuration recovery depends on beyond what
+            the manager finds itself (instance ids, sandbox root, formats): the
+            environment adapters, a digest of RL's configuration, ...
+        clock: The monotonic clock the interval is measured on.
+    """
+
+    def __init__(self, checkpoint: Any, barrier: Any, rl: RlHalf,
+                 config: RolloutCheckpointConfig, *,
+                 fingerprint: Mapping[str, Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        for obj, what, methods in ((checkpoint, "checkpoint", ("snapshot", "restored",
+                                                               "is_unavailable")),
+                                   (barrier, "barrier", ("checkpoint",)),
+                                   (rl, "rl", ("save", "restore", "remove"))):
+            missing = [m for m in methods if not callable(getattr(obj, m, None))]
+            if missing:
+                raise TypeError(f"RolloutCheckpointManager's {what} "
+                                f"({type(obj).__name__}) has no {', '.join(missing)}")
+        self.checkpoint = checkpoint
+        self.barrier = barrier
+        self.rl = rl
+        self.config = config
+        self._extra = dict(fingerprint or {})
+        self._clock = clock
+        self._last_attempt = clock()
+        self.consecutive_failures = 0
+
+    # --- snapshots ------------------------------------------------------------------------
+
+    async def maybe_snapshot(self) -> ManagedSnapshot | None:
+        """A periodic snapshot once ``snapshot_attempt_interval_s`` has passed since the
+        last attempt (or the manager's start); None otherwise, or after a transient
+        failure within the budget (``snapshot``)."""
+        if self._clock() - self._last_attempt < self.config.snapshot_attempt_interval_s:
+            return None
+        return await self.snapshot()
+
+    async def snapshot_at_trainer_checkpoint(self, step: int) -> ManagedSnapshot | None:
+        """A snapshot anchored to trainer step ``step``: take it as the trainer
+        checkpoint of ``step`` is saved; ``restore_mode="trainer_checkpoint"`` restores it
+        with that checkpoint."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"the trainer step must be a non-negative int, not {step!r}")
+        return await self.snapshot(anchor_step=step)
+
+    async def snapshot(self, anchor_step: int | None = None) -> ManagedSnapshot | None:
+        """Take a snapshot now, then apply retention.
+
+        Returns it, or None after a transient failure (``checkpoint.is_unavailable``)
+        while fewer than ``max_consecutive_failures`` failed in a row: the next interval
+        retries. Raises ``RolloutCheckpointFailedError`` once that many did, and any
+        other failure at once."""
+        self._last_attempt = self._clock()
+        fingerprint = await self.fingerprint()
+        name = (f"{SNAPSHOT_PREFIX}{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-"
+                f"{uuid.uuid4().hex[:8]}")
+        path = join_location(self.config.root, name)
+        record = ManagedRecord(anchor_step=anchor_step, fingerprint=fingerprint)
+        try:
+            async with self._snapshot(path) as snap:
+                async with self.barrier.checkpoint() as cut:
+                    if snap is not None:
+                        await snap.check_against_cut(cut)
+                    await self.rl.save(cut, path)
+                    await asyncio.to_thread(write_record, path, record)
+        except Exception as exc:
+            await self._tidy(path)
+            self._failed(exc, path)
+            return None
+        self.consecutive_failures = 0
+        info = await asyncio.to_thread(_info, path)
+        taken = ManagedSnapshot(info.sequence, path, anchor_step, info.created_at)
+        log.info("rollout snapshot %s committed as number %s%s", path, taken.number,
+                 "" if anchor_step is None else f", anchored to trainer step {anchor_step}")
+        await self.apply_retention()
+        return taken
+
+    # --- the catalog ----------------------------------------------------------------------
+
+    async def snapshots(self) -> list[ManagedSnapshot]:
+        """The committed snapshots the manager took under the root, newest first. A
+        snapshot whose record does not read is left out, with a warning."""
+        return await asyncio.to_thread(self._managed)
+
+    async def latest(self) -> ManagedSnapshot | None:
+        """The newest committed snapshot (not verified: ``restore`` verifies)."""
+        found = await self.snapshots()
+        return found[0] if found else None
+
+    async def apply_retention(self) -> list[str]:
+        """Remove every managed snapshot but the ``keep_latest_k`` newest and the one the
+        newest trainer checkpoint anchors, and what interrupted snapshots or removals
+        left. Returns the paths removed."""
+        found = await self.snapshots()
+        keep = {s.path for s in found[:self.config.keep_latest_k]}
+        anchored = [s for s in found if s.anchor_step is not None]
+        if anchored:
+            newest_step = max(s.anchor_step for s in anchored if s.anchor_step is not None)
+            keep.add(next(s.path for s in anchored if s.anchor_step == newest_step))
+        removed = []
+        for snap in found:
+            if snap.path not in keep:
+                await asyncio.to_thread(remove_snapshot, snap.path, self.config.root)
+                await self._tidy(snap.path)
+                removed.append(snap.path)
+        for path in await asyncio.to_thread(self._leftovers, {s.path for s in found}):
+            await self._tidy(path)
+            removed.append(path)
+        if removed:
+            log.info("rollout retention removed %d snapshot(s): %s", len(removed),
+                     ", ".join(removed))
+        return removed
+
+    # --- restore --------------------------------------------------------------------------
+
+    async def restore(self, trainer_step: int | None = None) -> ManagedSnapshot | None:
+        """Restore per ``restore_mode``: the newest snapshot that verifies, or the one
+        anchored to ``trainer_step`` (required then). None when ``latest`` finds no
+        snapshot (a fresh start). Before anything is restored, the snapshot's fingerprint
+        is compared with the job's: a change outside ``allow_changed`` raises
+        ``FingerprintMismatchError`` and modifies nothing."""
+        chosen = await asyncio.to_thread(self._choose, trainer_step)
+        if chosen is None:
+            return None
+        record = await asyncio.to_thread(read_record, chosen.path)
+        assert record is not None  # _choose lists only managed snapshots
+        allowed = refuse_changes(chosen.path, record.fingerprint, await self.fingerprint(),
+                                 self.config.allow_changed)
+        for field, (saved, now) in allowed.items():
+            log.warning("restoring %s: %s changed (saved %s, now %s), allowed", chosen.path,
+                        field, saved, now)
+        async with self.checkpoint.restored(Path(chosen.path) if _is_local(chosen.path)
+                                            else chosen.path) as restored:
+            await self.rl.restore(chosen.path, restored)
+        return chosen
+
+    async def fingerprint(self) -> dict[str, Any]:
+        """What recovery depends on, as this job runs: the formats, the sandbox root, the
+        instance ids (of the live holders), the owners (under NeMo RL), and the fields
+        given at construction."""
+        found: dict[str, Any] = {"formats": {"manifest": FORMAT_VERSION, "record": 1}}
+        config = getattr(self.checkpoint, "config", None)
+        if config is not None:
+            root = getattr(config, "sandbox_root", None)
+            found["sandbox_root"] = None if root is None else str(root)
+        holders = getattr(self.checkpoint, "holders", None)
+        if callable(holders):
+            found["instance_ids"] = sorted(h.instance_id for h in await holders())
+        owners = getattr(self.checkpoint, "owners", None)
+        if isinstance(owners, Mapping):
+            found["owners"] = dict(owners)
+        found.update(self._extra)
+        return found
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _snapshot(self, path: str) -> Any:
+        timeout = self.config.snapshot_timeout_s
+        target: Any = Path(path) if _is_local(path) else path
+        if timeout is not None and "timeout_s" in inspect.signature(
+                self.checkpoint.snapshot).parameters:
+            return self.checkpoint.snapshot(target, timeout_s=timeout)
+        return self.checkpoint.snapshot(target)
+
+    def _failed(self, error: Exception, path: str) -> None:
+        self.consecutive_failures += 1
+        if not self.checkpoint.is_unavailable(error):
+            raise error
+        if self.consecutive_failures >= self.config.max_consecutive_failures:
+            raise RolloutCheckpointFailedError(
+                f"{self.consecutive_failures} rollout snapshots failed in a row (the last, "
+                f"into {path}: {error}); the job would run on without a recoverable "
+                f"snapshot: find why the backend keeps failing, or raise "
+                f"max_consecutive_failures") from error
+        log.warning("rollout snapshot into %s failed (%s); %d of %d failures in a row, "
+                    "retried at the next interval", path, error, self.consecutive_failures,
+                    self.config.max_consecutive_failures)
+
+    async def _tidy(self, path: str) -> None:
+        """Remove RL's half, the record and the folder of a snapshot that is not (or no
+        longer) committed; best effort, as the next retention sweeps what is left."""
+        try:
+            await self.rl.remove(path)
+            await asyncio.to_thread(_drop_record_and_folder, path)
+        except (OSError, NemoCkptError) as exc:
+            log.warning("could not tidy %s (%s); the next retention retries", path, exc)
+
+    def _managed(self) -> list[ManagedSnapshot]:
+        found = []
+        for info in list_snapshots(self.config.root):
+            if not info.readable:
+                continue
+            try:
+                record = read_record(info.path)
+            except NemoCkptError as exc:
+                log.warning("%s: its rollout record does not read (%s); left alone",
+                            info.path, exc)
+                continue
+            if record is not None:
+                found.append(ManagedSnapshot(info.sequence, info.path, record.anchor_step,
+                                             info.created_at))
+        return found  # list_snapshots' order: newest first by commit number
+
+    def _leftovers(self, committed: set[str]) -> list[str]:
+        """Folders the manager named that hold its record but no committed snapshot."""
+        root = folder_at(self.config.root)
+        left = []
+        for name in root.subfolders():
+            if not name.startswith(SNAPSHOT_PREFIX):
+                continue
+            path = join_location(self.config.root, name)
+            if path not in committed and RECORD_FILE in folder_at(path).names():
+                left.append(path)
+        return left
+
+    def _choose(self, trainer_step: int | None) -> ManagedSnapshot | None:
+        found = self._managed()
+        if self.config.restore_mode == "trainer_checkpoint":
+            if trainer_step is None:
+                raise ValueError("restore_mode='trainer_checkpoint' restores the snapshot "
+                                 "anchored to the trainer step being restored: pass "
+                                 "restore(trainer_step=...)")
+            anchored = [s for s in found if s.anchor_step == trainer_step]
+            if not anchored:
+                steps = sorted({s.anchor_step for s in found if s.anchor_step is not None})
+                raise SnapshotNotFoundError(
+                    self.config.root, f"no rollout snapshot under {self.config.root} is "
+                                      f"anchored to trainer step {trainer_step} (anchored "
+                                      f"steps: {steps or 'none'}); restore another trainer "
+                                      f"checkpoint, or use restore_mode='latest'")
+            report = verify_snapshot(anchored[0].path)
+            if not report.ok:
+                raise SnapshotNotFoundError(
+                    anchored[0].path, f"the rollout snapshot anchored to trainer step "
+                                      f"{trainer_step}, {anchored[0].path}, does not verify: "
+                                      f"{'; '.join(report.problems[:3])}")
+            return anchored[0]
+        for snap in found:
+            report = verify_snapshot(snap.path)
+            if report.ok:
+                return snap
+            log.warning("rollout snapshot %s does not verify (%s); trying an older one",
+                        snap.path, "; ".join(report.problems[:3]))
+        return None
+
+
+def _info(path: str) -> SnapshotInfo:
+    return SnapshotInfo.of(path, read_manifest(path))
+
+
+def _is_local(path: str) -> bool:
+    return isinstance(parse_location(path), LocalLocation)
+
+
+def _drop_record_and_folder(path: str) -> None:
+    folder = folder_at(path)
+    if RECORD_FILE in folder.names():
+        folder.remove([RECORD_FILE])
+    location = parse_location(path)
+    if isinstance(location, LocalLocation):
+        for empty in (location.path / "environment", location.path):
+            try:
+                os.rmdir(empty)  # only if empty: never RL's files
+            except OSError:
+                pass
+

@@ -1,0 +1,255 @@
+"""``RolloutCheckpointManager`` on the in-process job (``tests.harness``) with NeMo RL's
+test double (``nemo_ckpt.testing.nemo_rl``): interval and anchored snapshots numbered by
+commit, retention, the failure budget, the restore modes and the fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nemo_ckpt import RolloutCheckpointConfig, RolloutCheckpointManager
+from nemo_ckpt.errors import (
+    BackendUnavailableError,
+    FingerprintMismatchError,
+    RolloutCheckpointFailedError,
+    SnapshotMismatchError,
+    SnapshotNotFoundError,
+)
+from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.testing.nemo_rl import DataPlaneCheckpointBarrier, NemoRlState
+from tests.harness import CONFIG, World
+
+pytestmark = pytest.mark.timeout(90)
+
+OWNERS = {"replica-0": "holder-0", "replica-1": "holder-1"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Job:
+    def __init__(self, world: World, root: Path, **overrides: Any) -> None:
+        self.world = world
+        self.clock = Clock()
+        self.barrier = DataPlaneCheckpointBarrier()
+        self.env = NemoRlEnvironmentCheckpoint(
+            world.ckpt, ledger=lambda: self.rl.ledger,
+            staging=lambda: self.rl.staging.list_keys(), owners=OWNERS)
+        self.rl = NemoRlState(self.env, self.barrier)
+        settings: dict[str, Any] = dict(root=str(root), snapshot_attempt_interval_s=60.0,
+                                        keep_latest_k=2, max_consecutive_failures=3)
+        settings.update(overrides.pop("settings", {}))
+        self.manager = RolloutCheckpointManager(
+            self.env, self.barrier, self.rl, RolloutCheckpointConfig(**settings),
+            clock=self.clock, **overrides)
+
+    async def rollout(self, group: str, owner: str, turns: int) -> Ep:
+        async with self.barrier.mutation() as cut:
+            record = self.rl.ledger.reserve_group(cut, group_id=group, expected_generations=1)
+            self.rl.ledger.mark_group_dispatched(cut, group, gym_instance_id=owner)
+        ep = Ep(*record.gym_episode(0))
+        client = await self.world.client(OWNERS[owner])
+        await client.open(ep, b"s0")
+        for n in range(turns):
+            await self.turn(owner, ep, n)
+        return ep
+
+    async def turn(self, owner: str, ep: Ep, n: int) -> None:
+        client = await self.world.client(OWNERS[owner])
+        async with client.turn(ep) as turn:
+            key = f"{ep.capture_key}/row{n}"
+            async with self.barrier.mutation() as cut:
+                self.rl.staging.put(cut, key, b"tokens")
+            turn.complete(f"t{n}".encode(), f"s{n + 1}".encode(), [key])
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    config = CONFIG.model_copy(update={"checkpoint_root": tmp_path / "ckpt"})
+    (tmp_path / "ckpt").mkdir()
+    w = World(tmp_path, config=config)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            if p.is_file() else "dir" for p in sorted(root.rglob("*"))}
+
+
+def test_snapshots_come_on_the_interval_numbered_by_commit_and_retention_keeps_the_anchor(
+        world: World) -> None:
+    root = world.root / "ckpt"
+    job = Job(world, root)
+
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        await world.ckpt.ensure_holders()
+        ep = await job.rollout("g1", "replica-0", 1)
+        assert await job.manager.maybe_snapshot() is None  # the interval has not passed
+        anchored = await job.manager.snapshot_at_trainer_checkpoint(7)
+        taken = [anchored]
+        for n in range(1, 4):
+            await job.turn("replica-0", ep, n)
+            job.clock.now += 61.0
+            taken.append(await job.manager.maybe_snapshot())
+        return taken, await job.manager.snapshots()
+
+    taken, kept = world.run(scenario())
+    numbers = [t.number for t in taken]
+    assert numbers == sorted(numbers) and len(set(numbers)) == 4
+    # The two newest, and the one trainer step 7 anchors.
+    assert [s.path for s in kept] == [taken[3].path, taken[2].path, taken[0].path]
+    assert kept[2].anchor_step == 7
+    # The removed one is gone from disk whole: no empty environment/ folder left.
+    assert not Path(taken[1].path).exists()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("rollout-")) == sorted(
+        Path(t.path).name for t in (taken[0], taken[2], taken[3]))
+
+
+def test_transient_failures_are_retried_and_the_budget_ends_in_an_error(
+        world: World, caplog: pytest.LogCaptureFixture) -> None:
+    job = Job(world, world.root / "ckpt")
+    saves = job.rl.save
+
+    async def unreachable(cut: Any, path: str) -> None:
+        raise BackendUnavailableError("the data plane's store did not answer")
+
+    async def scenario() -> None:
+        await world.ckpt.ensure_holders()
+        await job.rollout("g1", "replica-0", 1)
+        job.rl.save = unreachable  # type: ignore[method-assign]
+        assert await job.manager.snapshot() is None
+        assert await job.manager.snapshot() is None
+        job.rl.save = saves  # type: ignore[method-assign]
+        assert await job.manager.snapshot() is not None  # a success resets the count
+        assert job.manager.consecutive_failures == 0
+        job.rl.save = unreachable  # type: ignore[method-assign]
+        for _ in range(2):
+            assert await job.manager.snapshot() is None
+        await job.manager.snapshot()
+
+    with caplog.at_level(logging.WARNING, logger="nemo_ckpt"), \
+            pytest.raises(RolloutCheckpointFailedError, match="3 rollout snapshots failed"):
+        world.run(scenario())
+    assert "1 of 3 failures in a row" in caplog.text
+    # Nothing of the failed ones is left: only the committed snapshot's folder.
+    assert len([p for p in (world.root / "ckpt").iterdir()
+                if p.name.startswith("rollout-")]) == 1
+
+
+def test_a_failure_that_is_not_transient_raises_at_once(world: World) -> None:
+    job = Job(world, world.root / "ckpt")
+
+    async def scenario() -> None:
+        await world.ckpt.ensure_holders()
+        ep = await job.rollout("g1", "replica-0", 1)
+        client = await world.client("holder-0")
+        await client.close(ep)
+        await client.open(ep.next_attempt(), b"")  # RL's ledger expects attempt 0
+        await job.manager.snapshot()
+
+    with pytest.raises(SnapshotMismatchError, match="wrong_attempt"):
+        world.run(scenario())
+    assert job.manager.consecutive_failures == 1
+
+
+def test_restore_by_trainer_step_continues_the_anchored_rollouts(world: World) -> None:
+    root = world.root / "ckpt"
+    job = Job(world, root, settings={"restore_mode": "trainer_checkpoint"})
+
+    async def scenario() -> None:
+        await world.ckpt.ensure_holders()
+        ep = await job.rollout("g1", "replica-0", 2)
+        await job.manager.snapshot_at_trainer_checkpoint(4)
+        await job.turn("replica-0", ep, 2)
+        await job.manager.snapshot()  # newer, but not the trainer's
+        world.ckpt.shutdown()
+        await world.ckpt.ensure_holders()
+        with pytest.raises(SnapshotNotFoundError, match=r"anchored steps: \[4\]"):
+            await job.manager.restore(trainer_step=5)
+        chosen = await job.manager.restore(trainer_step=4)
+        assert chosen is not None and chosen.anchor_step == 4
+        attempt = job.rl.ledger.get_group("g1").siblings[0].current_attempt
+        assert attempt.gym_attempt == 1
+        record = await (await world.client("holder-0")).get(ep.next_attempt())
+        assert record.turns == (b"t0", b"t1")  # as the anchored snapshot held it
+        # RL's half is the anchored snapshot's too: its rows, all kept.
+        assert set(job.rl.staging.rows) == {f"{ep.capture_key}/row{n}" for n in range(2)}
+        assert job.rl.cleared == frozenset()
+
+    world.run(scenario())
+
+
+def test_a_restore_under_a_changed_fingerprint_is_refused_and_changes_nothing(
+        world: World) -> None:
+    root = world.root / "ckpt"
+    job = Job(world, root, fingerprint={"environment_adapters": ["gsm8k"],
+                                        "rl_config": "abc"})
+
+    async def scenario() -> str:
+        await world.ckpt.ensure_holders()
+        await job.rollout("g1", "replica-0", 2)
+        await job.manager.snapshot()
+        before = tree(root)
+        world.ckpt.shutdown()
+        await world.ckpt.ensure_holders()
+        changed = Job(world, root, fingerprint={"environment_adapters": ["gsm8k", "sql"],
+                                                "rl_config": "abd"})
+        with pytest.raises(FingerprintMismatchError) as caught:
+            await changed.manager.restore()
+        assert tree(root) == before  # byte for byte
+        assert set(caught.value.changed) == {"environment_adapters", "rl_config"}
+        assert await (await world.client("holder-0")).sessions() == []
+        # Allowed by the caller, the same restore goes through.
+        allowed = Job(world, root, fingerprint={"environment_adapters": ["gsm8k", "sql"],
+                                                "rl_config": "abd"},
+                      settings={"allow_changed": frozenset({"environment_adapters",
+                                                            "rl_config"})})
+        assert await allowed.manager.restore() is not None
+        return str(caught.value)
+
+    message = world.run(scenario())
+    assert "existing checkpoint state was not modified" in message
+    assert 'environment_adapters: saved ["gsm8k"], now ["gsm8k","sql"]' in message
+    assert 'rl_config: saved "abc", now "abd"' in message
+
+
+def test_restore_latest_skips_a_damaged_snapshot_and_a_fresh_root_restores_nothing(
+        world: World, caplog: pytest.LogCaptureFixture) -> None:
+    root = world.root / "ckpt"
+    job = Job(world, root, settings={"keep_latest_k": 3})
+
+    async def scenario() -> None:
+        assert await job.manager.restore() is None  # nothing yet: a fresh start
+        await world.ckpt.ensure_holders()
+        ep = await job.rollout("g1", "replica-0", 1)
+        older = await job.manager.snapshot()
+        await job.turn("replica-0", ep, 1)
+        newer = await job.manager.snapshot()
+        assert older is not None and newer is not None
+        shard = next(p for p in (Path(newer.path) / "environment").iterdir()
+                     if p.name != "manifest.json")
+        shard.write_bytes(b"\0" * shard.stat().st_size)
+        world.ckpt.shutdown()
+        await world.ckpt.ensure_holders()
+        chosen = await job.manager.restore()
+        assert chosen is not None and chosen.path == older.path
+        record = await (await world.client("holder-0")).get(ep.next_attempt())
+        assert record.turns == (b"t0",)
+
+    with caplog.at_level(logging.WARNING, logger="nemo_ckpt"):
+        world.run(scenario())
+    assert "does not verify" in caplog.text
