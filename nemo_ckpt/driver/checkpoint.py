@@ -378,6 +378,12 @@ class RayEnvironmentCheckpoint:
         self._transport.kill_namespace()
         return self._link.until_gone(timeout_s) if wait else None
 
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` off the event loop, as this job's runtime runs file work (a
+        thread; inline in the simulation): the rollout checkpoint manager's and the NeMo
+        RL integration's reads of the catalog go through it."""
+        return await self._transport.runtime.run_blocking(fn, *args)
+
     # --- internals ------------------------------------------------------------------------
 
     @property

@@ -365,6 +365,10 @@ class NemoRlEnvironmentCheckpoint:
 
     # --- internals ------------------------------------------------------------------------
 
+    async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        run = getattr(self.checkpoint, "run_blocking", None)
+        return await (run(fn, *args) if run is not None else asyncio.to_thread(fn, *args))
+
     def _current_ledger(self) -> Any:
         if self._ledger_source is None:
             return self._ledger
@@ -440,7 +444,7 @@ class NemoRlEnvironmentCheckpoint:
                         "elsewhere); they start over", len(dropped))
         keys = frozenset(inner.staging_keys)
         if dropped:  # their rows are RL's to clear: only the shards' indexes say which
-            keys -= await asyncio.to_thread(_rows_of_dropped, path, handed, dropped)
+            keys -= await self._blocking(_rows_of_dropped, path, handed, dropped)
         return (RestoredEnvironmentRollouts(continued_attempts=frozenset(handed),
                                             staging_keys=keys),
                 frozenset(dropped))

@@ -9,7 +9,10 @@ their commit sequence (``SnapshotInfo.sequence``), never by parsing a path. Rete
 keeps the ``keep_latest_k`` newest and the one the newest trainer checkpoint anchors,
 removing the environment's half first (its manifest is the commit point), then the
 record, then RL's half through ``RlHalf.remove``; what an interrupted removal or
-snapshot left behind is swept at the next retention.
+snapshot left behind is swept at the next retention. On a folder a snapshot is taken
+under ``<name>.partial`` and renamed to its name once committed and resumed, as NeMo RL
+does (a committed snapshot restores from either name); on a bucket, where a rename is a
+copy, it is taken under its name.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,6 +51,8 @@ log = logging.getLogger("nemo_ckpt")
 
 # The folders the manager names under the root begin so: its sweep looks at no other.
 SNAPSHOT_PREFIX = "rollout-"
+# A snapshot being taken into a folder has this suffix until it has committed.
+PARTIAL_SUFFIX = ".partial"
 
 
 class RlHalf(Protocol):
@@ -119,6 +124,9 @@ class RolloutCheckpointManager:
         self._clock = clock
         self._last_attempt = clock()
         self.consecutive_failures = 0
+        # File work off the loop as the job's runtime does it (inline in the simulation).
+        self._blocking: Callable[..., Awaitable[Any]] = getattr(
+            checkpoint, "run_blocking", None) or asyncio.to_thread
 
     # --- snapshots ------------------------------------------------------------------------
 
@@ -150,20 +158,25 @@ class RolloutCheckpointManager:
         name = (f"{SNAPSHOT_PREFIX}{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-"
                 f"{uuid.uuid4().hex[:8]}")
         path = join_location(self.config.root, name)
+        # On a folder, as NeMo RL does: taken under a partial name, renamed once the
+        # backend resumed, so a folder with the final name is always whole.
+        taking = path + PARTIAL_SUFFIX if _is_local(path) else path
         record = ManagedRecord(anchor_step=anchor_step, fingerprint=fingerprint)
         try:
-            async with self._snapshot(path) as snap:
+            async with self._snapshot(taking) as snap:
                 async with self.barrier.checkpoint() as cut:
                     if snap is not None:
                         await snap.check_against_cut(cut)
-                    await self.rl.save(cut, path)
-                    await asyncio.to_thread(write_record, path, record)
+                    await self.rl.save(cut, taking)
+                    await self._blocking(write_record, taking, record)
         except Exception as exc:
-            await self._tidy(path)
-            self._failed(exc, path)
+            await self._tidy(taking)
+            self._failed(exc, taking)
             return None
         self.consecutive_failures = 0
-        info = await asyncio.to_thread(_info, path)
+        if taking != path:  # committed: a crash before the rename leaves it restorable
+            await self._blocking(os.rename, taking, path)
+        info = await self._blocking(_info, path)
         taken = ManagedSnapshot(info.sequence, path, anchor_step, info.created_at)
         log.info("rollout snapshot %s committed as number %s%s", path, taken.number,
                  "" if anchor_step is None else f", anchored to trainer step {anchor_step}")
@@ -175,7 +188,7 @@ class RolloutCheckpointManager:
     async def snapshots(self) -> list[ManagedSnapshot]:
         """The committed snapshots the manager took under the root, newest first. A
         snapshot whose record does not read is left out, with a warning."""
-        return await asyncio.to_thread(self._managed)
+        return await self._blocking(self._managed)
 
     async def latest(self) -> ManagedSnapshot | None:
         """The newest committed snapshot (not verified: ``restore`` verifies)."""
@@ -195,10 +208,10 @@ class RolloutCheckpointManager:
         removed = []
         for snap in found:
             if snap.path not in keep:
-                await asyncio.to_thread(remove_snapshot, snap.path, self.config.root)
+                await self._blocking(remove_snapshot, snap.path, self.config.root)
                 await self._tidy(snap.path)
                 removed.append(snap.path)
-        for path in await asyncio.to_thread(self._leftovers, {s.path for s in found}):
+        for path in await self._blocking(self._leftovers, {s.path for s in found}):
             await self._tidy(path)
             removed.append(path)
         if removed:
@@ -214,10 +227,10 @@ class RolloutCheckpointManager:
         snapshot (a fresh start). Before anything is restored, the snapshot's fingerprint
         is compared with the job's: a change outside ``allow_changed`` raises
         ``FingerprintMismatchError`` and modifies nothing."""
-        chosen = await asyncio.to_thread(self._choose, trainer_step)
+        chosen = await self._blocking(self._choose, trainer_step)
         if chosen is None:
             return None
-        record = await asyncio.to_thread(read_record, chosen.path)
+        record = await self._blocking(read_record, chosen.path)
         assert record is not None  # _choose lists only managed snapshots
         allowed = refuse_changes(chosen.path, record.fingerprint, await self.fingerprint(),
                                  self.config.allow_changed)
@@ -276,7 +289,7 @@ class RolloutCheckpointManager:
         longer) committed; best effort, as the next retention sweeps what is left."""
         try:
             await self.rl.remove(path)
-            await asyncio.to_thread(_drop_record_and_folder, path)
+            await self._blocking(_drop_record_and_folder, path)
         except (OSError, NemoCkptError) as exc:
             log.warning("could not tidy %s (%s); the next retention retries", path, exc)
 

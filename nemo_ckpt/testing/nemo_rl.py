@@ -480,16 +480,20 @@ class NemoRlState:
         self.staging = staging or StagingPartition()
         self.cleared: frozenset[str] = frozenset()
 
+    async def _blocking(self, fn: Any, *args: Any) -> Any:
+        run = getattr(self.integration, "run_blocking", None)
+        return await (run(fn, *args) if run is not None else asyncio.to_thread(fn, *args))
+
     async def save(self, cut: DataPlaneMutationCut, path: str) -> None:
         cut.require_live()
         data = json.dumps({"ledger": self.ledger.state_dict(),
                            "staging": {k: v.hex() for k, v in self.staging.rows.items()}})
         folder = folder_at(path)
-        await asyncio.to_thread(folder.prepare)
-        await asyncio.to_thread(folder.write_bytes, STATE_FILE, data.encode())
+        await self._blocking(folder.prepare)
+        await self._blocking(folder.write_bytes, STATE_FILE, data.encode())
 
     async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> None:
-        raw = json.loads(await asyncio.to_thread(folder_at(path).read, STATE_FILE))
+        raw = json.loads(await self._blocking(folder_at(path).read, STATE_FILE))
         self.ledger = RolloutRecoveryLedger.from_state_dict(raw["ledger"])
         self.staging = StagingPartition.from_state_dict(
             {k: bytes.fromhex(v) for k, v in raw["staging"].items()})
@@ -499,5 +503,5 @@ class NemoRlState:
 
     async def remove(self, path: str) -> None:
         folder = folder_at(path)
-        if STATE_FILE in await asyncio.to_thread(folder.names):
-            await asyncio.to_thread(folder.remove, [STATE_FILE])
+        if STATE_FILE in await self._blocking(folder.names):
+            await self._blocking(folder.remove, [STATE_FILE])
