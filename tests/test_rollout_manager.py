@@ -253,3 +253,29 @@ def test_restore_latest_skips_a_damaged_snapshot_and_a_fresh_root_restores_nothi
     with caplog.at_level(logging.WARNING, logger="nemo_ckpt"):
         world.run(scenario())
     assert "does not verify" in caplog.text
+
+
+def test_retention_keeps_the_saved_trainer_checkpoints_anchor_until_a_newer_one_is_saved(
+        world: World) -> None:
+    events: list[tuple[str, str]] = []
+    job = Job(world, world.root / "ckpt", settings={"keep_latest_k": 1},
+              on_event=lambda event, path: events.append((event, Path(path).name)))
+
+    async def scenario() -> None:
+        await world.ckpt.ensure_holders()
+        await job.rollout("g1", "replica-0", 1)
+        two = await job.manager.snapshot_at_trainer_checkpoint(2)
+        await job.manager.trainer_checkpoint_saved(2)
+        four = await job.manager.snapshot_at_trainer_checkpoint(4)  # its checkpoint: not yet
+        newest = await job.manager.snapshot()
+        assert two and four and newest
+        kept = [s.path for s in await job.manager.snapshots()]
+        assert kept == [newest.path, four.path, two.path]
+        removed = await job.manager.trainer_checkpoint_saved(4)
+        assert removed == [two.path]
+        assert [s.anchor_step for s in await job.manager.snapshots()] == [None, 4]
+        assert ("removing", Path(two.path).name) in events
+        assert ("committed", Path(newest.path).name + ".partial") in events
+        assert ("renamed", Path(newest.path).name) in events
+
+    world.run(scenario())

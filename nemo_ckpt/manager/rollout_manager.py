@@ -102,12 +102,16 @@ class RolloutCheckpointManager:
             the manager finds itself (instance ids, sandbox root, formats): the
             environment adapters, a digest of RL's configuration, ...
         clock: The monotonic clock the interval is measured on.
+        on_event: Called with ``(event, path)`` as a snapshot is ``committed`` and
+            ``renamed`` to its final name, and as retention is ``removing`` one (for
+            logs, traces and crash drills).
     """
 
     def __init__(self, checkpoint: Any, barrier: Any, rl: RlHalf,
                  config: RolloutCheckpointConfig, *,
                  fingerprint: Mapping[str, Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_event: Callable[[str, str], None] | None = None) -> None:
         for obj, what, methods in ((checkpoint, "checkpoint", ("snapshot", "restored",
                                                                "is_unavailable")),
                                    (barrier, "barrier", ("checkpoint",)),
@@ -124,6 +128,9 @@ class RolloutCheckpointManager:
         self._clock = clock
         self._last_attempt = clock()
         self.consecutive_failures = 0
+        self._on_event = on_event or (lambda event, path: None)
+        # The newest trainer step whose checkpoint is known saved (None: none known).
+        self.trainer_step: int | None = None
         # File work off the loop as the job's runtime does it (inline in the simulation).
         self._blocking: Callable[..., Awaitable[Any]] = getattr(
             checkpoint, "run_blocking", None) or asyncio.to_thread
@@ -139,12 +146,20 @@ class RolloutCheckpointManager:
         return await self.snapshot()
 
     async def snapshot_at_trainer_checkpoint(self, step: int) -> ManagedSnapshot | None:
-        """A snapshot anchored to trainer step ``step``: take it as the trainer
+        """A snapshot anchored to trainer step ``step``, taken just before the trainer
         checkpoint of ``step`` is saved; ``restore_mode="trainer_checkpoint"`` restores it
-        with that checkpoint."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"the trainer step must be a non-negative int, not {step!r}")
+        with that checkpoint. Once the checkpoint is saved, ``trainer_checkpoint_saved``
+        lets retention drop older anchors."""
+        _check_step(step)
         return await self.snapshot(anchor_step=step)
+
+    async def trainer_checkpoint_saved(self, step: int) -> list[str]:
+        """The trainer checkpoint of ``step`` is durable: retention may now remove the
+        snapshots anchored to older steps (returns the paths removed)."""
+        _check_step(step)
+        self.trainer_step = step if self.trainer_step is None else max(step,
+                                                                       self.trainer_step)
+        return await self.apply_retention()
 
     async def snapshot(self, anchor_step: int | None = None) -> ManagedSnapshot | None:
         """Take a snapshot now, then apply retention.
@@ -174,8 +189,10 @@ class RolloutCheckpointManager:
             self._failed(exc, taking)
             return None
         self.consecutive_failures = 0
+        self._on_event("committed", taking)
         if taking != path:  # committed: a crash before the rename leaves it restorable
             await self._blocking(os.rename, taking, path)
+            self._on_event("renamed", path)
         info = await self._blocking(_info, path)
         taken = ManagedSnapshot(info.sequence, path, anchor_step, info.created_at)
         log.info("rollout snapshot %s committed as number %s%s", path, taken.number,
@@ -201,13 +218,19 @@ class RolloutCheckpointManager:
         left. Returns the paths removed."""
         found = await self.snapshots()
         keep = {s.path for s in found[:self.config.keep_latest_k]}
+        # The anchor of the newest trainer checkpoint known saved, and every newer anchor
+        # (its trainer checkpoint may not have landed yet). Told of none, the newest.
         anchored = [s for s in found if s.anchor_step is not None]
-        if anchored:
-            newest_step = max(s.anchor_step for s in anchored if s.anchor_step is not None)
-            keep.add(next(s.path for s in anchored if s.anchor_step == newest_step))
+        saved = self.trainer_step
+        if saved is None and anchored:
+            saved = max(s.anchor_step for s in anchored if s.anchor_step is not None)
+        keep.update(s.path for s in anchored if saved is not None and s.anchor_step is not None
+                    and s.anchor_step > saved)
+        keep.update([s.path for s in anchored if s.anchor_step == saved][:1])
         removed = []
         for snap in found:
             if snap.path not in keep:
+                self._on_event("removing", snap.path)
                 await self._blocking(remove_snapshot, snap.path, self.config.root)
                 await self._tidy(snap.path)
                 removed.append(snap.path)
@@ -234,6 +257,8 @@ class RolloutCheckpointManager:
         assert record is not None  # _choose lists only managed snapshots
         allowed = refuse_changes(chosen.path, record.fingerprint, await self.fingerprint(),
                                  self.config.allow_changed)
+        if chosen.anchor_step is not None and trainer_step is not None:
+            self.trainer_step = trainer_step
         for field, (saved, now) in allowed.items():
             log.warning("restoring %s: %s changed (saved %s, now %s), allowed", chosen.path,
                         field, saved, now)
@@ -350,6 +375,11 @@ class RolloutCheckpointManager:
             log.warning("rollout snapshot %s does not verify (%s); trying an older one",
                         snap.path, "; ".join(report.problems[:3]))
         return None
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"the trainer step must be a non-negative int, not {step!r}")
 
 
 def _info(path: str) -> SnapshotInfo:
