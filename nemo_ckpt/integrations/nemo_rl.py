@@ -315,6 +315,11 @@ class NemoRlEnvironmentCheckpoint:
                 self._inner_restored = None
         dropped = self._to_drop
         if dropped:
+            # Normal for groups RL restarts whole (not turn-level): said, not warned.
+            log.info("restore from %s: %d restored session(s) RL's ledger does not "
+                     "continue on their instance (another group's, or their owner now "
+                     "maps elsewhere); retired, they start over", checkpoint_path,
+                     len(dropped))
             episodes = [EnvironmentEpisode(rid, att).next_attempt() for _, rid, att in dropped]
             try:
                 await self.checkpoint.retire(episodes)
@@ -438,10 +443,6 @@ class NemoRlEnvironmentCheckpoint:
                 handed.add((owner, rid, att))
             else:
                 dropped.add((instance, rid, att))
-        if dropped:
-            log.warning("restore: %d restored session(s) RL's ledger does not continue on "
-                        "their instance (another group's, or their owner now maps "
-                        "elsewhere); they start over", len(dropped))
         keys = frozenset(inner.staging_keys)
         if dropped:  # their rows are RL's to clear: only the shards' indexes say which
             keys -= await self._blocking(_rows_of_dropped, path, handed, dropped)

@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = ["DEFAULT_ALLOWED_CHANGES", "RolloutCheckpointConfig"]
 
 # A restore onto another cluster shape is a feature (the restore plan places sessions),
-# so the instance ids may change unless the caller says otherwise.
-DEFAULT_ALLOWED_CHANGES = frozenset({"instance_ids"})
+# so the instance ids, and the owners mapped to them, may change unless the caller says
+# otherwise (a rollout whose owner no longer maps to its instance starts over).
+DEFAULT_ALLOWED_CHANGES = frozenset({"instance_ids", "owners"})
 
 
 class RolloutCheckpointConfig(BaseModel):

@@ -42,7 +42,7 @@ from nemo_ckpt.manager.fingerprint import refuse_changes
 from nemo_ckpt.manager.record import RECORD_FILE, ManagedRecord, read_record, write_record
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.location import LocalLocation, join_location, parse_location
-from nemo_ckpt.storage.manifest import FORMAT_VERSION
+from nemo_ckpt.storage.manifest import FORMAT_VERSION, MANIFEST_NAME
 from nemo_ckpt.storage.snapshot_files import read_manifest
 
 __all__ = ["ManagedSnapshot", "RlHalf", "RolloutCheckpointManager", "SNAPSHOT_PREFIX"]
@@ -129,6 +129,9 @@ class RolloutCheckpointManager:
         self._last_attempt = clock()
         self.consecutive_failures = 0
         self._on_event = on_event or (lambda event, path: None)
+        # One snapshot, retention or restore at a time: the sweep takes any folder of
+        # the manager's without a committed manifest for a leftover.
+        self._lock = asyncio.Lock()
         # The newest trainer step whose checkpoint is known saved (None: none known).
         self.trainer_step: int | None = None
         # File work off the loop as the job's runtime does it (inline in the simulation).
@@ -168,6 +171,10 @@ class RolloutCheckpointManager:
         while fewer than ``max_consecutive_failures`` failed in a row: the next interval
         retries. Raises ``RolloutCheckpointFailedError`` once that many did, and any
         other failure at once."""
+        async with self._lock:
+            return await self._snapshot_now(anchor_step)
+
+    async def _snapshot_now(self, anchor_step: int | None) -> ManagedSnapshot | None:
         self._last_attempt = self._clock()
         fingerprint = await self.fingerprint()
         name = (f"{SNAPSHOT_PREFIX}{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-"
@@ -197,7 +204,7 @@ class RolloutCheckpointManager:
         taken = ManagedSnapshot(info.sequence, path, anchor_step, info.created_at)
         log.info("rollout snapshot %s committed as number %s%s", path, taken.number,
                  "" if anchor_step is None else f", anchored to trainer step {anchor_step}")
-        await self.apply_retention()
+        await self._retain()
         return taken
 
     # --- the catalog ----------------------------------------------------------------------
@@ -213,9 +220,13 @@ class RolloutCheckpointManager:
         return found[0] if found else None
 
     async def apply_retention(self) -> list[str]:
-        """Remove every managed snapshot but the ``keep_latest_k`` newest and the one the
-        newest trainer checkpoint anchors, and what interrupted snapshots or removals
-        left. Returns the paths removed."""
+        """Remove every managed snapshot but the ``keep_latest_k`` newest and the
+        anchors retention keeps (``trainer_checkpoint_saved``), and what interrupted
+        snapshots or removals left. Returns the paths removed."""
+        async with self._lock:
+            return await self._retain()
+
+    async def _retain(self) -> list[str]:
         found = await self.snapshots()
         keep = {s.path for s in found[:self.config.keep_latest_k]}
         # The anchor of the newest trainer checkpoint known saved, and every newer anchor
@@ -250,6 +261,10 @@ class RolloutCheckpointManager:
         snapshot (a fresh start). Before anything is restored, the snapshot's fingerprint
         is compared with the job's: a change outside ``allow_changed`` raises
         ``FingerprintMismatchError`` and modifies nothing."""
+        async with self._lock:
+            return await self._restore(trainer_step)
+
+    async def _restore(self, trainer_step: int | None) -> ManagedSnapshot | None:
         chosen = await self._blocking(self._choose, trainer_step)
         if chosen is None:
             return None
@@ -335,14 +350,15 @@ class RolloutCheckpointManager:
         return found  # list_snapshots' order: newest first by commit number
 
     def _leftovers(self, committed: set[str]) -> list[str]:
-        """Folders the manager named that hold its record but no committed snapshot."""
+        """Folders the manager named that hold no committed snapshot: what a snapshot
+        or a removal cut short left (none is being taken: the lock)."""
         root = folder_at(self.config.root)
         left = []
         for name in root.subfolders():
-            if not name.startswith(SNAPSHOT_PREFIX):
-                continue
             path = join_location(self.config.root, name)
-            if path not in committed and RECORD_FILE in folder_at(path).names():
+            if name.startswith(SNAPSHOT_PREFIX) and path not in committed \
+                    and MANIFEST_NAME not in folder_at(join_location(path, "environment")
+                                                       ).names():
                 left.append(path)
         return left
 
