@@ -105,13 +105,16 @@ class RolloutCheckpointManager:
         on_event: Called with ``(event, path)`` as a snapshot is ``committed`` and
             ``renamed`` to its final name, and as retention is ``removing`` one (for
             logs, traces and crash drills).
+        names: Names each new snapshot's folder (must begin with ``rollout-``);
+            default: the UTC time and a random suffix.
     """
 
     def __init__(self, checkpoint: Any, barrier: Any, rl: RlHalf,
                  config: RolloutCheckpointConfig, *,
                  fingerprint: Mapping[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 on_event: Callable[[str, str], None] | None = None) -> None:
+                 on_event: Callable[[str, str], None] | None = None,
+                 names: Callable[[], str] | None = None) -> None:
         for obj, what, methods in ((checkpoint, "checkpoint", ("snapshot", "restored",
                                                                "is_unavailable")),
                                    (barrier, "barrier", ("checkpoint",)),
@@ -129,6 +132,7 @@ class RolloutCheckpointManager:
         self._last_attempt = clock()
         self.consecutive_failures = 0
         self._on_event = on_event or (lambda event, path: None)
+        self._names = names or _default_name
         # One snapshot, retention or restore at a time: the sweep takes any folder of
         # the manager's without a committed manifest for a leftover.
         self._lock = asyncio.Lock()
@@ -176,15 +180,13 @@ class RolloutCheckpointManager:
 
     async def _snapshot_now(self, anchor_step: int | None) -> ManagedSnapshot | None:
         self._last_attempt = self._clock()
-        fingerprint = await self.fingerprint()
-        name = (f"{SNAPSHOT_PREFIX}{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-"
-                f"{uuid.uuid4().hex[:8]}")
-        path = join_location(self.config.root, name)
+        path = join_location(self.config.root, self._names())
         # On a folder, as NeMo RL does: taken under a partial name, renamed once the
         # backend resumed, so a folder with the final name is always whole.
         taking = path + PARTIAL_SUFFIX if _is_local(path) else path
-        record = ManagedRecord(anchor_step=anchor_step, fingerprint=fingerprint)
         try:
+            record = ManagedRecord(anchor_step=anchor_step,
+                                   fingerprint=await self.fingerprint())
             async with self._snapshot(taking) as snap:
                 async with self.barrier.checkpoint() as cut:
                     if snap is not None:
@@ -198,13 +200,29 @@ class RolloutCheckpointManager:
         self.consecutive_failures = 0
         self._on_event("committed", taking)
         if taking != path:  # committed: a crash before the rename leaves it restorable
-            await self._blocking(os.rename, taking, path)
-            self._on_event("renamed", path)
-        info = await self._blocking(_info, path)
-        taken = ManagedSnapshot(info.sequence, path, anchor_step, info.created_at)
+            try:
+                await self._blocking(os.rename, taking, path)
+            except OSError as exc:
+                log.warning("rollout snapshot %s committed, but not renamed to %s (%s); "
+                            "it restores under its partial name", taking, path, exc)
+                path = taking
+            else:
+                self._on_event("renamed", path)
+        try:
+            info = await self._blocking(_info, path)
+            number, created = info.sequence, info.created_at
+        except (OSError, NemoCkptError) as exc:  # committed all the same
+            log.warning("rollout snapshot %s committed; its manifest did not read back "
+                        "(%s)", path, exc)
+            number, created = None, None
+        taken = ManagedSnapshot(number, path, anchor_step, created)
         log.info("rollout snapshot %s committed as number %s%s", path, taken.number,
                  "" if anchor_step is None else f", anchored to trainer step {anchor_step}")
-        await self._retain()
+        try:
+            await self._retain()
+        except (OSError, NemoCkptError) as exc:  # the snapshot stands; the next one retries
+            log.warning("rollout retention after %s failed (%s); the next snapshot retries",
+                        path, exc)
         return taken
 
     # --- the catalog ----------------------------------------------------------------------
@@ -242,7 +260,12 @@ class RolloutCheckpointManager:
         for snap in found:
             if snap.path not in keep:
                 self._on_event("removing", snap.path)
-                await self._blocking(remove_snapshot, snap.path, self.config.root)
+                try:
+                    await self._blocking(remove_snapshot, snap.path, self.config.root)
+                except (OSError, NemoCkptError) as exc:  # busy, say: the next one retries
+                    log.warning("rollout retention could not remove %s (%s); the next "
+                                "retention retries", snap.path, exc)
+                    continue
                 await self._tidy(snap.path)
                 removed.append(snap.path)
         for path in await self._blocking(self._leftovers, {s.path for s in found}):
@@ -391,6 +414,10 @@ class RolloutCheckpointManager:
             log.warning("rollout snapshot %s does not verify (%s); trying an older one",
                         snap.path, "; ".join(report.problems[:3]))
         return None
+
+
+def _default_name() -> str:
+    return f"{SNAPSHOT_PREFIX}{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
 
 
 def _check_step(step: int) -> None:

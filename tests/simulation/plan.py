@@ -90,6 +90,9 @@ class Plan:
     # commit number, the manifest) that lands and then errors, as a bucket's client
     # retry makes it (issue 34): the chance of each, drawn apart, last.
     disk_landed: float = 0.0
+    # The driver's snapshots and restores run through nemo_ckpt.integrations.nemo_rl
+    # with NeMo RL's shape of ledger, cut and staging listing (issue 36); drawn apart.
+    nemo_rl: bool = False
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -131,6 +134,7 @@ class Plan:
         plan.reply_loss = random.Random(f"reply-loss-{seed}").choice(
             [0.0, 0.0, 0.0, 0.005, 0.02, 0.05])
         plan.disk_landed = random.Random(f"landed-{seed}").choice([0.0, 0.0, 0.0, 0.2])
+        plan.nemo_rl = random.Random(f"nemo-rl-{seed}").random() < 0.25
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))

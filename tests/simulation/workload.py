@@ -24,20 +24,28 @@ from nemo_ckpt.errors import (
     SnapshotMismatchError,
     is_retriable,
 )
+from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 
 from .checkers import Checkers
 from .faults import Faults
 from .plan import CONFIG, SPARSE_BYTES
-from .rl import Saved, SimRL
+from .rl import LiveOnly, NemoRlView, Saved, SimRL
 from .state import Driver, OpRecord, Part, State, short
 from .text_env import CounterFramework, policy, reference
 
 T = TypeVar("T")
+
+
+def nemo_rl_checkpoint(ckpt: Any, view: NemoRlView) -> NemoRlEnvironmentCheckpoint:
+    """``ckpt`` as NeMo RL's controller drives it (``Plan.nemo_rl``)."""
+    return NemoRlEnvironmentCheckpoint(ckpt, ledger=view, staging=view.list_staging,
+                                       owners=NemoRlView.OWNERS)
 
 
 class InjectedError(Exception):
@@ -105,9 +113,11 @@ class Workload(Part):
         bad = checked and self.rng.random() < self.plan.bad_cut
         saved = None
         held = False  # a snapshot of nothing yields None, which needs no check
+        view = NemoRlView() if self.plan.nemo_rl and checked else None
+        env: Any = ckpt if view is None else nemo_rl_checkpoint(ckpt, view)
         try:
             record.entered = self.now()
-            async with ckpt.snapshot(Path(path)) as snap:
+            async with env.snapshot(Path(path)) as snap:
                 record.begun = self.now()
                 held = snap is not None
                 if checked:
@@ -115,8 +125,11 @@ class Workload(Part):
                         if snap is not None:
                             if bad:
                                 cut = self.inject.corrupt(cut)
+                            given: Any = cut
+                            if view is not None:  # NeMo RL's: the ledger says, not the cut
+                                view.cut, given = cut, LiveOnly(cut)
                             try:
-                                await snap.check_against_cut(cut)
+                                await snap.check_against_cut(given)
                             except SnapshotMismatchError:
                                 record.check_failed = True
                                 assert record.op_id is not None
@@ -202,8 +215,8 @@ class Workload(Part):
         # Some restores are read ahead first (RayEnvironmentCheckpoint.prefetch): of the
         # snapshot restored, or of another one, whose reads the restore must drop.
         ahead = self.rng.choice([None, None, path, self.rng.choice(candidates)])
-        task = self.world.spawn(driver.actor, self._restore(driver, path, raise_inside,
-                                                            ahead))
+        task = self.world.spawn(driver.actor, self._restore(driver, path, saved,
+                                                            raise_inside, ahead))
         driver.op_task = task
         try:
             restored = await task
@@ -225,7 +238,7 @@ class Workload(Part):
                 self.log("retrying the restore")
                 try:
                     restored = await self.world.spawn(
-                        driver.actor, self._restore(driver, path, False))
+                        driver.actor, self._restore(driver, path, saved, False))
                 except BaseException as error:
                     again = error
                     self.log(f"retry failed: {type(error).__name__}: {short(error)}")
@@ -249,7 +262,7 @@ class Workload(Part):
             await self._acknowledge([r.episode for r in results])
         await self.start_workers(fresh=False, restored=restored)
 
-    async def _restore(self, driver: Driver, path: str, raise_inside: bool,
+    async def _restore(self, driver: Driver, path: str, saved: Saved, raise_inside: bool,
                        ahead: str | None = None) -> Any:
         if ahead is not None:
             try:
@@ -257,11 +270,32 @@ class Workload(Part):
                 self.log(f"prefetch of {Path(ahead).name}: {started} shard reads started")
             except Exception as exc:  # a prefetch that fails changes nothing
                 self.log(f"prefetch of {Path(ahead).name} failed: {type(exc).__name__}")
+        if self.plan.nemo_rl:  # RL's ledger loaded first, then the hand-over
+            return await self._nemo_rl_restore(driver, saved, path, raise_inside)
         async with driver.ckpt.restored(Path(path)) as restored:
             if raise_inside:
                 self.s.faults += 1
                 self.log("fault: RL's restore raises inside restored()")
                 raise InjectedError("RL's own restore failed")
+            return restored
+
+    async def _nemo_rl_restore(self, driver: Driver, saved: Saved, path: str,
+                               raise_inside: bool) -> Any:
+        view = NemoRlView()
+        view.cut = StaticCut(saved.expected, saved.rows)
+        env = nemo_rl_checkpoint(driver.ckpt, view)
+        async with env.restored(Path(path)) as restored:
+            if raise_inside:
+                self.s.faults += 1
+                self.log("fault: RL's restore raises inside restored()")
+                raise InjectedError("RL's own restore failed")
+            plan = await env.prepare_for_restart(LiveOnly(view.cut), restored)
+            if plan.dropped:
+                self.check.violate(f"the hand-over dropped {sorted(plan.dropped)}, which "
+                                   f"RL's saved ledger expects on their instances")
+            if view.restarted != set(restored.continued_attempts):
+                self.check.violate("prepare_for_restart was not given the continued "
+                                   "attempts")
             return restored
 
     def _apply_restore(self, saved: Saved, restored: Any,
