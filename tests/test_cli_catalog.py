@@ -12,7 +12,8 @@ import pytest
 
 from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.cli.main import main
-from nemo_ckpt.storage.checkpoint_folder import environment_dir
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder
+from nemo_ckpt.storage.claims import encode_claim
 from tests.test_catalog import _claim_as_snapshot, first_shard, snap
 from tests.test_storage import flip_middle_byte, manifest_path
 
@@ -217,3 +218,16 @@ def test_ls_marks_a_damaged_manifest_unreadable_in_its_row_and_says_why_below(
     assert max(len(line) for line in out.splitlines()) < 80 + len(str(root))
     assert err.startswith(f"nemo-ckpt ls: {root / 'step-1'}: its manifest does not read: ")
     assert "is not valid JSON" in err and len(err.splitlines()) == 1
+
+
+def test_rm_keep_last_meeting_a_dead_removers_claim_says_what_to_wait_and_then_goes_ahead(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, _ = encode_claim("remove-dead0000", "nemo-ckpt-remover-dead0000", 1.0)
+    environment_folder(root / "step-1").write_bytes(".claim-remove-dead0000.json", data)
+    code, out, err = run(capsys, "rm", "--keep-last", "2", str(root))
+    assert code == 1 and f"nemo-ckpt rm: not removed {root / 'step-1'}: " in err
+    assert "(nemo-ckpt rm --wait 3)" in err
+    code, out, err = run(capsys, "rm", "--keep-last", "2", "--wait", "3", str(root))
+    assert (code, err) == (0, "")
+    assert f"removed snapshot s1 at {root / 'step-1'} (2 files)" in out.splitlines()
+    assert list((root / "step-1").iterdir()) == []  # environment/ and its dead claim gone

@@ -21,13 +21,21 @@ or a restore reads it, and a snapshot that begins during the removal is refused 
 manifest first, so a removal cut short leaves no committed snapshot that is missing
 files, then the shards and trees files, then collects the blob store
 (``nemo_ckpt.sandboxes.collection``), which keeps every blob another committed snapshot references.
-Only the environment's half of a checkpoint path is removed; RL's files there are RL's.
+Only the environment's half of a checkpoint path is removed, and its ``environment/``
+folder once empty (on a filesystem); RL's files there are RL's.
+
+A removal's claim left by a process that died (a crash mid-removal) is judged as every
+claim is (``nemo_ckpt.storage.claims``): on this process's monotonic clock, by one watch
+kept for the process's life, so a later call that sees it unchanged for its ttl takes it
+as abandoned and removes it. A call that sees it for the first time cannot tell, and is
+refused, saying how long to wait.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -46,12 +54,19 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs, committed_snapshots
 from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
-from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.storage.cleanup import manifest_snapshot_id, remove_unreferenced_files
 from nemo_ckpt.storage.folder import Folder
+from nemo_ckpt.storage.local_folder import LocalFolder
 from nemo_ckpt.storage.location import LocalLocation, parent_location, parse_location
 from nemo_ckpt.storage.manifest import MANIFEST_NAME, SHARD_PREFIX, Manifest
-from nemo_ckpt.storage.path_claims import REMOVAL_PREFIX, claim_path, read_claims, release_claim
+from nemo_ckpt.storage.path_claims import (
+    REMOVAL_PREFIX,
+    claim_path,
+    drop_abandoned,
+    read_claims,
+    release_claim,
+)
 from nemo_ckpt.storage.snapshot_files import read_manifest
 
 __all__ = ["LatestSnapshot", "RemovalReport", "RetentionReport", "SkippedSnapshot",
@@ -202,13 +217,35 @@ class RemovalReport:
     collection_skipped: str | None = None
 
 
-def _busy(path: Path | str, operation: str, owner: str, waited: float) -> CheckpointPathBusyError:
-    why = (f"gave up after watching its claim for {waited:g}s" if waited > 0 else
-           "run it again once that has ended, or wait (wait_s, or --wait SECONDS) for a "
-           "claim whose job died to be seen unchanged for its ttl")
+# One watch per clock for the life of the process: a claim is found abandoned only by a
+# watch that has seen it before, so a watch made per call takes the claim a dead remover
+# left for live at every call, and retention is refused for ever after a crash.
+_WATCHES: dict[Callable[[], float], ClaimWatch] = {}
+_MAX_WATCHES = 16
+
+
+def _process_watch(clock: Callable[[], float]) -> ClaimWatch:
+    watch = _WATCHES.get(clock)
+    if watch is None:
+        if len(_WATCHES) >= _MAX_WATCHES:
+            _WATCHES.pop(next(iter(_WATCHES)))
+        watch = _WATCHES.setdefault(clock, ClaimWatch(clock))
+    return watch
+
+
+def _busy(path: Path | str, operation: str, owner: str, waited: float,
+          left_s: float) -> CheckpointPathBusyError:
     what = ("another removal" if operation.startswith(REMOVAL_PREFIX) else
             "a restore reading it" if operation.startswith("restore-") else
             "a snapshot writing it, or a restore reading it")
+    # Claims are judged on this process's clock only: one seen for the first time is
+    # live, so only watching it tells an operation that runs from one whose process died.
+    wait = math.ceil(max(left_s, 0.0)) + 1
+    why = (f"gave up after watching its claim for {waited:g}s; " if waited > 0 else "")
+    why += (f"run it again once that has ended; if its process is gone, its claim is taken "
+            f"as abandoned (and removed) once seen unchanged for {left_s:.0f}s more: pass "
+            f"wait_s={wait} (nemo-ckpt rm --wait {wait}) to watch it that long, or call "
+            f"again from this process after that")
     return CheckpointPathBusyError(
         f"cannot remove the snapshot at {path}: {operation} of {owner} is in progress "
         f"there ({what}); nothing was removed; {why}")
@@ -221,13 +258,16 @@ def _claim_alone(path: Path | str, operation: str, owner: str, watch: ClaimWatch
 
     Two writers can each read no claim and then both write theirs; so after writing,
     the removal reads the claims again and backs off if another appeared (the snapshot
-    that wrote it goes on, and the removal is refused)."""
+    that wrote it goes on, and the removal is refused). A claim ``watch`` has seen
+    unchanged for its ttl is abandoned: it is removed, so that it holds up no later
+    removal or snapshot there (a fresh process's watch would take it for live again)."""
     folder = environment_folder(path)
     give_up = clock() + wait_s
     while True:
         others = [c for c in read_claims(folder) if c.operation != operation]
         left = watch.observe(folder.describe(), others)
         live = [c for c in others if left[c.operation] > 0]
+        drop_abandoned(folder, [c for c in others if left[c.operation] <= 0])
         if not live:
             try:
                 try:
@@ -247,8 +287,11 @@ def _claim_alone(path: Path | str, operation: str, owner: str, watch: ClaimWatch
             release_claim(folder, operation)
         if clock() >= give_up or not live:
             who = live[0] if live else None
+            # One that appeared after our read is new to the watch: its whole ttl is left.
+            left_s = (left.get(who.operation, STALE_FACTOR * who.ttl_s) if who
+                      else STALE_FACTOR * _REMOVAL_TTL_S)
             raise _busy(path, who.operation if who else "another removal",
-                        who.owner if who else "another process", wait_s)
+                        who.owner if who else "another process", wait_s, left_s)
         sleep(min(_WAIT_POLL_S, max(0.0, give_up - clock())))
 
 
@@ -262,6 +305,18 @@ def _remove_manifest(folder: Folder) -> None:
             raise
 
 
+def _remove_if_empty(folder: Folder) -> None:
+    """Remove the environment folder the removal emptied, or RL, removing its own half
+    of the checkpoint path, finds a folder it did not make and cannot remove. Only an
+    empty one: another operation's claim or files keep it, and RL's files beside it are
+    never touched. A bucket has no folders: a prefix ends with its last object."""
+    if isinstance(folder, LocalFolder):
+        # A snapshot that prepared this folder a moment ago makes it again for its claim
+        # (``LocalFolder.write_bytes``).
+        with contextlib.suppress(OSError):
+            folder.path.rmdir()
+
+
 def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: bool = True,
                     wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep,
@@ -272,7 +327,9 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
     Refused with ``CheckpointPathBusyError`` while a snapshot or restore holds the
     folder: a claim seen for the first time is taken as live, so ``wait_s`` watches the
     claims (on ``clock``) for up to that long, enough to see one whose job died as
-    abandoned. ``SnapshotNotFoundError`` when there is no snapshot at ``path``. A
+    abandoned. Claims are watched for the life of the process (one watch per ``clock``):
+    a later call takes a claim seen unchanged for its ttl since as abandoned too, and
+    removes it. ``SnapshotNotFoundError`` when there is no snapshot at ``path``. A
     damaged snapshot is removed too: nothing of it is read but the names of its files;
     so are the shards a snapshot left without a manifest (interrupted), and those of a
     removal cut short (an I/O error raised: the manifest went first, so nothing is left
@@ -297,7 +354,7 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
                     else None if root is None else str(root))
     token = uuid.uuid4().hex[:12]
     operation, owner = f"{REMOVAL_PREFIX}{token}", f"nemo-ckpt-remover-{token}"
-    _claim_alone(path, operation, owner, ClaimWatch(clock), clock, sleep, wait_s)
+    _claim_alone(path, operation, owner, _process_watch(clock), clock, sleep, wait_s)
     try:
         report = RemovalReport(path=str(path), snapshot_id=manifest_snapshot_id(folder))
         if snapshot_id is not None and report.snapshot_id != snapshot_id:
@@ -313,6 +370,7 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
         report.files += remove_unreferenced_files(folder)
     finally:
         release_claim(folder, operation)
+    _remove_if_empty(folder)
     log.info("removed snapshot %s at %s (%d files)", report.snapshot_id, path,
              len(report.files))
     if collect and collect_root is not None:
