@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +16,9 @@ from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder
 from nemo_ckpt.storage.claims import encode_claim
+from tests.s3_server import BUCKET
 from tests.test_catalog import _claim_as_snapshot, first_shard, snap
+from tests.test_object_storage import session, write_snapshot
 from tests.test_storage import flip_middle_byte, manifest_path
 
 
@@ -231,3 +235,16 @@ def test_rm_keep_last_meeting_a_dead_removers_claim_says_what_to_wait_and_then_g
     assert (code, err) == (0, "")
     assert f"removed snapshot s1 at {root / 'step-1'} (2 files)" in out.splitlines()
     assert list((root / "step-1").iterdir()) == []  # environment/ and its dead claim gone
+
+
+def test_ls_and_rm_keep_last_of_a_mistyped_bucket_prefix_exit_1_as_for_a_folder(
+        s3_server: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    root = f"s3://{BUCKET}/cli-{uuid.uuid4().hex[:8]}"
+    write_snapshot(f"{root}/step-1", {"holder-0": [session("holder-0", "r0")]})
+    assert run(capsys, "ls", root)[0] == 0
+    typo = f"{root}-typo"
+    for argv in (("ls", typo), ("ls", "--latest", typo), ("rm", "--keep-last", "1", typo)):
+        code, out, err = run(capsys, *argv)
+        assert (code, out, len(err.splitlines())) == (1, "", 1), (argv, err)
+        assert f"there is nothing at {typo}, so it is no checkpoint root (mistyped?)" in err
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["snap-1"]

@@ -9,9 +9,11 @@ from nemo_ckpt.catalog.verification import one_line
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
 from nemo_ckpt.sandboxes.collection import committed_snapshots
 from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.location import ObjectLocation, parse_location
 from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
 
-__all__ = ["PROG", "human_bytes", "number", "one_line", "read_error", "table"]
+__all__ = ["PROG", "human_bytes", "nothing_at_root", "number", "one_line", "read_error",
+           "table"]
 
 PROG = "nemo-ckpt"
 
@@ -50,6 +52,21 @@ def read_error(command: str, path: Path | str, error: SnapshotReadError,
     if then and then not in message:
         message += f" {then}"
     return f"{PROG} {command}: error: {message}"
+
+
+def nothing_at_root(root: Path | str) -> str | None:
+    """Why ``root``, a bucket's prefix, is no checkpoint root: nothing at all is there
+    (None when something is, or ``root`` is a folder, which ``list_snapshots`` checks
+    itself). A prefix exists only while an object is under it, so the library takes an
+    empty one for a root without snapshots yet; a user who typed it has mistyped it."""
+    if not isinstance(parse_location(root), ObjectLocation):
+        return None
+    folder = folder_at(str(root))
+    if folder.names() or folder.subfolders():
+        return None
+    return (f"there is nothing at {folder.describe()}, so it is no checkpoint root "
+            f"(mistyped?): pass CheckpointConfig.checkpoint_root, or a prefix above "
+            f"checkpoint paths")
 
 
 def _not_a_snapshot(path: Path | str) -> str | None:

@@ -7,7 +7,7 @@ import argparse
 from typing import TextIO
 
 from nemo_ckpt.catalog.listing import RemovalReport, keep_last, remove_snapshot
-from nemo_ckpt.cli.render import PROG, human_bytes, one_line, read_error
+from nemo_ckpt.cli.render import PROG, human_bytes, nothing_at_root, one_line, read_error
 from nemo_ckpt.errors import NemoCkptError, SnapshotNotFoundError
 from nemo_ckpt.options import at_least, checkpoint_path, non_negative_float
 from nemo_ckpt.sandboxes.collection import CollectionReport
@@ -65,6 +65,10 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             return 2
         (root,) = args.paths
         try:
+            nothing = nothing_at_root(root)
+            if nothing is not None:  # as a folder that does not exist: exit 1
+                print(f"{PROG} rm: error: {nothing}; nothing was removed", file=err)
+                return 1
             kept = keep_last(root, args.keep_last, verify=args.verify, wait_s=args.wait)
         except (NemoCkptError, OSError) as exc:
             print(f"{PROG} rm: error: {one_line(exc)}", file=err)
