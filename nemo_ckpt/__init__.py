@@ -5,9 +5,18 @@ The driver constructs ``RayEnvironmentCheckpoint`` and uses it through the
 Snapshots on disk are listed, found, kept and removed with ``list_snapshots``,
 ``latest_snapshot``, ``keep_last`` and ``remove_snapshot``, and looked into with
 ``inspect_snapshot``, ``verify_snapshot`` and ``diff_snapshots`` (no Ray needed; the
-``nemo-ckpt`` command line renders the same results).
+``nemo-ckpt`` command line renders the same results). On an event loop, their
+``_async`` forms (``list_snapshots_async``, ...) run the same work in a worker thread;
+the long ones report ``CatalogProgress`` to a ``progress`` callback.
 """
 
+from nemo_ckpt.catalog.async_catalog import (
+    keep_last_async,
+    latest_snapshot_async,
+    list_snapshots_async,
+    remove_snapshot_async,
+    verify_snapshot_async,
+)
 from nemo_ckpt.catalog.listing import (
     LatestSnapshot,
     RemovalReport,
@@ -32,11 +41,13 @@ from nemo_ckpt.interfaces import (
     NoEnvironmentCheckpoint,
     RestoredEnvironmentRollouts,
 )
+from nemo_ckpt.progress import CatalogProgress, ProgressCallback
 from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
 
 __all__ = [
+    "CatalogProgress",
     "CheckpointConfig",
     "CollectionReport",
     "DataPlaneMutationCut",
@@ -45,6 +56,7 @@ __all__ = [
     "EnvironmentSnapshot",
     "LatestSnapshot",
     "NoEnvironmentCheckpoint",
+    "ProgressCallback",
     "RayEnvironmentCheckpoint",
     "RaySnapshot",
     "RemovalReport",
@@ -62,8 +74,13 @@ __all__ = [
     "diff_snapshots",
     "inspect_snapshot",
     "keep_last",
+    "keep_last_async",
     "latest_snapshot",
+    "latest_snapshot_async",
     "list_snapshots",
+    "list_snapshots_async",
     "remove_snapshot",
+    "remove_snapshot_async",
     "verify_snapshot",
+    "verify_snapshot_async",
 ]

@@ -51,6 +51,7 @@ from nemo_ckpt.errors import (
     SnapshotNotFoundError,
     SnapshotReadError,
 )
+from nemo_ckpt.progress import CatalogProgress, ProgressCallback
 from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs, committed_snapshots
 from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
@@ -115,11 +116,13 @@ class SnapshotInfo:
                    blob_store=blob_store_of(path, manifest))
 
 
-def list_snapshots(root: Path | str) -> list[SnapshotInfo]:
+def list_snapshots(root: Path | str,
+                   progress: ProgressCallback | None = None) -> list[SnapshotInfo]:
     """Every committed snapshot below ``root`` (a folder or a bucket's URL), newest first
     (see the module docstring), each with its manifest's facts. Reads manifests only:
     ``latest_snapshot(verify=True)`` or ``verify_snapshot`` checks the shards. A local
-    ``root`` that is not a folder raises ``CheckpointPathError``."""
+    ``root`` that is not a folder raises ``CheckpointPathError``. ``progress`` hears of
+    each manifest read ("manifests read", from 0 of all once they are found)."""
     location = parse_location(root)
     if isinstance(location, LocalLocation) and not location.path.is_dir():
         # A mistyped root must not read as "no snapshots": a restart would start over.
@@ -128,11 +131,16 @@ def list_snapshots(root: Path | str) -> list[SnapshotInfo]:
                        f"file): pass CheckpointConfig.checkpoint_root, or a folder above "
                        f"checkpoint paths")
     found: list[SnapshotInfo] = []
-    for path in committed_snapshots(root):
+    paths = committed_snapshots(root)
+    if progress is not None:
+        progress(CatalogProgress("manifests read", 0, len(paths)))
+    for done, path in enumerate(paths, 1):
         try:
             found.append(SnapshotInfo.of(path, read_manifest(path)))
         except SnapshotReadError as exc:
             found.append(SnapshotInfo(path=path, error=one_line(exc)))
+        if progress is not None:
+            progress(CatalogProgress("manifests read", done, len(paths), path))
     undated = [s for s in found if s.created_at is None]
     dated = [s for s in found if s.created_at is not None]
     dated.sort(key=lambda s: (s.sequence or 0, s.created_at, s.snapshot_id or ""),
@@ -177,7 +185,20 @@ class LatestSnapshot:
         return None if self.snapshot is None else self.snapshot.path
 
 
-def latest_snapshot(root: Path | str, verify: bool = True, warn: bool = True) -> LatestSnapshot:
+def _damage(info: SnapshotInfo, verify: bool,
+            progress: ProgressCallback | None) -> str | None:
+    """Why a restore would refuse the snapshot ``info`` (None when it would accept it):
+    its manifest does not read, or, with ``verify``, it does not verify."""
+    if info.error is not None:
+        return f"its manifest does not read, so its age is unknown: {info.error}"
+    if verify and not (report := verify_snapshot(info.path, progress)).ok:
+        return (f"it does not verify ({len(report.problems)} problem(s)): "
+                f"{report.problems[0]}")
+    return None
+
+
+def latest_snapshot(root: Path | str, verify: bool = True, warn: bool = True,
+                    progress: ProgressCallback | None = None) -> LatestSnapshot:
     """The newest committed snapshot below ``root`` that a restore would accept.
 
     With ``verify`` (the default), each candidate, newest first, gets every check a
@@ -186,16 +207,14 @@ def latest_snapshot(root: Path | str, verify: bool = True, warn: bool = True) ->
     over is in ``skipped`` with the reason, and, with ``warn``, logged as a warning: a
     damaged newest snapshot means turns since the one chosen are lost, which the caller
     should know (``nemo-ckpt ls --latest`` prints ``skipped`` itself, so once).
+    ``progress`` hears of the listing's steps (``list_snapshots``), then of each
+    candidate's verification (``verify_snapshot``).
     """
     skipped: list[SkippedSnapshot] = []
     chosen: SnapshotInfo | None = None
-    for info in list_snapshots(root):
-        if info.error is not None:
-            reason = f"its manifest does not read, so its age is unknown: {info.error}"
-        elif verify and not (report := verify_snapshot(info.path)).ok:
-            reason = (f"it does not verify ({len(report.problems)} problem(s)): "
-                      f"{report.problems[0]}")
-        else:
+    for info in list_snapshots(root, progress):
+        reason = _damage(info, verify, progress)
+        if reason is None:
             chosen = info
             break
         if warn:
@@ -387,46 +406,73 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
 @dataclass
 class RetentionReport:
     """What ``keep_last`` kept and removed, what it could not remove (by path, why), and
-    the collection of the blob store after (None when no removed snapshot had one)."""
+    the collection of the blob store after (None when no removed snapshot had one).
+
+    ``damaged``: the kept snapshots that did not count towards ``n`` (a restore would
+    refuse them), by path, with why; they are kept for a person to look at.
+    ``dry_run``: nothing was removed; ``would_remove`` lists what would have been."""
 
     kept: list[SnapshotInfo] = field(default_factory=list)
     removed: list[RemovalReport] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
     collection: CollectionReport | None = None
     collection_skipped: str | None = None
+    damaged: dict[str, str] = field(default_factory=dict)
+    dry_run: bool = False
+    would_remove: list[SnapshotInfo] = field(default_factory=list)
 
 
 def keep_last(root: Path | str, n: int, verify: bool = False, wait_s: float = 0.0,
               clock: Callable[[], float] = time.monotonic,
-              sleep: Callable[[float], None] = time.sleep) -> RetentionReport:
+              sleep: Callable[[float], None] = time.sleep,
+              progress: ProgressCallback | None = None,
+              dry_run: bool = False) -> RetentionReport:
     """Keep the ``n`` newest committed snapshots below ``root`` and remove the older ones
     (``remove_snapshot``), then collect the blob store once.
 
     What counts towards ``n`` is a snapshot a restore would accept: one whose manifest
     reads, and with ``verify`` one that verifies. A snapshot is removed only once ``n``
     newer ones count, so damage never makes the retention remove the last good ones
-    (a damaged snapshot among the newest is kept, for the user to look at). A removal
-    refused (a snapshot or restore holds it) is reported in ``refused``; the others go
-    on."""
+    (a damaged snapshot among the newest is kept, for the user to look at, and named in
+    ``damaged`` with why). A removal refused (a snapshot or restore holds it) is
+    reported in ``refused``; the others go on. With ``dry_run``, nothing is removed
+    nor collected: ``would_remove`` lists what would be.
+
+    ``progress`` hears of the listing's steps (``list_snapshots``), each kept
+    snapshot's verification with ``verify``, and each snapshot kept or removed
+    ("snapshots kept or removed"), in the calling thread; an exception it raises stops
+    the retention between two snapshots and propagates."""
     if n < 1:
         raise ValueError(f"keep_last needs n >= 1 (got {n}): it never removes every snapshot")
-    report = RetentionReport()
+    report = RetentionReport(dry_run=dry_run)
     good = 0  # newer snapshots a restore would accept
     stores: set[str] = set()  # the blob stores of the snapshots removed
-    for info in list_snapshots(root):
+    found = list_snapshots(root, progress)
+    step = "snapshots kept or removed"
+    if progress is not None:
+        progress(CatalogProgress(step, 0, len(found)))
+    for done, info in enumerate(found, 1):
         if good < n:
             report.kept.append(info)
-            good += info.error is None and (not verify or verify_snapshot(info.path).ok)
-            continue
-        try:
-            report.removed.append(remove_snapshot(info.path, collect=False, wait_s=wait_s,
-                                                  clock=clock, sleep=sleep,
-                                                  snapshot_id=info.snapshot_id))
-        except (NemoCkptError, OSError) as exc:
-            report.refused[info.path] = one_line(exc)
-            continue
-        if info.blob_store is not None:
-            stores.add(info.blob_store)
+            damage = _damage(info, verify, progress)
+            if damage is None:
+                good += 1
+            else:
+                report.damaged[info.path] = damage
+        elif dry_run:
+            report.would_remove.append(info)
+        else:
+            try:
+                report.removed.append(remove_snapshot(
+                    info.path, collect=False, wait_s=wait_s, clock=clock, sleep=sleep,
+                    snapshot_id=info.snapshot_id))
+            except (NemoCkptError, OSError) as exc:
+                report.refused[info.path] = one_line(exc)
+            else:
+                if info.blob_store is not None:
+                    stores.add(info.blob_store)
+        if progress is not None:
+            progress(CatalogProgress(step, done, len(found), info.path))
     for store in sorted(stores):  # one under the root, unless snapshots name others
         where = parent_location(store, 1)
         try:
