@@ -441,6 +441,23 @@ def test_keep_last_collects_the_blobs_of_the_snapshots_it_removed(
     assert verify_snapshot(root / "b").ok
 
 
+def test_a_removal_collects_past_a_dead_collectors_claim_once_this_process_saw_it_unchanged(
+        job: World, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _two_snapshots_with_directories(job, root)
+    data, _ = encode_claim("collector", "a-collector-that-died", 30.0)
+    (root / "blobs" / ".claim-collector.json").write_bytes(data)
+    clock = FakeClock(100.0)
+    first = remove_snapshot(root / "a", clock=clock)
+    assert first.collection is None and first.collection_skipped is not None
+    assert "already being collected by a-collector-that-died" in first.collection_skipped
+    clock.advance(STALE_FACTOR * 30.0 + 1)
+    second = remove_snapshot(root / "b", clock=clock)  # a later call of the same process
+    assert second.collection is not None and second.collection.removed > 0
+    assert second.collection_skipped is None
+    assert _store(tmp_path).digests() == set()
+
+
 def _a_job_that_snapshots_and_dies(tmp_path: Path, path: Path) -> None:
     job = sandbox_job(tmp_path)
     try:

@@ -395,6 +395,7 @@ def remove_snapshot(path: Path | str, root: Path | str | None = None, collect: b
     if collect and collect_root is not None:
         try:
             report.collection = collect_blobs(collect_root, wait_s=wait_s, clock=clock,
+                                              watch=_process_watch(clock),
                                               sleep=sleep)
         except (NemoCkptError, OSError) as exc:
             report.collection_skipped = (f"{one_line(exc)}; the next commit under "
@@ -476,7 +477,8 @@ def keep_last(root: Path | str, n: int, verify: bool = False, wait_s: float = 0.
     for store in sorted(stores):  # one under the root, unless snapshots name others
         where = parent_location(store, 1)
         try:
-            report.collection = collect_blobs(where, wait_s=wait_s, clock=clock, sleep=sleep)
+            report.collection = collect_blobs(where, wait_s=wait_s, clock=clock, sleep=sleep,
+                                              watch=_process_watch(clock))
         except (NemoCkptError, OSError) as exc:
             report.collection_skipped = (f"{one_line(exc)}; the next commit under {where} "
                                          f"collects them, or run nemo-ckpt gc {where}")
