@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -241,15 +242,17 @@ class RemovalReport:
 # left for live at every call, and retention is refused for ever after a crash.
 _WATCHES: dict[Callable[[], float], ClaimWatch] = {}
 _MAX_WATCHES = 16
+_WATCHES_LOCK = threading.Lock()  # the async forms run removals in worker threads
 
 
 def _process_watch(clock: Callable[[], float]) -> ClaimWatch:
-    watch = _WATCHES.get(clock)
-    if watch is None:
-        if len(_WATCHES) >= _MAX_WATCHES:
-            _WATCHES.pop(next(iter(_WATCHES)))
-        watch = _WATCHES.setdefault(clock, ClaimWatch(clock))
-    return watch
+    with _WATCHES_LOCK:
+        watch = _WATCHES.get(clock)
+        if watch is None:
+            if len(_WATCHES) >= _MAX_WATCHES:  # a test's fake clocks; forget the oldest
+                del _WATCHES[next(iter(_WATCHES))]
+            watch = _WATCHES[clock] = ClaimWatch(clock)
+        return watch
 
 
 def _busy(path: Path | str, operation: str, owner: str, waited: float,
