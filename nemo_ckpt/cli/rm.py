@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                    "half; RL's files there stay), then the sandbox blobs no "
                                    "other committed snapshot references. With --keep-last "
                                    "N, PATH is a root: keep its N newest snapshots and "
-                                   "remove the older ones. Safe beside a running job: a "
+                                   "remove the older ones (a damaged one among the newest "
+                                   "is kept and does not count; a line on stderr says "
+                                   "why). Safe beside a running job: a "
                                    "snapshot that a snapshot or restore holds is refused "
                                    "(exit 1), and nothing of it is removed.")
     p.add_argument("paths", metavar="PATH", nargs="+", type=checkpoint_path,
