@@ -5,11 +5,20 @@ The driver constructs ``RayEnvironmentCheckpoint`` and uses it through the
 Snapshots on disk are listed, found, kept and removed with ``list_snapshots``,
 ``latest_snapshot``, ``keep_last`` and ``remove_snapshot``, and looked into with
 ``inspect_snapshot``, ``verify_snapshot`` and ``diff_snapshots`` (no Ray needed; the
-``nemo-ckpt`` command line renders the same results). ``RolloutCheckpointManager`` takes
-snapshots on an interval and at trainer checkpoints, keeps the newest, and restores one
-under a checked configuration fingerprint.
+``nemo-ckpt`` command line renders the same results). On an event loop, their
+``_async`` forms (``list_snapshots_async``, ...) run the same work in a worker thread;
+the long ones report ``CatalogProgress`` to a ``progress`` callback.
+``RolloutCheckpointManager`` takes snapshots on an interval and at trainer checkpoints,
+keeps the newest, and restores one under a checked configuration fingerprint.
 """
 
+from nemo_ckpt.catalog.async_catalog import (
+    keep_last_async,
+    latest_snapshot_async,
+    list_snapshots_async,
+    remove_snapshot_async,
+    verify_snapshot_async,
+)
 from nemo_ckpt.catalog.listing import (
     LatestSnapshot,
     RemovalReport,
@@ -36,11 +45,13 @@ from nemo_ckpt.interfaces import (
 )
 from nemo_ckpt.manager.config import RolloutCheckpointConfig
 from nemo_ckpt.manager.rollout_manager import ManagedSnapshot, RlHalf, RolloutCheckpointManager
+from nemo_ckpt.progress import CatalogProgress, ProgressCallback
 from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
 
 __all__ = [
+    "CatalogProgress",
     "CheckpointConfig",
     "CollectionReport",
     "DataPlaneMutationCut",
@@ -50,6 +61,7 @@ __all__ = [
     "LatestSnapshot",
     "ManagedSnapshot",
     "NoEnvironmentCheckpoint",
+    "ProgressCallback",
     "RayEnvironmentCheckpoint",
     "RaySnapshot",
     "RemovalReport",
@@ -70,8 +82,13 @@ __all__ = [
     "diff_snapshots",
     "inspect_snapshot",
     "keep_last",
+    "keep_last_async",
     "latest_snapshot",
+    "latest_snapshot_async",
     "list_snapshots",
+    "list_snapshots_async",
     "remove_snapshot",
+    "remove_snapshot_async",
     "verify_snapshot",
+    "verify_snapshot_async",
 ]

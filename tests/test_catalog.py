@@ -190,7 +190,9 @@ def test_remove_snapshot_removes_its_environment_half_and_leaves_the_others(
     report = remove_snapshot(three["mid"])
     assert report.snapshot_id == "s2"
     assert report.files[0] == "manifest.json" and len(report.files) == 2
-    assert list(environment_dir(three["mid"]).iterdir()) == []
+    # The emptied environment/ goes too; RL's file beside it stays, and RL can then
+    # remove its checkpoint folder as it made it.
+    assert sorted(p.name for p in three["mid"].iterdir()) == ["data_plane.json"]
     assert rl_file.read_text() == "{}"
     assert [s.snapshot_id for s in list_snapshots(tmp_path / "ckpt")] == ["s3", "s1"]
     assert all(verify_snapshot(three[k]).ok for k in ("new", "old"))
@@ -306,6 +308,63 @@ def test_keep_last_of_zero_is_refused_before_anything_is_removed(
     assert len(list_snapshots(tmp_path / "ckpt")) == 3
 
 
+def _a_removers_claim(path: Path, ttl_s: float = 30.0) -> None:
+    """The claim a removal writes there (``remove_snapshot``), as a remover whose process
+    died mid-removal left it; called again, as its live remover renews it (a new beat)."""
+    data, _ = encode_claim("remove-dead0000", "nemo-ckpt-remover-dead0000", ttl_s)
+    environment_folder(path).write_bytes(".claim-remove-dead0000.json", data)
+
+
+def test_keep_last_after_a_remover_died_goes_ahead_once_this_process_saw_its_claim_unchanged(
+        tmp_path: Path, three: dict[str, Path]) -> None:
+    root = tmp_path / "ckpt"
+    _a_removers_claim(three["old"])
+    clock = FakeClock(100.0)
+    first = keep_last(root, 2, clock=clock)
+    assert first.removed == [] and list(first.refused) == [str(three["old"])]
+    why = first.refused[str(three["old"])]
+    assert ("remove-dead0000 of nemo-ckpt-remover-dead0000 is in progress there (another "
+            "removal); nothing was removed; run it again once that has ended; if its "
+            "process is gone, its claim is taken as abandoned (and removed) once seen "
+            "unchanged for 36s more: pass wait_s=37 (nemo-ckpt rm --wait 37)") in why
+    clock.advance(STALE_FACTOR * 30.0 + 1)
+    second = keep_last(root, 2, clock=clock)  # a later call of the same process
+    assert [r.snapshot_id for r in second.removed] == ["s1"] and second.refused == {}
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["s3", "s2"]
+    assert not environment_dir(three["old"]).exists()  # the dead claim went with it
+
+
+def test_a_removers_claim_that_is_renewed_is_never_taken_as_abandoned(
+        tmp_path: Path, three: dict[str, Path]) -> None:
+    clock = FakeClock(100.0)
+    _a_removers_claim(three["old"])
+    for _ in range(3):
+        report = keep_last(tmp_path / "ckpt", 2, clock=clock)
+        assert report.removed == [] and list(report.refused) == [str(three["old"])]
+        clock.advance(STALE_FACTOR * 30.0 + 1)
+        _a_removers_claim(three["old"])
+    assert len(list_snapshots(tmp_path / "ckpt")) == 3
+    assert [c.operation for c in read_claims(environment_folder(three["old"]))] == [
+        "remove-dead0000"]
+
+
+def test_a_removal_keeps_an_environment_folder_that_holds_files_not_its_own(
+        three: dict[str, Path]) -> None:
+    notes = environment_dir(three["mid"]) / "notes.txt"  # a user's, not a file we make
+    notes.write_text("why step-2 was kept")
+    remove_snapshot(three["mid"])
+    assert sorted(p.name for p in environment_dir(three["mid"]).iterdir()) == ["notes.txt"]
+
+
+def test_a_snapshot_claims_a_path_whose_emptied_folder_a_removal_took_after_it_prepared_it(
+        three: dict[str, Path]) -> None:
+    environment_folder(three["mid"]).prepare()  # the snapshot prepares its folder...
+    remove_snapshot(three["mid"])  # ...a removal there empties and removes it...
+    _claim_as_snapshot(three["mid"])  # ...and the snapshot's claim makes it again
+    assert [c.operation for c in read_claims(environment_folder(three["mid"]))] == [
+        "snap-running"]
+
+
 # --- beside a running job (in-process coordinator and holders) -------------------------------
 
 
@@ -380,6 +439,23 @@ def test_keep_last_collects_the_blobs_of_the_snapshots_it_removed(
     assert [r.path for r in report.removed] == [str(root / "a")]
     assert report.collection is not None and report.collection.removed > 0
     assert verify_snapshot(root / "b").ok
+
+
+def test_a_removal_collects_past_a_dead_collectors_claim_once_this_process_saw_it_unchanged(
+        job: World, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _two_snapshots_with_directories(job, root)
+    data, _ = encode_claim("collector", "a-collector-that-died", 30.0)
+    (root / "blobs" / ".claim-collector.json").write_bytes(data)
+    clock = FakeClock(100.0)
+    first = remove_snapshot(root / "a", clock=clock)
+    assert first.collection is None and first.collection_skipped is not None
+    assert "already being collected by a-collector-that-died" in first.collection_skipped
+    clock.advance(STALE_FACTOR * 30.0 + 1)
+    second = remove_snapshot(root / "b", clock=clock)  # a later call of the same process
+    assert second.collection is not None and second.collection.removed > 0
+    assert second.collection_skipped is None
+    assert _store(tmp_path).digests() == set()
 
 
 def _a_job_that_snapshots_and_dies(tmp_path: Path, path: Path) -> None:
@@ -470,7 +546,7 @@ def test_a_removal_cut_short_leaves_no_committed_snapshot_and_a_second_one_finis
     shard = first_shard(three["mid"])
     report = remove_snapshot(three["mid"])
     assert (report.snapshot_id, report.files) == (None, [shard.name])
-    assert list(environment_dir(three["mid"]).iterdir()) == []
+    assert not environment_dir(three["mid"]).exists()
 
 
 def test_a_manifest_removal_that_landed_and_then_raised_goes_on(
@@ -486,7 +562,7 @@ def test_a_manifest_removal_that_landed_and_then_raised_goes_on(
     monkeypatch.setattr(LocalFolder, "remove", removed_then_raised)
     report = remove_snapshot(three["mid"])
     assert report.snapshot_id == "s2" and len(report.files) == 2
-    assert list(environment_dir(three["mid"]).iterdir()) == []
+    assert not environment_dir(three["mid"]).exists()
 
 
 # --- in a bucket ------------------------------------------------------------------------------

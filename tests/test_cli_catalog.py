@@ -3,17 +3,23 @@ ones included (the core they render: tests/test_catalog.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.cli.main import main
-from nemo_ckpt.storage.checkpoint_folder import environment_dir
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder
+from nemo_ckpt.storage.claims import encode_claim
+from tests.s3_server import BUCKET
 from tests.test_catalog import _claim_as_snapshot, first_shard, snap
+from tests.test_object_storage import session, write_snapshot
 from tests.test_storage import flip_middle_byte, manifest_path
 
 
@@ -217,3 +223,91 @@ def test_ls_marks_a_damaged_manifest_unreadable_in_its_row_and_says_why_below(
     assert max(len(line) for line in out.splitlines()) < 80 + len(str(root))
     assert err.startswith(f"nemo-ckpt ls: {root / 'step-1'}: its manifest does not read: ")
     assert "is not valid JSON" in err and len(err.splitlines()) == 1
+
+
+def test_rm_keep_last_meeting_a_dead_removers_claim_says_what_to_wait_and_then_goes_ahead(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, _ = encode_claim("remove-dead0000", "nemo-ckpt-remover-dead0000", 1.0)
+    environment_folder(root / "step-1").write_bytes(".claim-remove-dead0000.json", data)
+    code, out, err = run(capsys, "rm", "--keep-last", "2", str(root))
+    assert code == 1 and f"nemo-ckpt rm: not removed {root / 'step-1'}: " in err
+    assert "(nemo-ckpt rm --wait 3)" in err
+    code, out, err = run(capsys, "rm", "--keep-last", "2", "--wait", "3", str(root))
+    assert (code, err) == (0, "")
+    assert f"removed snapshot s1 at {root / 'step-1'} (2 files)" in out.splitlines()
+    assert list((root / "step-1").iterdir()) == []  # environment/ and its dead claim gone
+
+
+def test_ls_and_rm_keep_last_of_a_mistyped_bucket_prefix_exit_1_as_for_a_folder(
+        s3_server: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    root = f"s3://{BUCKET}/cli-{uuid.uuid4().hex[:8]}"
+    write_snapshot(f"{root}/step-1", {"holder-0": [session("holder-0", "r0")]})
+    assert run(capsys, "ls", root)[0] == 0
+    typo = f"{root}-typo"
+    for argv in (("ls", typo), ("ls", "--latest", typo), ("rm", "--keep-last", "1", typo)):
+        code, out, err = run(capsys, *argv)
+        assert (code, out, len(err.splitlines())) == (1, "", 1), (argv, err)
+        assert f"there is nothing at {typo}, so it is no checkpoint root (mistyped?)" in err
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["snap-1"]
+
+
+def test_verify_and_rm_keep_last_show_progress_on_stderr_only_when_asked_or_on_a_terminal(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    code, out, err = run(capsys, "verify", str(root / "step-3"))
+    assert (code, err) == (0, "")  # stderr is no terminal here: no progress unasked
+    code, out2, err = run(capsys, "verify", "--progress", str(root / "step-3"))
+    assert (code, out2) == (0, out)
+    assert err.splitlines() == ["nemo-ckpt verify: shards verified 0/1",
+                                "nemo-ckpt verify: shards verified 1/1"]
+    code, out, err = run(capsys, "rm", "--keep-last", "2", "--progress", str(root))
+    assert code == 0 and f"removed snapshot s1 at {root / 'step-1'} (2 files)" in out
+    assert err.splitlines() == [
+        *(f"nemo-ckpt rm: manifests read {k}/3" for k in range(4)),
+        *(f"nemo-ckpt rm: snapshots kept or removed {k}/3" for k in range(4))]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["verify", str(root / "step-3")]) == 0
+    assert terminal.getvalue() == ("\r\x1b[Knemo-ckpt verify: shards verified 0/1"
+                                   "\r\x1b[Knemo-ckpt verify: shards verified 1/1\n")
+    terminal.truncate(0)
+    assert main(["verify", "--no-progress", str(root / "step-3")]) == 0
+    assert terminal.getvalue() == ""
+
+
+def test_rm_keep_last_dry_run_lists_what_it_would_remove_and_leaves_every_file(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (root / "step-1" / "rl_state.json").write_text("{}")
+    before = _tree(root)
+    code, out, err = run(capsys, "rm", "--keep-last", "1", "--dry-run", str(root))
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [f"would keep 1 snapshot(s) under {root}",
+                                f"would remove snapshot s2 at {root / 'step-2'}",
+                                f"would remove snapshot s1 at {root / 'step-1'}",
+                                "nothing was removed (--dry-run): 2 snapshot(s) would be"]
+    assert _tree(root) == before
+    code, out, err = run(capsys, "rm", "--dry-run", str(root / "step-1"))
+    assert (code, out) == (2, "")
+    assert "--dry-run goes with --keep-last N ROOT; nothing was removed" in err
+    assert _tree(root) == before
+
+
+def test_rm_keep_last_says_why_it_keeps_each_damaged_snapshot_and_how_to_remove_it(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flip_middle_byte(first_shard(root / "step-3"))
+    code, out, err = run(capsys, "rm", "--keep-last", "1", "--verify", str(root))
+    assert code == 0
+    assert out.splitlines() == [f"kept 2 snapshot(s) under {root}",
+                                f"removed snapshot s1 at {root / 'step-1'} (2 files)"]
+    (line,) = err.splitlines()
+    assert line.startswith(f"nemo-ckpt rm: kept damaged snapshot {root / 'step-3'}, not "
+                           f"counted towards --keep-last: it does not verify (1 problem(s)): ")
+    assert line.endswith(f"; it is kept for you to look at (`nemo-ckpt verify "
+                         f"{root / 'step-3'}`); to remove it: `nemo-ckpt rm "
+                         f"{root / 'step-3'}`")
+    assert [s.snapshot_id for s in list_snapshots(root)] == ["s3", "s2"]

@@ -10,8 +10,9 @@ import socket
 
 import pytest
 
+from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.cli.main import main
-from nemo_ckpt.errors import SnapshotWriteError
+from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
 from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
 from tests.test_object_storage import session, write_snapshot
 
@@ -97,3 +98,23 @@ def test_a_startup_probe_gives_up_on_a_dead_server_after_two_retries_where_a_wri
         causes[probe] = str(caught.value.__cause__)
     assert "max_retries: 2," in causes[True], causes[True]
     assert "max_retries: 10," in causes[False], causes[False]
+
+
+def test_a_plain_http_endpoint_without_aws_allow_http_says_to_set_it(
+        dead_endpoint: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    told = (f"the endpoint {dead_endpoint} for s3://ckpt is plain http, which the store's "
+            f"client refuses unless AWS_ALLOW_HTTP=true is set: set it on every node and "
+            f"the driver, or use an https:// endpoint")
+    for argv in (["ls", "s3://ckpt/run"], ["inspect", "s3://ckpt/run"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and told in err, err
+        assert "builder error" not in err
+    with pytest.raises(CheckpointPathError) as listing:
+        list_snapshots("s3://ckpt/run")
+    assert str(listing.value).endswith(told)
+    with pytest.raises(SnapshotWriteError) as writing:
+        write_snapshot("s3://ckpt/run", {"holder-0": [session("holder-0", "a")]})
+    assert str(writing.value).endswith(told)

@@ -1,14 +1,15 @@
 """The ``nemo-ckpt`` command line: look at snapshots on disk and at live holders.
 
     nemo-ckpt inspect PATH [--json]   what a snapshot holds, from its manifest
-    nemo-ckpt verify PATH             every check a restore makes, without Ray
+    nemo-ckpt verify PATH [--progress]
+                                      every check a restore makes, without Ray
     nemo-ckpt diff A B                rollouts added, finished and advanced from A to B
     nemo-ckpt status                  the holders of a running job
     nemo-ckpt gc ROOT [--dry-run] [--wait SECONDS]
                                       remove sandbox blobs no committed snapshot references
     nemo-ckpt ls ROOT [--verify] [--latest] [--json]
                                       the committed snapshots under ROOT, newest first
-    nemo-ckpt rm PATH... | rm --keep-last N ROOT
+    nemo-ckpt rm PATH... | rm --keep-last N ROOT [--dry-run] [--progress]
                                       remove snapshots beside a running job, then their blobs
 
 ``PATH`` is the checkpoint path handed to ``snapshot()``: the folder that holds

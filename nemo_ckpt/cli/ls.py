@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from nemo_ckpt.catalog.listing import SnapshotInfo, latest_snapshot, list_snapshots
 from nemo_ckpt.catalog.verification import verify_snapshot
-from nemo_ckpt.cli.render import PROG, human_bytes, one_line, table
+from nemo_ckpt.cli.render import PROG, human_bytes, nothing_at_root, one_line, table
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.options import checkpoint_path
 
@@ -86,6 +86,10 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    nothing = nothing_at_root(args.root)
+    if nothing is not None:  # as a folder that does not exist: exit 1
+        print(f"{PROG} ls: error: {nothing}", file=err)
+        return 1
     if args.latest:
         latest = latest_snapshot(args.root, verify=args.latest_verify, warn=False)
         for skipped in latest.skipped:

@@ -7,7 +7,7 @@ import argparse
 from typing import TextIO
 
 from nemo_ckpt.catalog.verification import verify_snapshot
-from nemo_ckpt.cli.render import read_error, table
+from nemo_ckpt.cli.render import add_progress_option, progress_line, read_error, table
 from nemo_ckpt.options import checkpoint_path
 from nemo_ckpt.phases import instance_sort_key
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
@@ -24,12 +24,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                                    "every shard (length, content hash, decoding, contents). Exits "
                                    "0 when intact, 1 listing every problem found.")
     p.add_argument("path", metavar="PATH", type=checkpoint_path, help=path_help)
+    add_progress_option(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     path = args.path
-    report = verify_snapshot(path)
+    meter = progress_line("verify", args.progress, err)
+    try:
+        report = verify_snapshot(path, progress=meter)
+    finally:
+        if meter is not None:
+            meter.end()
     m = report.manifest
     if m is None:
         # The manifest itself is refused: there is nothing else to check.

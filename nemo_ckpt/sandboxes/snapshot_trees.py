@@ -25,6 +25,7 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
+from nemo_ckpt.progress import CatalogProgress, ProgressCallback
 from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.sandboxes.extents import sparse_layout
 from nemo_ckpt.sandboxes.limits import TreeBudget
@@ -231,10 +232,11 @@ def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest,
 
 
 def verify_directories(checkpoint_path: str | Path, manifest: Manifest,
-                       budget: TreeBudget | None = None) -> list[str]:
+                       budget: TreeBudget | None = None,
+                       progress: ProgressCallback | None = None) -> list[str]:
     """Every problem with the directories a restore of this snapshot would materialize:
     trees files, names, trees (each read within ``budget``), and every file blob (read
-    and hashed, each once)."""
+    and hashed, each once). ``progress`` hears of each directory verified."""
     directories, unreadable = snapshot_directories(checkpoint_path, manifest, budget)
     problems = [f"trees file {name}: {why}" for name, why in sorted(unreadable.items())]
     where = blob_store_of(checkpoint_path, manifest)
@@ -242,21 +244,34 @@ def verify_directories(checkpoint_path: str | Path, manifest: Manifest,
         return problems
     store = BlobStore(where, folder_at)
     checked: dict[bytes, str | None] = {}
-    for d in sorted(directories.values(), key=lambda d: d.rollout_id):
-        if d.tree is None:
-            problems.append(f"directory of {d.rollout_id}: {d.error}")
+    total = len(directories)
+    if progress is not None and total:
+        progress(CatalogProgress("directories verified", 0, total))
+    for done, d in enumerate(sorted(directories.values(), key=lambda d: d.rollout_id), 1):
+        problems += _directory_problems(d, store, checked)
+        if progress is not None:
+            progress(CatalogProgress("directories verified", done, total, d.rollout_id))
+    return problems
+
+
+def _directory_problems(d: SessionDirectory, store: BlobStore,
+                        checked: dict[bytes, str | None]) -> list[str]:
+    """The problems of one directory's tree and file blobs; ``checked``, each blob's
+    verdict so far (a blob shared by directories is read once)."""
+    if d.tree is None:
+        return [f"directory of {d.rollout_id}: {d.error}"]
+    problems: list[str] = []
+    for path, e in sorted(d.tree.items()):
+        if e.kind not in (FILE, SPARSE):
             continue
-        for path, e in sorted(d.tree.items()):
-            if e.kind not in (FILE, SPARSE):
-                continue
-            if e.data not in checked:
-                try:
-                    data = store.read(e.data, e.size)
-                    if e.kind == SPARSE:
-                        sparse_layout(data, path)
-                    checked[e.data] = None
-                except NemoCkptError as exc:
-                    checked[e.data] = str(exc)
-            if checked[e.data] is not None:
-                problems.append(f"directory of {d.rollout_id}, {path}: {checked[e.data]}")
+        if e.data not in checked:
+            try:
+                data = store.read(e.data, e.size)
+                if e.kind == SPARSE:
+                    sparse_layout(data, path)
+                checked[e.data] = None
+            except NemoCkptError as exc:
+                checked[e.data] = str(exc)
+        if checked[e.data] is not None:
+            problems.append(f"directory of {d.rollout_id}, {path}: {checked[e.data]}")
     return problems

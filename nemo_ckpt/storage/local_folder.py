@@ -238,7 +238,14 @@ class LocalFolder:
         target = self._file(name)
         tmp = self.path / f".{name}{TMP_MARK}{uuid.uuid4().hex}"
         try:
-            with open(tmp, "xb", buffering=0) as f:
+            try:
+                f = open(tmp, "xb", buffering=0)
+            except FileNotFoundError:
+                # The folder went since it was prepared: a removal of the snapshot that
+                # was there removes it once empty (nemo_ckpt.catalog.listing).
+                self.prepare()
+                f = open(tmp, "xb", buffering=0)
+            with f:
                 f.write(data)
                 if sync:
                     os.fsync(f.fileno())

@@ -22,12 +22,12 @@ from pathlib import Path
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, OperationAbortedError
 from nemo_ckpt.storage.checkpoint_folder import as_folder
 from nemo_ckpt.storage.claims import Claim, ClaimWatch, decode_claim, encode_claim, write_claim
-from nemo_ckpt.storage.folder import ABSENT, Folder
+from nemo_ckpt.storage.folder import ABSENT, Folder, remove_if_holds
 from nemo_ckpt.storage.manifest import MANIFEST_NAME, safe_name_part
 
 __all__ = ["CLAIM_PREFIX", "REMOVAL_PREFIX", "PathClaim", "advisory_claims_warning",
-           "claim_beat", "claim_for_reading", "claim_of", "claim_path", "live_claims",
-           "read_claims", "release_claim"]
+           "claim_beat", "claim_for_reading", "claim_of", "claim_path", "drop_abandoned",
+           "live_claims", "read_claims", "release_claim"]
 
 CLAIM_PREFIX = ".claim-"
 # The operation ids of removals (``nemo_ckpt.catalog.listing``), so a refusal says what is going on.
@@ -171,6 +171,25 @@ def claim_for_reading(directory: Folder | Path, operation_id: str, owner: str, t
 def release_claim(directory: Folder | Path, operation_id: str) -> None:
     """Drop the claim of ``operation_id``, if any."""
     as_folder(directory).remove([_claim_name(operation_id)])
+
+
+def drop_abandoned(directory: Folder | Path, claims: Collection[PathClaim]) -> list[str]:
+    """Remove each of ``claims`` (judged abandoned by a ``ClaimWatch``) if it is still
+    the write that was judged: one renewed since (a new beat) stays, as does another
+    writer's that replaced it. Returns the operations whose claims were removed."""
+    folder = as_folder(directory)
+    dropped: list[str] = []
+    for claim in claims:
+        name = _claim_name(claim.operation)
+        try:
+            data = folder.read(name)
+            current = decode_claim(data)
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            continue
+        if (current.owner, current.beat) == (claim.owner, claim.beat) and \
+                remove_if_holds(folder, name, (data,)):
+            dropped.append(claim.operation)
+    return dropped
 
 
 def advisory_claims_warning(directory: Folder | Path) -> str | None:

@@ -26,6 +26,7 @@ class _Store:
     credentials: str  # the variables that hold credentials
     set_up: str  # the rest of what to set, after the credentials
     endpoint_hint: str  # what to check when no server answers
+    allow_http: str  # the variable that lets the client talk to a plain-http endpoint
 
     def endpoint(self) -> str:
         raise NotImplementedError
@@ -49,12 +50,13 @@ _STORES: dict[str, _Store] = {
     "s3": _S3("bucket", ("NoSuchBucket",), "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
               "(and AWS_ENDPOINT_URL and AWS_REGION for a server other than AWS S3) on every "
               "node and the driver, or give the nodes an instance role",
-              "check AWS_ENDPOINT_URL's host and port"),
+              "check AWS_ENDPOINT_URL's host and port", "AWS_ALLOW_HTTP"),
     "az": _Azure("container", ("ContainerNotFound",),
                  "AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY",
                  "(or AZURE_STORAGE_SAS_TOKEN instead of the key) on every node and the "
                  "driver, or give the nodes a managed identity",
-                 "check AZURE_STORAGE_ACCOUNT_NAME (AZURITE_BLOB_STORAGE_URL for Azurite)"),
+                 "check AZURE_STORAGE_ACCOUNT_NAME (AZURITE_BLOB_STORAGE_URL for Azurite)",
+                 "AZURE_ALLOW_HTTP"),
 }
 
 
@@ -77,6 +79,12 @@ def store_failure(location: ObjectLocation, exc: BaseException) -> OSError:
             or "Account must be specified" in text):
         return OSError(f"no credentials for {bucket}: set {store.credentials} "
                        f"{store.set_up}")
+    if "builder error" in text and store.endpoint().lower().startswith("http://"):
+        # The client refuses to build a request to a plain-http endpoint unless told to;
+        # all it says is "builder error".
+        return OSError(f"the endpoint {store.endpoint()} for {bucket} is plain http, which "
+                       f"the store's client refuses unless {store.allow_http}=true is set: "
+                       f"set it on every node and the driver, or use an https:// endpoint")
     if "error sending request" in text:
         return OSError(f"no server answers at {store.endpoint()} for {bucket}; "
                        f"{store.endpoint_hint}")
