@@ -84,6 +84,15 @@ def test_every_snippet_of_the_integration_guide_is_cut_from_the_minimal_example(
         assert any(cut_from(snippet, source) for source in sources), snippet
 
 
+def test_every_snippet_of_the_nemo_rl_guide_is_cut_from_the_grpo_example() -> None:
+    snippets = code_blocks(section(
+        "With NeMo RL: the integration module and the rollout checkpoint manager"))
+    assert len(snippets) >= 4
+    source = lines((ROOT / "examples" / "grpo_recovery.py").read_text())
+    for snippet in snippets:
+        assert cut_from(snippet, source), snippet
+
+
 def test_the_call_order_is_the_contracts_own() -> None:
     snippets = code_blocks(section("The call order a driver uses"))
     assert len(snippets) == 2
