@@ -131,6 +131,8 @@ class RolloutCheckpointManager:
         self._clock = clock
         self._last_attempt = clock()
         self.consecutive_failures = 0
+        # The error of the last snapshot that failed (None once one commits).
+        self.last_failure: BaseException | None = None
         self._on_event = on_event or (lambda event, path: None)
         self._names = names or _default_name
         # One snapshot, retention or restore at a time: the sweep takes any folder of
@@ -198,6 +200,7 @@ class RolloutCheckpointManager:
             self._failed(exc, taking)
             return None
         self.consecutive_failures = 0
+        self.last_failure = None
         self._on_event("committed", taking)
         if taking != path:  # committed: a crash before the rename leaves it restorable
             try:
@@ -335,6 +338,7 @@ class RolloutCheckpointManager:
 
     def _failed(self, error: Exception, path: str) -> None:
         self.consecutive_failures += 1
+        self.last_failure = error
         if not self.checkpoint.is_unavailable(error):
             raise error
         if self.consecutive_failures >= self.config.max_consecutive_failures:

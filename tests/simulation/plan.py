@@ -93,6 +93,9 @@ class Plan:
     # The driver's snapshots and restores run through nemo_ckpt.integrations.nemo_rl
     # with NeMo RL's shape of ledger, cut and staging listing (issue 36); drawn apart.
     nemo_rl: bool = False
+    # The driver's snapshots are a RolloutCheckpointManager's (its names, its check, its
+    # retention keeping the newest two), in half the nemo_rl schedules; drawn apart.
+    manager: bool = False
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -135,6 +138,7 @@ class Plan:
             [0.0, 0.0, 0.0, 0.005, 0.02, 0.05])
         plan.disk_landed = random.Random(f"landed-{seed}").choice([0.0, 0.0, 0.0, 0.2])
         plan.nemo_rl = random.Random(f"nemo-rl-{seed}").random() < 0.25
+        plan.manager = plan.nemo_rl and random.Random(f"manager-{seed}").random() < 0.5
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))

@@ -73,6 +73,7 @@ class Driver:
                               if getattr(self.config, k) != getattr(sim.config, k))
         self.op_task: asyncio.Task[Any] | None = None
         self.record: OpRecord | None = None  # the operation it runs now
+        self.manager: Any = None  # its RolloutCheckpointManager (Plan.manager), made once
         sim.drivers[self.actor] = self
 
 
@@ -104,6 +105,7 @@ class State:
         # What the workload runs:
         self.ops: list[OpRecord] = []
         self.committed: dict[str, list[str]] = defaultdict(list)  # path -> ids seen committed
+        self.next_managed_name = ""  # the folder a managed snapshot takes next
         self.failed_checks: set[str] = set()
         self.driver: Driver | None = None
         self.drivers: dict[SimActor, Driver] = {}

@@ -26,6 +26,8 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.manager.config import RolloutCheckpointConfig
+from nemo_ckpt.manager.rollout_manager import PARTIAL_SUFFIX, RolloutCheckpointManager
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
@@ -106,6 +108,9 @@ class Workload(Part):
         return self.s.driver
 
     async def _snapshot(self, driver: Driver, path: str, checked: bool) -> None:
+        if self.plan.manager and checked:
+            await self._managed_snapshot(driver)
+            return
         record = OpRecord(driver.name, "snapshot", path, self.now())
         self.s.ops.append(record)
         driver.record = record
@@ -165,6 +170,87 @@ class Workload(Part):
             record.end = self.now()
             driver.record = None
             self.check.check_deadlines(record, driver.config)
+
+    async def _managed_snapshot(self, driver: Driver) -> None:
+        """A snapshot through the driver's ``RolloutCheckpointManager`` (``Plan.manager``):
+        its folder name, its check under RL's cut (NeMo RL's shape), RL's save as its
+        ``RlHalf``, its rename and its retention; the same checks as any snapshot."""
+        name = f"rollout-{len(self.s.ops):04d}"
+        record = OpRecord(driver.name, "snapshot", str(self.root / (name + PARTIAL_SUFFIX)),
+                          self.now())
+        self.s.ops.append(record)
+        driver.record = record
+        bad = self.rng.random() < self.plan.bad_cut
+        view = NemoRlView()
+        saved: list[Saved] = []
+        workload = self
+
+        class Barrier:
+            @contextlib.asynccontextmanager
+            async def checkpoint(self) -> Any:
+                record.begun = workload.now()
+                async with workload.s.rl.checkpoint() as cut:
+                    view.cut = workload.inject.corrupt(cut) if bad else cut
+                    yield LiveOnly(cut)
+
+        class Half:
+            async def save(self, cut: Any, path: str) -> None:
+                saved.append(workload.s.rl.state(record.op_id or "?"))
+                await asyncio.sleep(workload.rng.uniform(0.0, 1.5))  # RL saves its half
+                workload.check.check_paused_through_block(record)
+                record.body_end = workload.now()
+
+            async def restore(self, path: str, restored: Any) -> None:
+                raise AssertionError("the simulation restores by path")
+
+            async def remove(self, path: str) -> None:
+                workload.s.rl.saves.pop(path, None)
+                workload.s.committed.pop(path, None)
+
+        if driver.manager is None:
+            driver.manager = RolloutCheckpointManager(
+                nemo_rl_checkpoint(driver.ckpt, view), Barrier(), Half(),
+                RolloutCheckpointConfig(root=str(self.root), snapshot_attempt_interval_s=1.0,
+                                        keep_latest_k=2, max_consecutive_failures=100),
+                names=lambda: self.s.next_managed_name)
+        manager = driver.manager
+        self.s.next_managed_name = name
+        # This operation's barrier and RL half; its integration reads this view.
+        manager.barrier, manager.rl = Barrier(), Half()
+        manager.checkpoint = nemo_rl_checkpoint(driver.ckpt, view)
+        error: BaseException | None = None
+        try:
+            record.entered = self.now()
+            taken = await manager.snapshot()
+        except SnapshotMismatchError as exc:
+            record.check_failed, error = True, exc
+            if record.op_id is not None:
+                self.s.failed_checks.add(record.op_id)
+        except BaseException as exc:
+            error = exc
+            if not isinstance(exc, (Exception, asyncio.CancelledError)):
+                raise
+        else:
+            error = manager.last_failure if taken is None else None
+        finally:
+            record.end = self.now()
+            driver.record = None
+            self.check.check_deadlines(record, driver.config)
+        if error is None:
+            assert taken is not None
+            record.path, record.outcome = taken.path, "committed"
+            self.s.rl.saves[taken.path] = saved[-1]
+            self.s.committed[taken.path].append(record.op_id or "?")
+            self.log(f"{record.op_id} committed (managed, {Path(taken.path).name})")
+            self.check.check_commit(record)
+            self.check.check_one_config(driver, record)
+            return
+        record.outcome = type(error).__name__
+        self.log(f"{record.op_id} failed (managed): {type(error).__name__}: {short(error)}")
+        if not isinstance(error, asyncio.CancelledError):
+            self.check.check_error_kind(error, f"snapshot {record.op_id}")
+            self.check.check_dead_name(record, error)
+            await self.check.check_failed_snapshot(record, error)
 
     async def second_driver(self, at: float, k: int) -> None:
         await asyncio.sleep(at)
