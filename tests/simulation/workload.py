@@ -204,15 +204,14 @@ class Workload(Part):
                 raise AssertionError("the simulation restores by path")
 
             async def remove(self, path: str) -> None:
-                workload.s.rl.saves.pop(path, None)
-                workload.s.committed.pop(path, None)
+                workload.log(f"RL's half of {Path(path).name} removed (managed)")
 
         if driver.manager is None:
             driver.manager = RolloutCheckpointManager(
                 nemo_rl_checkpoint(driver.ckpt, view), Barrier(), Half(),
                 RolloutCheckpointConfig(root=str(self.root), snapshot_attempt_interval_s=1.0,
                                         keep_latest_k=2, max_consecutive_failures=100),
-                names=lambda: self.s.next_managed_name)
+                names=lambda: self.s.next_managed_name, on_event=self._managed_event)
         manager = driver.manager
         self.s.next_managed_name = name
         # This operation's barrier and RL half; its integration reads this view.
@@ -251,6 +250,17 @@ class Workload(Part):
             self.check.check_error_kind(error, f"snapshot {record.op_id}")
             self.check.check_dead_name(record, error)
             await self.check.check_failed_snapshot(record, error)
+
+    def _managed_event(self, event: str, path: str) -> None:
+        if event != "removing":
+            return
+        # Retention begins to remove it: from now on no snapshot RL may restore (its
+        # manifest goes first; a removal that fails after that is retried later).
+        gone = Path(path).resolve()
+        for key in [k for k in self.s.committed if Path(k).resolve() == gone]:
+            self.s.rl.saves.pop(key, None)
+            self.s.committed.pop(key, None)
+        self.log(f"retention removes {Path(path).name} (managed)")
 
     async def second_driver(self, at: float, k: int) -> None:
         await asyncio.sleep(at)
