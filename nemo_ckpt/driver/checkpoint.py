@@ -11,10 +11,10 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, overload
+from typing import Any, Optional
 
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver.holder_handles import HolderHandles
@@ -43,7 +43,7 @@ from nemo_ckpt.sessions import register_default_transport
 from nemo_ckpt.storage.location import LocalLocation, join_location, levels_below, parse_location
 from nemo_ckpt.transport import Transport, runtime_transport
 
-__all__ = ["RayEnvironmentCheckpoint", "ray_transport"]
+__all__ = ["RayEnvironmentCheckpoint", "ShutdownStarted", "ray_transport"]
 
 log = logging.getLogger("nemo_ckpt")
 
@@ -360,23 +360,21 @@ class RayEnvironmentCheckpoint:
         self._holder_handles.learn(h.instance_id for h in holders)
         return holders
 
-    @overload
-    def shutdown(self, wait: Literal[False] = False) -> None: ...
-
-    @overload
-    def shutdown(self, wait: Literal[True], timeout_s: float = 30.0) -> Awaitable[None]: ...
-
-    def shutdown(self, wait: bool = False, timeout_s: float = 30.0) -> Awaitable[None] | None:
+    def shutdown(self, wait: bool = False, timeout_s: float = 30.0) -> ShutdownStarted:
         """Kill the coordinator and every holder of this namespace (their sessions go).
 
-        The kill is sent at once; Ray releases the actors' names a moment later, and
-        until then a new coordinator or holder of the namespace cannot take them. With
-        ``wait=True`` this returns an awaitable that ends once every name is released:
-        ``await ckpt.shutdown(wait=True)`` before a restarted driver's ``check_startup``
-        and restore. It raises ``BackendUnavailableError`` naming the actors still
-        registered after ``timeout_s`` (their node may be unreachable; retry)."""
+        The kill is sent by the call itself, awaited or not: a plain ``ckpt.shutdown()``
+        at the end of a job is enough. Ray releases the actors' names a moment later,
+        and until then a new coordinator or holder of the namespace cannot take them.
+        What it returns may be awaited in every form: ``await ckpt.shutdown()`` returns
+        at once; ``await ckpt.shutdown(wait=True)`` returns once every name is released,
+        before a restarted driver's ``check_startup`` and restore, and raises
+        ``BackendUnavailableError`` naming the actors still registered after
+        ``timeout_s`` (their node may be unreachable; retry). Not awaited, it waits for
+        nothing and warns nothing."""
         self._transport.kill_namespace()
-        return self._link.until_gone(timeout_s) if wait else None
+        return ShutdownStarted(
+            (lambda: self._link.until_gone(timeout_s)) if wait else None)
 
     # --- internals ------------------------------------------------------------------------
 
@@ -453,6 +451,20 @@ class _Operation:
         if cancelled:
             raise asyncio.CancelledError()
         return answer
+
+
+class ShutdownStarted:
+    """What ``RayEnvironmentCheckpoint.shutdown`` returns, its kill already sent: an
+    awaitable that waits for the names' release when ``wait=True`` asked for it. The
+    wait's coroutine is made only when awaited, so a call left unawaited leaves none
+    behind ("coroutine ... was never awaited")."""
+
+    def __init__(self, until_gone: Callable[[], Coroutine[Any, Any, None]] | None) -> None:
+        self._until_gone = until_gone
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if self._until_gone is not None:
+            yield from self._until_gone().__await__()
 
 
 @dataclass(frozen=True)
