@@ -19,7 +19,7 @@ from typing import Any, Optional
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver.holder_handles import HolderHandles
 from nemo_ckpt.driver.link import NAME_RETRY_S, CoordinatorLink, finish
-from nemo_ckpt.driver.snapshot import RaySnapshot
+from nemo_ckpt.driver.snapshot import HeldBefore, RaySnapshot
 from nemo_ckpt.driver.startup import (
     Findings,
     deadline_findings,
@@ -86,6 +86,9 @@ class RayEnvironmentCheckpoint:
         self._closed: asyncio.Event | None = None  # set when the open operation ends
         self._restored_results: tuple[FinishedRollout, ...] = ()
         self._last_restore: dict[str, float] | None = None
+        # What the last snapshot held (or the last restore made live), for the next
+        # snapshot's warning about rollouts lost since (``HeldBefore``).
+        self._held_before: HeldBefore | None = None
         self._link = CoordinatorLink(self.config, lambda: self._transport)
         self._coordinator = self._link.calls
         # Its own handles on the holders, to release them as a snapshot's block exits.
@@ -170,7 +173,7 @@ class RayEnvironmentCheckpoint:
         started = clock.monotonic()
         async with self._operation("snapshot", path) as op:
             begun = await op.step(self._coordinator.begin_snapshot(op.id, path))
-            snap = RaySnapshot(begun)
+            snap = RaySnapshot(begun, self._held_before)
             # Not awaited, and it never raises: the writes overlap the caller's block.
             self._coordinator.start_writes(op.id)
             self._holder_handles.prepare(begun)  # in the background, for the exit
@@ -187,6 +190,7 @@ class RayEnvironmentCheckpoint:
                 beside=lambda: self._release_holders(begun),
                 lost=lambda: _Committed(dict(metrics)))
             snap._record_commit(committed.metrics)
+            self._held_before = snap.held()
             log.info("snapshot %s committed: %d rollouts, %d restarted, %.0f bytes, "
                      "paused %.3fs", op.id, snap.captured_rollouts,
                      snap.restarted_rollouts, committed.metrics.get("bytes_written", 0.0),
@@ -267,6 +271,9 @@ class RayEnvironmentCheckpoint:
             except BaseException:
                 self._restored_results = ()  # they did not go live
                 raise
+            self._held_before = HeldBefore(live=frozenset(
+                (inst, EnvironmentEpisode(rid, att).next_attempt())
+                for inst, rid, att in begun.continued_attempts))
             self._last_restore = {
                 "bytes_read": float(begun.bytes_read), "read_seconds": begun.read_seconds,
                 "restore_seconds": clock.monotonic() - started,

@@ -5,14 +5,50 @@ the check against RL's cut, and the snapshot's figures."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_rows_against_cut
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.phases import CaptureReport
 
-__all__ = ["RaySnapshot"]
+__all__ = ["HeldBefore", "RaySnapshot"]
 
 log = logging.getLogger("nemo_ckpt")
+
+# A log line names at most this many rollouts.
+_SHOWN = 10
+
+
+class HeldBefore:
+    """The rollouts a checkpoint's previous snapshot held, captured or restarting, by
+    instance (or that its restore made live): one of them that RL still expects and the
+    next snapshot does not hold was lost (with a node or a holder), where any other
+    expected rollout not held is one dispatched and not opened yet, a normal queue.
+
+    Kept as the holders' encoded capture rows (bytes per rollout, bounded by what was
+    captured) and decoded only when a later snapshot finds rollouts not held."""
+
+    def __init__(self, captures: tuple[CaptureReport, ...] = (),
+                 live: frozenset[tuple[str, EnvironmentEpisode]] = frozenset()) -> None:
+        self._captures = captures
+        self._live = live
+        self._held: frozenset[tuple[str, EnvironmentEpisode]] | None = None
+
+    def held(self) -> frozenset[tuple[str, EnvironmentEpisode]]:
+        if self._held is None:
+            self._held = self._live | frozenset(
+                (c.instance_id, EnvironmentEpisode(rid, att))
+                for c in self._captures
+                for rid, att in [*((r[0], r[1]) for r in c.rows()), *c.restarting])
+        return self._held
+
+
+def _shown(pairs: Iterable[tuple[str, EnvironmentEpisode]]) -> str:
+    """Up to ``_SHOWN`` of ``pairs``, sorted, as ``instance/capture_key``."""
+    ordered = sorted(pairs)
+    return ", ".join(f"{i}/{ep.capture_key}" for i, ep in ordered[:_SHOWN]) \
+        + (" ..." if len(ordered) > _SHOWN else "")
 
 
 class RaySnapshot:
@@ -22,9 +58,10 @@ class RaySnapshot:
     persist seconds and bytes written are known once the context has exited.
     """
 
-    def __init__(self, begun: Any) -> None:
+    def __init__(self, begun: Any, held_before: HeldBefore | None = None) -> None:
         self.snapshot_id: str = begun.snapshot_id
         self._begun = begun
+        self._held_before = held_before
         self.check_result: CutCheckResult | None = None
         # The error of a check that refused this snapshot: it can no longer commit,
         # even if the caller catches the error inside the block.
@@ -63,7 +100,10 @@ class RaySnapshot:
         Raises ``SnapshotMismatchError`` listing every difference; the snapshot then
         does not commit, even if the caller catches the error: the exit raises it
         again. Expected rollouts the backend does not hold are counted in
-        ``metrics()["not_held_rollouts"]`` and logged as a warning: they restart.
+        ``metrics()["not_held_rollouts"]``: they start over after a crash. Those that
+        this checkpoint's previous snapshot held (or its restore made live) were lost,
+        with a node or a holder, and are logged as a warning; the others are dispatched
+        and not opened yet, a normal queue, logged at DEBUG.
         """
         try:
             result = check_rows_against_cut(
@@ -74,14 +114,9 @@ class RaySnapshot:
             raise
         self.check_result = result
         if result.not_held:
-            shown = ", ".join(f"{i}/{ep.capture_key}" for i, ep in sorted(result.not_held)[:10])
-            log.warning(
-                "snapshot %s: %d rollout(s) RL expects are not held by the environment "
-                "(not opened yet, or lost with a node); they restart after a crash: %s%s",
-                self.snapshot_id, len(result.not_held), shown,
-                " ..." if len(result.not_held) > 10 else "")
+            self._log_not_held(result.not_held)
         if result.orphan_staging_keys:
-            shown = ", ".join(sorted(result.orphan_staging_keys)[:10])
+            shown = ", ".join(sorted(result.orphan_staging_keys)[:_SHOWN])
             log.warning(
                 "snapshot %s: the cut holds %d staging row(s) that no captured session "
                 "references; a restore from this snapshot clears them: %s%s. Outside the "
@@ -89,8 +124,25 @@ class RaySnapshot:
                 "means RL's data plane leaves a finished rollout's rows in staging: "
                 "recording a rollout as finished must move its rows out of staging (the "
                 "README's ledger rules)", self.snapshot_id, len(result.orphan_staging_keys),
-                shown, " ..." if len(result.orphan_staging_keys) > 10 else "",
+                shown, " ..." if len(result.orphan_staging_keys) > _SHOWN else "",
                 len(result.restarting))
+
+    def _log_not_held(self, not_held: frozenset[tuple[str, EnvironmentEpisode]]) -> None:
+        lost = not_held & self._held_before.held() if self._held_before else frozenset()
+        if lost:
+            log.warning(
+                "snapshot %s: %d rollout(s) RL expects that this job's previous snapshot "
+                "held are held no more (lost with a node or a holder); they start over "
+                "after a crash: %s", self.snapshot_id, len(lost), _shown(lost))
+        if queued := not_held - lost:
+            log.debug(
+                "snapshot %s: %d rollout(s) RL dispatched are not opened yet; they start "
+                "over after a crash: %s", self.snapshot_id, len(queued), _shown(queued))
+
+    def held(self) -> HeldBefore:
+        """What this snapshot held, for the next one to tell a lost rollout from one
+        not opened yet."""
+        return HeldBefore(tuple(self._begun.captures))
 
     def metrics(self, paused_seconds: float) -> dict[str, float]:
         """Figures for this snapshot, in seconds, bytes and counts."""
