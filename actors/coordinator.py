@@ -222,7 +222,7 @@ class CheckpointCoordinator:
         await self._snapshots.start_writes(snapshot_id)
 
     async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                              metrics: dict[str, float], restarted: int) -> SnapshotCommitted:
+                              metrics: dict[str, float | int], restarted: int) -> SnapshotCommitted:
         """Wait for every shard, write the manifest last, then resume every holder
         (``Snapshots.commit``)."""
         return await self._snapshots.commit(snapshot_id, checkpoint_path, metrics, restarted)

@@ -85,7 +85,7 @@ class RayEnvironmentCheckpoint:
         self._open: str | None = None
         self._closed: asyncio.Event | None = None  # set when the open operation ends
         self._restored_results: tuple[FinishedRollout, ...] = ()
-        self._last_restore: dict[str, float] | None = None
+        self._last_restore: dict[str, float | int] | None = None
         # What the last snapshot held (or the last restore made live), for the next
         # snapshot's warning about rollouts lost since (``HeldBefore``).
         self._held_before: HeldBefore | None = None
@@ -95,12 +95,12 @@ class RayEnvironmentCheckpoint:
         self._holder_handles = HolderHandles(lambda: self._transport)
 
     @property
-    def last_restore_metrics(self) -> dict[str, float] | None:
-        """Figures of the last restore that went live (None before one did), in seconds,
-        bytes and counts: ``bytes_read``; ``read_seconds``, the slowest holder's shard
-        reads (fetched, verified, decoded into sessions; the mirror of a snapshot's
-        ``persist_seconds``); ``restore_seconds``, ``restored()`` entered -> sessions live;
-        ``continued_rollouts``."""
+    def last_restore_metrics(self) -> dict[str, float | int] | None:
+        """Figures of the last restore that went live (None before one did), seconds as
+        floats, bytes and counts as ints: ``bytes_read``; ``read_seconds``, the slowest
+        holder's shard reads (fetched, verified, decoded into sessions; the mirror of a
+        snapshot's ``persist_seconds``); ``restore_seconds``, ``restored()`` entered ->
+        sessions live; ``continued_rollouts``."""
         return None if self._last_restore is None else dict(self._last_restore)
 
     @property
@@ -182,8 +182,10 @@ class RayEnvironmentCheckpoint:
             refused = snap.refused or self._unchecked(snap, given is not None, path)
             if refused is not None:  # a check that raised (caught) or never ran
                 await op.fail(refused)
-            # The manifest carries what is known at commit; paused time ends at resume.
-            metrics = snap.metrics(clock.monotonic() - started)
+            # The manifest carries what is known at commit; the holders' pause ends here,
+            # as the commit releases them.
+            snap._record_release(clock.monotonic() - started)
+            metrics = snap.figures()
             committed = await op.commit(
                 self._coordinator.commit_snapshot(op.id, path, metrics,
                                                   snap.restarted_rollouts),
@@ -191,9 +193,9 @@ class RayEnvironmentCheckpoint:
                 lost=lambda: _Committed(dict(metrics)))
             snap._record_commit(committed.metrics)
             self._held_before = snap.held()
-            log.info("snapshot %s committed: %d rollouts, %d restarted, %.0f bytes, "
+            log.info("snapshot %s committed: %d rollouts, %d restarted, %d bytes, "
                      "paused %.3fs", op.id, snap.captured_rollouts,
-                     snap.restarted_rollouts, committed.metrics.get("bytes_written", 0.0),
+                     snap.restarted_rollouts, committed.metrics.get("bytes_written", 0),
                      clock.monotonic() - started)
 
     def _release_holders(self, begun: SnapshotBegun) -> int:
@@ -275,9 +277,9 @@ class RayEnvironmentCheckpoint:
                 (inst, EnvironmentEpisode(rid, att).next_attempt())
                 for inst, rid, att in begun.continued_attempts))
             self._last_restore = {
-                "bytes_read": float(begun.bytes_read), "read_seconds": begun.read_seconds,
+                "bytes_read": int(begun.bytes_read), "read_seconds": begun.read_seconds,
                 "restore_seconds": clock.monotonic() - started,
-                "continued_rollouts": float(len(begun.continued_attempts))}
+                "continued_rollouts": len(begun.continued_attempts)}
             log.info("restore %s from %s: %s sessions live", op.id, path, live)
 
     def is_unavailable(self, error: BaseException) -> bool:
@@ -478,7 +480,7 @@ class ShutdownStarted:
 class _Committed:
     """A commit whose answer was lost, but which won (the abort said so)."""
 
-    metrics: dict[str, float]
+    metrics: dict[str, float | int]
 
 
 def ray_transport(config: CheckpointConfig) -> Transport:

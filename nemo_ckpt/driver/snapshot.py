@@ -66,7 +66,8 @@ class RaySnapshot:
         # The error of a check that refused this snapshot: it can no longer commit,
         # even if the caller catches the error inside the block.
         self.refused: BaseException | None = None
-        self._committed: dict[str, float] = {}
+        self._committed: dict[str, float | int] = {}
+        self._holders_paused: float | None = None
         self._captured: dict[str, dict[EnvironmentEpisode, frozenset[str]]] | None = None
 
     @property
@@ -144,31 +145,48 @@ class RaySnapshot:
         not opened yet."""
         return HeldBefore(tuple(self._begun.captures))
 
-    def metrics(self, paused_seconds: float) -> dict[str, float]:
-        """Figures for this snapshot, in seconds, bytes and counts."""
+    def metrics(self, paused_seconds: float) -> dict[str, float | int]:
+        """Figures for this snapshot: seconds as floats, bytes and counts as ints.
+
+        ``paused_seconds`` is returned as given: the caller's own measure of the
+        snapshot (the contract's argument). The backend's own measure of how long the
+        holders stayed paused is ``holders_paused_seconds``, known once the block has
+        exited (the manifest records it; ``nemo-ckpt inspect`` shows it). The rest:
+        ``figures``."""
+        return {"paused_seconds": float(paused_seconds), **self.figures()}
+
+    def figures(self) -> dict[str, float | int]:
+        """``metrics`` without the caller's ``paused_seconds``: what the manifest
+        records."""
         b = self._begun
-        figures = {
-            "paused_seconds": float(paused_seconds),
+        figures: dict[str, float | int] = {
             "entry_seconds": b.entry_seconds,
             "drain_seconds": max((p.drain_seconds for p in b.pauses), default=0.0),
             "capture_seconds": max((c.capture_seconds for c in b.captures), default=0.0),
             "persist_seconds": 0.0,
-            "bytes_written": 0.0,
-            "captured_rollouts": float(self.captured_rollouts),
-            "restarted_rollouts": float(self.restarted_rollouts),
-            "holders": float(len(b.instances)),
-            "state_bytes": float(sum(c.state_bytes for c in b.captures)),
+            "bytes_written": 0,
+            "captured_rollouts": self.captured_rollouts,
+            "restarted_rollouts": self.restarted_rollouts,
+            "holders": len(b.instances),
+            "state_bytes": sum(c.state_bytes for c in b.captures),
             # Since each holder started (nemo_ckpt.adapters: a replay that diverged).
-            "replay_restarted_rollouts": float(sum(c.replay_restarts for c in b.captures)),
+            "replay_restarted_rollouts": sum(c.replay_restarts for c in b.captures),
         }
         if self.check_result is not None:
-            figures["not_held_rollouts"] = float(len(self.check_result.not_held))
-            figures["orphan_staging_rows"] = float(len(self.check_result.orphan_staging_keys))
-            figures["finished_rollouts"] = float(len(self.check_result.finished))
+            figures["not_held_rollouts"] = len(self.check_result.not_held)
+            figures["orphan_staging_rows"] = len(self.check_result.orphan_staging_keys)
+            figures["finished_rollouts"] = len(self.check_result.finished)
+        if self._holders_paused is not None:
+            figures["holders_paused_seconds"] = self._holders_paused
         figures.update(self._committed)
         return figures
 
-    def _record_commit(self, manifest_metrics: dict[str, float]) -> None:
+    def _record_release(self, holders_paused_seconds: float) -> None:
+        """The block has exited after ``holders_paused_seconds`` since ``snapshot()``
+        was entered: the holders are released from here."""
+        self._holders_paused = holders_paused_seconds
+
+    def _record_commit(self, manifest_metrics: dict[str, float | int]) -> None:
         for key in ("persist_seconds", "bytes_written"):
             if key in manifest_metrics:
                 self._committed[key] = manifest_metrics[key]
