@@ -5,6 +5,7 @@ a node or a holder); one dispatched and not opened yet, a normal queue, is logge
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,11 +81,37 @@ def test_a_rollout_the_previous_snapshot_held_that_is_gone_now_is_warned_as_lost
         return snap.metrics(0.0)["not_held_rollouts"]
 
     assert job.run(scenario()) == 3
-    (warning,) = lines(caplog, logging.WARNING, "previous snapshot held")
-    assert "2 rollout(s) RL expects that this job's previous snapshot held are held no " \
-           "more (lost with a node or a holder)" in warning
+    (warning,) = lines(caplog, logging.WARNING, "previous snapshot or restore")
+    assert "2 rollout(s) RL expects that were held at this job's previous snapshot or " \
+           "restore are held no more (lost with a node or a holder)" in warning
     assert lines(caplog, logging.WARNING, "queued") == []
     assert warning.endswith(": holder-1/holder-1-r0, holder-1/holder-1-r1")
     (debug,) = lines(caplog, logging.DEBUG, "rollout(s) RL dispatched are not opened yet")
     assert debug.endswith("1 rollout(s) RL dispatched are not opened yet; they start over "
                           "after a crash: holder-0/queued")
+
+
+def test_a_rollout_a_restore_made_live_that_is_gone_at_the_next_snapshot_is_warned_as_lost(
+        job: World, caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> list[Ep]:
+        live = await job.populate()
+        await job.snapshot(job.path("step-1"), live)
+        job.ckpt.shutdown()  # the job's actors die; a restarted job restores
+        await asyncio.sleep(10.0)  # until Ray has released their names
+        async with job.ckpt.restored(job.path("step-1")) as restored:
+            continued = {i: [Ep(r, a).next_attempt() for i2, r, a in
+                             sorted(restored.continued_attempts) if i2 == i] for i in live}
+        (victim,) = [a for a in job.sim.live(HOLDER) if a.name == "holder-2"]
+        job.sim.kill(victim)
+        await job.ckpt.ensure_holders()
+        caplog.clear()
+        async with job.ckpt.snapshot(job.path("step-2")) as snap:
+            assert snap is not None
+            await snap.check_against_cut(StaticCut(
+                {i: set(eps) for i, eps in continued.items()},
+                set(cut_of(live).staging_keys())))
+        return continued["holder-2"]
+
+    lost = job.run(scenario())
+    (warning,) = lines(caplog, logging.WARNING, "previous snapshot or restore")
+    assert warning.endswith(": " + ", ".join(f"holder-2/{ep.capture_key}" for ep in lost))

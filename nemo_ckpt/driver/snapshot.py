@@ -132,9 +132,10 @@ class RaySnapshot:
         lost = not_held & self._held_before.held() if self._held_before else frozenset()
         if lost:
             log.warning(
-                "snapshot %s: %d rollout(s) RL expects that this job's previous snapshot "
-                "held are held no more (lost with a node or a holder); they start over "
-                "after a crash: %s", self.snapshot_id, len(lost), _shown(lost))
+                "snapshot %s: %d rollout(s) RL expects that were held at this job's "
+                "previous snapshot or restore are held no more (lost with a node or a "
+                "holder); they start over after a crash: %s", self.snapshot_id, len(lost),
+                _shown(lost))
         if queued := not_held - lost:
             log.debug(
                 "snapshot %s: %d rollout(s) RL dispatched are not opened yet; they start "
