@@ -77,6 +77,12 @@ class CheckpointCoordinator:
         self._runtime = transport.runtime
         self._clock = transport.runtime.clock
         self._metrics = transport.runtime.metrics
+        # Every counter's series exists from the start, at 0: a dashboard reads "no
+        # failure yet", not "no data" (kind "" reads as no kind label in Prometheus).
+        for counter in ("bytes_written", "captured", "restarted"):
+            self._metrics.inc(counter, 0.0)
+        for operation in ("snapshot", "restore"):
+            self._metrics.inc("failures", 0.0, {"operation": operation, "kind": ""})
         self._owner = f"{config.namespace}@{transport.cluster_id}"
         # This incarnation: Ray may declare a coordinator dead that runs again later (a
         # stalled node), beside its successor of the same owner; their claims differ.
@@ -222,7 +228,7 @@ class CheckpointCoordinator:
         await self._snapshots.start_writes(snapshot_id)
 
     async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                              metrics: dict[str, float], restarted: int) -> SnapshotCommitted:
+                              metrics: dict[str, float | int], restarted: int) -> SnapshotCommitted:
         """Wait for every shard, write the manifest last, then resume every holder
         (``Snapshots.commit``)."""
         return await self._snapshots.commit(snapshot_id, checkpoint_path, metrics, restarted)

@@ -69,7 +69,6 @@ class SnapshotPhases:
                                    len(parts.gate))
             tags = {"instance": self.instance_id}
             self._metrics.observe("drain", op.pause.drain_seconds, tags)
-            self._metrics.set_gauge("sessions", float(len(parts.table)), tags)
         return op.pause
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,

@@ -53,16 +53,20 @@ __all__ = [
 
 
 class RayMetrics:
-    """Prometheus metrics through ``ray.util.metrics`` (``actors.metrics``)."""
+    """Prometheus metrics through ``ray.util.metrics`` (``actors.metrics``), each sample
+    labelled with the job's Ray namespace (``actors.metrics.JOB_LABEL``)."""
+
+    def __init__(self, namespace: str) -> None:
+        self._job = {metrics.JOB_LABEL: namespace}
 
     def observe(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
-        metrics.observe(name, value, tags)
+        metrics.observe(name, value, {**self._job, **(tags or {})})
 
     def inc(self, name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
-        metrics.inc(name, value, tags)
+        metrics.inc(name, value, {**self._job, **(tags or {})})
 
     def set_gauge(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
-        metrics.set_gauge(name, value, tags)
+        metrics.set_gauge(name, value, {**self._job, **(tags or {})})
 
 
 def is_ray_unavailable(error: BaseException) -> bool:
@@ -99,7 +103,7 @@ class RayTransport:
 
     def __init__(self, config: CheckpointConfig, runtime: Runtime | None = None) -> None:
         self._config = config
-        self._runtime = runtime or Runtime(metrics=RayMetrics())
+        self._runtime = runtime or Runtime(metrics=RayMetrics(config.namespace))
         self._coordinator: Actor | None = None
 
     @property
@@ -316,7 +320,11 @@ class _RaySessionHolder(SessionHolder):
         self._home = _HomeLoop()
         self._delays = PhaseDelays(HOLDER_POINTS)
         super().__init__(instance_id, node_id=ray.get_runtime_context().get_node_id(),
-                         runtime=Runtime(metrics=RayMetrics(), reached=self._delays.reached),
+                         runtime=Runtime(
+                             # The job's namespace, as its coordinator passes it.
+                             metrics=RayMetrics(str(options.get(
+                                 "namespace", CheckpointConfig().namespace))),
+                             reached=self._delays.reached),
                          trimmer=HeapTrimmer(), **options)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
@@ -337,7 +345,8 @@ class _RayCheckpointCoordinator(CheckpointCoordinator):
     def __init__(self, config: CheckpointConfig) -> None:
         self._delays = PhaseDelays(COORDINATOR_POINTS)
         super().__init__(config, RayTransport(
-            config, Runtime(metrics=RayMetrics(), reached=self._delays.reached)))
+            config, Runtime(metrics=RayMetrics(config.namespace),
+                            reached=self._delays.reached)))
         freeze_startup_objects()
 
     async def inject_delay(self, phase: str, seconds: float) -> None:

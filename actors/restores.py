@@ -20,7 +20,7 @@ from actors.operation_states import (
     RestorePreparing,
     RestoreVerified,
 )
-from nemo_ckpt.errors import RestoreConflictError, StaleSnapshotError
+from nemo_ckpt.errors import CheckpointPathError, RestoreConflictError, StaleSnapshotError
 from nemo_ckpt.phases import RestorePrepared
 from nemo_ckpt.protocol.coordinator_api import RestoreBegun
 from nemo_ckpt.protocol.operations import Outcome
@@ -30,7 +30,7 @@ from nemo_ckpt.protocol.restore_plan import (
     holder_said,
     verify_prepared,
 )
-from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of
+from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of, moved_blob_store
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.manifest import Manifest, ShardEntry
 from nemo_ckpt.storage.snapshot_files import read_manifest
@@ -90,6 +90,9 @@ class Restores:
     async def _read_and_verify(self, op: Operation, checkpoint_path: str,
                                manifest: Manifest) -> RestoreBegun:
         cfg = self._parts.config
+        if moved := await self._runtime.run_blocking(moved_blob_store, checkpoint_path,
+                                                     manifest):
+            raise CheckpointPathError(checkpoint_path, moved)
         placement = await self._parts.holders.place(list(manifest.instances))
         op.holders = self._parts.holders.handles
         if op.outcome is not None:

@@ -102,7 +102,9 @@ class SessionHolder:
             Check("leases", lambda now: self._operations.lapse(now)),
             Check("turn timeouts", self._time_out_turns),
             Check("heap and cache", self._trim_when_running),
+            Check("sessions gauge", self._publish_sessions),
         ])
+        self._sessions_published: int | None = None  # what the gauge says now
         self._parts = HolderParts(
             instance_id=instance_id, runtime=runtime,
             table=SessionTable(instance_id), gate=TurnGate(instance_id, max_retired_marks),
@@ -134,6 +136,17 @@ class SessionHolder:
                 self._parts.heap.request()
             await self._parts.heap.maybe_trim()
         self._heap_state_seen = value
+
+    async def _publish_sessions(self, now: float) -> None:
+        """Set the sessions gauge (``nemo_ckpt_holder_sessions``) when the count has
+        changed: exported from the holder's start and kept current, not only at a
+        pause."""
+        del now
+        count = len(self._parts.table)
+        if count != self._sessions_published:
+            self._parts.runtime.metrics.set_gauge("sessions", float(count),
+                                                  {"instance": self.instance_id})
+            self._sessions_published = count
 
     def _state_value(self) -> HolderState:
         current = self._parts.ops.current

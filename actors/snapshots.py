@@ -239,7 +239,7 @@ class Snapshots:
         self._parts.holders.send(op.holders, "start_persist", snapshot_id)
 
     async def commit(self, snapshot_id: str, checkpoint_path: str,
-                     metrics: dict[str, float], restarted: int) -> SnapshotCommitted:
+                     metrics: dict[str, float | int], restarted: int) -> SnapshotCommitted:
         """Wait for every shard, write the manifest last, then resume every holder.
 
         A repeated commit gets the first one's answer; a commit of an operation that
@@ -333,7 +333,7 @@ class Snapshots:
         return committing, unique
 
     def _manifest(self, snapshot_id: str, op: SnapshotOperation, shards: list[ShardEntry],
-                  restarted: int, metrics: dict[str, float], sequence: int) -> bytes:
+                  restarted: int, metrics: dict[str, float | int], sequence: int) -> bytes:
         """The manifest of snapshot ``op``, stamped with the wall clock now."""
         return encode_manifest(
             snapshot_id=snapshot_id,
@@ -359,14 +359,14 @@ class Snapshots:
             await earlier[0].closed.wait()
 
 
-    def _record_commit(self, op: Operation, released: float, figures: dict[str, float],
+    def _record_commit(self, op: Operation, released: float, figures: dict[str, float | int],
                        captured: int, restarted: int) -> None:
         now = self._clock.monotonic()
         self._metrics.observe("snapshot_duration", now - op.started)
         # Holders pause at the start of begin_snapshot and are released as the commit
         # begins, so that span bounds their paused time.
         self._metrics.observe("paused", released - op.started)
-        self._metrics.inc("bytes_written", figures.get("bytes_written", 0.0))
+        self._metrics.inc("bytes_written", figures.get("bytes_written", 0))
         self._metrics.inc("captured", float(captured))
         self._metrics.inc("restarted", float(restarted))
 
@@ -387,12 +387,12 @@ def _check_captured_once(captures: tuple[CaptureReport, ...]) -> int:
         f"data-plane cut, which names them")
 
 
-def _commit_metrics(metrics: dict[str, float], persists: dict[str, PersistReport]
-                    ) -> dict[str, float]:
+def _commit_metrics(metrics: dict[str, float | int], persists: dict[str, PersistReport]
+                    ) -> dict[str, float | int]:
     """The driver's ``metrics`` with the slowest shard write and the bytes written."""
     all_metrics = dict(metrics)
     all_metrics.update(
         persist_seconds=max((p.persist_seconds for p in persists.values()), default=0.0),
-        bytes_written=float(sum(p.bytes_written for p in persists.values())),
+        bytes_written=sum(p.bytes_written for p in persists.values()),
     )
     return all_metrics

@@ -118,8 +118,9 @@ class EnvironmentSnapshot(Protocol):
         """
         ...
 
-    def metrics(self, paused_seconds: float) -> dict[str, float]:
-        """The backend's figures for this snapshot, logged with the snapshot timings."""
+    def metrics(self, paused_seconds: float) -> dict[str, float | int]:
+        """The backend's figures for this snapshot, logged with the snapshot timings:
+        seconds as floats, bytes and counts as ints."""
         ...
 
 

@@ -281,6 +281,38 @@ async def test_a_step_whose_turn_did_not_commit_is_not_applied_twice(
     assert plain_outputs(rollout.outputs) == plain_outputs(reference_outputs(task))
 
 
+async def test_a_staging_argument_of_the_wrong_type_is_a_type_error_saying_what_it_takes(
+        ckpt: RayEnvironmentCheckpoint) -> None:
+    task = gsm8k_task("gsm-staging", seed=4, max_turns=6)
+    client = next(iter((await clients_of(ckpt)).values()))
+    ep = Ep(task.rollout_id, 0)
+    with pytest.raises(TypeError, match=r"staging must be an async function of the turn's "
+                                        r"index .* or None; got list"):
+        await AdaptedRollout.start(client, ep, task.framework, task.prompt,
+                                   staging=["row"])  # type: ignore[arg-type]
+    assert [s.episode for s in await client.sessions()] == []  # refused before the open
+
+    async def staging(turn: int) -> list[str]:
+        return [f"{ep.capture_key}/row{turn}"]
+
+    rollout = await AdaptedRollout.start(client, ep, task.framework, task.prompt,
+                                         staging=staging)
+    with pytest.raises(TypeError, match=r"staging\(1\) returned list, not an awaitable: "
+                                        r"make it an async function"):
+        await rollout.step(task.policy(1), lambda turn: [f"row{turn}"])  # type: ignore
+
+    async def one_key(turn: int) -> str:
+        return f"row{turn}"
+
+    with pytest.raises(TypeError, match="must be a collection of strings, not one str"):
+        await rollout.step(task.policy(1), one_key)  # type: ignore[arg-type]
+    assert len((await client.get(ep)).turns) == 1  # neither wrong step committed
+    await rollout.step(task.policy(1), staging)
+    session = await client.get(ep)
+    assert len(session.turns) == 2
+    assert session.staging_keys == {f"{ep.capture_key}/row0", f"{ep.capture_key}/row1"}
+
+
 async def test_resuming_a_session_the_adapter_did_not_write_is_refused_naming_it(
         ckpt: RayEnvironmentCheckpoint) -> None:
     task = gsm8k_task("gsm-foreign", seed=4)

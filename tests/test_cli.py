@@ -149,7 +149,27 @@ def test_inspect_shows_rollouts_by_instance_with_attempts_turns_shard_bytes_and_
         p = shard(snap_a, inst)
         assert [inst, p.name, str(p.stat().st_size), sessions,
                 f"xxh3-128:{xxhash.xxh3_128(p.read_bytes()).hexdigest()}"[:25]] in lines
-    assert ["paused_seconds", "0.01"] in lines
+    assert ["holders_paused_seconds", "0.01"] in lines  # written as paused_seconds
+
+
+def test_inspect_shows_an_older_releases_figures_under_todays_names_and_counts_as_ints(
+    snap_a: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    edit_manifest(snap_a, lambda m: m.update(metrics={
+        "paused_seconds": 0.02, "bytes_written": 9042.0, "captured_rollouts": 3.0,
+        "persist_seconds": 1.0}))
+    code, out, err = run(capsys, "inspect", str(snap_a))
+    assert (code, err) == (0, "")
+    lines = words(out)
+    for row in (["holders_paused_seconds", "0.02"], ["bytes_written", "9042"],
+                ["captured_rollouts", "3"]):
+        assert row in lines
+    assert not any(line[:1] == ["paused_seconds"] for line in lines)
+    code, out, err = run(capsys, "inspect", "--json", str(snap_a))
+    figures = json.loads(out)["metrics"]
+    assert figures == {"bytes_written": 9042, "captured_rollouts": 3,
+                       "holders_paused_seconds": 0.02, "persist_seconds": 1.0}
+    assert '"bytes_written": 9042,' in out and '"persist_seconds": 1.0' in out
 
 
 def test_inspect_json_carries_the_same_facts_as_fields(
@@ -161,7 +181,7 @@ def test_inspect_json_carries_the_same_facts_as_fields(
     assert (data["snapshot_id"], data["format_version"], data["path"]) == (
         "snap-1", FORMAT_VERSION if fmt == 3 else fmt, str(snap_a))
     assert (data["captured_rollouts"], data["restarted_rollouts"]) == (3, 3)
-    assert data["metrics"] == {"paused_seconds": 0.01}
+    assert data["metrics"] == {"holders_paused_seconds": 0.01}  # written as paused_seconds
     by_inst = {i["instance_id"]: i for i in data["instances"]}
     assert list(by_inst) == ["holder-0", "holder-1", "holder-2"]
     assert [(r["rollout_id"], r["attempt"], r["turns"]) for r in by_inst["holder-0"]["rollouts"]

@@ -33,7 +33,7 @@ CONTRACT_NAMES = ("EnvironmentEpisode", "RestoredEnvironmentRollouts", "Environm
 SNAPSHOT_MEMBERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "restarted_rollouts": ("property", (), "int"),
     "check_against_cut": ("async", ("cut",), "None"),
-    "metrics": ("method", ("paused_seconds",), "dict[str, float]"),
+    "metrics": ("method", ("paused_seconds",), "dict[str, float | int]"),
 }
 CHECKPOINT_MEMBERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "holds_rollout_state": ("property", (), "bool"),

@@ -1,4 +1,6 @@
-"""The Prometheus metrics, read back from the nodes' metrics agents as Prometheus would."""
+"""The Prometheus metrics, read back from the nodes' metrics agents as Prometheus would:
+every sample labelled with its job's Ray namespace, so the tests of one session (each in
+its own namespace) are told apart as two jobs would be."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import pytest
 import ray
 
+from actors.metrics import JOB_LABEL as JOB
 from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import SessionClient
 from nemo_ckpt.errors import SnapshotMismatchError
@@ -63,6 +66,7 @@ async def test_snapshot_restore_and_failure_metrics_are_exported(
         pass
 
     # Ray's agents export every few seconds; wait until all of it has arrived.
+    ns = ckpt.config.namespace
     wanted = {
         "ray_nemo_ckpt_snapshot_duration_seconds_count": 1,
         "ray_nemo_ckpt_snapshot_paused_seconds_count": 1,
@@ -74,12 +78,12 @@ async def test_snapshot_restore_and_failure_metrics_are_exported(
     }
     def gauged(samples: list[tuple[str, dict[str, str], float]]) -> set[str | None]:
         return {lab.get("instance") for n, lab, _ in samples
-                if n == "ray_nemo_ckpt_holder_sessions"}
+                if n == "ray_nemo_ckpt_holder_sessions" and lab.get(JOB) == ns}
 
     def arrived(samples: list[tuple[str, dict[str, str], float]]) -> bool:
-        return (all(total(samples, n) >= v for n, v in wanted.items())
+        return (all(total(samples, n, **{JOB: ns}) >= v for n, v in wanted.items())
                 and total(samples, "ray_nemo_ckpt_failures_total", operation="snapshot",
-                          kind="SnapshotMismatchError") >= 1
+                          kind="SnapshotMismatchError", **{JOB: ns}) >= 1
                 and {"holder-0", "holder-1", "holder-2"} <= gauged(samples))
 
     samples: list[tuple[str, dict[str, str], float]] = []
@@ -88,8 +92,39 @@ async def test_snapshot_restore_and_failure_metrics_are_exported(
         if arrived(samples):
             break
         await asyncio.sleep(1)
-    got = {n: total(samples, n) for n in wanted}
-    assert all(got[n] >= v for n, v in wanted.items()), got
+    got = {n: total(samples, n, **{JOB: ns}) for n in wanted}
+    assert all(got[n] >= v for n, v in wanted.items()), str(got)
     assert total(samples, "ray_nemo_ckpt_failures_total", operation="snapshot",
-                 kind="SnapshotMismatchError") >= 1
+                 kind="SnapshotMismatchError", **{JOB: ns}) >= 1
     assert {"holder-0", "holder-1", "holder-2"} <= gauged(samples)
+
+
+async def test_a_jobs_failure_counters_and_holder_sessions_are_exported_from_its_start(
+        ckpt: Any) -> None:
+    ns = ckpt.config.namespace
+    holders = {h.instance_id for h in await ckpt.holders()}
+    c = await SessionClient.connect("holder-0", namespace=ns)
+    for k in range(2):
+        await c.open(Ep(f"counted-{k}", 0), b"s")
+
+    def ours(samples: list[tuple[str, dict[str, str], float]], name: str
+             ) -> dict[tuple[str, ...], float]:
+        return {tuple(sorted((k, v) for k, v in lab.items() if k in ("operation", "kind",
+                                                                      "instance"))): v
+                for n, lab, v in samples if n == name and lab.get(JOB) == ns}
+
+    want_failures = {(("kind", ""), ("operation", "snapshot")): 0.0,
+                     (("kind", ""), ("operation", "restore")): 0.0}
+    want_sessions = {(("instance", i),): 2.0 if i == "holder-0" else 0.0 for i in holders}
+    failures: dict[tuple[str, ...], float] = {}
+    sessions: dict[tuple[str, ...], float] = {}
+    for _ in range(60):  # no snapshot, no failure: only the job's start and two opens
+        samples = scrape()
+        failures = ours(samples, "ray_nemo_ckpt_failures_total")
+        sessions = ours(samples, "ray_nemo_ckpt_holder_sessions")
+        if failures == want_failures and sessions == want_sessions:
+            break
+        await asyncio.sleep(1)
+    assert failures == want_failures
+    assert sessions == want_sessions
+    assert ours(samples, "ray_nemo_ckpt_captured_rollouts_total") == {(): 0.0}

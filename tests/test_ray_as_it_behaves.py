@@ -51,7 +51,7 @@ async def test_a_zombie_coordinators_late_commit_spares_the_next_snapshot(
         pass
     delays = PhaseDelays(COORDINATOR_POINTS)
     zombie = CheckpointCoordinator(ckpt.config, RayTransport(
-        ckpt.config, Runtime(metrics=RayMetrics(), reached=delays.reached)))
+        ckpt.config, Runtime(metrics=RayMetrics(ns), reached=delays.reached)))
     op = new_operation_id("snap", time.time(), "olddrivr", 1)
     await zombie.begin_snapshot(op, str(path))
     await zombie.start_writes(op)

@@ -160,6 +160,79 @@ def test_a_directory_is_restored_byte_for_byte_as_its_last_committed_turn_left_i
         fresh.close()
 
 
+def _snapshot_then_move(tmp_path: Path, written: Path, moved: Path
+                        ) -> dict[Ep, dict[str, Any]]:
+    """Snapshot two rollouts per holder with directories into ``written``, end the job
+    and its node's sandboxes, and rename the snapshot's folder to ``moved``; each
+    rollout's directory listing at the snapshot."""
+    job = sandbox_job(tmp_path)
+    try:
+        async def first_run() -> dict[Ep, dict[str, Any]]:
+            live, dirs = await _open_with_directories(job, rollouts=2)
+            await _turns(job, dirs, 0, 2)
+            async with job.ckpt.snapshot(written) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut(live, set()))
+            return {ep: directory_listing(d) for ep, d in dirs.items()}
+
+        expected: dict[Ep, dict[str, Any]] = job.run(first_run())
+    finally:
+        job.close()
+    shutil.rmtree(tmp_path / "sandboxes")
+    moved.parent.mkdir(parents=True, exist_ok=True)
+    written.rename(moved)
+    return expected
+
+
+def test_a_snapshot_with_directories_restores_after_its_folder_is_renamed_in_its_parent(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "ckpt" / "step-3"
+    expected = _snapshot_then_move(tmp_path, tmp_path / "ckpt" / "tmp-step-3", path)
+    assert main(["verify", str(path)]) == 0
+    fresh = sandbox_job(tmp_path, seed=1)
+    try:
+        async def restore() -> dict[Ep, dict[str, Any]]:
+            async with fresh.ckpt.restored(path) as restored:
+                continued = restored.continued_attempts
+            got = {}
+            for instance, rollout_id, attempt in continued:
+                record = await (await fresh.client(instance)).get(Ep(rollout_id, attempt + 1))
+                assert record.directory is not None
+                got[Ep(rollout_id, attempt)] = directory_listing(Path(record.directory))
+            return got
+
+        assert fresh.run(restore()) == expected
+    finally:
+        fresh.close()
+
+
+def test_a_snapshot_with_directories_moved_to_another_depth_is_refused_saying_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "ckpt" / "step-3"
+    _snapshot_then_move(tmp_path, tmp_path / "ckpt" / "tmp" / "step-3", path)
+    why = (f"snapshot {path} has sandbox directories, whose files are in its checkpoint "
+           f"root's blob store, 2 level(s) above the folder it was written to; there is no "
+           f"blob store at {tmp_path / 'blobs'}, so the snapshot was moved to another depth "
+           f"below its root. Move it back to a folder 2 level(s) below the root (renaming "
+           f"it within its parent folder is supported)")
+    capsys.readouterr()
+    assert main(["verify", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"has 1 problem(s); a restore from it would be refused:\n  - {why}\n" in err
+    fresh = sandbox_job(tmp_path, seed=1)
+    try:
+        async def restore() -> None:
+            async with fresh.ckpt.restored(path):
+                pass
+
+        with pytest.raises(CheckpointPathError) as refused:
+            fresh.run(restore())
+        assert str(refused.value) == why
+        assert {h.current[0] for h in fresh.holders().values()} <= {HolderState.RUNNING}
+    finally:
+        fresh.close()
+
+
 def test_a_later_snapshot_writes_only_the_files_that_changed(job: World, tmp_path: Path) -> None:
     async def scenario() -> None:
         live, dirs = await _open_with_directories(job, rollouts=3)

@@ -1,9 +1,12 @@
-"""``shutdown(wait=True)`` and the refusal of a restore into a job whose old sessions
-still live, through the real driver, coordinator and holders in-process
-(``actors.sim``, with Ray's delay in releasing a killed actor's name)."""
+"""``shutdown()`` awaited or not, ``shutdown(wait=True)``, and the refusal of a restore
+into a job whose old sessions still live, through the real driver, coordinator and
+holders in-process (``actors.sim``, with Ray's delay in releasing a killed actor's name)."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +108,34 @@ def test_shutdown_with_wait_gives_up_naming_the_actors_still_registered(job: Wor
     message = job.run(scenario())
     assert "still registered 5s after the kill" in message
     assert "holder-" in message and "call shutdown(wait=True) again" in message
+
+
+def test_await_shutdown_without_wait_sends_the_kill_and_returns_at_once(job: World) -> None:
+    async def scenario() -> tuple[list[str], float, list[str]]:
+        await job.ckpt.ensure_holders()
+        transport = job.ckpt._transport
+        before = transport.actor_names()
+        started = job.sim.loop.time()
+        await job.ckpt.shutdown()
+        took = job.sim.loop.time() - started
+        await asyncio.sleep(NAME_RELEASE_S)
+        return before, took, transport.actor_names()
+
+    before, took, after = job.run(scenario())
+    assert len(before) == 3 and took == 0.0  # nothing waited for
+    assert after == []  # the kill went with the call
+
+
+def test_a_shutdown_left_unawaited_kills_the_namespace_and_warns_nothing(job: World) -> None:
+    async def scenario() -> list[str]:
+        await job.ckpt.ensure_holders()
+        job.ckpt.shutdown(wait=True)  # not awaited: a script's last line
+        gc.collect()  # where an unawaited coroutine would warn
+        await asyncio.sleep(NAME_RELEASE_S)
+        return job.ckpt._transport.actor_names()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert job.run(scenario()) == []
+        gc.collect()
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []

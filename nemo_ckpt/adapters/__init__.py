@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from nemo_ckpt.adapters.framework import Framework
 from nemo_ckpt.adapters.replay import Divergence
-from nemo_ckpt.adapters.rollout import AdaptedRollout, trajectory_of
+from nemo_ckpt.adapters.rollout import AdaptedRollout, Staging, trajectory_of
 from nemo_ckpt.adapters.state_export import StateExport, offers_state_export
 from nemo_ckpt.adapters.step_output import StepOutput
 from nemo_ckpt.adapters.turn_records import TurnRecord
 
-__all__ = ["AdaptedRollout", "Divergence", "Framework", "StateExport", "StepOutput",
-           "TurnRecord", "offers_state_export", "trajectory_of"]
+__all__ = ["AdaptedRollout", "Divergence", "Framework", "Staging", "StateExport",
+           "StepOutput", "TurnRecord", "offers_state_export", "trajectory_of"]

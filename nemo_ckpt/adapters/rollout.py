@@ -20,10 +20,11 @@ its own.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgpack
 
@@ -44,6 +45,11 @@ log = logging.getLogger("nemo_ckpt.adapters")
 # Called inside a turn with the turn's index in the session: writes the turn's
 # token-capture rows to RL's data plane and returns their keys.
 Staging = Callable[[int], Awaitable[Iterable[str]]]
+"""The type of ``AdaptedRollout``'s ``staging`` argument: an async function (or any
+callable that returns an awaitable) that ``AdaptedRollout`` calls inside each turn with
+the turn's index in the session (0 for ``init``), and that writes the turn's
+token-capture rows to RL's data plane and returns their staging keys, an iterable of
+``str`` (``[]`` for none). E.g. ``async def staging(turn: int) -> list[str]``."""
 
 RebuiltBy = Literal["fresh", "replay", "state", "restarted"]
 
@@ -62,6 +68,27 @@ def trajectory_of(result: bytes) -> list[TurnRecord]:
         raise EnvironmentAdapterError("a result of AdaptedRollout.finish is a list of "
                                       "turn records; this one is not")
     return [decode_record(r, f"record {i} of the result") for i, r in enumerate(records)]
+
+
+def _check_staging(staging: object) -> None:
+    if staging is not None and not callable(staging):
+        raise TypeError(
+            f"staging must be an async function of the turn's index that writes the "
+            f"turn's staging rows and returns their keys (async def staging(turn: int) "
+            f"-> list[str]), or None; got {type(staging).__name__}")
+
+
+async def _staging_keys(staging: Staging | None, turn: int) -> Iterable[str]:
+    """The keys ``staging`` returns for ``turn`` (``Turn.complete`` checks them), or
+    ``TypeError`` for a plain function, whose list cannot be awaited."""
+    if staging is None:
+        return ()
+    pending: object = staging(turn)
+    if not inspect.isawaitable(pending):
+        raise TypeError(
+            f"staging({turn}) returned {type(pending).__name__}, not an awaitable: make "
+            f"it an async function (async def staging(turn: int) -> list[str])")
+    return cast(Iterable[str], await pending)
 
 
 class AdaptedRollout:
@@ -101,7 +128,11 @@ class AdaptedRollout:
                     framework: Framework, prompt: Any, directory: Path | None = None,
                     staging: Staging | None = None) -> AdaptedRollout:
         """Open ``episode``'s session (a fresh attempt; ``directory``: its sandbox) and
-        run the environment's ``init(prompt)`` as its first turn."""
+        run the environment's ``init(prompt)`` as its first turn. ``staging`` (a
+        ``Staging``: ``async def staging(turn: int) -> list[str]``) writes that turn's
+        staging rows inside it and returns their keys; ``TypeError`` if it is not
+        callable, before the session is opened."""
+        _check_staging(staging)
         await client.open(episode, directory=directory)
         rollout = cls(client, episode, framework)
         await rollout._init(prompt, None, staging)
@@ -138,7 +169,7 @@ class AdaptedRollout:
             try:
                 record = TurnRecord.of("init", prompt, self._framework.init(env, prompt),
                                        restarted)
-                keys = await staging(len(turn.turns)) if staging is not None else ()
+                keys = await _staging_keys(staging, len(turn.turns))
                 turn.complete(record.encode(), self._state_of(env), keys)
             except BaseException:
                 self._framework.close(env)
@@ -180,9 +211,14 @@ class AdaptedRollout:
     # --- running -------------------------------------------------------------------------
 
     async def step(self, action: str, staging: Staging | None = None) -> StepOutput:
-        """Run one ``step(action)`` as a committed turn (``staging`` writes its rows
-        inside it) and return its output. A turn that did not commit leaves the
-        environment ahead of the session: the next step rebuilds it first."""
+        """Run one ``step(action)`` as a committed turn and return its output.
+        ``staging`` (a ``Staging``: ``async def staging(turn: int) -> list[str]``)
+        writes the turn's staging rows inside it and returns their keys; ``TypeError``
+        if it is not callable, before anything runs, or if it does not return an
+        awaitable of ``str`` keys (the turn then does not commit). A turn that did not
+        commit leaves the environment ahead of the session: the next step rebuilds it
+        first."""
+        _check_staging(staging)
         if self.done:
             raise EnvironmentAdapterError(
                 f"rollout {self.episode.capture_key} is done (its last step returned "
@@ -197,7 +233,7 @@ class AdaptedRollout:
         try:
             async with self._client.turn(self.episode) as turn:
                 record = TurnRecord.of("step", action, self._framework.step(self._env, action))
-                keys = await staging(len(turn.turns)) if staging is not None else ()
+                keys = await _staging_keys(staging, len(turn.turns))
                 turn.complete(record.encode(), self._state_of(self._env), keys)
         except BaseException:
             env, self._env = self._env, None  # stepped, not committed: rebuilt next time

@@ -90,7 +90,7 @@ class SnapshotSummary:
     instances: list[InstanceSummary]
     unreadable_shards: dict[str, str]
     sandboxes: SandboxSummary
-    metrics: dict[str, float]
+    metrics: dict[str, float | int]
 
     def to_json(self) -> dict[str, Any]:
         """As plain JSON types (what ``nemo-ckpt inspect --json`` prints)."""

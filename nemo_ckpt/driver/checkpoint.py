@@ -11,15 +11,15 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, overload
+from typing import Any, Optional
 
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver.holder_handles import HolderHandles
 from nemo_ckpt.driver.link import NAME_RETRY_S, CoordinatorLink, finish
-from nemo_ckpt.driver.snapshot import RaySnapshot
+from nemo_ckpt.driver.snapshot import HeldBefore, RaySnapshot
 from nemo_ckpt.driver.startup import (
     Findings,
     deadline_findings,
@@ -43,7 +43,7 @@ from nemo_ckpt.sessions import register_default_transport
 from nemo_ckpt.storage.location import LocalLocation, join_location, levels_below, parse_location
 from nemo_ckpt.transport import Transport, runtime_transport
 
-__all__ = ["RayEnvironmentCheckpoint", "ray_transport"]
+__all__ = ["RayEnvironmentCheckpoint", "ShutdownStarted", "ray_transport"]
 
 log = logging.getLogger("nemo_ckpt")
 
@@ -85,19 +85,22 @@ class RayEnvironmentCheckpoint:
         self._open: str | None = None
         self._closed: asyncio.Event | None = None  # set when the open operation ends
         self._restored_results: tuple[FinishedRollout, ...] = ()
-        self._last_restore: dict[str, float] | None = None
+        self._last_restore: dict[str, float | int] | None = None
+        # What the last snapshot held (or the last restore made live), for the next
+        # snapshot's warning about rollouts lost since (``HeldBefore``).
+        self._held_before: HeldBefore | None = None
         self._link = CoordinatorLink(self.config, lambda: self._transport)
         self._coordinator = self._link.calls
         # Its own handles on the holders, to release them as a snapshot's block exits.
         self._holder_handles = HolderHandles(lambda: self._transport)
 
     @property
-    def last_restore_metrics(self) -> dict[str, float] | None:
-        """Figures of the last restore that went live (None before one did), in seconds,
-        bytes and counts: ``bytes_read``; ``read_seconds``, the slowest holder's shard
-        reads (fetched, verified, decoded into sessions; the mirror of a snapshot's
-        ``persist_seconds``); ``restore_seconds``, ``restored()`` entered -> sessions live;
-        ``continued_rollouts``."""
+    def last_restore_metrics(self) -> dict[str, float | int] | None:
+        """Figures of the last restore that went live (None before one did), seconds as
+        floats, bytes and counts as ints: ``bytes_read``; ``read_seconds``, the slowest
+        holder's shard reads (fetched, verified, decoded into sessions; the mirror of a
+        snapshot's ``persist_seconds``); ``restore_seconds``, ``restored()`` entered ->
+        sessions live; ``continued_rollouts``."""
         return None if self._last_restore is None else dict(self._last_restore)
 
     @property
@@ -170,7 +173,7 @@ class RayEnvironmentCheckpoint:
         started = clock.monotonic()
         async with self._operation("snapshot", path) as op:
             begun = await op.step(self._coordinator.begin_snapshot(op.id, path))
-            snap = RaySnapshot(begun)
+            snap = RaySnapshot(begun, self._held_before)
             # Not awaited, and it never raises: the writes overlap the caller's block.
             self._coordinator.start_writes(op.id)
             self._holder_handles.prepare(begun)  # in the background, for the exit
@@ -179,17 +182,20 @@ class RayEnvironmentCheckpoint:
             refused = snap.refused or self._unchecked(snap, given is not None, path)
             if refused is not None:  # a check that raised (caught) or never ran
                 await op.fail(refused)
-            # The manifest carries what is known at commit; paused time ends at resume.
-            metrics = snap.metrics(clock.monotonic() - started)
+            # The manifest carries what is known at commit; the holders' pause ends here,
+            # as the commit releases them.
+            snap._record_release(clock.monotonic() - started)
+            metrics = snap.figures()
             committed = await op.commit(
                 self._coordinator.commit_snapshot(op.id, path, metrics,
                                                   snap.restarted_rollouts),
                 beside=lambda: self._release_holders(begun),
                 lost=lambda: _Committed(dict(metrics)))
             snap._record_commit(committed.metrics)
-            log.info("snapshot %s committed: %d rollouts, %d restarted, %.0f bytes, "
+            self._held_before = snap.held()
+            log.info("snapshot %s committed: %d rollouts, %d restarted, %d bytes, "
                      "paused %.3fs", op.id, snap.captured_rollouts,
-                     snap.restarted_rollouts, committed.metrics.get("bytes_written", 0.0),
+                     snap.restarted_rollouts, committed.metrics.get("bytes_written", 0),
                      clock.monotonic() - started)
 
     def _release_holders(self, begun: SnapshotBegun) -> int:
@@ -267,10 +273,13 @@ class RayEnvironmentCheckpoint:
             except BaseException:
                 self._restored_results = ()  # they did not go live
                 raise
+            self._held_before = HeldBefore(live=frozenset(
+                (inst, EnvironmentEpisode(rid, att).next_attempt())
+                for inst, rid, att in begun.continued_attempts))
             self._last_restore = {
-                "bytes_read": float(begun.bytes_read), "read_seconds": begun.read_seconds,
+                "bytes_read": int(begun.bytes_read), "read_seconds": begun.read_seconds,
                 "restore_seconds": clock.monotonic() - started,
-                "continued_rollouts": float(len(begun.continued_attempts))}
+                "continued_rollouts": len(begun.continued_attempts)}
             log.info("restore %s from %s: %s sessions live", op.id, path, live)
 
     def is_unavailable(self, error: BaseException) -> bool:
@@ -360,23 +369,21 @@ class RayEnvironmentCheckpoint:
         self._holder_handles.learn(h.instance_id for h in holders)
         return holders
 
-    @overload
-    def shutdown(self, wait: Literal[False] = False) -> None: ...
-
-    @overload
-    def shutdown(self, wait: Literal[True], timeout_s: float = 30.0) -> Awaitable[None]: ...
-
-    def shutdown(self, wait: bool = False, timeout_s: float = 30.0) -> Awaitable[None] | None:
+    def shutdown(self, wait: bool = False, timeout_s: float = 30.0) -> ShutdownStarted:
         """Kill the coordinator and every holder of this namespace (their sessions go).
 
-        The kill is sent at once; Ray releases the actors' names a moment later, and
-        until then a new coordinator or holder of the namespace cannot take them. With
-        ``wait=True`` this returns an awaitable that ends once every name is released:
-        ``await ckpt.shutdown(wait=True)`` before a restarted driver's ``check_startup``
-        and restore. It raises ``BackendUnavailableError`` naming the actors still
-        registered after ``timeout_s`` (their node may be unreachable; retry)."""
+        The kill is sent by the call itself, awaited or not: a plain ``ckpt.shutdown()``
+        at the end of a job is enough. Ray releases the actors' names a moment later,
+        and until then a new coordinator or holder of the namespace cannot take them.
+        What it returns may be awaited in every form: ``await ckpt.shutdown()`` returns
+        at once; ``await ckpt.shutdown(wait=True)`` returns once every name is released,
+        before a restarted driver's ``check_startup`` and restore, and raises
+        ``BackendUnavailableError`` naming the actors still registered after
+        ``timeout_s`` (their node may be unreachable; retry). Not awaited, it waits for
+        nothing and warns nothing."""
         self._transport.kill_namespace()
-        return self._link.until_gone(timeout_s) if wait else None
+        return ShutdownStarted(
+            (lambda: self._link.until_gone(timeout_s)) if wait else None)
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` off the event loop, as this job's runtime runs file work (a
@@ -461,11 +468,25 @@ class _Operation:
         return answer
 
 
+class ShutdownStarted:
+    """What ``RayEnvironmentCheckpoint.shutdown`` returns, its kill already sent: an
+    awaitable that waits for the names' release when ``wait=True`` asked for it. The
+    wait's coroutine is made only when awaited, so a call left unawaited leaves none
+    behind ("coroutine ... was never awaited")."""
+
+    def __init__(self, until_gone: Callable[[], Coroutine[Any, Any, None]] | None) -> None:
+        self._until_gone = until_gone
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if self._until_gone is not None:
+            yield from self._until_gone().__await__()
+
+
 @dataclass(frozen=True)
 class _Committed:
     """A commit whose answer was lost, but which won (the abort said so)."""
 
-    metrics: dict[str, float]
+    metrics: dict[str, float | int]
 
 
 def ray_transport(config: CheckpointConfig) -> Transport:

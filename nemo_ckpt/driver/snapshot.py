@@ -5,14 +5,50 @@ the check against RL's cut, and the snapshot's figures."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from nemo_ckpt.cut import CutCheckResult, DataPlaneMutationCut, check_rows_against_cut
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.phases import CaptureReport
 
-__all__ = ["RaySnapshot"]
+__all__ = ["HeldBefore", "RaySnapshot"]
 
 log = logging.getLogger("nemo_ckpt")
+
+# A log line names at most this many rollouts.
+_SHOWN = 10
+
+
+class HeldBefore:
+    """The rollouts a checkpoint's previous snapshot held, captured or restarting, by
+    instance (or that its restore made live): one of them that RL still expects and the
+    next snapshot does not hold was lost (with a node or a holder), where any other
+    expected rollout not held is one dispatched and not opened yet, a normal queue.
+
+    Kept as the holders' encoded capture rows (bytes per rollout, bounded by what was
+    captured) and decoded only when a later snapshot finds rollouts not held."""
+
+    def __init__(self, captures: tuple[CaptureReport, ...] = (),
+                 live: frozenset[tuple[str, EnvironmentEpisode]] = frozenset()) -> None:
+        self._captures = captures
+        self._live = live
+        self._held: frozenset[tuple[str, EnvironmentEpisode]] | None = None
+
+    def held(self) -> frozenset[tuple[str, EnvironmentEpisode]]:
+        if self._held is None:
+            self._held = self._live | frozenset(
+                (c.instance_id, EnvironmentEpisode(rid, att))
+                for c in self._captures
+                for rid, att in [*((r[0], r[1]) for r in c.rows()), *c.restarting])
+        return self._held
+
+
+def _shown(pairs: Iterable[tuple[str, EnvironmentEpisode]]) -> str:
+    """Up to ``_SHOWN`` of ``pairs``, sorted, as ``instance/capture_key``."""
+    ordered = sorted(pairs)
+    return ", ".join(f"{i}/{ep.capture_key}" for i, ep in ordered[:_SHOWN]) \
+        + (" ..." if len(ordered) > _SHOWN else "")
 
 
 class RaySnapshot:
@@ -22,14 +58,16 @@ class RaySnapshot:
     persist seconds and bytes written are known once the context has exited.
     """
 
-    def __init__(self, begun: Any) -> None:
+    def __init__(self, begun: Any, held_before: HeldBefore | None = None) -> None:
         self.snapshot_id: str = begun.snapshot_id
         self._begun = begun
+        self._held_before = held_before
         self.check_result: CutCheckResult | None = None
         # The error of a check that refused this snapshot: it can no longer commit,
         # even if the caller catches the error inside the block.
         self.refused: BaseException | None = None
-        self._committed: dict[str, float] = {}
+        self._committed: dict[str, float | int] = {}
+        self._holders_paused: float | None = None
         self._captured: dict[str, dict[EnvironmentEpisode, frozenset[str]]] | None = None
 
     @property
@@ -63,7 +101,10 @@ class RaySnapshot:
         Raises ``SnapshotMismatchError`` listing every difference; the snapshot then
         does not commit, even if the caller catches the error: the exit raises it
         again. Expected rollouts the backend does not hold are counted in
-        ``metrics()["not_held_rollouts"]`` and logged as a warning: they restart.
+        ``metrics()["not_held_rollouts"]``: they start over after a crash. Those that
+        this checkpoint's previous snapshot held (or its restore made live) were lost,
+        with a node or a holder, and are logged as a warning; the others are dispatched
+        and not opened yet, a normal queue, logged at DEBUG.
         """
         try:
             result = check_rows_against_cut(
@@ -74,14 +115,9 @@ class RaySnapshot:
             raise
         self.check_result = result
         if result.not_held:
-            shown = ", ".join(f"{i}/{ep.capture_key}" for i, ep in sorted(result.not_held)[:10])
-            log.warning(
-                "snapshot %s: %d rollout(s) RL expects are not held by the environment "
-                "(not opened yet, or lost with a node); they restart after a crash: %s%s",
-                self.snapshot_id, len(result.not_held), shown,
-                " ..." if len(result.not_held) > 10 else "")
+            self._log_not_held(result.not_held)
         if result.orphan_staging_keys:
-            shown = ", ".join(sorted(result.orphan_staging_keys)[:10])
+            shown = ", ".join(sorted(result.orphan_staging_keys)[:_SHOWN])
             log.warning(
                 "snapshot %s: the cut holds %d staging row(s) that no captured session "
                 "references; a restore from this snapshot clears them: %s%s. Outside the "
@@ -89,34 +125,69 @@ class RaySnapshot:
                 "means RL's data plane leaves a finished rollout's rows in staging: "
                 "recording a rollout as finished must move its rows out of staging (the "
                 "README's ledger rules)", self.snapshot_id, len(result.orphan_staging_keys),
-                shown, " ..." if len(result.orphan_staging_keys) > 10 else "",
+                shown, " ..." if len(result.orphan_staging_keys) > _SHOWN else "",
                 len(result.restarting))
 
-    def metrics(self, paused_seconds: float) -> dict[str, float]:
-        """Figures for this snapshot, in seconds, bytes and counts."""
+    def _log_not_held(self, not_held: frozenset[tuple[str, EnvironmentEpisode]]) -> None:
+        lost = not_held & self._held_before.held() if self._held_before else frozenset()
+        if lost:
+            log.warning(
+                "snapshot %s: %d rollout(s) RL expects that were held at this job's "
+                "previous snapshot or restore are held no more (lost with a node or a "
+                "holder); they start over after a crash: %s", self.snapshot_id, len(lost),
+                _shown(lost))
+        if queued := not_held - lost:
+            log.debug(
+                "snapshot %s: %d rollout(s) RL dispatched are not opened yet; they start "
+                "over after a crash: %s", self.snapshot_id, len(queued), _shown(queued))
+
+    def held(self) -> HeldBefore:
+        """What this snapshot held, for the next one to tell a lost rollout from one
+        not opened yet."""
+        return HeldBefore(tuple(self._begun.captures))
+
+    def metrics(self, paused_seconds: float) -> dict[str, float | int]:
+        """Figures for this snapshot: seconds as floats, bytes and counts as ints.
+
+        ``paused_seconds`` is returned as given: the caller's own measure of the
+        snapshot (the contract's argument). The backend's own measure of how long the
+        holders stayed paused is ``holders_paused_seconds``, known once the block has
+        exited (the manifest records it; ``nemo-ckpt inspect`` shows it). The rest:
+        ``figures``."""
+        return {"paused_seconds": float(paused_seconds), **self.figures()}
+
+    def figures(self) -> dict[str, float | int]:
+        """``metrics`` without the caller's ``paused_seconds``: what the manifest
+        records."""
         b = self._begun
-        figures = {
-            "paused_seconds": float(paused_seconds),
+        figures: dict[str, float | int] = {
             "entry_seconds": b.entry_seconds,
             "drain_seconds": max((p.drain_seconds for p in b.pauses), default=0.0),
             "capture_seconds": max((c.capture_seconds for c in b.captures), default=0.0),
             "persist_seconds": 0.0,
-            "bytes_written": 0.0,
-            "captured_rollouts": float(self.captured_rollouts),
-            "restarted_rollouts": float(self.restarted_rollouts),
-            "holders": float(len(b.instances)),
-            "state_bytes": float(sum(c.state_bytes for c in b.captures)),
+            "bytes_written": 0,
+            "captured_rollouts": self.captured_rollouts,
+            "restarted_rollouts": self.restarted_rollouts,
+            "holders": len(b.instances),
+            "state_bytes": sum(c.state_bytes for c in b.captures),
             # Since each holder started (nemo_ckpt.adapters: a replay that diverged).
-            "replay_restarted_rollouts": float(sum(c.replay_restarts for c in b.captures)),
+            "replay_restarted_rollouts": sum(c.replay_restarts for c in b.captures),
         }
         if self.check_result is not None:
-            figures["not_held_rollouts"] = float(len(self.check_result.not_held))
-            figures["orphan_staging_rows"] = float(len(self.check_result.orphan_staging_keys))
-            figures["finished_rollouts"] = float(len(self.check_result.finished))
+            figures["not_held_rollouts"] = len(self.check_result.not_held)
+            figures["orphan_staging_rows"] = len(self.check_result.orphan_staging_keys)
+            figures["finished_rollouts"] = len(self.check_result.finished)
+        if self._holders_paused is not None:
+            figures["holders_paused_seconds"] = self._holders_paused
         figures.update(self._committed)
         return figures
 
-    def _record_commit(self, manifest_metrics: dict[str, float]) -> None:
+    def _record_release(self, holders_paused_seconds: float) -> None:
+        """The block has exited after ``holders_paused_seconds`` since ``snapshot()``
+        was entered: the holders are released from here."""
+        self._holders_paused = holders_paused_seconds
+
+    def _record_commit(self, manifest_metrics: dict[str, float | int]) -> None:
         for key in ("persist_seconds", "bytes_written"):
             if key in manifest_metrics:
                 self._committed[key] = manifest_metrics[key]

@@ -47,7 +47,7 @@ class SnapshotBegun:
 class SnapshotCommitted:
     """What the commit wrote, in brief: the driver needs no per-session data back."""
 
-    metrics: dict[str, float]
+    metrics: dict[str, float | int]
     rollouts: int
     shards: int
     removed_files: tuple[str, ...]
@@ -130,7 +130,7 @@ class CoordinatorApi(Protocol):
     async def start_writes(self, snapshot_id: str) -> None: ...
 
     async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                              metrics: dict[str, float], restarted: int
+                              metrics: dict[str, float | int], restarted: int
                               ) -> SnapshotCommitted: ...
 
     async def prepare_restore(self, restore_id: str, checkpoint_path: str
@@ -195,7 +195,7 @@ class CoordinatorCalls:
         self._tell("start_writes", snapshot_id)
 
     def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                        metrics: dict[str, float], restarted: int
+                        metrics: dict[str, float | int], restarted: int
                         ) -> Awaitable[SnapshotCommitted]:
         return self._invoke("commit_snapshot", snapshot_id, checkpoint_path, metrics,
                             restarted)

@@ -40,8 +40,8 @@ from nemo_ckpt.storage.location import join_location, levels_below, parent_locat
 from nemo_ckpt.storage.manifest import Manifest, TreesEntry, restored_name_problem
 
 __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
-           "blob_store_of", "persist_blobs", "BlobsWritten", "fetch_tree", "read_blob",
-           "SessionDirectory", "snapshot_directories", "verify_directories"]
+           "blob_store_of", "moved_blob_store", "persist_blobs", "BlobsWritten", "fetch_tree",
+           "read_blob", "SessionDirectory", "snapshot_directories", "verify_directories"]
 
 TREES_MAGIC = "nemo-ckpt-trees"
 TREES_VERSION = 1
@@ -70,6 +70,28 @@ def blob_store_of(checkpoint_path: str | Path, manifest: Manifest) -> str | None
         return None
     levels = manifest.blob_store.count("../")
     return join_location(parent_location(checkpoint_path, levels), BLOB_DIR)
+
+
+def moved_blob_store(checkpoint_path: str | Path, manifest: Manifest) -> str | None:
+    """Why the snapshot at ``checkpoint_path`` finds no blob store where its manifest
+    says (None when it finds one, or has no sandbox directories). A snapshot names the
+    root's store by its depth below the root (``blob_store_ref``): renamed within its
+    parent it finds it, moved to another depth it would find none, and every blob would
+    read as missing, as if damaged."""
+    where = blob_store_of(checkpoint_path, manifest)
+    if where is None:
+        return None
+    try:
+        if folder_at(where).subfolders():
+            return None
+    except NemoCkptError:
+        return None  # a store that does not list: its reads say why
+    levels = str(manifest.blob_store).count("../")
+    return (f"snapshot {checkpoint_path} has sandbox directories, whose files are in its "
+            f"checkpoint root's blob store, {levels} level(s) above the folder it was "
+            f"written to; there is no blob store at {where}, so the snapshot was moved to "
+            f"another depth below its root. Move it back to a folder {levels} level(s) "
+            f"below the root (renaming it within its parent folder is supported)")
 
 
 def write_trees_file(directory: Folder, name: str, instance_id: str, rows: list[TreeRow],
@@ -238,6 +260,8 @@ def verify_directories(checkpoint_path: str | Path, manifest: Manifest,
     trees files, names, trees (each read within ``budget``), and every file blob (read
     and hashed, each once). ``progress`` hears of each directory verified."""
     directories, unreadable = snapshot_directories(checkpoint_path, manifest, budget)
+    if moved := moved_blob_store(checkpoint_path, manifest):
+        return [moved]  # not a missing blob per file: the snapshot is not where it was
     problems = [f"trees file {name}: {why}" for name, why in sorted(unreadable.items())]
     where = blob_store_of(checkpoint_path, manifest)
     if where is None:

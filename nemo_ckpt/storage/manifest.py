@@ -42,9 +42,10 @@ from datetime import datetime
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "current_figures",
     "load_json",
     "FORMAT_VERSION",
     "SANDBOX_FORMAT_VERSION",
@@ -267,7 +268,12 @@ class Manifest(_Model):
         description="Every captured rollout (formats 1 and 2; format 3 keeps them in each "
                     "shard's index).")
     restarted_rollouts: int = Field(ge=0, description="Rollouts held but not captured.")
-    metrics: dict[str, float] = Field(description="The snapshot's metrics, as logged.")
+    metrics: dict[str, float | int] = Field(
+        description="The snapshot's figures (``RaySnapshot.figures``): seconds as floats, "
+                    "bytes and counts as ints. ``holders_paused_seconds`` is the time from "
+                    "``snapshot()`` entered to its block's exit, when the holders are "
+                    "released; releases before issue 36 recorded it as ``paused_seconds``, "
+                    "and their counts as floats: both are read under today's name and type.")
     blob_store: str | None = Field(
         None, pattern=BLOB_STORE_PATTERN,
         description="Format 4: the blob store of the sandboxes' files, relative to the "
@@ -277,6 +283,11 @@ class Manifest(_Model):
         description="Format 6, written by a coordinator: the number its commit took "
                     "under its root (``nemo_ckpt.catalog.commit_sequence``); newest first lists "
                     "by it, not by a host's clock.")
+
+    @field_validator("metrics")
+    @classmethod
+    def _current_figures(cls, metrics: dict[str, float | int]) -> dict[str, float | int]:
+        return current_figures(metrics)
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -377,9 +388,25 @@ def check_shards(instances: Iterable[str], shards: Iterable[ShardEntry],
         raise ValueError(f"shards of instances not listed in instances: {missing}")
 
 
+def current_figures(metrics: Mapping[str, float | int]) -> dict[str, float | int]:
+    """A manifest's figures under today's names and types: an older release's
+    ``paused_seconds`` (the holders' pause, as the driver measured it) is
+    ``holders_paused_seconds``, and a count or byte figure it wrote as a float (every
+    figure not in seconds) is an int."""
+    figures: dict[str, float | int] = {}
+    for key, value in metrics.items():
+        if key == "paused_seconds" and "holders_paused_seconds" not in metrics:
+            key = "holders_paused_seconds"
+        if isinstance(value, float) and not key.endswith("_seconds") \
+                and value.is_integer():
+            value = int(value)
+        figures[key] = value
+    return figures
+
+
 def encode_manifest(*, snapshot_id: str, created_at: datetime, instances: list[str],
                     shards: list[ShardEntry], restarted_rollouts: int,
-                    metrics: dict[str, float], blob_store: str | None = None,
+                    metrics: dict[str, float | int], blob_store: str | None = None,
                     sequence: int | None = None) -> bytes:
     """The JSON of a current-version ``Manifest``: a few kilobytes, whatever the number
     of rollouts (they are in the shards' indexes). ``Manifest.model_validate_json`` reads
