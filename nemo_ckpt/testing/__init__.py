@@ -5,6 +5,9 @@ integration tests. Importing this package imports no Ray: the Ray actor classes
 - a reference data plane (``ReferenceDataPlane``, as a Ray actor ``DataPlaneActor``)
   with a barrier (``DataPlaneBarrier.checkpoint()`` yields a live ``LiveCut``), its
   own save and restore, and ``StaticCut`` for a fixed cut;
+- NeMo RL's recovery ledger, barrier, cut and staging partition, with NeMo RL's names
+  (``nemo_ckpt.testing.nemo_rl``; imported from there, so its names stay apart from the
+  reference data plane's), and ``NemoRlState``, RL's half for the rollout manager;
 - a deterministic toy multi-turn environment (``toy_env``) and its worker actor;
 - virtual time (``virtual_time``: an event loop whose clock jumps to the next timer), on
   which the simulation's in-process world (``actors.sim``) and unit tests run.
