@@ -37,6 +37,13 @@ invariants: no zombie's clean-up tears a newer snapshot (case 29.1), no abort or
 call fails only because it met the dead coordinator's name (29.2), no control call waits
 behind turns (29.3), no driver with another config commits.
 
+NeMo RL as the caller (issue 36; ``Plan.nemo_rl``, a quarter of the schedules): the driver's
+snapshots and restores run through ``nemo_ckpt.integrations.nemo_rl`` with RL's side shown
+as NeMo RL shows it (a ledger's inventory and a staging listing, a cut with only
+``require_live``; ``rl.NemoRlView``), and a restore's hand-over to ``prepare_for_restart``
+is checked; in half of those (``Plan.manager``) every snapshot is a
+``RolloutCheckpointManager``'s, with its names, rename and retention.
+
     .venv/bin/python -m tests.simulation                  # 10,000 schedules on 2 processes
     .venv/bin/python -m tests.simulation --replay SEED    # one schedule, with its trace
 
