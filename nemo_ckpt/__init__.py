@@ -44,7 +44,8 @@ from nemo_ckpt.interfaces import (
     RestoredEnvironmentRollouts,
 )
 from nemo_ckpt.manager.config import RolloutCheckpointConfig
-from nemo_ckpt.manager.rollout_manager import ManagedSnapshot, RlHalf, RolloutCheckpointManager
+from nemo_ckpt.manager.contract import ManagedSnapshot, RlHalf
+from nemo_ckpt.manager.rollout_manager import RolloutCheckpointManager
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
 from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs
 from nemo_ckpt.session_record import SessionRecord

@@ -279,3 +279,19 @@ def test_retention_keeps_the_saved_trainer_checkpoints_anchor_until_a_newer_one_
         assert ("renamed", Path(newest.path).name) in events
 
     world.run(scenario())
+
+
+def test_retention_keeps_the_newest_k_the_saved_steps_anchor_and_every_newer_anchor() -> None:
+    from nemo_ckpt.manager.contract import ManagedSnapshot
+    from nemo_ckpt.manager.retention import retained
+
+    def snap(path: str, step: int | None) -> ManagedSnapshot:
+        return ManagedSnapshot(None, path, step, None)
+
+    found = [snap("p7", None), snap("p6", 6), snap("p5", None), snap("p4", 4),
+             snap("p3", 4), snap("p2", 2), snap("p1", None)]  # newest first
+    assert retained(found, 1, trainer_step=4) == {"p7", "p6", "p4"}
+    assert retained(found, 1, trainer_step=6) == {"p7", "p6"}
+    # Told of no trainer checkpoint: the newest anchor stands for it.
+    assert retained(found, 2, trainer_step=None) == {"p7", "p6"}
+    assert retained([snap("p1", None)], 3, trainer_step=None) == {"p1"}

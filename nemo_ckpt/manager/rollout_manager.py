@@ -24,10 +24,9 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from nemo_ckpt.catalog.listing import SnapshotInfo, list_snapshots, remove_snapshot
 from nemo_ckpt.catalog.verification import verify_snapshot
@@ -36,16 +35,17 @@ from nemo_ckpt.errors import (
     RolloutCheckpointFailedError,
     SnapshotNotFoundError,
 )
-from nemo_ckpt.interfaces import RestoredEnvironmentRollouts
 from nemo_ckpt.manager.config import RolloutCheckpointConfig
+from nemo_ckpt.manager.contract import ManagedSnapshot, RlHalf
 from nemo_ckpt.manager.fingerprint import refuse_changes
 from nemo_ckpt.manager.record import RECORD_FILE, ManagedRecord, read_record, write_record
+from nemo_ckpt.manager.retention import retained
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.location import LocalLocation, join_location, parse_location
 from nemo_ckpt.storage.manifest import FORMAT_VERSION, MANIFEST_NAME
 from nemo_ckpt.storage.snapshot_files import read_manifest
 
-__all__ = ["ManagedSnapshot", "RlHalf", "RolloutCheckpointManager", "SNAPSHOT_PREFIX"]
+__all__ = ["PARTIAL_SUFFIX", "RolloutCheckpointManager", "SNAPSHOT_PREFIX"]
 
 log = logging.getLogger("nemo_ckpt")
 
@@ -53,39 +53,6 @@ log = logging.getLogger("nemo_ckpt")
 SNAPSHOT_PREFIX = "rollout-"
 # A snapshot being taken into a folder has this suffix until it has committed.
 PARTIAL_SUFFIX = ".partial"
-
-
-class RlHalf(Protocol):
-    """RL's half of each rollout snapshot, as the manager drives it."""
-
-    async def save(self, cut: Any, path: str) -> None:
-        """Save RL's data plane at ``cut`` under ``path`` (inside the barrier section)."""
-        ...
-
-    async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> None:
-        """Restore RL's data plane from ``path`` (inside ``restored()``'s block)."""
-        ...
-
-    async def remove(self, path: str) -> None:
-        """Remove RL's half under ``path`` (retention); nothing there is no error."""
-        ...
-
-
-@dataclass(frozen=True)
-class ManagedSnapshot:
-    """One committed snapshot the manager took.
-
-    Attributes:
-        number: Its commit number under the root (newer is higher).
-        path: Its checkpoint path.
-        anchor_step: The trainer step it anchors to; None for a periodic one.
-        created_at: When it committed (the committing host's clock: for people).
-    """
-
-    number: int | None
-    path: str
-    anchor_step: int | None
-    created_at: datetime | None
 
 
 class RolloutCheckpointManager:
@@ -249,16 +216,7 @@ class RolloutCheckpointManager:
 
     async def _retain(self) -> list[str]:
         found = await self.snapshots()
-        keep = {s.path for s in found[:self.config.keep_latest_k]}
-        # The anchor of the newest trainer checkpoint known saved, and every newer anchor
-        # (its trainer checkpoint may not have landed yet). Told of none, the newest.
-        anchored = [s for s in found if s.anchor_step is not None]
-        saved = self.trainer_step
-        if saved is None and anchored:
-            saved = max(s.anchor_step for s in anchored if s.anchor_step is not None)
-        keep.update(s.path for s in anchored if saved is not None and s.anchor_step is not None
-                    and s.anchor_step > saved)
-        keep.update([s.path for s in anchored if s.anchor_step == saved][:1])
+        keep = retained(found, self.config.keep_latest_k, self.trainer_step)
         removed = []
         for snap in found:
             if snap.path not in keep:
