@@ -74,11 +74,16 @@ class Restores:
         except BaseException as exc:
             self._parts.count_failure("restore", exc)
             await self._lifecycle.end(op, Outcome.ABORTED)
+            # An abort that ended the operation before its claim was made released
+            # nothing: the claim this call made goes with it (simulation seed 9291).
+            await RestoreHolds().release(op)
             raise
 
     async def _prepare_restore(self, op: RestoreOperation, checkpoint_path: str
                                ) -> RestoreBegun:
         manifest = await self._runtime.run_blocking(read_manifest, checkpoint_path)
+        if op.outcome is not None:  # aborted while the manifest was read: claim nothing
+            raise self._parts.operations.refusal(op.id)
         # Claimed until the restore ends (its commit or abort releases the claim), so
         # that no removal takes the files meanwhile, and a restore whose commit failed
         # can read them again. One that came between the read above and the claim leaves

@@ -400,13 +400,15 @@ class Checkers(Part):
         # A retry may meet a fault of its own: a restore's materialization that
         # fails, or a disk read error (injected), refuses that retry, and rightly.
         injected = "injected" in str(again)
-        # A user's removal wins when it came after the failed attempt had ended, or when
-        # that attempt never reached the coordinator (it claimed nothing): a restore holds
-        # the snapshot only while it runs. One that came while it ran is a violation.
+        # A user's removal wins when it came after the failed attempt had begun to end
+        # (its driver sent the abort, which releases the restore's claim before the
+        # driver hears back), or when that attempt never reached the coordinator (it
+        # claimed nothing): a restore holds the snapshot only while it runs. One that
+        # came while it ran is a violation.
         removed = self.s.removed.get(record.path)
+        ended = record.abort_sent if record.abort_sent is not None else record.failed_at
         if isinstance(again, SnapshotNotFoundError) and removed is not None and (
-                record.failed_id is None
-                or record.failed_at is not None and removed >= record.failed_at):
+                record.failed_id is None or ended is not None and removed >= ended):
             return
         if not (is_retriable(again) or injected or self.killed_since(
                 record.start, (COORDINATOR, "driver", HOLDER))):
