@@ -341,8 +341,18 @@ async def run_life(root: Path, namespace: str, seed: int, crash_at: str | None,
         await life.ray_ckpt.shutdown(wait=True)  # the crash: every actor of the job goes
 
 
-async def run_grpo(root: Path, crash_at: str, seed: int, namespace: str) -> dict[str, Any]:
-    """A crashed run and a crash-free one; their verdict. Needs ``ray.init`` done."""
+async def run_reference(root: Path, seed: int, namespace: str) -> Outcome:
+    """The crash-free run (its outcome does not depend on the seed: the policy's turns
+    are pure functions, and only timing is seeded). Needs ``ray.init`` done."""
+    clean = root / "clean"
+    clean.mkdir(parents=True)
+    return await run_life(clean, f"{namespace}-ref", seed + 2, None, False, [])
+
+
+async def run_grpo(root: Path, crash_at: str, seed: int, namespace: str,
+                   reference: Outcome | None = None) -> dict[str, Any]:
+    """A crashed run, restarted, against a crash-free one (``reference``, or run here);
+    their verdict. Needs ``ray.init`` done."""
     crashed = root / "crashed"
     crashed.mkdir(parents=True)
     trained: list[tuple[str, int, list[str]]] = []
@@ -354,9 +364,8 @@ async def run_grpo(root: Path, crash_at: str, seed: int, namespace: str) -> dict
     if crash is None:
         raise RuntimeError(f"the crash {crash_at!r} never came")
     after = await run_life(crashed, namespace, seed + 1, None, True, [])  # the restart
-    clean = root / "clean"
-    clean.mkdir()
-    reference = await run_life(clean, f"{namespace}-ref", seed + 2, None, False, [])
+    if reference is None:
+        reference = await run_reference(root, seed, namespace)
     once = sorted((g, i) for g, i, _ in after.trained)
     expected = sorted((f"p{p:03d}", i) for p in range(PROMPTS) for i in range(GENERATIONS))
     verified = (after.weights == reference.weights and after.trained == reference.trained

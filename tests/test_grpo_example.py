@@ -27,12 +27,17 @@ def load_example() -> Any:
 EXAMPLE = load_example()
 
 
+REFERENCE: list[Any] = []  # the crash-free run, made once for every crash point
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("crash_at", EXAMPLE.CRASH_POINTS)
 async def test_a_grpo_job_crashed_at_each_point_ends_like_the_crash_free_run(
         cluster: Any, tmp_path: Path, crash_at: str) -> None:
+    if not REFERENCE:
+        REFERENCE.append(await EXAMPLE.run_reference(tmp_path / "ref", 5, "t-grpo"))
     report = await EXAMPLE.run_grpo(tmp_path, crash_at, seed=5,
-                                    namespace=f"t-grpo-{crash_at}")
+                                    namespace=f"t-grpo-{crash_at}", reference=REFERENCE[0])
     assert report["verified"], report
     assert report["weights"] == report["reference_weights"]
     # The restart continued turn-level rollouts from their saved turns, not from zero.

@@ -443,8 +443,8 @@ class NemoRlEnvironmentCheckpoint:
                 handed.add((owner, rid, att))
             else:
                 dropped.add((instance, rid, att))
-        keys = frozenset(inner.staging_keys)
-        if dropped:  # their rows are RL's to clear: only the shards' indexes say which
+        keys = frozenset(inner.staging_keys) if handed else frozenset()
+        if dropped and handed:  # their rows are RL's to clear: the shards' indexes say which
             keys -= await self._blocking(_rows_of_dropped, path, handed, dropped)
         return (RestoredEnvironmentRollouts(continued_attempts=frozenset(handed),
                                             staging_keys=keys),
