@@ -47,9 +47,12 @@ from nemo_ckpt.storage.shards import RolloutIndexEntry, read_shard, read_shard_i
 __all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollouts",
            "write_manifest"]
 
-# The manifest each job (claim owner) last committed in each folder from this process:
-# what its next snapshot there may replace besides the one it found when it claimed.
-_COMMITTED: dict[tuple[str, str], str] = {}
+# The manifest each job (claim owner) last committed in each folder from this
+# coordinator incarnation (its process): what its next snapshot there may replace besides
+# the one it found when it claimed. Keyed by incarnation too, so a zombie never takes a
+# successor's commit for its own (simulation seed 31274, where incarnations share a
+# process).
+_COMMITTED: dict[tuple[str, str, str], str] = {}
 _MAX_COMMITTED = 1024
 
 
@@ -67,7 +70,7 @@ def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
     writer's commit since then refuses this one with ``CheckpointPathBusyError``."""
     folder = as_folder(directory)
     expect: str | None = None
-    owner = ""
+    owner = incarnation = ""
     if fence is not None:
         operation_id, beats = fence
         claim = claim_of(folder, operation_id)
@@ -75,10 +78,10 @@ def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
             raise OperationAbortedError(
                 f"{operation_id} was aborted by another coordinator of this job while this "
                 f"one was taken for dead (its node stalled?); it was not committed")
-        expect, owner = claim.base, claim.owner
+        expect, owner, incarnation = claim.base, claim.owner, claim.incarnation
     # Compact: it is written while the holders are paused; `nemo-ckpt inspect` reads it.
     data = manifest if isinstance(manifest, bytes) else manifest.model_dump_json().encode()
-    committed = (folder.describe(), owner)
+    committed = (folder.describe(), owner, incarnation)
 
     def write(expect: str | None) -> None:
         if expect is None:
