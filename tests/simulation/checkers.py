@@ -958,8 +958,16 @@ class Checkers(Part):
         holder pauses for one only once the one before released it, after its begin."""
         if record.begun is None:
             return set()
-        return {r.op_id for r in self.s.ops if r.path == record.path and r.begun is not None
-                and r.begun > record.begun}
+        later = {r.op_id for r in self.s.ops if r.path == record.path
+                 and r.begun is not None and r.begun > record.begun}
+        # Two commits into one path that overlap may land in either order (either may
+        # be called the newer: DESIGN, "Committed is final"), whichever captured first
+        # (seed 30822: two drivers of one job, one's begin answer lost).
+        if record.body_end is not None:
+            later |= {r.op_id for r in self.s.ops if r.path == record.path
+                      and r is not record and r.body_end is not None
+                      and (r.end is None or r.end > record.body_end)}
+        return later
 
 
 def _relayed_ends(method: str, args: tuple[Any, ...]) -> list[tuple[str, str]]:
