@@ -16,7 +16,7 @@ DEMO_ARGS ?=
 # replays it.
 SIM_SCHEDULES ?= 8000
 
-.PHONY: test install demo demo-s3
+.PHONY: test install demo demo-s3 demo-containers container-runtime
 
 install: $(STAMP)
 
@@ -43,6 +43,13 @@ test: $(STAMP)
 	$(VENV)/bin/mypy
 	$(PY) -m tests.simulation --schedules $(SIM_SCHEDULES)
 	$(PY) -m pytest
+
+# The local container runtime (tests/container_runtime.py): podman, runc and conmon from
+# apt, CRIU 4.x built from Debian's source package where the system's fails `criu check`,
+# a project-local containers.conf and a busybox image; once per machine, idempotently
+# (seconds when all is there; about a minute the first time).
+container-runtime: $(STAMP)
+	$(PY) -m tests.container_runtime
 
 # The end-to-end turn-level recovery run on an embedded local Ray cluster.
 demo: $(STAMP)
