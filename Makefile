@@ -41,6 +41,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 test: $(STAMP)
 	$(VENV)/bin/ruff check nemo_ckpt actors tests examples benchmarks
 	$(VENV)/bin/mypy
+	$(PY) -m tests.container_runtime
 	$(PY) -m tests.simulation --schedules $(SIM_SCHEDULES)
 	$(PY) -m pytest
 

@@ -329,6 +329,13 @@ class SandboxError(NemoCkptError):
     one of the sandbox limits, or a stored tree whose paths would leave it."""
 
 
+class ContainerRuntimeError(SandboxError):
+    """A session's container that cannot be recorded or restored: the container runtime
+    (podman) is missing, refused a command or timed out, the container uses what cannot
+    be captured (a bind mount, a storage driver other than overlay), or a stored
+    container record or checkpoint archive is malformed."""
+
+
 class BlobCorruptedError(SnapshotReadError):
     """A sandbox file's stored content (a blob) does not match its digest, or is missing
     from the blob store although a committed manifest references it."""

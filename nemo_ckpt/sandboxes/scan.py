@@ -17,6 +17,12 @@ regular file is read (a different one than listed, renamed over it, is recorded 
 it now is), anything else refuses the scan; an entry that became a link is recorded as
 a link. A file whose size, mtime or ctime moved while it was read is read again, at
 most ``_READS`` times, then refuses the scan naming it.
+
+An overlay's upper directory (a container's filesystem changes against its image,
+``nemo_ckpt.containers``) is scanned with ``overlay=OverlayMarks()``: its whiteouts
+(character devices 0:0, a path the image has and the container deleted) and its opaque
+directories (``trusted.overlay.opaque``: the image's entries below are hidden), FIFOs and
+sockets are listed there instead of refusing the scan; any other device still refuses it.
 """
 
 from __future__ import annotations
@@ -54,6 +60,26 @@ _READS = 3  # reads of a file that keeps changing before the scan gives up on it
 _NOFOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | _NOFOLLOW
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
+
+
+_OPAQUE_XATTR = "trusted.overlay.opaque"
+
+
+@dataclass(slots=True)
+class OverlayMarks:
+    """What a scan of an overlay's upper directory found besides its tree: the paths
+    deleted (whiteouts) and the directories made opaque, each relative to the top."""
+
+    whiteouts: list[str]
+    opaque: list[str]
+    fifos: list[tuple[str, int]]  # (path, mode bits): a container's named pipes
+    sockets: list[str]  # not recorded: a socket's file is its listener's, made again
+
+    def __init__(self) -> None:
+        self.whiteouts = []
+        self.opaque = []
+        self.fifos = []
+        self.sockets = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +150,8 @@ class ScanResult:
 
 
 def scan(directory: Path, previous: Listings | None, store: Store,
-         now_ns: int | None = None, limits: SandboxLimits | None = None) -> ScanResult:
+         now_ns: int | None = None, limits: SandboxLimits | None = None,
+         overlay: OverlayMarks | None = None) -> ScanResult:
     """Record ``directory``'s tree. Entries whose (size, mtime, ctime, inode, mode) match
     ``previous`` keep their entry, and a directory whose entries all do keeps its tree
     object; every other file is read (see the module docstring) into ``store``. A file
@@ -132,7 +159,8 @@ def scan(directory: Path, previous: Listings | None, store: Store,
 
     Raises ``SandboxError`` naming the path of a device, FIFO or socket, of a directory
     deeper than ``MAX_DEPTH``, of a file that kept changing while it was read, of what
-    passes one of ``limits``, or when ``directory`` is not a directory."""
+    passes one of ``limits``, or when ``directory`` is not a directory. With ``overlay``,
+    whiteouts and opaque directories are listed there (see the module docstring)."""
     try:
         fd = os.open(directory, _DIR_FLAGS)
     except OSError as exc:
@@ -142,7 +170,7 @@ def scan(directory: Path, previous: Listings | None, store: Store,
     try:
         scanner = _Scanner(directory, previous or {}, store,
                            (time.time_ns() if now_ns is None else now_ns) - _RACY_NS,
-                           limits or SandboxLimits())
+                           limits or SandboxLimits(), overlay)
         scanner.directory(fd, os.fspath(directory), "", 0)
     finally:
         os.close(fd)
@@ -163,8 +191,9 @@ class _Scanner:
     subdirectories, and only when one of its entries changed."""
 
     def __init__(self, top: Path, previous: Listings, store: Store, racy_after: int,
-                 limits: SandboxLimits) -> None:
+                 limits: SandboxLimits, overlay: OverlayMarks | None = None) -> None:
         self.top = top
+        self.overlay = overlay
         self.previous = previous
         self.store = store
         self.racy_after = racy_after
@@ -188,8 +217,7 @@ class _Scanner:
         renewed = False
         prefix = rel + "/" if rel else ""
         items = self._list(fd, path)
-        if len(items) != len(old_entries):
-            changed = True  # with every name found below, the names are the same ones
+        whiteouts = 0  # listed, but not entries of the tree
         # This loop runs once per entry at every turn commit (benchmarks/sandboxes.py):
         # an unchanged file costs its stat, one lookup, one comparison and one store.
         regular, fmt_bits = stat.S_IFREG, 0o170000
@@ -232,6 +260,17 @@ class _Scanner:
                     entries[name] = seen
                     continue
                 found = self._link(fd, name, path + "/" + name, key)
+            elif self.overlay is not None and (  # see OverlayMarks
+                    (stat.S_ISCHR(mode) and st.st_rdev == 0) or stat.S_ISFIFO(mode)
+                    or stat.S_ISSOCK(mode)):
+                if stat.S_ISCHR(mode):
+                    self.overlay.whiteouts.append(prefix + name)
+                elif stat.S_ISFIFO(mode):
+                    self.overlay.fifos.append((prefix + name, stat.S_IMODE(mode)))
+                else:
+                    self.overlay.sockets.append(prefix + name)
+                whiteouts += 1
+                continue
             else:
                 raise self._special(path + "/" + name, mode)
             if found is None:
@@ -244,6 +283,8 @@ class _Scanner:
             else:
                 changed = True
                 entries[name] = Seen(key, entry)
+        if len(items) - whiteouts != len(old_entries):
+            changed = True  # with every name found above, the names are the same ones
         return self._settle(rel, old, entries, changed, renewed)
 
     def _list(self, fd: int, path: str) -> list[os.DirEntry[str]]:
@@ -273,6 +314,8 @@ class _Scanner:
             # The mode of the directory scanned (one renamed over the listed one is
             # recorded as what it now is).
             mode = os.fstat(sub_fd).st_mode
+            if self.overlay is not None and _opaque(sub_fd):
+                self.overlay.opaque.append(rel)
             sub = self.directory(sub_fd, path, rel, depth)
         finally:
             os.close(sub_fd)
@@ -429,6 +472,13 @@ def _sparse(fd: int, header: bytes, extents: list[tuple[int, int]]) -> Iterator[
     yield header
     for start, end in extents:
         yield from _range(fd, start, end)
+
+
+def _opaque(fd: int) -> bool:
+    try:
+        return os.getxattr(fd, _OPAQUE_XATTR) == b"y"
+    except OSError:  # ENODATA: not opaque; ENOTSUP: no overlay marks here
+        return False
 
 
 def _special_kind(mode: int) -> str:

@@ -1,0 +1,183 @@
+"""The local container runtime, podman, driven through its command line (blocking).
+
+The PyPI clients (``podman``, ``docker``) have no checkpoint method, and the command line
+is what a user's node has: every call here is one ``podman`` command with a deadline,
+run with the configured environment (``CONTAINERS_CONF``, and a ``PATH`` that finds
+CRIU for runc). A command that fails raises ``ContainerRuntimeError`` quoting the
+command and what podman said.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_ckpt.errors import ContainerRuntimeError
+
+__all__ = ["Podman", "Storage"]
+
+_SAID = 2000  # characters of podman's output an error quotes
+
+
+@dataclass(frozen=True, slots=True)
+class Storage:
+    """How podman stores containers on this node (``podman info``)."""
+
+    driver: str
+    metacopy: bool
+    graph_root: str
+
+
+class Podman:
+    """One node's podman (see the module docstring). ``env`` is added to the process's
+    environment for every command."""
+
+    def __init__(self, binary: str = "podman", env: Mapping[str, str] | None = None,
+                 timeout_s: float = 120.0) -> None:
+        self.binary = binary
+        self.env = dict(env or {})
+        self.timeout_s = timeout_s
+
+    def _environment(self) -> dict[str, str]:
+        return {**os.environ, **self.env}
+
+    def available(self) -> str | None:
+        """None when podman answers, else why not."""
+        path = self.binary if os.sep in self.binary else shutil.which(
+            self.binary, path=self._environment().get("PATH"))
+        if path is None:
+            return f"`{self.binary}` is not installed on this node"
+        try:
+            self.run("version", "--format", "{{.Client.Version}}", timeout_s=30)
+        except ContainerRuntimeError as exc:
+            return str(exc)
+        return None
+
+    def run(self, *args: str, input: bytes | None = None, timeout_s: float | None = None,
+            check: bool = True) -> subprocess.CompletedProcess[bytes]:
+        cmd = [self.binary, *args]
+        try:
+            done = subprocess.run(cmd, input=input, capture_output=True,
+                                  env=self._environment(),
+                                  timeout=self.timeout_s if timeout_s is None else timeout_s)
+        except FileNotFoundError:
+            raise ContainerRuntimeError(
+                f"`{self.binary}` is not installed on this node: install podman "
+                f"(the project's `make container-runtime` does, on Debian)") from None
+        except subprocess.TimeoutExpired:
+            raise ContainerRuntimeError(
+                f"`{_quote(cmd)}` did not finish within "
+                f"{self.timeout_s if timeout_s is None else timeout_s} s") from None
+        if check and done.returncode != 0:
+            said = (done.stderr or done.stdout).decode("utf-8", "replace").strip()
+            raise ContainerRuntimeError(f"`{_quote(cmd)}` failed (exit {done.returncode}): "
+                                        f"{said[-_SAID:]}")
+        return done
+
+    def text(self, *args: str, timeout_s: float | None = None) -> str:
+        return self.run(*args, timeout_s=timeout_s).stdout.decode("utf-8", "replace").strip()
+
+    # --- what podman knows ---------------------------------------------------------
+
+    def storage(self) -> Storage:
+        info = json.loads(self.text("info", "--format", "json"))
+        store = info.get("store", {})
+        status = store.get("graphStatus", {})
+        return Storage(driver=str(store.get("graphDriverName", "")),
+                       metacopy=str(status.get("Using metacopy", "false")) == "true",
+                       graph_root=str(store.get("graphRoot", "")))
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        found = json.loads(self.text("container", "inspect", container))
+        if not isinstance(found, list) or len(found) != 1 or not isinstance(found[0], dict):
+            raise ContainerRuntimeError(f"podman inspect {container}: unexpected answer")
+        return found[0]
+
+    def exists(self, container: str) -> bool:
+        return self.run("container", "exists", container, check=False).returncode == 0
+
+    def image_id(self, image: str) -> str:
+        """The image's full id (the digest of its configuration), or
+        ``ContainerRuntimeError`` when this node does not have it."""
+        done = self.run("image", "inspect", "--format", "{{.Id}}", image, check=False)
+        if done.returncode != 0:
+            raise ContainerRuntimeError(
+                f"image {image} is not on this node: load or pull it on every node "
+                f"that may restore this environment")
+        return done.stdout.decode().strip()
+
+    def criu_problem(self) -> str | None:
+        """None when podman can checkpoint processes here (``criu check`` passes with
+        the ``criu`` this podman's runc finds), else why not."""
+        path = shutil.which("criu", path=self._environment().get("PATH"))
+        if path is None:
+            return "criu is not installed on this node"
+        try:
+            done = subprocess.run([path, "check"], capture_output=True, timeout=60,
+                                  env=self._environment())
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{path} check: {exc}"
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).decode("utf-8", "replace").strip()
+            return f"{path} check: {said.splitlines()[-1] if said else done.returncode}"
+        return None
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def create(self, name: str, image: str, command: Sequence[str],
+               entrypoint: Sequence[str] | None, env: Sequence[str], workdir: str,
+               user: str, labels: Mapping[str, str]) -> str:
+        args = ["create", "--name", name, "--workdir", workdir or "/"]
+        if user:
+            args += ["--user", user]
+        if entrypoint is not None:
+            args += ["--entrypoint", json.dumps(list(entrypoint))]
+        for var in env:
+            args += ["--env", var]
+        for key, value in labels.items():
+            args += ["--label", f"{key}={value}"]
+        return self.text(*args, image, *command)
+
+    def start(self, container: str) -> None:
+        self.run("start", container)
+
+    def remove(self, container: str) -> None:
+        """Remove the container if it exists, stopping it at once."""
+        self.run("rm", "--force", "--time", "0", "--ignore", container)
+
+    def mount(self, container: str) -> str:
+        return self.text("mount", container)
+
+    def unmount(self, container: str) -> None:
+        self.run("unmount", container)
+
+    def copy_in(self, source: str, container: str, destination: str = "/") -> None:
+        """Copy the contents of the host directory ``source`` into ``container``."""
+        self.run("cp", "--archive=false", f"{source.rstrip('/')}/.",
+                 f"{container}:{destination}")
+
+    def checkpoint(self, container: str, export: str, keep: bool) -> None:
+        """Dump the container's processes with CRIU into the archive ``export`` (its
+        filesystem not included: that is recorded apart). The processes stop; ``keep``
+        leaves the dump in podman's storage for ``restore_in_place``."""
+        args = ["container", "checkpoint", f"--export={export}", "--ignore-rootfs",
+                "--compress=none", "--ignore-volumes"]
+        if keep:
+            args.append("--keep")
+        self.run(*args, container)
+
+    def restore_in_place(self, container: str) -> None:
+        self.run("container", "restore", "--keep", container)
+
+    def restore_import(self, archive: str, name: str) -> None:
+        self.run("container", "restore", f"--import={archive}", "--name", name,
+                 "--ignore-volumes")
+
+
+def _quote(cmd: Sequence[str]) -> str:
+    return " ".join(cmd)

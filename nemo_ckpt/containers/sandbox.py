@@ -1,0 +1,360 @@
+"""A session's container as a sandbox: recorded at each turn's commit, created again as
+the next attempt's container (blocking; a holder calls these through its runtime).
+
+Recording (``ContainerSandboxes.record``) reads what the container changed against its
+image straight from its overlay upper directory with the sandbox scan
+(``nemo_ckpt.sandboxes.scan`` in its overlay mode: no link followed, names and sizes
+bounded, only what changed since the last turn re-read), into the node's blob cache, so
+rollouts from one image share their bytes in the store. Where CRIU works, the
+container's processes are checkpointed first (podman stops them), the filesystem is
+scanned while nothing runs, and the processes are restored in place: memory and files
+are one consistent image of the container as of the turn's commit.
+
+Restoring (``ContainerSandboxes.restore``) verifies the stored record and tree, makes
+the files in a staging folder (``nemo_ckpt.sandboxes.materialize``: setuid dropped,
+nothing created outside it), then either has podman restore the processes from the
+checked archive with those files as its filesystem changes (``--import``), or creates a
+container from the image and copies the files in, when there is no memory to restore or
+no CRIU on this node. Paths the container deleted are deleted again, walked component
+by component without following a link.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_ckpt.containers.archive import assemble_archive, check_archive
+from nemo_ckpt.containers.podman import Podman
+from nemo_ckpt.containers.record import ContainerConfig, ContainerRecord
+from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
+from nemo_ckpt.sandboxes.limits import MAX_DEPTH, SandboxLimits, TreeBudget
+from nemo_ckpt.sandboxes.materialize import materialize
+from nemo_ckpt.sandboxes.node_cache import BlobCache
+from nemo_ckpt.sandboxes.scan import Listings, OverlayMarks, scan
+from nemo_ckpt.sandboxes.tree_codec import decode_tree
+from nemo_ckpt.sandboxes.tree_types import tree_digests
+
+__all__ = ["ContainerSandboxes", "RecordedContainer", "LABEL"]
+
+LABEL = "io.nemo-ckpt.capture-key"  # on every container a restore creates
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_OPAQUE_ENTRIES = 200_000
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedContainer:
+    """A container as one turn's commit recorded it."""
+
+    record: ContainerRecord
+    listings: Listings  # what the next scan may skip
+    blobs: frozenset[bytes]  # every blob it references: tree objects, files, memory
+    file_count: int
+    file_bytes: int
+    files_read: int  # by this recording: the files that changed since the previous
+
+
+class ContainerSandboxes:
+    """The containers of one holder's sessions (see the module docstring)."""
+
+    def __init__(self, podman: Podman, cache: BlobCache, staging: Path,
+                 limits: SandboxLimits | None = None, tree_budget: TreeBudget | None = None,
+                 allow_setid: bool = False, memory: bool = True) -> None:
+        self.podman = podman
+        self.cache = cache
+        self.staging = staging
+        self.limits = limits or SandboxLimits()
+        self.tree_budget = tree_budget or TreeBudget()
+        self.allow_setid = allow_setid
+        self.memory = memory
+        self._criu_problem: str | None | bool = False  # False: not asked yet
+
+    # --- what this node can do -------------------------------------------------------
+
+    def criu_problem(self) -> str | None:
+        """None when process memory can be captured here, else why not (asked once)."""
+        if self._criu_problem is False:
+            self._criu_problem = self.podman.criu_problem()
+        return self._criu_problem  # type: ignore[return-value]
+
+    def check(self) -> tuple[list[str], list[str]]:
+        """(problems, warnings) for ``check_startup``: a problem means containers cannot
+        be recorded on this node at all; a warning that their memory is not captured."""
+        missing = self.podman.available()
+        if missing is not None:
+            return [missing], []
+        storage = self.podman.storage()
+        problems = []
+        if storage.driver != "overlay":
+            problems.append(f"podman stores containers with the {storage.driver!r} driver; "
+                            f"recording a container's changes needs 'overlay'")
+        elif storage.metacopy:
+            problems.append("podman's overlay storage uses metacopy: a changed file's "
+                            "content may not be in the upper directory; turn it off "
+                            "(storage.conf: mountopt without metacopy=on)")
+        warnings = []
+        if self.memory and self.criu_problem() is not None:
+            warnings.append(f"process memory is not captured on this node (filesystems "
+                            f"only): {self.criu_problem()}")
+        return problems, warnings
+
+    # --- recording ---------------------------------------------------------------
+
+    def describe(self, container: str) -> tuple[ContainerConfig, Path, bool]:
+        """The container's creation config, its upper directory, and whether it runs;
+        ``ContainerRuntimeError`` for one that cannot be recorded."""
+        info = self.podman.inspect(container)
+        driver = info.get("GraphDriver") or {}
+        if driver.get("Name") != "overlay":
+            raise ContainerRuntimeError(
+                f"container {container} is stored with the {driver.get('Name')!r} driver; "
+                f"recording its changes needs podman's overlay driver")
+        upper = (driver.get("Data") or {}).get("UpperDir")
+        if not upper:
+            raise ContainerRuntimeError(f"container {container} has no overlay upper "
+                                        f"directory in podman's answer")
+        mounts = info.get("Mounts") or []
+        if mounts:
+            where = ", ".join(str(m.get("Destination")) for m in mounts[:5])
+            raise ContainerRuntimeError(
+                f"container {container} has mounts ({where}): their files live outside "
+                f"the container and would not be recovered; create it without volumes "
+                f"or bind mounts")
+        config = info.get("Config") or {}
+        entry = config.get("Entrypoint")
+        if isinstance(entry, str):
+            entry = [entry] if entry else None
+        cfg = ContainerConfig(
+            image=str(info.get("Image", "")),
+            command=tuple(config.get("Cmd") or ()),
+            entrypoint=None if not entry else tuple(entry),
+            env=tuple(config.get("Env") or ()),
+            workdir=str(config.get("WorkingDir") or "/"),
+            user=str(config.get("User") or ""))
+        running = bool((info.get("State") or {}).get("Running"))
+        return cfg, Path(upper), running
+
+    def record(self, container: str, previous: RecordedContainer | None
+               ) -> RecordedContainer:
+        """Record ``container`` now: its processes' memory where CRIU works and it runs,
+        and its filesystem changes (re-reading only what changed since ``previous``)."""
+        config, upper, running = self.describe(container)
+        memory: tuple[bytes, int] | None = None
+        capture_memory = self.memory and running and self.criu_problem() is None
+        if capture_memory:
+            memory = self._checkpoint(container)
+        try:
+            marks = OverlayMarks()
+            result = scan(upper, previous.listings if previous else None, self.cache.store,
+                          limits=self.limits, overlay=marks)
+        finally:
+            if capture_memory:
+                self.podman.restore_in_place(container)
+        for digest, data in result.objects.items():
+            self.cache.put(digest, data)
+        blobs = set(result.blobs())
+        if memory is not None:
+            blobs.add(memory[0])
+        record = ContainerRecord(
+            config, result.root, result.root_size, tuple(sorted(marks.whiteouts)),
+            tuple(sorted(marks.opaque)), tuple(sorted(marks.fifos)),
+            None if memory is None else memory[0],
+            0 if memory is None else memory[1])
+        return RecordedContainer(record, result.listings, frozenset(blobs),
+                                 result.file_count(), result.file_bytes(),
+                                 result.files_read)
+
+    def _checkpoint(self, container: str) -> tuple[bytes, int]:
+        """Checkpoint the processes (they stop, the dump kept for the restore in place)
+        into the cache: the archive's digest and length."""
+        self.staging.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.staging, prefix="checkpoint-") as tmp:
+            archive = os.path.join(tmp, "checkpoint.tar")
+            self.podman.checkpoint(container, archive, keep=True)
+            with open(archive, "rb") as f:
+                return self.cache.store(iter(lambda: f.read(4 << 20), b""))
+
+    # --- restoring ---------------------------------------------------------------
+
+    def restore(self, record: ContainerRecord, fetch: Callable[[bytes, int], Any],
+                name: str, capture_key: str, where: str) -> bool:
+        """Create the container ``name`` as ``record`` left it; ``fetch(digest, size)``
+        returns a blob's verified content. Returns whether its processes were restored
+        running (else it was started afresh from its command, files restored). What it
+        made is removed if it fails."""
+        config = record.config
+        self.podman.image_id(config.image)  # this node must have the image
+        tree, _ = decode_tree(record.tree, record.tree_size, fetch, where, self.tree_budget)
+        self.staging.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.staging, prefix="restore-") as tmp:
+            rootfs = Path(tmp) / "rootfs"
+            try:
+                materialize(tree, rootfs, fetch, allow_setid=self.allow_setid)
+            except OSError as exc:
+                raise SandboxError(f"cannot make the files of {where} in {rootfs}: "
+                                   f"{exc.strerror or exc}") from exc
+            for path, mode in record.fifos:
+                _mkfifo_below(str(rootfs), path, mode)
+            deleted = list(record.whiteouts) + self._hidden(config.image, record, tree)
+            memory = record.memory is not None and self.memory \
+                and self.criu_problem() is None
+            try:
+                if memory:
+                    assert record.memory is not None
+                    data = bytes(fetch(record.memory, record.memory_size))
+                    members = check_archive(data, config.image, where)
+                    archive = Path(tmp) / "checkpoint.tar"
+                    assemble_archive(data, members, rootfs, deleted, archive)
+                    del data
+                    self.podman.restore_import(str(archive), name)
+                else:
+                    self.podman.create(name, config.image, config.command,
+                                       config.entrypoint, config.env, config.workdir,
+                                       config.user, {LABEL: capture_key})
+                    self.podman.copy_in(str(rootfs), name)
+                    self._delete(name, deleted)
+                    self.podman.start(name)
+            except BaseException:
+                self.podman.remove(name)
+                raise
+        return memory
+
+    def _hidden(self, image: str, record: ContainerRecord, tree: dict[str, Any]
+                ) -> list[str]:
+        """The image's entries below each opaque directory that the container does not
+        have there: what the opaque directory hid, to delete on restore."""
+        if not record.opaque:
+            return []
+        root = self.podman.text("image", "mount", image)
+        try:
+            out: list[str] = []
+            for directory in record.opaque:
+                names = _list_below(root, directory)
+                out.extend(f"{directory}/{n}" for n in names
+                           if f"{directory}/{n}" not in tree)
+                if len(out) > _MAX_OPAQUE_ENTRIES:
+                    raise ContainerRuntimeError(
+                        f"image {image[:12]} holds more than {_MAX_OPAQUE_ENTRIES} entries "
+                        f"below the container's opaque directories")
+            return out
+        finally:
+            self.podman.run("image", "unmount", image, check=False)
+
+    def _delete(self, container: str, paths: Iterable[str]) -> None:
+        paths = list(paths)
+        if not paths:
+            return
+        root = self.podman.mount(container)
+        try:
+            for path in paths:
+                _remove_below(root, path)
+        finally:
+            self.podman.unmount(container)
+
+    def discard(self, name: str) -> None:
+        """Remove the container ``name`` (stopped at once) if it exists."""
+        self.podman.remove(name)
+
+
+def _open_parent(root: str, path: str) -> tuple[int, str] | None:
+    """A descriptor of ``path``'s parent below ``root`` (walked without following a
+    link) and its last name; None when a component is missing or not a directory."""
+    parts = path.split("/")
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for part in parts[:-1]:
+            try:
+                sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    os.close(fd)
+                    return None
+                raise
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def _remove_below(root: str, path: str) -> None:
+    """Remove ``root/path`` (a file, a link or a whole directory), never following a
+    link on the way; nothing to do when it is not there."""
+    found = _open_parent(root, path)
+    if found is None:
+        return
+    fd, name = found
+    try:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            _rmtree_at(fd, name, 0)
+        else:
+            os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _rmtree_at(parent: int, name: str, depth: int) -> None:
+    """Remove the directory ``name`` of ``parent`` and all below it by descriptor: a
+    link swapped in is removed as a link, never followed."""
+    if depth > MAX_DEPTH:
+        raise ContainerRuntimeError(f"{name}: deeper than {MAX_DEPTH} directories")
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        for entry in os.scandir(fd):
+            if entry.is_dir(follow_symlinks=False):
+                _rmtree_at(fd, entry.name, depth + 1)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)
+
+
+def _mkfifo_below(root: str, path: str, mode: int) -> None:
+    """Make the FIFO ``root/path``; its parent is a directory the tree made, or the
+    FIFO is refused with the tree (a stored record naming it elsewhere)."""
+    found = _open_parent(root, path)
+    if found is None:
+        raise ContainerRuntimeError(f"the container record names the FIFO {path!r}, "
+                                    f"whose folder its tree does not hold")
+    fd, name = found
+    try:
+        os.mkfifo(name, mode & 0o777, dir_fd=fd)
+        os.chmod(name, mode & 0o777, dir_fd=fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
+
+
+def _list_below(root: str, path: str) -> list[str]:
+    """The names in the directory ``root/path``, walked without following a link."""
+    found = _open_parent(root, path)
+    if found is None:
+        return []
+    fd, name = found
+    try:
+        try:
+            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except OSError:
+            return []
+        try:
+            return os.listdir(sub)
+        finally:
+            os.close(sub)
+    finally:
+        os.close(fd)
+
+
+def blobs_of(tree: dict[str, Any], objects: Iterable[bytes]) -> frozenset[bytes]:
+    """Every blob a restored tree references: its tree objects and its files."""
+    return frozenset(objects) | tree_digests(tree)

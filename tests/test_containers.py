@@ -1,0 +1,331 @@
+"""A session's container, recorded and created again, on this machine's podman (installed
+by ``tests/container_runtime.py``; not mocked): its files, links, deletions and FIFOs
+against its image, its processes' memory through CRIU, and what a container or a stored
+record may hold that must not come back."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from nemo_ckpt.containers.archive import check_archive
+from nemo_ckpt.containers.podman import Podman
+from nemo_ckpt.containers.record import ContainerRecord, decode_record, encode_record
+from nemo_ckpt.containers.sandbox import ContainerSandboxes, RecordedContainer
+from nemo_ckpt.errors import ContainerRuntimeError
+from nemo_ckpt.sandboxes.blob_store import digest_of
+from nemo_ckpt.sandboxes.node_cache import BlobCache
+from tests.container_runtime import Setup, ensure
+
+pytestmark = pytest.mark.timeout(180)
+
+# A server holding a counter in its shell's memory only: each request through the FIFO
+# /tmp/req is answered with the next count on /tmp/rep (``_ask``).
+_SERVER = ("mkfifo /tmp/req /tmp/rep; n=0; "
+           "while true; do read cmd < /tmp/req; n=$((n+1)); echo $n > /tmp/rep; done")
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Iterator[Setup]:
+    setup = ensure()
+    yield setup
+    podman = Podman(env=setup.env)
+    left = podman.text("ps", "-a", "--filter", "name=^nemo-ckpt-test-",
+                       "--format", "{{.Names}}")
+    assert left == "", f"containers left behind: {left}"
+
+
+@pytest.fixture
+def podman(runtime: Setup) -> Podman:
+    return Podman(env=runtime.env)
+
+
+@pytest.fixture
+def names(podman: Podman) -> Iterator[list[str]]:
+    """Container names for one test; each is removed after it, by name."""
+    made: list[str] = []
+    yield made
+    for name in made:
+        podman.remove(name)
+
+
+def _name(names: list[str]) -> str:
+    name = f"nemo-ckpt-test-{uuid.uuid4().hex[:10]}"
+    names.append(name)
+    return name
+
+
+def _sandboxes(podman: Podman, tmp_path: Path, memory: bool = True) -> ContainerSandboxes:
+    return ContainerSandboxes(podman, BlobCache(tmp_path / "cache"), tmp_path / "staging",
+                              memory=memory)
+
+
+def _fetch(sandboxes: ContainerSandboxes) -> Callable[[bytes, int], bytes]:
+    def fetch(digest: bytes, size: int) -> bytes:
+        data = sandboxes.cache.read(digest, size)
+        assert data is not None, "a blob the record references is not in the cache"
+        return data
+    return fetch
+
+
+def _sh(podman: Podman, container: str, script: str) -> str:
+    return podman.text("exec", container, "sh", "-c", script)
+
+
+def _ask(podman: Podman, container: str) -> int:
+    return int(_sh(podman, container, "echo go > /tmp/req; cat /tmp/rep"))
+
+
+def _run(podman: Podman, runtime: Setup, name: str, script: str) -> None:
+    podman.run("run", "-d", "--name", name, runtime.image, "/bin/sh", "-c", script)
+
+
+def test_the_runtime_is_installed_with_criu_that_passes_its_check(runtime: Setup,
+                                                                  podman: Podman) -> None:
+    assert podman.available() is None
+    assert runtime.criu is not None, runtime.criu_problem
+    assert podman.criu_problem() is None
+    assert podman.storage().driver == "overlay"
+
+
+def test_files_links_deletions_and_fifos_come_back_in_the_next_attempts_container(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    sandboxes = _sandboxes(podman, tmp_path, memory=False)
+    first = _name(names)
+    _run(podman, runtime, first, "sleep 1000")
+    _sh(podman, first, "mkdir -p /work/repo/src && echo 'def f(): pass' > /work/repo/src/a.py"
+        " && chmod 640 /work/repo/src/a.py && ln -s src/a.py /work/repo/link"
+        " && rm /bin/vi /etc/group && mkfifo -m 600 /work/pipe"
+        " && head -c 300000 /dev/urandom > /work/big")
+    recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is None  # asked not to
+    assert set(recorded.record.whiteouts) >= {"bin/vi", "etc/group"}
+    assert recorded.record.fifos == (("work/pipe", 0o600),)
+    big = _sh(podman, first, "md5sum /work/big")
+
+    second = _name(names)
+    running = sandboxes.restore(recorded.record, _fetch(sandboxes), second, "r1-a1", "r1")
+    assert running is False
+    listing = _sh(podman, second, "cat /work/repo/src/a.py; stat -c '%a %F' "
+                  "/work/repo/src/a.py /work/pipe; readlink /work/repo/link; "
+                  "test -e /bin/vi || echo no-vi; test -e /etc/group || echo no-group; "
+                  "md5sum /work/big; test -e /etc/passwd && echo passwd-kept")
+    assert listing.splitlines() == [
+        "def f(): pass", "640 regular file", "600 fifo", "src/a.py", "no-vi", "no-group",
+        big, "passwd-kept"]
+
+
+def test_a_running_process_continues_from_its_memory_after_restore(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    sandboxes = _sandboxes(podman, tmp_path)
+    first = _name(names)
+    _run(podman, runtime, first, _SERVER)
+    assert [_ask(podman, first) for _ in range(3)] == [1, 2, 3]
+    recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is not None and recorded.record.memory_size > 0
+    assert _ask(podman, first) == 4  # the recorded container runs on
+    again = sandboxes.record(first, recorded)
+    assert _ask(podman, first) == 5
+
+    # Restored twice from one record: each continues from 3, as recorded.
+    for _ in range(2):
+        name = _name(names)
+        assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r") is True
+        assert _ask(podman, name) == 4
+        assert _ask(podman, name) == 5
+    name = _name(names)
+    sandboxes.restore(again.record, _fetch(sandboxes), name, "k", "r")
+    assert _ask(podman, name) == 5
+
+
+def test_without_memory_the_restored_container_starts_afresh_with_its_files(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    sandboxes = _sandboxes(podman, tmp_path)
+    first = _name(names)
+    _run(podman, runtime, first, _SERVER)
+    _ask(podman, first)
+    _sh(podman, first, "echo kept > /work/state")
+    recorded = sandboxes.record(first, None)
+    sandboxes.memory = False  # as on a node where `criu check` fails
+    name = _name(names)
+    assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r") is False
+    assert _sh(podman, name, "cat /work/state") == "kept"
+    assert _ask(podman, name) == 1  # its command ran again, from the start
+
+
+def test_a_second_recording_reads_only_what_changed_and_rollouts_share_blobs(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    sandboxes = _sandboxes(podman, tmp_path, memory=False)
+    a, b = _name(names), _name(names)
+    for name in (a, b):
+        _run(podman, runtime, name, "sleep 1000")
+        _sh(podman, name, "mkdir /work/r && for i in 1 2 3 4 5; do "
+            "echo same-$i > /work/r/$i; done")
+    first = sandboxes.record(a, None)
+    _sh(podman, a, "echo changed > /work/r/5")
+    second = sandboxes.record(a, first)
+    assert first.record.tree != second.record.tree
+    # podman's own files (hosts, hostname, resolv.conf, .containerenv) are changes too.
+    assert first.file_count == second.file_count == first.files_read >= 5
+    assert second.files_read == 1
+    other = sandboxes.record(b, None)
+    same = {digest_of(f"same-{i}\n".encode()) for i in range(1, 6)}
+    assert same <= first.blobs and same <= other.blobs  # one blob each, for both
+
+
+def test_a_setuid_file_made_in_the_container_comes_back_without_its_setuid_bit(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    sandboxes = _sandboxes(podman, tmp_path, memory=False)
+    first = _name(names)
+    _run(podman, runtime, first, "sleep 1000")
+    _sh(podman, first, "cp /bin/busybox /work/su && chmod 4755 /work/su")
+    recorded = sandboxes.record(first, None)
+    name = _name(names)
+    sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r")
+    assert _sh(podman, name, "stat -c %a /work/su") == "755"
+
+
+def test_a_container_with_a_bind_mount_is_refused_saying_what_to_do(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    sandboxes = _sandboxes(podman, tmp_path)
+    name = _name(names)
+    (tmp_path / "host").mkdir()
+    podman.run("run", "-d", "--name", name, "-v", f"{tmp_path / 'host'}:/data",
+               runtime.image, "sleep", "1000")
+    with pytest.raises(ContainerRuntimeError, match="has mounts .*/data.* without volumes"):
+        sandboxes.record(name, None)
+
+
+def _recorded(podman: Podman, runtime: Setup, names: list[str], tmp_path: Path
+              ) -> tuple[ContainerSandboxes, RecordedContainer, bytes]:
+    sandboxes = _sandboxes(podman, tmp_path)
+    first = _name(names)
+    _run(podman, runtime, first, _SERVER)
+    recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is not None
+    data = sandboxes.cache.read(recorded.record.memory, recorded.record.memory_size)
+    assert data is not None
+    return sandboxes, recorded, data
+
+
+def _rewrite(data: bytes, name: str, change: object) -> bytes:
+    """The archive ``data`` with the JSON member ``name`` changed by ``change``."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(data)) as src, \
+            tarfile.open(fileobj=out, mode="w") as dst:
+        for member in src:
+            body = src.extractfile(member) if member.isreg() else None
+            if member.name == name and body is not None:
+                doc = json.loads(body.read())
+                change(doc)  # type: ignore[operator]
+                raw = json.dumps(doc).encode()
+                member.size = len(raw)
+                body = io.BytesIO(raw)
+            dst.addfile(member, body)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("member,change,refusal", [
+    ("spec.dump", lambda s: s["mounts"].append(
+        {"type": "bind", "source": "/", "destination": "/host"}),
+     "asks to mount '/' from the host"),
+    ("config.dump", lambda c: c.__setitem__("privileged", True),
+     "asks for a privileged container"),
+    ("spec.dump", lambda s: s["process"]["capabilities"]["bounding"].append("CAP_SYS_ADMIN"),
+     r"asks for capabilities \['CAP_SYS_ADMIN'\]"),
+    ("spec.dump", lambda s: s["linux"]["namespaces"].__setitem__(
+        0, {"type": "pid", "path": "/proc/1/ns/pid"}),
+     "joins the pid namespace '/proc/1/ns/pid'"),
+])
+def test_a_stored_checkpoint_archive_asking_for_the_host_is_refused(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path,
+        member: str, change: object, refusal: str) -> None:
+    sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    check_archive(data, recorded.record.config.image, "r")  # podman's own passes
+    with pytest.raises(ContainerRuntimeError, match=refusal):
+        check_archive(_rewrite(data, member, change), recorded.record.config.image, "r")
+
+
+def test_a_stored_archive_holding_a_link_or_an_unknown_member_is_refused(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    _, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    for build in ("link", "rootfs"):
+        out = io.BytesIO()
+        with tarfile.open(fileobj=io.BytesIO(data)) as src, \
+                tarfile.open(fileobj=out, mode="w") as dst:
+            for m in src:
+                dst.addfile(m, src.extractfile(m) if m.isreg() else None)
+            if build == "link":
+                link = tarfile.TarInfo("checkpoint/pages-9.img")
+                link.type, link.linkname = tarfile.SYMTYPE, "/etc/shadow"
+                dst.addfile(link)
+            else:
+                extra = tarfile.TarInfo("rootfs-diff.tar")
+                dst.addfile(extra, io.BytesIO(b""))
+        expect = "neither a file nor a folder" if build == "link" else "never writes"
+        with pytest.raises(ContainerRuntimeError, match=expect):
+            check_archive(out.getvalue(), recorded.record.config.image, "r")
+
+
+def test_a_stored_record_is_read_back_and_a_crafted_one_is_refused_naming_the_field(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    _, recorded, _ = _recorded(podman, runtime, names, tmp_path)
+    record = recorded.record
+    assert decode_record(encode_record(record), "r") == record
+    import msgpack
+
+    raw = msgpack.unpackb(encode_record(record), raw=False)
+    for field, value, expect in [
+        ("whiteouts", ["../../etc/shadow"], "whiteouts names '../../etc/shadow'"),
+        ("fifos", [["a/../../b", 0o600]], "fifos names"),
+        ("image", "busybox", "image is not an image id"),
+        ("memory_size", 0, "memory_size does not match memory"),
+        ("workdir", "relative", "workdir is not an absolute path"),
+    ]:
+        crafted = msgpack.packb({**raw, field: value}, use_bin_type=True)
+        with pytest.raises(ContainerRuntimeError, match=expect):
+            decode_record(crafted, "r")
+    with pytest.raises(ContainerRuntimeError, match="more than"):
+        decode_record(b"\x00" * (5 << 20), "r")
+
+
+def test_restoring_onto_a_node_without_the_image_says_to_load_it(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    sandboxes, recorded, _ = _recorded(podman, runtime, names, tmp_path)
+    missing = ContainerRecord(
+        config=type(recorded.record.config)(**{
+            **{f: getattr(recorded.record.config, f)
+               for f in recorded.record.config.__slots__},
+            "image": "0" * 64}),
+        tree=recorded.record.tree, tree_size=recorded.record.tree_size,
+        whiteouts=(), opaque=(), fifos=(), memory=None, memory_size=0)
+    name = _name(names)
+    with pytest.raises(ContainerRuntimeError, match="is not on this node: load or pull it"):
+        sandboxes.restore(missing, _fetch(sandboxes), name, "k", "r")
+    assert not podman.exists(name)
+    assert not os.listdir(tmp_path / "staging")  # nothing of the attempt left
+
+
+def test_a_crafted_deletion_through_a_link_never_reaches_the_host(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    sandboxes = _sandboxes(podman, tmp_path, memory=False)
+    victim = tmp_path / "victim"
+    victim.write_text("the host's")
+    first = _name(names)
+    _run(podman, runtime, first, "sleep 1000")
+    _sh(podman, first, f"ln -s {tmp_path} /work/esc")  # a link to a host path
+    recorded = sandboxes.record(first, None)
+    crafted = ContainerRecord(**{
+        **{f: getattr(recorded.record, f) for f in ContainerRecord.__slots__},
+        "whiteouts": ("work/esc/victim",)})
+    name = _name(names)
+    sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r")
+    assert victim.read_text() == "the host's"
+    assert _sh(podman, name, "readlink /work/esc") == str(tmp_path)
