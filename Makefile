@@ -52,6 +52,12 @@ test: $(STAMP)
 container-runtime: $(STAMP)
 	$(PY) -m tests.container_runtime
 
+# Rollouts whose environment is a container (examples/container_recovery.py): state on
+# disk and in a running process's memory, a hard crash, a restore, VERIFIED against a
+# crash-free run; on the runtime `make container-runtime` installs.
+demo-containers: $(STAMP)
+	$(PY) -m tests.container_runtime -- $(PY) examples/container_recovery.py $(DEMO_ARGS)
+
 # The end-to-end turn-level recovery run on an embedded local Ray cluster.
 demo: $(STAMP)
 	$(PY) examples/turn_level_recovery.py $(DEMO_ARGS)

@@ -196,6 +196,17 @@ class CheckpointCoordinator:
         return {inst: ("" if not isinstance(r, BaseException) else f"error: {r}")
                 for inst, r in zip(self.holders.handles, results, strict=True)}
 
+    async def probe_containers(self) -> dict[str, tuple[list[str], list[str]]]:
+        """Have every holder check its node's container runtime: instance ->
+        (problems, warnings)."""
+        await self.holders.ensure()
+        results = await asyncio.gather(
+            *(self._calls(h).probe_containers() for h in self.holders.handles.values()),
+            return_exceptions=True)
+        return {inst: (r if not isinstance(r, BaseException)
+                       else ([f"{inst}: the container check failed: {r}"], []))
+                for inst, r in zip(self.holders.handles, results, strict=True)}
+
     # --- operations: leases, aborts (actors.operation_lifecycle) ----------------------
 
     async def renew(self, operation_id: str) -> None:
@@ -309,7 +320,8 @@ def holder_options(cfg: CheckpointConfig) -> dict[str, Any]:
             "sandbox_root": None if cfg.sandbox_root is None else str(cfg.sandbox_root),
             "blob_root": None if root is None else join_location(root, BLOB_DIR),
             "sandbox_limits": cfg.sandbox_limits, "tree_budget": cfg.tree_budget,
-            "sandbox_restore_setid": cfg.sandbox_restore_setid}
+            "sandbox_restore_setid": cfg.sandbox_restore_setid,
+            "container_env": dict(cfg.container_env) if cfg.containers else None}
 
 
 def _made_otherwise(infos: list[HolderInfo], wanted: dict[str, Any]) -> list[str]:

@@ -30,6 +30,7 @@ from actors.turn_gate import TurnGate
 from actors.watchdog import Watchdog
 from nemo_ckpt.errors import HolderBusyError
 from nemo_ckpt.protocol.operations import Outcome
+from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.transport import Clock, Runtime
 
@@ -153,9 +154,12 @@ class HolderParts:
         await self.gate.wait_open()
 
     def record(self, held: Held) -> SessionRecord:
-        """``held`` as its caller sees it, with its sandbox directory if it has one."""
+        """``held`` as its caller sees it, with its sandbox (a directory or a container)
+        if it has one."""
         record = held.record(self.instance_id)
-        box = self.sandboxes.get(held.rollout_id)
-        if box is None:
+        location = self.sandboxes.location(held.rollout_id)
+        if location is None:
             return record
-        return dataclasses.replace(record, directory=str(box.directory))
+        if isinstance(location, ContainerRef):
+            return dataclasses.replace(record, container=location.name)
+        return dataclasses.replace(record, directory=str(location))

@@ -26,7 +26,9 @@ Layout under ``sandbox_root`` (the same path on every node):
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 import shutil
 import threading
 from collections import Counter
@@ -35,7 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from nemo_ckpt.errors import RestoreConflictError, SandboxError
+from nemo_ckpt.containers.podman import Podman
+from nemo_ckpt.containers.record import ContainerRecord, decode_record, encode_record
+from nemo_ckpt.containers.sandbox import ContainerSandboxes
+from nemo_ckpt.errors import ContainerRuntimeError, RestoreConflictError, SandboxError
+from nemo_ckpt.sandboxes.backend import ContainerRef, SandboxLocation
 from nemo_ckpt.sandboxes.blob_store import BlobStore
 from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.sandboxes.materialize import materialize
@@ -66,6 +72,7 @@ from nemo_ckpt.storage.manifest import (
 __all__ = ["Sandbox", "Recorded", "Sandboxes", "RestoredSandbox", "SandboxCapture", "PRIVATE_DIR"]
 
 PRIVATE_DIR = ".nemo-ckpt"
+log = logging.getLogger("nemo_ckpt.holder")
 _RESTORE_MEMORY = 256 << 20  # verified blobs a restore keeps in memory per shard
 
 
@@ -76,26 +83,29 @@ class Recorded:
     listings: Listings  # what the next scan may skip
     tree: bytes  # its top tree object's digest
     tree_size: int
-    blobs: frozenset[bytes]  # every blob it references: tree objects and files
+    blobs: frozenset[bytes]  # every blob it references: tree objects, files, memory
     file_count: int
     file_bytes: int
+    # A container's: its image, config, deletions and memory (its tree is ``tree``).
+    container: ContainerRecord | None = None
 
 
 @dataclass(slots=True)
 class Sandbox:
-    """One live session's directory."""
+    """One live session's sandbox: a directory, or a container."""
 
-    directory: Path
+    location: SandboxLocation
     recorded: Recorded
 
 
 @dataclass(slots=True)
 class RestoredSandbox:
-    """A directory a restore materialized, not yet live."""
+    """A sandbox a restore made, not yet live: a directory in its staging folder, to be
+    moved to ``target``; or a container, created (running) under its name."""
 
     rollout_id: str
-    staging: Path
-    target: Path
+    staging: Path | None
+    target: SandboxLocation
     recorded: Recorded
 
 
@@ -126,6 +136,15 @@ class SandboxCapture:
                 blobs.append(rec.blobs)
         return rows, blobs
 
+    def containers(self) -> dict[str, bytes]:
+        """The encoded container record of each captured session that owns a container."""
+        out: dict[str, bytes] = {}
+        for session in self.sessions:
+            box = self.boxes.get(session.rollout_id)
+            if box is not None and box.recorded.container is not None:
+                out[session.rollout_id] = encode_record(box.recorded.container)
+        return out
+
 
 def _beside(key: str, restore_id: str) -> str:
     """The name of a restored directory beside one left in place: ``<key>.<restore id>``,
@@ -135,6 +154,16 @@ def _beside(key: str, restore_id: str) -> str:
         tag = hashlib.blake2b(restore_id.encode("utf-8", "surrogatepass"),
                               digest_size=8).hexdigest()
         name = f"{safe_name_part(key)}.{tag}"
+    return name
+
+
+def _container_name(text: str) -> str:
+    """``text`` as a podman container name: other characters become ``_``; past 128
+    characters, its end is a 16-digit tag of the whole."""
+    name = re.sub(r"[^a-zA-Z0-9_.-]", "_", text)
+    if len(name) > 128:
+        tag = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8)
+        name = f"{name[:111]}.{tag.hexdigest()}"
     return name
 
 
@@ -154,8 +183,17 @@ class Sandboxes:
     def __init__(self, instance_id: str, sandbox_root: str | None,
                  blob_root: str | None, namespace: str = "nemo_ckpt",
                  limits: SandboxLimits | None = None, restore_setid: bool = False,
-                 tree_budget: TreeBudget | None = None) -> None:
+                 tree_budget: TreeBudget | None = None,
+                 container_env: dict[str, str] | None = None) -> None:
         self.instance_id = instance_id
+        self.namespace = namespace
+        # None: sessions may not own containers (CheckpointConfig.containers is off).
+        self.container_env = container_env
+        self._containers: ContainerSandboxes | None = None
+        # Sessions classed restart-only, with their sandbox if they own one (never
+        # recorded: the worker still finds it in its session): never captured,
+        # reported restarting.
+        self.restart_only: dict[str, SandboxLocation | None] = {}
         self.limits = limits or SandboxLimits()
         self.tree_budget = tree_budget or TreeBudget()
         self.restore_setid = restore_setid
@@ -183,7 +221,7 @@ class Sandboxes:
         # Directories of an undone restore, to remove before any restore materializes
         # (its retry makes the same ones); the lock makes a restore wait for a removal
         # that a background thread has begun.
-        self._doomed: list[Path] = []
+        self._doomed: list[SandboxLocation] = []
         self._doomed_lock = threading.Lock()
         # What this holder saw of the store's collection claim, across persists: a claim
         # a dead collector left is taken as abandoned once seen unchanged for its ttl.
@@ -194,6 +232,11 @@ class Sandboxes:
 
     def get(self, rollout_id: str) -> Sandbox | None:
         return self._by_rollout.get(rollout_id)
+
+    def location(self, rollout_id: str) -> SandboxLocation | None:
+        """Where the session's sandbox is, recorded or (restart-only) not."""
+        box = self._by_rollout.get(rollout_id)
+        return box.location if box is not None else self.restart_only.get(rollout_id)
 
     @property
     def cache(self) -> BlobCache:
@@ -207,6 +250,29 @@ class Sandboxes:
                     shutil.rmtree(self._private)
                 self._cache = BlobCache(self._private / "blobs")
             return self._cache
+
+    @property
+    def containers(self) -> ContainerSandboxes:
+        """The node's container backend, made on first use (blocking)."""
+        if self._containers is None:
+            cache = self.cache
+            assert self._private is not None
+            self._containers = ContainerSandboxes(
+                Podman(env=self.container_env), cache, self._private / "containers",
+                self.limits, self.tree_budget, self.restore_setid)
+        return self._containers
+
+    def check_containers(self) -> tuple[list[str], list[str]]:
+        """(problems, warnings) of this node's container runtime (check_startup)."""
+        if self.container_env is None:
+            return [], []
+        if self._private is None:
+            return [f"{self.instance_id}: CheckpointConfig.containers is on but "
+                    f"sandbox_root is not set; set it (the node cache of containers' "
+                    f"files lives there)"], []
+        problems, warnings = self.containers.check()
+        return ([f"{self.instance_id}: {p}" for p in problems],
+                [f"{self.instance_id}: {w}" for w in warnings])
 
     def probe(self) -> None:
         """Make the cache folder and write and remove a file in it (check_startup):
@@ -247,9 +313,38 @@ class Sandboxes:
                 f"not exist or is not a directory")
         return path
 
-    def record(self, directory: Path, previous: Recorded | None) -> Recorded:
-        """Scan ``directory`` (re-reading only what changed since ``previous``), keep its
-        new files and its new tree objects in the cache."""
+    def check_location(self, location: str | ContainerRef, where: str) -> SandboxLocation:
+        """A session's sandbox as given to open it: a directory (``check_directory``)
+        or a container, which needs ``CheckpointConfig.containers`` and a
+        ``sandbox_root`` (its files are cached there)."""
+        if not isinstance(location, ContainerRef):
+            return self.check_directory(location, where)
+        if self.container_env is None:
+            raise ContainerRuntimeError(
+                f"{self.instance_id}: session {where} was opened with container "
+                f"{location.name}, but CheckpointConfig.containers is off; turn it on "
+                f"(and set container_env if podman needs one) to record containers")
+        if self.root is None:
+            raise ContainerRuntimeError(
+                f"{self.instance_id}: session {where} was opened with container "
+                f"{location.name}, but CheckpointConfig.sandbox_root is not set; set it "
+                f"(the node cache of containers' files lives there)")
+        return location
+
+    def restart_only_reason(self, location: SandboxLocation) -> str | None:
+        """Why a session with this sandbox cannot be captured on this node (blocking):
+        a container that needs its memory where CRIU does not work; else None."""
+        if isinstance(location, ContainerRef) and location.memory == "required":
+            return self.containers.criu_problem()
+        return None
+
+    def record(self, location: SandboxLocation, previous: Recorded | None) -> Recorded:
+        """Record the sandbox at ``location`` (re-reading only what changed since
+        ``previous``): a directory's or a container's new files and tree objects, and a
+        container's memory, go into the cache."""
+        if isinstance(location, ContainerRef):
+            return self._record_container(location, previous)
+        directory = location
         cache = self.cache
         kept: set[bytes] = set()
         reads = 0
@@ -282,11 +377,25 @@ class Sandboxes:
         return Recorded(result.listings, result.root, result.root_size, result.blobs(),
                         result.file_count(), result.file_bytes())
 
+    def _record_container(self, ref: ContainerRef, previous: Recorded | None) -> Recorded:
+        containers = self.containers
+        with self._scan_lock:
+            self._scans_running += 1
+        try:
+            got = containers.record(ref.name, previous.listings if previous else None,
+                                    memory=ref.memory != "off", policy=ref.memory)
+        finally:
+            with self._scan_lock:
+                self._scans_running -= 1
+        return Recorded(got.listings, got.record.tree, got.record.tree_size, got.blobs,
+                        got.file_count, got.file_bytes, got.record)
+
     # --- bookkeeping (no await around these and the table's change) ------------------
 
-    def install(self, rollout_id: str, directory: Path, recorded: Recorded) -> None:
+    def install(self, rollout_id: str, location: SandboxLocation,
+                recorded: Recorded) -> None:
         old = self._by_rollout.get(rollout_id)
-        self._by_rollout[rollout_id] = Sandbox(directory, recorded)
+        self._by_rollout[rollout_id] = Sandbox(location, recorded)
         if old is None:
             self._count(recorded.blobs, +1)
         else:  # a turn's new tree shares most of its blobs with the one it replaces
@@ -294,6 +403,7 @@ class Sandboxes:
             self._count(old.recorded.blobs - recorded.blobs, -1)
 
     def drop(self, rollout_id: str) -> Sandbox | None:
+        self.restart_only.pop(rollout_id, None)
         old = self._by_rollout.pop(rollout_id, None)
         if old is not None:
             self._count(old.recorded.blobs, -1)
@@ -305,10 +415,10 @@ class Sandboxes:
                 self._orphans |= digests
 
     async def record_all(self, run_blocking: Callable[..., Awaitable[Recorded]],
-                         directories: list[tuple[str, Path]],
+                         directories: list[tuple[str, SandboxLocation]],
                          previous: Recorded | None = None) -> dict[str, Recorded]:
-        """Each directory's tree, recorded through ``run_blocking`` (a thread); keyed by
-        its session's capture key. The cache is not swept while they are scanned."""
+        """Each sandbox, recorded through ``run_blocking`` (a thread); keyed by its
+        session's capture key. The cache is not swept while they are scanned."""
         out: dict[str, Recorded] = {}
         if not directories:
             return out
@@ -375,7 +485,7 @@ class Sandboxes:
                                               watch=self._collection_watch)
         return write_trees_file(directory, trees_file_name(snapshot_id, self.instance_id),
                                 self.instance_id, written.attribute(rows, refs),
-                                len(needed), written)
+                                len(needed), written, capture.containers())
 
     # --- a restore (blocking, then bookkeeping) --------------------------------------
 
@@ -419,10 +529,16 @@ class Sandboxes:
                 held += len(data)
             return data
 
-        rows = read_trees_file(directory, entry.trees, self.instance_id)
+        containers: dict[str, bytes] = {}
+        rows = read_trees_file(directory, entry.trees, self.instance_id, containers)
         self._check_restored_names(rows, new_keys, directory, entry.trees.file)
         for rollout_id, attempt, tree_digest, tree_size, _ in rows:
             key = new_keys[rollout_id]
+            if rollout_id in containers:
+                restored.append(self._restore_container(
+                    containers[rollout_id], rollout_id, attempt, tree_digest, tree_size,
+                    key, restore_id, fetch, directory.describe(entry.trees.file)))
+                continue
             target = self._restore_target(self.root, key, restore_id)
             tree, objects = decode_tree(
                 tree_digest, tree_size, fetch,
@@ -445,6 +561,51 @@ class Sandboxes:
                 Recorded({}, tree_digest, tree_size,
                          frozenset(objects) | tree_digests(tree), stats.files, stats.bytes)))
         return restored
+
+    def _restore_container(self, raw: bytes, rollout_id: str, attempt: int,
+                           tree_digest: bytes, tree_size: int, key: str, restore_id: str,
+                           fetch: Callable[[bytes, int], bytes], trees_file: str
+                           ) -> RestoredSandbox:
+        """Create the container of one stored session (running, not live yet)."""
+        where = f"{rollout_id} (attempt {attempt}) in {trees_file}"
+        record = decode_record(raw, where)
+        if (record.tree, record.tree_size) != (tree_digest, tree_size):
+            raise ContainerRuntimeError(f"the container record of {where} names another "
+                                        f"tree than its row: crafted or damaged")
+        if self.container_env is None:
+            raise ContainerRuntimeError(
+                f"{self.instance_id}: the snapshot holds the container of {where}, but "
+                f"CheckpointConfig.containers is off here; turn it on to restore it")
+        if record.policy == "required" and record.memory is not None \
+                and self.containers.criu_problem() is not None:
+            raise ContainerRuntimeError(
+                f"{self.instance_id}: the container of {where} needs its processes' memory "
+                f"(opened with memory='required'), which this node cannot restore "
+                f"({self.containers.criu_problem()}); restore where CRIU works "
+                f"(check_startup warns of each node where it does not)")
+        name = self._container_target(key, restore_id)
+        made = self.containers.restore(record, fetch, name, key, where)
+        if record.memory is not None and not made.running:
+            log.warning("%s: the container of %s was restored with its files only, its "
+                        "command started again: %s", self.instance_id, where,
+                        self.containers.criu_problem() or "memory capture is off")
+        return RestoredSandbox(
+            rollout_id, None, ContainerRef(name, record.policy),  # type: ignore[arg-type]
+            Recorded({}, tree_digest, tree_size, made.blobs, made.file_count,
+                     made.file_bytes, record))
+
+    def _container_target(self, key: str, restore_id: str) -> str:
+        """The name of a restored session's container: ``nemo-ckpt-<namespace>-<key>``,
+        or beside one of that name left by an earlier restore; refuses the restore
+        when both are taken."""
+        base = _container_name(f"nemo-ckpt-{self.namespace}-{key}")
+        for name in (base, _container_name(f"{base}.{_beside(key, restore_id)}")):
+            if not self.containers.podman.exists(name):
+                return name
+        raise RestoreConflictError(
+            f"{self.instance_id}: cannot restore the container of {key}: containers "
+            f"{base} and the one beside it already exist; remove them, or restore into "
+            f"a fresh job")
 
     def _make_staging(self, private: Path, restore_id: str) -> Path:
         """The restore's staging folder, made (a retry's is reused)."""
@@ -489,12 +650,17 @@ class Sandboxes:
         return target
 
     def commit_restore(self, restored: list[RestoredSandbox]) -> None:
-        """Move a prepared restore's directories into place (blocking)."""
+        """Move a prepared restore's directories into place (blocking); its containers
+        are in place already."""
         for box in restored:
-            if os.path.lexists(box.target):
+            if isinstance(box.target, Path) and box.staging is not None \
+                    and os.path.lexists(box.target):
                 raise RestoreConflictError(
                     f"{self.instance_id}: {box.target} appeared during the restore")
         for box in restored:
+            if box.staging is None:
+                continue
+            assert isinstance(box.target, Path)
             try:
                 os.rename(box.staging, box.target)
             except OSError as exc:
@@ -509,16 +675,25 @@ class Sandboxes:
             shutil.rmtree(self._private / f"restore-{safe_name_part(restore_id)}",
                           ignore_errors=True)
 
-    def doom(self, directories: Iterable[Path]) -> None:
-        """Directories an undone restore made: ``remove_doomed`` removes them."""
-        self._doomed.extend(directories)
+    def doom(self, made: Iterable[SandboxLocation]) -> None:
+        """Directories and containers an undone restore made: ``remove_doomed`` removes
+        them."""
+        self._doomed.extend(made)
 
     def remove_doomed(self) -> None:
-        """Remove the doomed directories (blocking; waits for a removal under way)."""
+        """Remove the doomed directories and containers (blocking; waits for a removal
+        under way)."""
         with self._doomed_lock:
             doomed, self._doomed = self._doomed, []
             for d in doomed:
-                shutil.rmtree(d, ignore_errors=True)
+                if isinstance(d, ContainerRef):
+                    try:
+                        self.containers.discard(d.name)
+                    except ContainerRuntimeError as exc:
+                        log.warning("%s: the container %s of an undone restore could not "
+                                    "be removed: %s", self.instance_id, d.name, exc)
+                else:
+                    shutil.rmtree(d, ignore_errors=True)
 
     def forget_restore(self, restored: Iterable[RestoredSandbox]) -> None:
         for box in restored:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from pathlib import Path
+from typing import Any
 
 from actors.holder_parts import HolderParts
 from actors.holder_sandboxes import Recorded
@@ -25,12 +25,17 @@ from nemo_ckpt.errors import (
     TurnTimedOutError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.protocol.holder_api import OpeningSessions
+from nemo_ckpt.sandboxes.backend import ContainerRef, SandboxLocation
 from nemo_ckpt.session_record import NO_TURNS, SessionRecord, check_staging_keys
 from nemo_ckpt.storage.manifest import sandbox_id_problem
 
 __all__ = ["Sessions"]
 
 log = logging.getLogger("nemo_ckpt.holder")
+
+# A session to open, checked: episode, initial state, sandbox, restart-only.
+_Opening = tuple[EnvironmentEpisode, bytes, SandboxLocation | None, bool]
 
 
 class Sessions:
@@ -49,36 +54,48 @@ class Sessions:
 
     async def open_session(
         self, episode: EnvironmentEpisode, state: bytes = b"",
-        directory: str | None = None,
+        directory: str | ContainerRef | None = None, restart_only: bool = False,
     ) -> SessionRecord:
-        """Open a session for ``episode`` with its initial state, and the sandbox
-        ``directory`` it owns, if any (inside ``sandbox_root``; its tree is recorded
-        now, as the session's start). Waits while paused."""
-        await self.open_sessions([(episode, state, directory)])
+        """Open a session for ``episode`` with its initial state, and the sandbox it
+        owns, if any: a ``directory`` (inside ``sandbox_root``) or a container (a
+        ``ContainerRef``), recorded now, as the session's start. A ``restart_only``
+        session is never captured (``nemo_ckpt.sandboxes.backend``). Waits while
+        paused."""
+        await self.open_sessions([(episode, state, directory, restart_only)])
         return self._parts.record(self._held(episode))
 
-    async def open_sessions(
-        self, sessions: list[tuple[EnvironmentEpisode, bytes] |
-                             tuple[EnvironmentEpisode, bytes, str | None]]
-    ) -> int:
+    async def open_sessions(self, sessions: OpeningSessions) -> int:
         """Open many sessions in one call (a worker starting a batch of rollouts, or a
-        group of samples per prompt): each ``(episode, state)`` or ``(episode, state,
-        directory)`` as ``open_session`` would, all or none. Returns how many were
-        opened. Waits while paused.
+        group of samples per prompt): each ``(episode, state)``, ``(episode, state,
+        sandbox)`` or ``(episode, state, sandbox, restart_only)`` as ``open_session``
+        would, all or none. Returns how many were opened. Waits while paused.
 
         Repeated after its answer was lost (every session open as this call opens it,
         no turn begun since), it changes nothing and returns the same count at once."""
         opening = [self._opening(item) for item in sessions]
         if opening and all(self._opened_as(*each) for each in opening):
             return len(opening)
+        # Containers that need their memory where this node cannot capture it are
+        # restart-only: said once per session, at its open.
+        for i, (episode, state, where, restart) in enumerate(opening):
+            if isinstance(where, ContainerRef) and where.memory == "required" \
+                    and not restart:
+                why = await self._runtime.run_blocking(
+                    self._sandboxes.restart_only_reason, where)
+                if why is not None:
+                    log.warning("%s: session %s is restart-only: its container %s needs "
+                                "its memory, which this node cannot capture (%s)",
+                                self.instance_id, episode.capture_key, where.name, why)
+                    opening[i] = (episode, state, where, True)
         # Recorded before the gate: once it opens, the sessions go live with no await.
         recorded = await self._sandboxes.record_all(
             self._runtime.run_blocking,
-            [(ep.capture_key, d) for ep, _, d in opening if d is not None])
+            [(ep.capture_key, d) for ep, _, d, restart in opening
+             if d is not None and not restart])
         try:
             await self._parts.wait_for_gate()
             rollouts: set[str] = set()
-            for episode, _, _ in opening:
+            for episode, _, _, _ in opening:
                 if episode.rollout_id in rollouts:
                     raise SessionExistsError(
                         f"{self.instance_id}: rollout {episode.rollout_id!r} is listed twice "
@@ -89,41 +106,47 @@ class Sessions:
             for rec in recorded.values():
                 self._sandboxes.forget_unused(rec)
             raise
-        for episode, state, directory in opening:
+        for episode, state, where, restart in opening:
             self._table.put(Held.fresh(episode, state))
-            if directory is not None:
-                self._sandboxes.install(episode.rollout_id, directory,
+            if restart:
+                self._sandboxes.restart_only[episode.rollout_id] = where
+            elif where is not None:
+                self._sandboxes.install(episode.rollout_id, where,
                                         recorded[episode.capture_key])
-        self._parts.heap.note(sum(len(state) for _, state, _ in opening))
+        self._parts.heap.note(sum(len(each[1]) for each in opening))
         return len(opening)
 
-    def _opening(self, item: tuple[EnvironmentEpisode, bytes] |
-                 tuple[EnvironmentEpisode, bytes, str | None]
-                 ) -> tuple[EnvironmentEpisode, bytes, Path | None]:
-        """One session of ``open_sessions`` checked: its episode, state and directory."""
+    def _opening(self, item: tuple[Any, ...]) -> _Opening:
+        """One session of ``open_sessions`` checked: its episode, state, sandbox and
+        whether it is restart-only."""
         episode, state = item[0], item[1]
         where = item[2] if len(item) > 2 else None
+        restart = item[3] if len(item) > 3 else False
+        if type(restart) is not bool:
+            raise TypeError(f"restart_only must be True or False, not {restart!r}")
         self._check_episode(episode)
         self._check_size("initial state", episode, state)
         if where is not None:  # its id names the directories its restores make
             problem = sandbox_id_problem(episode.rollout_id, episode.attempt)
             if problem is not None:
                 raise SandboxError(f"{self.instance_id}: cannot open a session with "
-                                   f"directory {where}: {problem}; nothing was opened")
+                                   f"sandbox {where}: {problem}; nothing was opened")
         return (episode, state, None if where is None else
-                self._sandboxes.check_directory(where, episode.capture_key))
+                self._sandboxes.check_location(where, episode.capture_key), restart)
 
     def _opened_as(self, episode: EnvironmentEpisode, state: bytes,
-                   directory: Path | None) -> bool:
-        """Whether ``episode``'s session is live exactly as an open with ``state`` and
-        ``directory`` makes it, untouched since (no turn begun, not finished)."""
+                   location: SandboxLocation | None, restart: bool) -> bool:
+        """Whether ``episode``'s session is live exactly as an open with ``state``,
+        ``location`` and ``restart`` makes it, untouched since (no turn begun, not
+        finished)."""
         held = self._table.get(episode)
         if held is None or held.finished or held.turns != NO_TURNS \
                 or held.last_turn is not None or held.capture_key in self._gate \
                 or held.state != bytes(state) or held.row != Held.fresh(episode, b"").row:
             return False  # not as opened (a restored one has earlier capture keys)
-        box = self._sandboxes.get(episode.rollout_id)
-        return (None if box is None else box.directory) == directory
+        if restart != (episode.rollout_id in self._sandboxes.restart_only):
+            return False
+        return self._sandboxes.location(episode.rollout_id) == location
 
     def _check_openable(self, episode: EnvironmentEpisode) -> None:
         self._refuse_retired(episode)
@@ -240,7 +263,7 @@ class Sessions:
                 self._check_size("turn record", episode, record)
                 self._check_size("state", episode, state)
                 recorded = (await self._sandboxes.record_all(
-                    self._runtime.run_blocking, [(episode.capture_key, box.directory)],
+                    self._runtime.run_blocking, [(episode.capture_key, box.location)],
                     box.recorded))[episode.capture_key]
             except BaseException:
                 if self._turn_is(episode, token):
@@ -266,10 +289,11 @@ class Sessions:
                 staging_keys=old.staging_keys | keys,
                 earlier_capture_keys=old.earlier_capture_keys,
                 directory=old.directory,
+                container=old.container,
             )
             self._table.put(Held.of(new, last_turn=token))
             if recorded is not None and box is not None:
-                self._sandboxes.install(episode.rollout_id, box.directory, recorded)
+                self._sandboxes.install(episode.rollout_id, box.location, recorded)
                 recorded = None
             self._parts.heap.note(len(record) + len(state))
             return new

@@ -108,6 +108,11 @@ class SnapshotPhases:
         # a consistent, cheap capture, and their rows are the report.
         held = list(parts.table)
         mid_turn = [h for h in held if h.capture_key in parts.gate] if len(parts.gate) else []
+        # Restart-only sessions are never captured: reported restarting, as mid-turn ones.
+        restart_only = parts.sandboxes.restart_only
+        if restart_only:
+            mid_turn += [h for h in held if h.rollout_id in restart_only
+                         and h.capture_key not in parts.gate]
         if mid_turn:
             busy = set(map(id, mid_turn))
             held = [h for h in held if id(h) not in busy]
@@ -121,6 +126,7 @@ class SnapshotPhases:
             state_bytes=parts.table.held_bytes - sum(h.size for h in mid_turn),
             finished_count=parts.table.finished,  # a finished session is never mid-turn
             replay_restarts=parts.replay_restarts,
+            restart_only_count=sum(1 for h in mid_turn if h.rollout_id in restart_only),
         )
         op.capture = Capture(held, report, sandboxes)
         return report

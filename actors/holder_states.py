@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from actors.holder_sandboxes import RestoredSandbox, SandboxCapture
 from actors.session_table import Held
@@ -33,6 +32,7 @@ from nemo_ckpt.errors import HolderBusyError, HolderStateError, StaleSnapshotErr
 from nemo_ckpt.phases import CaptureReport, HolderState, PauseReport, PersistReport
 from nemo_ckpt.phases import RestorePrepared as PreparedReport
 from nemo_ckpt.protocol.operations import LifecycleTable, Outcome
+from nemo_ckpt.sandboxes.backend import SandboxLocation
 from nemo_ckpt.storage.folder import Folder
 
 __all__ = [
@@ -118,7 +118,7 @@ class RestoreLive:
     holder failed its commit) drops them again, so a restore is all or nothing."""
 
     rollouts: tuple[str, ...]
-    directories: tuple[Path, ...]
+    directories: tuple[SandboxLocation, ...]  # and containers
     value = HolderState.RUNNING
     gate_open = True
 

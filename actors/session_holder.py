@@ -46,6 +46,8 @@ from nemo_ckpt.phases import (
     PersistReport,
     RestorePrepared,
 )
+from nemo_ckpt.protocol.holder_api import OpeningSessions
+from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
@@ -85,6 +87,7 @@ class SessionHolder:
         sandbox_limits: SandboxLimits | None = None,
         sandbox_restore_setid: bool = False,
         tree_budget: TreeBudget | None = None,
+        container_env: dict[str, str] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.node_id = node_id
@@ -93,7 +96,7 @@ class SessionHolder:
             "max_retired_marks": max_retired_marks, "namespace": namespace,
             "sandbox_root": sandbox_root, "blob_root": blob_root,
             "sandbox_limits": sandbox_limits, "sandbox_restore_setid": sandbox_restore_setid,
-            "tree_budget": tree_budget}
+            "tree_budget": tree_budget, "container_env": container_env}
         runtime = runtime or Runtime()
         self._clock = runtime.clock
         self._turn_timeout_s = turn_timeout_s
@@ -109,7 +112,8 @@ class SessionHolder:
             instance_id=instance_id, runtime=runtime,
             table=SessionTable(instance_id), gate=TurnGate(instance_id, max_retired_marks),
             sandboxes=Sandboxes(instance_id, sandbox_root, blob_root, namespace,
-                                sandbox_limits, sandbox_restore_setid, tree_budget),
+                                sandbox_limits, sandbox_restore_setid, tree_budget,
+                                container_env),
             ops=HolderOperationTable(instance_id), heap=trimmer or NoTrimmer(),
             watchdog=self._watchdog)
         self._sessions = Sessions(self._parts, max_state_bytes)
@@ -208,17 +212,21 @@ class SessionHolder:
         check_startup); raises ``SandboxError`` saying why not."""
         await self._parts.runtime.run_blocking(self._parts.sandboxes.probe)
 
+    async def probe_containers(self) -> tuple[list[str], list[str]]:
+        """(problems, warnings) of this node's container runtime, when sessions may own
+        containers (``CheckpointConfig.containers``; check_startup)."""
+        return await self._parts.runtime.run_blocking(
+            self._parts.sandboxes.check_containers)
+
     # --- session calls (from environment workers): ``Sessions`` -----------------------
 
     async def open_session(self, episode: EnvironmentEpisode, state: bytes = b"",
-                           directory: str | None = None) -> SessionRecord:
-        """Open a session, with its sandbox directory if any (``Sessions.open_session``)."""
-        return await self._sessions.open_session(episode, state, directory)
+                           directory: str | ContainerRef | None = None,
+                           restart_only: bool = False) -> SessionRecord:
+        """Open a session, with its sandbox if any (``Sessions.open_session``)."""
+        return await self._sessions.open_session(episode, state, directory, restart_only)
 
-    async def open_sessions(
-        self, sessions: list[tuple[EnvironmentEpisode, bytes] |
-                             tuple[EnvironmentEpisode, bytes, str | None]]
-    ) -> int:
+    async def open_sessions(self, sessions: OpeningSessions) -> int:
         """Open many sessions, all or none (``Sessions.open_sessions``)."""
         return await self._sessions.open_sessions(sessions)
 

@@ -135,6 +135,19 @@ class CheckpointConfig(BaseModel):
                     "default their setuid and setgid bits are dropped (the sandbox is "
                     "written by model-generated code, and the holder may run as root).")
 
+    containers: bool = Field(
+        False,
+        description="Sessions may own a container on their node's podman "
+                    "(SessionClient.open(container=...)): recorded at each turn's commit "
+                    "(its filesystem changes against its image and, where CRIU works, its "
+                    "processes' memory) and created again on restore. Needs sandbox_root "
+                    "(the node cache) and checkpoint_root (the blob store); check_startup "
+                    "checks podman on every node and warns where CRIU does not work.")
+    container_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables the holders run podman with, beside their "
+                    "own (e.g. CONTAINERS_CONF, or a PATH that finds CRIU 4.x for runc).")
+
     allow_unchecked_snapshots: bool = Field(
         False,
         description="Commit a snapshot whose block never called "

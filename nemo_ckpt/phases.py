@@ -93,7 +93,8 @@ class CaptureReport:
     rollouts from it), msgpack-encoded: it crosses holder -> coordinator -> driver at
     the yield, and one ``bytes`` ships in microseconds where tens of thousands of tuples
     took milliseconds to pickle at every hop. It is decoded only where it is used.
-    ``restarting`` is ``(rollout_id, attempt)`` per session mid-turn at the deadline.
+    ``restarting`` is ``(rollout_id, attempt)`` per session mid-turn at the deadline, or
+    restart-only (``restart_only_count`` of them; ``nemo_ckpt.sandboxes.backend``).
     """
 
     instance_id: str
@@ -106,6 +107,7 @@ class CaptureReport:
     # Rollouts started over since the holder started because a replay of their recorded
     # steps returned something else (nemo_ckpt.adapters; SessionClient.replay_diverged).
     replay_restarts: int = 0
+    restart_only_count: int = 0
 
     def rows(self) -> list[list[Any]]:
         """The captured sessions as msgpack decodes them, ``[rollout_id, attempt,

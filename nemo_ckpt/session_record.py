@@ -56,6 +56,8 @@ class SessionRecord:
         earlier_capture_keys: Capture keys of the attempts before this one, oldest first.
         directory: The sandbox directory the session owns on its node, if any (after a
             restore, the one the restore made for this attempt).
+        container: The name of the container the session owns on its node, if any
+            (after a restore, the one the restore created for this attempt).
         result: The finished rollout's result, once its worker handed it in
             (``SessionClient.finish``); None while the rollout runs.
     """
@@ -68,6 +70,7 @@ class SessionRecord:
     earlier_capture_keys: tuple[str, ...] = ()
     directory: str | None = None
     result: bytes | None = None
+    container: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import instance_sort_key
 from nemo_ckpt.protocol.holder_api import HolderCalls, SessionCalls
+from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.session_record import SessionRecord, check_staging_keys
 from nemo_ckpt.transport import Actor, Transport
 
@@ -72,6 +73,12 @@ class Turn:
         """The session's sandbox directory, if it owns one: change it only inside turns."""
         d = self.session.directory
         return None if d is None else Path(d)
+
+    @property
+    def container(self) -> str | None:
+        """The name of the session's container, if it owns one: change it only inside
+        turns (``podman exec``)."""
+        return self.session.container
 
     def complete(self, record: bytes, state: bytes, staging_keys: Iterable[str] = ()) -> None:
         """Set what the turn commits: its record, the new state, the staging rows it wrote.
@@ -183,13 +190,35 @@ class SessionClient:
             raise
 
     async def open(self, episode: EnvironmentEpisode, state: bytes = b"",
-                   directory: str | os.PathLike[str] | None = None) -> SessionRecord:
+                   directory: str | os.PathLike[str] | None = None, *,
+                   container: str | ContainerRef | None = None,
+                   restart_only: bool = False) -> SessionRecord:
         """Open a session for ``episode`` with its initial state and, optionally, the
-        sandbox directory it owns (inside ``CheckpointConfig.sandbox_root``, on this
-        node). Its tree is recorded now and at every turn commit; a restore gives the
-        continued attempt its copy (``SessionRecord.directory``)."""
-        return await self._holder_calls.open_session(
-            episode, state, None if directory is None else os.fspath(directory))
+        sandbox it owns on this node (``nemo_ckpt.sandboxes.backend`` says what each
+        class of environment gets):
+
+        - ``directory``: a folder inside ``CheckpointConfig.sandbox_root``; its tree is
+          recorded now and at every turn commit, and a restore gives the continued
+          attempt its copy (``SessionRecord.directory``);
+        - ``container``: a container on this node's podman, by name (or a
+          ``ContainerRef`` saying what it needs of its memory), with
+          ``CheckpointConfig.containers`` on: its filesystem changes, and its
+          processes' memory where CRIU works, are recorded now and at every turn
+          commit; a restore creates the continued attempt's container
+          (``SessionRecord.container``). Change it only inside turns;
+        - ``restart_only``: what the environment holds cannot be captured: snapshots
+          report the session restarting and RL starts it over after a crash.
+        """
+        if directory is not None and container is not None:
+            raise ValueError(f"session {episode.capture_key}: give a directory or a "
+                             f"container, not both")
+        sandbox: str | ContainerRef | None = None
+        if directory is not None:
+            sandbox = os.fspath(directory)
+        elif container is not None:
+            sandbox = container if isinstance(container, ContainerRef) \
+                else ContainerRef(container)
+        return await self._holder_calls.open_session(episode, state, sandbox, restart_only)
 
     async def open_many(self, sessions: Iterable[tuple[EnvironmentEpisode, bytes]]) -> int:
         """Open many sessions in one call: ``(episode, initial state)`` each, all or none

@@ -111,8 +111,9 @@ def test_files_links_deletions_and_fifos_come_back_in_the_next_attempts_containe
     big = _sh(podman, first, "md5sum /work/big")
 
     second = _name(names)
-    running = sandboxes.restore(recorded.record, _fetch(sandboxes), second, "r1-a1", "r1")
-    assert running is False
+    restored = sandboxes.restore(recorded.record, _fetch(sandboxes), second, "r1-a1", "r1")
+    assert restored.running is False
+    assert restored.blobs == recorded.blobs
     listing = _sh(podman, second, "cat /work/repo/src/a.py; stat -c '%a %F' "
                   "/work/repo/src/a.py /work/pipe; readlink /work/repo/link; "
                   "test -e /bin/vi || echo no-vi; test -e /etc/group || echo no-group; "
@@ -131,13 +132,13 @@ def test_a_running_process_continues_from_its_memory_after_restore(
     recorded = sandboxes.record(first, None)
     assert recorded.record.memory is not None and recorded.record.memory_size > 0
     assert _ask(podman, first) == 4  # the recorded container runs on
-    again = sandboxes.record(first, recorded)
+    again = sandboxes.record(first, recorded.listings)
     assert _ask(podman, first) == 5
 
     # Restored twice from one record: each continues from 3, as recorded.
     for _ in range(2):
         name = _name(names)
-        assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r") is True
+        assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r").running is True
         assert _ask(podman, name) == 4
         assert _ask(podman, name) == 5
     name = _name(names)
@@ -155,7 +156,7 @@ def test_without_memory_the_restored_container_starts_afresh_with_its_files(
     recorded = sandboxes.record(first, None)
     sandboxes.memory = False  # as on a node where `criu check` fails
     name = _name(names)
-    assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r") is False
+    assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r").running is False
     assert _sh(podman, name, "cat /work/state") == "kept"
     assert _ask(podman, name) == 1  # its command ran again, from the start
 
@@ -170,7 +171,7 @@ def test_a_second_recording_reads_only_what_changed_and_rollouts_share_blobs(
             "echo same-$i > /work/r/$i; done")
     first = sandboxes.record(a, None)
     _sh(podman, a, "echo changed > /work/r/5")
-    second = sandboxes.record(a, first)
+    second = sandboxes.record(a, first.listings)
     assert first.record.tree != second.record.tree
     # podman's own files (hosts, hostname, resolv.conf, .containerenv) are changes too.
     assert first.file_count == second.file_count == first.files_read >= 5

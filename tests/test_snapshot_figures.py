@@ -18,7 +18,8 @@ from tests.harness import World, cut_of
 
 pytestmark = pytest.mark.timeout(60)
 
-COUNTS = ("bytes_written", "captured_rollouts", "restarted_rollouts", "holders", "state_bytes",
+COUNTS = ("bytes_written", "captured_rollouts", "restarted_rollouts", "restart_only_rollouts",
+          "holders", "state_bytes",
           "replay_restarted_rollouts", "not_held_rollouts", "orphan_staging_rows",
           "finished_rollouts")
 SECONDS = ("paused_seconds", "holders_paused_seconds", "entry_seconds", "drain_seconds",

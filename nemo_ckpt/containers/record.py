@@ -9,7 +9,8 @@ directories, links, in the shared blob store), the paths it deleted from the ima
 its processes' memory (podman's checkpoint archive, without the filesystem, as one blob).
 
 Stored as msgpack: ``{"v": 1, "image", "command", "entrypoint", "env", "workdir", "user",
-"tree", "tree_size", "whiteouts", "opaque", "fifos", "memory", "memory_size"}``; ``fifos`` is
+"tree", "tree_size", "whiteouts", "opaque", "fifos", "memory", "memory_size",
+"policy"}``; ``fifos`` is
 ``[[path, mode], ...]``.
 """
 
@@ -61,6 +62,8 @@ class ContainerRecord:
     fifos: tuple[tuple[str, int], ...]  # (path, mode bits)
     memory: bytes | None  # the checkpoint archive's digest, None when not captured
     memory_size: int
+    # What the session needs of its memory (nemo_ckpt.sandboxes.backend.MemoryPolicy).
+    policy: str = "preferred"
 
 
 def encode_record(record: ContainerRecord) -> bytes:
@@ -73,6 +76,7 @@ def encode_record(record: ContainerRecord) -> bytes:
         "whiteouts": list(record.whiteouts), "opaque": list(record.opaque),
         "fifos": [[p, m] for p, m in record.fifos],
         "memory": record.memory, "memory_size": record.memory_size,
+        "policy": record.policy,
     }, use_bin_type=True)
 
 
@@ -141,9 +145,12 @@ def decode_record(data: bytes, where: str) -> ContainerRecord:
     if type(memory_size) is not int or memory_size < 0 \
             or (memory is None) != (memory_size == 0):
         raise bad("memory_size", "does not match memory")
+    policy = raw.get("policy")
+    if policy not in ("required", "preferred", "off"):
+        raise bad("policy", "is not required, preferred or off")
     return ContainerRecord(
         ContainerConfig(image, command, entrypoint, env, workdir, user),
-        tree, tree_size, marks[0], marks[1], tuple(fifos), memory, memory_size)
+        tree, tree_size, marks[0], marks[1], tuple(fifos), memory, memory_size, policy)
 
 
 def check_relative_path(path: str) -> str | None:

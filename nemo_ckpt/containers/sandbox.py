@@ -39,9 +39,9 @@ from nemo_ckpt.sandboxes.materialize import materialize
 from nemo_ckpt.sandboxes.node_cache import BlobCache
 from nemo_ckpt.sandboxes.scan import Listings, OverlayMarks, scan
 from nemo_ckpt.sandboxes.tree_codec import decode_tree
-from nemo_ckpt.sandboxes.tree_types import tree_digests
+from nemo_ckpt.sandboxes.tree_types import tree_digests, tree_stats
 
-__all__ = ["ContainerSandboxes", "RecordedContainer", "LABEL"]
+__all__ = ["ContainerSandboxes", "RecordedContainer", "RestoredContainer", "LABEL"]
 
 LABEL = "io.nemo-ckpt.capture-key"  # on every container a restore creates
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -58,6 +58,16 @@ class RecordedContainer:
     file_count: int
     file_bytes: int
     files_read: int  # by this recording: the files that changed since the previous
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredContainer:
+    """What ``ContainerSandboxes.restore`` made."""
+
+    running: bool  # its processes restored from their memory (else started afresh)
+    blobs: frozenset[bytes]  # every blob its record references
+    file_count: int
+    file_bytes: int
 
 
 class ContainerSandboxes:
@@ -140,32 +150,33 @@ class ContainerSandboxes:
         running = bool((info.get("State") or {}).get("Running"))
         return cfg, Path(upper), running
 
-    def record(self, container: str, previous: RecordedContainer | None
-               ) -> RecordedContainer:
-        """Record ``container`` now: its processes' memory where CRIU works and it runs,
-        and its filesystem changes (re-reading only what changed since ``previous``)."""
+    def record(self, container: str, previous: Listings | None, memory: bool = True,
+               policy: str = "preferred") -> RecordedContainer:
+        """Record ``container`` now: its processes' memory where ``memory``, CRIU works
+        and it runs, and its filesystem changes (re-reading only what changed since the
+        recording whose listings are ``previous``)."""
         config, upper, running = self.describe(container)
-        memory: tuple[bytes, int] | None = None
-        capture_memory = self.memory and running and self.criu_problem() is None
+        captured: tuple[bytes, int] | None = None
+        capture_memory = memory and self.memory and running and self.criu_problem() is None
         if capture_memory:
-            memory = self._checkpoint(container)
+            captured = self._checkpoint(container)
         try:
             marks = OverlayMarks()
-            result = scan(upper, previous.listings if previous else None, self.cache.store,
-                          limits=self.limits, overlay=marks)
+            result = scan(upper, previous, self.cache.store, limits=self.limits,
+                          overlay=marks)
         finally:
             if capture_memory:
                 self.podman.restore_in_place(container)
         for digest, data in result.objects.items():
             self.cache.put(digest, data)
         blobs = set(result.blobs())
-        if memory is not None:
-            blobs.add(memory[0])
+        if captured is not None:
+            blobs.add(captured[0])
         record = ContainerRecord(
             config, result.root, result.root_size, tuple(sorted(marks.whiteouts)),
             tuple(sorted(marks.opaque)), tuple(sorted(marks.fifos)),
-            None if memory is None else memory[0],
-            0 if memory is None else memory[1])
+            None if captured is None else captured[0],
+            0 if captured is None else captured[1], policy)
         return RecordedContainer(record, result.listings, frozenset(blobs),
                                  result.file_count(), result.file_bytes(),
                                  result.files_read)
@@ -183,14 +194,15 @@ class ContainerSandboxes:
     # --- restoring ---------------------------------------------------------------
 
     def restore(self, record: ContainerRecord, fetch: Callable[[bytes, int], Any],
-                name: str, capture_key: str, where: str) -> bool:
+                name: str, capture_key: str, where: str) -> RestoredContainer:
         """Create the container ``name`` as ``record`` left it; ``fetch(digest, size)``
-        returns a blob's verified content. Returns whether its processes were restored
+        returns a blob's verified content. Says whether its processes were restored
         running (else it was started afresh from its command, files restored). What it
         made is removed if it fails."""
         config = record.config
         self.podman.image_id(config.image)  # this node must have the image
-        tree, _ = decode_tree(record.tree, record.tree_size, fetch, where, self.tree_budget)
+        tree, objects = decode_tree(record.tree, record.tree_size, fetch, where,
+                                    self.tree_budget)
         self.staging.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.staging, prefix="restore-") as tmp:
             rootfs = Path(tmp) / "rootfs"
@@ -223,7 +235,11 @@ class ContainerSandboxes:
             except BaseException:
                 self.podman.remove(name)
                 raise
-        return memory
+        blobs = set(blobs_of(tree, objects))
+        if record.memory is not None:
+            blobs.add(record.memory)
+        stats = tree_stats(tree)
+        return RestoredContainer(memory, frozenset(blobs), stats.files, stats.bytes)
 
     def _hidden(self, image: str, record: ContainerRecord, tree: dict[str, Any]
                 ) -> list[str]:

@@ -22,6 +22,7 @@ from nemo_ckpt.driver.link import NAME_RETRY_S, CoordinatorLink, finish
 from nemo_ckpt.driver.snapshot import HeldBefore, RaySnapshot
 from nemo_ckpt.driver.startup import (
     Findings,
+    container_findings,
     deadline_findings,
     holder_findings,
     sandbox_findings,
@@ -131,7 +132,9 @@ class RayEnvironmentCheckpoint:
         Checks that every alive node has a holder that answers, that every holder can
         write under ``config.checkpoint_root`` and the driver can read what they wrote
         (a shared filesystem), that every holder can keep sandboxes' files under
-        ``config.sandbox_root`` when it is set, and that the deadlines can work.
+        ``config.sandbox_root`` when it is set, that every holder's node can record
+        containers when ``config.containers`` is on (and says where CRIU does not work:
+        filesystems only there), and that the deadlines can work.
         """
         found = Findings()
         holders = await self.ensure_holders()
@@ -146,6 +149,8 @@ class RayEnvironmentCheckpoint:
                              await self._coordinator.probe_storage(str(root)))
         if self.config.sandbox_root is not None:
             sandbox_findings(found, await self._coordinator.probe_sandboxes())
+        if self.config.containers:
+            container_findings(found, await self._coordinator.probe_containers())
         deadline_findings(found, self.config)
         for w in found.warnings:
             log.warning("check_startup: %s", w)

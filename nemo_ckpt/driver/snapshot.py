@@ -168,6 +168,8 @@ class RaySnapshot:
             "bytes_written": 0,
             "captured_rollouts": self.captured_rollouts,
             "restarted_rollouts": self.restarted_rollouts,
+            # Of those, sessions classed restart-only (nemo_ckpt.sandboxes.backend).
+            "restart_only_rollouts": sum(c.restart_only_count for c in b.captures),
             "holders": len(b.instances),
             "state_bytes": sum(c.state_bytes for c in b.captures),
             # Since each holder started (nemo_ckpt.adapters: a replay that diverged).

@@ -88,6 +88,14 @@ def sandbox_findings(found: Findings, probes: dict[str, str]) -> None:
             found.problems.append(result[7:])
 
 
+def container_findings(found: Findings,
+                       probes: dict[str, tuple[list[str], list[str]]]) -> None:
+    """Every holder's node can record containers; where CRIU fails, a warning."""
+    for _, (problems, warnings) in sorted(probes.items()):
+        found.problems.extend(problems)
+        found.warnings.extend(warnings)
+
+
 def deadline_findings(found: Findings, config: CheckpointConfig) -> None:
     """Deadlines that cannot work together."""
     if config.phase_timeout_s < config.renew_interval_s:

@@ -119,6 +119,8 @@ class CoordinatorApi(Protocol):
 
     async def probe_sandboxes(self) -> dict[str, str]: ...
 
+    async def probe_containers(self) -> dict[str, tuple[list[str], list[str]]]: ...
+
     async def renew(self, operation_id: str) -> None: ...
 
     async def abort(self, operation_id: str, checkpoint_path: str | None = None,
@@ -177,6 +179,9 @@ class CoordinatorCalls:
 
     def probe_sandboxes(self) -> Awaitable[dict[str, str]]:
         return self._invoke("probe_sandboxes")
+
+    def probe_containers(self) -> Awaitable[dict[str, tuple[list[str], list[str]]]]:
+        return self._invoke("probe_containers")
 
     def renew(self, operation_id: str) -> Awaitable[None]:
         return self._invoke("renew", operation_id)

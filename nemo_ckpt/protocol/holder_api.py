@@ -24,6 +24,7 @@ from nemo_ckpt.phases import (
     PersistReport,
     RestorePrepared,
 )
+from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import Actor, Transport
@@ -72,6 +73,8 @@ class HolderControl(Protocol):
     async def probe_storage(self, root: str) -> str: ...
 
     async def probe_sandbox(self) -> None: ...
+
+    async def probe_containers(self) -> tuple[list[str], list[str]]: ...
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
                     directory: str) -> tuple[PauseReport, CaptureReport]: ...
@@ -124,6 +127,9 @@ class HolderCalls:
     def probe_sandbox(self) -> Awaitable[None]:
         return self._call("probe_sandbox")
 
+    def probe_containers(self) -> Awaitable[tuple[list[str], list[str]]]:
+        return self._call("probe_containers")
+
     def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
               directory: str) -> Awaitable[tuple[PauseReport, CaptureReport]]:
         return self._call("begin", snapshot_id, drain_timeout_s, lease_s, directory)
@@ -165,16 +171,19 @@ class HolderCalls:
         return self._call("forget", episodes)
 
 
-# A batch of sessions to open: ``(episode, initial state)`` or with the sandbox directory.
+# A batch of sessions to open: ``(episode, initial state)``, or with its sandbox (a
+# directory's path, or a container), or with that and whether it is restart-only.
 OpeningSessions = list[tuple[EnvironmentEpisode, bytes] |
-                       tuple[EnvironmentEpisode, bytes, str | None]]
+                       tuple[EnvironmentEpisode, bytes, str | ContainerRef | None] |
+                       tuple[EnvironmentEpisode, bytes, str | ContainerRef | None, bool]]
 
 
 class HolderSessions(Protocol):
     """The calls an environment worker makes of the holder on its node."""
 
     async def open_session(self, episode: EnvironmentEpisode, state: bytes = b"",
-                           directory: str | None = None) -> SessionRecord: ...
+                           directory: str | ContainerRef | None = None,
+                           restart_only: bool = False) -> SessionRecord: ...
 
     async def open_sessions(self, sessions: OpeningSessions) -> int: ...
 
@@ -210,7 +219,10 @@ class SessionCalls:
         self._invoke = invoke
 
     def open_session(self, episode: EnvironmentEpisode, state: bytes = b"",
-                     directory: str | None = None) -> Awaitable[SessionRecord]:
+                     directory: str | ContainerRef | None = None,
+                     restart_only: bool = False) -> Awaitable[SessionRecord]:
+        if restart_only:
+            return self._invoke("open_session", episode, state, directory, True)
         return self._invoke("open_session", episode, state, directory)
 
     def open_sessions(self, sessions: OpeningSessions) -> Awaitable[int]:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nemo_ckpt.containers.record import decode_record
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     CheckpointPathError,
@@ -141,8 +142,16 @@ def snapshot_refs(path: str, store: BlobStore, cache: RefsCache | None = None,
         for shard in manifest.shards:
             if shard.trees is None:
                 continue
-            for rollout_id, _, tree_digest, tree_size, _ in read_trees_file(
-                    directory, shard.trees, shard.instance_id):
+            containers: dict[str, bytes] = {}
+            rows = read_trees_file(directory, shard.trees, shard.instance_id, containers)
+            for rollout_id, raw in containers.items():  # a container's memory blob
+                try:
+                    record = decode_record(raw, f"{rollout_id} in {path}")
+                except SandboxError as exc:  # what it references is unknown
+                    raise SnapshotReadError(path, str(exc)) from exc
+                if record.memory is not None:
+                    refs.add(record.memory)
+            for rollout_id, _, tree_digest, tree_size, _ in rows:
                 if tree_digest in refs:
                     continue
                 try:

@@ -12,6 +12,11 @@ are left out); ``new bytes`` are the bytes of the blobs this snapshot wrote that
 session's tree references (each counted once, for the first session that does). It is
 written and verified like a shard: length and hash in the manifest (``TreesEntry``),
 durable before the manifest.
+
+Version 2 (written only when a session owns a container): a row may have a sixth
+element, the session's container record (``nemo_ckpt.containers.record``), whose tree
+is the row's; its memory blob, if any, is in the blob store beside the files. A reader
+of version 1 refuses a version-2 file rather than restore a container as a directory.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import msgpack
 
+from nemo_ckpt.containers.record import decode_record
 from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
 from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
@@ -45,6 +51,7 @@ __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
 
 TREES_MAGIC = "nemo-ckpt-trees"
 TREES_VERSION = 1
+TREES_VERSION_CONTAINERS = 2
 
 # (rollout_id, attempt, tree digest, tree length, new bytes)
 TreeRow = tuple[str, int, bytes, int, int]
@@ -95,21 +102,31 @@ def moved_blob_store(checkpoint_path: str | Path, manifest: Manifest) -> str | N
 
 
 def write_trees_file(directory: Folder, name: str, instance_id: str, rows: list[TreeRow],
-                     blobs: int, written: BlobsWritten) -> TreesEntry:
-    """Write a holder's trees file (see the module docstring) durably; its entry."""
+                     blobs: int, written: BlobsWritten,
+                     containers: dict[str, bytes] | None = None) -> TreesEntry:
+    """Write a holder's trees file (see the module docstring) durably; its entry.
+    ``containers``: the encoded container record of each row's rollout that has one."""
     def fill(sink: Sink) -> None:
         packer = msgpack.Packer(use_bin_type=True)
-        sink.write(packer.pack({"format": TREES_MAGIC, "version": TREES_VERSION,
+        version = TREES_VERSION_CONTAINERS if containers else TREES_VERSION
+        sink.write(packer.pack({"format": TREES_MAGIC, "version": version,
                                 "instance_id": instance_id, "sandboxes": len(rows)}))
-        sink.write(packer.pack([list(r) for r in rows]))
+        if containers:
+            sink.write(packer.pack([
+                [*r, containers[r[0]]] if r[0] in containers else list(r) for r in rows]))
+        else:
+            sink.write(packer.pack([list(r) for r in rows]))
 
     length, digest = write_hashed(directory, name, fill)
     return TreesEntry(file=name, bytes=length, content_hash=digest, sandboxes=len(rows),
                       blobs=blobs, new_blobs=written.count, new_blob_bytes=written.total_bytes)
 
 
-def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str) -> list[TreeRow]:
-    """A trees file's rows, once its length and hash match ``entry``."""
+def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str,
+                    containers: dict[str, bytes] | None = None) -> list[TreeRow]:
+    """A trees file's rows, once its length and hash match ``entry``; each row's encoded
+    container record, if it has one, into ``containers`` by rollout id (decode it with
+    ``nemo_ckpt.containers.record.decode_record``: it is checked there)."""
     path, data = read_verified(directory, entry)
     try:
         unpacker = view_unpacker(data)
@@ -118,15 +135,19 @@ def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str) -> l
     except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
         raise ShardCorruptedError(path, f"trees file {path} does not decode ({exc})") from exc
     if not (isinstance(header, dict) and header.get("format") == TREES_MAGIC
-            and header.get("version") == TREES_VERSION
+            and header.get("version") in (TREES_VERSION, TREES_VERSION_CONTAINERS)
             and header.get("instance_id") == instance_id
             and isinstance(rows, list) and len(rows) == entry.sandboxes
-            and all(isinstance(r, list) and len(r) == 5 and isinstance(r[0], str)
+            and all(isinstance(r, list) and len(r) in (5, 6) and isinstance(r[0], str)
+                    and (len(r) == 5 or (len(r) == 6 and isinstance(r[5], bytes) and
+                                         header["version"] == TREES_VERSION_CONTAINERS))
                     and type(r[1]) is int and isinstance(r[2], bytes) and len(r[2]) == 16
                     and type(r[3]) is int and type(r[4]) is int for r in rows)):
         raise ShardCorruptedError(path, f"trees file {path} matches its hash but is not a "
                                         f"nemo-ckpt trees file of {instance_id} holding "
                                         f"{entry.sandboxes} trees; restore an earlier checkpoint")
+    if containers is not None:
+        containers.update((r[0], r[5]) for r in rows if len(r) == 6)
     return [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
 
 
@@ -213,6 +234,8 @@ class SessionDirectory:
     new_bytes: int
     tree: Tree | None = None
     error: str | None = None
+    memory: tuple[bytes, int] | None = None  # a container's memory blob, if captured
+    container_image: str | None = None  # a container's image id
 
 
 def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest,
@@ -231,13 +254,25 @@ def snapshot_directories(checkpoint_path: str | Path, manifest: Manifest,
     for shard in manifest.shards:
         if shard.trees is None:
             continue
+        containers: dict[str, bytes] = {}
         try:
-            rows = read_trees_file(directory, shard.trees, shard.instance_id)
+            rows = read_trees_file(directory, shard.trees, shard.instance_id, containers)
         except NemoCkptError as exc:
             unreadable[shard.trees.file] = str(exc)
             continue
         for rollout_id, attempt, digest, size, new in rows:
             entry = SessionDirectory(shard.instance_id, rollout_id, attempt, digest, new)
+            if rollout_id in containers:
+                try:
+                    record = decode_record(containers[rollout_id],
+                                           f"{rollout_id} in {checkpoint_path}")
+                except NemoCkptError as exc:
+                    entry.error = str(exc)
+                    found[rollout_id] = entry
+                    continue
+                entry.container_image = record.config.image
+                if record.memory is not None:
+                    entry.memory = (record.memory, record.memory_size)
             problem = restored_name_problem(f"{rollout_id}-a{attempt + 1}")
             if problem is not None:  # a restore refuses it before it reads the tree
                 entry.error = (f"a restore cannot make it: {problem}; the snapshot was "
@@ -285,6 +320,17 @@ def _directory_problems(d: SessionDirectory, store: BlobStore,
     if d.tree is None:
         return [f"directory of {d.rollout_id}: {d.error}"]
     problems: list[str] = []
+    if d.memory is not None:
+        digest, size = d.memory
+        if digest not in checked:
+            try:
+                store.read(digest, size)
+                checked[digest] = None
+            except NemoCkptError as exc:
+                checked[digest] = str(exc)
+        if checked[digest] is not None:
+            problems.append(f"container of {d.rollout_id}, its processes' memory: "
+                            f"{checked[digest]}")
     for path, e in sorted(d.tree.items()):
         if e.kind not in (FILE, SPARSE):
             continue

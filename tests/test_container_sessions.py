@@ -1,0 +1,318 @@
+"""Sessions that own containers, through the real driver, coordinator and holders
+in-process (``actors.sim``) on this machine's podman (``tests/container_runtime.py``):
+recorded at each turn's commit, snapshotted into the root's blob store, created again by
+a fresh job's restore with their files and their processes' memory; restart-only
+sessions reported and started over."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nemo_ckpt.catalog.verification import verify_snapshot
+from nemo_ckpt.config import CheckpointConfig
+from nemo_ckpt.containers.podman import Podman
+from nemo_ckpt.errors import ContainerRuntimeError, StartupCheckError
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.sandboxes.backend import ContainerRef
+from nemo_ckpt.testing.data_plane import StaticCut
+from tests.container_runtime import Setup, ensure
+from tests.harness import World
+
+pytestmark = pytest.mark.timeout(180)
+
+# A server holding a counter in its shell's memory only (see tests/test_containers.py).
+SERVER = ("mkfifo /tmp/req /tmp/rep; n=0; "
+          "while true; do read cmd < /tmp/req; n=$((n+1)); echo $n > /tmp/rep; done")
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Iterator[Setup]:
+    setup = ensure()
+    yield setup
+    left = Podman(env=setup.env).text("ps", "-a", "--filter", "name=^nemo-ckpt-",
+                                      "--format", "{{.Names}}")
+    assert left == "", f"containers left behind: {left}"
+
+
+@pytest.fixture
+def podman(runtime: Setup) -> Iterator[Podman]:
+    """podman, and after the test every container it or the job made removed by name."""
+    client = Podman(env=runtime.env)
+    yield client
+    names = client.text("ps", "-a", "--filter", "name=^nemo-ckpt-", "--format",
+                        "{{.Names}}").split()
+    for name in names:
+        client.remove(name)
+
+
+def _job(tmp_path: Path, runtime: Setup, seed: int = 0, **options: Any) -> World:
+    config = CheckpointConfig(**{
+        "namespace": "job", "drain_timeout_s": 1.0, "lease_s": 30.0, "phase_timeout_s": 30.0,
+        "persist_timeout_s": 60.0, "turn_timeout_s": 60.0,
+        "checkpoint_root": tmp_path / "ckpt", "sandbox_root": tmp_path / "sandboxes",
+        "containers": True, "container_env": runtime.env, **options})
+    return World(tmp_path, nodes=2, config=config, seed=seed)
+
+
+def _start(podman: Podman, runtime: Setup) -> str:
+    """A worker's container running the counter server."""
+    name = f"nemo-ckpt-test-{uuid.uuid4().hex[:10]}"
+    podman.run("run", "-d", "--name", name, runtime.image, "/bin/sh", "-c", SERVER)
+    return name
+
+
+def _ask(podman: Podman, container: str) -> int:
+    return int(podman.text("exec", container, "sh", "-c", "echo go > /tmp/req; cat /tmp/rep"))
+
+
+def _log(podman: Podman, container: str) -> str:
+    return podman.text("exec", container, "cat", "/work/log")
+
+
+async def _turns(job: World, podman: Podman, eps: dict[Ep, str], instance: str,
+                 count: int) -> None:
+    client = await job.client(instance)
+    for ep in eps:
+        if not ep.rollout_id.startswith(instance):
+            continue
+        for _ in range(count):
+            async with client.turn(ep) as turn:
+                container = turn.container
+                assert container is not None
+                n = _ask(podman, container)
+                podman.run("exec", container, "sh", "-c", f"echo turn-{n} >> /work/log")
+                turn.complete(f"t{n}".encode(), f"s{n}".encode())
+
+
+def test_a_container_session_continues_in_a_fresh_job_with_its_files_and_memory(
+        tmp_path: Path, runtime: Setup, podman: Podman) -> None:
+    path = tmp_path / "ckpt" / "step-1"
+    job = _job(tmp_path, runtime)
+    eps: dict[Ep, str] = {}
+    try:
+        async def first_run() -> dict[Ep, tuple[int, str]]:
+            await job.ckpt.ensure_holders()
+            live: dict[str, set[Ep]] = {}
+            for instance in sorted(job.holders()):
+                client = await job.client(instance)
+                ep = Ep(f"{instance}-r0", 0)
+                eps[ep] = _start(podman, runtime)
+                record = await client.open(ep, b"s0", container=eps[ep])
+                assert record.container == eps[ep]
+                live[instance] = {ep}
+                await _turns(job, podman, eps, instance, 3)
+            expected = {ep: (3, _log(podman, c)) for ep, c in eps.items()}
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut(live, set()))
+            for instance in sorted(job.holders()):  # after the snapshot: lost in the crash
+                await _turns(job, podman, eps, instance, 2)
+            return expected
+
+        expected = job.run(first_run())
+    finally:
+        job.close()
+    for name in eps.values():  # the crash took the node: its containers, its disk
+        podman.remove(name)
+    shutil.rmtree(tmp_path / "sandboxes")
+    assert verify_snapshot(path).ok
+
+    fresh = _job(tmp_path, runtime, seed=1)
+    try:
+        async def restore() -> None:
+            async with fresh.ckpt.restored(path) as restored:
+                assert len(restored.continued_attempts) == 2
+            for instance, rollout_id, attempt in restored.continued_attempts:
+                client = await fresh.client(instance)
+                ep = Ep(rollout_id, attempt + 1)
+                record = await client.get(ep)
+                assert record.container == f"nemo-ckpt-job-{ep.capture_key}"
+                turns, log = expected[Ep(rollout_id, 0)]
+                assert record.turns == tuple(f"t{n}".encode() for n in range(1, turns + 1))
+                assert _log(podman, record.container) == log
+                # Its server's counter continues from its memory at the snapshot.
+                async with client.turn(ep) as turn:
+                    assert turn.container == record.container
+                    assert _ask(podman, record.container) == turns + 1
+                    turn.complete(b"t", b"s")
+
+        fresh.run(restore())
+    finally:
+        fresh.close()
+
+
+def test_a_restart_only_session_is_reported_restarting_and_not_restored(
+        tmp_path: Path, runtime: Setup, podman: Podman) -> None:
+    path = tmp_path / "ckpt" / "step-1"
+    job = _job(tmp_path, runtime)
+    try:
+        async def run() -> None:
+            await job.ckpt.ensure_holders()
+            client = await job.client("holder-0")
+            kept, remote = Ep("holder-0-kept", 0), Ep("holder-0-remote", 0)
+            await client.open(kept, b"s0")
+            await client.open(remote, b"s0", restart_only=True)
+            for ep in (kept, remote):
+                async with client.turn(ep) as turn:
+                    turn.complete(b"t1", b"s1")
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                # RL expects both; the restart-only one is not an error, as a rollout
+                # the backend could not capture.
+                await snap.check_against_cut(StaticCut({"holder-0": {kept, remote}}, set()))
+                assert snap.restarted_rollouts == 1
+                assert snap.restarting()["holder-0"] == {remote}
+                figures = snap.metrics(0.0)
+                assert figures["restart_only_rollouts"] == 1
+                assert figures["captured_rollouts"] == 1
+
+        job.run(run())
+    finally:
+        job.close()
+    fresh = _job(tmp_path, runtime, seed=1)
+    try:
+        async def restore() -> None:
+            async with fresh.ckpt.restored(path) as restored:
+                assert [(i, r) for i, r, _ in restored.continued_attempts] == [
+                    ("holder-0", "holder-0-kept")]
+
+        fresh.run(restore())
+    finally:
+        fresh.close()
+
+
+def test_without_criu_a_container_needing_its_memory_is_restart_only_and_others_keep_files(
+        tmp_path: Path, runtime: Setup, podman: Podman,
+        caplog: pytest.LogCaptureFixture) -> None:
+    no_criu = {**runtime.env, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}  # criu not on it
+    assert Podman(env=no_criu).criu_problem() == "criu is not installed on this node"
+    path = tmp_path / "ckpt" / "step-1"
+    job = _job(tmp_path, runtime, container_env=no_criu)
+    try:
+        async def run() -> None:
+            with caplog.at_level(logging.WARNING):
+                await job.ckpt.check_startup()
+            assert "process memory is not captured on this node" in caplog.text
+            client = await job.client("holder-0")
+            needs, files = Ep("holder-0-repl", 0), Ep("holder-0-files", 0)
+            repl = _start(podman, runtime)
+            with caplog.at_level(logging.WARNING):
+                record = await client.open(needs, b"s0", container=ContainerRef(
+                    repl, memory="required"))
+            assert "is restart-only: its container" in caplog.text
+            assert record.container == repl  # its worker still finds its container
+            files_container = _start(podman, runtime)
+            await client.open(files, b"s0", container=files_container)
+            async with client.turn(files) as turn:
+                assert _ask(podman, files_container) == 1
+                podman.run("exec", files_container, "sh", "-c", "echo kept > /work/f")
+                turn.complete(b"t1", b"s1")
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(
+                    StaticCut({"holder-0": {needs, files}}, set()))
+                assert snap.restarting()["holder-0"] == {needs}
+
+        job.run(run())
+    finally:
+        job.close()
+    fresh = _job(tmp_path, runtime, seed=1, container_env=no_criu)
+    try:
+        async def restore() -> None:
+            async with fresh.ckpt.restored(path) as restored:
+                assert [r for _, r, _ in restored.continued_attempts] == ["holder-0-files"]
+            client = await fresh.client("holder-0")
+            record = await client.get(Ep("holder-0-files", 1))
+            assert record.container is not None
+            assert podman.text("exec", record.container, "cat", "/work/f") == "kept"
+            assert _ask(podman, record.container) == 1  # its command started afresh
+
+        fresh.run(restore())
+    finally:
+        fresh.close()
+
+
+def test_containers_off_or_no_podman_are_refused_saying_what_to_do(
+        tmp_path: Path, runtime: Setup, podman: Podman) -> None:
+    job = _job(tmp_path, runtime, containers=False)
+    try:
+        async def run() -> None:
+            await job.ckpt.ensure_holders()
+            client = await job.client("holder-0")
+            with pytest.raises(ContainerRuntimeError,
+                               match="CheckpointConfig.containers is off; turn it on"):
+                await client.open(Ep("r", 0), b"", container="nemo-ckpt-test-absent")
+
+        job.run(run())
+    finally:
+        job.close()
+    (tmp_path / "empty").mkdir()
+    nowhere = _job(tmp_path, runtime, container_env={"PATH": str(tmp_path / "empty")})
+    try:
+        async def check() -> None:
+            with pytest.raises(StartupCheckError, match="`podman` is not installed"):
+                await nowhere.ckpt.check_startup()
+
+        nowhere.run(check())
+    finally:
+        nowhere.close()
+
+
+def test_opening_a_session_with_a_container_that_does_not_exist_opens_nothing(
+        tmp_path: Path, runtime: Setup, podman: Podman) -> None:
+    job = _job(tmp_path, runtime)
+    try:
+        async def run() -> None:
+            await job.ckpt.ensure_holders()
+            client = await job.client("holder-0")
+            with pytest.raises(ContainerRuntimeError, match="no such container"):
+                await client.open(Ep("r", 0), b"", container="nemo-ckpt-test-absent")
+            assert await client.sessions() == []
+
+        job.run(run())
+    finally:
+        job.close()
+
+
+def test_a_container_that_needs_its_memory_is_not_restored_where_criu_does_not_work(
+        tmp_path: Path, runtime: Setup, podman: Podman) -> None:
+    path = tmp_path / "ckpt" / "step-1"
+    job = _job(tmp_path, runtime)
+    try:
+        async def run() -> None:
+            await job.ckpt.ensure_holders()
+            client = await job.client("holder-0")
+            ep = Ep("holder-0-repl", 0)
+            await client.open(ep, b"s0", container=ContainerRef(
+                _start(podman, runtime), memory="required"))
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut({"holder-0": {ep}}, set()))
+
+        job.run(run())
+    finally:
+        job.close()
+    no_criu = {**runtime.env, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    fresh = _job(tmp_path, runtime, seed=1, container_env=no_criu)
+    try:
+        async def restore() -> None:
+            with pytest.raises(ContainerRuntimeError,
+                               match="needs its processes' memory .*restore where CRIU works"):
+                async with fresh.ckpt.restored(path):
+                    pass
+            client = await fresh.client("holder-0")
+            assert await client.sessions() == []  # nothing went live
+
+        fresh.run(restore())
+    finally:
+        fresh.close()
+    made = podman.text("ps", "-a", "--filter", "name=^nemo-ckpt-job-", "--format",
+                       "{{.Names}}")
+    assert made == ""  # no container of the refused restore is left
