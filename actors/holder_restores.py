@@ -65,6 +65,10 @@ class RestoreUndo:
         nothing refers to them), their blobs may leave the cache."""
         sandboxes = self._parts.sandboxes
         sandboxes.forget_restore(work.sandboxes)
+        made = [b.target for b in work.sandboxes if b.staging is None]  # containers
+        if made:
+            sandboxes.doom(made)
+            self._parts.background(sandboxes.remove_doomed)
         if work.sandboxes or sandboxes.root is not None:
             self._parts.background(sandboxes.discard_staging, work.id)
 

@@ -21,6 +21,14 @@ Layout under ``sandbox_root`` (the same path on every node):
     <sandbox_root>/.nemo-ckpt/<namespace>/<instance>/blobs      the cache's files
     <sandbox_root>/.nemo-ckpt/<namespace>/<instance>/restore-<id>/<capture key>
                                               a restore's staging
+    <sandbox_root>/.nemo-ckpt/<namespace>/<instance>/containers/
+                                              containers' recording and restore files;
+        made-by-restores/<container name>     a container a restore made, not live
+                                              yet: removed by the next holder of the
+                                              instance if this one dies first
+
+A session's container (``nemo_ckpt.containers``) is recorded into the same cache and
+store; a restore creates it running (``prepare_restore``), and its undo removes it.
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ from nemo_ckpt.storage.manifest import (
 __all__ = ["Sandbox", "Recorded", "Sandboxes", "RestoredSandbox", "SandboxCapture", "PRIVATE_DIR"]
 
 PRIVATE_DIR = ".nemo-ckpt"
+_MADE = "made-by-restores"  # markers of containers made by restores not live yet
 log = logging.getLogger("nemo_ckpt.holder")
 _RESTORE_MEMORY = 256 << 20  # verified blobs a restore keeps in memory per shard
 
@@ -246,10 +255,39 @@ class Sandboxes:
         with self._cache_lock:
             if self._cache is None:
                 assert self._private is not None
+                self._remove_left_containers(self._private)
                 if self._private.exists():
                     shutil.rmtree(self._private)
                 self._cache = BlobCache(self._private / "blobs")
             return self._cache
+
+    def _remove_left_containers(self, private: Path) -> None:
+        """Remove the containers an earlier holder of this instance made in restores
+        that never went live (it died mid-restore): each was marked before it was made,
+        and unmarked once its restore went live or it was removed."""
+        made = private / "containers" / _MADE
+        if self.container_env is None or not made.is_dir():
+            return
+        podman = Podman(env=self.container_env)
+        for marker in made.iterdir():
+            try:
+                podman.remove(marker.name)
+                log.warning("%s: removed container %s, made by a restore of an earlier "
+                            "holder of this instance that never went live",
+                            self.instance_id, marker.name)
+            except ContainerRuntimeError as exc:
+                log.warning("%s: container %s, left by an earlier holder's restore, could "
+                            "not be removed: %s", self.instance_id, marker.name, exc)
+
+    def _mark(self, name: str, made: bool) -> None:
+        """Mark (or unmark) the container ``name`` as made by a restore not live yet."""
+        assert self._private is not None
+        marker = self._private / "containers" / _MADE / name
+        if made:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        else:
+            marker.unlink(missing_ok=True)
 
     @property
     def containers(self) -> ContainerSandboxes:
@@ -584,7 +622,12 @@ class Sandboxes:
                 f"({self.containers.criu_problem()}); restore where CRIU works "
                 f"(check_startup warns of each node where it does not)")
         name = self._container_target(key, restore_id)
-        made = self.containers.restore(record, fetch, name, key, where)
+        self._mark(name, True)
+        try:
+            made = self.containers.restore(record, fetch, name, key, where)
+        except BaseException:
+            self._mark(name, False)  # restore() removed what it made
+            raise
         if record.memory is not None and not made.running:
             log.warning("%s: the container of %s was restored with its files only, its "
                         "command started again: %s", self.instance_id, where,
@@ -659,6 +702,8 @@ class Sandboxes:
                     f"{self.instance_id}: {box.target} appeared during the restore")
         for box in restored:
             if box.staging is None:
+                assert isinstance(box.target, ContainerRef)
+                self._mark(box.target.name, False)  # the session's from now on
                 continue
             assert isinstance(box.target, Path)
             try:
@@ -689,6 +734,7 @@ class Sandboxes:
                 if isinstance(d, ContainerRef):
                     try:
                         self.containers.discard(d.name)
+                        self._mark(d.name, False)
                     except ContainerRuntimeError as exc:
                         log.warning("%s: the container %s of an undone restore could not "
                                     "be removed: %s", self.instance_id, d.name, exc)
