@@ -157,6 +157,8 @@ class HolderParts:
         """``held`` as its caller sees it, with its sandbox (a directory or a container)
         if it has one."""
         record = held.record(self.instance_id)
+        if held.rollout_id in self.sandboxes.restart_only:
+            record = dataclasses.replace(record, restart_only=True)
         location = self.sandboxes.location(held.rollout_id)
         if location is None:
             return record

@@ -47,6 +47,7 @@ from nemo_ckpt.manager.config import RolloutCheckpointConfig
 from nemo_ckpt.manager.contract import ManagedSnapshot, RlHalf
 from nemo_ckpt.manager.rollout_manager import RolloutCheckpointManager
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
+from nemo_ckpt.sandboxes.backend import ContainerRef, EnvironmentClass
 from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
@@ -55,8 +56,10 @@ __all__ = [
     "CatalogProgress",
     "CheckpointConfig",
     "CollectionReport",
+    "ContainerRef",
     "DataPlaneMutationCut",
     "EnvironmentCheckpoint",
+    "EnvironmentClass",
     "EnvironmentEpisode",
     "EnvironmentSnapshot",
     "LatestSnapshot",

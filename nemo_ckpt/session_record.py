@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.sandboxes.backend import EnvironmentClass
 
 __all__ = ["SessionRecord", "check_staging_keys", "encode_row", "encode_turns", "body_head",
            "bin_header", "record_parts", "record_of", "row_is_finished", "NO_TURNS"]
@@ -58,6 +59,9 @@ class SessionRecord:
             restore, the one the restore made for this attempt).
         container: The name of the container the session owns on its node, if any
             (after a restore, the one the restore created for this attempt).
+        restart_only: Whether the session was opened restart-only (or made so: a
+            container that needs its memory where CRIU does not work): snapshots never
+            capture it.
         result: The finished rollout's result, once its worker handed it in
             (``SessionClient.finish``); None while the rollout runs.
     """
@@ -71,6 +75,16 @@ class SessionRecord:
     directory: str | None = None
     result: bytes | None = None
     container: str | None = None
+    restart_only: bool = False
+
+    @property
+    def environment_class(self) -> EnvironmentClass:
+        """What a snapshot captures of this session (``nemo_ckpt.sandboxes.backend``)."""
+        if self.restart_only:
+            return EnvironmentClass.RESTART_ONLY
+        if self.directory is not None or self.container is not None:
+            return EnvironmentClass.CAPTURABLE
+        return EnvironmentClass.STATELESS
 
     @property
     def finished(self) -> bool:

@@ -20,7 +20,7 @@ from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.errors import ContainerRuntimeError, StartupCheckError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.sandboxes.backend import ContainerRef
+from nemo_ckpt.sandboxes.backend import ContainerRef, EnvironmentClass
 from nemo_ckpt.testing.data_plane import StaticCut
 from tests.container_runtime import Setup, ensure
 from tests.harness import World
@@ -157,8 +157,10 @@ def test_a_restart_only_session_is_reported_restarting_and_not_restored(
             await job.ckpt.ensure_holders()
             client = await job.client("holder-0")
             kept, remote = Ep("holder-0-kept", 0), Ep("holder-0-remote", 0)
-            await client.open(kept, b"s0")
-            await client.open(remote, b"s0", restart_only=True)
+            kept_record = await client.open(kept, b"s0")
+            remote_record = await client.open(remote, b"s0", restart_only=True)
+            assert kept_record.environment_class is EnvironmentClass.STATELESS
+            assert remote_record.environment_class is EnvironmentClass.RESTART_ONLY
             for ep in (kept, remote):
                 async with client.turn(ep) as turn:
                     turn.complete(b"t1", b"s1")
@@ -208,8 +210,10 @@ def test_without_criu_a_container_needing_its_memory_is_restart_only_and_others_
                     repl, memory="required"))
             assert "is restart-only: its container" in caplog.text
             assert record.container == repl  # its worker still finds its container
+            assert record.environment_class is EnvironmentClass.RESTART_ONLY
             files_container = _start(podman, runtime)
-            await client.open(files, b"s0", container=files_container)
+            opened = await client.open(files, b"s0", container=files_container)
+            assert opened.environment_class is EnvironmentClass.CAPTURABLE
             async with client.turn(files) as turn:
                 assert _ask(podman, files_container) == 1
                 podman.run("exec", files_container, "sh", "-c", "echo kept > /work/f")

@@ -38,7 +38,8 @@ CONFIG = (ROOT / CONFIG_PAGE).read_text()
 METRICS = (ROOT / "docs" / "METRICS.md").read_text()
 REFERENCE_PAGES = [CONFIG_PAGE, "docs/CLI.md", "docs/METRICS.md"]
 EXAMPLES = [ROOT / "examples" / "minimal_driver.py", ROOT / "examples" / "minimal_worker.py",
-            ROOT / "examples" / "adapter_recovery.py"]
+            ROOT / "examples" / "adapter_recovery.py",
+            ROOT / "examples" / "container_recovery.py"]
 
 
 def section(title: str, text: str = README) -> str:
