@@ -33,10 +33,8 @@ store; a restore creates it running (``prepare_restore``), and its undo removes 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
 import shutil
 import threading
 from collections import Counter
@@ -45,16 +43,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from nemo_ckpt.containers.podman import Podman
-from nemo_ckpt.containers.record import ContainerRecord, decode_record, encode_record
-from nemo_ckpt.containers.sandbox import ContainerSandboxes
+from nemo_ckpt.containers.backend import ContainerBackend
+from nemo_ckpt.containers.record import encode_record
 from nemo_ckpt.errors import ContainerRuntimeError, RestoreConflictError, SandboxError
-from nemo_ckpt.sandboxes.backend import ContainerRef, SandboxLocation
+from nemo_ckpt.sandboxes.backend import (
+    ContainerRef,
+    Recorded,
+    SandboxBackend,
+    SandboxLocation,
+    Staged,
+    StoredSandbox,
+)
 from nemo_ckpt.sandboxes.blob_store import BlobStore
+from nemo_ckpt.sandboxes.directories import PRIVATE_DIR, DirectoryBackend
 from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
-from nemo_ckpt.sandboxes.materialize import materialize
 from nemo_ckpt.sandboxes.node_cache import BlobCache
-from nemo_ckpt.sandboxes.scan import Listings, scan
 from nemo_ckpt.sandboxes.snapshot_trees import (
     BlobsWritten,
     TreeRow,
@@ -63,13 +66,10 @@ from nemo_ckpt.sandboxes.snapshot_trees import (
     read_trees_file,
     write_trees_file,
 )
-from nemo_ckpt.sandboxes.tree_codec import decode_tree
-from nemo_ckpt.sandboxes.tree_types import tree_digests, tree_stats
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.manifest import (
     MAX_SANDBOX_ID_BYTES,
-    NAME_MAX,
     ShardEntry,
     TreesEntry,
     restored_name_problem,
@@ -79,24 +79,8 @@ from nemo_ckpt.storage.manifest import (
 
 __all__ = ["Sandbox", "Recorded", "Sandboxes", "RestoredSandbox", "SandboxCapture", "PRIVATE_DIR"]
 
-PRIVATE_DIR = ".nemo-ckpt"
-_MADE = "made-by-restores"  # markers of containers made by restores not live yet
 log = logging.getLogger("nemo_ckpt.holder")
 _RESTORE_MEMORY = 256 << 20  # verified blobs a restore keeps in memory per shard
-
-
-@dataclass(frozen=True, slots=True)
-class Recorded:
-    """A directory's tree as one scan recorded it."""
-
-    listings: Listings  # what the next scan may skip
-    tree: bytes  # its top tree object's digest
-    tree_size: int
-    blobs: frozenset[bytes]  # every blob it references: tree objects, files, memory
-    file_count: int
-    file_bytes: int
-    # A container's: its image, config, deletions and memory (its tree is ``tree``).
-    container: ContainerRecord | None = None
 
 
 @dataclass(slots=True)
@@ -107,15 +91,8 @@ class Sandbox:
     recorded: Recorded
 
 
-@dataclass(slots=True)
-class RestoredSandbox:
-    """A sandbox a restore made, not yet live: a directory in its staging folder, to be
-    moved to ``target``; or a container, created (running) under its name."""
-
-    rollout_id: str
-    staging: Path | None
-    target: SandboxLocation
-    recorded: Recorded
+# A sandbox a restore made, not live yet (the name the holder's parts use).
+RestoredSandbox = Staged
 
 
 @dataclass
@@ -155,27 +132,6 @@ class SandboxCapture:
         return out
 
 
-def _beside(key: str, restore_id: str) -> str:
-    """The name of a restored directory beside one left in place: ``<key>.<restore id>``,
-    or, when that passes ``NAME_MAX``, a 16-digit tag of the restore id in its place."""
-    name = f"{safe_name_part(key)}.{safe_name_part(restore_id)}"
-    if len(name) > NAME_MAX:
-        tag = hashlib.blake2b(restore_id.encode("utf-8", "surrogatepass"),
-                              digest_size=8).hexdigest()
-        name = f"{safe_name_part(key)}.{tag}"
-    return name
-
-
-def _container_name(text: str) -> str:
-    """``text`` as a podman container name: other characters become ``_``; past 128
-    characters, its end is a 16-digit tag of the whole."""
-    name = re.sub(r"[^a-zA-Z0-9_.-]", "_", text)
-    if len(name) > 128:
-        tag = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8)
-        name = f"{name[:111]}.{tag.hexdigest()}"
-    return name
-
-
 class Session(Protocol):
     """A captured session, as a capture names it (the holder's ``Held``)."""
 
@@ -186,8 +142,22 @@ class Session(Protocol):
     def attempt(self) -> int: ...
 
 
+class _Sink:
+    """A recording's blobs into the holder's cache and orphan account (``BlobSink``)."""
+
+    def __init__(self, sandboxes: Sandboxes) -> None:
+        self._cache = sandboxes.cache
+        self.orphan = sandboxes._orphan
+        self.store = self._cache.store
+
+    def put(self, digest: bytes, data: bytes) -> None:
+        self._cache.put(digest, data)
+
+
 class Sandboxes:
-    """The sandboxes of one holder (see the module docstring)."""
+    """The sandboxes of one holder (see the module docstring): the sessions' table and
+    the node cache's account, routing each sandbox's work to its backend
+    (``nemo_ckpt.sandboxes.backend``: directories, containers)."""
 
     def __init__(self, instance_id: str, sandbox_root: str | None,
                  blob_root: str | None, namespace: str = "nemo_ckpt",
@@ -198,7 +168,8 @@ class Sandboxes:
         self.namespace = namespace
         # None: sessions may not own containers (CheckpointConfig.containers is off).
         self.container_env = container_env
-        self._containers: ContainerSandboxes | None = None
+        self._containers: ContainerBackend | None = None
+        self._directories: DirectoryBackend | None = None
         # Sessions classed restart-only, with their sandbox if they own one (never
         # recorded: the worker still finds it in its session): never captured,
         # reported restarting.
@@ -255,50 +226,39 @@ class Sandboxes:
         with self._cache_lock:
             if self._cache is None:
                 assert self._private is not None
-                self._remove_left_containers(self._private)
+                if self.container_env is not None:  # before the folder goes
+                    ContainerBackend.remove_left(self.instance_id, self.container_env,
+                                                 self._private / "containers")
                 if self._private.exists():
                     shutil.rmtree(self._private)
                 self._cache = BlobCache(self._private / "blobs")
             return self._cache
 
-    def _remove_left_containers(self, private: Path) -> None:
-        """Remove the containers an earlier holder of this instance made in restores
-        that never went live (it died mid-restore): each was marked before it was made,
-        and unmarked once its restore went live or it was removed."""
-        made = private / "containers" / _MADE
-        if self.container_env is None or not made.is_dir():
-            return
-        podman = Podman(env=self.container_env)
-        for marker in made.iterdir():
-            try:
-                podman.remove(marker.name)
-                log.warning("%s: removed container %s, made by a restore of an earlier "
-                            "holder of this instance that never went live",
-                            self.instance_id, marker.name)
-            except ContainerRuntimeError as exc:
-                log.warning("%s: container %s, left by an earlier holder's restore, could "
-                            "not be removed: %s", self.instance_id, marker.name, exc)
-
-    def _mark(self, name: str, made: bool) -> None:
-        """Mark (or unmark) the container ``name`` as made by a restore not live yet."""
-        assert self._private is not None
-        marker = self._private / "containers" / _MADE / name
-        if made:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-        else:
-            marker.unlink(missing_ok=True)
-
     @property
-    def containers(self) -> ContainerSandboxes:
+    def containers(self) -> ContainerBackend:
         """The node's container backend, made on first use (blocking)."""
         if self._containers is None:
             cache = self.cache
-            assert self._private is not None
-            self._containers = ContainerSandboxes(
-                Podman(env=self.container_env), cache, self._private / "containers",
-                self.limits, self.tree_budget, self.restore_setid)
+            assert self._private is not None and self.container_env is not None
+            self._containers = ContainerBackend(
+                self.instance_id, self.namespace, self.container_env, cache,
+                self._private / "containers", self.limits, self.tree_budget,
+                self.restore_setid)
         return self._containers
+
+    @property
+    def directories(self) -> DirectoryBackend:
+        assert self.root is not None
+        if self._directories is None:
+            self._directories = DirectoryBackend(self.instance_id, self.root, self.limits,
+                                                 self.tree_budget, self.restore_setid)
+        return self._directories
+
+    def _backend(self, location: SandboxLocation) -> SandboxBackend:
+        """The backend of a sandbox: the sessions' router's one decision."""
+        if isinstance(location, ContainerRef):
+            return self.containers
+        return self.directories
 
     def check_containers(self) -> tuple[list[str], list[str]]:
         """(problems, warnings) of this node's container runtime (check_startup)."""
@@ -308,9 +268,7 @@ class Sandboxes:
             return [f"{self.instance_id}: CheckpointConfig.containers is on but "
                     f"sandbox_root is not set; set it (the node cache of containers' "
                     f"files lives there)"], []
-        problems, warnings = self.containers.check()
-        return ([f"{self.instance_id}: {p}" for p in problems],
-                [f"{self.instance_id}: {w}" for w in warnings])
+        return self.containers.check()
 
     def probe(self) -> None:
         """Make the cache folder and write and remove a file in it (check_startup):
@@ -335,21 +293,7 @@ class Sandboxes:
                 f"{self.instance_id}: session {where} was opened with directory "
                 f"{directory}, but CheckpointConfig.sandbox_root is not set; set it to the "
                 f"folder (on every node) that holds the rollouts' sandboxes")
-        path = Path(os.path.realpath(directory))
-        root = Path(os.path.realpath(self.root))
-        if path == root or root not in path.parents:
-            raise SandboxError(
-                f"{self.instance_id}: the directory {directory} of session {where} is not "
-                f"inside sandbox_root {self.root}; create rollouts' sandboxes under it")
-        if (root / PRIVATE_DIR) in (path, *path.parents):
-            raise SandboxError(
-                f"{self.instance_id}: the directory {directory} of session {where} lies in "
-                f"{root / PRIVATE_DIR}, which nemo-ckpt keeps for itself")
-        if not path.is_dir():
-            raise SandboxError(
-                f"{self.instance_id}: the directory {directory} of session {where} does "
-                f"not exist or is not a directory")
-        return path
+        return self.directories.check_location(directory, where)
 
     def check_location(self, location: str | ContainerRef, where: str) -> SandboxLocation:
         """A session's sandbox as given to open it: a directory (``check_directory``)
@@ -372,61 +316,22 @@ class Sandboxes:
     def restart_only_reason(self, location: SandboxLocation) -> str | None:
         """Why a session with this sandbox cannot be captured on this node (blocking):
         a container that needs its memory where CRIU does not work; else None."""
-        if isinstance(location, ContainerRef) and location.memory == "required":
-            return self.containers.criu_problem()
+        if isinstance(location, ContainerRef):
+            return self.containers.restart_only_reason(location)
         return None
 
     def record(self, location: SandboxLocation, previous: Recorded | None) -> Recorded:
-        """Record the sandbox at ``location`` (re-reading only what changed since
-        ``previous``): a directory's or a container's new files and tree objects, and a
-        container's memory, go into the cache."""
-        if isinstance(location, ContainerRef):
-            return self._record_container(location, previous)
-        directory = location
-        cache = self.cache
-        kept: set[bytes] = set()
-        reads = 0
-
-        def store(chunks: Iterable[bytes]) -> tuple[bytes, int]:
-            nonlocal reads
-            reads += 1
-            digest, length = cache.store(chunks)
-            kept.add(digest)
-            return digest, length
-
+        """Record the sandbox at ``location`` through its backend (re-reading only what
+        changed since ``previous``): its new blobs go into the cache."""
+        backend = self._backend(location)
+        sink = _Sink(self)
         with self._scan_lock:
             self._scans_running += 1
         try:
-            result = scan(directory, previous.listings if previous else None, store,
-                          limits=self.limits)
-        except BaseException:
-            self._orphan(kept)
-            raise
+            return backend.record(location, previous, sink)
         finally:
             with self._scan_lock:
                 self._scans_running -= 1
-        if reads > result.files_read:  # some file was read again, or is gone
-            self._orphan(kept - result.blobs())
-        if previous is not None and result.root == previous.tree:  # nothing changed
-            return Recorded(result.listings, previous.tree, previous.tree_size,
-                            previous.blobs, previous.file_count, previous.file_bytes)
-        for digest, data in result.objects.items():
-            cache.put(digest, data)
-        return Recorded(result.listings, result.root, result.root_size, result.blobs(),
-                        result.file_count(), result.file_bytes())
-
-    def _record_container(self, ref: ContainerRef, previous: Recorded | None) -> Recorded:
-        containers = self.containers
-        with self._scan_lock:
-            self._scans_running += 1
-        try:
-            got = containers.record(ref.name, previous.listings if previous else None,
-                                    memory=ref.memory != "off", policy=ref.memory)
-        finally:
-            with self._scan_lock:
-                self._scans_running -= 1
-        return Recorded(got.listings, got.record.tree, got.record.tree_size, got.blobs,
-                        got.file_count, got.file_bytes, got.record)
 
     # --- bookkeeping (no await around these and the table's change) ------------------
 
@@ -528,8 +433,7 @@ class Sandboxes:
     # --- a restore (blocking, then bookkeeping) --------------------------------------
 
     def target_of(self, capture_key: str) -> Path:
-        assert self.root is not None
-        return self.root / safe_name_part(capture_key)
+        return self.directories.target_of(capture_key)
 
     def prepare_restore(self, restore_id: str, directory: Folder, entry: ShardEntry,
                         blob_store: str | None, new_keys: dict[str, str]
@@ -571,84 +475,19 @@ class Sandboxes:
         rows = read_trees_file(directory, entry.trees, self.instance_id, containers)
         self._check_restored_names(rows, new_keys, directory, entry.trees.file)
         for rollout_id, attempt, tree_digest, tree_size, _ in rows:
-            key = new_keys[rollout_id]
-            if rollout_id in containers:
-                restored.append(self._restore_container(
-                    containers[rollout_id], rollout_id, attempt, tree_digest, tree_size,
-                    key, restore_id, fetch, directory.describe(entry.trees.file)))
-                continue
-            target = self._restore_target(self.root, key, restore_id)
-            tree, objects = decode_tree(
-                tree_digest, tree_size, fetch,
-                f"{rollout_id} (attempt {attempt}) in {directory.describe()}",
-                self.tree_budget)
-
-            place = staging / safe_name_part(key)
-            try:
-                if os.path.lexists(place):
-                    shutil.rmtree(place)
-                materialize(tree, place, fetch, allow_setid=self.restore_setid)
-            except OSError as exc:
-                raise SandboxError(
-                    f"{self.instance_id}: cannot restore the directory of rollout "
-                    f"{rollout_id!r} (attempt {attempt}) into {exc.filename or place}: "
-                    f"{exc.strerror or exc}") from exc
-            stats = tree_stats(tree)
-            restored.append(RestoredSandbox(
-                rollout_id, place, target,
-                Recorded({}, tree_digest, tree_size,
-                         frozenset(objects) | tree_digests(tree), stats.files, stats.bytes)))
+            raw = containers.get(rollout_id)
+            if raw is not None and self.container_env is None:
+                raise ContainerRuntimeError(
+                    f"{self.instance_id}: the snapshot holds the container of rollout "
+                    f"{rollout_id!r}, but CheckpointConfig.containers is off here; turn "
+                    f"it on to restore it")
+            stored = StoredSandbox(
+                rollout_id, attempt, tree_digest, tree_size, raw,
+                f"{rollout_id} (attempt {attempt}) in {directory.describe(entry.trees.file)}")
+            backend = self.containers if raw is not None else self.directories
+            restored.append(backend.restore(stored, fetch, new_keys[rollout_id],
+                                            restore_id, staging))
         return restored
-
-    def _restore_container(self, raw: bytes, rollout_id: str, attempt: int,
-                           tree_digest: bytes, tree_size: int, key: str, restore_id: str,
-                           fetch: Callable[[bytes, int], bytes], trees_file: str
-                           ) -> RestoredSandbox:
-        """Create the container of one stored session (running, not live yet)."""
-        where = f"{rollout_id} (attempt {attempt}) in {trees_file}"
-        record = decode_record(raw, where)
-        if (record.tree, record.tree_size) != (tree_digest, tree_size):
-            raise ContainerRuntimeError(f"the container record of {where} names another "
-                                        f"tree than its row: crafted or damaged")
-        if self.container_env is None:
-            raise ContainerRuntimeError(
-                f"{self.instance_id}: the snapshot holds the container of {where}, but "
-                f"CheckpointConfig.containers is off here; turn it on to restore it")
-        if record.policy == "required" and record.memory is not None \
-                and self.containers.criu_problem() is not None:
-            raise ContainerRuntimeError(
-                f"{self.instance_id}: the container of {where} needs its processes' memory "
-                f"(opened with memory='required'), which this node cannot restore "
-                f"({self.containers.criu_problem()}); restore where CRIU works "
-                f"(check_startup warns of each node where it does not)")
-        name = self._container_target(key, restore_id)
-        self._mark(name, True)
-        try:
-            made = self.containers.restore(record, fetch, name, key, where)
-        except BaseException:
-            self._mark(name, False)  # restore() removed what it made
-            raise
-        if record.memory is not None and not made.running:
-            log.warning("%s: the container of %s was restored with its files only, its "
-                        "command started again: %s", self.instance_id, where,
-                        self.containers.criu_problem() or "memory capture is off")
-        return RestoredSandbox(
-            rollout_id, None, ContainerRef(name, record.policy),  # type: ignore[arg-type]
-            Recorded({}, tree_digest, tree_size, made.blobs, made.file_count,
-                     made.file_bytes, record))
-
-    def _container_target(self, key: str, restore_id: str) -> str:
-        """The name of a restored session's container: ``nemo-ckpt-<namespace>-<key>``,
-        or beside one of that name left by an earlier restore; refuses the restore
-        when both are taken."""
-        base = _container_name(f"nemo-ckpt-{self.namespace}-{key}")
-        for name in (base, _container_name(f"{base}.{_beside(key, restore_id)}")):
-            if not self.containers.podman.exists(name):
-                return name
-        raise RestoreConflictError(
-            f"{self.instance_id}: cannot restore the container of {key}: containers "
-            f"{base} and the one beside it already exist; remove them, or restore into "
-            f"a fresh job")
 
     def _make_staging(self, private: Path, restore_id: str) -> Path:
         """The restore's staging folder, made (a retry's is reused)."""
@@ -678,41 +517,15 @@ class Sandboxes:
                                    f"the snapshot was written before rollout ids were "
                                    f"bounded, or crafted: restore another one")
 
-    def _restore_target(self, root: Path, key: str, restore_id: str) -> Path:
-        """Where the directory restored as ``key`` goes live: its own place, or beside
-        it when that is taken; refuses the restore when both are."""
-        target = self.target_of(key)
-        if os.path.lexists(target):
-            # Left by a restore of this snapshot that did not survive (its holder
-            # died after it went live), or someone else's: keep it, and go beside it.
-            target = root / _beside(key, restore_id)
-        if os.path.lexists(target):
-            raise RestoreConflictError(
-                f"{self.instance_id}: cannot restore the directory of {key}: "
-                f"{target} already exists; remove it, or restore into a fresh job")
-        return target
-
     def commit_restore(self, restored: list[RestoredSandbox]) -> None:
-        """Move a prepared restore's directories into place (blocking); its containers
-        are in place already."""
+        """Put a prepared restore's sandboxes in place (blocking): directories moved,
+        containers made the sessions'. Every place is checked before any moves."""
         for box in restored:
-            if isinstance(box.target, Path) and box.staging is not None \
-                    and os.path.lexists(box.target):
-                raise RestoreConflictError(
-                    f"{self.instance_id}: {box.target} appeared during the restore")
+            problem = self._backend(box.target).conflict(box)
+            if problem is not None:
+                raise RestoreConflictError(problem)
         for box in restored:
-            if box.staging is None:
-                assert isinstance(box.target, ContainerRef)
-                self._mark(box.target.name, False)  # the session's from now on
-                continue
-            assert isinstance(box.target, Path)
-            try:
-                os.rename(box.staging, box.target)
-            except OSError as exc:
-                raise SandboxError(
-                    f"{self.instance_id}: cannot move the restored directory of rollout "
-                    f"{box.rollout_id!r} from {box.staging} to {box.target}: "
-                    f"{exc.strerror or exc}") from exc
+            self._backend(box.target).place(box)
 
     def discard_staging(self, restore_id: str) -> None:
         """Remove a restore's staging folder (blocking)."""
@@ -731,15 +544,7 @@ class Sandboxes:
         with self._doomed_lock:
             doomed, self._doomed = self._doomed, []
             for d in doomed:
-                if isinstance(d, ContainerRef):
-                    try:
-                        self.containers.discard(d.name)
-                        self._mark(d.name, False)
-                    except ContainerRuntimeError as exc:
-                        log.warning("%s: the container %s of an undone restore could not "
-                                    "be removed: %s", self.instance_id, d.name, exc)
-                else:
-                    shutil.rmtree(d, ignore_errors=True)
+                self._backend(d).discard(d)
 
     def forget_restore(self, restored: Iterable[RestoredSandbox]) -> None:
         for box in restored:

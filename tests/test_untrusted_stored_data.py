@@ -170,12 +170,12 @@ def test_a_restore_that_cannot_write_a_directory_raises_a_sandbox_error_naming_i
     finally:
         job.close()
     shutil.rmtree(tmp_path / "sandboxes")
-    import actors.holder_sandboxes
+    import nemo_ckpt.sandboxes.directories
 
     def full_disk(tree: Any, target: Path, *args: Any, **kwargs: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device", str(target / "state"))
 
-    monkeypatch.setattr(actors.holder_sandboxes, "materialize", full_disk)
+    monkeypatch.setattr(nemo_ckpt.sandboxes.directories, "materialize", full_disk)
     fresh = sandbox_job(tmp_path, seed=1)
     try:
         async def restore() -> None:

@@ -34,12 +34,18 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, Union
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
+
+if TYPE_CHECKING:
+    from nemo_ckpt.containers.record import ContainerRecord
+    from nemo_ckpt.sandboxes.scan import Listings
 
 __all__ = ["EnvironmentClass", "ContainerRef", "MemoryPolicy", "SandboxLocation",
-           "SandboxBackend", "container_name_problem"]
+           "SandboxBackend", "Recorded", "Staged", "StoredSandbox", "BlobSink", "Fetch",
+           "container_name_problem"]
 
 
 class EnvironmentClass(str, enum.Enum):
@@ -87,10 +93,86 @@ def container_name_problem(name: object) -> str | None:
 # Where a session's sandbox is: a directory on the node, or a container.
 SandboxLocation = Union[Path, ContainerRef]
 
+# ``fetch(digest, size)``: a blob's verified content, from the node cache or the store.
+Fetch = Callable[[bytes, int], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """A sandbox as one recording left it: its tree (for a container, of its changes)
+    and every blob it references."""
+
+    listings: Listings  # what the next recording may skip
+    tree: bytes  # its top tree object's digest
+    tree_size: int
+    blobs: frozenset[bytes]  # every blob it references: tree objects, files, memory
+    file_count: int
+    file_bytes: int
+    # A container's: its image, config, deletions and memory (its tree is ``tree``).
+    container: ContainerRecord | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSandbox:
+    """One session's sandbox as a snapshot stored it (a trees file's row)."""
+
+    rollout_id: str
+    attempt: int
+    tree: bytes
+    tree_size: int
+    container: bytes | None  # a container's encoded record, None for a directory
+    where: str  # names it in errors: the rollout, the attempt and the trees file
+
+
+@dataclass(slots=True)
+class Staged:
+    """A sandbox a restore made, not live yet: a directory in its staging folder, to
+    move to ``target``; or a container, created (running) under its name."""
+
+    rollout_id: str
+    staging: Path | None
+    target: SandboxLocation
+    recorded: Recorded
+
+
+class BlobSink(Protocol):
+    """Where a recording puts what it read: the node's blob cache, and the holder's
+    account of blobs it kept that the new tree does not reference."""
+
+    def store(self, chunks: Iterable[bytes]) -> tuple[bytes, int]: ...
+
+    def put(self, digest: bytes, data: bytes) -> None: ...
+
+    def orphan(self, digests: set[bytes]) -> None: ...
+
 
 class SandboxBackend(Protocol):
     """One kind of sandbox; the call order is in the module docstring."""
 
     def check(self) -> tuple[list[str], list[str]]:
         """(problems, warnings) on this node."""
+        ...
+
+    def record(self, location: Any, previous: Recorded | None, sink: BlobSink) -> Recorded:
+        """What the sandbox at ``location`` holds now, its new blobs given to ``sink``;
+        only what changed since ``previous`` is read again (blocking)."""
+        ...
+
+    def restore(self, stored: StoredSandbox, fetch: Fetch, key: str, restore_id: str,
+                staging: Path) -> Staged:
+        """Make the sandbox of ``stored`` again for the attempt whose capture key is
+        ``key``, not live yet (blocking): a directory in ``staging``, a container
+        created. ``fetch`` returns a blob's verified content."""
+        ...
+
+    def conflict(self, staged: Staged) -> str | None:
+        """Why ``staged`` cannot go live now (its place taken since), else None."""
+        ...
+
+    def place(self, staged: Staged) -> None:
+        """Make ``staged`` the session's sandbox (the restore goes live; blocking)."""
+        ...
+
+    def discard(self, location: Any) -> None:
+        """Remove what a restore made that will not go live (blocking)."""
         ...
