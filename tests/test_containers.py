@@ -330,3 +330,21 @@ def test_a_crafted_deletion_through_a_link_never_reaches_the_host(
     sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r")
     assert victim.read_text() == "the host's"
     assert _sh(podman, name, "readlink /work/esc") == str(tmp_path)
+
+
+def test_a_recording_keeps_files_written_after_someone_elses_podman_checkpoint(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """podman's own checkpoint (with its filesystem) leaves a rootfs diff in the
+    container's folder; the restore that ends a recording with memory must not apply it
+    again (found by benchmarks/containers.py)."""
+    sandboxes = _sandboxes(podman, tmp_path)
+    name = _name(names)
+    _run(podman, runtime, name, _SERVER)
+    _sh(podman, name, "echo old > /work/f")
+    podman.run("container", "checkpoint", "--leave-running", "--compress=none",
+               f"--export={tmp_path / 'theirs.tar'}", name)
+    _sh(podman, name, "echo new > /work/f")
+    recorded = sandboxes.record(name, None)
+    assert recorded.record.memory is not None
+    assert _sh(podman, name, "cat /work/f") == "new"
+    assert _ask(podman, name) == 1  # still running, from its memory

@@ -172,6 +172,10 @@ class Podman:
         self.run(*args, container)
 
     def restore_in_place(self, container: str) -> None:
+        """Restore the processes of ``checkpoint(keep=True)``. ``--ignore-rootfs``: the
+        files are as they were (the processes stopped meanwhile); a rootfs diff left in
+        the container's folder by someone's own ``podman container checkpoint`` must
+        not be applied again over them."""
         self.run("container", "restore", "--keep", container)
 
     def restore_import(self, archive: str, name: str) -> None:

@@ -116,9 +116,10 @@ class ContainerSandboxes:
 
     # --- recording ---------------------------------------------------------------
 
-    def describe(self, container: str) -> tuple[ContainerConfig, Path, bool]:
-        """The container's creation config, its upper directory, and whether it runs;
-        ``ContainerRuntimeError`` for one that cannot be recorded."""
+    def describe(self, container: str) -> tuple[ContainerConfig, Path, bool, Path | None]:
+        """The container's creation config, its upper directory, whether it runs, and
+        its folder in podman's storage; ``ContainerRuntimeError`` for one that cannot be
+        recorded."""
         info = self.podman.inspect(container)
         driver = info.get("GraphDriver") or {}
         if driver.get("Name") != "overlay":
@@ -148,18 +149,25 @@ class ContainerSandboxes:
             workdir=str(config.get("WorkingDir") or "/"),
             user=str(config.get("User") or ""))
         running = bool((info.get("State") or {}).get("Running"))
-        return cfg, Path(upper), running
+        static = info.get("StaticDir")
+        return cfg, Path(upper), running, Path(static) if static else None
 
     def record(self, container: str, previous: Listings | None, memory: bool = True,
                policy: str = "preferred") -> RecordedContainer:
         """Record ``container`` now: its processes' memory where ``memory``, CRIU works
         and it runs, and its filesystem changes (re-reading only what changed since the
         recording whose listings are ``previous``)."""
-        config, upper, running = self.describe(container)
+        config, upper, running, static = self.describe(container)
         captured: tuple[bytes, int] | None = None
         capture_memory = memory and self.memory and running and self.criu_problem() is None
         if capture_memory:
             captured = self._checkpoint(container)
+            if static is not None:
+                # A filesystem diff that someone's own `podman container checkpoint`
+                # left there would be applied by the restore in place, over the files
+                # as they are (found by benchmarks/containers.py).
+                for stale in ("rootfs-diff.tar", "deleted.files"):
+                    (static / stale).unlink(missing_ok=True)
         try:
             marks = OverlayMarks()
             result = scan(upper, previous, self.cache.store, limits=self.limits,
