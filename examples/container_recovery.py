@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     logging.basicConfig(level=logging.ERROR)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a Ray instance of its own, even where RAY_ADDRESS names a cluster.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     work = Path(tempfile.mkdtemp(prefix="container-recovery-"))
     try:
         crashed = asyncio.run(crashed_and_restored(work / "crashed", args.rollouts,

@@ -24,6 +24,7 @@ from nemo_ckpt.sandboxes.backend import ContainerRef, EnvironmentClass
 from nemo_ckpt.testing.data_plane import StaticCut
 from tests.container_runtime import Setup, ensure
 from tests.harness import World
+from tests.test_containers import assert_nothing_mounted_or_networked
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,9 +37,10 @@ SERVER = ("mkfifo /tmp/req /tmp/rep; n=0; "
 def runtime() -> Iterator[Setup]:
     setup = ensure()
     yield setup
-    left = Podman(env=setup.env).text("ps", "-a", "--filter", "name=^nemo-ckpt-",
-                                      "--format", "{{.Names}}")
+    podman = Podman(env=setup.env)
+    left = podman.text("ps", "-a", "--filter", "name=^nemo-ckpt-", "--format", "{{.Names}}")
     assert left == "", f"containers left behind: {left}"
+    assert_nothing_mounted_or_networked(podman)
 
 
 @pytest.fixture

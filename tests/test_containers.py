@@ -40,6 +40,16 @@ def runtime() -> Iterator[Setup]:
     left = podman.text("ps", "-a", "--filter", "name=^nemo-ckpt-test-",
                        "--format", "{{.Names}}")
     assert left == "", f"containers left behind: {left}"
+    assert_nothing_mounted_or_networked(podman)
+
+
+def assert_nothing_mounted_or_networked(podman: Podman) -> None:
+    """No container or image of podman's stays mounted, and no network but podman's
+    default exists: the tests' teardown leaves nothing behind."""
+    assert podman.text("mount") == "", "a container is still mounted"
+    assert podman.text("image", "mount") == "", "an image is still mounted"
+    networks = podman.text("network", "ls", "--format", "{{.Name}}").split()
+    assert networks == ["podman"], f"networks left: {networks}"
 
 
 @pytest.fixture

@@ -22,11 +22,12 @@ from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.containers.podman import Podman
-from nemo_ckpt.errors import BackendUnavailableError
+from nemo_ckpt.errors import BackendUnavailableError, TurnOutcomeUnknownError
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from tests.container_runtime import Setup, ensure
 from tests.test_container_sessions import SERVER
+from tests.test_containers import assert_nothing_mounted_or_networked
 
 pytestmark = pytest.mark.timeout(240)
 INSTANCES = ("holder-0", "holder-1")
@@ -34,7 +35,9 @@ INSTANCES = ("holder-0", "holder-1")
 
 @pytest.fixture(scope="module")
 def runtime() -> Iterator[Setup]:
-    yield ensure()
+    setup = ensure()
+    yield setup
+    assert_nothing_mounted_or_networked(Podman(env=setup.env))
 
 
 @pytest.fixture
@@ -226,3 +229,68 @@ asyncio.run(main())
         assert await _counts(fresh, podman) == {"holder-0": 3, "holder-1": 3}
     finally:
         fresh.shutdown()
+
+
+async def test_a_holder_killed_while_it_records_a_container_at_a_turns_commit(
+        ckpt: RayEnvironmentCheckpoint, podman: Podman, runtime: Setup,
+        tmp_path: Path) -> None:
+    """Killed inside the recording (CRIU's dump, the scan, the restore in place): the
+    turn fails, the session goes with its holder, and the last snapshot brings the
+    container back as it was then."""
+    await ckpt.ensure_holders()
+    made = await _play(ckpt, podman, runtime, 2)
+    path = tmp_path / "ckpt" / "step-1"
+    async with ckpt.snapshot(path):
+        pass
+    name = made["holder-1"]
+    podman.run("exec", name, "sh", "-c", "mkdir /work/many && cd /work/many && "
+               "for i in $(seq 1 3000); do echo $i > f$i; done")
+    client = await SessionClient.connect("holder-1", namespace=ckpt.config.namespace)
+    victim = ray.get_actor(HOLDER_NAME_PREFIX + "holder-1", namespace=ckpt.config.namespace)
+    with pytest.raises((BackendUnavailableError, TurnOutcomeUnknownError)):
+        async with client.turn(Ep("holder-1-r", 0)) as turn:
+            assert _ask(podman, name) == 3
+            turn.complete(b"t3", b"s")
+            asyncio.get_running_loop().call_later(0.3, ray.kill, victim)
+    ckpt.shutdown()
+    _crash(podman, made)
+
+    fresh = RayEnvironmentCheckpoint(ckpt.config)
+    try:
+        async with fresh.restored(path) as restored:
+            assert {i for i, _, _ in restored.continued_attempts} == set(INSTANCES)
+        assert await _counts(fresh, podman) == {"holder-0": 3, "holder-1": 3}
+    finally:
+        fresh.shutdown()
+
+
+async def test_a_driver_killed_inside_a_snapshot_leaves_containers_running_on(
+        ckpt: RayEnvironmentCheckpoint, podman: Podman, runtime: Setup, cluster: Any,
+        tmp_path: Path) -> None:
+    await ckpt.ensure_holders()
+    made = await _play(ckpt, podman, runtime, 2)
+    path = tmp_path / "ckpt" / "step-1"
+    script = f"""
+import asyncio, os, ray
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
+ray.init(address={cluster.address!r}, log_to_driver=False)
+config = CheckpointConfig.model_validate_json({ckpt.config.model_dump_json()!r})
+async def main():
+    async with RayEnvironmentCheckpoint(config).snapshot({str(path)!r}):
+        print("inside", flush=True)
+        os._exit(3)  # killed: no exit handler, no abort, no more lease renewals
+asyncio.run(main())
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3 and "inside" in proc.stdout, proc.stderr[-2000:]
+    deadline = asyncio.get_running_loop().time() + ckpt.config.lease_s + 20
+    while {h.state for h in await ckpt.holders()} != {HolderState.RUNNING}:
+        assert asyncio.get_running_loop().time() < deadline, "holders still paused"
+        await asyncio.sleep(0.5)
+    assert not (path / "environment" / "manifest.json").exists()
+    for inst in INSTANCES:  # the sessions and their containers run on, memory and all
+        await _turns(ckpt, podman, inst, 0, 1)
+        assert _ask(podman, made[inst]) == 4
+    async with ckpt.snapshot(path) as snap:
+        assert snap is not None and snap.captured_rollouts == 2

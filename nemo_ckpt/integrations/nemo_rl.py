@@ -381,10 +381,14 @@ class NemoRlEnvironmentCheckpoint:
         _check_ledger(ledger)
         return ledger
 
-    async def _cut_view(self, cut: Any, deadline: float | None) -> NemoRlCut:
+    def _ledger_inventory(self) -> tuple[Any, dict[str, tuple[tuple[str, int], ...]]]:
+        """The current ledger, and its inventory of this backend's owners, checked."""
         ledger = self._current_ledger()
-        inventory = _inventory(ledger.gym_checkpoint_inventory(frozenset(self.owners)),
-                               "gym_checkpoint_inventory")
+        return ledger, _inventory(ledger.gym_checkpoint_inventory(frozenset(self.owners)),
+                                  "gym_checkpoint_inventory")
+
+    async def _cut_view(self, cut: Any, deadline: float | None) -> NemoRlCut:
+        ledger, inventory = self._ledger_inventory()
         expected: dict[str, set[EnvironmentEpisode]] = {}
         for owner, pairs in inventory.items():
             instance = self._instance_of(owner)
@@ -430,9 +434,7 @@ class NemoRlEnvironmentCheckpoint:
                                     frozenset[tuple[str, str, int]]]:
         """The restored attempts in owner ids that the loaded ledger continues with the
         rows they reference, and the restored sessions it does not (dropped)."""
-        ledger = self._current_ledger()
-        inventory = _inventory(ledger.gym_checkpoint_inventory(frozenset(self.owners)),
-                               "gym_checkpoint_inventory")
+        ledger, inventory = self._ledger_inventory()
         owner_of = {(rid, att): owner for owner, pairs in inventory.items()
                     for rid, att in pairs}
         handed: set[tuple[str, str, int]] = set()
