@@ -19,7 +19,7 @@ def _demo(*args: str) -> subprocess.CompletedProcess[str]:
     setup = ensure()
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / "container_recovery.py"),
-         "--rollouts", "2", "--turns", "5", "--snapshot-at", "2", *args],
+         "--rollouts", "1", "--turns", "4", "--snapshot-at", "2", *args],
         capture_output=True, text=True, timeout=240, env={**os.environ, **setup.env})
 
 
@@ -28,7 +28,7 @@ def test_the_container_demo_continues_each_containers_memory_and_files_verified(
     done = _demo()
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "CRIU works here" in done.stdout
-    assert "2 rollout(s) continued from their saved turn with their files and memory, " \
+    assert "1 rollout(s) continued from their saved turn with their files and memory, " \
            "0 started over" in done.stdout
     assert "VERIFIED" in done.stdout
 
@@ -39,7 +39,7 @@ def test_without_criu_the_demo_starts_restart_only_containers_over_and_still_ver
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "no CRIU here" in done.stdout
     assert "0 rollout(s) continued from their saved turn with their files and memory, " \
-           "2 started over (restart-only)" in done.stdout
+           "1 started over (restart-only)" in done.stdout
     assert "VERIFIED" in done.stdout
 
 

@@ -246,6 +246,7 @@ async def test_a_holder_killed_while_it_records_a_container_at_a_turns_commit(
     podman.run("exec", name, "sh", "-c", "mkdir /work/many && cd /work/many && "
                "for i in $(seq 1 3000); do echo $i > f$i; done")
     client = await SessionClient.connect("holder-1", namespace=ckpt.config.namespace)
+    client.resolve_s = 3.0  # its holder is dead for good: say so soon
     victim = ray.get_actor(HOLDER_NAME_PREFIX + "holder-1", namespace=ckpt.config.namespace)
     with pytest.raises((BackendUnavailableError, TurnOutcomeUnknownError)):
         async with client.turn(Ep("holder-1-r", 0)) as turn:
