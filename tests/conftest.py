@@ -170,3 +170,27 @@ async def ckpt(cluster: Any, namespace: str, tmp_path: Any) -> AsyncIterator[Any
         yield checkpoint
     finally:
         checkpoint.shutdown()
+
+
+def kill_a_driver_inside(address: str, config: Any, block: str, path: Any,
+                         timeout_s: float = 120.0) -> None:
+    """Run a driver process that enters ``RayEnvironmentCheckpoint(config).<block>(path)``
+    (``snapshot`` or ``restored``) on the cluster at ``address`` and dies inside it: no
+    exit handler, no abort, no more lease renewals."""
+    import subprocess
+    import sys
+
+    script = f"""
+import asyncio, os, ray
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
+ray.init(address={address!r}, log_to_driver=False)
+config = CheckpointConfig.model_validate_json({config.model_dump_json()!r})
+async def main():
+    async with RayEnvironmentCheckpoint(config).{block}({str(path)!r}):
+        print("inside", flush=True)
+        os._exit(3)
+asyncio.run(main())
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 3 and "inside" in proc.stdout, proc.stderr[-2000:]

@@ -35,6 +35,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from nemo_ckpt.containers.podman import criu_check_problem
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / ".venv" / "containers"
 IMAGE = "localhost/nemo-ckpt-busybox:1"
@@ -100,18 +102,6 @@ def _apt_install(packages: tuple[str, ...]) -> None:
     if done.returncode != 0:
         raise RuntimeError(f"apt-get install {' '.join(missing)} failed:\n"
                            f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
-
-
-def _criu_check(criu: str) -> str | None:
-    """None when ``criu check`` passes, else what it said."""
-    try:
-        done = _run([criu, "check"], timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    if done.returncode == 0:
-        return None
-    return (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:][0] \
-        if (done.stderr.strip() or done.stdout.strip()) else f"exit {done.returncode}"
 
 
 def _trixie_sources_hash(apt_dir: Path) -> str:
@@ -187,23 +177,20 @@ def _build_criu(steps: list[str]) -> None:
 def _find_criu(steps: list[str]) -> tuple[str | None, str | None]:
     """(criu's path, None) or (None, why no CRIU passes ``criu check``)."""
     ours = CRIU_DIR / "criu"
-    if ours.exists() and _criu_check(str(ours)) is None:
+    if ours.exists() and criu_check_problem(str(ours)) is None:
         return str(ours), None
     system = shutil.which("criu")
     problem = None
     if system is not None:
-        problem = _criu_check(system)
+        problem = criu_check_problem(system)
         if problem is None:
             return system, None
-        problem = f"{system}: {problem}"
     try:
         _build_criu(steps)
     except (RuntimeError, OSError) as exc:
         return None, f"{problem + '; ' if problem else ''}CRIU {CRIU_VERSION}: {exc}"
-    problem_ours = _criu_check(str(ours))
-    if problem_ours is None:
-        return str(ours), None
-    return None, f"{ours}: criu check: {problem_ours}"
+    problem_ours = criu_check_problem(str(ours))
+    return (str(ours), None) if problem_ours is None else (None, problem_ours)
 
 
 def _busybox_image(env: dict[str, str], podman: str, steps: list[str]) -> None:

@@ -24,22 +24,22 @@ from nemo_ckpt.sandboxes.backend import ContainerRef, EnvironmentClass
 from nemo_ckpt.testing.data_plane import StaticCut
 from tests.container_runtime import Setup, ensure
 from tests.harness import World
-from tests.test_containers import assert_nothing_mounted_or_networked
+from tests.test_containers import (
+    SERVER,
+    ask,
+    assert_nothing_mounted_or_networked,
+    containers_named,
+)
 
 pytestmark = pytest.mark.timeout(180)
-
-# A server holding a counter in its shell's memory only (see tests/test_containers.py).
-SERVER = ("mkfifo /tmp/req /tmp/rep; n=0; "
-          "while true; do read cmd < /tmp/req; n=$((n+1)); echo $n > /tmp/rep; done")
-
 
 @pytest.fixture(scope="module")
 def runtime() -> Iterator[Setup]:
     setup = ensure()
     yield setup
     podman = Podman(env=setup.env)
-    left = podman.text("ps", "-a", "--filter", "name=^nemo-ckpt-", "--format", "{{.Names}}")
-    assert left == "", f"containers left behind: {left}"
+    left = containers_named(podman, "nemo-ckpt-")
+    assert left == [], f"containers left behind: {left}"
     assert_nothing_mounted_or_networked(podman)
 
 
@@ -48,9 +48,7 @@ def podman(runtime: Setup) -> Iterator[Podman]:
     """podman, and after the test every container it or the job made removed by name."""
     client = Podman(env=runtime.env)
     yield client
-    names = client.text("ps", "-a", "--filter", "name=^nemo-ckpt-", "--format",
-                        "{{.Names}}").split()
-    for name in names:
+    for name in containers_named(client, "nemo-ckpt-"):
         client.remove(name)
 
 
@@ -70,10 +68,6 @@ def _start(podman: Podman, runtime: Setup) -> str:
     return name
 
 
-def _ask(podman: Podman, container: str) -> int:
-    return int(podman.text("exec", container, "sh", "-c", "echo go > /tmp/req; cat /tmp/rep"))
-
-
 def _log(podman: Podman, container: str) -> str:
     return podman.text("exec", container, "cat", "/work/log")
 
@@ -88,7 +82,7 @@ async def _turns(job: World, podman: Podman, eps: dict[Ep, str], instance: str,
             async with client.turn(ep) as turn:
                 container = turn.container
                 assert container is not None
-                n = _ask(podman, container)
+                n = ask(podman, container)
                 podman.run("exec", container, "sh", "-c", f"echo turn-{n} >> /work/log")
                 turn.complete(f"t{n}".encode(), f"s{n}".encode())
 
@@ -142,7 +136,7 @@ def test_a_container_session_continues_in_a_fresh_job_with_its_files_and_memory(
                 # Its server's counter continues from its memory at the snapshot.
                 async with client.turn(ep) as turn:
                     assert turn.container == record.container
-                    assert _ask(podman, record.container) == turns + 1
+                    assert ask(podman, record.container) == turns + 1
                     turn.complete(b"t", b"s")
 
         fresh.run(restore())
@@ -217,7 +211,7 @@ def test_without_criu_a_container_needing_its_memory_is_restart_only_and_others_
             opened = await client.open(files, b"s0", container=files_container)
             assert opened.environment_class is EnvironmentClass.CAPTURABLE
             async with client.turn(files) as turn:
-                assert _ask(podman, files_container) == 1
+                assert ask(podman, files_container) == 1
                 podman.run("exec", files_container, "sh", "-c", "echo kept > /work/f")
                 turn.complete(b"t1", b"s1")
             async with job.ckpt.snapshot(path) as snap:
@@ -238,7 +232,7 @@ def test_without_criu_a_container_needing_its_memory_is_restart_only_and_others_
             record = await client.get(Ep("holder-0-files", 1))
             assert record.container is not None
             assert podman.text("exec", record.container, "cat", "/work/f") == "kept"
-            assert _ask(podman, record.container) == 1  # its command started afresh
+            assert ask(podman, record.container) == 1  # its command started afresh
 
         fresh.run(restore())
     finally:
@@ -319,6 +313,4 @@ def test_a_container_that_needs_its_memory_is_not_restored_where_criu_does_not_w
         fresh.run(restore())
     finally:
         fresh.close()
-    made = podman.text("ps", "-a", "--filter", "name=^nemo-ckpt-job-", "--format",
-                       "{{.Names}}")
-    assert made == ""  # no container of the refused restore is left
+    assert containers_named(podman, "nemo-ckpt-job-") == []  # none of the refused restore

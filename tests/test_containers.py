@@ -27,8 +27,9 @@ from tests.container_runtime import Setup, ensure
 pytestmark = pytest.mark.timeout(180)
 
 # A server holding a counter in its shell's memory only: each request through the FIFO
-# /tmp/req is answered with the next count on /tmp/rep (``_ask``).
-_SERVER = ("mkfifo /tmp/req /tmp/rep; n=0; "
+# /tmp/req is answered with the next count on /tmp/rep (``ask``). Shared by the container
+# tests, as are ``ask``, ``containers_named`` and ``assert_nothing_mounted_or_networked``.
+SERVER = ("mkfifo /tmp/req /tmp/rep; n=0; "
            "while true; do read cmd < /tmp/req; n=$((n+1)); echo $n > /tmp/rep; done")
 
 
@@ -37,10 +38,15 @@ def runtime() -> Iterator[Setup]:
     setup = ensure()
     yield setup
     podman = Podman(env=setup.env)
-    left = podman.text("ps", "-a", "--filter", "name=^nemo-ckpt-test-",
-                       "--format", "{{.Names}}")
-    assert left == "", f"containers left behind: {left}"
+    left = containers_named(podman, "nemo-ckpt-test-")
+    assert left == [], f"containers left behind: {left}"
     assert_nothing_mounted_or_networked(podman)
+
+
+def containers_named(podman: Podman, prefix: str) -> list[str]:
+    """The names of the containers whose name starts with ``prefix``, sorted."""
+    return sorted(podman.text("ps", "-a", "--filter", f"name=^{prefix}", "--format",
+                              "{{.Names}}").split())
 
 
 def assert_nothing_mounted_or_networked(podman: Podman) -> None:
@@ -89,8 +95,9 @@ def _sh(podman: Podman, container: str, script: str) -> str:
     return podman.text("exec", container, "sh", "-c", script)
 
 
-def _ask(podman: Podman, container: str) -> int:
-    return int(_sh(podman, container, "echo go > /tmp/req; cat /tmp/rep"))
+def ask(podman: Podman, container: str) -> int:
+    """The next count of the ``SERVER`` running in ``container``."""
+    return int(podman.text("exec", container, "sh", "-c", "echo go > /tmp/req; cat /tmp/rep"))
 
 
 def _run(podman: Podman, runtime: Setup, name: str, script: str) -> None:
@@ -137,38 +144,38 @@ def test_a_running_process_continues_from_its_memory_after_restore(
         runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
     sandboxes = _sandboxes(podman, tmp_path)
     first = _name(names)
-    _run(podman, runtime, first, _SERVER)
-    assert [_ask(podman, first) for _ in range(3)] == [1, 2, 3]
+    _run(podman, runtime, first, SERVER)
+    assert [ask(podman, first) for _ in range(3)] == [1, 2, 3]
     recorded = sandboxes.record(first, None)
     assert recorded.record.memory is not None and recorded.record.memory_size > 0
-    assert _ask(podman, first) == 4  # the recorded container runs on
+    assert ask(podman, first) == 4  # the recorded container runs on
     again = sandboxes.record(first, recorded.listings)
-    assert _ask(podman, first) == 5
+    assert ask(podman, first) == 5
 
     # Restored twice from one record: each continues from 3, as recorded.
     for _ in range(2):
         name = _name(names)
         assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r").running is True
-        assert _ask(podman, name) == 4
-        assert _ask(podman, name) == 5
+        assert ask(podman, name) == 4
+        assert ask(podman, name) == 5
     name = _name(names)
     sandboxes.restore(again.record, _fetch(sandboxes), name, "k", "r")
-    assert _ask(podman, name) == 5
+    assert ask(podman, name) == 5
 
 
 def test_without_memory_the_restored_container_starts_afresh_with_its_files(
         runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
     sandboxes = _sandboxes(podman, tmp_path)
     first = _name(names)
-    _run(podman, runtime, first, _SERVER)
-    _ask(podman, first)
+    _run(podman, runtime, first, SERVER)
+    ask(podman, first)
     _sh(podman, first, "echo kept > /work/state")
     recorded = sandboxes.record(first, None)
     sandboxes.memory = False  # as on a node where `criu check` fails
     name = _name(names)
     assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r").running is False
     assert _sh(podman, name, "cat /work/state") == "kept"
-    assert _ask(podman, name) == 1  # its command ran again, from the start
+    assert ask(podman, name) == 1  # its command ran again, from the start
 
 
 def test_a_second_recording_reads_only_what_changed_and_rollouts_share_blobs(
@@ -218,7 +225,7 @@ def _recorded(podman: Podman, runtime: Setup, names: list[str], tmp_path: Path
               ) -> tuple[ContainerSandboxes, RecordedContainer, bytes]:
     sandboxes = _sandboxes(podman, tmp_path)
     first = _name(names)
-    _run(podman, runtime, first, _SERVER)
+    _run(podman, runtime, first, SERVER)
     recorded = sandboxes.record(first, None)
     assert recorded.record.memory is not None
     data = sandboxes.cache.read(recorded.record.memory, recorded.record.memory_size)
@@ -349,7 +356,7 @@ def test_a_recording_keeps_files_written_after_someone_elses_podman_checkpoint(
     again (found by benchmarks/containers.py)."""
     sandboxes = _sandboxes(podman, tmp_path)
     name = _name(names)
-    _run(podman, runtime, name, _SERVER)
+    _run(podman, runtime, name, SERVER)
     _sh(podman, name, "echo old > /work/f")
     podman.run("container", "checkpoint", "--leave-running", "--compress=none",
                f"--export={tmp_path / 'theirs.tar'}", name)
@@ -357,4 +364,4 @@ def test_a_recording_keeps_files_written_after_someone_elses_podman_checkpoint(
     recorded = sandboxes.record(name, None)
     assert recorded.record.memory is not None
     assert _sh(podman, name, "cat /work/f") == "new"
-    assert _ask(podman, name) == 1  # still running, from its memory
+    assert ask(podman, name) == 1  # still running, from its memory

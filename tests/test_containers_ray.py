@@ -7,8 +7,6 @@ and a driver killed inside its restore (the holders drop what it made)."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,9 +23,14 @@ from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.errors import BackendUnavailableError, TurnOutcomeUnknownError
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage.snapshot_files import read_manifest
+from tests.conftest import kill_a_driver_inside
 from tests.container_runtime import Setup, ensure
-from tests.test_container_sessions import SERVER
-from tests.test_containers import assert_nothing_mounted_or_networked
+from tests.test_containers import (
+    SERVER,
+    ask,
+    assert_nothing_mounted_or_networked,
+    containers_named,
+)
 
 pytestmark = pytest.mark.timeout(240)
 INSTANCES = ("holder-0", "holder-1")
@@ -44,13 +47,8 @@ def runtime() -> Iterator[Setup]:
 def podman(runtime: Setup) -> Iterator[Podman]:
     client = Podman(env=runtime.env)
     yield client
-    for name in _containers(client, "nemo-ckpt-"):
+    for name in containers_named(client, "nemo-ckpt-"):
         client.remove(name)
-
-
-def _containers(podman: Podman, prefix: str) -> list[str]:
-    return sorted(podman.text("ps", "-a", "--filter", f"name=^{prefix}", "--format",
-                              "{{.Names}}").split())
 
 
 @pytest.fixture
@@ -67,10 +65,6 @@ async def ckpt(cluster: Any, namespace: str, tmp_path: Path, runtime: Setup
         yield checkpoint
     finally:
         checkpoint.shutdown()
-
-
-def _ask(podman: Podman, container: str) -> int:
-    return int(podman.text("exec", container, "sh", "-c", "echo go > /tmp/req; cat /tmp/rep"))
 
 
 async def _play(ckpt: RayEnvironmentCheckpoint, podman: Podman, runtime: Setup,
@@ -93,7 +87,7 @@ async def _turns(ckpt: RayEnvironmentCheckpoint, podman: Podman, inst: str, atte
     for _ in range(turns):
         async with client.turn(Ep(f"{inst}-r", attempt)) as turn:
             assert turn.container is not None
-            n = _ask(podman, turn.container)
+            n = ask(podman, turn.container)
             turn.complete(f"t{n}".encode(), b"s")
 
 
@@ -104,8 +98,21 @@ async def _counts(ckpt: RayEnvironmentCheckpoint, podman: Podman) -> dict[str, i
         client = await SessionClient.connect(inst, namespace=ckpt.config.namespace)
         record = await client.get(Ep(f"{inst}-r", 1))
         assert record.container is not None
-        out[inst] = _ask(podman, record.container)
+        out[inst] = ask(podman, record.container)
     return out
+
+
+async def _restored_counts(config: CheckpointConfig, path: Path, podman: Podman
+                           ) -> dict[str, int]:
+    """A fresh job restores ``path`` (every instance's session continued) and says each
+    restored container's next count."""
+    fresh = RayEnvironmentCheckpoint(config)
+    try:
+        async with fresh.restored(path) as restored:
+            assert {i for i, _, _ in restored.continued_attempts} == set(INSTANCES)
+        return await _counts(fresh, podman)
+    finally:
+        fresh.shutdown()
 
 
 def _crash(podman: Podman, made: dict[str, str]) -> None:
@@ -135,13 +142,7 @@ async def test_a_holder_killed_while_it_writes_containers_leaves_the_previous_sn
     ckpt.shutdown()
     _crash(podman, made)
 
-    fresh = RayEnvironmentCheckpoint(ckpt.config)
-    try:
-        async with fresh.restored(path) as restored:
-            assert {i for i, _, _ in restored.continued_attempts} == set(INSTANCES)
-        assert await _counts(fresh, podman) == {"holder-0": 3, "holder-1": 3}
-    finally:
-        fresh.shutdown()
+    assert await _restored_counts(ckpt.config, path, podman) == {"holder-0": 3, "holder-1": 3}
 
 
 async def test_a_holder_killed_mid_restore_leaves_no_container_and_the_retry_restores(
@@ -164,7 +165,7 @@ async def test_a_holder_killed_mid_restore_leaves_no_container_and_the_retry_res
         await victim.inject_delay.remote("commit_restore", 5.0)
 
         async def kill_when_made() -> None:  # once both holders made their containers
-            while len(_containers(podman, restored_prefix)) < 2:
+            while len(containers_named(podman, restored_prefix)) < 2:
                 await asyncio.sleep(0.1)
             ray.kill(victim, no_restart=True)
 
@@ -182,7 +183,7 @@ async def test_a_holder_killed_mid_restore_leaves_no_container_and_the_retry_res
             client = await SessionClient.connect(inst, namespace=ckpt.config.namespace)
             record = await client.get(Ep(f"{inst}-r", 1))
             live.append(record.container)
-        assert _containers(podman, restored_prefix) == sorted(live)
+        assert containers_named(podman, restored_prefix) == sorted(live)
         assert await _counts(fresh, podman) == {"holder-0": 4, "holder-1": 4}
     finally:
         fresh.shutdown()
@@ -198,31 +199,18 @@ async def test_a_driver_killed_inside_its_restore_leaves_no_container_behind(
         pass
     _crash(podman, made)
     restored_prefix = f"nemo-ckpt-{ckpt.config.namespace}-"
-    script = f"""
-import asyncio, os, ray
-from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
-ray.init(address={cluster.address!r}, log_to_driver=False)
-config = CheckpointConfig.model_validate_json({ckpt.config.model_dump_json()!r})
-async def main():
-    async with RayEnvironmentCheckpoint(config).restored({str(path)!r}):
-        print("inside", flush=True)
-        os._exit(3)  # killed: no exit handler, no abort, no more lease renewals
-asyncio.run(main())
-"""
     # The running job's sessions are in the way of a restore: drop them first.
     ckpt.shutdown()
     fresh = RayEnvironmentCheckpoint(ckpt.config)
     try:
         await fresh.ensure_holders()
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                              text=True, timeout=120)
-        assert proc.returncode == 3 and "inside" in proc.stdout, proc.stderr[-2000:]
-        assert len(_containers(podman, restored_prefix)) == 2  # made, not live
+        kill_a_driver_inside(cluster.address, ckpt.config, "restored", path)
+        assert len(containers_named(podman, restored_prefix)) == 2  # made, not live
         deadline = asyncio.get_running_loop().time() + ckpt.config.lease_s + 20
-        while _containers(podman, restored_prefix) and \
+        while containers_named(podman, restored_prefix) and \
                 asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.5)
-        assert _containers(podman, restored_prefix) == []  # the lease lapsed: removed
+        assert containers_named(podman, restored_prefix) == []  # the lease lapsed: removed
         assert {h.state for h in await fresh.holders()} == {HolderState.RUNNING}
         async with fresh.restored(path) as restored:
             assert len(restored.continued_attempts) == 2
@@ -250,19 +238,13 @@ async def test_a_holder_killed_while_it_records_a_container_at_a_turns_commit(
     victim = ray.get_actor(HOLDER_NAME_PREFIX + "holder-1", namespace=ckpt.config.namespace)
     with pytest.raises((BackendUnavailableError, TurnOutcomeUnknownError)):
         async with client.turn(Ep("holder-1-r", 0)) as turn:
-            assert _ask(podman, name) == 3
+            assert ask(podman, name) == 3
             turn.complete(b"t3", b"s")
             asyncio.get_running_loop().call_later(0.3, ray.kill, victim)
     ckpt.shutdown()
     _crash(podman, made)
 
-    fresh = RayEnvironmentCheckpoint(ckpt.config)
-    try:
-        async with fresh.restored(path) as restored:
-            assert {i for i, _, _ in restored.continued_attempts} == set(INSTANCES)
-        assert await _counts(fresh, podman) == {"holder-0": 3, "holder-1": 3}
-    finally:
-        fresh.shutdown()
+    assert await _restored_counts(ckpt.config, path, podman) == {"holder-0": 3, "holder-1": 3}
 
 
 async def test_a_driver_killed_inside_a_snapshot_leaves_containers_running_on(
@@ -271,20 +253,7 @@ async def test_a_driver_killed_inside_a_snapshot_leaves_containers_running_on(
     await ckpt.ensure_holders()
     made = await _play(ckpt, podman, runtime, 2)
     path = tmp_path / "ckpt" / "step-1"
-    script = f"""
-import asyncio, os, ray
-from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
-ray.init(address={cluster.address!r}, log_to_driver=False)
-config = CheckpointConfig.model_validate_json({ckpt.config.model_dump_json()!r})
-async def main():
-    async with RayEnvironmentCheckpoint(config).snapshot({str(path)!r}):
-        print("inside", flush=True)
-        os._exit(3)  # killed: no exit handler, no abort, no more lease renewals
-asyncio.run(main())
-"""
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 3 and "inside" in proc.stdout, proc.stderr[-2000:]
+    kill_a_driver_inside(cluster.address, ckpt.config, "snapshot", path)
     deadline = asyncio.get_running_loop().time() + ckpt.config.lease_s + 20
     while {h.state for h in await ckpt.holders()} != {HolderState.RUNNING}:
         assert asyncio.get_running_loop().time() < deadline, "holders still paused"
@@ -292,6 +261,6 @@ asyncio.run(main())
     assert not (path / "environment" / "manifest.json").exists()
     for inst in INSTANCES:  # the sessions and their containers run on, memory and all
         await _turns(ckpt, podman, inst, 0, 1)
-        assert _ask(podman, made[inst]) == 4
+        assert ask(podman, made[inst]) == 4
     async with ckpt.snapshot(path) as snap:
         assert snap is not None and snap.captured_rollouts == 2

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from nemo_ckpt.storage.snapshot_files import (
     snapshot_rollouts,
 )
 from nemo_ckpt.testing import StaticCut
-from tests.conftest import alive_node_ids, remove_node_and_wait
+from tests.conftest import alive_node_ids, kill_a_driver_inside, remove_node_and_wait
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -373,20 +372,7 @@ async def test_a_driver_that_dies_inside_the_snapshot_leaves_holders_resuming_by
     await populate(ckpt)
     survivors = await sessions_of(ckpt, INSTANCES)
     path = tmp_path / "ckpt"
-    script = f"""
-import asyncio, os, ray
-from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
-ray.init(address={cluster.address!r}, log_to_driver=False)
-config = CheckpointConfig.model_validate_json({ckpt.config.model_dump_json()!r})
-async def main():
-    async with RayEnvironmentCheckpoint(config).snapshot({str(path)!r}):
-        print("inside", flush=True)
-        os._exit(3)  # killed: no exit handler, no abort, no more lease renewals
-asyncio.run(main())
-"""
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=90)
-    assert proc.returncode == 3 and "inside" in proc.stdout, proc.stderr[-2000:]
+    kill_a_driver_inside(cluster.address, ckpt.config, "snapshot", path, timeout_s=90)
     paused = {h.state for h in await ckpt.holders()}
     assert paused == {HolderState.PAUSED}, "the holders should wait for their lease"
     await wait_until(lambda: all_running(ckpt), ckpt.config.lease_s + 5, "lease expiry")

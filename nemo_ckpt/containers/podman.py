@@ -19,7 +19,7 @@ from typing import Any
 
 from nemo_ckpt.errors import ContainerRuntimeError
 
-__all__ = ["Podman", "Storage"]
+__all__ = ["Podman", "Storage", "criu_check_problem"]
 
 _SAID = 2000  # characters of podman's output an error quotes
 
@@ -30,7 +30,6 @@ class Storage:
 
     driver: str
     metacopy: bool
-    graph_root: str
 
 
 class Podman:
@@ -89,8 +88,7 @@ class Podman:
         store = info.get("store", {})
         status = store.get("graphStatus", {})
         return Storage(driver=str(store.get("graphDriverName", "")),
-                       metacopy=str(status.get("Using metacopy", "false")) == "true",
-                       graph_root=str(store.get("graphRoot", "")))
+                       metacopy=str(status.get("Using metacopy", "false")) == "true")
 
     def inspect(self, container: str) -> dict[str, Any]:
         found = json.loads(self.text("container", "inspect", container))
@@ -117,15 +115,7 @@ class Podman:
         path = shutil.which("criu", path=self._environment().get("PATH"))
         if path is None:
             return "criu is not installed on this node"
-        try:
-            done = subprocess.run([path, "check"], capture_output=True, timeout=60,
-                                  env=self._environment())
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{path} check: {exc}"
-        if done.returncode != 0:
-            said = (done.stderr or done.stdout).decode("utf-8", "replace").strip()
-            return f"{path} check: {said.splitlines()[-1] if said else done.returncode}"
-        return None
+        return criu_check_problem(path, self._environment())
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -181,6 +171,18 @@ class Podman:
     def restore_import(self, archive: str, name: str) -> None:
         self.run("container", "restore", f"--import={archive}", "--name", name,
                  "--ignore-volumes")
+
+
+def criu_check_problem(criu: str, env: Mapping[str, str] | None = None) -> str | None:
+    """None when ``criu check`` passes with the binary ``criu``, else what it said."""
+    try:
+        done = subprocess.run([criu, "check"], capture_output=True, timeout=60, env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{criu} check: {exc}"
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).decode("utf-8", "replace").strip()
+        return f"{criu} check: {said.splitlines()[-1] if said else done.returncode}"
+    return None
 
 
 def _quote(cmd: Sequence[str]) -> str:

@@ -243,7 +243,7 @@ class ContainerSandboxes:
             except BaseException:
                 self.podman.remove(name)
                 raise
-        blobs = set(blobs_of(tree, objects))
+        blobs = set(objects) | tree_digests(tree)
         if record.memory is not None:
             blobs.add(record.memory)
         stats = tree_stats(tree)
@@ -378,7 +378,3 @@ def _list_below(root: str, path: str) -> list[str]:
     finally:
         os.close(fd)
 
-
-def blobs_of(tree: dict[str, Any], objects: Iterable[bytes]) -> frozenset[bytes]:
-    """Every blob a restored tree references: its tree objects and its files."""
-    return frozenset(objects) | tree_digests(tree)

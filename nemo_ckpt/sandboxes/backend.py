@@ -16,9 +16,10 @@ An environment declares, per session, what of it lives outside the session's sta
 The call order a backend keeps, for one session's sandbox (the holder makes every call;
 the blocking ones in a thread):
 
-1. ``check()``: at ``check_startup``, on each node: problems (the backend cannot work
-   here) and warnings (it works partly: a container backend without CRIU captures
-   filesystems only).
+1. At ``check_startup``, on each node: what the backend needs there. Directories need
+   the node cache under ``sandbox_root`` writable (the holder's probe); containers say
+   their problems (no podman, another storage driver) and warnings (no CRIU: filesystems
+   only) through ``ContainerBackend.check``.
 2. ``record(location, previous)``: when the session opens and at each turn's commit,
    before the turn counts as committed: what the sandbox holds now, its bytes in the
    node's blob cache, re-reading only what changed since ``previous``.
@@ -148,10 +149,6 @@ class BlobSink(Protocol):
 
 class SandboxBackend(Protocol):
     """One kind of sandbox; the call order is in the module docstring."""
-
-    def check(self) -> tuple[list[str], list[str]]:
-        """(problems, warnings) on this node."""
-        ...
 
     def record(self, location: Any, previous: Recorded | None, sink: BlobSink) -> Recorded:
         """What the sandbox at ``location`` holds now, its new blobs given to ``sink``;

@@ -51,12 +51,6 @@ class DirectoryBackend:
         self.tree_budget = tree_budget
         self.restore_setid = restore_setid
 
-    def check(self) -> tuple[list[str], list[str]]:
-        if not self.root.is_dir():
-            return [f"{self.instance_id}: sandbox_root {self.root} is not a directory on "
-                    f"this node"], []
-        return [], []
-
     def check_location(self, directory: str | os.PathLike[str], where: str) -> Path:
         """``directory`` as a session's sandbox, or ``SandboxError``: it must be a
         directory inside ``sandbox_root``, outside its private folder."""
