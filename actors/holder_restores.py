@@ -16,6 +16,7 @@ import msgpack
 
 from actors.holder_operations import HolderOperations
 from actors.holder_parts import HolderParts
+from actors.holder_sandboxes import RestoredSandbox
 from actors.holder_shards import ShardPrefetch, read_restore_shard
 from actors.holder_states import (
     OperationState,
@@ -64,11 +65,7 @@ class RestoreUndo:
         """A restore that will not go live: its staged directories go (in the background:
         nothing refers to them), their blobs may leave the cache."""
         sandboxes = self._parts.sandboxes
-        sandboxes.forget_restore(work.sandboxes)
-        made = [b.target for b in work.sandboxes if b.staging is None]  # containers
-        if made:
-            sandboxes.doom(made)
-            self._parts.background(sandboxes.remove_doomed)
+        discard_staged(self._parts, work.sandboxes)
         if work.sandboxes or sandboxes.root is not None:
             self._parts.background(sandboxes.discard_staging, work.id)
 
@@ -84,6 +81,18 @@ class RestoreUndo:
         log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
                     "sessions were dropped again", parts.instance_id, restore_id,
                     len(live.rollouts))
+
+
+def discard_staged(parts: HolderParts, staged: list[RestoredSandbox]) -> None:
+    """Sandboxes a restore made that will not go live: their blobs may leave the cache,
+    and its containers are removed (in the background); directories go with the
+    restore's staging folder."""
+    sandboxes = parts.sandboxes
+    sandboxes.forget_restore(staged)
+    made = [b.target for b in staged if b.staging is None]  # containers
+    if made:
+        sandboxes.doom(made)
+        parts.background(sandboxes.remove_doomed)
 
 
 class RestorePhases:
@@ -170,6 +179,8 @@ class RestorePhases:
                 directory, entry, blob_store,
                 lambda: parts.current_restore(op.id), early)
             op.sandboxes += shard.sandboxes
+            if not parts.restore_open(op):  # ended while they were made: its undo ran
+                discard_staged(parts, shard.sandboxes)  # before they were on ``op``
             parts.current_restore(op.id)  # ended while materializing?
             read.pending += shard.held
             read.finished += shard.finished
