@@ -229,20 +229,24 @@ class CheckpointCoordinator:
 
     # --- snapshot and restore (actors.snapshots, actors.restores) ---------------------
 
-    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
+    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                             drain_timeout_s: float | None = None) -> SnapshotBegun:
         """Claim the path, pause every holder and capture (``Snapshots.begin``)."""
         return await self.operations.first_call(
-            snapshot_id, lambda: self._snapshots.begin(snapshot_id, checkpoint_path))
+            snapshot_id, lambda: self._snapshots.begin(snapshot_id, checkpoint_path,
+                                                       drain_timeout_s))
 
     async def start_writes(self, snapshot_id: str) -> None:
         """Start every holder's write of the snapshot; never raises."""
         await self._snapshots.start_writes(snapshot_id)
 
     async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                              metrics: dict[str, float | int], restarted: int) -> SnapshotCommitted:
-        """Wait for every shard, write the manifest last, then resume every holder
-        (``Snapshots.commit``)."""
-        return await self._snapshots.commit(snapshot_id, checkpoint_path, metrics, restarted)
+                              metrics: dict[str, float | int], restarted: int,
+                              stop: bool = False) -> SnapshotCommitted:
+        """Wait for every shard, write the manifest last, then resume every holder, or
+        with ``stop`` park its sessions (``Snapshots.commit``)."""
+        return await self._snapshots.commit(snapshot_id, checkpoint_path, metrics, restarted,
+                                            stop)
 
     async def collection_done(self) -> CollectionReport | None:
         """Wait for the blob store's collection in progress, if any; the last one's

@@ -28,7 +28,7 @@ from actors.holder_states import (
 from actors.session_table import Held, SessionTable
 from actors.turn_gate import TurnGate
 from actors.watchdog import Watchdog
-from nemo_ckpt.errors import HolderBusyError
+from nemo_ckpt.errors import HolderBusyError, JobStoppedError
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.session_record import SessionRecord
@@ -83,6 +83,9 @@ class HolderParts:
     heap: Trimmer
     watchdog: Watchdog
     last_snapshot_id: str | None = None
+    # The stop snapshot that parked this holder's sessions (``SnapshotPhases.park``);
+    # None again once a restore commits here.
+    parked_by: str | None = None
     replay_restarts: int = 0  # SessionClient.replay_diverged, since the holder started
 
     @property
@@ -123,6 +126,15 @@ class HolderParts:
 
     def busy(self, what: str) -> HolderBusyError:
         return self.ops.busy(what, self.clock.monotonic())
+
+    def refuse_if_parked(self) -> None:
+        """Refuse a new session or turn once a stop snapshot parked this holder."""
+        if self.parked_by is not None:
+            raise JobStoppedError(
+                f"{self.instance_id}: this job was stopped: snapshot {self.parked_by} "
+                f"parked every session of this holder and freed their sandboxes once it "
+                f"was durable, so no session or turn runs here until a restore from it "
+                f"(RayEnvironmentCheckpoint.restored) brings them back")
 
     def require_running(self, what: str) -> None:
         if self.ops.current is not None:

@@ -215,6 +215,7 @@ class RestorePhases:
                 raise parts.refusal(restore_id)
         for held in op.pending:
             parts.table.put(held)
+        parts.parked_by = None  # a stopped job's sessions are back: turns run again
         for box in op.sandboxes:
             parts.sandboxes.install(box.rollout_id, box.target, box.recorded)
         parts.set_state(restore_id, RestoreLive(tuple(h.rollout_id for h in op.pending),

@@ -352,6 +352,23 @@ class Sandboxes:
             self._count(old.recorded.blobs, -1)
         return old
 
+    def park(self, rollout_ids: Iterable[str]) -> list[ContainerRef]:
+        """Drop the sandboxes of these sessions, parked by a stop snapshot (their blobs
+        go at the next ``sweep``). Returns their containers, for ``remove_containers``:
+        a directory stays, its worker's."""
+        containers = []
+        for rollout_id in rollout_ids:
+            location = self.location(rollout_id)
+            self.drop(rollout_id)
+            if isinstance(location, ContainerRef):
+                containers.append(location)
+        return containers
+
+    def remove_containers(self, containers: Iterable[ContainerRef]) -> None:
+        """Remove these containers (blocking), whoever made them."""
+        for container in containers:
+            self.containers.discard(container)
+
     def _orphan(self, digests: set[bytes]) -> None:
         if digests:
             with self._scan_lock:

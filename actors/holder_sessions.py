@@ -75,6 +75,7 @@ class Sessions:
         opening = [self._opening(item) for item in sessions]
         if opening and all(self._opened_as(*each) for each in opening):
             return len(opening)
+        self._parts.refuse_if_parked()
         # Containers that need their memory where this node cannot capture it are
         # restart-only: said once per session, at its open.
         for i, (episode, state, where, restart) in enumerate(opening):
@@ -94,6 +95,7 @@ class Sessions:
              if d is not None and not restart])
         try:
             await self._parts.wait_for_gate()
+            self._parts.refuse_if_parked()  # parked while it waited at the gate
             rollouts: set[str] = set()
             for episode, _, _, _ in opening:
                 if episode.rollout_id in rollouts:
@@ -204,6 +206,7 @@ class Sessions:
         self._check_episode(episode)
         self._check_size("result", episode, result)
         await self._parts.wait_for_gate()
+        self._parts.refuse_if_parked()
         held = self._held(episode)
         if held.finished:
             if held.state != bytes(result):
@@ -232,6 +235,7 @@ class Sessions:
         self._refuse_aborted(episode, token)
         await self._parts.wait_for_gate()
         self._refuse_aborted(episode, token)
+        self._parts.refuse_if_parked()
         held = self._held(episode)
         if held.finished:
             raise RolloutFinishedError(
@@ -382,6 +386,7 @@ class Sessions:
             held = self._table.get(episode)
             key = episode.capture_key
         if held is None:
+            self._parts.refuse_if_parked()  # gone with the stop: say so
             raise SessionNotFoundError(
                 f"{self.instance_id}: no live session {key!r}; open it first, or connect "
                 f"to the instance that holds it")
@@ -407,6 +412,7 @@ class Sessions:
     def _take_turn(self, episode: EnvironmentEpisode, token: str) -> None:
         if not self._gate.take(episode.capture_key, token):
             self._refuse_retired(episode)
+            self._parts.refuse_if_parked()
             timeout_s = self._gate.timed_out(token)
             if timeout_s is not None:
                 raise TurnTimedOutError(

@@ -24,6 +24,7 @@ from actors.holder_states import (
 from nemo_ckpt.errors import HolderStateError
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport, join_captured
 from nemo_ckpt.protocol.operations import Outcome
+from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.cleanup import remove_files
 from nemo_ckpt.storage.folder import Folder
@@ -159,12 +160,45 @@ class SnapshotPhases:
         self._parts.current_snapshot(snapshot_id)  # it may have ended while writing
         return report
 
-    async def resume(self, snapshot_id: str) -> None:
-        """The snapshot committed: open the turn gate. Repeating it, or after the
-        snapshot ended here otherwise (its lease lapsed), is a no-op."""
+    async def resume(self, snapshot_id: str, stop: bool = False) -> None:
+        """The snapshot committed: open the turn gate, or with ``stop`` park (``park``).
+        Repeating it, or after the snapshot ended here otherwise (its lease lapsed), is a
+        no-op."""
         if self._parts.ops.snapshot(snapshot_id) is not None:
+            if stop:  # parked before the gate opens: no turn begins in between
+                rollouts, containers = self._park(snapshot_id)
             self._parts.set_state(snapshot_id, Ended(Outcome.COMMITTED))
             self._parts.heap.request()
+            if stop:
+                await self._free(snapshot_id, rollouts, containers)
+
+    def _park(self, snapshot_id: str) -> tuple[list[str], list[ContainerRef]]:
+        """A stop snapshot is durable: drop every session (captured in it, or mid-turn
+        and restarting, as after any crash), and refuse new sessions and turns from now
+        on (``JobStoppedError``) until a restore commits here. Returns the rollouts, and
+        the containers to remove."""
+        parts = self._parts
+        parts.parked_by = snapshot_id
+        rollouts = parts.table.rollouts()
+        for rollout_id in rollouts:
+            held = parts.table.drop(rollout_id)
+            if held is not None:
+                parts.gate.drop(held.capture_key)  # a late commit is refused
+        return rollouts, parts.sandboxes.park(rollouts)
+
+    async def _free(self, snapshot_id: str, rollouts: list[str],
+                    containers: list[ContainerRef]) -> None:
+        """Free the parked sessions' sandboxes: their containers removed (awaited, so
+        that a job that exits after its stop commit leaves none), their blobs swept from
+        the node cache. A sandbox directory stays: its worker's files."""
+        parts = self._parts
+        if containers:
+            await self._runtime.run_blocking(parts.sandboxes.remove_containers, containers)
+        if not parts.ops.released() and parts.ops.current is None:
+            parts.sandboxes.sweep()
+        await parts.gate.notify()
+        log.info("%s: stop snapshot %s parked %d session(s) and removed %d container(s)",
+                 self.instance_id, snapshot_id, len(rollouts), len(containers))
 
     async def _persist(self, op: SnapshotWork, directory: Folder,
                        capture: Capture) -> PersistReport:

@@ -133,6 +133,8 @@ class SessionHolder:
         calls or once a snapshot or restore has finished (their buffers are freed)."""
         del now
         value = self._state_value()
+        if value is HolderState.STOPPED:  # parked: nothing runs, trimmed as running
+            value = HolderState.RUNNING
         if value is HolderState.RUNNING:
             if not self._parts.ops.released():
                 self._parts.sandboxes.sweep()  # no capture may still need a cached blob
@@ -154,7 +156,10 @@ class SessionHolder:
 
     def _state_value(self) -> HolderState:
         current = self._parts.ops.current
-        return HolderState.RUNNING if current is None else current.value
+        if current is None:
+            return HolderState.RUNNING if self._parts.parked_by is None \
+                else HolderState.STOPPED
+        return current.value
 
     # --- introspection -------------------------------------------------------------
 
@@ -307,9 +312,10 @@ class SessionHolder:
         """Wait for the shard to be durable (``SnapshotPhases.finish_persist``)."""
         return await self._snapshots.finish_persist(snapshot_id)
 
-    async def resume(self, snapshot_id: str) -> None:
-        """The snapshot committed: it ends here (``SnapshotPhases.resume``)."""
-        await self._snapshots.resume(snapshot_id)
+    async def resume(self, snapshot_id: str, stop: bool = False) -> None:
+        """The snapshot committed: it ends here, and with ``stop`` the sessions are
+        parked (``SnapshotPhases.resume``)."""
+        await self._snapshots.resume(snapshot_id, stop)
 
     async def abort(self, operation_id: str, keep_committed: bool = False) -> None:
         """End any operation without a trace here (``HolderOperations.abort``)."""

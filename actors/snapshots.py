@@ -121,8 +121,10 @@ class Snapshots:
         self._paused_set: list[tuple[str, Any]] = []
         self._sets = 0
 
-    async def begin(self, snapshot_id: str, checkpoint_path: str) -> SnapshotBegun:
-        """Claim the path, pause every holder and capture.
+    async def begin(self, snapshot_id: str, checkpoint_path: str,
+                    drain_timeout_s: float | None = None) -> SnapshotBegun:
+        """Claim the path, pause every holder and capture, waiting up to
+        ``drain_timeout_s`` (default: the config's) for turns in flight.
 
         This is the pause's hot path: the holder set is the one known since the last
         discovery, re-discovered only when the alive nodes changed, and each holder
@@ -135,6 +137,8 @@ class Snapshots:
         op = self._lifecycle.open(SnapshotOperation(snapshot_id, checkpoint_path, now,
                                           now + self._parts.config.lease_s, SnapshotBeginning()))
         cfg = self._parts.config
+        drain = cfg.drain_timeout_s if drain_timeout_s is None \
+            else max(0.0, min(float(drain_timeout_s), cfg.drain_timeout_s))
         claimed: asyncio.Future[None] | None = None
         try:
             op.holders = await self._parts.holders.known()
@@ -158,9 +162,8 @@ class Snapshots:
                 op.blob_hold.add_done_callback(lambda f: f.cancelled() or f.exception())
             begun: dict[str, tuple[PauseReport, CaptureReport]] = await self._parts.holders.fan(
                 op.holders, "pause_capture",
-                HolderCall("begin", (snapshot_id, cfg.drain_timeout_s, cfg.lease_s,
-                                     str(directory)),
-                           cfg.drain_timeout_s + cfg.phase_timeout_s),
+                HolderCall("begin", (snapshot_id, drain, cfg.lease_s, str(directory)),
+                           drain + cfg.phase_timeout_s),
                 op_id=snapshot_id)
             # Shielded: a cancelled begin must not cancel the claim under its thread,
             # whose put would then land after the abort's clean-up.
@@ -239,8 +242,13 @@ class Snapshots:
         self._parts.holders.send(op.holders, "start_persist", snapshot_id)
 
     async def commit(self, snapshot_id: str, checkpoint_path: str,
-                     metrics: dict[str, float | int], restarted: int) -> SnapshotCommitted:
+                     metrics: dict[str, float | int], restarted: int,
+                     stop: bool = False) -> SnapshotCommitted:
         """Wait for every shard, write the manifest last, then resume every holder.
+
+        With ``stop`` (a job told to stop), the holders are not released before the
+        manifest is durable, and then park the sessions instead of resuming: they drop
+        them, free their sandboxes and refuse new turns (``SnapshotPhases.resume``).
 
         A repeated commit gets the first one's answer; a commit of an operation that
         was aborted (or lapsed) is refused with that outcome's error."""
@@ -252,11 +260,12 @@ class Snapshots:
             raise self._parts.operations.refusal(snapshot_id)
         if op.committing:
             await op.closed.wait()
-            return await self.commit(snapshot_id, checkpoint_path, metrics, restarted)
+            return await self.commit(snapshot_id, checkpoint_path, metrics, restarted,
+                                     stop)
         if not isinstance(op, SnapshotOperation) or op.captured is None:
             raise StaleSnapshotError(f"commit of {snapshot_id} before its begin finished")
         captured = op.captured
-        committing, unique = self._release(op, captured, snapshot_id)
+        committing, unique = self._release(op, captured, snapshot_id, stop)
         directory = environment_folder(checkpoint_path)
         try:
             await self._runtime.reached("commit_snapshot")
@@ -299,7 +308,8 @@ class Snapshots:
         # Committed: resume first; the older snapshots' files are garbage from here on
         # and their removal must not lengthen the pause.
         await self._parts.holders.fan(op.holders, "resume",
-                                      HolderCall("resume", (snapshot_id,)),
+                                      HolderCall("resume", (snapshot_id, True) if stop
+                                                 else (snapshot_id,)),
                                       tolerate_failures=True)
         removed = await self._parts.folders.clean_up(
             op, [o.id for o in self._parts.operations.open_ones()])
@@ -312,14 +322,17 @@ class Snapshots:
         self._parts.operations.keep_result(snapshot_id, result)
         return result
 
-    def _release(self, op: SnapshotOperation, captured: SnapshotCaptured, snapshot_id: str
-                 ) -> tuple[SnapshotCommitting, asyncio.Future[int]]:
-        """Resume the holders' backends and start the check that no rollout was captured
-        twice: ``op`` is committing from here. Its state, and the check to await."""
+    def _release(self, op: SnapshotOperation, captured: SnapshotCaptured, snapshot_id: str,
+                 stop: bool) -> tuple[SnapshotCommitting, asyncio.Future[int]]:
+        """Resume the holders' backends (not for a stop) and start the check that no
+        rollout was captured twice: ``op`` is committing from here. Its state, and the
+        check to await."""
         # The backend resumes as the exit begins: the capture is an immutable copy, so
         # turns may run while the shards are written; the commit still waits for every
-        # shard and the manifest, and a failure still aborts the snapshot.
-        self._parts.holders.send(op.holders, "release", snapshot_id)
+        # shard and the manifest, and a failure still aborts the snapshot. A stop keeps
+        # the gate closed: no turn may run that the parked sessions would not hold.
+        if not stop:
+            self._parts.holders.send(op.holders, "release", snapshot_id)
         # The check that no rollout was captured by two instances starts now, after the
         # release went out: a thread that decodes every capture holds this process's
         # GIL meanwhile. Its error is raised by commit's await on it; an abort cancels it.

@@ -252,6 +252,12 @@ class RolloutFinishedError(SessionError):
     of it with another result."""
 
 
+class JobStoppedError(SessionError):
+    """A session call on a holder that a stop snapshot parked (a job told to stop,
+    ``RayEnvironmentCheckpoint.snapshot(..., stop=True)``): its sessions were dropped
+    and their sandboxes freed once the snapshot was durable; a restore brings them back."""
+
+
 class TurnInProgressError(SessionError):
     """A session already has a turn in flight, or a turn token is unknown."""
 

@@ -40,6 +40,8 @@ class HolderState(str, enum.Enum):
     RUNNING = "running"      # turns flow; snapshots and restores may start
     PAUSED = "paused"        # for one snapshot id, under a lease; new turns wait
     RESTORING = "restoring"  # for one restore id, under a lease; new turns wait
+    STOPPED = "stopped"      # a stop snapshot parked its sessions: no new session or turn
+                             # runs until a restore commits
 
 
 @dataclass(frozen=True)

@@ -159,8 +159,8 @@ class RayEnvironmentCheckpoint:
                 "this deployment cannot recover as configured:\n"
                 + "\n".join(f"  - {p}" for p in found.problems))
 
-    @contextlib.asynccontextmanager
-    async def snapshot(self, checkpoint_path: Path) -> AsyncIterator[Optional[RaySnapshot]]:
+    def snapshot(self, checkpoint_path: Path
+                 ) -> contextlib.AbstractAsyncContextManager[Optional[RaySnapshot]]:
         """Pause every holder and save its sessions under ``checkpoint_path``.
 
         Yields ``None`` when no holder has a session (an empty manifest still commits).
@@ -173,11 +173,33 @@ class RayEnvironmentCheckpoint:
         even if this task is cancelled meanwhile (the cancellation is raised after it):
         a commit is never torn by an abort.
         """
+        return self._snapshot(checkpoint_path, stop=False, drain_timeout_s=None)
+
+    def final_snapshot(self, checkpoint_path: Path, *, drain_timeout_s: float | None = None
+                       ) -> contextlib.AbstractAsyncContextManager[Optional[RaySnapshot]]:
+        """A job told to stop: ``snapshot`` (the same block, the same check against
+        RL's cut), whose commit parks every session once the manifest is durable.
+
+        No holder resumes before the commit; then each drops its sessions (those
+        captured, and those mid-turn at the drain deadline, which restart as after any
+        crash), removes their containers, sweeps their blobs from its node's cache, and
+        refuses new sessions and turns with ``JobStoppedError`` until a restore (from
+        this snapshot) commits. ``drain_timeout_s`` shortens the wait for turns in
+        flight below ``CheckpointConfig.drain_timeout_s`` (a preemption's deadline:
+        ``nemo_ckpt.driver.preemption``). A snapshot that fails or is aborted parks
+        nothing: the holders resume as after any failed snapshot."""
+        return self._snapshot(checkpoint_path, stop=True, drain_timeout_s=drain_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def _snapshot(self, checkpoint_path: Path, stop: bool,
+                        drain_timeout_s: float | None
+                        ) -> AsyncIterator[Optional[RaySnapshot]]:
         path = self._checkpoint_location(checkpoint_path)  # a folder, or a URL
         clock = self._transport.runtime.clock
         started = clock.monotonic()
         async with self._operation("snapshot", path) as op:
-            begun = await op.step(self._coordinator.begin_snapshot(op.id, path))
+            begun = await op.step(self._coordinator.begin_snapshot(op.id, path,
+                                                                   drain_timeout_s))
             snap = RaySnapshot(begun, self._held_before)
             # Not awaited, and it never raises: the writes overlap the caller's block.
             self._coordinator.start_writes(op.id)
@@ -193,13 +215,15 @@ class RayEnvironmentCheckpoint:
             metrics = snap.figures()
             committed = await op.commit(
                 self._coordinator.commit_snapshot(op.id, path, metrics,
-                                                  snap.restarted_rollouts),
-                beside=lambda: self._release_holders(begun),
+                                                  snap.restarted_rollouts, stop),
+                # A stop keeps every gate closed until its sessions are parked.
+                beside=None if stop else lambda: self._release_holders(begun),
                 lost=lambda: _Committed(dict(metrics)))
             snap._record_commit(committed.metrics)
             self._held_before = snap.held()
-            log.info("snapshot %s committed: %d rollouts, %d restarted, %d bytes, "
-                     "paused %.3fs", op.id, snap.captured_rollouts,
+            log.info("%s %s committed: %d rollouts, %d restarted, %d bytes, "
+                     "paused %.3fs", "stop snapshot" if stop else "snapshot", op.id,
+                     snap.captured_rollouts,
                      snap.restarted_rollouts, committed.metrics.get("bytes_written", 0),
                      clock.monotonic() - started)
 

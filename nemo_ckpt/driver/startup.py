@@ -35,7 +35,10 @@ def holder_findings(found: Findings, holders: list[HolderInfo], alive: set[str])
         found.problems.append(f"node {node} has no session holder that answers; its "
                               f"environment workers' sessions could not be saved")
     for h in holders:
-        if h.state is not HolderState.RUNNING:
+        if h.state is HolderState.STOPPED:
+            found.warnings.append(f"{h.instance_id} is stopped: a stop snapshot parked its "
+                                  f"sessions; restore from that snapshot to continue them")
+        elif h.state is not HolderState.RUNNING:
             found.warnings.append(f"{h.instance_id} is {h.state.value} for {h.operation_id}")
     per_node: dict[str, list[str]] = {}
     for h in holders:

@@ -75,15 +75,21 @@ class CoordinatorApi(Protocol):
 
         1) (driver) renew(id)                   every renewal period, from the start to the
                                                 end, whatever phase is running
-        2) (driver) begin_snapshot(id, path)    claim the path; every holder pauses and
-                                                captures (one call each)
+        2) (driver) begin_snapshot(id, path[, drain])
+                                                claim the path; every holder pauses, waits
+                                                up to ``drain`` (default: the config's) for
+                                                turns in flight, and captures (one call each)
         3) (driver) start_writes(id)            at the yield: every holder starts writing;
                                                 the manifest's rollouts are encoded meanwhile
-        4) (driver) commit_snapshot(id, path, metrics, restarted)
+        4) (driver) commit_snapshot(id, path, metrics, restarted[, stop])
                                                 holders released (gates open) at once; every
                                                 shard durable, manifest.json written last (the
                                                 commit point), the snapshot ended on every
-                                                holder, the files it replaced removed
+                                                holder, the files it replaced removed. With
+                                                ``stop`` no holder is released: once the
+                                                manifest is durable each parks its sessions
+                                                (drops them, frees their sandboxes, refuses
+                                                new turns until a restore), and 5 is not sent
         5) (driver) release(id) to each holder  right after 4 is sent, from the driver
                                                 itself (``nemo_ckpt.driver.holder_handles``:
                                                 handles looked up by name in the background
@@ -126,14 +132,14 @@ class CoordinatorApi(Protocol):
     async def abort(self, operation_id: str, checkpoint_path: str | None = None,
                     caller_error: str | None = None) -> str: ...
 
-    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str
-                             ) -> SnapshotBegun: ...
+    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                             drain_timeout_s: float | None = None) -> SnapshotBegun: ...
 
     async def start_writes(self, snapshot_id: str) -> None: ...
 
     async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                              metrics: dict[str, float | int], restarted: int
-                              ) -> SnapshotCommitted: ...
+                              metrics: dict[str, float | int], restarted: int,
+                              stop: bool = False) -> SnapshotCommitted: ...
 
     async def prepare_restore(self, restore_id: str, checkpoint_path: str
                               ) -> RestoreBegun: ...
@@ -190,9 +196,11 @@ class CoordinatorCalls:
               caller_error: str | None = None) -> Awaitable[str]:
         return self._invoke("abort", operation_id, checkpoint_path, caller_error)
 
-    def begin_snapshot(self, snapshot_id: str, checkpoint_path: str
-                       ) -> Awaitable[SnapshotBegun]:
-        return self._invoke("begin_snapshot", snapshot_id, checkpoint_path)
+    def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                       drain_timeout_s: float | None = None) -> Awaitable[SnapshotBegun]:
+        if drain_timeout_s is None:
+            return self._invoke("begin_snapshot", snapshot_id, checkpoint_path)
+        return self._invoke("begin_snapshot", snapshot_id, checkpoint_path, drain_timeout_s)
 
     def start_writes(self, snapshot_id: str) -> None:
         if self._tell is None:
@@ -200,8 +208,11 @@ class CoordinatorCalls:
         self._tell("start_writes", snapshot_id)
 
     def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                        metrics: dict[str, float | int], restarted: int
+                        metrics: dict[str, float | int], restarted: int, stop: bool = False
                         ) -> Awaitable[SnapshotCommitted]:
+        if stop:
+            return self._invoke("commit_snapshot", snapshot_id, checkpoint_path, metrics,
+                                restarted, True)
         return self._invoke("commit_snapshot", snapshot_id, checkpoint_path, metrics,
                             restarted)
 

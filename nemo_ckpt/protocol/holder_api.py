@@ -54,7 +54,11 @@ class HolderControl(Protocol):
                                             either may come late; the snapshot stays open
         5) finish_persist(id)               the shard is durable -> PersistReport, its
                                             manifest entry
-        6) resume(id)                       the manifest is written: the snapshot ends here
+        6) resume(id[, stop])               the manifest is written: the snapshot ends here;
+                                            with ``stop`` (4 was not sent: the gate stayed
+                                            closed) the holder parks: it drops every
+                                            session, frees their sandboxes and refuses new
+                                            sessions and turns until a restore commits
         or abort(id), at any point, instead of 2-6.
 
     A restore, carrying the restore's id:
@@ -87,7 +91,7 @@ class HolderControl(Protocol):
 
     async def finish_persist(self, snapshot_id: str) -> PersistReport: ...
 
-    async def resume(self, snapshot_id: str) -> None: ...
+    async def resume(self, snapshot_id: str, stop: bool = False) -> None: ...
 
     async def abort(self, operation_id: str, keep_committed: bool = False) -> None: ...
 
@@ -146,7 +150,9 @@ class HolderCalls:
     def finish_persist(self, snapshot_id: str) -> Awaitable[PersistReport]:
         return self._call("finish_persist", snapshot_id)
 
-    def resume(self, snapshot_id: str) -> Awaitable[None]:
+    def resume(self, snapshot_id: str, stop: bool = False) -> Awaitable[None]:
+        if stop:
+            return self._call("resume", snapshot_id, True)
         return self._call("resume", snapshot_id)
 
     def abort(self, operation_id: str, keep_committed: bool = False) -> Awaitable[None]:
