@@ -105,6 +105,7 @@ class RayTransport:
         self._config = config
         self._runtime = runtime or Runtime(metrics=RayMetrics(config.namespace))
         self._coordinator: Actor | None = None
+        self._gcs: Any = None  # GCS's client, made on first use (draining_nodes)
 
     @property
     def runtime(self) -> Runtime:
@@ -132,6 +133,20 @@ class RayTransport:
     def alive_nodes(self) -> list[str]:
         self._require_ray()
         return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+    def draining_nodes(self) -> list[str]:
+        # Ray's node table carries a drain only in each node's state snapshot (GCS's
+        # own client: ``ray drain-node`` and the autoscaler set it); not the deadline.
+        self._require_ray()
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]
+        from ray.core.generated import gcs_pb2
+
+        if self._gcs is None:
+            self._gcs = GcsClient(address=ray.get_runtime_context().gcs_address)
+        alive: int = gcs_pb2.GcsNodeInfo.ALIVE  # type: ignore[attr-defined]
+        return sorted(node_id.hex() for node_id, info in self._gcs.get_all_node_info().items()
+                      if info.state == alive and info.state_snapshot.State.Name(
+                          info.state_snapshot.state) == "DRAINING")
 
     def is_registered_coordinator(self) -> bool:
         self._require_ray()

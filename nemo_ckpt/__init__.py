@@ -9,7 +9,9 @@ Snapshots on disk are listed, found, kept and removed with ``list_snapshots``,
 ``_async`` forms (``list_snapshots_async``, ...) run the same work in a worker thread;
 the long ones report ``CatalogProgress`` to a ``progress`` callback.
 ``RolloutCheckpointManager`` takes snapshots on an interval and at trainer checkpoints,
-keeps the newest, and restores one under a checked configuration fingerprint.
+keeps the newest, and restores one under a checked configuration fingerprint; its
+``preemption()`` (a ``Preemption``) turns SIGTERM, SIGINT or a node's drain into a final
+snapshot within the grace period and an exit.
 """
 
 from nemo_ckpt.catalog.async_catalog import (
@@ -36,6 +38,7 @@ from nemo_ckpt.catalog.verification import VerifyReport, verify_snapshot
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.cut import DataPlaneMutationCut
 from nemo_ckpt.driver import RayEnvironmentCheckpoint, RaySnapshot
+from nemo_ckpt.driver.preemption import Preemption
 from nemo_ckpt.interfaces import (
     EnvironmentCheckpoint,
     EnvironmentEpisode,
@@ -74,6 +77,7 @@ __all__ = [
     "RlHalf",
     "RolloutCheckpointConfig",
     "RolloutCheckpointManager",
+    "Preemption",
     "SessionClient",
     "SessionRecord",
     "SkippedSnapshot",

@@ -211,6 +211,11 @@ class Transport(Protocol):
         """The ids of the nodes alive now."""
         ...
 
+    def draining_nodes(self) -> list[str]:
+        """The ids of the alive nodes the cluster announced it drains (Ray's
+        ``drain-node``: a preemption or a scale-down to come); blocking."""
+        ...
+
     def coordinator(self) -> Actor:
         """The namespace's coordinator, created beside this process if there is none."""
         ...

@@ -392,6 +392,16 @@ class RayEnvironmentCheckpoint:
         """Every live holder: instance, node, state, sessions, lease."""
         return await self._coordinator.holder_infos()
 
+    async def draining_holders(self) -> list[HolderInfo]:
+        """The holders whose node the cluster announced it drains (Ray's
+        ``drain-node``, a preemption to come): what ``nemo_ckpt.Preemption`` watches.
+        One look at the cluster's node table when nothing drains."""
+        draining = set(await self._transport.runtime.run_blocking(
+            self._transport.draining_nodes))
+        if not draining:
+            return []
+        return [h for h in await self.holders() if h.node_id in draining]
+
     async def ensure_holders(self) -> list[HolderInfo]:
         """Create the coordinator and a holder on every alive node that lacks one."""
         holders = await self._coordinator.ensure_holders()

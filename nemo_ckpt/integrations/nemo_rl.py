@@ -287,10 +287,32 @@ class NemoRlEnvironmentCheckpoint:
         """``RayEnvironmentCheckpoint.snapshot``, with the pause and capture held to
         ``timeout_s`` (or the constructor's): past it the snapshot is aborted on every
         holder and ``BackendUnavailableError`` raised."""
+        async with self._snapshot(self.checkpoint.snapshot(checkpoint_path),
+                                  checkpoint_path, timeout_s) as snap:
+            yield snap
+
+    @contextlib.asynccontextmanager
+    async def final_snapshot(self, checkpoint_path: Path, *,
+                             drain_timeout_s: float | None = None,
+                             timeout_s: float | None = None
+                             ) -> AsyncIterator[Optional[NemoRlSnapshot]]:
+        """``RayEnvironmentCheckpoint.final_snapshot`` (a job told to stop: its commit
+        parks every session), checked against NeMo RL's ledger as ``snapshot`` is."""
+        manager = self.checkpoint.final_snapshot(checkpoint_path,
+                                                 drain_timeout_s=drain_timeout_s)
+        async with self._snapshot(manager, checkpoint_path, timeout_s) as snap:
+            yield snap
+
+    async def draining_holders(self) -> list[Any]:
+        """``RayEnvironmentCheckpoint.draining_holders``."""
+        return list(await self.checkpoint.draining_holders())
+
+    @contextlib.asynccontextmanager
+    async def _snapshot(self, manager: Any, checkpoint_path: Path, timeout_s: float | None
+                        ) -> AsyncIterator[Optional[NemoRlSnapshot]]:
         limit = timeout_s if timeout_s is not None else self.timeout_s
         loop = asyncio.get_running_loop()
         deadline = None if limit is None else loop.time() + limit
-        manager = self.checkpoint.snapshot(checkpoint_path)
         inner = await _enter(manager, limit, f"the snapshot into {checkpoint_path}")
         snap = None if inner is None else NemoRlSnapshot(inner, self, deadline)
         async with _entered(manager):

@@ -21,15 +21,17 @@ import asyncio
 import inspect
 import logging
 import os
+import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from nemo_ckpt.catalog.listing import SnapshotInfo, list_snapshots, remove_snapshot
 from nemo_ckpt.catalog.verification import verify_snapshot
+from nemo_ckpt.driver.preemption import Preemption
 from nemo_ckpt.errors import (
     NemoCkptError,
     RolloutCheckpointFailedError,
@@ -147,7 +149,32 @@ class RolloutCheckpointManager:
         async with self._lock:
             return await self._snapshot_now(anchor_step)
 
-    async def _snapshot_now(self, anchor_step: int | None) -> ManagedSnapshot | None:
+    async def final_snapshot(self, within_s: float) -> ManagedSnapshot:
+        """The job was told to stop: a snapshot as ``snapshot`` takes it (RL's half
+        saved by the same ``RlHalf.save``), whose commit parks every session
+        (``RayEnvironmentCheckpoint.final_snapshot``), with the wait for turns in
+        flight shortened to a quarter of ``within_s`` (turns still running then restart
+        after the restore, as at any drain deadline). Waits for a snapshot under way
+        first. No retention runs, and no failure budget: any failure raises, and the
+        last committed snapshot stands (``Preemption`` holds this to its deadline)."""
+        async with self._lock:
+            taken = await self._snapshot_now(None, final_drain_s=max(0.0, within_s / 4))
+        assert taken is not None  # a final snapshot raises rather than returning None
+        return taken
+
+    def preemption(self, deadline_s: float = 25.0, *, watch_drains: bool = True,
+                   signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)
+                   ) -> Preemption:
+        """A ``Preemption`` whose final snapshot is ``final_snapshot``: wrap the job's
+        main body in ``async with manager.preemption():``. With ``watch_drains`` it
+        also stops once a node hosting a holder drains (the checkpoint's
+        ``draining_holders``, when it has them)."""
+        drains = getattr(self.checkpoint, "draining_holders", None) if watch_drains else None
+        return Preemption(self.final_snapshot, deadline_s=deadline_s, signals=signals,
+                          drains=drains)
+
+    async def _snapshot_now(self, anchor_step: int | None,
+                            final_drain_s: float | None = None) -> ManagedSnapshot | None:
         self._last_attempt = self._clock()
         path = join_location(self.config.root, self._names())
         # On a folder, as NeMo RL does: taken under a partial name, renamed once the
@@ -156,7 +183,7 @@ class RolloutCheckpointManager:
         try:
             record = ManagedRecord(anchor_step=anchor_step,
                                    fingerprint=await self.fingerprint())
-            async with self._snapshot(taking) as snap:
+            async with self._snapshot(taking, final_drain_s) as snap:
                 async with self.barrier.checkpoint() as cut:
                     if snap is not None:
                         await snap.check_against_cut(cut)
@@ -164,6 +191,8 @@ class RolloutCheckpointManager:
                     await self._blocking(write_record, taking, record)
         except Exception as exc:
             await self._tidy(taking)
+            if final_drain_s is not None:
+                raise
             self._failed(exc, taking)
             return None
         self.consecutive_failures = 0
@@ -188,6 +217,8 @@ class RolloutCheckpointManager:
         taken = ManagedSnapshot(number, path, anchor_step, created)
         log.info("rollout snapshot %s committed as number %s%s", path, taken.number,
                  "" if anchor_step is None else f", anchored to trainer step {anchor_step}")
+        if final_drain_s is not None:  # the job is stopping: retention waits for the next
+            return taken
         try:
             await self._retain()
         except (OSError, NemoCkptError) as exc:  # the snapshot stands; the next one retries
@@ -286,9 +317,16 @@ class RolloutCheckpointManager:
 
     # --- internals ------------------------------------------------------------------------
 
-    def _snapshot(self, path: str) -> Any:
+    def _snapshot(self, path: str, final_drain_s: float | None) -> Any:
         timeout = self.config.snapshot_timeout_s
         target: Any = Path(path) if _is_local(path) else path
+        if final_drain_s is not None:
+            final = getattr(self.checkpoint, "final_snapshot", None)
+            if final is None:
+                raise TypeError(f"{type(self.checkpoint).__name__} has no final_snapshot, so "
+                                f"a stop cannot park its sessions; use "
+                                f"RayEnvironmentCheckpoint or NemoRlEnvironmentCheckpoint")
+            return final(target, drain_timeout_s=final_drain_s)
         if timeout is not None and "timeout_s" in inspect.signature(
                 self.checkpoint.snapshot).parameters:
             return self.checkpoint.snapshot(target, timeout_s=timeout)
