@@ -314,3 +314,38 @@ def test_a_container_that_needs_its_memory_is_not_restored_where_criu_does_not_w
     finally:
         fresh.close()
     assert containers_named(podman, "nemo-ckpt-job-") == []  # none of the refused restore
+
+
+def test_a_stop_snapshot_removes_the_containers_and_a_restore_makes_them_again(
+        tmp_path: Path, runtime: Setup, podman: Podman) -> None:
+    path = tmp_path / "ckpt" / "final"
+    job = _job(tmp_path, runtime)
+    eps: dict[Ep, str] = {}
+    try:
+        async def run() -> None:
+            await job.ckpt.ensure_holders()
+            live: dict[str, set[Ep]] = {}
+            for instance in sorted(job.holders()):
+                ep = Ep(f"{instance}-r0", 0)
+                eps[ep] = _start(podman, runtime)
+                await (await job.client(instance)).open(
+                    ep, b"s0", container=ContainerRef(eps[ep], memory="off"))
+                live[instance] = {ep}
+                await _turns(job, podman, eps, instance, 2)
+            async with job.ckpt.final_snapshot(path) as snap:
+                assert snap is not None and snap.captured_rollouts == 2
+                await snap.check_against_cut(StaticCut(live, set()))
+            assert containers_named(podman, "nemo-ckpt-") == [], "the stop removed them"
+            for holder in job.holders().values():
+                assert await holder.sessions() == []
+                assert len(holder._parts.sandboxes) == 0
+            async with job.ckpt.restored(path) as restored:
+                assert len(restored.continued_attempts) == 2
+            for instance, rollout_id, attempt in restored.continued_attempts:
+                record = await (await job.client(instance)).get(Ep(rollout_id, attempt + 1))
+                assert record.container is not None
+                assert _log(podman, record.container) == "turn-1\nturn-2"
+
+        job.run(run())
+    finally:
+        job.close()

@@ -163,15 +163,15 @@ class RolloutCheckpointManager:
         return taken
 
     def preemption(self, deadline_s: float = 25.0, *, watch_drains: bool = True,
-                   signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)
-                   ) -> Preemption:
+                   signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+                   drain_poll_s: float = 1.0) -> Preemption:
         """A ``Preemption`` whose final snapshot is ``final_snapshot``: wrap the job's
         main body in ``async with manager.preemption():``. With ``watch_drains`` it
         also stops once a node hosting a holder drains (the checkpoint's
         ``draining_holders``, when it has them)."""
         drains = getattr(self.checkpoint, "draining_holders", None) if watch_drains else None
         return Preemption(self.final_snapshot, deadline_s=deadline_s, signals=signals,
-                          drains=drains)
+                          drains=drains, drain_poll_s=drain_poll_s)
 
     async def _snapshot_now(self, anchor_step: int | None,
                             final_drain_s: float | None = None) -> ManagedSnapshot | None:
