@@ -42,6 +42,7 @@ from actors.operation_lifecycle import OperationLifecycle
 from actors.operation_table import OperationTable
 from actors.restores import RestoreHolds, Restores
 from actors.snapshots import SnapshotHolds, Snapshots
+from nemo_ckpt import tracing
 from nemo_ckpt.config import (
     ADOPTED_FIELDS,
     DRIVER_FIELDS,
@@ -74,6 +75,8 @@ class CheckpointCoordinator:
 
     def __init__(self, config: CheckpointConfig, transport: Transport) -> None:
         self._transport = transport
+        if config.trace_file is not None:
+            tracing.write_spans_to(str(config.trace_file))
         self._runtime = transport.runtime
         self._clock = transport.runtime.clock
         self._metrics = transport.runtime.metrics
@@ -230,11 +233,12 @@ class CheckpointCoordinator:
     # --- snapshot and restore (actors.snapshots, actors.restores) ---------------------
 
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                             drain_timeout_s: float | None = None) -> SnapshotBegun:
+                             drain_timeout_s: float | None = None, trace: str = ""
+                             ) -> SnapshotBegun:
         """Claim the path, pause every holder and capture (``Snapshots.begin``)."""
         return await self.operations.first_call(
             snapshot_id, lambda: self._snapshots.begin(snapshot_id, checkpoint_path,
-                                                       drain_timeout_s))
+                                                       drain_timeout_s, trace))
 
     async def start_writes(self, snapshot_id: str) -> None:
         """Start every holder's write of the snapshot; never raises."""
@@ -253,11 +257,12 @@ class CheckpointCoordinator:
         report."""
         return await self.blobs.done()
 
-    async def prepare_restore(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
+    async def prepare_restore(self, restore_id: str, checkpoint_path: str, trace: str = ""
+                              ) -> RestoreBegun:
         """Verify the snapshot and have each instance's holder load it, nothing live yet
         (``Restores.prepare``)."""
         return await self.operations.first_call(
-            restore_id, lambda: self._restores.prepare(restore_id, checkpoint_path))
+            restore_id, lambda: self._restores.prepare(restore_id, checkpoint_path, trace))
 
     async def prefetch_restore(self, checkpoint_path: str) -> int:
         """Have the holders start reading the snapshot a restore will read
@@ -325,7 +330,8 @@ def holder_options(cfg: CheckpointConfig) -> dict[str, Any]:
             "blob_root": None if root is None else join_location(root, BLOB_DIR),
             "sandbox_limits": cfg.sandbox_limits, "tree_budget": cfg.tree_budget,
             "sandbox_restore_setid": cfg.sandbox_restore_setid,
-            "container_env": dict(cfg.container_env) if cfg.containers else None}
+            "container_env": dict(cfg.container_env) if cfg.containers else None,
+            "trace_file": None if cfg.trace_file is None else str(cfg.trace_file)}
 
 
 def _made_otherwise(infos: list[HolderInfo], wanted: dict[str, Any]) -> list[str]:

@@ -25,6 +25,7 @@ from actors.holder_states import (
     RestoreWork,
 )
 from actors.session_table import Held
+from nemo_ckpt import tracing
 from nemo_ckpt.errors import HolderStateError, RestoreConflictError
 from nemo_ckpt.phases import RestorePrepared
 from nemo_ckpt.protocol.operations import Outcome
@@ -119,7 +120,19 @@ class RestorePhases:
 
     async def prepare_restore(
         self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
-        blob_store: str | None = None,
+        blob_store: str | None = None, trace: str = "",
+    ) -> RestorePrepared:
+        """``_prepare_restore`` in its span, under the coordinator's ``trace``."""
+        with tracing.span("nemo_ckpt.prepare", parent=trace, phase="prepare",
+                          instance=self.instance_id, **{"operation.id": restore_id}) as span:
+            prepared = await self._prepare_restore(restore_id, where, shards, lease_s,
+                                                   blob_store, trace)
+            tracing.set_attributes(span, bytes=prepared.bytes_read)
+            return prepared
+
+    async def _prepare_restore(
+        self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
+        blob_store: str | None, trace: str,
     ) -> RestorePrepared:
         """Read and verify this instance's shards, and materialize their sessions'
         directories (from ``blob_store``) in a staging folder; nothing goes live until
@@ -129,7 +142,7 @@ class RestorePhases:
         if isinstance(state, RestoreLoading):
             return await asyncio.shield(state.work.prepared)
         self._operations.admit(restore_id, f"restore {restore_id}", restore=True)
-        op = RestoreWork(restore_id)
+        op = RestoreWork(restore_id, trace=trace)
         parts.set_state(restore_id, RestoreLoading(op, self._clock.monotonic() + lease_s))
         try:
             await parts.runtime.reached("prepare_restore")
@@ -190,6 +203,15 @@ class RestorePhases:
 
     async def commit_restore(self, restore_id: str) -> int:
         """Make the restored sessions live and resume. Returns how many went live."""
+        state = self._parts.ops.get(restore_id)
+        with tracing.span("nemo_ckpt.install", phase="install", instance=self.instance_id,
+                          parent=state.work.trace if isinstance(state, RestoreLoading) else "",
+                          **{"operation.id": restore_id}) as span:
+            live = await self._commit_restore(restore_id)
+            tracing.set_attributes(span, sessions=live)
+            return live
+
+    async def _commit_restore(self, restore_id: str) -> int:
         parts = self._parts
         state = parts.ops.get(restore_id)
         if not isinstance(state, RestoreLoading):

@@ -21,6 +21,7 @@ from actors.holder_states import (
     SnapshotReleased,
     SnapshotWork,
 )
+from nemo_ckpt import tracing
 from nemo_ckpt.errors import HolderStateError
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport, join_captured
 from nemo_ckpt.protocol.operations import Outcome
@@ -63,7 +64,9 @@ class SnapshotPhases:
             return op.pause
         start = self._clock.monotonic()
         await parts.runtime.reached("pause")
-        await parts.gate.drain(drain_timeout_s)
+        with tracing.span("nemo_ckpt.drain", phase="drain", instance=self.instance_id,
+                          **{"operation.id": snapshot_id}):
+            await parts.gate.drain(drain_timeout_s)
         op = parts.current_snapshot(snapshot_id)  # aborted or lapsed while draining?
         if op.pause is None:
             op.pause = PauseReport(self.instance_id, self._clock.monotonic() - start,
@@ -73,7 +76,7 @@ class SnapshotPhases:
         return op.pause
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-                    directory: str) -> tuple[PauseReport, CaptureReport]:
+                    directory: str, trace: str = "") -> tuple[PauseReport, CaptureReport]:
         """``pause`` and ``capture`` in one call, the pause's hot path: one round trip.
         Idempotent like each of them.
 
@@ -81,8 +84,15 @@ class SnapshotPhases:
         holds the GIL while the reply is serialized and delays it (~15 ms at 2,500
         sessions). ``start_persist`` (sent once every capture is in) or
         ``finish_persist`` starts it, into ``directory``."""
-        pause = await self.pause(snapshot_id, drain_timeout_s, lease_s, directory)
-        capture = await self.capture(snapshot_id)
+        with tracing.span("nemo_ckpt.pause", parent=trace, phase="pause",
+                          instance=self.instance_id, **{"operation.id": snapshot_id}):
+            pause = await self.pause(snapshot_id, drain_timeout_s, lease_s, directory)
+            self._parts.current_snapshot(snapshot_id).trace = trace
+            with tracing.span("nemo_ckpt.capture", phase="capture", instance=self.instance_id,
+                              **{"operation.id": snapshot_id}) as span:
+                capture = await self.capture(snapshot_id)
+                tracing.set_attributes(span, sessions=capture.captured_count,
+                                       bytes=capture.state_bytes)
         return pause, capture
 
     async def release(self, snapshot_id: str) -> None:
@@ -202,6 +212,15 @@ class SnapshotPhases:
 
     async def _persist(self, op: SnapshotWork, directory: Folder,
                        capture: Capture) -> PersistReport:
+        with tracing.span("nemo_ckpt.persist", parent=op.trace, phase="persist",
+                          instance=self.instance_id, sessions=len(capture.held),
+                          **{"operation.id": op.id}) as span:
+            report = await self._write(op, directory, capture)
+            tracing.set_attributes(span, bytes=report.bytes_written)
+            return report
+
+    async def _write(self, op: SnapshotWork, directory: Folder,
+                     capture: Capture) -> PersistReport:
         start = self._clock.monotonic()
         await self._parts.runtime.reached("persist")
         shards: tuple[ShardEntry, ...] = ()

@@ -69,6 +69,7 @@ class SnapshotWork:
     pause: PauseReport | None = None
     capture: Capture | None = None
     persist: asyncio.Task[PersistReport] | None = None
+    trace: str = ""  # the coordinator's span it runs under (``nemo_ckpt.tracing``)
 
 
 @dataclass(eq=False)
@@ -80,6 +81,7 @@ class RestoreWork:
         default_factory=lambda: asyncio.get_running_loop().create_future())
     pending: list[Held] = field(default_factory=list)
     sandboxes: list[RestoredSandbox] = field(default_factory=list)
+    trace: str = ""  # the coordinator's span it runs under (``nemo_ckpt.tracing``)
 
 
 @dataclass(eq=False)

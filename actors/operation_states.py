@@ -195,6 +195,8 @@ class Operation:
     state: OperationState
     holders: dict[str, Actor] = field(default_factory=dict)  # instance -> handle
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The driver's span, for the later phases' spans (``nemo_ckpt.tracing``).
+    trace: str = ""
     kind: ClassVar[str]  # "snapshot" or "restore", for metrics and messages
 
     @property

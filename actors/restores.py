@@ -20,6 +20,7 @@ from actors.operation_states import (
     RestorePreparing,
     RestoreVerified,
 )
+from nemo_ckpt import tracing
 from nemo_ckpt.errors import CheckpointPathError, RestoreConflictError, StaleSnapshotError
 from nemo_ckpt.phases import RestorePrepared
 from nemo_ckpt.protocol.coordinator_api import RestoreBegun
@@ -64,11 +65,22 @@ class Restores:
         self._clock = self._runtime.clock
         self._metrics = self._runtime.metrics
 
-    async def prepare(self, restore_id: str, checkpoint_path: str) -> RestoreBegun:
+    async def prepare(self, restore_id: str, checkpoint_path: str, trace: str = ""
+                      ) -> RestoreBegun:
         """Verify the snapshot and have each instance's holder load it, nothing live yet."""
+        with tracing.span("nemo_ckpt.restore.prepare", parent=trace, phase="prepare",
+                          **{"operation.id": restore_id, "path": checkpoint_path}) as span:
+            begun = await self._prepare(restore_id, checkpoint_path, trace)
+            tracing.set_attributes(span, bytes=int(begun.bytes_read),
+                                   sessions=len(begun.continued_attempts))
+            return begun
+
+    async def _prepare(self, restore_id: str, checkpoint_path: str, trace: str
+                       ) -> RestoreBegun:
         now = self._clock.monotonic()
         op = self._lifecycle.open(RestoreOperation(restore_id, checkpoint_path, now,
                                          now + self._parts.config.lease_s, RestorePreparing()))
+        op.trace = trace
         try:
             return await self._prepare_restore(op, checkpoint_path)
         except BaseException as exc:
@@ -106,11 +118,12 @@ class Restores:
         blob_store = blob_store_of(checkpoint_path, manifest)
         shards_of = assign_shards(manifest, op.holders, checkpoint_path)
         conflicts: dict[str, RestoreConflictError] = {}
+        trace = tracing.traceparent()  # the holders' spans go under the prepare's
 
         async def prepare(inst: str, holder: Actor) -> RestorePrepared:
             try:
                 return await self._parts.calls(holder, cfg.persist_timeout_s).prepare_restore(
-                    op.id, directory, shards_of[inst], cfg.lease_s, blob_store)
+                    op.id, directory, shards_of[inst], cfg.lease_s, blob_store, trace)
             except RestoreConflictError as exc:
                 conflicts[inst] = exc
                 raise
@@ -126,7 +139,8 @@ class Restores:
                 inst: [holder_said(inst, e)] for inst, e in conflicts.items()}) from exc
         if op.outcome is not None:
             raise self._parts.operations.refusal(op.id)
-        verified = verify_prepared(manifest, directory, checkpoint_path, prepared)
+        with tracing.span("nemo_ckpt.verify", phase="verify", **{"operation.id": op.id}):
+            verified = verify_prepared(manifest, directory, checkpoint_path, prepared)
         self._parts.operations.set_state(op, RestoreVerified(verified.read_seconds))
         return RestoreBegun(
             restore_id=op.id, continued_attempts=verified.continued_attempts,
@@ -166,6 +180,12 @@ class Restores:
             return await self.commit(restore_id)
         if not isinstance(op.state, RestoreVerified):
             raise StaleSnapshotError(f"commit of {restore_id} before its prepare finished")
+        with tracing.span("nemo_ckpt.restore.commit", parent=op.trace, phase="commit",
+                          **{"operation.id": restore_id}):
+            return await self._commit(op, restore_id)
+
+    async def _commit(self, op: Operation, restore_id: str) -> int:
+        assert isinstance(op.state, RestoreVerified)
         read_seconds = op.state.read_seconds
         self._parts.operations.set_state(op, RestoreCommitting(read_seconds))
         try:

@@ -37,6 +37,7 @@ from actors.holder_states import HolderOperationTable
 from actors.session_table import SessionTable
 from actors.turn_gate import TurnGate
 from actors.watchdog import Check, Watchdog
+from nemo_ckpt import tracing
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import (
     CaptureReport,
@@ -88,6 +89,7 @@ class SessionHolder:
         sandbox_restore_setid: bool = False,
         tree_budget: TreeBudget | None = None,
         container_env: dict[str, str] | None = None,
+        trace_file: str | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.node_id = node_id
@@ -96,7 +98,10 @@ class SessionHolder:
             "max_retired_marks": max_retired_marks, "namespace": namespace,
             "sandbox_root": sandbox_root, "blob_root": blob_root,
             "sandbox_limits": sandbox_limits, "sandbox_restore_setid": sandbox_restore_setid,
-            "tree_budget": tree_budget, "container_env": container_env}
+            "tree_budget": tree_budget, "container_env": container_env,
+            "trace_file": trace_file}
+        if trace_file is not None:
+            tracing.write_spans_to(trace_file)
         runtime = runtime or Runtime()
         self._clock = runtime.clock
         self._turn_timeout_s = turn_timeout_s
@@ -288,9 +293,10 @@ class SessionHolder:
         return await self._snapshots.pause(snapshot_id, drain_timeout_s, lease_s, directory)
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-                    directory: str) -> tuple[PauseReport, CaptureReport]:
+                    directory: str, trace: str = "") -> tuple[PauseReport, CaptureReport]:
         """``pause`` and ``capture`` in one call (``SnapshotPhases.begin``)."""
-        return await self._snapshots.begin(snapshot_id, drain_timeout_s, lease_s, directory)
+        return await self._snapshots.begin(snapshot_id, drain_timeout_s, lease_s, directory,
+                                           trace)
 
     async def renew_lease(self, operation_id: str, lease_s: float) -> float:
         """Extend the current operation's lease (``HolderOperations.renew_lease``)."""
@@ -329,11 +335,11 @@ class SessionHolder:
 
     async def prepare_restore(
         self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
-        blob_store: str | None = None,
+        blob_store: str | None = None, trace: str = "",
     ) -> RestorePrepared:
         """Read and verify the shards, nothing live (``RestorePhases.prepare_restore``)."""
         return await self._restores.prepare_restore(restore_id, where, shards, lease_s,
-                                                    blob_store)
+                                                    blob_store, trace)
 
     async def commit_restore(self, restore_id: str) -> int:
         """Make the restored sessions live (``RestorePhases.commit_restore``)."""

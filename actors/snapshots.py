@@ -27,6 +27,7 @@ from actors.operation_states import (
     SnapshotOperation,
     SnapshotWriting,
 )
+from nemo_ckpt import tracing
 from nemo_ckpt.catalog.commit_sequence import sequence_root, take_sequence
 from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport
@@ -122,7 +123,17 @@ class Snapshots:
         self._sets = 0
 
     async def begin(self, snapshot_id: str, checkpoint_path: str,
-                    drain_timeout_s: float | None = None) -> SnapshotBegun:
+                    drain_timeout_s: float | None = None, trace: str = "") -> SnapshotBegun:
+        """``_begin`` in its span, the child of the driver's ``trace``."""
+        with tracing.span("nemo_ckpt.snapshot.begin", parent=trace, phase="begin",
+                          **{"operation.id": snapshot_id, "path": checkpoint_path}) as span:
+            begun = await self._begin(snapshot_id, checkpoint_path, drain_timeout_s, trace)
+            tracing.set_attributes(span, sessions=sum(c.captured_count
+                                                      for c in begun.captures))
+            return begun
+
+    async def _begin(self, snapshot_id: str, checkpoint_path: str,
+                     drain_timeout_s: float | None, trace: str) -> SnapshotBegun:
         """Claim the path, pause every holder and capture, waiting up to
         ``drain_timeout_s`` (default: the config's) for turns in flight.
 
@@ -136,6 +147,7 @@ class Snapshots:
         now = self._clock.monotonic()
         op = self._lifecycle.open(SnapshotOperation(snapshot_id, checkpoint_path, now,
                                           now + self._parts.config.lease_s, SnapshotBeginning()))
+        op.trace = trace
         cfg = self._parts.config
         drain = cfg.drain_timeout_s if drain_timeout_s is None \
             else max(0.0, min(float(drain_timeout_s), cfg.drain_timeout_s))
@@ -162,7 +174,8 @@ class Snapshots:
                 op.blob_hold.add_done_callback(lambda f: f.cancelled() or f.exception())
             begun: dict[str, tuple[PauseReport, CaptureReport]] = await self._parts.holders.fan(
                 op.holders, "pause_capture",
-                HolderCall("begin", (snapshot_id, drain, cfg.lease_s, str(directory)),
+                HolderCall("begin", (snapshot_id, drain, cfg.lease_s, str(directory),
+                                     tracing.traceparent()),
                            drain + cfg.phase_timeout_s),
                 op_id=snapshot_id)
             # Shielded: a cancelled begin must not cancel the claim under its thread,
@@ -252,6 +265,18 @@ class Snapshots:
 
         A repeated commit gets the first one's answer; a commit of an operation that
         was aborted (or lapsed) is refused with that outcome's error."""
+        op = self._parts.operations.get(snapshot_id)
+        with tracing.span("nemo_ckpt.commit", parent="" if op is None else op.trace,
+                          phase="commit", stop=stop, **{"operation.id": snapshot_id}) as span:
+            committed = await self._commit(snapshot_id, checkpoint_path, metrics, restarted,
+                                           stop)
+            tracing.set_attributes(span, bytes=int(committed.metrics.get("bytes_written", 0)),
+                                   sessions=committed.rollouts)
+            return committed
+
+    async def _commit(self, snapshot_id: str, checkpoint_path: str,
+                      metrics: dict[str, float | int], restarted: int,
+                      stop: bool) -> SnapshotCommitted:
         op = self._parts.operations.get(snapshot_id)
         if op is None:
             result = self._parts.operations.result(snapshot_id)

@@ -118,6 +118,8 @@ class DemoOptions:
         node_ids: Nodes to run workers on; default every alive node.
         sandboxes: Give every rollout a sandbox directory its turns work in, and
             compare the directories too.
+        trace_file: Where every process of the run appends its OpenTelemetry spans,
+            one JSON line each (``CheckpointConfig.trace_file``).
     """
 
     rollouts: int = 48
@@ -134,6 +136,7 @@ class DemoOptions:
     dispatch_ahead: bool = True
     node_ids: Optional[tuple[str, ...]] = None
     sandboxes: bool = True
+    trace_file: Optional[Path] = None
 
     def __post_init__(self) -> None:
         for name in ("rollouts", "turns", "crash_after_snapshots", "workers_per_node",
@@ -559,7 +562,7 @@ def _checkpoint_config(namespace: str, root: Optional[Where], options: DemoOptio
                        sandbox_root: Optional[Path] = None) -> CheckpointConfig:
     return CheckpointConfig(namespace=namespace, checkpoint_root=root,
                             drain_timeout_s=options.drain_timeout_s,
-                            sandbox_root=sandbox_root)
+                            sandbox_root=sandbox_root, trace_file=options.trace_file)
 
 
 def _kill_quietly(handles: Iterable[Any]) -> None:

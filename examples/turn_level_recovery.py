@@ -87,6 +87,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-sandboxes", dest="sandboxes", action="store_false",
                    help="run the rollouts without sandbox directories (by default each "
                         "one works in its own, and the run compares them byte for byte)")
+    p.add_argument("--trace-file", type=Path, default=None, metavar="PATH",
+                   help="append every finished OpenTelemetry span of the run's processes "
+                        "(driver, coordinator, holders) here, one JSON line each (needs "
+                        "opentelemetry-api and opentelemetry-sdk)")
     p.add_argument("--verbose", action="store_true", help="show nemo_ckpt's log")
     args = p.parse_args(argv)
     # A URL's bucket is probed from every node by check_startup, once Ray is up.
@@ -98,6 +102,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         problem = output_file_problem(args.json)
         if problem is not None:
             p.error(f"argument --json: {problem}")
+    if args.trace_file is not None:
+        problem = output_file_problem(args.trace_file)
+        if problem is not None:
+            p.error(f"argument --trace-file: {problem}")
+        args.trace_file = args.trace_file.resolve()
     try:
         args.options = DemoOptions(
             rollouts=args.rollouts, turns=args.turns, snapshot_every_s=args.snapshot_every,
@@ -105,7 +114,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             checkpoint_dir=args.checkpoint_dir, seed=args.seed,
             workers_per_node=args.workers_per_node,
             rollouts_per_worker=args.rollouts_per_worker, turn_seconds=args.turn_seconds,
-            sandboxes=args.sandboxes)
+            sandboxes=args.sandboxes, trace_file=args.trace_file)
     except ValueError as exc:  # a rule DemoOptions keeps that the types above do not
         p.error(str(exc))
     return args

@@ -148,6 +148,14 @@ class CheckpointConfig(BaseModel):
         description="Environment variables the holders run podman with, beside their "
                     "own (e.g. CONTAINERS_CONF, or a PATH that finds CRIU 4.x for runc).")
 
+    trace_file: Optional[Path] = Field(
+        None,
+        description="Absolute file every process of the job (the driver, the coordinator, "
+                    "each holder) appends its finished OpenTelemetry spans to, one JSON "
+                    "line each (nemo_ckpt.tracing); it needs opentelemetry-api and "
+                    "opentelemetry-sdk in every process. None: spans go to whatever "
+                    "tracer provider each process has (none: nothing is recorded).")
+
     allow_unchecked_snapshots: bool = Field(
         False,
         description="Commit a snapshot whose block never called "
@@ -180,7 +188,7 @@ class CheckpointConfig(BaseModel):
     @model_validator(mode="after")
     def _roots_are_absolute(self) -> CheckpointConfig:
         # Each node would resolve a relative folder against its own working directory.
-        for name in ("checkpoint_root", "sandbox_root"):
+        for name in ("checkpoint_root", "sandbox_root", "trace_file"):
             value = getattr(self, name)
             if isinstance(value, Path) and not value.is_absolute():
                 raise ValueError(

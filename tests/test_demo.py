@@ -145,8 +145,10 @@ async def test_a_crashed_run_restores_from_a_bucket_and_writes_nothing_local(
 def test_the_example_joins_an_existing_cluster_writes_its_json_and_exits_zero(
         cluster: Any, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
+    traces = tmp_path / "spans.jsonl"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "turn_level_recovery.py"),
+         "--trace-file", str(traces),
          "--address", cluster.address, "--rollouts", "8", "--turns", "12",
          "--snapshot-every", "0.4", "--crash-after-snapshots", "1",
          "--rollouts-per-worker", "2", "--turn-seconds", "0.06", "--seed", "3",
@@ -164,6 +166,37 @@ def test_the_example_joins_an_existing_cluster_writes_its_json_and_exits_zero(
     assert len(data["snapshot_bytes_written"]) == data["snapshots"]
     assert "every rollout's directory, byte for byte" in proc.stdout
     assert any((tmp_path / "ckpt").glob("run-*/snapshot-*/environment/manifest.json"))
+    assert_one_trace_per_operation_across_processes(traces)
+
+
+def assert_one_trace_per_operation_across_processes(traces: Path) -> None:
+    """The trace file a run wrote: each snapshot and restore is one trace, from the
+    driver through the coordinator to the holders, every phase in it."""
+    spans = [json.loads(line) for line in traces.read_text().splitlines()]
+    assert spans and all({"name", "trace_id", "span_id", "parent_id", "pid"} <= s.keys()
+                         for s in spans)
+    by_trace: dict[str, list[dict[str, Any]]] = {}
+    for s in spans:
+        by_trace.setdefault(s["trace_id"], []).append(s)
+    for root_name, phases in (
+            ("nemo_ckpt.snapshot", {"nemo_ckpt.snapshot.begin", "nemo_ckpt.pause",
+                                    "nemo_ckpt.drain", "nemo_ckpt.capture",
+                                    "nemo_ckpt.persist", "nemo_ckpt.commit"}),
+            ("nemo_ckpt.restore", {"nemo_ckpt.restore.prepare", "nemo_ckpt.prepare",
+                                   "nemo_ckpt.verify", "nemo_ckpt.install",
+                                   "nemo_ckpt.restore.commit"})):
+        roots = [s for s in spans if s["name"] == root_name and s["parent_id"] is None]
+        assert roots, f"no {root_name} trace in {traces}"
+        full = [t for t in (by_trace[r["trace_id"]] for r in roots)
+                if phases <= {s["name"] for s in t}]
+        assert full, f"no {root_name} trace holds every phase {sorted(phases)}"
+        trace = full[0]
+        # The driver, the coordinator and the holders: one trace over 3 processes or more.
+        assert len({s["pid"] for s in trace}) >= 3, trace
+        ids = {s["span_id"] for s in trace}
+        assert all(s["parent_id"] in ids for s in trace if s["parent_id"] is not None)
+        assert {s["attributes"].get("nemo_ckpt.outcome") for s in trace} == {"ok"}
+        assert len({s["attributes"].get("nemo_ckpt.operation.id") for s in trace}) == 1
 
 
 # --- options, checked before Ray starts -----------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from nemo_ckpt import tracing
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver.holder_handles import HolderHandles
 from nemo_ckpt.driver.link import NAME_RETRY_S, CoordinatorLink, finish
@@ -83,6 +84,8 @@ class RayEnvironmentCheckpoint:
         on first use; the simulation passes its own."""
         self.config = config or CheckpointConfig()
         self._transport_ = transport
+        if self.config.trace_file is not None:
+            tracing.write_spans_to(str(self.config.trace_file))
         self._open: str | None = None
         self._closed: asyncio.Event | None = None  # set when the open operation ends
         self._restored_results: tuple[FinishedRollout, ...] = ()
@@ -197,9 +200,10 @@ class RayEnvironmentCheckpoint:
         path = self._checkpoint_location(checkpoint_path)  # a folder, or a URL
         clock = self._transport.runtime.clock
         started = clock.monotonic()
-        async with self._operation("snapshot", path) as op:
-            begun = await op.step(self._coordinator.begin_snapshot(op.id, path,
-                                                                   drain_timeout_s))
+        async with self._operation("snapshot", path) as op, \
+                self._span("nemo_ckpt.snapshot", op.id, path, stop=stop) as span:
+            begun = await op.step(self._coordinator.begin_snapshot(
+                op.id, path, drain_timeout_s, tracing.traceparent()))
             snap = RaySnapshot(begun, self._held_before)
             # Not awaited, and it never raises: the writes overlap the caller's block.
             self._coordinator.start_writes(op.id)
@@ -220,6 +224,8 @@ class RayEnvironmentCheckpoint:
                 beside=None if stop else lambda: self._release_holders(begun),
                 lost=lambda: _Committed(dict(metrics)))
             snap._record_commit(committed.metrics)
+            tracing.set_attributes(span, sessions=snap.captured_rollouts,
+                                   bytes=int(committed.metrics.get("bytes_written", 0)))
             self._held_before = snap.held()
             log.info("%s %s committed: %d rollouts, %d restarted, %d bytes, "
                      "paused %.3fs", "stop snapshot" if stop else "snapshot", op.id,
@@ -290,8 +296,12 @@ class RayEnvironmentCheckpoint:
         clock = self._transport.runtime.clock
         started = clock.monotonic()
         self._restored_results = ()  # a restore that fails hands nothing back
-        async with self._operation("restore", None) as op:
-            begun = await op.step(self._coordinator.prepare_restore(op.id, path))
+        async with self._operation("restore", None) as op, \
+                self._span("nemo_ckpt.restore", op.id, path) as span:
+            begun = await op.step(self._coordinator.prepare_restore(op.id, path,
+                                                                    tracing.traceparent()))
+            tracing.set_attributes(span, sessions=len(begun.continued_attempts),
+                                   bytes=int(begun.bytes_read))
             self._restored_results = begun.finished
             try:
                 yield RestoredEnvironmentRollouts(
@@ -329,6 +339,14 @@ class RayEnvironmentCheckpoint:
         return isinstance(error, (RayActorError, GetTimeoutError))
 
     # --- the operation skeleton both share ------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _span(self, name: str, op_id: str, path: str, **attributes: Any
+                    ) -> AsyncIterator[Any]:
+        """The operation's root span (``nemo_ckpt.tracing``), entered and left in the
+        caller's task, around the caller's block too."""
+        with tracing.span(name, **{"operation.id": op_id, "path": path}, **attributes) as s:
+            yield s
 
     @contextlib.asynccontextmanager
     async def _operation(self, kind: str, path: str | None) -> AsyncIterator[_Operation]:

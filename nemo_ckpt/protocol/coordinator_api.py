@@ -75,7 +75,7 @@ class CoordinatorApi(Protocol):
 
         1) (driver) renew(id)                   every renewal period, from the start to the
                                                 end, whatever phase is running
-        2) (driver) begin_snapshot(id, path[, drain])
+        2) (driver) begin_snapshot(id, path[, drain][, trace])
                                                 claim the path; every holder pauses, waits
                                                 up to ``drain`` (default: the config's) for
                                                 turns in flight, and captures (one call each)
@@ -107,7 +107,8 @@ class CoordinatorApi(Protocol):
     and of a restore (driven by ``RayEnvironmentCheckpoint.restored``):
 
         1) (driver) renew(id)                   as above
-        2) (driver) prepare_restore(id, path)   read the manifest; place every instance;
+        2) (driver) prepare_restore(id, path[, trace])
+                                                read the manifest; place every instance;
                                                 holders read and verify their shards; what
                                                 they read is checked against the manifest
         3) (driver) commit_restore(id)          every holder makes its sessions live
@@ -133,7 +134,8 @@ class CoordinatorApi(Protocol):
                     caller_error: str | None = None) -> str: ...
 
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                             drain_timeout_s: float | None = None) -> SnapshotBegun: ...
+                             drain_timeout_s: float | None = None, trace: str = ""
+                             ) -> SnapshotBegun: ...
 
     async def start_writes(self, snapshot_id: str) -> None: ...
 
@@ -141,7 +143,7 @@ class CoordinatorApi(Protocol):
                               metrics: dict[str, float | int], restarted: int,
                               stop: bool = False) -> SnapshotCommitted: ...
 
-    async def prepare_restore(self, restore_id: str, checkpoint_path: str
+    async def prepare_restore(self, restore_id: str, checkpoint_path: str, trace: str = ""
                               ) -> RestoreBegun: ...
 
     async def prefetch_restore(self, checkpoint_path: str) -> int: ...
@@ -197,10 +199,13 @@ class CoordinatorCalls:
         return self._invoke("abort", operation_id, checkpoint_path, caller_error)
 
     def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                       drain_timeout_s: float | None = None) -> Awaitable[SnapshotBegun]:
-        if drain_timeout_s is None:
-            return self._invoke("begin_snapshot", snapshot_id, checkpoint_path)
-        return self._invoke("begin_snapshot", snapshot_id, checkpoint_path, drain_timeout_s)
+                       drain_timeout_s: float | None = None, trace: str = ""
+                       ) -> Awaitable[SnapshotBegun]:
+        # Only what differs from the defaults travels (``nemo_ckpt.tracing``: ``trace``).
+        args: tuple[Any, ...] = (snapshot_id, checkpoint_path)
+        if drain_timeout_s is not None or trace:
+            args += (drain_timeout_s,) + ((trace,) if trace else ())
+        return self._invoke("begin_snapshot", *args)
 
     def start_writes(self, snapshot_id: str) -> None:
         if self._tell is None:
@@ -216,8 +221,10 @@ class CoordinatorCalls:
         return self._invoke("commit_snapshot", snapshot_id, checkpoint_path, metrics,
                             restarted)
 
-    def prepare_restore(self, restore_id: str, checkpoint_path: str
+    def prepare_restore(self, restore_id: str, checkpoint_path: str, trace: str = ""
                         ) -> Awaitable[RestoreBegun]:
+        if trace:
+            return self._invoke("prepare_restore", restore_id, checkpoint_path, trace)
         return self._invoke("prepare_restore", restore_id, checkpoint_path)
 
     def prefetch_restore(self, checkpoint_path: str) -> Awaitable[int]:

@@ -40,7 +40,7 @@ class HolderControl(Protocol):
     ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``). A snapshot, every call carrying the
     snapshot's id:
 
-        1) begin(id, drain, lease, folder)  close the turn gate, wait up to ``drain`` for
+        1) begin(id, drain, lease, folder[, trace])  close the turn gate, wait up to ``drain`` for
                                             turns in flight, take a lease, capture in
                                             memory (``pause`` then ``capture``, in one
                                             call) -> (PauseReport, CaptureReport)
@@ -81,7 +81,7 @@ class HolderControl(Protocol):
     async def probe_containers(self) -> tuple[list[str], list[str]]: ...
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-                    directory: str) -> tuple[PauseReport, CaptureReport]: ...
+                    directory: str, trace: str = "") -> tuple[PauseReport, CaptureReport]: ...
 
     async def renew_lease(self, operation_id: str, lease_s: float) -> float: ...
 
@@ -97,7 +97,8 @@ class HolderControl(Protocol):
 
     async def prepare_restore(self, restore_id: str, where: str,
                               shards: list[ShardEntry], lease_s: float,
-                              blob_store: str | None = None) -> RestorePrepared: ...
+                              blob_store: str | None = None, trace: str = ""
+                              ) -> RestorePrepared: ...
 
     async def prefetch(self, where: str, shards: list[ShardEntry]) -> int: ...
 
@@ -135,7 +136,9 @@ class HolderCalls:
         return self._call("probe_containers")
 
     def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-              directory: str) -> Awaitable[tuple[PauseReport, CaptureReport]]:
+              directory: str, trace: str = "") -> Awaitable[tuple[PauseReport, CaptureReport]]:
+        if trace:
+            return self._call("begin", snapshot_id, drain_timeout_s, lease_s, directory, trace)
         return self._call("begin", snapshot_id, drain_timeout_s, lease_s, directory)
 
     def renew_lease(self, operation_id: str, lease_s: float) -> Awaitable[float]:
@@ -159,8 +162,11 @@ class HolderCalls:
         return self._call("abort", operation_id, keep_committed)
 
     def prepare_restore(self, restore_id: str, where: str, shards: list[ShardEntry],
-                        lease_s: float, blob_store: str | None = None
+                        lease_s: float, blob_store: str | None = None, trace: str = ""
                         ) -> Awaitable[RestorePrepared]:
+        if trace:
+            return self._call("prepare_restore", restore_id, where, shards, lease_s,
+                              blob_store, trace)
         return self._call("prepare_restore", restore_id, where, shards, lease_s,
                           blob_store)
 
