@@ -10,11 +10,11 @@ STAMP := $(VENV)/.installed
 # Extra options for the demo, e.g. `make demo DEMO_ARGS='--nodes 4 --json demo.json'`.
 DEMO_ARGS ?=
 
-# The deterministic simulation's schedules per `make test` (tests/simulation/): 6,500,
-# about 2.5 minutes here, to keep `make test` under 20 minutes on 2 cores with the
+# The deterministic simulation's schedules per `make test` (tests/simulation/): 5,500,
+# about 2 minutes here, to keep `make test` under 20 minutes on 2 cores with the
 # container tests; `python -m tests.simulation` alone runs 10,000. A violation prints its
 # seed and the command that replays it.
-SIM_SCHEDULES ?= 6500
+SIM_SCHEDULES ?= 5500
 
 .PHONY: test install demo demo-s3 demo-containers demo-preemption container-runtime
 
