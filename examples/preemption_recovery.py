@@ -212,7 +212,10 @@ def stop_the_child(run: Path, args: argparse.Namespace) -> tuple[int, float, dic
            "--turns", str(args.turns), "--tool-seconds", str(args.tool_seconds),
            "--deadline", str(args.deadline)] + (["--drain"] if args.drain else [])
     with (run / "child.log").open("w") as log_file:
-        child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        # Its own session, so that giving up on it kills its Ray processes too; the
+        # stop itself (SIGTERM) goes to the child alone, as a scheduler's would.
+        child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
         try:
             start = time.monotonic()
             while True:  # until a snapshot committed and every rollout is a third in
@@ -242,7 +245,7 @@ def stop_the_child(run: Path, args: argparse.Namespace) -> tuple[int, float, dic
             took = time.monotonic() - told
         finally:
             if child.poll() is None:
-                child.kill()
+                os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
     committed = {e["group"]: e["turns"] for e in _events(run) if e["event"] == "turn"}
     return status, took, committed

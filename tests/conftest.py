@@ -148,6 +148,20 @@ def world(tmp_path: Any) -> Iterator[Any]:
 
 
 @pytest.fixture
+def rooted_world(tmp_path: Any) -> Iterator[Any]:
+    """``world`` with ``checkpoint_root`` at ``tmp_path / "ckpt"`` (made)."""
+    from tests.harness import CONFIG, World
+
+    (tmp_path / "ckpt").mkdir()
+    w = World(tmp_path, config=CONFIG.model_copy(
+        update={"checkpoint_root": tmp_path / "ckpt"}))
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture
 def namespace() -> str:
     """A Ray namespace of this test's own."""
     return f"t-{uuid.uuid4().hex[:10]}"

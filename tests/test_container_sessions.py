@@ -87,6 +87,24 @@ async def _turns(job: World, podman: Podman, eps: dict[Ep, str], instance: str,
                 turn.complete(f"t{n}".encode(), f"s{n}".encode())
 
 
+async def _one_per_holder(job: World, podman: Podman, runtime: Setup,
+                          eps: dict[Ep, str], turns: int,
+                          memory: str | None = None) -> dict[str, set[Ep]]:
+    """On each holder, a session opened with a container of its own (``memory``, if
+    given, in a ``ContainerRef``) and ``turns`` turns taken; the live set per holder."""
+    await job.ckpt.ensure_holders()
+    live: dict[str, set[Ep]] = {}
+    for instance in sorted(job.holders()):
+        ep = Ep(f"{instance}-r0", 0)
+        eps[ep] = _start(podman, runtime)
+        container = eps[ep] if memory is None else ContainerRef(eps[ep], memory=memory)
+        record = await (await job.client(instance)).open(ep, b"s0", container=container)
+        assert record.container == eps[ep]
+        live[instance] = {ep}
+        await _turns(job, podman, eps, instance, turns)
+    return live
+
+
 def test_a_container_session_continues_in_a_fresh_job_with_its_files_and_memory(
         tmp_path: Path, runtime: Setup, podman: Podman) -> None:
     path = tmp_path / "ckpt" / "step-1"
@@ -94,16 +112,7 @@ def test_a_container_session_continues_in_a_fresh_job_with_its_files_and_memory(
     eps: dict[Ep, str] = {}
     try:
         async def first_run() -> dict[Ep, tuple[int, str]]:
-            await job.ckpt.ensure_holders()
-            live: dict[str, set[Ep]] = {}
-            for instance in sorted(job.holders()):
-                client = await job.client(instance)
-                ep = Ep(f"{instance}-r0", 0)
-                eps[ep] = _start(podman, runtime)
-                record = await client.open(ep, b"s0", container=eps[ep])
-                assert record.container == eps[ep]
-                live[instance] = {ep}
-                await _turns(job, podman, eps, instance, 3)
+            live = await _one_per_holder(job, podman, runtime, eps, 3)
             expected = {ep: (3, _log(podman, c)) for ep, c in eps.items()}
             async with job.ckpt.snapshot(path) as snap:
                 assert snap is not None
@@ -323,15 +332,7 @@ def test_a_stop_snapshot_removes_the_containers_and_a_restore_makes_them_again(
     eps: dict[Ep, str] = {}
     try:
         async def run() -> None:
-            await job.ckpt.ensure_holders()
-            live: dict[str, set[Ep]] = {}
-            for instance in sorted(job.holders()):
-                ep = Ep(f"{instance}-r0", 0)
-                eps[ep] = _start(podman, runtime)
-                await (await job.client(instance)).open(
-                    ep, b"s0", container=ContainerRef(eps[ep], memory="off"))
-                live[instance] = {ep}
-                await _turns(job, podman, eps, instance, 2)
+            live = await _one_per_holder(job, podman, runtime, eps, 2, memory="off")
             async with job.ckpt.final_snapshot(path) as snap:
                 assert snap is not None and snap.captured_rollouts == 2
                 await snap.check_against_cut(StaticCut(live, set()))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,15 +93,6 @@ class Job:
                 self.saved = (self.ledger.state_dict(), self.staging.state_dict())
         assert snapshot is not None
         return snapshot.metrics(0.0)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 def test_a_snapshot_with_rollouts_mid_turn_sealed_and_of_other_groups_commits(

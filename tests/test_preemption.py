@@ -11,8 +11,6 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -20,21 +18,10 @@ from nemo_ckpt import Preemption
 from nemo_ckpt.errors import JobStoppedError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
-from tests.harness import CONFIG, World
+from tests.harness import World
 from tests.test_rollout_manager import OWNERS, Job
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    config = CONFIG.model_copy(update={"checkpoint_root": tmp_path / "ckpt"})
-    (tmp_path / "ckpt").mkdir()
-    w = World(tmp_path, config=config)
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 async def _run_until_stopped(job: Job, eps: dict[str, Ep], turns: dict[Ep, int],
@@ -52,12 +39,12 @@ async def _run_until_stopped(job: Job, eps: dict[str, Ep], turns: dict[Ep, int],
 
 
 def test_a_stop_takes_a_final_snapshot_that_keeps_every_committed_turn_and_exits_143(
-        world: World) -> None:
-    job = Job(world, world.root / "ckpt")
+        rooted_world: World) -> None:
+    job = Job(rooted_world, rooted_world.root / "ckpt")
     turns: dict[Ep, int] = {}
 
     async def scenario() -> None:
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         eps = {owner: await job.rollout(f"g-{owner}", owner, 2) for owner in OWNERS}
         turns.update({ep: 2 for ep in eps.values()})
         periodic = await job.manager.snapshot()
@@ -70,66 +57,66 @@ def test_a_stop_takes_a_final_snapshot_that_keeps_every_committed_turn_and_exits
         raise AssertionError(f"the body returned: {preemption.reason}")
 
     with pytest.raises(SystemExit) as exited:
-        world.run(scenario())
+        rooted_world.run(scenario())
     assert exited.value.code == 128 + signal.SIGTERM
 
     async def after() -> None:
         latest = await job.manager.latest()
         assert latest is not None and latest.path.endswith(".partial") is False
-        for holder in world.holders().values():
+        for holder in rooted_world.holders().values():
             assert holder.current == (HolderState.STOPPED, None)
             assert await holder.sessions() == []
-        client = await world.client(OWNERS["replica-0"])
+        client = await rooted_world.client(OWNERS["replica-0"])
         with pytest.raises(JobStoppedError):
             await client.open(Ep("after-the-stop", 0), b"")
         # RL's half was saved by the same hook: the restore continues every rollout at
         # the turn it had committed when the signal came, nothing lost.
         restored = await job.manager.restore()
         assert restored is not None and restored.path == latest.path
-        live = {r.episode.rollout_id: r for h in world.holders().values()
+        live = {r.episode.rollout_id: r for h in rooted_world.holders().values()
                 for r in await h.sessions()}
         assert sorted(live) == sorted(ep.rollout_id for ep in turns)
         for ep, n in turns.items():
             assert live[ep.rollout_id].episode.attempt == ep.attempt + 1
             assert len(live[ep.rollout_id].turns) == n, ep
 
-    world.run(after())
+    rooted_world.run(after())
 
 
 def test_a_drain_of_a_node_hosting_a_holder_stops_the_job_as_sigterm_does(
-        world: World) -> None:
-    job = Job(world, world.root / "ckpt")
+        rooted_world: World) -> None:
+    job = Job(rooted_world, rooted_world.root / "ckpt")
 
     async def scenario() -> None:
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         eps = {owner: await job.rollout(f"g-{owner}", owner, 1) for owner in OWNERS}
         turns = {ep: 1 for ep in eps.values()}
-        node = next(h.node_id for h in await world.ckpt.holders()
+        node = next(h.node_id for h in await rooted_world.ckpt.holders()
                     if h.instance_id == OWNERS["replica-1"])
         fired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        fired.add_done_callback(lambda _: world.sim.draining.add(node))
+        fired.add_done_callback(lambda _: rooted_world.sim.draining.add(node))
         async with job.manager.preemption(deadline_s=20.0) as preemption:
             await _run_until_stopped(job, eps, turns, fired)
         raise AssertionError(f"the body returned: {preemption.reason}")
 
     with pytest.raises(SystemExit) as exited:
-        world.run(scenario())
+        rooted_world.run(scenario())
     assert exited.value.code == 143
-    assert {h.current[0] for h in world.holders().values()} == {HolderState.STOPPED}
+    assert {h.current[0] for h in rooted_world.holders().values()} == {HolderState.STOPPED}
 
 
 def test_a_final_snapshot_that_misses_its_deadline_leaves_the_last_committed_one(
-        world: World, caplog: pytest.LogCaptureFixture) -> None:
-    job = Job(world, world.root / "ckpt")
+        rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
+    job = Job(rooted_world, rooted_world.root / "ckpt")
     taken: list[str] = []
 
     async def scenario() -> None:
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         eps = {owner: await job.rollout(f"g-{owner}", owner, 1) for owner in OWNERS}
         periodic = await job.manager.snapshot()
         assert periodic is not None
         taken.append(periodic.path)
-        for delays in world.holder_delays().values():
+        for delays in rooted_world.holder_delays().values():
             delays.set("capture", 30.0)  # the capture cannot end in time
         async with job.manager.preemption(deadline_s=5.0) as preemption:
             preemption.stop("signal SIGTERM", 143)
@@ -138,7 +125,7 @@ def test_a_final_snapshot_that_misses_its_deadline_leaves_the_last_committed_one
         raise AssertionError("the body was not cancelled")
 
     with caplog.at_level(logging.ERROR, logger="nemo_ckpt"), pytest.raises(SystemExit) as exited:
-        world.run(scenario())
+        rooted_world.run(scenario())
     assert exited.value.code == 143
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(lines) == 1 and "within 5s and was aborted" in lines[0] \
@@ -148,12 +135,12 @@ def test_a_final_snapshot_that_misses_its_deadline_leaves_the_last_committed_one
     async def after() -> None:
         latest = await job.manager.latest()
         assert latest is not None and latest.path == taken[0]
-        holders = world.holders()
+        holders = rooted_world.holders()
         for instance in OWNERS.values():  # aborted: nothing parked
             assert holders[instance].current == (HolderState.RUNNING, None)
             assert len(await holders[instance].sessions()) == 1
 
-    world.run(after())
+    rooted_world.run(after())
 
 
 def test_a_real_sigterm_runs_the_final_snapshot_within_its_deadline_then_exits_143() -> None:

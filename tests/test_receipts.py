@@ -10,8 +10,6 @@ import collections
 import copy
 import json
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,15 +25,6 @@ from nemo_ckpt.testing.data_plane import StaticCut
 from tests.harness import World, cut_of
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path)
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 def recorded(live: dict[str, list[Ep]], done: Ep, turns: int = 2) -> StaticCut:

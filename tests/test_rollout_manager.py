@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.testing.nemo_rl import DataPlaneCheckpointBarrier, NemoRlState
-from tests.harness import CONFIG, World
+from tests.harness import World
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -74,29 +73,18 @@ class Job:
             turn.complete(f"t{n}".encode(), f"s{n + 1}".encode(), [key])
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    config = CONFIG.model_copy(update={"checkpoint_root": tmp_path / "ckpt"})
-    (tmp_path / "ckpt").mkdir()
-    w = World(tmp_path, config=config)
-    try:
-        yield w
-    finally:
-        w.close()
-
-
 def tree(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             if p.is_file() else "dir" for p in sorted(root.rglob("*"))}
 
 
 def test_snapshots_come_on_the_interval_numbered_by_commit_and_retention_keeps_the_anchor(
-        world: World) -> None:
-    root = world.root / "ckpt"
-    job = Job(world, root)
+        rooted_world: World) -> None:
+    root = rooted_world.root / "ckpt"
+    job = Job(rooted_world, root)
 
     async def scenario() -> tuple[list[Any], list[Any]]:
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         ep = await job.rollout("g1", "replica-0", 1)
         assert await job.manager.maybe_snapshot() is None  # the interval has not passed
         anchored = await job.manager.snapshot_at_trainer_checkpoint(7)
@@ -107,7 +95,7 @@ def test_snapshots_come_on_the_interval_numbered_by_commit_and_retention_keeps_t
             taken.append(await job.manager.maybe_snapshot())
         return taken, await job.manager.snapshots()
 
-    taken, kept = world.run(scenario())
+    taken, kept = rooted_world.run(scenario())
     numbers = [t.number for t in taken]
     assert numbers == sorted(numbers) and len(set(numbers)) == 4
     # The two newest, and the one trainer step 7 anchors.
@@ -120,15 +108,15 @@ def test_snapshots_come_on_the_interval_numbered_by_commit_and_retention_keeps_t
 
 
 def test_transient_failures_are_retried_and_the_budget_ends_in_an_error(
-        world: World, caplog: pytest.LogCaptureFixture) -> None:
-    job = Job(world, world.root / "ckpt")
+        rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
+    job = Job(rooted_world, rooted_world.root / "ckpt")
     saves = job.rl.save
 
     async def unreachable(cut: Any, path: str) -> None:
         raise BackendUnavailableError("the data plane's store did not answer")
 
     async def scenario() -> None:
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         await job.rollout("g1", "replica-0", 1)
         job.rl.save = unreachable  # type: ignore[method-assign]
         assert await job.manager.snapshot() is None
@@ -143,98 +131,98 @@ def test_transient_failures_are_retried_and_the_budget_ends_in_an_error(
 
     with caplog.at_level(logging.WARNING, logger="nemo_ckpt"), \
             pytest.raises(RolloutCheckpointFailedError, match="3 rollout snapshots failed"):
-        world.run(scenario())
+        rooted_world.run(scenario())
     assert "1 of 3 failures in a row" in caplog.text
     # Nothing of the failed ones is left: only the committed snapshot's folder.
-    assert len([p for p in (world.root / "ckpt").iterdir()
+    assert len([p for p in (rooted_world.root / "ckpt").iterdir()
                 if p.name.startswith("rollout-")]) == 1
 
 
-def test_a_failure_that_is_not_transient_raises_at_once(world: World) -> None:
-    job = Job(world, world.root / "ckpt")
+def test_a_failure_that_is_not_transient_raises_at_once(rooted_world: World) -> None:
+    job = Job(rooted_world, rooted_world.root / "ckpt")
 
     async def scenario() -> None:
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         ep = await job.rollout("g1", "replica-0", 1)
-        client = await world.client("holder-0")
+        client = await rooted_world.client("holder-0")
         await client.close(ep)
         await client.open(ep.next_attempt(), b"")  # RL's ledger expects attempt 0
         await job.manager.snapshot()
 
     with pytest.raises(SnapshotMismatchError, match="wrong_attempt"):
-        world.run(scenario())
+        rooted_world.run(scenario())
     assert job.manager.consecutive_failures == 1
 
 
-def test_restore_by_trainer_step_continues_the_anchored_rollouts(world: World) -> None:
-    root = world.root / "ckpt"
-    job = Job(world, root, settings={"restore_mode": "trainer_checkpoint"})
+def test_restore_by_trainer_step_continues_the_anchored_rollouts(rooted_world: World) -> None:
+    root = rooted_world.root / "ckpt"
+    job = Job(rooted_world, root, settings={"restore_mode": "trainer_checkpoint"})
 
     async def scenario() -> None:
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         ep = await job.rollout("g1", "replica-0", 2)
         await job.manager.snapshot_at_trainer_checkpoint(4)
         await job.turn("replica-0", ep, 2)
         await job.manager.snapshot()  # newer, but not the trainer's
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
+        rooted_world.ckpt.shutdown()
+        await rooted_world.ckpt.ensure_holders()
         with pytest.raises(SnapshotNotFoundError, match=r"anchored steps: \[4\]"):
             await job.manager.restore(trainer_step=5)
         chosen = await job.manager.restore(trainer_step=4)
         assert chosen is not None and chosen.anchor_step == 4
         attempt = job.rl.ledger.get_group("g1").siblings[0].current_attempt
         assert attempt.gym_attempt == 1
-        record = await (await world.client("holder-0")).get(ep.next_attempt())
+        record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
         assert record.turns == (b"t0", b"t1")  # as the anchored snapshot held it
         # RL's half is the anchored snapshot's too: its rows, all kept.
         assert set(job.rl.staging.rows) == {f"{ep.capture_key}/row{n}" for n in range(2)}
         assert job.rl.cleared == frozenset()
 
-    world.run(scenario())
+    rooted_world.run(scenario())
 
 
 def test_a_restore_under_a_changed_fingerprint_is_refused_and_changes_nothing(
-        world: World) -> None:
-    root = world.root / "ckpt"
-    job = Job(world, root, fingerprint={"environment_adapters": ["gsm8k"],
+        rooted_world: World) -> None:
+    root = rooted_world.root / "ckpt"
+    job = Job(rooted_world, root, fingerprint={"environment_adapters": ["gsm8k"],
                                         "rl_config": "abc"})
 
     async def scenario() -> str:
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         await job.rollout("g1", "replica-0", 2)
         await job.manager.snapshot()
         before = tree(root)
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
-        changed = Job(world, root, fingerprint={"environment_adapters": ["gsm8k", "sql"],
+        rooted_world.ckpt.shutdown()
+        await rooted_world.ckpt.ensure_holders()
+        changed = Job(rooted_world, root, fingerprint={"environment_adapters": ["gsm8k", "sql"],
                                                 "rl_config": "abd"})
         with pytest.raises(FingerprintMismatchError) as caught:
             await changed.manager.restore()
         assert tree(root) == before  # byte for byte
         assert set(caught.value.changed) == {"environment_adapters", "rl_config"}
-        assert await (await world.client("holder-0")).sessions() == []
+        assert await (await rooted_world.client("holder-0")).sessions() == []
         # Allowed by the caller, the same restore goes through.
-        allowed = Job(world, root, fingerprint={"environment_adapters": ["gsm8k", "sql"],
+        allowed = Job(rooted_world, root, fingerprint={"environment_adapters": ["gsm8k", "sql"],
                                                 "rl_config": "abd"},
                       settings={"allow_changed": frozenset({"environment_adapters",
                                                             "rl_config"})})
         assert await allowed.manager.restore() is not None
         return str(caught.value)
 
-    message = world.run(scenario())
+    message = rooted_world.run(scenario())
     assert "existing checkpoint state was not modified" in message
     assert 'environment_adapters: saved ["gsm8k"], now ["gsm8k","sql"]' in message
     assert 'rl_config: saved "abc", now "abd"' in message
 
 
 def test_restore_latest_skips_a_damaged_snapshot_and_a_fresh_root_restores_nothing(
-        world: World, caplog: pytest.LogCaptureFixture) -> None:
-    root = world.root / "ckpt"
-    job = Job(world, root, settings={"keep_latest_k": 3})
+        rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
+    root = rooted_world.root / "ckpt"
+    job = Job(rooted_world, root, settings={"keep_latest_k": 3})
 
     async def scenario() -> None:
         assert await job.manager.restore() is None  # nothing yet: a fresh start
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         ep = await job.rollout("g1", "replica-0", 1)
         older = await job.manager.snapshot()
         await job.turn("replica-0", ep, 1)
@@ -243,26 +231,26 @@ def test_restore_latest_skips_a_damaged_snapshot_and_a_fresh_root_restores_nothi
         shard = next(p for p in (Path(newer.path) / "environment").iterdir()
                      if p.name != "manifest.json")
         shard.write_bytes(b"\0" * shard.stat().st_size)
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
+        rooted_world.ckpt.shutdown()
+        await rooted_world.ckpt.ensure_holders()
         chosen = await job.manager.restore()
         assert chosen is not None and chosen.path == older.path
-        record = await (await world.client("holder-0")).get(ep.next_attempt())
+        record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
         assert record.turns == (b"t0",)
 
     with caplog.at_level(logging.WARNING, logger="nemo_ckpt"):
-        world.run(scenario())
+        rooted_world.run(scenario())
     assert "does not verify" in caplog.text
 
 
 def test_retention_keeps_the_saved_trainer_checkpoints_anchor_until_a_newer_one_is_saved(
-        world: World) -> None:
+        rooted_world: World) -> None:
     events: list[tuple[str, str]] = []
-    job = Job(world, world.root / "ckpt", settings={"keep_latest_k": 1},
+    job = Job(rooted_world, rooted_world.root / "ckpt", settings={"keep_latest_k": 1},
               on_event=lambda event, path: events.append((event, Path(path).name)))
 
     async def scenario() -> None:
-        await world.ckpt.ensure_holders()
+        await rooted_world.ckpt.ensure_holders()
         await job.rollout("g1", "replica-0", 1)
         two = await job.manager.snapshot_at_trainer_checkpoint(2)
         await job.manager.trainer_checkpoint_saved(2)
@@ -278,7 +266,7 @@ def test_retention_keeps_the_saved_trainer_checkpoints_anchor_until_a_newer_one_
         assert ("committed", Path(newest.path).name + ".partial") in events
         assert ("renamed", Path(newest.path).name) in events
 
-    world.run(scenario())
+    rooted_world.run(scenario())
 
 
 def test_retention_keeps_the_newest_k_the_saved_steps_anchor_and_every_newer_anchor() -> None:

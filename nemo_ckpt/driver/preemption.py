@@ -107,16 +107,12 @@ class Preemption:
         if not done:  # cancelled: an abort before the commit; a commit runs to its end
             final.cancel()
             done, _ = await asyncio.wait({final}, timeout=self.deadline_s * _EXIT_MARGIN / 2)
-        error = (final.exception() if not final.cancelled() else None) if done else None
-        if done and not final.cancelled() and error is None:
-            self.committed = True
+        why = _why_not_committed(final) if done else "missed its deadline"
+        self.committed = why is None
+        if why is None:
             log.warning("preemption: %s: the final snapshot committed in %.2fs; exiting "
                         "with status %s", self.reason, loop.time() - since, self.status)
         else:
-            self.committed = False
-            first = str(error).splitlines()[0] if error is not None and str(error) else ""
-            why = f"failed ({type(error).__name__}: {first})" if error is not None \
-                and not isinstance(error, asyncio.TimeoutError) else "missed its deadline"
             log.error("preemption: %s: the final snapshot %s within %gs and was aborted%s; "
                       "the last committed snapshot is untouched and the job restores from "
                       "it", self.reason, why, self.deadline_s,
@@ -154,3 +150,16 @@ class Preemption:
             return False  # never told to stop: the body's own outcome
         await asyncio.shield(self._stopping)  # a body that ended first waits for it
         raise SystemExit(self.status)  # our own cancellation of the body ends here
+
+
+def _why_not_committed(final: asyncio.Future[Any]) -> str | None:
+    """Why an ended final snapshot did not commit, or None if it did."""
+    if final.cancelled():
+        return "missed its deadline"
+    error = final.exception()
+    if error is None:
+        return None
+    if isinstance(error, asyncio.TimeoutError):
+        return "missed its deadline"
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"failed ({type(error).__name__}: {first})"
