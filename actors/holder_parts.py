@@ -31,7 +31,7 @@ from actors.watchdog import Watchdog
 from nemo_ckpt.errors import HolderBusyError, JobStoppedError
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.sandboxes.backend import ContainerRef
-from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.transport import Clock, Runtime
 
 __all__ = ["HolderParts", "NoTrimmer", "Trimmer"]
@@ -168,12 +168,21 @@ class HolderParts:
     def record(self, held: Held) -> SessionRecord:
         """``held`` as its caller sees it, with its sandbox (a directory or a container)
         if it has one."""
-        record = held.record(self.instance_id)
+        return dataclasses.replace(held.record(self.instance_id), **self._sandbox_of(held))
+
+    def head(self, held: Held) -> SessionHead:
+        """``held`` as a turn sees it (``SessionHead``: no turn records)."""
+        return SessionHead(self.instance_id, held.episode(), held.turn_count, held.state,
+                           **self._sandbox_of(held))
+
+    def _sandbox_of(self, held: Held) -> dict[str, Any]:
+        """The fields of a session's sandbox as its caller sees them."""
+        fields: dict[str, Any] = {}
         if held.rollout_id in self.sandboxes.restart_only:
-            record = dataclasses.replace(record, restart_only=True)
+            fields["restart_only"] = True
         location = self.sandboxes.location(held.rollout_id)
-        if location is None:
-            return record
         if isinstance(location, ContainerRef):
-            return dataclasses.replace(record, container=location.name)
-        return dataclasses.replace(record, directory=str(location))
+            fields["container"] = location.name
+        elif location is not None:
+            fields["directory"] = str(location)
+        return fields

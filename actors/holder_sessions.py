@@ -9,6 +9,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+import msgpack
+
 from actors.holder_parts import HolderParts
 from actors.holder_sandboxes import Recorded
 from actors.session_table import Held
@@ -27,7 +29,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.protocol.holder_api import OpeningSessions
 from nemo_ckpt.sandboxes.backend import ContainerRef, SandboxLocation
-from nemo_ckpt.session_record import NO_TURNS, SessionRecord, check_staging_keys
+from nemo_ckpt.session_record import SessionHead, SessionRecord, check_staging_keys
 from nemo_ckpt.storage.manifest import sandbox_id_problem
 
 __all__ = ["Sessions"]
@@ -142,7 +144,7 @@ class Sessions:
         ``location`` and ``restart`` makes it, untouched since (no turn begun, not
         finished)."""
         held = self._table.get(episode)
-        if held is None or held.finished or held.turns != NO_TURNS \
+        if held is None or held.finished or held.turn_count \
                 or held.last_turn is not None or held.capture_key in self._gate \
                 or held.state != bytes(state) or held.row != Held.fresh(episode, b"").row:
             return False  # not as opened (a restored one has earlier capture keys)
@@ -182,6 +184,24 @@ class Sessions:
     async def get_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
         """The live session of ``episode`` (or with that capture key)."""
         return self._parts.record(self._held(episode))
+
+    async def read_turns(self, episode: EnvironmentEpisode | str, start: int = 0,
+                         stop: int | None = None) -> list[bytes]:
+        """Turn records ``start`` to ``stop`` (a slice's bounds, clamped to the turns
+        committed; None: to the last) of the live session of ``episode`` (or with that
+        capture key); only those are decoded."""
+        if type(start) is not int or not (stop is None or type(stop) is int):
+            raise TypeError(f"read_turns takes int bounds, not {start!r} and {stop!r}")
+        held = self._held(episode)
+        first, last, _ = slice(start, stop).indices(held.turn_count)
+        if last <= first:
+            return []
+        try:
+            return held.read_turns(first, last)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise ValueError(f"{self.instance_id}: the turn records of "
+                             f"{held.capture_key} do not decode ({exc}); it says "
+                             f"{held.turn_count} turns") from None
 
     async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
         """Close a finished session (of ``episode``, or with that capture key) and return
@@ -225,10 +245,11 @@ class Sessions:
 
     # --- turns -------------------------------------------------------------------------
 
-    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionRecord:
+    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionHead:
         """Start a turn whose token the caller made: wait while paused, then return the
-        session. A token its caller already aborted (it went away while this call
-        travelled or waited at the gate) is refused, so no turn stays open for ever."""
+        session as a turn sees it (its state and turn count, not its turn records). A
+        token its caller already aborted (it went away while this call travelled or
+        waited at the gate) is refused, so no turn stays open for ever."""
         self._check_episode(episode)
         if not isinstance(token, str) or not token:
             raise TypeError("a turn token must be a non-empty string made by the caller")
@@ -241,10 +262,10 @@ class Sessions:
             raise RolloutFinishedError(
                 f"{self.instance_id}: {held.capture_key} was handed in as finished; it "
                 f"runs no more turns (RL reads its result and acknowledges it)")
-        record = self._parts.record(held)
+        head = self._parts.head(held)
         self._gate.begin(episode.capture_key, token, self._parts.clock.monotonic())
         self._parts.settle_restore()
-        return record
+        return head
 
     async def commit_turn(
         self,
@@ -253,12 +274,13 @@ class Sessions:
         record: bytes,
         state: bytes,
         staging_keys: Iterable[str] = (),
-    ) -> SessionRecord:
+    ) -> SessionHead:
         """Commit a turn: append its record, replace the state, add its staging keys,
         and record the session's directory as the turn left it (a thread re-reads the
         files that changed; the turn stays in flight until that is done, so a pause
-        waits for it). Invalid arguments, or a directory that cannot be recorded, abort
-        the turn and change nothing."""
+        waits for it). Nothing earlier in the session is decoded or re-encoded
+        (``Held.with_turn``); the answer is the session's head. Invalid arguments, or a
+        directory that cannot be recorded, abort the turn and change nothing."""
         self._check_episode(episode)
         box = self._sandboxes.get(episode.rollout_id)
         recorded: Recorded | None = None
@@ -281,26 +303,17 @@ class Sessions:
                 self._sandboxes.forget_unused(recorded)
             raise
         try:
-            old = self._parts.record(self._held(episode))
+            old = self._held(episode)
             self._check_size("turn record", episode, record)
             self._check_size("state", episode, state)
             keys = check_staging_keys(staging_keys, episode.capture_key)
-            new = SessionRecord(
-                instance_id=old.instance_id,
-                episode=old.episode,
-                turns=(*old.turns, bytes(record)),
-                state=bytes(state),
-                staging_keys=old.staging_keys | keys,
-                earlier_capture_keys=old.earlier_capture_keys,
-                directory=old.directory,
-                container=old.container,
-            )
-            self._table.put(Held.of(new, last_turn=token))
+            new = old.with_turn(record, state, keys, token)
+            self._table.put(new)
             if recorded is not None and box is not None:
                 self._sandboxes.install(episode.rollout_id, box.location, recorded)
                 recorded = None
             self._parts.heap.note(len(record) + len(state))
-            return new
+            return self._parts.head(new)
         finally:
             if recorded is not None:
                 self._sandboxes.forget_unused(recorded)
@@ -314,9 +327,9 @@ class Sessions:
             await self._gate.notify()
 
     async def resolve_turn(self, episode: EnvironmentEpisode, token: str
-                           ) -> SessionRecord | None:
+                           ) -> SessionHead | None:
         """The outcome of the turn of ``token``, for a caller whose ``commit_turn`` got no
-        answer: the session as that commit left it if the turn committed, else None,
+        answer: the session's head as that commit left it if the turn committed, else None,
         and then the turn can no longer commit (aborted here now if it is in flight,
         its token refused if its begin is still on its way). Read and decided with no
         await between, so no commit lands between the look and the abort.
@@ -331,7 +344,7 @@ class Sessions:
             raise TypeError("a turn token must be a non-empty string made by the caller")
         held = self._table.get(episode)
         if held is not None and held.last_turn == token:
-            return self._parts.record(held)
+            return self._parts.head(held)
         if self._gate.abort(episode.capture_key, token):
             await self._gate.notify()
         self._held(episode)  # the session is gone: say so rather than "not recorded"

@@ -35,7 +35,7 @@ def write_held_shard(directory: Folder, name: str, instance_id: str,
     """Write captured sessions as one shard, from their bytes as held; ``index`` is
     their capture's ``captured_msgpack`` (the shard's index, the same bytes)."""
     return write_shard_parts(directory, name, instance_id, index, len(held),
-                             ((h.turns, h.state) for h in held))
+                             ((h.turns_pieces(), h.state) for h in held))
 
 
 def load_shard(directory: Folder, entry: ShardEntry) -> ShardParts:

@@ -50,7 +50,7 @@ from nemo_ckpt.phases import (
 from nemo_ckpt.protocol.holder_api import OpeningSessions
 from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
-from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.storage.manifest import ShardEntry
@@ -248,12 +248,17 @@ class SessionHolder:
         """The live session of ``episode`` (or with that capture key)."""
         return await self._sessions.get_session(episode)
 
-    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionRecord:
+    async def read_turns(self, episode: EnvironmentEpisode | str, start: int = 0,
+                         stop: int | None = None) -> list[bytes]:
+        """Some of a live session's turn records (``Sessions.read_turns``)."""
+        return await self._sessions.read_turns(episode, start, stop)
+
+    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionHead:
         """Start a turn whose token the caller made (``Sessions.begin_turn``)."""
         return await self._sessions.begin_turn(episode, token)
 
     async def commit_turn(self, episode: EnvironmentEpisode, token: str, record: bytes,
-                          state: bytes, staging_keys: Iterable[str] = ()) -> SessionRecord:
+                          state: bytes, staging_keys: Iterable[str] = ()) -> SessionHead:
         """Commit a turn (``Sessions.commit_turn``)."""
         return await self._sessions.commit_turn(episode, token, record, state, staging_keys)
 
@@ -262,7 +267,7 @@ class SessionHolder:
         await self._sessions.abort_turn(episode, token)
 
     async def resolve_turn(self, episode: EnvironmentEpisode, token: str
-                           ) -> SessionRecord | None:
+                           ) -> SessionHead | None:
         """The outcome of a turn whose commit got no answer (``Sessions.resolve_turn``)."""
         return await self._sessions.resolve_turn(episode, token)
 

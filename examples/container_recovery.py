@@ -112,7 +112,7 @@ class Job:
         async with self.client.turn(ep) as turn:
             container = turn.container
             assert container is not None
-            t = len(turn.turns) + 1
+            t = turn.turn_count + 1
             answer = self.podman.text("exec", container, "sh", "-c",
                                       f"echo '{_request(rollout.rollout_id, t)}' > /tmp/req;"
                                       f" cat /tmp/rep")

@@ -69,12 +69,14 @@ def expected_records(rollout_id: str, turns: int) -> list[bytes]:
     return records
 
 
-def append_to_log(sandbox: Path, record: bytes, turns: tuple[bytes, ...]) -> None:
-    """A turn's work in its sandbox: check that ``turns.log`` holds exactly the
-    session's committed turns (after a restore too), then append this turn's record."""
+def append_to_log(sandbox: Path, record: bytes, turns: int, last: tuple[bytes, ...]) -> None:
+    """A turn's work in its sandbox: check that ``turns.log`` holds as many lines as the
+    session has committed turns, the last one its last record (after a restore too),
+    then append this turn's record."""
     log = sandbox / "turns.log"
-    if log.read_bytes() != b"".join(t + b"\n" for t in turns):
-        raise RuntimeError(f"{log} does not hold the session's {len(turns)} turns: the "
+    lines = log.read_bytes().splitlines()
+    if len(lines) != turns or tuple(lines[-1:]) != last:
+        raise RuntimeError(f"{log} does not hold the session's {turns} turns: the "
                            f"directory and the session were not restored together")
     with open(log, "ab") as f:
         f.write(record + b"\n")
@@ -119,10 +121,11 @@ class EnvWorker:
             async with client.turn(episode) as turn:             # waits while a snapshot pauses
                 await asyncio.sleep(self.turn_seconds)            # the model's and tool's time
                 new_state, record, row = run_one_turn(turn.state)
-                key = f"{episode.capture_key}/t{len(turn.turns)}"
+                key = f"{episode.capture_key}/t{turn.turn_count}"
                 await self.data_plane.write_staging.remote(key, row)  # inside the turn
                 if turn.directory is not None:                    # restored with the session
-                    append_to_log(turn.directory, record, turn.turns)
+                    append_to_log(turn.directory, record, turn.turn_count,
+                                  await turn.read_turns(-1))  # the last record only
                 turn.complete(record, new_state, [key])           # commits when the block exits
         turns = list((await client.get(episode)).turns)
         if last:  # kept, finished, until the driver acknowledges RL's record of it

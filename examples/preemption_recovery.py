@@ -120,7 +120,7 @@ class Job:
                    tool_seconds: float) -> int:
         """One turn: a tool call, a row in RL's staging. Returns the turns now."""
         async with (await self.client(owner)).turn(ep) as turn:
-            n = len(turn.turns)
+            n = turn.turn_count
             await asyncio.sleep(tool_seconds)
             key = f"{ep.capture_key}/row{n}"
             async with self.barrier.mutation() as cut:

@@ -52,7 +52,7 @@ from nemo_ckpt.manager.rollout_manager import RolloutCheckpointManager
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
 from nemo_ckpt.sandboxes.backend import ContainerRef, EnvironmentClass
 from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs
-from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "RolloutCheckpointManager",
     "Preemption",
     "SessionClient",
+    "SessionHead",
     "SessionRecord",
     "SkippedSnapshot",
     "SnapshotDiff",

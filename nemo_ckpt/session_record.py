@@ -9,7 +9,7 @@ shards store it so; the functions below convert between the two.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +18,9 @@ import msgpack
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.sandboxes.backend import EnvironmentClass
 
-__all__ = ["SessionRecord", "check_staging_keys", "encode_row", "encode_turns", "body_head",
-           "bin_header", "record_parts", "record_of", "row_is_finished", "NO_TURNS"]
+__all__ = ["SessionRecord", "SessionHead", "check_staging_keys", "encode_row",
+           "encode_turns", "body_head", "bin_header", "array_header", "turn_items",
+           "record_parts", "record_of", "row_is_finished", "NO_TURNS"]
 
 
 def check_staging_keys(staging_keys: Iterable[str], where: str) -> frozenset[str]:
@@ -103,6 +104,11 @@ class SessionRecord:
             earlier_capture_keys=(*self.earlier_capture_keys, self.episode.capture_key),
         )
 
+    def head(self) -> SessionHead:
+        """This session without its turn records (``SessionHead``)."""
+        return SessionHead(self.instance_id, self.episode, len(self.turns), self.state,
+                           self.directory, self.container, self.restart_only)
+
     def to_wire(self) -> dict[str, Any]:
         """A msgpack-ready map of plain types."""
         return {
@@ -148,9 +154,26 @@ class SessionRecord:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class SessionHead:
+    """A session as a turn sees it: everything a turn needs, and its turn records'
+    count instead of the records. What ``begin_turn`` and ``commit_turn`` carry, so a
+    turn's cost does not grow with its rollout's length; a worker reads earlier turn
+    records only when it asks (``SessionClient.read_turns``). ``SessionRecord``'s
+    fields of the same names mean the same."""
+
+    instance_id: str
+    episode: EnvironmentEpisode
+    turn_count: int
+    state: bytes
+    directory: str | None = None
+    container: str | None = None
+    restart_only: bool = False
+
+
 # --- a session as holders keep it and shards store it (format 3) ---------------------------
 #
-# row:    msgpack [rollout_id, attempt, [staging keys, sorted], turns, [earlier keys]]
+# row:    msgpack [rollout_id, attempt, [staging keys], turns, [earlier keys]]
 #         what a capture reports, and the shard's index entry: small, read without the
 #         session's bytes; a finished session's row has a sixth element, true, and its
 #         state slot holds the result (a finished rollout has no further state)
@@ -158,6 +181,9 @@ class SessionRecord:
 # state:  the environment's state, the bytes object as it arrived
 # A shard stores a session's body as the msgpack array [turns, state]: its turns blob,
 # then the state as a bin object, so a holder writes and reads it without re-encoding.
+# The staging keys are a set: a session opened here lists them sorted, and each turn
+# appends its own (``actors.session_table.Held.with_turn``), so a key two turns wrote
+# appears twice; every reader takes them as a set (before issue 39 they were sorted).
 
 NO_TURNS = b"\x90"  # msgpack's empty array: the turns of a session just opened
 
@@ -183,10 +209,32 @@ def encode_turns(turns: Iterable[bytes]) -> bytes:
     return _PACK(turns) if turns else NO_TURNS
 
 
-def body_head(turns_blob: bytes, state_length: int) -> bytes:
-    """What precedes the state in a session's body: the array header, the turns blob,
-    the state's bin header."""
-    return b"\x92" + turns_blob + bin_header(state_length)
+def body_head(turns_blob: bytes | Sequence[bytes | memoryview], state_length: int) -> bytes:
+    """What precedes the state in a session's body: the array header, the turns blob
+    (or the pieces it is joined from), the state's bin header."""
+    if isinstance(turns_blob, bytes):
+        return b"\x92" + turns_blob + bin_header(state_length)
+    return b"".join((b"\x92", *turns_blob, bin_header(state_length)))
+
+
+def array_header(n: int) -> bytes:
+    """msgpack's header of an array of ``n`` items (fixarray, array 16 or 32)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def turn_items(turns_blob: bytes) -> memoryview:
+    """A turns blob's items without its array header, uncopied; ValueError if it does
+    not start with one."""
+    first = turns_blob[0] if turns_blob else -1
+    skip = 1 if 0x90 <= first <= 0x9f else 3 if first == 0xdc else 5 if first == 0xdd \
+        else 0
+    if not skip or len(turns_blob) < skip:
+        raise ValueError("a session's turns are not a msgpack array")
+    return memoryview(turns_blob)[skip:]
 
 
 def bin_header(n: int) -> bytes:

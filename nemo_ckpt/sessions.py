@@ -26,7 +26,7 @@ from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import instance_sort_key
 from nemo_ckpt.protocol.holder_api import HolderCalls, SessionCalls
 from nemo_ckpt.sandboxes.backend import ContainerRef
-from nemo_ckpt.session_record import SessionRecord, check_staging_keys
+from nemo_ckpt.session_record import SessionHead, SessionRecord, check_staging_keys
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["SessionClient", "Turn", "register_default_transport"]
@@ -50,12 +50,20 @@ def register_default_transport(factory: Callable[[str], Transport]
 class Turn:
     """One turn in flight: read the session as it was, then ``complete`` it.
 
+    A turn carries the session's state and turn count, not its turn records, so its
+    cost does not grow with the rollout's length: ``await read_turns()`` fetches the
+    earlier records a turn needs. ``session`` is the session's ``SessionHead``: as the
+    turn began, and once it committed, as the commit left it.
+
     The turn commits when its ``async with`` block exits cleanly after ``complete``;
     on an exception, or without ``complete``, it aborts and records nothing.
     """
 
-    def __init__(self, session: SessionRecord) -> None:
+    def __init__(self, session: SessionHead,
+                 read: Callable[[int, int | None], Awaitable[list[bytes]]]) -> None:
         self.session = session
+        self._read = read
+        self._begun_at = session.turn_count
         self._result: tuple[bytes, bytes, frozenset[str]] | None = None
 
     @property
@@ -64,9 +72,20 @@ class Turn:
         return self.session.state
 
     @property
-    def turns(self) -> tuple[bytes, ...]:
-        """The session's committed turn records, oldest first."""
-        return self.session.turns
+    def turn_count(self) -> int:
+        """How many turns the session had committed when this one began (over all its
+        attempts): this turn's index."""
+        return self._begun_at
+
+    async def read_turns(self, start: int = 0, stop: int | None = None
+                         ) -> tuple[bytes, ...]:
+        """The session's turn records before this turn, ``start`` to ``stop`` as a
+        slice's bounds (negative from the end), oldest first; fetched from the holder
+        now, and only those asked for."""
+        first, last, _ = slice(start, stop).indices(self._begun_at)
+        if last <= first:
+            return ()
+        return tuple(await self._read(first, last))
 
     @property
     def directory(self) -> Path | None:
@@ -226,8 +245,14 @@ class SessionClient:
         return int(await self._holder_calls.open_sessions(list(sessions)))
 
     async def get(self, episode: EnvironmentEpisode) -> SessionRecord:
-        """The live session of ``episode``."""
+        """The live session of ``episode``, every turn record with it."""
         return await self._holder_calls.get_session(episode.capture_key)
+
+    async def read_turns(self, episode: EnvironmentEpisode, start: int = 0,
+                         stop: int | None = None) -> tuple[bytes, ...]:
+        """Turn records ``start`` to ``stop`` (a slice's bounds; None: to the last) of
+        ``episode``'s live session; only those travel."""
+        return tuple(await self._holder_calls.read_turns(episode.capture_key, start, stop))
 
     @contextlib.asynccontextmanager
     async def turn(self, episode: EnvironmentEpisode) -> AsyncIterator[Turn]:
@@ -251,7 +276,7 @@ class SessionClient:
         except BaseException:
             self._abort(episode, token)  # its begin may still be on its way
             raise
-        turn = Turn(session)
+        turn = Turn(session, functools.partial(self._holder_calls.read_turns, episode))
         try:
             yield turn
         except BaseException:
@@ -274,7 +299,7 @@ class SessionClient:
             raise
 
     async def _resolve(self, episode: EnvironmentEpisode, token: str,
-                       lost: BackendUnavailableError) -> SessionRecord:
+                       lost: BackendUnavailableError) -> SessionHead:
         """The outcome of a commit that got no answer, from its holder (``resolve_turn``),
         asked again until ``resolve_s`` has passed: the session as the commit left it,
         or, when the turn did not commit (and now never will), ``lost`` said again as

@@ -134,7 +134,7 @@ RELAY = "relay"  # calls a group of holders for the coordinator (``create_relay`
 # never queue behind waiting turns.
 CONTROL_GROUP = "control"
 SESSION_METHODS = frozenset({
-    "open_session", "open_sessions", "get_session", "begin_turn", "commit_turn",
+    "open_session", "open_sessions", "get_session", "read_turns", "begin_turn", "commit_turn",
     "abort_turn", "resolve_turn", "close_session", "finish_session", "sessions",
     "replay_diverged"})
 

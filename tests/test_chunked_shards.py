@@ -40,19 +40,21 @@ def test_a_snapshot_is_written_as_format_6_with_a_hash_per_chunk(tmp_path: Path)
 
 
 def decoded(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    """Every byte msgpack is given to decode, from here on."""
+    """Every byte given to the decoder (msgpack's for the index, the in-place parse of
+    the bodies), from here on: the chunks the shard's stream takes in."""
     import nemo_ckpt.storage.shards as shards
 
     given: list[bytes] = []
     stream = shards._VerifiedStream
-    original = stream.read
+    original = stream.pull
 
-    def read(self: Any, size: int = -1) -> bytes:
-        out = original(self, size)
-        given.append(out)
-        return out
+    def pull(self: Any) -> bool:
+        took = original(self)
+        if took:
+            given.append(bytes(self._pieces[-1][1]))
+        return took
 
-    monkeypatch.setattr(stream, "read", read)
+    monkeypatch.setattr(stream, "pull", pull)
     return given
 
 

@@ -213,7 +213,8 @@ async def test_session_records_travel_through_ray_calls(ckpt: Any, namespace: st
     got = await asyncio.wait_for(client.get(ep), 30)
     assert (opened.state, got.turns, got.state, got.staging_keys) == (
         b"s0", (b"t0",), b"s1", frozenset({"slotted/0"}))
-    assert turn.session == got
+    assert turn.session == got.head()
+    assert await asyncio.wait_for(client.read_turns(ep), 30) == (b"t0",)
 
 
 # --- the coordinator's process: startup objects out of the collector's scans ---------------

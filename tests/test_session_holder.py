@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import pickle
 from pathlib import Path
 
 import pytest
@@ -429,8 +430,8 @@ async def test_a_timed_out_turns_commit_says_it_ran_past_turn_timeout_s() -> Non
         await h.commit_turn(Ep("r", 0), "never-begun", b"t", b"")
     assert not isinstance(refused.value, TurnTimedOutError)
     token = await begin(h, Ep("r", 0))  # the turn runs again
-    record = await h.commit_turn(Ep("r", 0), token, b"t0", b"s1")
-    assert record.turns == (b"t0",)
+    head = await h.commit_turn(Ep("r", 0), token, b"t0", b"s1")
+    assert head.turn_count == 1 and await h.read_turns(Ep("r", 0)) == [b"t0"]
 
 
 @on_virtual_time
@@ -446,8 +447,8 @@ async def test_the_time_a_pause_holds_a_turn_does_not_count_against_its_timeout(
     await asyncio.sleep(2.0)  # paused four times the turn's timeout
     await h.resume("snap-1")
     await asyncio.sleep(0.1)  # 0.4 s of the turn's 0.5 s counted
-    record = await h.commit_turn(Ep("r", 0), token, b"t0", b"s1")
-    assert record.turns == (b"t0",) and record.state == b"s1"
+    head = await h.commit_turn(Ep("r", 0), token, b"t0", b"s1")
+    assert (head.turn_count, head.state) == (1, b"s1")
     token = await begin(h, Ep("r", 0))
     await asyncio.sleep(0.6)  # running again, the timeout still holds
     with pytest.raises(TurnInProgressError, match="aborted"):
@@ -743,3 +744,73 @@ async def test_a_late_abort_after_the_commit_leaves_the_snapshot_committed(
     assert (await h.info()).last_snapshot_id == "snap-1"
     with pytest.raises(StaleSnapshotError, match="snap-1 already committed"):
         await h.finish_persist("snap-1")
+
+
+# --- issue 39: turns by delta ----------------------------------------------------------------
+
+
+def _records(n: int) -> list[bytes]:
+    """Turn records of every size class msgpack's bin has (8, 16 and 32 bit lengths)."""
+    sizes = (0, 3, 255, 256, 65_535, 65_536, 70_000)
+    return [bytes([k % 251]) * sizes[k % len(sizes)] for k in range(n)]
+
+
+@on_virtual_time
+async def test_a_turn_carries_the_sessions_head_not_its_records_whatever_its_length() -> None:
+    h = holder()
+    ep = Ep("r", 0)
+    await h.open_session(ep, b"s0")
+    records = _records(300)
+    sizes = {}
+    for n, record in enumerate(records):
+        token = f"tok-{n}"
+        head = await h.begin_turn(ep, token)
+        assert (head.turn_count, head.state) == (n, b"s0" if n == 0 else b"s")
+        assert not hasattr(head, "turns")
+        sizes[n] = len(pickle.dumps(head))
+        # Turn 7 writes a key turn 3 wrote again.
+        keys = (f"r/{n}",) + (("r/3",) if n == 7 else ())
+        done = await h.commit_turn(ep, token, record, b"s", keys)
+        assert done.turn_count == n + 1
+    # What a turn receives does not grow with the session (its count takes a byte more).
+    assert sizes[299] - sizes[2] <= 4, sizes
+    assert await h.read_turns(ep) == records
+    assert await h.read_turns(ep, -3) == records[-3:]
+    assert await h.read_turns("r", 5, 7) == records[5:7]
+    assert await h.read_turns(ep, 10, 5) == [] and await h.read_turns(ep, 400) == []
+    session = await h.get_session(ep)
+    assert session.turns == tuple(records)
+    assert session.staging_keys == {f"r/{n}" for n in range(300)}
+    # Appending joins pieces as a binary counter: a few objects, not one per record.
+    assert len(h._parts.table.of_rollout("r").pieces) <= 16
+    with pytest.raises(TypeError, match="int bounds"):
+        await h.read_turns(ep, "0")  # type: ignore[arg-type]
+
+
+@on_virtual_time
+async def test_a_session_of_many_turns_is_snapshotted_restored_and_continued_whole(
+        tmp_path: Path) -> None:
+    src = holder()
+    ep = Ep("r", 0)
+    await src.open_session(ep, b"s0")
+    records = _records(40)
+    for n, record in enumerate(records):
+        await run_turn(src, ep, record, f"s{n + 1}".encode(), (f"r/{n}",))
+    await src.pause("snap-1", 1, 10)
+    await src.capture("snap-1")
+    directory = prepare_environment_dir(tmp_path)
+    await src.start_persist("snap-1", str(directory))
+    report = await src.finish_persist("snap-1")
+    (stored,) = read_shard(directory, report.shards[0])
+    assert stored.turns == tuple(records) and stored.state == b"s40"
+
+    dst = holder("node-b")
+    await dst.prepare_restore("restore-1", str(directory), list(report.shards), 10)
+    await dst.commit_restore("restore-1")
+    head = await dst.begin_turn(Ep("r", 1), "tok-next")
+    assert (head.turn_count, head.state) == (40, b"s40")
+    await dst.commit_turn(Ep("r", 1), "tok-next", b"t40", b"s41", ["r/40"])
+    session = await dst.get_session(Ep("r", 1))
+    assert session.turns == (*records, b"t40")
+    assert session.staging_keys == {f"r/{n}" for n in range(41)}
+    assert session.earlier_capture_keys == ("r",)

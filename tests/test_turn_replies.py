@@ -52,6 +52,30 @@ async def run_turn(client: SessionClient, ep: Ep, step: int) -> None:
         turn.complete(f"t{step}".encode(), f"s{step + 1}".encode(), [f"r/row{step}"])
 
 
+def test_a_turn_knows_its_count_and_reads_only_the_earlier_records_it_asks_for(
+        tmp_path: Path) -> None:
+    world = World(tmp_path)
+
+    async def scenario() -> None:
+        client, ep = await opened(world)
+        for step in range(5):
+            await run_turn(client, ep, step)
+        async with client.turn(ep) as turn:
+            assert (turn.turn_count, turn.state) == (5, b"s5")
+            assert await turn.read_turns() == tuple(f"t{n}".encode() for n in range(5))
+            assert await turn.read_turns(-1) == (b"t4",)
+            assert await turn.read_turns(1, 3) == (b"t1", b"t2")
+            assert await turn.read_turns(7) == ()
+            turn.complete(b"t5", b"s6", ["r/row5"])
+        assert (turn.session.turn_count, turn.session.state, turn.turn_count) == (6, b"s6", 5)
+        assert await client.read_turns(ep, 4) == (b"t4", b"t5")
+
+    try:
+        world.run(scenario(), world.worker)
+    finally:
+        world.close()
+
+
 def test_a_commit_whose_answer_is_lost_returns_the_committed_session_once(
         tmp_path: Path) -> None:
     world = World(tmp_path)
@@ -62,7 +86,7 @@ def test_a_commit_whose_answer_is_lost_returns_the_committed_session_once(
         async with client.turn(ep) as turn:
             turn.complete(b"t0", b"s1", ["r/row0"])
         assert lost == ["commit_turn"]  # the block exited cleanly all the same
-        assert (turn.session.turns, turn.session.state) == ((b"t0",), b"s1")
+        assert (turn.session.turn_count, turn.session.state) == (1, b"s1")
         world.sim.lose_reply = lambda target, method: False
         await run_turn(client, ep, 1)
         session = await client.get(ep)
@@ -137,7 +161,7 @@ def test_a_turn_resolved_as_not_committed_can_no_longer_commit(tmp_path: Path) -
         await holder.begin_turn(ep, "tok-b")
         await holder.commit_turn(ep, "tok-b", b"t0", b"s1")
         committed = await holder.resolve_turn(ep, "tok-b")
-        assert committed is not None and committed.turns == (b"t0",)
+        assert committed is not None and committed.turn_count == 1
         assert (await holder.get_session(ep)).turns == (b"t0",)  # asking changed nothing
 
     try:

@@ -169,7 +169,7 @@ class AdaptedRollout:
             try:
                 record = TurnRecord.of("init", prompt, self._framework.init(env, prompt),
                                        restarted)
-                keys = await _staging_keys(staging, len(turn.turns))
+                keys = await _staging_keys(staging, turn.turn_count)
                 turn.complete(record.encode(), self._state_of(env), keys)
             except BaseException:
                 self._framework.close(env)
@@ -233,7 +233,7 @@ class AdaptedRollout:
         try:
             async with self._client.turn(self.episode) as turn:
                 record = TurnRecord.of("step", action, self._framework.step(self._env, action))
-                keys = await _staging_keys(staging, len(turn.turns))
+                keys = await _staging_keys(staging, turn.turn_count)
                 turn.complete(record.encode(), self._state_of(self._env), keys)
         except BaseException:
             env, self._env = self._env, None  # stepped, not committed: rebuilt next time

@@ -25,7 +25,7 @@ from nemo_ckpt.phases import (
     RestorePrepared,
 )
 from nemo_ckpt.sandboxes.backend import ContainerRef
-from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import Actor, Transport
 
@@ -201,16 +201,19 @@ class HolderSessions(Protocol):
 
     async def get_session(self, episode: EnvironmentEpisode | str) -> SessionRecord: ...
 
-    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionRecord: ...
+    async def read_turns(self, episode: EnvironmentEpisode | str, start: int = 0,
+                         stop: int | None = None) -> list[bytes]: ...
+
+    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionHead: ...
 
     async def commit_turn(self, episode: EnvironmentEpisode, token: str, record: bytes,
                           state: bytes, staging_keys: Iterable[str] = ()
-                          ) -> SessionRecord: ...
+                          ) -> SessionHead: ...
 
     async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None: ...
 
     async def resolve_turn(self, episode: EnvironmentEpisode, token: str
-                           ) -> SessionRecord | None: ...
+                           ) -> SessionHead | None: ...
 
     async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord: ...
 
@@ -243,19 +246,23 @@ class SessionCalls:
     def get_session(self, episode: EnvironmentEpisode | str) -> Awaitable[SessionRecord]:
         return self._invoke("get_session", episode)
 
-    def begin_turn(self, episode: EnvironmentEpisode, token: str) -> Awaitable[SessionRecord]:
+    def read_turns(self, episode: EnvironmentEpisode | str, start: int = 0,
+                   stop: int | None = None) -> Awaitable[list[bytes]]:
+        return self._invoke("read_turns", episode, start, stop)
+
+    def begin_turn(self, episode: EnvironmentEpisode, token: str) -> Awaitable[SessionHead]:
         return self._invoke("begin_turn", episode, token)
 
     def commit_turn(self, episode: EnvironmentEpisode, token: str, record: bytes,
                     state: bytes, staging_keys: Iterable[str] = ()
-                    ) -> Awaitable[SessionRecord]:
+                    ) -> Awaitable[SessionHead]:
         return self._invoke("commit_turn", episode, token, record, state, staging_keys)
 
     def abort_turn(self, episode: EnvironmentEpisode, token: str) -> Awaitable[None]:
         return self._invoke("abort_turn", episode, token)
 
     def resolve_turn(self, episode: EnvironmentEpisode, token: str
-                     ) -> Awaitable[SessionRecord | None]:
+                     ) -> Awaitable[SessionHead | None]:
         return self._invoke("resolve_turn", episode, token)
 
     def close_session(self, episode: EnvironmentEpisode | str) -> Awaitable[SessionRecord]:

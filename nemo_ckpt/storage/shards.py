@@ -10,7 +10,7 @@ it holds against its manifest entry; each refusal has its own exception class (s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -67,11 +67,13 @@ def write_shard(
 
 
 def write_shard_parts(directory: Folder | Path, name: str, instance_id: str, index: bytes,
-                      count: int, bodies: Iterable[tuple[bytes, bytes]]) -> ShardEntry:
+                      count: int,
+                      bodies: Iterable[tuple[bytes | Sequence[bytes | memoryview], bytes]]
+                      ) -> ShardEntry:
     """Write one shard from sessions already encoded, as holders keep them, and return
     its manifest entry: ``index`` is the msgpack array of the ``count`` sessions' rows
-    (a capture's ``captured_msgpack``), ``bodies`` yields each one's turns blob and state
-    in the same order.
+    (a capture's ``captured_msgpack``), ``bodies`` yields each one's turns blob (or the
+    pieces it is joined from, ``Held.turns_pieces``) and state in the same order.
 
     The shard is a stream of msgpack objects: a header map, the index, then each
     session's body, ``[turns, state]``. It is joined from those bytes as they are (big
@@ -146,8 +148,8 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
 
     Nothing is decoded before the whole file's hash matches the manifest's: a damaged
     or crafted file of N bytes costs N bytes of memory, never the objects it could
-    unpack into. Then only the index is decoded; each session's turns are a slice of
-    the file and its state one bytes object.
+    unpack into. Then only the index is decoded; each session's turns blob and state
+    are copied once, straight out of the verified bytes (``_bodies``).
     Shards of the older layout (a map per session) are read too.
 
     A shard with chunk hashes (manifest format 6) is read as a stream instead: each chunk
@@ -167,22 +169,13 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
             raise _undecodable(path, f"shard layout {header.get('version')!r} is not one "
                                      f"this nemo-ckpt reads")
         rows = _index(unpacker, path, entry, header)
-        turns, states = [], []
-        read_array_header, skip, tell, unpack = (unpacker.read_array_header, unpacker.skip,
-                                                 unpacker.tell, unpacker.unpack)
-        for _ in range(entry.sessions):
-            if read_array_header() != 2:
-                raise _undecodable(path, "a session's body is not [turns, state]")
-            start = tell()
-            skip()
-            turns.append(bytes(data[start:tell()]))
-            states.append(unpack())
+        stream = _VerifiedStream(iter((data,)))
+        turns, states, end = _bodies(stream, unpacker.tell(), entry.sessions, len(data),
+                                     path)
     except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
         raise _undecodable(path, str(exc) or type(exc).__name__) from exc
-    if unpacker.tell() != len(data):
-        raise _undecodable(path, f"{len(data) - unpacker.tell()} trailing bytes")
-    if any(type(state) is not bytes for state in states):
-        raise _undecodable(path, "a session's state is not bytes")
+    if end != len(data):
+        raise _undecodable(path, f"{len(data) - end} trailing bytes")
     return ShardParts(entry.instance_id, rows, turns, states)
 
 
@@ -220,33 +213,77 @@ def _streamed_parts(directory: Folder | Path, entry: ShardEntry, chunk: int) -> 
                 raise _undecodable(path, f"shard layout {header.get('version')!r} is not "
                                          f"the one a chunked shard has")
             rows = _index(unpacker, path, entry, header)
-            turns, states = [], []
-            read_array_header, skip, tell, unpack = (
-                unpacker.read_array_header, unpacker.skip, unpacker.tell, unpacker.unpack)
-            keep, piece = stream.keep, stream.piece
-            for _ in range(entry.sessions):
-                keep(tell())
-                if read_array_header() != 2:
-                    raise _undecodable(path, "a session's body is not [turns, state]")
-                start = tell()
-                skip()
-                turns.append(piece(start, tell()))
-                states.append(unpack())
+            # The bodies are parsed in place from here, not through msgpack's buffer.
+            turns, states, end = _bodies(stream, unpacker.tell(), entry.sessions,
+                                         entry.bytes, path)
         except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
             raise _undecodable(path, str(exc) or type(exc).__name__) from exc
         # Read to the end, so that the file's length and whole hash are checked.
-        if stream.read(1) or unpacker.tell() != entry.bytes:
-            raise _undecodable(path, f"{entry.bytes - unpacker.tell()} trailing bytes")
+        if end != entry.bytes or stream.pull():
+            raise _undecodable(path, f"bytes after its last session, at {end}")
     finally:
         stream.close()
-    if any(type(state) is not bytes for state in states):
-        raise _undecodable(path, "a session's state is not bytes")
     return ShardParts(entry.instance_id, rows, turns, states)
 
 
+def _bodies(stream: _VerifiedStream, at: int, count: int, length: int, path: str
+            ) -> tuple[list[bytes], list[bytes], int]:
+    """``count`` sessions' bodies, ``[turns, state]`` each, from offset ``at`` of a
+    verified file of ``length`` bytes: each one's turns blob and state copied once out of
+    the chunks holding it (msgpack's ``Unpacker`` copied each chunk into its buffer and
+    each state out again). Every length in the file is a claim: one past its end is
+    refused before anything is read for it. Returns the turns blobs, the states, and the
+    offset after the last body."""
+    turns: list[bytes] = []
+    states: list[bytes] = []
+    byte, copy, keep = stream.byte, stream.copy, stream.keep
+    for _ in range(count):
+        keep(at)
+        if byte(at) != 0x92:
+            raise _undecodable(path, "a session's body is not [turns, state]")
+        start = at + 1
+        tag = byte(start)
+        if 0x90 <= tag <= 0x9f:
+            n, at = tag & 0x0f, start + 1
+        elif tag in (0xdc, 0xdd):
+            size = 2 if tag == 0xdc else 4
+            n, at = int.from_bytes(copy(start + 1, start + 1 + size), "big"), \
+                start + 1 + size
+        else:
+            raise _undecodable(path, "a session's turns are not an array")
+        if 2 * n > length - at:  # a turn record takes two bytes at least
+            raise _undecodable(path, f"a session claims {n} turn records, more than "
+                                     f"the shard's remaining {length - at} bytes hold")
+        for _ in range(n):
+            at = _bin_end(stream, at, length, path)[1]
+        turns.append(copy(start, at))
+        data, at = _bin_end(stream, at, length, path)
+        states.append(copy(data, at))
+    return turns, states, at
+
+
+def _bin_end(stream: _VerifiedStream, at: int, length: int, path: str) -> tuple[int, int]:
+    """Where the data of the msgpack bin object at ``at`` starts and ends."""
+    tag = stream.byte(at)
+    if tag == 0xc4:
+        size, head = stream.byte(at + 1), 2
+    elif tag in (0xc5, 0xc6):
+        head = 3 if tag == 0xc5 else 5
+        size = int.from_bytes(stream.copy(at + 1, at + head), "big")
+    else:
+        raise _undecodable(path, "a session's turn record or state is not bytes")
+    end = at + head + size
+    if end > length:
+        raise _undecodable(path, f"a session's bytes claim {size} bytes at {at}, past "
+                                 f"the shard's end")
+    return at + head, end
+
+
 class _VerifiedStream:
-    """A shard's verified chunks as the file msgpack reads, keeping the bytes from the
-    last ``keep`` on, so a session's turns are sliced out as written (``piece``)."""
+    """A shard's verified chunks, keeping the bytes from the last ``keep`` on: read as
+    a file by msgpack (the header and the index), and read in place by offset
+    (``byte``, ``copy``) for the sessions' bodies. ``pull`` is the one way a chunk
+    comes in, each only once its hash matched."""
 
     def __init__(self, chunks: Iterator[memoryview]) -> None:
         self._chunks = chunks
@@ -254,13 +291,45 @@ class _VerifiedStream:
         self._end = 0  # the offset after the last chunk taken
         self._at = 0  # what ``read`` has handed out
 
+    def pull(self) -> bool:
+        """Take the next verified chunk; False at the end (where the iterator checked
+        the whole file's length and hash)."""
+        chunk = next(self._chunks, None)
+        if chunk is None:
+            return False
+        self._pieces.append((self._end, chunk))
+        self._end += len(chunk)
+        return True
+
+    def _chunk_at(self, at: int) -> tuple[int, memoryview]:
+        """The kept chunk holding offset ``at`` and its offset, pulling up to it."""
+        while at >= self._end:
+            if not self.pull():
+                raise msgpack.OutOfData(f"the file ends before byte {at}")
+        for offset, chunk in reversed(self._pieces):
+            if offset <= at:
+                return offset, chunk
+        raise ValueError(f"byte {at} is before the bytes kept")
+
+    def byte(self, at: int) -> int:
+        """The byte at offset ``at``."""
+        offset, chunk = self._chunk_at(at)
+        return chunk[at - offset]
+
+    def copy(self, start: int, stop: int) -> bytes:
+        """The bytes ``[start, stop)``, copied once out of the chunks holding them."""
+        if stop <= start:
+            return b""
+        self._chunk_at(stop - 1)
+        parts = [chunk[max(0, start - offset):stop - offset]
+                 for offset, chunk in self._pieces
+                 if offset < stop and offset + len(chunk) > start]
+        return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+
     def read(self, size: int = -1) -> bytes:
         while self._at >= self._end:
-            chunk = next(self._chunks, None)
-            if chunk is None:
+            if not self.pull():
                 return b""
-            self._pieces.append((self._end, chunk))
-            self._end += len(chunk)
         offset, chunk = next(p for p in reversed(self._pieces) if p[0] <= self._at)
         start = self._at - offset
         stop = len(chunk) if size is None or size < 0 else min(len(chunk), start + size)
@@ -275,16 +344,6 @@ class _VerifiedStream:
         """Forget the chunks that end at or before ``offset``."""
         while len(self._pieces) > 1 and self._pieces[1][0] <= offset:
             del self._pieces[0]
-
-    def piece(self, start: int, stop: int) -> bytes:
-        """The bytes ``[start, stop)``, which ``read`` has handed out."""
-        parts = []
-        for offset, chunk in self._pieces:
-            if offset >= stop:
-                break
-            if offset + len(chunk) > start:
-                parts.append(chunk[max(0, start - offset):stop - offset])
-        return b"".join(parts)
 
     def close(self) -> None:
         close = getattr(self._chunks, "close", None)
@@ -365,7 +424,7 @@ def read_shard_index(directory: Folder | Path, entry: ShardEntry) -> list[Rollou
     except (ValueError, msgpack.UnpackException, msgpack.OutOfData) as exc:
         raise _undecodable(path, str(exc) or type(exc).__name__) from exc
     try:
-        return [RolloutIndexEntry(entry.instance_id, row[0], row[1], row[3], list(row[2]),
-                                  entry.file) for row in rows]
+        return [RolloutIndexEntry(entry.instance_id, row[0], row[1], row[3],
+                                  sorted(set(row[2])), entry.file) for row in rows]
     except (TypeError, IndexError) as exc:
         raise _undecodable(path, f"its index has rows of the wrong shape ({exc})") from exc

@@ -299,10 +299,10 @@ class ToyEnvWorker:
         for _ in range(at_start, task.turns):
             async with client.turn(episode) as turn:
                 state = ToyState.from_bytes(turn.state)
-                if state.turn != len(turn.turns):
+                if state.turn != turn.turn_count:
                     raise RuntimeError(
                         f"{episode.capture_key}: state is at turn {state.turn} but the "
-                        f"session holds {len(turn.turns)} turns; the restore is inconsistent")
+                        f"session holds {turn.turn_count} turns; the restore is inconsistent")
                 await asyncio.sleep(self._turn_seconds)  # the model's and the tool's time
                 new_state, record, row = step(state)
                 key = staging_key(episode, state.turn)

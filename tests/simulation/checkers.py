@@ -53,7 +53,7 @@ from nemo_ckpt.sandboxes.snapshot_trees import (
 )
 from nemo_ckpt.sandboxes.tree_codec import pack_tree_object
 from nemo_ckpt.sandboxes.tree_types import DIR
-from nemo_ckpt.session_record import SessionRecord
+from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
 from nemo_ckpt.storage.claims import decode_claim
 from nemo_ckpt.storage.path_claims import read_claims
@@ -502,6 +502,17 @@ class Checkers(Part):
                          f"turn {twice[0].decode()} twice ({when}; {len(session.turns)} "
                          f"turns): a turn reported unavailable had committed, and its "
                          f"retry ran it again")
+
+    def check_turn_count(self, session: SessionHead, expected: int, when: str) -> None:
+        """A turn is recorded once: after step ``t`` a session holds ``t + 1`` turns
+        (a continued rollout runs on from its turn count), one more if a retry ran a
+        committed turn again, one fewer if a turn reported committed was not."""
+        if session.turn_count != expected:
+            self.violate(f"{session.instance_id}/{session.episode.capture_key} holds "
+                         f"{session.turn_count} turns {when}, not {expected}: "
+                         + ("a turn reported unavailable had committed, and its retry ran "
+                            "it again" if session.turn_count > expected else
+                            "a turn reported committed was not recorded"))
 
     def check_retry_refusal(self, exc: BaseException, what: str) -> None:
         """A call retried because its error said nothing changed is not refused because

@@ -549,7 +549,7 @@ class Workload(Part):
                 (turn.directory / "state").write_bytes(turn.state)
                 self._sandbox_turn(ep, turn.directory, turn.state, t, state)
             turn.complete(f"t{t}".encode(), state, [key])
-        self.check.check_turns_once(turn.session, f"after turn {t}")
+        self.check.check_turn_count(turn.session, t + 1, f"after turn {t}")
 
     async def _adapted_rollout(self, client: SessionClient, instance: str, ep: Ep,
                                fresh: bool) -> None:
