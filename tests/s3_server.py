@@ -92,10 +92,28 @@ class LocalS3Server:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
                "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-        self._log = open(self.data_dir / f"{self.name}.out", "ab")
-        self._proc = subprocess.Popen(self._command(), env=env, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_ready(timeout_s)
+        log = self.data_dir / f"{self.name}.out"
+        # A restart after kill() may find its port held a while by the killed server's
+        # connections (TIME_WAIT, which a server that binds without SO_REUSEADDR
+        # refuses): it tries again until the port is free, within TIME_WAIT's minute.
+        deadline = time.monotonic() + timeout_s + 75.0
+        while True:
+            self._log = open(log, "ab")
+            seen = log.stat().st_size
+            self._proc = subprocess.Popen(self._command(), env=env, stdout=self._log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                self._wait_ready(timeout_s)
+                return
+            except RuntimeError:
+                with open(log, "rb") as f:
+                    f.seek(seen)
+                    said = f.read().decode(errors="replace")
+                if time.monotonic() > deadline or not any(
+                        s in said for s in ("is not available", "address already in use")):
+                    raise
+                self._log.close()
+                time.sleep(1.0)
 
     def _wait_ready(self, timeout_s: float) -> None:
         import obstore
