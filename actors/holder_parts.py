@@ -172,7 +172,7 @@ class HolderParts:
 
     def head(self, held: Held) -> SessionHead:
         """``held`` as a turn sees it (``SessionHead``: no turn records)."""
-        return SessionHead(self.instance_id, held.episode(), held.turn_count, held.state,
+        return SessionHead(self.instance_id, held.episode(), held.turn_count, held.state_bytes(),
                            **self._sandbox_of(held))
 
     def _sandbox_of(self, held: Held) -> dict[str, Any]:

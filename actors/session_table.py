@@ -65,7 +65,8 @@ class Held:
                  "state", "finished", "last_turn", "_keys", "_key_count", "_earlier")
 
     def __init__(self, rollout_id: str, attempt: int, row: bytes,
-                 pieces: tuple[bytes | memoryview, ...], turn_count: int, state: bytes,
+                 pieces: tuple[bytes | memoryview, ...], turn_count: int,
+                 state: bytes | memoryview,
                  finished: bool = False, last_turn: str | None = None) -> None:
         self.rollout_id = rollout_id
         self.attempt = attempt
@@ -155,10 +156,13 @@ class Held:
                    (), 0, state if type(state) is bytes else bytes(state))
 
     @classmethod
-    def continued(cls, row: list[Any], turns: bytes, state: bytes) -> Held:
+    def continued(cls, row: list[Any], turns: bytes | memoryview,
+                  state: bytes | memoryview) -> Held:
         """A captured session as a restore installs it: the next attempt, remembering
-        the captured attempt's capture key; its turns (uncopied) and state unchanged. A
-        finished one is installed as it was captured, at its attempt, with its result."""
+        the captured attempt's capture key; its turns and state unchanged, as the read
+        handed them on (views of the bytes read: ``state_bytes`` copies the state once
+        a caller needs it, until a turn replaces it). A finished one is installed as it
+        was captured, at its attempt, with its result."""
         finished = row_is_finished(row)
         try:
             rollout_id, attempt, keys, n_turns, earlier = row[:5] if finished else row
@@ -182,9 +186,14 @@ class Held:
                                  use_bin_type=True),
                    pieces, n_turns, state)
 
+    def state_bytes(self) -> bytes:
+        """Its state (a finished session's result) as bytes, as it travels."""
+        state = self.state
+        return state if type(state) is bytes else bytes(state)
+
     def record(self, instance_id: str) -> SessionRecord:
         return record_of(instance_id, msgpack.unpackb(self.row, raw=False, use_list=True),
-                         self.turns_blob(), self.state)
+                         self.turns_blob(), self.state_bytes())
 
 
 # The largest piece appending joins: past it a session's turns stay in pieces of about

@@ -226,7 +226,7 @@ def array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-def turn_items(turns_blob: bytes) -> memoryview:
+def turn_items(turns_blob: bytes | memoryview) -> memoryview:
     """A turns blob's items without its array header, uncopied; ValueError if it does
     not start with one."""
     first = turns_blob[0] if turns_blob else -1
@@ -255,7 +255,8 @@ def record_parts(record: SessionRecord) -> tuple[bytes, bytes, bytes]:
             bytes(record.result if record.result is not None else record.state))
 
 
-def record_of(instance_id: str, row: Any, turns_blob: bytes, state: bytes) -> SessionRecord:
+def record_of(instance_id: str, row: Any, turns_blob: bytes | memoryview,
+              state: bytes) -> SessionRecord:
     """The ``SessionRecord`` of a decoded row, its turns blob and its state; ValueError on
     any other shape (a shard is verified by its hash before this runs, so this only
     catches a file some other tool wrote)."""

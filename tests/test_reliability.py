@@ -769,9 +769,12 @@ def test_retriability_is_a_property_of_each_error_class_and_the_docs_list_it() -
 
 
 def test_a_turn_refuses_staging_keys_that_are_not_strings_at_once() -> None:
-    from nemo_ckpt.session_record import SessionRecord
+    from nemo_ckpt.session_record import SessionHead
 
-    turn = Turn(SessionRecord("holder-0", Ep("r", 0)))
+    async def never(start: int, stop: int | None) -> list[bytes]:
+        raise AssertionError("complete() reads no turn records")
+
+    turn = Turn(SessionHead("holder-0", Ep("r", 0), 0, b""), never)
     with pytest.raises(TypeError, match=r"not one str \('row-1'\); pass \[key\]"):
         turn.complete(b"t", b"s", "row-1")
     with pytest.raises(TypeError, match="non-empty strings"):

@@ -47,6 +47,10 @@ SHARD_VERSION = 3
 _DIRECT_WRITE = 16 << 10
 _SMALL_PIECE_BUFFER = 256 << 10
 
+# A session's turns blob or state as a read hands it on: a view of the verified bytes
+# (kept alive by it), or bytes.
+Bytes = bytes | memoryview
+
 
 def write_shard(
     directory: Folder | Path, name: str, instance_id: str, sessions: Iterable[SessionRecord]
@@ -68,7 +72,7 @@ def write_shard(
 
 def write_shard_parts(directory: Folder | Path, name: str, instance_id: str, index: bytes,
                       count: int,
-                      bodies: Iterable[tuple[bytes | Sequence[bytes | memoryview], bytes]]
+                      bodies: Iterable[tuple[bytes | Sequence[Bytes], Bytes]]
                       ) -> ShardEntry:
     """Write one shard from sessions already encoded, as holders keep them, and return
     its manifest entry: ``index`` is the msgpack array of the ``count`` sessions' rows
@@ -88,7 +92,7 @@ def write_shard_parts(directory: Folder | Path, name: str, instance_id: str, ind
                              "instance_id": instance_id, "sessions": count}))
         # Written as it is (by reference when big): the capture already holds it.
         w.write(index)
-        batch: list[bytes] = []
+        batch: list[Bytes] = []
         size = 0
         written = 0
         for turns_blob, state in bodies:
@@ -120,16 +124,16 @@ def write_shard_parts(directory: Folder | Path, name: str, instance_id: str, ind
 class ShardParts:
     """A verified shard's sessions, still encoded: each one's decoded row
     (``[rollout_id, attempt, staging keys, turns, earlier capture keys]``), its turns
-    blob and its state, in the shard's order."""
+    blob and its state (views of the bytes read), in the shard's order."""
 
     instance_id: str
     rows: list[list[Any]]
-    turns: list[bytes]
-    states: list[bytes]
+    turns: list[Bytes]
+    states: list[Bytes]
 
     def records(self) -> list[SessionRecord]:
         """Every session as a ``SessionRecord`` (decodes every turns blob)."""
-        return [record_of(self.instance_id, row, turns, state)
+        return [record_of(self.instance_id, row, turns, bytes(state))
                 for row, turns, state in zip(self.rows, self.turns, self.states, strict=True)]
 
 
@@ -149,7 +153,7 @@ def read_shard_parts(directory: Folder | Path, entry: ShardEntry) -> ShardParts:
     Nothing is decoded before the whole file's hash matches the manifest's: a damaged
     or crafted file of N bytes costs N bytes of memory, never the objects it could
     unpack into. Then only the index is decoded; each session's turns blob and state
-    are copied once, straight out of the verified bytes (``_bodies``).
+    are views of the verified bytes, uncopied (``_bodies``).
     Shards of the older layout (a map per session) are read too.
 
     A shard with chunk hashes (manifest format 6) is read as a stream instead: each chunk
@@ -227,16 +231,18 @@ def _streamed_parts(directory: Folder | Path, entry: ShardEntry, chunk: int) -> 
 
 
 def _bodies(stream: _VerifiedStream, at: int, count: int, length: int, path: str
-            ) -> tuple[list[bytes], list[bytes], int]:
+            ) -> tuple[list[Bytes], list[Bytes], int]:
     """``count`` sessions' bodies, ``[turns, state]`` each, from offset ``at`` of a
-    verified file of ``length`` bytes: each one's turns blob and state copied once out of
-    the chunks holding it (msgpack's ``Unpacker`` copied each chunk into its buffer and
-    each state out again). Every length in the file is a claim: one past its end is
-    refused before anything is read for it. Returns the turns blobs, the states, and the
-    offset after the last body."""
-    turns: list[bytes] = []
-    states: list[bytes] = []
-    byte, copy, keep = stream.byte, stream.copy, stream.keep
+    verified file of ``length`` bytes: each one's turns blob and state a view of the
+    chunk holding it, uncopied (copied once where it spans two chunks). msgpack's
+    ``Unpacker`` copied each chunk into its buffer and each state out again, and the
+    fresh memory a copy needs cost more than the copy (benchmarks/README.md, the
+    grid). Every length in the file is a claim: one past its end is refused before
+    anything is read for it. Returns the turns blobs, the states, and the offset after
+    the last body."""
+    turns: list[Bytes] = []
+    states: list[Bytes] = []
+    byte, copy, view, keep = stream.byte, stream.copy, stream.view, stream.keep
     for _ in range(count):
         keep(at)
         if byte(at) != 0x92:
@@ -256,9 +262,9 @@ def _bodies(stream: _VerifiedStream, at: int, count: int, length: int, path: str
                                      f"the shard's remaining {length - at} bytes hold")
         for _ in range(n):
             at = _bin_end(stream, at, length, path)[1]
-        turns.append(copy(start, at))
+        turns.append(view(start, at))
         data, at = _bin_end(stream, at, length, path)
-        states.append(copy(data, at))
+        states.append(view(data, at))
     return turns, states, at
 
 
@@ -316,6 +322,16 @@ class _VerifiedStream:
         offset, chunk = self._chunk_at(at)
         return chunk[at - offset]
 
+    def view(self, start: int, stop: int) -> Bytes:
+        """The bytes ``[start, stop)``: a view of the chunk holding them, or, where they
+        span chunks, a copy."""
+        if stop <= start:
+            return b""
+        offset, chunk = self._chunk_at(stop - 1)
+        if start >= offset:
+            return chunk[start - offset:stop - offset]
+        return self.copy(start, stop)
+
     def copy(self, start: int, stop: int) -> bytes:
         """The bytes ``[start, stop)``, copied once out of the chunks holding them."""
         if stop <= start:
@@ -355,8 +371,8 @@ def _legacy_parts(path: str, entry: ShardEntry, unpacker: msgpack.Unpacker,
                   length: int) -> ShardParts:
     """The sessions of a layout-1 shard (one map per session), as parts."""
     rows: list[list[Any]] = []
-    turns: list[bytes] = []
-    states: list[bytes] = []
+    turns: list[Bytes] = []
+    states: list[Bytes] = []
     for obj in unpacker:
         try:
             record = SessionRecord.from_wire(obj)
