@@ -33,6 +33,8 @@ store; a restore creates it running (``prepare_restore``), and its undo removes 
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import os
 import shutil
@@ -41,7 +43,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from nemo_ckpt.containers.backend import ContainerBackend
 from nemo_ckpt.containers.record import encode_record
@@ -80,7 +82,25 @@ from nemo_ckpt.storage.manifest import (
 __all__ = ["Sandbox", "Recorded", "Sandboxes", "RestoredSandbox", "SandboxCapture", "PRIVATE_DIR"]
 
 log = logging.getLogger("nemo_ckpt.holder")
+T = TypeVar("T")
+
 _RESTORE_MEMORY = 256 << 20  # verified blobs a restore keeps in memory per shard
+
+
+def in_threads(calls: Sequence[Callable[[], T]], threads: int) -> list[T]:
+    """Each of ``calls``' results, in order, run ``threads`` at a time. The first error
+    is raised once the calls already running have ended; the rest never start."""
+    if len(calls) <= 1 or threads <= 1:
+        return [call() for call in calls]
+    with concurrent.futures.ThreadPoolExecutor(
+            min(threads, len(calls)), thread_name_prefix="nemo-ckpt-restore") as pool:
+        futures = [pool.submit(call) for call in calls]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
 
 @dataclass(slots=True)
@@ -453,10 +473,11 @@ class Sandboxes:
         return self.directories.target_of(capture_key)
 
     def prepare_restore(self, restore_id: str, directory: Folder, entry: ShardEntry,
-                        blob_store: str | None, new_keys: dict[str, str]
-                        ) -> list[RestoredSandbox]:
-        """Materialize the directories of shard ``entry``'s sessions in a staging folder;
-        ``new_keys`` maps each rollout to the capture key it is restored as."""
+                        blob_store: str | None, new_keys: dict[str, str],
+                        threads: int = 1) -> list[RestoredSandbox]:
+        """Materialize the directories of shard ``entry``'s sessions in a staging folder,
+        ``threads`` at a time (``Runtime.threads``); ``new_keys`` maps each rollout to the
+        capture key it is restored as."""
         assert entry.trees is not None
         if self.root is None or self._private is None:
             raise SandboxError(
@@ -471,26 +492,31 @@ class Sandboxes:
         store = BlobStore(blob_store, folder_at)
         cache = self.cache
         staging = self._make_staging(self._private, restore_id)
-        restored: list[RestoredSandbox] = []
         # Blobs verified once, kept in memory while the shard's directories are made:
         # rollouts started from one repository share most of their files.
         verified: dict[bytes, bytes] = {}
         held = 0
+        reading = threading.Lock()  # directories are made in threads; a blob read once
 
         def fetch(digest: bytes, size: int) -> bytes:
             nonlocal held
             data = verified.get(digest)
             if data is not None:
                 return data
-            data = read_blob(store, cache, digest, size)
-            if held + len(data) <= _RESTORE_MEMORY:
-                verified[digest] = data
-                held += len(data)
+            with reading:
+                data = verified.get(digest)
+                if data is not None:
+                    return data
+                data = read_blob(store, cache, digest, size)
+                if held + len(data) <= _RESTORE_MEMORY:
+                    verified[digest] = data
+                    held += len(data)
             return data
 
         containers: dict[str, bytes] = {}
         rows = read_trees_file(directory, entry.trees, self.instance_id, containers)
         self._check_restored_names(rows, new_keys, directory, entry.trees.file)
+        made: list[Callable[[], RestoredSandbox]] = []  # in the rows' order
         for rollout_id, attempt, tree_digest, tree_size, _ in rows:
             raw = containers.get(rollout_id)
             if raw is not None and self.container_env is None:
@@ -502,9 +528,11 @@ class Sandboxes:
                 rollout_id, attempt, tree_digest, tree_size, raw,
                 f"{rollout_id} (attempt {attempt}) in {directory.describe(entry.trees.file)}")
             backend = self.containers if raw is not None else self.directories
-            restored.append(backend.restore(stored, fetch, new_keys[rollout_id],
-                                            restore_id, staging))
-        return restored
+            made.append(functools.partial(backend.restore, stored, fetch,
+                                          new_keys[rollout_id], restore_id, staging))
+        if containers:  # the container runtime's calls, one at a time
+            return [make() for make in made]
+        return in_threads(made, threads)
 
     def _make_staging(self, private: Path, restore_id: str) -> Path:
         """The restore's staging folder, made (a retry's is reused)."""

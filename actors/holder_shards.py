@@ -166,8 +166,8 @@ async def read_restore_shard(
     if entry.trees is not None:
         staged = await runtime.run_blocking(
             sandboxes.prepare_restore, restore_id, directory, entry, blob_store,
-            {h.rollout_id: h.capture_key for h in held if not h.finished})
-    finished: list[list[object]] = [[h.rollout_id, h.attempt, h.state] for h in held
+            {h.rollout_id: h.capture_key for h in held if not h.finished}, runtime.threads)
+    finished: list[list[object]] = [[h.rollout_id, h.attempt, h.state_bytes()] for h in held
                                     if h.finished]
     return RestoredShard(held, keys, msgpack.packb(pairs, use_bin_type=True), staged,
                          finished)

@@ -113,7 +113,11 @@ class Runtime:
     hex string (turn tokens, operation ids); seeded in the simulation, so that a seed
     replays exactly. ``reached(point)`` is awaited where a phase reaches a named point
     (``actors.drills`` lists them): it returns at once, unless a test or drill delays that
-    point to aim a fault (a kill, a cancellation) at it.
+    point to aim a fault (a kill, a cancellation) at it. ``threads``: how many threads
+    one piece of blocking work may spread over (a restore's sandbox directories: making
+    files is the kernel's work, outside the GIL, and a few threads keep it busy,
+    benchmarks/sandboxes_vs_restic.py); 1 in the simulation, whose file work runs
+    inline, in an order its seed replays.
     """
 
     clock: Clock = field(default_factory=SystemClock)
@@ -121,6 +125,7 @@ class Runtime:
     run_blocking: Callable[..., Awaitable[Any]] = _to_thread
     token: Callable[[], str] = field(default=lambda: uuid.uuid4().hex)
     reached: Callable[[str], Awaitable[None]] = _passed
+    threads: int = 4
 
 
 HOLDER = "holder"

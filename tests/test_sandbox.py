@@ -543,3 +543,56 @@ def test_a_restore_drops_setuid_and_setgid_bits_unless_allowed(
         assert modes["suid"] == 0o4755 and modes["sgid"] & ~0o2000 == 0o755
     else:
         assert modes == {"suid": 0o755, "sgid": 0o755}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o000])
+def test_a_restored_tree_has_its_modes_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    content = b"x"
+    tree = {"a": Entry(DIR, 0o750, 0, b""), "a-b": Entry(FILE, 0o640, 1, digest_of(content)),
+            "a/f": Entry(FILE, 0o664, 1, digest_of(content)),
+            "a/g": Entry(FILE, 0o400, 1, digest_of(content)),
+            "a/d": Entry(DIR, 0o777, 0, b""), "a/d/h": Entry(FILE, 0o755, 1, digest_of(content)),
+            "a/l": Entry(LINK, 0o777, 0, b"d/h"), "z": Entry(FILE, 0o644, 1, digest_of(content))}
+    old = os.umask(umask)
+    try:
+        materialize(tree, tmp_path / "out", lambda d, n: content)
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    modes = {str(p.relative_to(out)): stat.S_IMODE(p.lstat().st_mode)
+             for p in out.rglob("*") if not p.is_symlink()}
+    assert modes == {"a": 0o750, "a-b": 0o640, "a/f": 0o664, "a/g": 0o400, "a/d": 0o777,
+                     "a/d/h": 0o755, "z": 0o644}
+    assert os.readlink(out / "a" / "l") == "d/h" and (out / "a" / "l").read_bytes() == b"x"
+
+
+def test_an_entry_whose_directory_is_not_in_the_tree_is_refused(tmp_path: Path) -> None:
+    tree = {"f": Entry(FILE, 0o644, 1, digest_of(b"x")),
+            "f/g": Entry(FILE, 0o644, 1, digest_of(b"x"))}
+    with pytest.raises(FileNotFoundError, match="its directory is not in the tree") as err:
+        materialize(tree, tmp_path / "out", lambda d, n: b"x")
+    assert err.value.filename == str(tmp_path / "out" / "f/g")
+
+
+def test_directories_made_in_threads_come_back_in_order_and_the_first_error_ends_them() -> None:
+    from actors.holder_sandboxes import in_threads
+
+    ran: list[int] = []
+
+    def make(i: int) -> int:
+        time.sleep(0.001 * (i % 3))
+        ran.append(i)
+        return i * i
+
+    assert in_threads([lambda i=i: make(i) for i in range(40)], 4) == [i * i for i in range(40)]
+    assert sorted(ran) == list(range(40))
+
+    def fail() -> int:
+        raise SandboxError("cannot restore the directory of rollout 'r3'")
+
+    ran.clear()
+    calls = [lambda i=i: make(i) for i in range(3)] + [fail] + \
+        [lambda i=i: make(i) for i in range(4, 400)]
+    with pytest.raises(SandboxError, match="rollout 'r3'"):
+        in_threads(calls, 2)
+    assert len(ran) < 396, "the calls after the error did not all start"

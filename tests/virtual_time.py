@@ -58,4 +58,4 @@ async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
 
 def virtual_runtime() -> Runtime:
     """A holder's runtime on the loop's clock, its file work run inline."""
-    return Runtime(clock=LoopClock(), run_blocking=_inline)
+    return Runtime(clock=LoopClock(), run_blocking=_inline, threads=1)

@@ -73,7 +73,7 @@ class BlockingRunner:
         return Runtime(clock=SimClock(world, actor), metrics=NoMetrics(),
                        run_blocking=self.runner(actor),
                        token=lambda: f"{world.rng.getrandbits(64):016x}",
-                       reached=actor.delays.reached)
+                       reached=actor.delays.reached, threads=1)
 
     def runner(self, actor: SimActor) -> Callable[..., Awaitable[Any]]:
         world = self._world
