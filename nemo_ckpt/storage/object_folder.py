@@ -37,7 +37,7 @@ from nemo_ckpt.storage.store_errors import is_store_error, store_failure
 if TYPE_CHECKING:  # obstore itself is imported only when a bucket is used
     from obstore.store import RetryConfig
 
-__all__ = ["SCHEMES", "ObjectFolder"]
+__all__ = ["RANGED_READS", "SCHEMES", "ObjectFolder", "RangedReads"]
 
 # Multipart part size and parallelism of a shard's upload: obstore uploads a part as
 # soon as this much is buffered, up to _CONCURRENCY at once (benchmarks/README.md).
@@ -46,11 +46,21 @@ _CONCURRENCY = 8
 _DELETE_BATCH = 1000  # S3's DeleteObjects limit
 # The pieces a streamed read takes at a time (a shard's head, the rest of it unread).
 _STREAM_CHUNK = 256 << 10
-# A streamed read's ranged requests: this many bytes each (whole chunks), this many at
-# once, and this many ranges fetched ahead of the consumer at most (its memory bound).
-_RANGE_BYTES = 8 << 20
-_RANGE_CONCURRENCY = 4
-_RANGES_AHEAD = 4
+
+
+@dataclass(frozen=True)
+class RangedReads:
+    """A streamed read's ranged requests: ``size`` bytes each (whole chunks),
+    ``concurrency`` at once, and ``ahead`` ranges fetched ahead of the consumer at most
+    (its memory bound). Tuned against a plain get on both test servers
+    (benchmarks/object_reads.py, which sweeps them through ``RANGED_READS``)."""
+
+    size: int = 8 << 20
+    concurrency: int = 4
+    ahead: int = 4
+
+
+RANGED_READS = RangedReads()
 
 
 class _WriterSink:
@@ -323,7 +333,8 @@ class ObjectFolder:
 
     def read_chunks(self, name: str, length: int, chunk: int) -> Iterator[memoryview]:
         key = _store_key(self.location)
-        per_range = max(chunk, _RANGE_BYTES // chunk * chunk)
+        ranged = RANGED_READS
+        per_range = max(chunk, ranged.size // chunk * chunk)
         if length <= per_range or _RANGES.get(key) is False:
             yield from self._streamed_chunks(name, length, chunk)
             return
@@ -361,7 +372,7 @@ class ObjectFolder:
         reads: list[Callable[[], memoryview]] = [
             functools.partial(fetch, *first_span, result=first)]
         reads += [functools.partial(fetch, at, stop) for at, stop in spans[1:]]
-        for piece in read_ahead(reads, workers=_RANGE_CONCURRENCY, depth=_RANGES_AHEAD):
+        for piece in read_ahead(reads, workers=ranged.concurrency, depth=ranged.ahead):
             for at in range(0, len(piece), chunk):
                 yield piece[at:at + chunk]
         if size > length:  # a longer object shows as one byte more
@@ -388,7 +399,7 @@ class ObjectFolder:
             return memoryview(piece)
 
         pieces = read_ahead((next_piece for _ in range(-(-wanted // least) + 1)),
-                            workers=1, depth=_RANGES_AHEAD * 4)
+                            workers=1, depth=RANGED_READS.ahead * 4)
         buffer = bytearray()
         sent = 0
         for piece in pieces:
