@@ -89,8 +89,7 @@ class Held:
     @property
     def size(self) -> int:
         """Bytes of its turns blob and state, as a shard stores them."""
-        n = self.turn_count
-        return (1 if n < 16 else 3 if n < 1 << 16 else 5) + self.turn_bytes + len(self.state)
+        return len(array_header(self.turn_count)) + self.turn_bytes + len(self.state)
 
     @property
     def capture_key(self) -> str:
@@ -175,7 +174,7 @@ class Held:
                 or attempt < 0 or type(n_turns) is not int or n_turns < 0 \
                 or type(keys) is not list or type(earlier) is not list:
             raise ValueError(f"a session row has the wrong shape: {row!r:.200}")
-        items = turn_items(turns)
+        items = turn_items(turns, n_turns)
         pieces = (items,) if len(items) else ()
         if finished:
             return cls(rollout_id, attempt, msgpack.packb(row, use_bin_type=True), pieces,

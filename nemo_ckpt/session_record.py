@@ -226,14 +226,18 @@ def array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-def turn_items(turns_blob: bytes | memoryview) -> memoryview:
-    """A turns blob's items without its array header, uncopied; ValueError if it does
-    not start with one."""
+def turn_items(turns_blob: bytes | memoryview, count: int) -> memoryview:
+    """A turns blob's items without its array header, uncopied; ValueError unless it
+    starts with the header of an array of ``count`` items (its row's claim: the pieces
+    a holder appends to are written back behind ``array_header(count)``)."""
     first = turns_blob[0] if turns_blob else -1
     skip = 1 if 0x90 <= first <= 0x9f else 3 if first == 0xdc else 5 if first == 0xdd \
         else 0
     if not skip or len(turns_blob) < skip:
         raise ValueError("a session's turns are not a msgpack array")
+    held = first & 0x0f if skip == 1 else int.from_bytes(turns_blob[1:skip], "big")
+    if held != count:
+        raise ValueError(f"a session's row says {count} turns, its body holds {held}")
     return memoryview(turns_blob)[skip:]
 
 

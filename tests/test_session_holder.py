@@ -814,3 +814,24 @@ async def test_a_session_of_many_turns_is_snapshotted_restored_and_continued_who
     assert session.turns == (*records, b"t40")
     assert session.staging_keys == {f"r/{n}" for n in range(41)}
     assert session.earlier_capture_keys == ("r",)
+
+
+@on_virtual_time
+async def test_a_shard_whose_row_claims_other_turns_than_its_body_holds_is_refused(
+        tmp_path: Path) -> None:
+    # Its hash matches (a tool wrote it so): the row's count is a claim. Taken, a turn's
+    # append would write its pieces behind a header of the wrong count, and the next
+    # snapshot's shard would not decode past that session.
+    from nemo_ckpt.errors import ShardCorruptedError
+    from nemo_ckpt.session_record import encode_row, encode_turns
+    from nemo_ckpt.storage.shards import write_shard_parts
+
+    directory = prepare_environment_dir(tmp_path)
+    row = encode_row("r", 0, ["r/0"], 3, [])
+    entry = write_shard_parts(directory, "shard-s-holder-0-0000.msgpack", "holder-0",
+                              b"\x91" + row, 1, [(encode_turns([b"t0", b"t1"]), b"s2")])
+    dst = holder("node-b")
+    with pytest.raises(ShardCorruptedError, match="says 3 turns, its body holds 2"):
+        await dst.prepare_restore("restore-1", str(directory), [entry], 10)
+    assert await dst.sessions() == []
+    assert (await dst.info()).state is HolderState.RUNNING
