@@ -16,6 +16,16 @@ values the coordinator actor would return to the driver is timed separately (the
 
     python -m benchmarks.phase_breakdown --holders 4 --sessions 10000 --state-bytes 1024
     python -m benchmarks.phase_breakdown --shard-only --sessions 2500 --state-bytes 65536
+    python -m benchmarks.phase_breakdown --object-store-server seaweedfs --sessions 1000 \
+        --state-bytes 65536
+
+With ``--object-store-server``, the snapshots go into a bucket of that local S3 server
+(``tests.s3_server``) instead of a folder, and the coordinator's own calls to the store
+around the holders (the manifest read, the read claim's write and release, the check
+for moved blobs) are timed one by one; the folder-only parts (the direct splits) are
+left out. Each restore's prepare also shows the CPU each kind of process (holders, the
+S3 server, coordinators, this process, others) spent in it, from ``/proc``, against the
+cores' capacity over its wall time: a prepare that uses it all waits for CPU, not I/O.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -32,6 +43,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +51,8 @@ import msgpack
 import ray
 import ray.cloudpickle as cp
 
+import actors.claimed_folders
+import actors.restores
 from actors.coordinator import CheckpointCoordinator
 from actors.ray_transport import RayTransport
 from benchmarks.common import LocalCluster, MiB, PhaseLog, evict_from_page_cache, populate
@@ -53,6 +67,8 @@ from nemo_ckpt.storage.shards import read_shard, write_shard
 from nemo_ckpt.storage.snapshot_files import read_manifest
 
 _timings: dict[str, list[float]] = {}
+# The coordinator's store calls in the restore under way, recorded after its call's line.
+_store_calls: list[tuple[str, float]] = []
 
 
 def new_operation_id(kind: str) -> str:
@@ -78,9 +94,78 @@ def _record_call(call: str, seconds: float, phase: str, lines: dict[str, dict[st
     _record(f"  around {phase}: the coordinator's own work", seconds - line["seconds"])
 
 
-async def _cluster_part(args: argparse.Namespace) -> None:
+@contextlib.contextmanager
+def _timed_store_calls() -> Iterator[None]:
+    """The coordinator's blocking calls to the store during a restore, each timed under
+    its own key (they run in its threads, so a call's time is its own)."""
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(module: Any, name: str, key: str) -> None:
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                _store_calls.append((key, time.perf_counter() - t0))
+
+        patched.append((module, name, original))
+        setattr(module, name, timed)
+
+    wrap(actors.restores, "read_manifest", "  store: read the manifest")
+    wrap(actors.restores, "moved_blob_store", "  store: check for moved blobs")
+    wrap(actors.claimed_folders, "claim_for_reading", "  store: write the read claim")
+    wrap(actors.claimed_folders, "release_claim", "  store: release the read claim")
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
 
 
+def _cpu_by_process() -> dict[int, tuple[float, str]]:
+    """Every process's CPU seconds so far (user and system, ``/proc/<pid>/stat``) and
+    what it is: a holder, a coordinator, the S3 server, this process, or other."""
+    tick = os.sysconf("SC_CLK_TCK")
+    me = os.getpid()
+    out: dict[int, tuple[float, str]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        kind = ("holders" if "SessionHolder" in cmd else
+                "coordinators" if "CheckpointCoordinator" in cmd else
+                "S3 server" if cmd.endswith(("/weed", "/rclone")) else
+                "this process" if int(entry) == me else "others")
+        out[int(entry)] = ((int(fields[11]) + int(fields[12])) / tick, kind)
+    return out
+
+
+def _record_cpu(what: str, before: dict[int, tuple[float, str]],
+                after: dict[int, tuple[float, str]], wall: float) -> None:
+    """The CPU every kind of process spent during ``what`` (``_cpu_by_process`` before
+    and after), against the CPU the machine had in that time: on a small machine a
+    phase that waits on a busy CPU shows as wait, not as work."""
+    spent: dict[str, float] = {}
+    for pid, (seconds, kind) in after.items():
+        spent[kind] = spent.get(kind, 0.0) + seconds - before.get(pid, (0.0, kind))[0]
+    _record(f"  cpu during {what}: all processes", sum(spent.values()))
+    _record(f"    cpu during {what}: the cores' capacity in its wall time",
+            wall * (os.cpu_count() or 1))
+    for kind in ("holders", "S3 server", "coordinators", "this process", "others"):
+        _record(f"    cpu during {what}: {kind}", spent.get(kind, 0.0))
+
+
+async def _cluster_part(args: argparse.Namespace, bucket: str | None) -> None:
     tag = uuid.uuid4().hex[:6]
     cfg = CheckpointConfig(allow_unchecked_snapshots=True,
                            namespace=f"breakdown-{tag}", lease_s=120.0, phase_timeout_s=120.0)
@@ -104,7 +189,7 @@ async def _cluster_part(args: argparse.Namespace) -> None:
                 if r == 1:
                     _timings.clear()
                 sid = new_operation_id("snap")
-                path = str(work / f"s{r % 2}")
+                path = f"{bucket}/{tag}/s{r % 2}" if bucket else str(work / f"s{r % 2}")
                 t0 = time.perf_counter()
                 begun = await coord.begin_snapshot(sid, path)
                 t1 = time.perf_counter()
@@ -126,22 +211,36 @@ async def _cluster_part(args: argparse.Namespace) -> None:
                     tc = time.perf_counter()
                     _record(f"ray pickle {what} ({len(blob) / 1e6:.2f} MB)", tb - ta)
                     _record(f"ray unpickle {what} in the driver", tc - tb)
+                if args.fresh_restore_holders and r > 0:  # as a restarted job restores
+                    ckpt_r.shutdown()
+                    cfg_r = cfg_r.model_copy(update={"namespace": f"breakdown-{tag}-r{r}"})
+                    ckpt_r = RayEnvironmentCheckpoint(cfg_r)
+                    await ckpt_r.ensure_holders()
+                    coord_r = CheckpointCoordinator(cfg_r, RayTransport(cfg_r))
                 rid = new_operation_id("restore")
-                t0 = time.perf_counter()
-                prepared = await coord_r.prepare_restore(rid, path)
-                t1 = time.perf_counter()
-                await coord_r.commit_restore(rid)
-                t2 = time.perf_counter()
+                with _timed_store_calls() if bucket else contextlib.nullcontext():
+                    before = _cpu_by_process()
+                    t0 = time.perf_counter()
+                    prepared = await coord_r.prepare_restore(rid, path)
+                    t1 = time.perf_counter()
+                    after = _cpu_by_process()
+                    await coord_r.commit_restore(rid)
+                    t2 = time.perf_counter()
                 lines = phases.of(rid)
                 _record_call("prepare_restore (manifest, verify and load shards)", t1 - t0,
                              "prepare_restore", lines)
+                _record_cpu("prepare_restore", before, after, t1 - t0)
                 _record_call("commit_restore (sessions live)", t2 - t1, "commit_restore",
                              lines)
+                for key, seconds in _store_calls:  # the claim's release is the commit's
+                    _record(key, seconds)
+                _store_calls.clear()
                 await coord_r.forget([EnvironmentEpisode(rid_, att).next_attempt()
                                       for _i, rid_, att in prepared.continued_attempts])
         logged = sorted({line["phase"] for line in phases.lines})
-        await _entry_split(cfg.namespace, instances, args.repeats, work)
-        await _restore_split(cfg, work / f"s{args.repeats % 2}", args.repeats)
+        if not bucket:  # the splits read the folder's files directly
+            await _entry_split(cfg.namespace, instances, args.repeats, work)
+            await _restore_split(cfg, work / f"s{args.repeats % 2}", args.repeats)
         print(f"median of {args.repeats} (ms), min-max; phases logged: {', '.join(logged)}")
         for key, vals in _timings.items():
             print(f"  {key:<62} {statistics.median(vals):9.1f}   "
@@ -346,19 +445,40 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shard-only", action="store_true",
                    help="only the in-process shard write/read breakdown, no cluster")
+    p.add_argument("--object-store-server", choices=("seaweedfs", "rclone"),
+                   help="snapshot into a bucket of this local S3 server, not a folder")
+    p.add_argument("--fresh-restore-holders", action="store_true",
+                   help="restore into new holders each time, as a restarted job does "
+                        "(else into the same ones, their sessions forgotten in between)")
     args = p.parse_args()
     if args.shard_only:
         _shard_part(args)
         return 0
 
-    cluster = LocalCluster(2048 * MiB)
+    server: Any = None
+    workdir = Path(tempfile.mkdtemp(prefix="nemo-ckpt-breakdown-s3-"))
+    cluster: LocalCluster | None = None
     try:
+        bucket = None
+        if args.object_store_server:
+            from tests.s3_server import BUCKET, SERVERS
+
+            # Before the cluster: its workers find the server through the AWS_* environment.
+            server = SERVERS[args.object_store_server](workdir / "s3")
+            server.start()
+            os.environ.update(server.env())
+            bucket = f"s3://{BUCKET}/breakdown"
+        cluster = LocalCluster(2048 * MiB)
         cluster.grow_to(args.holders)
-        asyncio.run(_cluster_part(args))
+        asyncio.run(_cluster_part(args, bucket))
     finally:
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         with contextlib.suppress(Exception):
             ray.shutdown()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
