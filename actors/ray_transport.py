@@ -28,6 +28,7 @@ from actors.drills import COORDINATOR_POINTS, HOLDER_POINTS, PhaseDelays
 from actors.heap import HeapTrimmer, freeze_startup_objects
 from actors.holder_registry import FanRelay
 from actors.session_holder import SessionHolder
+from nemo_ckpt import tracing
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.protocol.coordinator_api import CoordinatorApi
@@ -328,10 +329,24 @@ def _on_home_loop(name: str) -> Any:
     return call if group is None else ray.method(concurrency_group=group)(call)
 
 
+def _import_ahead() -> None:
+    """Import as the actor starts what its first snapshot or restore would otherwise
+    import in the middle of it: the bucket client, Ray's metrics, the tracing API where
+    it is installed. A restarted job restores into fresh actors, so each of these was
+    CPU spent inside its restore (``benchmarks.phase_breakdown --fresh-restore-holders``)."""
+    import obstore.store  # noqa: F401
+    import ray.util.metrics  # noqa: F401
+
+    import nemo_ckpt.storage.object_folder  # noqa: F401
+
+    tracing.enabled()
+
+
 class _RaySessionHolder(SessionHolder):
     """A holder in its own Ray actor process, on the node it was pinned to."""
 
     def __init__(self, instance_id: str, **options: Any) -> None:
+        _import_ahead()
         self._home = _HomeLoop()
         self._delays = PhaseDelays(HOLDER_POINTS)
         super().__init__(instance_id, node_id=ray.get_runtime_context().get_node_id(),
@@ -358,6 +373,7 @@ class _RayCheckpointCoordinator(CheckpointCoordinator):
     """The coordinator in its own Ray actor process."""
 
     def __init__(self, config: CheckpointConfig) -> None:
+        _import_ahead()
         self._delays = PhaseDelays(COORDINATOR_POINTS)
         super().__init__(config, RayTransport(
             config, Runtime(metrics=RayMetrics(config.namespace),
