@@ -315,8 +315,11 @@ class Snapshots:
             async with self._parts.folders.lock(checkpoint_path):
                 # Fenced: a successor that took this incarnation for dead and aborted the
                 # snapshot removed its claim (``write_manifest`` checks in the same call).
+                # The beats as they are when it checks, not a copy taken now: a renewal
+                # that runs meanwhile adds its beat before its write (simulation seed
+                # 1691 with holders created at once: its claim was refused as another's).
                 await self._runtime.run_blocking(write_manifest, directory, manifest,
-                                                 (op.id, frozenset(op.claim_beats)))
+                                                 (op.id, op.claim_beats))
             await self._runtime.reached("after_manifest")
         except BaseException as exc:
             self._parts.count_failure("snapshot", exc)
