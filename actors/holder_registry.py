@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 from nemo_ckpt.errors import BackendUnavailableError, aggregate
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
 from nemo_ckpt.protocol.holder_api import HolderCalls
-from nemo_ckpt.protocol.restore_plan import least_loaded_node
+from nemo_ckpt.protocol.restore_plan import place_instances
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["FanRelay", "HolderCall", "HolderRegistry", "PHASE_LOGGER"]
@@ -234,14 +234,18 @@ class HolderRegistry:
             for node in [n for n in self._relays if n not in alive]:
                 self._drop_relay(node)
             hosted = {i.node_id for i in infos}
-            for node_id in self._transport.alive_nodes():
-                if node_id not in hosted:
-                    try:
-                        infos.append(await self.create(self._free_instance_id(), node_id))
-                    except BackendUnavailableError as exc:
-                        # Typically a node that died but is not yet declared dead. A
-                        # node that stays without a holder fails check_startup.
-                        log.warning("no holder could start on node %s: %s", node_id, exc)
+            bare = [n for n in self._transport.alive_nodes() if n not in hosted]
+            created = await self._create_all(list(zip(self._free_instance_ids(len(bare)),
+                                                      bare, strict=True)))
+            for node_id, made in zip(bare, created, strict=True):
+                if isinstance(made, BackendUnavailableError):
+                    # Typically a node that died but is not yet declared dead. A
+                    # node that stays without a holder fails check_startup.
+                    log.warning("no holder could start on node %s: %s", node_id, made)
+                elif isinstance(made, BaseException):
+                    raise made
+                else:
+                    infos.append(made)
             if self._relayed(self._holders):  # started now: a process takes a while
                 for node, _ in self._groups(self._holders):
                     self._relay(node)
@@ -269,15 +273,23 @@ class HolderRegistry:
                        if i not in self._holders]
             if not missing:
                 return {i: self._nodes[i] for i in self.handles}
-            # One discovery, then each new holder counted where it went: a discovery per
-            # holder made a restore onto N fresh holders cost N^2 calls.
+            # One discovery, then each new holder counted where it will go: a discovery
+            # per holder made a restore onto N fresh holders cost N^2 calls.
             hosted = [i.node_id for i in await self.discover()]
-            alive = self._transport.alive_nodes()
-            for inst in missing:
-                if inst not in self._holders:
-                    node = least_loaded_node(alive, hosted)
-                    hosted.append((await self.create(inst, node)).node_id)
+            plan = place_instances([i for i in missing if i not in self._holders],
+                                   self._transport.alive_nodes(), hosted)
+            for made in await self._create_all(plan):
+                if isinstance(made, BaseException):
+                    raise made
         return {i: self._nodes[i] for i in self.handles}
+
+    async def _create_all(self, plan: list[tuple[str, str]]
+                          ) -> list[HolderInfo | BaseException]:
+        """Create each ``(instance, node)`` holder, all at once: a holder's process takes
+        a while to start, and a restarted job on N nodes waited for N of them in turn.
+        Each one's info or error, in the plan's order, once every creation has ended."""
+        return await asyncio.gather(*(self.create(inst, node) for inst, node in plan),
+                                    return_exceptions=True)
 
     async def create(self, instance_id: str, node_id: str) -> HolderInfo:
         handle = self._transport.create_holder(instance_id, node_id, self._options())
@@ -292,11 +304,15 @@ class HolderRegistry:
         return lambda inst, handle: self._transport.call(
             handle, call.method, *call.args_of(inst), timeout=timeout)
 
-    def _free_instance_id(self) -> str:
+    def _free_instance_ids(self, count: int) -> list[str]:
+        """The ``count`` smallest ``holder-<k>`` names no known holder has."""
+        free: list[str] = []
         k = 0
-        while f"holder-{k}" in self._holders:
+        while len(free) < count:
+            if f"holder-{k}" not in self._holders:
+                free.append(f"holder-{k}")
             k += 1
-        return f"holder-{k}"
+        return free
 
     async def fan(
         self,

@@ -800,3 +800,48 @@ def test_a_lease_that_a_long_drain_and_one_renewal_period_would_outlast_is_refus
         CheckpointConfig(drain_timeout_s=5.0, lease_s=10.0, lease_renew_interval_s=4.0)
     CheckpointConfig(drain_timeout_s=5.0, lease_s=10.0, lease_renew_interval_s=3.0)
     CheckpointConfig()  # the defaults work
+
+
+def _slow_holder_start(world: World) -> None:
+    """A holder's process takes a second to start: its first answer (``info``) does."""
+    world.sim.message_delay = lambda target, method, reply: (
+        1.0 if method == "info" and not reply else 0.001)
+
+
+def test_a_job_on_many_nodes_starts_its_holders_at_once_not_in_turn(tmp_path: Path) -> None:
+    world = World(tmp_path, nodes=6)
+    try:
+        _slow_holder_start(world)
+        started = world.sim.loop.time()
+        infos = world.run(world.ckpt.ensure_holders())
+        assert sorted((i.instance_id, i.node_id) for i in infos) == [
+            (f"holder-{k}", f"node-{k}") for k in range(6)]
+        assert world.sim.loop.time() - started < 2.0  # one holder's start, not six
+    finally:
+        world.close()
+
+
+def test_a_restore_into_a_fresh_job_starts_its_holders_at_once(tmp_path: Path) -> None:
+    first = World(tmp_path, nodes=4)
+    path = tmp_path / "ckpt"
+    try:
+        live = first.run(first.populate())
+        first.run(first.snapshot(path, live))
+    finally:
+        first.close()
+    world = World(tmp_path, nodes=4)  # restores with no holder started
+    try:
+        _slow_holder_start(world)
+        started = world.sim.loop.time()
+
+        async def restore() -> list[tuple[str, str, int]]:
+            async with world.ckpt.restored(path) as restored:
+                return sorted(restored.continued_attempts)
+
+        assert world.run(restore()) == sorted(
+            (instance, ep.rollout_id, ep.attempt) for instance, eps in live.items()
+            for ep in eps)
+        assert sorted(world.holders()) == [f"holder-{k}" for k in range(4)]
+        assert world.sim.loop.time() - started < 2.0  # one holder's start, not four
+    finally:
+        world.close()

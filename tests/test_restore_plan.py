@@ -15,6 +15,7 @@ from nemo_ckpt.protocol.restore_plan import (
     conflict_error,
     holder_said,
     least_loaded_node,
+    place_instances,
     verify_prepared,
 )
 from nemo_ckpt.storage.manifest import (
@@ -123,3 +124,9 @@ def test_a_holders_own_conflict_loses_only_the_fix_the_whole_error_gives() -> No
                                      "already exists; remove it, or restore into a fresh job")
     assert holder_said("holder-3", directory).endswith("already exists; remove it, or "
                                                        "restore into a fresh job")
+
+
+def test_holders_placed_together_spread_as_if_created_one_by_one() -> None:
+    assert place_instances(["a", "b", "c", "d"], ["n1", "n2", "n3"], ["n1", "gone"]) == [
+        ("a", "n2"), ("b", "n3"), ("c", "n1"), ("d", "n2")]
+    assert place_instances([], ["n1"], []) == []

@@ -19,7 +19,7 @@ from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.storage.manifest import Manifest, ShardEntry, rollouts_by_shard, shard_problems
 
 __all__ = ["CONFLICT_FIX", "VerifiedRestore", "assign_shards", "conflict_error", "holder_said",
-           "least_loaded_node", "verify_prepared"]
+           "least_loaded_node", "place_instances", "verify_prepared"]
 
 
 def least_loaded_node(alive_nodes: Iterable[str], holder_nodes: Iterable[str]) -> str:
@@ -31,6 +31,20 @@ def least_loaded_node(alive_nodes: Iterable[str], holder_nodes: Iterable[str]) -
     if not load:
         raise BackendUnavailableError("no alive Ray node to place a holder on")
     return min(load, key=lambda n: (load[n], n))
+
+
+def place_instances(instances: Iterable[str], alive_nodes: Sequence[str],
+                    holder_nodes: Iterable[str]) -> list[tuple[str, str]]:
+    """Where each of ``instances`` (holders to create, in order) goes: each on the least
+    loaded alive node, counting the holders already there and those placed before it,
+    so that all can be created at once."""
+    hosted = list(holder_nodes)
+    placed = []
+    for inst in instances:
+        node = least_loaded_node(alive_nodes, hosted)
+        hosted.append(node)
+        placed.append((inst, node))
+    return placed
 
 
 def assign_shards(manifest: Manifest, instances: Iterable[str],
