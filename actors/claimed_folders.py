@@ -49,7 +49,11 @@ class ClaimedFolders:
         self._incarnation = incarnation
         self._watch = watch
         self._ttl = ttl  # how long a claim stands without a renewal
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # path -> lock, users
+        self._locks = _KeyedLocks()  # by folder path: manifest writes and clean-ups
+        # By operation: its claim's writes one at a time. Two at once (a renewal and the
+        # commit's rewrite of a stale claim) would each find the other's beat or version,
+        # and take it for a successor's fence.
+        self._claim_writes = _KeyedLocks()
 
     @property
     def locks_held(self) -> int:
@@ -60,16 +64,17 @@ class ClaimedFolders:
         """Claim (or renew the claim on) the snapshot's folder: refused while another
         job's snapshot is in progress there."""
         assert op.path is not None
-        start = self._clock.monotonic()
-        beat = self._runtime.token()
-        # A renewal only renews: a claim this incarnation no longer has was removed by
-        # a successor's abort (fenced), and must not come back.
-        renewing = frozenset(op.claim_beats) if op.claim_beats else None
-        op.claim_beats.add(beat)  # before the write: it may land and still raise
-        await self._runtime.run_blocking(
-            claim_path, environment_folder(op.path), op.id, self._owner, self._watch,
-            self._ttl(), self._incarnation, beat, renewing)
-        op.claimed_at = start
+        async with self._claim_writes.hold(op.id):
+            start = self._clock.monotonic()
+            beat = self._runtime.token()
+            # A renewal only renews: a claim this incarnation no longer has was removed
+            # by a successor's abort (fenced), and must not come back.
+            renewing = frozenset(op.claim_beats) if op.claim_beats else None
+            op.claim_beats.add(beat)  # before the write: it may land and still raise
+            await self._runtime.run_blocking(
+                claim_path, environment_folder(op.path), op.id, self._owner, self._watch,
+                self._ttl(), self._incarnation, beat, renewing)
+            op.claimed_at = start
 
     def stale(self, written_at: float | None) -> bool:
         """Whether a claim or hold written at ``written_at`` (our monotonic clock) may be
@@ -124,21 +129,33 @@ class ClaimedFolders:
         return ReadClaim(self._runtime, directory, operation_id, write,
                          lambda: self._ttl() * CLAIM_SAFE / 2)
 
+    def lock(self, path: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Serializes manifest writes and clean-ups in one folder."""
+        return self._locks.hold(path)
+
+
+class _KeyedLocks:
+    """An asyncio lock per key, forgotten once no call holds or awaits it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # key -> lock, users
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
     @contextlib.asynccontextmanager
-    async def lock(self, path: str) -> AsyncIterator[None]:
-        """Serializes manifest writes and clean-ups in one folder; forgotten once no
-        call holds or awaits it."""
-        lock, users = self._locks.get(path, (asyncio.Lock(), 0))
-        self._locks[path] = (lock, users + 1)
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
         try:
             async with lock:
                 yield
         finally:
-            lock, users = self._locks[path]
+            lock, users = self._locks[key]
             if users == 1:
-                del self._locks[path]
+                del self._locks[key]
             else:
-                self._locks[path] = (lock, users - 1)
+                self._locks[key] = (lock, users - 1)
 
 
 class ReadClaim:

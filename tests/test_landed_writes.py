@@ -8,6 +8,7 @@ gives up removes the claim it wrote. On SeaweedFS through a loopback proxy that 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import threading
 import uuid
@@ -366,6 +367,34 @@ def test_a_claim_whose_create_met_another_writers_claim_is_refused_as_busy(
         claim_path(folder, "snap-1", "job@a", ClaimWatch(), 60.0)
     claim = claim_of(folder, "snap-1")
     assert claim is not None and claim.owner == "job@b"
+
+
+async def test_a_renewal_still_under_way_when_the_commit_rewrites_the_claim_fences_neither(
+        tmp_path: Path) -> None:
+    """A slow renewal of a snapshot's claim, and the commit writing that claim again
+    (it looked stale): run at once, the commit's write landed first, and the renewal
+    then found a beat it did not know and took it for a successor's fence. A snapshot's
+    claim writes go one at a time, so both renew."""
+    path = str(tmp_path / "ckpt")
+    folder = environment_folder(path)
+    folder.prepare()
+    delays = iter([0.0, 0.3])  # the first claim; the renewal's write slow, the commit's not
+
+    async def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:
+        await asyncio.sleep(next(delays, 0.0))
+        return await asyncio.to_thread(fn, *args)
+
+    folders = ClaimedFolders(Runtime(run_blocking=run_blocking), "job@a", "inc-1",
+                             ClaimWatch(), lambda: 60.0)
+    op = SnapshotOperation("snap-1", path, 0.0, 10.0, SnapshotBeginning())
+    await folders.claim(op)
+    renewal = asyncio.ensure_future(folders.claim(op))
+    await asyncio.sleep(0.05)  # the renewal is under way
+    await folders.claim(op)  # the commit's
+    await renewal
+    claim = claim_of(folder, "snap-1")
+    assert claim is not None and claim.owner == "job@a"
+    assert claim.beat in op.claim_beats and len(op.claim_beats) == 3
 
 
 async def test_a_commits_clean_up_that_cannot_read_the_claims_still_drops_its_own(
