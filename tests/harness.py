@@ -125,6 +125,21 @@ class World:
         self.sim.on_deliver = hook
 
 
+def snapshotted_by_a_first_job(tmp_path: Path, nodes: int = 3
+                               ) -> tuple[Path, dict[str, list[Ep]]]:
+    """A first job on ``nodes`` nodes populated (``World.populate``) and snapshotted
+    into ``tmp_path / "ckpt"``, then gone, for a fresh ``World`` to restore. Returns the
+    path and the first job's live rollouts by holder."""
+    first = World(tmp_path, nodes=nodes)
+    path = tmp_path / "ckpt"
+    try:
+        live = first.run(first.populate())
+        first.run(first.snapshot(path, live))
+    finally:
+        first.close()
+    return path, live
+
+
 def cut_of(live: dict[str, list[Ep]], turns: int = 2) -> StaticCut:
     """The cut RL takes of ``live`` after ``populate(turns)``."""
     rows = {f"{ep.capture_key}/row{t}" for eps in live.values() for ep in eps

@@ -40,7 +40,7 @@ from nemo_ckpt.storage.path_claims import claim_path
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.transport import COORDINATOR, HOLDER
-from tests.harness import CONFIG, World, cut_of, files
+from tests.harness import CONFIG, World, cut_of, files, snapshotted_by_a_first_job
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -225,13 +225,7 @@ def test_a_turn_cancelled_while_waiting_at_the_gate_leaves_nothing_behind(
 
 def test_a_holder_dying_during_commit_restore_leaves_nothing_live_and_the_retry_works(
         tmp_path: Path) -> None:
-    first = World(tmp_path)
-    path = tmp_path / "ckpt"
-    try:
-        live = first.run(first.populate())
-        first.run(first.snapshot(path, live))
-    finally:
-        first.close()
+    path, live = snapshotted_by_a_first_job(tmp_path)
     world = World(tmp_path)  # a fresh job restores
     try:
         async def scenario() -> None:
@@ -266,13 +260,7 @@ def test_a_restore_whose_commit_answer_is_lost_but_won_returns_with_its_sessions
         tmp_path: Path) -> None:
     """Issue 34 (found by the simulation's lost answers, seed 7 at 2d6310c): the driver
     raised "unavailable, retry" for a restore its coordinator had committed."""
-    first = World(tmp_path)
-    path = tmp_path / "ckpt"
-    try:
-        live = first.run(first.populate())
-        first.run(first.snapshot(path, live))
-    finally:
-        first.close()
+    path, live = snapshotted_by_a_first_job(tmp_path)
     world = World(tmp_path)
     try:
         async def scenario() -> None:
@@ -339,13 +327,7 @@ def test_a_first_call_whose_answer_is_lost_is_answered_again_not_refused_as_in_p
 
 
 def test_a_restore_whose_read_outlasts_the_lease_succeeds(tmp_path: Path) -> None:
-    first = World(tmp_path)
-    path = tmp_path / "ckpt"
-    try:
-        live = first.run(first.populate())
-        first.run(first.snapshot(path, live))
-    finally:
-        first.close()
+    path, live = snapshotted_by_a_first_job(tmp_path)
     world = World(tmp_path)
     try:
         world.sim.io_cost = lambda name: CONFIG.lease_s * 2 if name == "load_shard" else 0.001
@@ -648,13 +630,7 @@ async def _snapshot_plain(ckpt: RayEnvironmentCheckpoint, path: Path) -> None:
 
 
 def test_a_restore_refuses_a_shard_holding_a_rollout_twice(tmp_path: Path) -> None:
-    first = World(tmp_path)
-    path = tmp_path / "ckpt"
-    try:
-        live = first.run(first.populate())
-        first.run(first.snapshot(path, live))
-    finally:
-        first.close()
+    path, live = snapshotted_by_a_first_job(tmp_path)
     # Craft holder-0's shard: rollout r0 at attempts 0 and 3, hash fixed in the manifest.
     loaded = read_snapshot(path)
     records = loaded.sessions["holder-0"]
@@ -822,13 +798,7 @@ def test_a_job_on_many_nodes_starts_its_holders_at_once_not_in_turn(tmp_path: Pa
 
 
 def test_a_restore_into_a_fresh_job_starts_its_holders_at_once(tmp_path: Path) -> None:
-    first = World(tmp_path, nodes=4)
-    path = tmp_path / "ckpt"
-    try:
-        live = first.run(first.populate())
-        first.run(first.snapshot(path, live))
-    finally:
-        first.close()
+    path, live = snapshotted_by_a_first_job(tmp_path, nodes=4)
     world = World(tmp_path, nodes=4)  # restores with no holder started
     try:
         _slow_holder_start(world)
