@@ -400,22 +400,30 @@ class ObjectFolder:
 
         pieces = read_ahead((next_piece for _ in range(-(-wanted // least) + 1)),
                             workers=1, depth=RANGED_READS.ahead * 4)
-        buffer = bytearray()
-        sent = 0
+        # Each chunk copied once, from the body's pieces into a buffer of its own that
+        # nothing writes again (the sessions decoded from it are views of it).
+        out: bytearray | None = None
+        filled = sent = 0
         for piece in pieces:
             if not piece:
                 break
-            buffer += piece
-            while len(buffer) >= chunk and sent + chunk <= length:
-                yield memoryview(bytes(buffer[:chunk]))
-                del buffer[:chunk]
-                sent += chunk
-            if sent + len(buffer) > length:
-                break
-        if buffer:
-            yield memoryview(bytes(buffer[:length - sent]))
-            if len(buffer) > length - sent:
-                yield memoryview(bytes(buffer[length - sent:length - sent + 1]))
+            at = 0
+            while at < len(piece):
+                if sent >= length:  # a longer object shows as one byte more
+                    yield memoryview(bytes(piece[at:at + 1]))
+                    return
+                if out is None:
+                    out, filled = bytearray(min(chunk, length - sent)), 0
+                take = min(len(out) - filled, len(piece) - at)
+                out[filled:filled + take] = piece[at:at + take]
+                filled += take
+                at += take
+                if filled == len(out):
+                    yield memoryview(out)
+                    sent += filled
+                    out = None
+        if out is not None and filled:
+            yield memoryview(out)[:filled]  # it ended short: the caller says so
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:
