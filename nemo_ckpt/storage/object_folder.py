@@ -383,7 +383,8 @@ class ObjectFolder:
         arrives, read ahead by one thread."""
         describe = self.describe(name)
         result = self._get(name)
-        least = min(chunk, _STREAM_CHUNK * 4)
+        # Pieces of a range's size, as the ranged reads: whole chunks are views of them.
+        least = max(chunk, RANGED_READS.size // chunk * chunk)
         body = iter(result.stream(min_chunk_size=least))
         wanted = min(length + 1, int(result.meta["size"]))
         received = [0]
@@ -399,9 +400,9 @@ class ObjectFolder:
             return memoryview(piece)
 
         pieces = read_ahead((next_piece for _ in range(-(-wanted // least) + 1)),
-                            workers=1, depth=RANGED_READS.ahead * 4)
-        # Each chunk copied once, from the body's pieces into a buffer of its own that
-        # nothing writes again (the sessions decoded from it are views of it).
+                            workers=1, depth=RANGED_READS.ahead)
+        # A chunk within one piece is a view of it; one that spans two is copied once,
+        # into a buffer of its own that nothing writes again (sessions are views of it).
         out: bytearray | None = None
         filled = sent = 0
         for piece in pieces:
@@ -412,8 +413,14 @@ class ObjectFolder:
                 if sent >= length:  # a longer object shows as one byte more
                     yield memoryview(bytes(piece[at:at + 1]))
                     return
+                want = min(chunk, length - sent)
+                if out is None and len(piece) - at >= want:
+                    yield piece[at:at + want]
+                    at += want
+                    sent += want
+                    continue
                 if out is None:
-                    out, filled = bytearray(min(chunk, length - sent)), 0
+                    out, filled = bytearray(want), 0
                 take = min(len(out) - filled, len(piece) - at)
                 out[filled:filled + take] = piece[at:at + take]
                 filled += take
