@@ -223,6 +223,28 @@ def test_a_turn_cancelled_while_waiting_at_the_gate_leaves_nothing_behind(
 # --- case 5: a restore is all or nothing -----------------------------------------------------
 
 
+def test_a_snapshot_begun_as_its_coordinator_dies_reaches_the_successor_ray_names_later(
+        world: World) -> None:
+    """Ray tells a dead coordinator's callers of its death only after a while, and
+    releases its name later still. A snapshot begun at the death spent its wait for the
+    successor waiting for that notice, and gave up before the name was released
+    (simulation seed 30646): the wait counts from the notice."""
+    path = world.path("ckpt")
+    window = CONFIG.lease_s + CONFIG.phase_timeout_s  # the driver's wait for a new name
+
+    async def scenario() -> None:
+        live = await world.populate()
+        world.sim.death_delay = lambda actor: (window * 0.8, window * 0.5)
+        dead = world.sim.live(COORDINATOR)[0]
+        world.sim.kill(dead)
+        await world.snapshot(path, live)
+        loaded = read_snapshot(path)
+        assert sum(len(v) for v in loaded.sessions.values()) == 6
+        assert world.sim.live(COORDINATOR) and dead not in world.sim.live(COORDINATOR)
+
+    world.run(scenario())
+
+
 def test_a_holder_dying_during_commit_restore_leaves_nothing_live_and_the_retry_works(
         tmp_path: Path) -> None:
     path, live = snapshotted_by_a_first_job(tmp_path)

@@ -66,11 +66,13 @@ class CoordinatorLink:
         (``CheckpointCoordinator.attach``). A call that finds the coordinator dead is sent
         again, within a lease and a phase, while Ray may still resolve its name to the
         dead actor (until it has declared the actor's node dead): the next attempt after
-        a coordinator's loss then finds its successor. A commit is not: its outcome is
-        learned from the abort (``RayEnvironmentCheckpoint``'s commit)."""
+        a coordinator's loss then finds its successor. The wait counts from the first
+        attempt that found it dead, not from the call: that attempt may itself have waited
+        for Ray to notice the death (simulation seed 30646). A commit is not sent again:
+        its outcome is learned from the abort (``RayEnvironmentCheckpoint``'s commit)."""
         transport = self._transport()
         clock = transport.runtime.clock
-        deadline = clock.monotonic() + self.name_wait_s
+        deadline: float | None = None
         while True:
             try:
                 if not self._attached:
@@ -79,8 +81,11 @@ class CoordinatorLink:
                 return await transport.call(transport.coordinator(), method, *args)
             except BackendUnavailableError as exc:
                 self._attached = False  # another coordinator may answer next: attach to it
-                if exc.unreachable != COORDINATOR or exc.timed_out \
-                        or method in _OUTCOME_CALLS or clock.monotonic() >= deadline:
+                if exc.unreachable != COORDINATOR or exc.timed_out or method in _OUTCOME_CALLS:
+                    raise
+                if deadline is None:
+                    deadline = clock.monotonic() + self.name_wait_s
+                elif clock.monotonic() >= deadline:
                     raise
             await asyncio.sleep(NAME_RETRY_S)
 
