@@ -140,35 +140,47 @@ def fresh_filesystem(work: Path, name: str, files: int) -> Iterator[Path]:
     """An empty directory on an ext4 filesystem made for this one use, from a sparse
     file in ``work`` (a loop device on the same disk), with inodes and blocks for
     ``files`` small files; unmounted and removed after. Where ``can_make_filesystems``
-    says no, a plain directory in ``work``."""
-    place = work / name
-    if can_make_filesystems() is not None:
+    says no, or making or mounting it fails (a container without loop devices), a plain
+    directory in ``work``, and the run says so."""
+    image, mount = work / f"{name}.ext4", work / f"{name}.mnt"
+    why = can_make_filesystems()
+    if why is None:
+        try:
+            _make_filesystem(image, mount, files)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", None) or exc
+            why = f"could not make one: {str(detail).strip()}"
+            image.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                mount.rmdir()
+    if why is not None:
+        print(f"{name}: restores in place, not into a fresh filesystem ({why})")
+        place = work / name
         place.mkdir()
         try:
             yield place
         finally:
             remove(place)
         return
-    image = work / f"{name}.ext4"
-    with open(image, "wb") as f:
-        f.truncate(max(2 << 30, 3 * 4096 * files))  # each small file takes a 4 KiB block
-    mount = work / f"{name}.mnt"
-    mount.mkdir()
     try:
-        subprocess.run(["mkfs.ext4", "-q", "-F", "-i", "4096", os.fspath(image)],
-                       check=True)
-        subprocess.run(["mount", "-o", "loop", os.fspath(image), os.fspath(mount)],
-                       check=True)
-        try:
-            (mount / name).mkdir()
-            yield mount / name
-        finally:
-            # A process still in it (a holder not yet gone): detach now, freed when it is.
-            if subprocess.run(["umount", os.fspath(mount)]).returncode != 0:
-                subprocess.run(["umount", "-l", os.fspath(mount)], check=True)
+        (mount / name).mkdir()
+        yield mount / name
     finally:
+        # A process still in it (a holder not yet gone): detach now, freed when it is.
+        if subprocess.run(["umount", os.fspath(mount)]).returncode != 0:
+            subprocess.run(["umount", "-l", os.fspath(mount)], check=True)
         image.unlink(missing_ok=True)
         mount.rmdir()
+
+
+def _make_filesystem(image: Path, mount: Path, files: int) -> None:
+    """ext4 in the sparse file ``image``, mounted at ``mount`` (made here)."""
+    with open(image, "wb") as f:
+        f.truncate(max(2 << 30, 3 * 4096 * files))  # each small file takes a 4 KiB block
+    mount.mkdir()
+    for command in (["mkfs.ext4", "-q", "-F", "-i", "4096", os.fspath(image)],
+                    ["mount", "-o", "loop", os.fspath(image), os.fspath(mount)]):
+        subprocess.run(command, check=True, capture_output=True, text=True)
 
 
 def find_restic() -> str | None:
