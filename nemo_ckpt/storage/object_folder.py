@@ -401,10 +401,10 @@ class ObjectFolder:
 
         pieces = read_ahead((next_piece for _ in range(-(-wanted // least) + 1)),
                             workers=1, depth=RANGED_READS.ahead)
-        # A chunk within one piece is a view of it; one that spans two is copied once,
-        # into a buffer of its own that nothing writes again (sessions are views of it).
-        out: bytearray | None = None
-        filled = sent = 0
+        # A chunk within one piece is a view of it; one that spans pieces is joined once
+        # from what arrived, never a buffer of the manifest's claimed length made ahead.
+        parts: list[memoryview] = []
+        held = sent = 0
         for piece in pieces:
             if not piece:
                 break
@@ -414,23 +414,16 @@ class ObjectFolder:
                     yield memoryview(bytes(piece[at:at + 1]))
                     return
                 want = min(chunk, length - sent)
-                if out is None and len(piece) - at >= want:
-                    yield piece[at:at + want]
-                    at += want
-                    sent += want
-                    continue
-                if out is None:
-                    out, filled = bytearray(want), 0
-                take = min(len(out) - filled, len(piece) - at)
-                out[filled:filled + take] = piece[at:at + take]
-                filled += take
+                take = min(want - held, len(piece) - at)
+                parts.append(piece[at:at + take])
+                held += take
                 at += take
-                if filled == len(out):
-                    yield memoryview(out)
-                    sent += filled
-                    out = None
-        if out is not None and filled:
-            yield memoryview(out)[:filled]  # it ended short: the caller says so
+                if held == want:
+                    yield parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+                    sent += want
+                    parts, held = [], 0
+        if parts:
+            yield memoryview(b"".join(parts))  # it ended short: the caller says so
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:
