@@ -197,6 +197,33 @@ def test_a_restore_continues_turn_level_rollouts_on_their_owners_and_drops_the_r
     world.run(scenario())
 
 
+def test_a_snapshot_and_a_restore_with_a_deadline_log_no_tracing_context_error(
+        world: World, caplog: pytest.LogCaptureFixture) -> None:
+    """Case 14 of issue 50: the driver's span was entered in ``asyncio.wait_for``'s task
+    and left in the caller's; OpenTelemetry logged "Failed to detach context" each time."""
+    job = Job(world)
+    path = world.path("step-1")
+
+    async def scenario() -> tuple[Ep, frozenset[tuple[str, str, int]]]:
+        await world.ckpt.ensure_holders()
+        eps = await job.dispatch("g1", "tools/replica-0", generations=1)
+        await job.turn("tools/replica-0", eps[0], 0)
+        await job.snapshot(path, timeout_s=30.0)
+        world.ckpt.shutdown()
+        await world.ckpt.ensure_holders()
+        job.ledger = RolloutRecoveryLedger.from_state_dict(job.saved[0])
+        async with job.env.restored(path, timeout_s=30.0) as restored:
+            async with job.barrier.checkpoint() as cut:
+                await job.env.prepare_for_restart(cut, restored)
+        return eps[0], frozenset(restored.continued_attempts)
+
+    with caplog.at_level(logging.DEBUG):
+        ep, continued = world.run(scenario())
+    assert continued == {("tools/replica-0", ep.rollout_id, 0)}
+    assert "Failed to detach context" not in caplog.text
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+
+
 def test_dropped_episodes_are_named_at_a_snapshot_and_retired_by_retire_dropped(
         world: World, caplog: pytest.LogCaptureFixture) -> None:
     job = Job(world)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -497,13 +498,37 @@ async def _call(listing: StagingListing) -> Iterable[str]:
 
 async def _enter(manager: Any, limit: float | None, what: str) -> Any:
     """Enter ``manager`` within ``limit`` seconds; a missed deadline cancels the entry
-    (which aborts the operation on every holder) and is ``BackendUnavailableError``."""
+    (which aborts the operation on every holder) and is ``BackendUnavailableError``.
+
+    The entry runs in the caller's task, not in one of ``asyncio.wait_for``'s (before
+    Python 3.12 it runs the entry in a task of its own): ``_entered`` exits it in the
+    caller's, and what the entry set in its context (the operation's tracing span)
+    must be reset in the same context, or OpenTelemetry logs "Failed to detach
+    context" at every snapshot and restore with a deadline."""
+    if limit is None:
+        return await manager.__aenter__()
+    task = asyncio.current_task()
+    assert task is not None  # an ``async`` method runs in a task
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(max(0.0, limit), expire)
     try:
-        return await asyncio.wait_for(manager.__aenter__(), limit)
-    except asyncio.TimeoutError:
+        return await manager.__aenter__()
+    except asyncio.CancelledError:
+        if not expired:
+            raise  # the caller's own cancellation
         raise BackendUnavailableError(
             f"{what} did not get past its preparation within the caller's deadline of "
             f"{limit}s; it was aborted on every holder and nothing changed: retry") from None
+    finally:
+        timer.cancel()
+        if expired and sys.version_info >= (3, 11):
+            task.uncancel()  # our cancellation, consumed here: the task runs on
 
 
 @contextlib.asynccontextmanager
