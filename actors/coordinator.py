@@ -75,8 +75,10 @@ class CheckpointCoordinator:
 
     def __init__(self, config: CheckpointConfig, transport: Transport) -> None:
         self._transport = transport
-        if config.trace_file is not None:
-            tracing.write_spans_to(str(config.trace_file))
+        self._trace_problem = tracing.write_spans_or_say_why(
+            None if config.trace_file is None else str(config.trace_file))
+        if self._trace_problem is not None:
+            log.warning("the coordinator writes no spans: %s", self._trace_problem)
         self._runtime = transport.runtime
         self._clock = transport.runtime.clock
         self._metrics = transport.runtime.metrics
@@ -179,6 +181,12 @@ class CheckpointCoordinator:
     async def holder_infos(self) -> list[HolderInfo]:
         """Every live holder's info, without creating any."""
         return await self.holders.infos()
+
+    async def startup_warnings(self) -> list[str]:
+        """What ``check_startup`` warns of about the coordinator itself (its trace file)."""
+        if self._trace_problem is None:
+            return []
+        return [f"the coordinator writes no spans: {self._trace_problem}"]
 
     async def probe_storage(self, root: str) -> dict[str, str]:
         """Have every holder write a probe file under ``root``; returns instance -> path

@@ -100,8 +100,9 @@ class SessionHolder:
             "sandbox_limits": sandbox_limits, "sandbox_restore_setid": sandbox_restore_setid,
             "tree_budget": tree_budget, "container_env": container_env,
             "trace_file": trace_file}
-        if trace_file is not None:
-            tracing.write_spans_to(trace_file)
+        self._trace_problem = tracing.write_spans_or_say_why(trace_file)
+        if self._trace_problem is not None:
+            log.warning("%s writes no spans: %s", instance_id, self._trace_problem)
         runtime = runtime or Runtime()
         self._clock = runtime.clock
         self._turn_timeout_s = turn_timeout_s
@@ -180,6 +181,7 @@ class SessionHolder:
                 self._clock.monotonic()),
             sessions=len(self._parts.table), turns_in_flight=len(self._parts.gate),
             last_snapshot_id=self._parts.last_snapshot_id, options=dict(self._options),
+            trace_problem=self._trace_problem,
         )
 
     @property

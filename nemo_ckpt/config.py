@@ -153,7 +153,10 @@ class CheckpointConfig(BaseModel):
         description="Absolute file every process of the job (the driver, the coordinator, "
                     "each holder) appends its finished OpenTelemetry spans to, one JSON "
                     "line each (nemo_ckpt.tracing); it needs opentelemetry-api and "
-                    "opentelemetry-sdk in every process. None: spans go to whatever "
+                    "opentelemetry-sdk in every process. A regular file only (made if "
+                    "missing): a FIFO, a device or a symbolic link is refused with "
+                    "TraceFileError at construction; an actor that cannot open it runs "
+                    "without spans and check_startup warns. None: spans go to whatever "
                     "tracer provider each process has (none: nothing is recorded).")
 
     allow_unchecked_snapshots: bool = Field(

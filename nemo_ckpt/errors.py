@@ -300,6 +300,11 @@ class StartupCheckError(NemoCkptError):
     """The deployment cannot recover as configured; the message lists every reason."""
 
 
+class TraceFileError(NemoCkptError):
+    """``CheckpointConfig.trace_file`` is not a regular file this process can append to:
+    a FIFO, a device, a symbolic link, or a path that cannot be opened here."""
+
+
 # --- RL's side: the NeMo RL integration and the rollout checkpoint manager --------------
 
 

@@ -59,6 +59,9 @@ class HolderInfo:
     # What it was made with (``actors.coordinator.holder_options``): a holder found
     # alive keeps them, whatever config the coordinator that finds it has.
     options: Mapping[str, Any] = field(default_factory=dict)
+    # Why it writes no spans to ``CheckpointConfig.trace_file`` (None: it does, or none
+    # is set); ``check_startup`` warns with it.
+    trace_problem: str | None = None
 
 
 @dataclass(frozen=True)

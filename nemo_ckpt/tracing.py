@@ -29,20 +29,28 @@ Attributes under ``nemo_ckpt.``: ``operation.id``, ``instance``, ``sessions``, `
 ``phase``, ``path``, and ``outcome`` (``ok`` or ``failed``); an error is recorded on its
 span with an ERROR status. ``CheckpointConfig.trace_file`` has every process of the job
 append each finished span to one file as a JSON line (``write_spans_to``; it needs the
-SDK, ``opentelemetry-sdk``).
+SDK, ``opentelemetry-sdk``). The file is a regular file or nothing: a FIFO, a device or a
+symbolic link is refused at once with ``TraceFileError`` (never waited on, never
+followed); the driver raises it, and an actor that cannot open the file keeps running
+without it and says so (``check_startup`` warns naming the file and the cause).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
-__all__ = ["enabled", "set_attributes", "span", "traceparent", "write_spans_to"]
+from nemo_ckpt.errors import TraceFileError
+
+__all__ = ["enabled", "open_trace_file", "set_attributes", "span", "traceparent",
+           "write_spans_or_say_why", "write_spans_to"]
 
 # None: not looked for yet; False: the API is not installed; else (trace, propagator).
 _api: Any = None
@@ -124,7 +132,8 @@ def write_spans_to(path: str) -> None:
     """Append every span this process finishes to ``path``, one JSON line each
     (``name``, ``trace_id``, ``span_id``, ``parent_id``, ``pid``, times, attributes,
     status); once per path and process. Needs the SDK: ``ImportError`` saying what to
-    install otherwise."""
+    install otherwise; ``TraceFileError`` when ``path`` is not a regular file this
+    process can append to (``open_trace_file``)."""
     with _lock:
         if path in _writing:
             return
@@ -137,12 +146,60 @@ def write_spans_to(path: str) -> None:
                 f"CheckpointConfig.trace_file ({path}) needs OpenTelemetry's SDK in every "
                 f"process of the job: pip install 'nemo-ckpt[otel]' opentelemetry-sdk"
             ) from exc
+        exporter = _JsonLines(path)  # the file first: a refused one sets up nothing
         provider = trace.get_tracer_provider()
         if not isinstance(provider, TracerProvider):  # none set yet: ours
             provider = TracerProvider()
             trace.set_tracer_provider(provider)
-        provider.add_span_processor(SimpleSpanProcessor(cast(Any, _JsonLines(path))))
+        provider.add_span_processor(SimpleSpanProcessor(cast(Any, exporter)))
         _writing.add(path)
+
+
+def write_spans_or_say_why(path: str | None) -> str | None:
+    """For an actor: ``write_spans_to(path)`` (nothing when ``path`` is None), or the one
+    line saying why it cannot. Spans are not recovery: an actor that cannot write them
+    runs on without, and ``check_startup`` warns with this line (an actor that failed to
+    start for it looked like an outage)."""
+    if path is None:
+        return None
+    try:
+        write_spans_to(path)
+    except (TraceFileError, ImportError) as exc:
+        return str(exc)
+    return None
+
+
+def open_trace_file(path: str) -> int:
+    """A descriptor appending to ``path``, a regular file (made if missing), or
+    ``TraceFileError`` in one line naming it. ``O_NONBLOCK``: a FIFO's open returns at
+    once (a blocking one waits for a reader, for ever); ``O_NOFOLLOW``: a link is not
+    followed to whatever it names; ``fstat`` refuses anything else not a regular file."""
+    where = f"CheckpointConfig.trace_file {path}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TraceFileError(
+                f"{where} is a symbolic link: spans are appended to a regular file only "
+                f"and a link is not followed; name the file itself") from None
+        if exc.errno == errno.ENXIO:  # a FIFO (or socket) with no reader
+            raise TraceFileError(
+                f"{where} is a FIFO or a socket, not a regular file: spans are appended "
+                f"to a regular file only; name a file (it is made if missing)") from None
+        raise TraceFileError(
+            f"{where} cannot be opened for appending here: {exc.strerror or exc}; name a "
+            f"file in a folder that exists and is writable on every node of the job (a "
+            f"shared filesystem), or leave trace_file unset") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if (
+            stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else "not a regular file"
+        raise TraceFileError(
+            f"{where} is {kind}: spans are appended to a regular file only; name a file "
+            f"(it is made if missing)")
+    return fd
 
 
 class _JsonLines:
@@ -150,7 +207,7 @@ class _JsonLines:
     ``O_APPEND`` descriptor per line, so lines from many processes do not interleave."""
 
     def __init__(self, path: str) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_trace_file(path)
 
     def export(self, spans: Sequence[Any]) -> Any:
         from opentelemetry.sdk.trace.export import SpanExportResult

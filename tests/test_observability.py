@@ -1,9 +1,12 @@
-"""Logs that explain a pause: one structured line per phase, naming the slowest holder."""
+"""Logs that explain a pause: one structured line per phase, naming the slowest holder;
+and a trace file the actors cannot open, said in one line per actor at startup."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +15,8 @@ import ray
 
 from actors.coordinator import CheckpointCoordinator
 from actors.ray_transport import RayTransport
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt import EnvironmentEpisode as Ep
-from nemo_ckpt import SessionClient
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 
 pytestmark = pytest.mark.timeout(90)
@@ -44,3 +47,30 @@ async def test_each_phase_logs_its_holder_timings_and_names_the_slowest(
     assert set(capture["holders"]) == {"holder-0", "holder-1", "holder-2"}
     assert capture["holders"]["holder-2"] >= 0.4 > capture["holders"]["holder-0"]
     assert begun.captures and all("errors" not in line for line in lines.values())
+
+
+async def test_a_trace_file_the_actors_cannot_open_is_a_startup_warning_naming_it(
+    cluster: Any, namespace: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Case 14 of issue 50: the actors died in their constructors, and ``check_startup``
+    failed after 45-53 s as a retriable "coordinator unreachable" naming neither."""
+    only_here = tmp_path / "driver-node-only"
+    only_here.mkdir()
+    spans = only_here / "spans.jsonl"
+    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(
+        namespace=namespace, checkpoint_root=tmp_path / "ckpt", trace_file=spans))
+    shutil.rmtree(only_here)  # the driver has it open; the actors' nodes lack the folder
+    try:
+        with caplog.at_level(logging.WARNING, logger="nemo_ckpt"):
+            await asyncio.wait_for(ckpt.check_startup(), 60)
+        infos = await ckpt.ensure_holders()
+    finally:
+        ckpt.shutdown()
+    said = [r.getMessage() for r in caplog.records
+            if r.name == "nemo_ckpt" and "writes no spans" in r.getMessage()]
+    assert len(said) == len(infos) + 1  # each holder, and the coordinator
+    for line in said:
+        assert f"CheckpointConfig.trace_file {spans} cannot be opened" in line
+        assert "No such file or directory" in line and "\n" not in line
+    assert any(line.startswith("check_startup: the coordinator writes no spans")
+               for line in said)

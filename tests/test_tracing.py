@@ -1,11 +1,15 @@
 """Tracing (``nemo_ckpt.tracing``) in-process: a snapshot and a restore each one trace
-whose phases nest under the driver's span, an error recorded on its span, and nothing
-of OpenTelemetry imported without it. The trace file of a run on real Ray, spans of one
+whose phases nest under the driver's span, an error recorded on its span, nothing of
+OpenTelemetry imported without it, and a trace file that is not a regular file refused
+at the driver's construction. A trace file the actors cannot open, on real Ray:
+``tests/test_observability.py``. The trace file of a run on real Ray, spans of one
 trace from the driver, the coordinator and the holders:
 ``tests/test_demo.py::assert_one_trace_per_operation_across_processes``."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -20,7 +24,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from nemo_ckpt.errors import SnapshotNotFoundError
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
+from nemo_ckpt.errors import SnapshotNotFoundError, TraceFileError
 from tests.harness import World
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,3 +138,41 @@ def test_without_opentelemetry_nothing_of_it_is_imported_and_a_snapshot_works(
     assert done.returncode == 0, done.stderr[-3000:]
     assert "loaded: []" in done.stdout
     assert (tmp_path / "step-1" / "environment" / "manifest.json").is_file()
+
+
+def refusal(path: Path) -> str:
+    """The one line the driver's construction refuses ``path`` as a trace file with."""
+    with pytest.raises(TraceFileError,
+                       match=rf"^CheckpointConfig.trace_file {re.escape(str(path))} is ") as e:
+        RayEnvironmentCheckpoint(CheckpointConfig(trace_file=path))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.timeout(15)
+def test_a_fifo_as_trace_file_is_refused_at_construction_without_waiting_for_a_reader(
+        tmp_path: Path) -> None:
+    fifo = tmp_path / "spans.jsonl"
+    os.mkfifo(fifo)
+    assert "is a FIFO" in refusal(fifo)  # no reader: a blocking open waited for ever
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert "is a FIFO" in refusal(fifo)  # a reader: opened, refused by what it is
+    finally:
+        os.close(reader)
+
+
+def test_a_symlinked_trace_file_is_refused_and_its_target_never_written(
+        tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.jsonl"
+    link = tmp_path / "spans.jsonl"
+    link.symlink_to(target)
+    assert "is a symbolic link" in refusal(link)
+    assert not target.exists()
+    target.write_text("")
+    assert "is a symbolic link" in refusal(link)
+    assert target.read_text() == ""
+
+
+def test_a_device_as_trace_file_is_refused(tmp_path: Path) -> None:
+    assert "is a device" in refusal(Path("/dev/null"))

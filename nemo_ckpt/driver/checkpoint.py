@@ -142,6 +142,7 @@ class RayEnvironmentCheckpoint:
         found = Findings()
         holders = await self.ensure_holders()
         holder_findings(found, holders, set(self._transport.alive_nodes()))
+        found.warnings.extend(await self._coordinator.startup_warnings())
         root = self.config.checkpoint_root
         if root is None:
             found.warnings.append("config.checkpoint_root is not set, so nothing checked that "

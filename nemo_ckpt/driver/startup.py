@@ -40,6 +40,9 @@ def holder_findings(found: Findings, holders: list[HolderInfo], alive: set[str])
                                   f"sessions; restore from that snapshot to continue them")
         elif h.state is not HolderState.RUNNING:
             found.warnings.append(f"{h.instance_id} is {h.state.value} for {h.operation_id}")
+        if h.trace_problem is not None:
+            found.warnings.append(f"{h.instance_id} (node {h.node_id}) writes no spans: "
+                                  f"{h.trace_problem}")
     per_node: dict[str, list[str]] = {}
     for h in holders:
         per_node.setdefault(h.node_id, []).append(h.instance_id)

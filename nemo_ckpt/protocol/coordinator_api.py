@@ -122,6 +122,8 @@ class CoordinatorApi(Protocol):
 
     async def holder_infos(self) -> list[HolderInfo]: ...
 
+    async def startup_warnings(self) -> list[str]: ...
+
     async def probe_storage(self, root: str) -> dict[str, str]: ...
 
     async def probe_sandboxes(self) -> dict[str, str]: ...
@@ -181,6 +183,9 @@ class CoordinatorCalls:
 
     def holder_infos(self) -> Awaitable[list[HolderInfo]]:
         return self._invoke("holder_infos")
+
+    def startup_warnings(self) -> Awaitable[list[str]]:
+        return self._invoke("startup_warnings")
 
     def probe_storage(self, root: str) -> Awaitable[dict[str, str]]:
         return self._invoke("probe_storage", root)
