@@ -197,6 +197,67 @@ def test_a_restore_continues_turn_level_rollouts_on_their_owners_and_drops_the_r
     world.run(scenario())
 
 
+def test_a_restore_onto_one_replica_fewer_starts_the_vanished_owners_rollouts_over(
+        world: World, caplog: pytest.LogCaptureFixture) -> None:
+    """Case 15 of issue 50: the ledger raised a bare RuntimeError at every such restore."""
+    job = Job(world)
+    path = world.path("step-1")
+
+    async def scenario() -> None:
+        await world.ckpt.ensure_holders()
+        g1 = await job.dispatch("g1", "tools/replica-0", generations=1)
+        g3 = await job.dispatch("g3", "tools/replica-2", generations=1)
+        for n in range(2):
+            await job.turn("tools/replica-0", g1[0], n)
+            await job.turn("tools/replica-2", g3[0], n)
+        await job.snapshot(path)
+        # The job crashes; the new one runs one Gym replica fewer: tools/replica-2 is gone.
+        world.ckpt.shutdown()
+        await world.ckpt.ensure_holders()
+        ledger_state, staging_state = job.saved
+        job.ledger = RolloutRecoveryLedger.from_state_dict(ledger_state)
+        job.staging = StagingPartition.from_state_dict(staging_state)
+        fewer = {o: i for o, i in OWNERS.items() if o != "tools/replica-2"}
+        env = NemoRlEnvironmentCheckpoint(world.ckpt, ledger=lambda: job.ledger,
+                                          staging=job.staging.list_keys, owners=fewer)
+        with caplog.at_level(logging.WARNING, logger="nemo_ckpt"):
+            async with env.restored(path) as restored:
+                async with job.barrier.checkpoint() as cut:
+                    plan = await env.prepare_for_restart(cut, restored)
+                    cleared = job.staging.keep_only(cut, plan.keep_staging_keys)
+        # The other owner's rollout continues; the vanished owner's is named, not handed.
+        assert restored.continued_attempts == {("tools/replica-0", g1[0].rollout_id, 0)}
+        assert plan.vanished == {("tools/replica-2", g3[0].rollout_id, 0)}
+        assert ("holder-1", g3[0].rollout_id, 0) in plan.dropped
+        warned = [r.getMessage() for r in caplog.records if "no longer names" in
+                  r.getMessage()]
+        assert len(warned) == 1
+        assert "tools/replica-2" in warned[0] and g3[0].rollout_id in warned[0]
+        assert cleared == {f"{g3[0].capture_key}/row{n}" for n in range(2)}
+        # RL's ledger starts it over (abandoned; a fresh attempt goes to a live owner)...
+        g3_attempt = job.ledger.get_group("g3").siblings[0].current_attempt
+        assert g3_attempt.status is AttemptStatus.ABANDONED
+        # ... and its restored session was retired once the restore went live.
+        assert await (await world.client("holder-1")).sessions() == []
+        async with job.barrier.mutation() as cut:
+            job.ledger.prepare_incomplete_retry(cut, "g3")
+            job.ledger.mark_group_dispatched(cut, "g3", gym_instance_id="tools/replica-0")
+            job.ledger.mark_group_dispatched(cut, "g1", generation_indices=[0],
+                                             gym_instance_id="tools/replica-0")
+        client = await world.client("holder-0")
+        record = await client.get(g1[0].next_attempt())
+        assert record.turns == (b"t0", b"t1")
+        await job.turn("tools/replica-0", g1[0].next_attempt(), 2)
+        restarted = Ep(*job.ledger.get_group("g3").gym_episode(0))
+        await client.open(restarted, b"s0")
+        # The next snapshot, with the owners the job has, commits.
+        job.env = env
+        metrics = await job.snapshot(world.path("step-2"))
+        assert metrics["captured_rollouts"] == 2
+
+    world.run(scenario())
+
+
 def test_a_snapshot_and_a_restore_with_a_deadline_log_no_tracing_context_error(
         world: World, caplog: pytest.LogCaptureFixture) -> None:
     """Case 14 of issue 50: the driver's span was entered in ``asyncio.wait_for``'s task

@@ -41,6 +41,12 @@ behaviour):
   (load RL's ledger before entering it), and ``prepare_for_restart(cut, restored)`` calls
   the ledger's with them and returns the staging rows RL keeps: the restored sessions'
   and the sealed attempts'.
+- **Owners may change between a snapshot and its restore** (fewer Gym replicas, or
+  others): the restore asks the inventory about every owner the restored ledger names
+  (its groups' current attempts, ``ledger.groups()``), not only those of ``owners=``,
+  as the ledger raises for an owner it is not asked about. The rollouts of an owner
+  ``owners=`` no longer names are not handed over: the ledger abandons them and RL
+  starts them over; a warning and ``RestartPlan.vanished`` name them.
 - **Deadlines** are the caller's: ``snapshot``/``restored`` take ``timeout_s`` (NeMo RL's
   ``control_timeout_s``) for the pause or the restore's preparation, and the staging
   listing gets what is left of it; a deadline missed is ``BackendUnavailableError`` or
@@ -150,11 +156,15 @@ class RestartPlan:
         dropped: ``(instance_id, rollout_id, attempt)`` of restored sessions RL does not
             continue (another group's, or not back on their owner's instance); they are
             retired once the restore goes live, and start over.
+        vanished: ``(owner_id, rollout_id, attempt)`` of the turn-level rollouts the
+            restored ledger gives to owners ``owners=`` no longer names (a Gym replica
+            fewer, or renamed): not handed over, they start over.
     """
 
     restored_gym_episodes: frozenset[tuple[str, str, int]]
     keep_staging_keys: frozenset[str]
     dropped: frozenset[tuple[str, str, int]]
+    vanished: frozenset[tuple[str, str, int]] = frozenset()
 
 
 class NemoRlSnapshot:
@@ -264,6 +274,8 @@ class NemoRlEnvironmentCheckpoint:
         self.timeout_s = timeout_s
         self._retirements: frozenset[tuple[str, int]] = frozenset()
         self._to_drop: frozenset[tuple[str, str, int]] = frozenset()
+        # The rollouts of owners gone since the snapshot, as last warned of (once each).
+        self._vanished: frozenset[tuple[str, str, int]] = frozenset()
         self._inner_restored: RestoredEnvironmentRollouts | None = None
         self._restored_path: Path | str = ""
 
@@ -328,6 +340,7 @@ class NemoRlEnvironmentCheckpoint:
         limit = timeout_s if timeout_s is not None else self.timeout_s
         manager = self.checkpoint.restored(checkpoint_path)
         inner = await _enter(manager, limit, f"the restore from {checkpoint_path}")
+        self._vanished = frozenset()
         async with _entered(manager):
             handed, self._to_drop = await self._hand_over(inner, checkpoint_path)
             self._inner_restored = inner
@@ -367,7 +380,7 @@ class NemoRlEnvironmentCheckpoint:
         ledger.prepare_for_restart(cut, restored_gym_episodes=episodes)
         keep = frozenset(restored.staging_keys) | _keys(ledger.expected_staging_keys(),
                                                         "expected_staging_keys")
-        return RestartPlan(frozenset(episodes), keep, self._to_drop)
+        return RestartPlan(frozenset(episodes), keep, self._to_drop, self._vanished)
 
     async def retire_dropped(self) -> frozenset[tuple[str, str, int]]:
         """Retire in the backend every episode RL dropped and lists in
@@ -404,10 +417,16 @@ class NemoRlEnvironmentCheckpoint:
         _check_ledger(ledger)
         return ledger
 
-    def _ledger_inventory(self) -> tuple[Any, dict[str, tuple[tuple[str, int], ...]]]:
-        """The current ledger, and its inventory of this backend's owners, checked."""
+    def _ledger_inventory(self, also_named: bool = False
+                          ) -> tuple[Any, dict[str, tuple[tuple[str, int], ...]]]:
+        """The current ledger, and its inventory of this backend's owners, checked; with
+        ``also_named``, of every owner the ledger names too (a restored ledger's owners
+        may be gone: ``_owners_named``)."""
         ledger = self._current_ledger()
-        return ledger, _inventory(ledger.gym_checkpoint_inventory(frozenset(self.owners)),
+        owners = frozenset(self.owners)
+        if also_named:
+            owners |= _owners_named(ledger)
+        return ledger, _inventory(ledger.gym_checkpoint_inventory(owners),
                                   "gym_checkpoint_inventory")
 
     async def _cut_view(self, cut: Any, deadline: float | None) -> NemoRlCut:
@@ -456,15 +475,28 @@ class NemoRlEnvironmentCheckpoint:
                          ) -> tuple[RestoredEnvironmentRollouts,
                                     frozenset[tuple[str, str, int]]]:
         """The restored attempts in owner ids that the loaded ledger continues with the
-        rows they reference, and the restored sessions it does not (dropped)."""
-        ledger, inventory = self._ledger_inventory()
+        rows they reference, and the restored sessions it does not (dropped). The
+        rollouts of owners gone since the snapshot are warned of once (``_vanished``)."""
+        _, inventory = self._ledger_inventory(also_named=True)
         owner_of = {(rid, att): owner for owner, pairs in inventory.items()
                     for rid, att in pairs}
+        vanished = frozenset((owner, rid, att) for owner, pairs in inventory.items()
+                             if owner not in self.owners for rid, att in pairs)
+        if vanished and vanished != self._vanished:
+            self._vanished = vanished
+            gone = sorted({owner for owner, _, _ in vanished})
+            named = sorted(f"{rid}@{att}" for _, rid, att in vanished)
+            log.warning(
+                "restore from %s: RL's ledger gives %d turn-level rollout(s) to Gym "
+                "owner(s) %s, which owners= no longer names; they start over: %s%s",
+                path, len(vanished), ", ".join(gone), ", ".join(named[:20]),
+                "" if len(named) <= 20 else f" (and {len(named) - 20} more: "
+                                            f"RestartPlan.vanished)")
         handed: set[tuple[str, str, int]] = set()
         dropped: set[tuple[str, str, int]] = set()
         for instance, rid, att in inner.continued_attempts:
             owner = owner_of.get((rid, att))
-            if owner is not None and self.owners[owner] == instance:
+            if owner is not None and self.owners.get(owner) == instance:
                 handed.add((owner, rid, att))
             else:
                 dropped.add((instance, rid, att))
@@ -474,6 +506,24 @@ class NemoRlEnvironmentCheckpoint:
         return (RestoredEnvironmentRollouts(continued_attempts=frozenset(handed),
                                             staging_keys=keys),
                 frozenset(dropped))
+
+
+def _owners_named(ledger: Any) -> frozenset[str]:
+    """Every Gym owner the current attempts of the ledger's groups name (NeMo RL's
+    ``groups()``, each attempt's ``gym_instance_id``); none when it has no ``groups``.
+    The inventory raises for an owner it is not asked about, and a restored ledger may
+    name owners this job no longer has."""
+    groups = getattr(ledger, "groups", None)
+    if not callable(groups):
+        return frozenset()
+    named: set[str] = set()
+    for record in groups():
+        for sibling in getattr(record, "siblings", ()):
+            for attempt in list(getattr(sibling, "attempts", ()))[-1:]:
+                owner = getattr(attempt, "gym_instance_id", None)
+                if isinstance(owner, str) and owner:
+                    named.add(owner)
+    return frozenset(named)
 
 
 def _rows_of_dropped(path: Path | str, handed: set[tuple[str, str, int]],
