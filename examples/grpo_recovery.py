@@ -375,6 +375,15 @@ async def run_grpo(root: Path, crash_at: str, seed: int, namespace: str,
             "reference_weights": reference.weights, "verified": verified}
 
 
+def start_own_ray() -> None:
+    """This process's own Ray instance (2 CPUs), even where another runs on this machine
+    or ``RAY_ADDRESS`` names one: ``ray.init(num_cpus=...)`` would join that one and
+    refuse the CPU count."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--crash-at", choices=(*CRASH_POINTS, "random", "all"),
@@ -387,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     logging.basicConfig(level=logging.WARNING)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_own_ray()
     work = Path(tempfile.mkdtemp(prefix="grpo-recovery-"))
     failed = 0
     try:

@@ -1,11 +1,15 @@
 """The GRPO-shaped example (``examples/grpo_recovery.py``) on the test cluster: a job
 crashed at each named point restarts from its newest trainer checkpoint and the rollout
-snapshot anchored to it, and ends equal to a crash-free run, every rollout trained once."""
+snapshot anchored to it, and ends equal to a crash-free run, every rollout trained once;
+and its command line starts a Ray instance of its own beside another one."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +52,31 @@ async def test_a_grpo_job_crashed_at_each_point_ends_like_the_crash_free_run(
     crashed = tmp_path / "crashed"
     left = sorted(p.name for p in crashed.iterdir() if p.name.startswith("rollout-"))
     assert all((crashed / name / "environment" / "manifest.json").exists() for name in left)
+
+
+@pytest.mark.timeout(150)
+def test_the_example_starts_a_ray_of_its_own_where_another_runs(cluster: Any) -> None:
+    """Case 17 of issue 50: ``ray.init(num_cpus=2)`` joined the Ray instance already
+    running ("When connecting to an existing cluster, num_cpus and num_gpus must not be
+    provided"). The test cluster runs, and ``RAY_ADDRESS`` names it, as inside a job."""
+    script = textwrap.dedent(f"""
+        import importlib.util
+        import sys
+        import ray
+        spec = importlib.util.spec_from_file_location(
+            "grpo_recovery", {str(ROOT / "examples" / "grpo_recovery.py")!r})
+        example = sys.modules["grpo_recovery"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        example.start_own_ray()
+        try:
+            print("joined", ray.get_runtime_context().gcs_address)
+            print("cpus", ray.cluster_resources().get("CPU"))
+        finally:
+            ray.shutdown()
+    """)
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert said["joined"] != cluster.address and said["cpus"] == "2.0"
