@@ -67,7 +67,9 @@ class PauseReport:
 
     instance_id: str
     drain_seconds: float
-    turns_in_flight: int  # still in flight at the drain deadline: they restart
+    # Still in flight at the drain deadline: they restart (a stop snapshot captures
+    # them as of their last committed turn).
+    turns_in_flight: int
 
 
 # (rollout_id, attempt, staging_keys, turns) of one captured session.

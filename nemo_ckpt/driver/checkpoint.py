@@ -183,11 +183,13 @@ class RayEnvironmentCheckpoint:
         """A job told to stop: ``snapshot`` (the same block, the same check against
         RL's cut), whose commit parks every session once the manifest is durable.
 
-        No holder resumes before the commit; then each drops its sessions (those
-        captured, and those mid-turn at the drain deadline, which restart as after any
-        crash), removes their containers, sweeps their blobs from its node's cache, and
-        refuses new sessions and turns with ``JobStoppedError`` until a restore (from
-        this snapshot) commits. ``drain_timeout_s`` shortens the wait for turns in
+        A session still mid-turn at the drain deadline is captured as of its last
+        committed turn (not restarted, as a periodic snapshot's is): the turn in flight
+        runs again after the restore, and its commit waits for this snapshot's end,
+        refused once it parked the session. No holder resumes before the commit; then
+        each drops its sessions, removes their containers, sweeps their blobs from its
+        node's cache, and refuses new sessions and turns with ``JobStoppedError`` until
+        a restore (from this snapshot) commits. ``drain_timeout_s`` shortens the wait for turns in
         flight below ``CheckpointConfig.drain_timeout_s`` (a preemption's deadline:
         ``nemo_ckpt.driver.preemption``). A snapshot that fails or is aborted parks
         nothing: the holders resume as after any failed snapshot."""
@@ -203,7 +205,7 @@ class RayEnvironmentCheckpoint:
         async with self._operation("snapshot", path) as op, \
                 self._span("nemo_ckpt.snapshot", op.id, path, stop=stop) as span:
             begun = await op.step(self._coordinator.begin_snapshot(
-                op.id, path, drain_timeout_s, tracing.traceparent()))
+                op.id, path, drain_timeout_s, tracing.traceparent(), stop))
             snap = RaySnapshot(begun, self._held_before)
             # Not awaited, and it never raises: the writes overlap the caller's block.
             self._coordinator.start_writes(op.id)

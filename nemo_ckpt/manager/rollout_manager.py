@@ -153,8 +153,10 @@ class RolloutCheckpointManager:
         """The job was told to stop: a snapshot as ``snapshot`` takes it (RL's half
         saved by the same ``RlHalf.save``), whose commit parks every session
         (``RayEnvironmentCheckpoint.final_snapshot``), with the wait for turns in
-        flight shortened to a quarter of ``within_s`` (turns still running then restart
-        after the restore, as at any drain deadline). Waits for a snapshot under way
+        flight shortened to a quarter of ``within_s``: a session whose turn still runs
+        then is captured as of its last committed turn, and that turn runs again after
+        the restore (a final snapshot never holds less of a running rollout than the one
+        before it). Waits for a snapshot under way
         first. No retention runs, and no failure budget: any failure raises, and the
         last committed snapshot stands (``Preemption`` holds this to its deadline)."""
         async with self._lock:
