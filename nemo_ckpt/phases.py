@@ -59,6 +59,9 @@ class HolderInfo:
     # What it was made with (``actors.coordinator.holder_options``): a holder found
     # alive keeps them, whatever config the coordinator that finds it has.
     options: Mapping[str, Any] = field(default_factory=dict)
+    # When its node drains with a deadline, that deadline in seconds since the epoch, as
+    # the cluster gives it (``RayEnvironmentCheckpoint.draining_holders``); else None.
+    drain_deadline: float | None = None
 
 
 @dataclass(frozen=True)

@@ -216,9 +216,10 @@ class Transport(Protocol):
         """The ids of the nodes alive now."""
         ...
 
-    def draining_nodes(self) -> list[str]:
-        """The ids of the alive nodes the cluster announced it drains (Ray's
-        ``drain-node``: a preemption or a scale-down to come); blocking."""
+    def draining_nodes(self) -> dict[str, float | None]:
+        """The alive nodes the cluster announced it drains (Ray's ``drain-node``: a
+        preemption or a scale-down to come), by id, each with its deadline in seconds
+        since the epoch as whoever asked for the drain set it (None: none); blocking."""
         ...
 
     def coordinator(self) -> Actor:

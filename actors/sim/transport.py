@@ -57,8 +57,9 @@ class SimTransport:
     def alive_nodes(self) -> list[str]:
         return self._world.alive_nodes()
 
-    def draining_nodes(self) -> list[str]:
-        return sorted(n for n in self._world.draining if self._world.nodes.get(n))
+    def draining_nodes(self) -> dict[str, float | None]:
+        return {n: self._world.draining[n] for n in sorted(self._world.draining)
+                if self._world.nodes.get(n)}
 
     def is_registered_coordinator(self) -> bool:
         registered = self._world.registry.get((self.namespace, self._config.coordinator_name))

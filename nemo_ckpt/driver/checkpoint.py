@@ -12,7 +12,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -414,13 +414,15 @@ class RayEnvironmentCheckpoint:
 
     async def draining_holders(self) -> list[HolderInfo]:
         """The holders whose node the cluster announced it drains (Ray's
-        ``drain-node``, a preemption to come): what ``nemo_ckpt.Preemption`` watches.
-        One look at the cluster's node table when nothing drains."""
-        draining = set(await self._transport.runtime.run_blocking(
-            self._transport.draining_nodes))
+        ``drain-node``, a preemption to come), each with its node's ``drain_deadline``
+        when the drain has one: what ``nemo_ckpt.Preemption`` watches. One look at the
+        cluster's drains when nothing drains."""
+        draining: dict[str, float | None] = await self._transport.runtime.run_blocking(
+            self._transport.draining_nodes)
         if not draining:
             return []
-        return [h for h in await self.holders() if h.node_id in draining]
+        return [replace(h, drain_deadline=draining[h.node_id])
+                for h in await self.holders() if h.node_id in draining]
 
     async def ensure_holders(self) -> list[HolderInfo]:
         """Create the coordinator and a holder on every alive node that lacks one."""
