@@ -175,10 +175,14 @@ class RayTransport:
             self._coordinator = Actor(COORDINATOR, COORDINATOR, _Handle(ref, _session()))
         return self._coordinator
 
-    def _names(self) -> list[str]:
+    def _names(self, timeout_s: float | None = None) -> list[str]:
         self._require_ray()
-        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                if a.get("namespace") == self.namespace]
+
+        def names() -> list[str]:
+            return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a.get("namespace") == self.namespace]
+
+        return _bounded("list the named actors", names, timeout_s)
 
     def holders(self) -> dict[str, Actor]:
         found: dict[str, Actor] = {}
@@ -280,14 +284,19 @@ class RayTransport:
         self._require_ray()
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
-    def kill_namespace(self) -> None:
-        for name in self.actor_names():
-            with contextlib.suppress(ValueError):
-                ray.kill(ray.get_actor(name, namespace=self.namespace))
-        self._coordinator = None
+    def kill_namespace(self, timeout_s: float | None = None) -> None:
+        self._require_ray()
 
-    def actor_names(self) -> list[str]:
-        return [name for name in self._names()
+        def kill() -> None:
+            for name in self.actor_names():
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(name, namespace=self.namespace))
+
+        self._coordinator = None
+        _bounded("kill the namespace's actors", kill, timeout_s)
+
+    def actor_names(self, timeout_s: float | None = None) -> list[str]:
+        return [name for name in self._names(timeout_s)
                 if name.startswith(HOLDER_NAME_PREFIX) or name == self._config.coordinator_name]
 
 

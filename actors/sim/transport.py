@@ -156,11 +156,13 @@ class SimTransport:
     def end_self(self) -> None:
         self._world.kill(self._me)
 
-    def kill_namespace(self) -> None:
+    def kill_namespace(self, timeout_s: float | None = None) -> None:
+        del timeout_s  # in-process: it never waits
         for (ns, _), actor in list(self._world.registry.items()):
             if ns == self.namespace:
                 self._world.kill(actor)
         self._coordinator = None
 
-    def actor_names(self) -> list[str]:
+    def actor_names(self, timeout_s: float | None = None) -> list[str]:
+        del timeout_s
         return [name for ns, name in self._world.registry if ns == self.namespace]

@@ -30,6 +30,7 @@ from nemo_ckpt.driver.startup import (
     storage_findings,
 )
 from nemo_ckpt.errors import (
+    BackendUnavailableError,
     CheckpointPathError,
     HolderBusyError,
     NemoCkptError,
@@ -441,10 +442,28 @@ class RayEnvironmentCheckpoint:
         before a restarted driver's ``check_startup`` and restore, and raises
         ``BackendUnavailableError`` naming the actors still registered after
         ``timeout_s`` (their node may be unreachable; retry). Not awaited, it waits for
-        nothing and warns nothing."""
-        self._transport.kill_namespace()
-        return ShutdownStarted(
-            (lambda: self._link.until_gone(timeout_s)) if wait else None)
+        nothing and warns nothing.
+
+        Every call to the cluster here is bounded by ``timeout_s``, the kill included: a
+        cluster whose control plane is gone (a signal to the whole process group ends
+        the local raylet and GCS too) never answers them. Then the kill gives up after
+        ``timeout_s`` with one warning, and ``wait=True`` raises
+        ``BackendUnavailableError`` saying so."""
+        clock = self._transport.runtime.clock
+        started = clock.monotonic()
+        unsent: BackendUnavailableError | None = None
+        try:
+            self._transport.kill_namespace(timeout_s=timeout_s)
+        except BackendUnavailableError as exc:
+            unsent = exc
+            if not wait:
+                log.warning("shutdown of namespace %s: %s", self.config.namespace, exc)
+        if not wait:
+            return ShutdownStarted(None)
+        if unsent is not None:
+            return ShutdownStarted(lambda: _raise(unsent))
+        return ShutdownStarted(lambda: self._link.until_gone(
+            timeout_s - (clock.monotonic() - started), timeout_s))
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` off the event loop, as this job's runtime runs file work (a
@@ -541,6 +560,10 @@ class ShutdownStarted:
     def __await__(self) -> Generator[Any, None, None]:
         if self._until_gone is not None:
             yield from self._until_gone().__await__()
+
+
+async def _raise(error: BaseException) -> None:
+    raise error
 
 
 @dataclass(frozen=True)
