@@ -155,16 +155,20 @@ class CoordinatorLink:
         clock = transport.runtime.clock
         deadline = clock.monotonic() + timeout_s
         shown = timeout_s if shown_s is None else shown_s
-        while names := transport.actor_names(timeout_s=max(0.0, deadline - clock.monotonic())):
-            if clock.monotonic() >= deadline:
+        names = transport.actor_names(timeout_s=max(0.0, timeout_s))
+        while names:
+            left = deadline - clock.monotonic()
+            if left > 0:  # one created meanwhile by a straggling call
+                transport.kill_namespace(timeout_s=left)
+                await asyncio.sleep(_GONE_POLL_S)
+                left = deadline - clock.monotonic()
+            if left <= 0:  # no look with no time left: the last one's names say why
                 raise BackendUnavailableError(
                     f"shutdown of namespace {transport.namespace}: {', '.join(sorted(names))} "
                     f"still registered {shown:g}s after the kill (Ray releases a name "
                     f"once it has seen the actor dead; its node may be unreachable); call "
                     f"shutdown(wait=True) again")
-            # One created meanwhile by a straggling call.
-            transport.kill_namespace(timeout_s=max(0.0, deadline - clock.monotonic()))
-            await asyncio.sleep(_GONE_POLL_S)
+            names = transport.actor_names(timeout_s=left)
 
 
 async def finish(future: asyncio.Future[Any]) -> tuple[Any, bool]:
