@@ -142,11 +142,12 @@ def test_a_shutdown_left_unawaited_kills_the_namespace_and_warns_nothing(job: Wo
 
 
 _RAYLET_GONE = """
-import asyncio, os, signal, time
+import asyncio, logging, os, signal, time
 import ray
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
 from nemo_ckpt.errors import BackendUnavailableError
 
+logging.basicConfig(level=logging.WARNING)
 ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
 ckpt = RayEnvironmentCheckpoint(CheckpointConfig(namespace="raylet-gone"))
 
@@ -158,6 +159,9 @@ async def main():
         for info in node.all_processes.get(kind, []):
             os.kill(info.process.pid, signal.SIGKILL)
             info.process.wait()
+    started = time.monotonic()
+    ckpt.shutdown(timeout_s=2.0)  # a script's last line: it gives up, with one warning
+    print(f"unawaited returned after {time.monotonic() - started:.1f}s", flush=True)
     started = time.monotonic()
     try:
         await ckpt.shutdown(wait=True, timeout_s=4.0)
@@ -178,7 +182,8 @@ def test_shutdown_with_wait_after_the_raylet_died_raises_within_its_timeout(
     """Issue 50, row 12: signals sent to the whole process group end the local raylet and
     GCS too; ``await ckpt.shutdown(wait=True)`` then hung in Ray's
     ``list_named_actors`` until SIGKILL. Every call to Ray there is bounded by
-    ``timeout_s``: a job of its own, on its own Ray, whose raylet and GCS are killed."""
+    ``timeout_s``: a job of its own, on its own Ray, whose raylet and GCS are killed. An
+    unawaited ``shutdown()`` gives up as long after, with one warning."""
     import os
     import subprocess
     import sys
@@ -190,6 +195,10 @@ def test_shutdown_with_wait_after_the_raylet_died_raises_within_its_timeout(
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=150, env=env, start_new_session=True)
     out = done.stdout
+    assert "unawaited returned after" in out, out + done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "shutdown of namespace" in line]
+    assert len(warned) == 1 and "Ray did not kill the namespace's actors within 2s" \
+        in warned[0], done.stderr[-3000:]
     assert "raised after" in out, out + done.stderr[-3000:]
     assert "Ray did not kill the namespace's actors within 4s" in out, out
     assert "its GCS or this node's raylet is unreachable" in out, out
