@@ -241,12 +241,12 @@ class CheckpointCoordinator:
     # --- snapshot and restore (actors.snapshots, actors.restores) ---------------------
 
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                             drain_timeout_s: float | None = None, trace: str = ""
-                             ) -> SnapshotBegun:
+                             drain_timeout_s: float | None = None, trace: str = "",
+                             stop: bool = False) -> SnapshotBegun:
         """Claim the path, pause every holder and capture (``Snapshots.begin``)."""
         return await self.operations.first_call(
             snapshot_id, lambda: self._snapshots.begin(snapshot_id, checkpoint_path,
-                                                       drain_timeout_s, trace))
+                                                       drain_timeout_s, trace, stop))
 
     async def start_writes(self, snapshot_id: str) -> None:
         """Start every holder's write of the snapshot; never raises."""

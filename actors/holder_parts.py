@@ -161,6 +161,19 @@ class HolderParts:
 
     # --- shared by the session calls and the phases --------------------------------------
 
+    async def after_stop_capture(self, capture_key: str) -> None:
+        """Wait while an open stop snapshot holds ``capture_key``'s session as of its
+        last committed turn (``SnapshotPhases.capture``): a commit of the turn in flight
+        lands after its end, refused once it parked the session, accepted if it was
+        aborted or lapsed. Bounded by the snapshot's lease."""
+        while True:
+            current = self.ops.current
+            if not isinstance(current, SnapshotPaused) \
+                    or capture_key not in current.work.held_mid_turn:
+                return
+            self.watchdog.ensure_running()
+            await self.gate.wait_open()
+
     async def wait_for_gate(self) -> None:
         self.watchdog.ensure_running()
         await self.gate.wait_open()

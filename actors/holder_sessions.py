@@ -280,8 +280,12 @@ class Sessions:
         files that changed; the turn stays in flight until that is done, so a pause
         waits for it). Nothing earlier in the session is decoded or re-encoded
         (``Held.with_turn``); the answer is the session's head. Invalid arguments, or a
-        directory that cannot be recorded, abort the turn and change nothing."""
+        directory that cannot be recorded, abort the turn and change nothing. A turn
+        that a stop snapshot captured in flight commits only if that snapshot ends
+        without parking its session (``HolderParts.after_stop_capture``)."""
         self._check_episode(episode)
+        if not self._gate.is_open:  # paused: a stop snapshot may hold this turn's session
+            await self._parts.after_stop_capture(episode.capture_key)
         box = self._sandboxes.get(episode.rollout_id)
         recorded: Recorded | None = None
         if box is not None and self._turn_is(episode, token):

@@ -76,9 +76,10 @@ class SnapshotPhases:
         return op.pause
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-                    directory: str, trace: str = "") -> tuple[PauseReport, CaptureReport]:
+                    directory: str, trace: str = "", stop: bool = False
+                    ) -> tuple[PauseReport, CaptureReport]:
         """``pause`` and ``capture`` in one call, the pause's hot path: one round trip.
-        Idempotent like each of them.
+        Idempotent like each of them. ``stop``: a stop snapshot's (``capture``).
 
         The write does not start here: a writer thread started before the reply leaves
         holds the GIL while the reply is serialized and delays it (~15 ms at 2,500
@@ -90,7 +91,7 @@ class SnapshotPhases:
             self._parts.current_snapshot(snapshot_id).trace = trace
             with tracing.span("nemo_ckpt.capture", phase="capture", instance=self.instance_id,
                               **{"operation.id": snapshot_id}) as span:
-                capture = await self.capture(snapshot_id)
+                capture = await self.capture(snapshot_id, stop)
                 tracing.set_attributes(span, sessions=capture.captured_count,
                                        bytes=capture.state_bytes)
         return pause, capture
@@ -104,8 +105,19 @@ class SnapshotPhases:
             self._parts.set_state(snapshot_id,
                                   SnapshotReleased(state.work, state.lease_deadline))
 
-    async def capture(self, snapshot_id: str) -> CaptureReport:
-        """Copy the idle sessions in memory; sessions mid-turn are reported restarting."""
+    async def capture(self, snapshot_id: str, stop: bool = False) -> CaptureReport:
+        """Copy the idle sessions in memory; sessions mid-turn are reported restarting.
+
+        With ``stop`` (a stop snapshot, which parks every session at its commit, so no
+        turn in flight ever commits after it) a session mid-turn is captured as of its
+        last committed turn instead, and its turn in flight is run again after the
+        restore: a final snapshot never holds less of a running rollout than the
+        snapshot before it (issue 50, row 9). Its record references only committed
+        turns' staging rows (a turn replaces its session's record at its commit), so
+        the cut holds them; rows its turn in flight already wrote are orphans, which a
+        restore clears. That turn's commit then waits for the snapshot's end: refused
+        once it parked the session (a turn that counted would be missing from it),
+        accepted if it was aborted (``HolderParts.after_stop_capture``)."""
         parts = self._parts
         op = parts.current_snapshot(snapshot_id)
         if op.capture is not None:
@@ -118,7 +130,8 @@ class SnapshotPhases:
         # Held sessions are immutable (a turn replaces its session's): a list of them is
         # a consistent, cheap capture, and their rows are the report.
         held = list(parts.table)
-        mid_turn = [h for h in held if h.capture_key in parts.gate] if len(parts.gate) else []
+        mid_turn = [h for h in held if h.capture_key in parts.gate] \
+            if len(parts.gate) and not stop else []
         # Restart-only sessions are never captured: reported restarting, as mid-turn ones.
         restart_only = parts.sandboxes.restart_only
         if restart_only:
@@ -127,6 +140,9 @@ class SnapshotPhases:
         if mid_turn:
             busy = set(map(id, mid_turn))
             held = [h for h in held if id(h) not in busy]
+        if stop and len(parts.gate):
+            op.held_mid_turn = frozenset(h.capture_key for h in held
+                                         if h.capture_key in parts.gate)
         sandboxes = parts.sandboxes.capture(held) if len(parts.sandboxes) else None
         report = CaptureReport(
             instance_id=self.instance_id,

@@ -70,6 +70,9 @@ class SnapshotWork:
     capture: Capture | None = None
     persist: asyncio.Task[PersistReport] | None = None
     trace: str = ""  # the coordinator's span it runs under (``nemo_ckpt.tracing``)
+    # A stop snapshot's sessions captured mid-turn (capture keys): their turns in flight
+    # commit only if it ends without parking them (``HolderParts.after_stop_capture``).
+    held_mid_turn: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False)

@@ -10,13 +10,14 @@ actors, wired to this process's clock, metrics and threads.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import sys
 import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -51,6 +52,8 @@ __all__ = [
     "SessionHolderActor",
     "is_ray_unavailable",
 ]
+
+T = TypeVar("T")
 
 
 class RayMetrics:
@@ -135,19 +138,18 @@ class RayTransport:
         self._require_ray()
         return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
 
-    def draining_nodes(self) -> list[str]:
-        # Ray's node table carries a drain only in each node's state snapshot (GCS's
-        # own client: ``ray drain-node`` and the autoscaler set it); not the deadline.
+    def draining_nodes(self) -> dict[str, float | None]:
+        # GCS's own client (``ray drain-node`` and the autoscaler set a drain there):
+        # node id -> its deadline in ms since the epoch, 0 for none; bounded, as a GCS
+        # that does not answer would hold a thread for ever.
         self._require_ray()
         from ray._raylet import GcsClient  # type: ignore[attr-defined]
-        from ray.core.generated import gcs_pb2
 
         if self._gcs is None:
             self._gcs = GcsClient(address=ray.get_runtime_context().gcs_address)
-        alive: int = gcs_pb2.GcsNodeInfo.ALIVE  # type: ignore[attr-defined]
-        return sorted(node_id.hex() for node_id, info in self._gcs.get_all_node_info().items()
-                      if info.state == alive and info.state_snapshot.State.Name(
-                          info.state_snapshot.state) == "DRAINING")
+        drains = self._gcs.get_draining_nodes(timeout=_GCS_TIMEOUT_S)
+        return {str(node_id): (int(ms) / 1000 if ms else None)
+                for node_id, ms in sorted(drains.items())}
 
     def is_registered_coordinator(self) -> bool:
         self._require_ray()
@@ -173,10 +175,14 @@ class RayTransport:
             self._coordinator = Actor(COORDINATOR, COORDINATOR, _Handle(ref, _session()))
         return self._coordinator
 
-    def _names(self) -> list[str]:
+    def _names(self, timeout_s: float | None = None) -> list[str]:
         self._require_ray()
-        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                if a.get("namespace") == self.namespace]
+
+        def names() -> list[str]:
+            return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a.get("namespace") == self.namespace]
+
+        return _bounded("list the named actors", names, timeout_s)
 
     def holders(self) -> dict[str, Actor]:
         found: dict[str, Actor] = {}
@@ -278,15 +284,49 @@ class RayTransport:
         self._require_ray()
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
-    def kill_namespace(self) -> None:
-        for name in self.actor_names():
-            with contextlib.suppress(ValueError):
-                ray.kill(ray.get_actor(name, namespace=self.namespace))
-        self._coordinator = None
+    def kill_namespace(self, timeout_s: float | None = None) -> None:
+        self._require_ray()
 
-    def actor_names(self) -> list[str]:
-        return [name for name in self._names()
+        def kill() -> None:
+            for name in self.actor_names():
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(name, namespace=self.namespace))
+
+        self._coordinator = None
+        _bounded("kill the namespace's actors", kill, timeout_s)
+
+    def actor_names(self, timeout_s: float | None = None) -> list[str]:
+        return [name for name in self._names(timeout_s)
                 if name.startswith(HOLDER_NAME_PREFIX) or name == self._config.coordinator_name]
+
+
+# How long a look at the draining nodes waits for the GCS.
+_GCS_TIMEOUT_S = 10.0
+
+
+def _bounded(what: str, fn: Callable[[], T], timeout_s: float | None) -> T:
+    """``fn()``, or ``BackendUnavailableError`` once ``timeout_s`` passed: Ray's calls to
+    its GCS retry for as long as it is unreachable (a signal sent to the whole process
+    group ends the local raylet and GCS too), so the call runs on a daemon thread of its
+    own, which nothing waits for at exit (an executor's thread would hold the exit)."""
+    if timeout_s is None:
+        return fn()
+    result: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(fn())
+        except BaseException as exc:  # handed to the caller
+            result.set_exception(exc)
+
+    threading.Thread(target=run, name=f"nemo-ckpt: {what}", daemon=True).start()
+    try:
+        return result.result(timeout=max(0.0, timeout_s))
+    except concurrent.futures.TimeoutError:
+        raise BackendUnavailableError(
+            f"Ray did not {what} within {timeout_s:g}s: its GCS or this node's raylet is "
+            f"unreachable (a signal to the whole process group, as timeout and Slurm send, "
+            f"ends them too); the actors end with the cluster") from None
 
 
 _SWITCH_INTERVAL_S = 0.0005

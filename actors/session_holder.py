@@ -300,10 +300,11 @@ class SessionHolder:
         return await self._snapshots.pause(snapshot_id, drain_timeout_s, lease_s, directory)
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-                    directory: str, trace: str = "") -> tuple[PauseReport, CaptureReport]:
+                    directory: str, trace: str = "", stop: bool = False
+                    ) -> tuple[PauseReport, CaptureReport]:
         """``pause`` and ``capture`` in one call (``SnapshotPhases.begin``)."""
         return await self._snapshots.begin(snapshot_id, drain_timeout_s, lease_s, directory,
-                                           trace)
+                                           trace, stop)
 
     async def renew_lease(self, operation_id: str, lease_s: float) -> float:
         """Extend the current operation's lease (``HolderOperations.renew_lease``)."""

@@ -123,19 +123,22 @@ class Snapshots:
         self._sets = 0
 
     async def begin(self, snapshot_id: str, checkpoint_path: str,
-                    drain_timeout_s: float | None = None, trace: str = "") -> SnapshotBegun:
+                    drain_timeout_s: float | None = None, trace: str = "",
+                    stop: bool = False) -> SnapshotBegun:
         """``_begin`` in its span, the child of the driver's ``trace``."""
         with tracing.span("nemo_ckpt.snapshot.begin", parent=trace, phase="begin",
                           **{"operation.id": snapshot_id, "path": checkpoint_path}) as span:
-            begun = await self._begin(snapshot_id, checkpoint_path, drain_timeout_s, trace)
+            begun = await self._begin(snapshot_id, checkpoint_path, drain_timeout_s, trace,
+                                      stop)
             tracing.set_attributes(span, sessions=sum(c.captured_count
                                                       for c in begun.captures))
             return begun
 
     async def _begin(self, snapshot_id: str, checkpoint_path: str,
-                     drain_timeout_s: float | None, trace: str) -> SnapshotBegun:
+                     drain_timeout_s: float | None, trace: str, stop: bool) -> SnapshotBegun:
         """Claim the path, pause every holder and capture, waiting up to
-        ``drain_timeout_s`` (default: the config's) for turns in flight.
+        ``drain_timeout_s`` (default: the config's) for turns in flight; a ``stop``
+        snapshot captures the sessions still mid-turn too (``SnapshotPhases.capture``).
 
         This is the pause's hot path: the holder set is the one known since the last
         discovery, re-discovered only when the alive nodes changed, and each holder
@@ -175,7 +178,7 @@ class Snapshots:
             begun: dict[str, tuple[PauseReport, CaptureReport]] = await self._parts.holders.fan(
                 op.holders, "pause_capture",
                 HolderCall("begin", (snapshot_id, drain, cfg.lease_s, str(directory),
-                                     tracing.traceparent()),
+                                     tracing.traceparent()) + ((True,) if stop else ()),
                            drain + cfg.phase_timeout_s),
                 op_id=snapshot_id)
             # Shielded: a cancelled begin must not cancel the claim under its thread,

@@ -7,8 +7,9 @@ couple of seconds with NeMo RL's ledger and barrier (``nemo_ckpt.testing.nemo_rl
 its main body runs inside ``async with manager.preemption(deadline_s=...)``. Mid-run
 this script tells it to stop, as Kubernetes or Slurm would, with SIGTERM; or, with
 ``--drain``, the child runs a two-node Ray cluster and this script drains the node of
-one holder with Ray's own ``ray drain-node``. The child takes a final snapshot within
-the deadline (RL's half through the manager's hook, the sessions parked and their
+one holder with Ray's own ``ray drain-node``, whose deadline (a fifth sooner than the
+job's grace) the child's final snapshot is then held to. The child takes a final snapshot
+within the deadline (RL's half through the manager's hook, the sessions parked and their
 sandboxes freed by its stop commit) and exits with status 143.
 
 Then this script restores the latest snapshot in a fresh job, checks that every turn the
@@ -206,8 +207,10 @@ def _events(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def stop_the_child(run: Path, args: argparse.Namespace) -> tuple[int, float, dict[str, int]]:
-    """Start the child, stop it mid-run; its status, seconds to exit, turns committed."""
+def stop_the_child(run: Path, args: argparse.Namespace
+                   ) -> tuple[int, float, dict[str, int], str]:
+    """Start the child, stop it mid-run; its status, seconds to exit, turns committed,
+    and what it said of the final snapshot's deadline."""
     cmd = [sys.executable, __file__, "--child", str(run), "--rollouts", str(args.rollouts),
            "--turns", str(args.turns), "--tool-seconds", str(args.tool_seconds),
            "--deadline", str(args.deadline)] + (["--drain"] if args.drain else [])
@@ -238,7 +241,8 @@ def stop_the_child(run: Path, args: argparse.Namespace) -> tuple[int, float, dic
                                 ready["drain_node"], "--reason",
                                 "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
                                 "preemption demo", "--deadline-remaining-seconds",
-                                str(int(args.deadline))], check=True, capture_output=True)
+                                str(_drain_deadline_s(args.deadline))],
+                               check=True, capture_output=True)
             else:
                 child.send_signal(signal.SIGTERM)
             status = child.wait(timeout=args.deadline + 30)
@@ -248,7 +252,16 @@ def stop_the_child(run: Path, args: argparse.Namespace) -> tuple[int, float, dic
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
     committed = {e["group"]: e["turns"] for e in _events(run) if e["event"] == "turn"}
-    return status, took, committed
+    said = next((line.split("; ", 1)[-1] for line in
+                 (run / "child.log").read_text(errors="replace").splitlines()
+                 if "taking the final snapshot within" in line), "nothing of its deadline")
+    return status, took, committed, said
+
+
+def _drain_deadline_s(grace_s: float) -> int:
+    """The deadline ``ray drain-node`` is given: a fifth sooner than the job's grace, so
+    the child is seen holding its final snapshot to the drain's, not its own."""
+    return max(1, int(grace_s * 0.8))
 
 
 async def restore_and_finish(run: Path, args: argparse.Namespace,
@@ -311,12 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     how = "a drain of a holder's node (ray drain-node)" if args.drain else "SIGTERM"
     run = Path(tempfile.mkdtemp(prefix="preemption-"))
     try:
-        status, took, committed = stop_the_child(run, args)
+        status, took, committed, said = stop_the_child(run, args)
         events = _events(run)
         rollouts = next(e for e in events if e["event"] == "ready")["rollouts"]
         print(f"preemption demo: the job was told to stop by {how} after "
               f"{sum(committed.values())} turns; it exited with status {status} "
-              f"{took:.1f}s later (deadline {args.deadline:g}s)")
+              f"{took:.1f}s later (deadline {args.deadline:g}s); it said: {said}")
         import ray
 
         logging.basicConfig(level=logging.ERROR)

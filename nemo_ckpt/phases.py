@@ -62,6 +62,9 @@ class HolderInfo:
     # Why it writes no spans to ``CheckpointConfig.trace_file`` (None: it does, or none
     # is set); ``check_startup`` warns with it.
     trace_problem: str | None = None
+    # When its node drains with a deadline, that deadline in seconds since the epoch, as
+    # the cluster gives it (``RayEnvironmentCheckpoint.draining_holders``); else None.
+    drain_deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,9 @@ class PauseReport:
 
     instance_id: str
     drain_seconds: float
-    turns_in_flight: int  # still in flight at the drain deadline: they restart
+    # Still in flight at the drain deadline: they restart (a stop snapshot captures
+    # them as of their last committed turn).
+    turns_in_flight: int
 
 
 # (rollout_id, attempt, staging_keys, turns) of one captured session.

@@ -216,9 +216,10 @@ class Transport(Protocol):
         """The ids of the nodes alive now."""
         ...
 
-    def draining_nodes(self) -> list[str]:
-        """The ids of the alive nodes the cluster announced it drains (Ray's
-        ``drain-node``: a preemption or a scale-down to come); blocking."""
+    def draining_nodes(self) -> dict[str, float | None]:
+        """The alive nodes the cluster announced it drains (Ray's ``drain-node``: a
+        preemption or a scale-down to come), by id, each with its deadline in seconds
+        since the epoch as whoever asked for the drain set it (None: none); blocking."""
         ...
 
     def coordinator(self) -> Actor:
@@ -265,8 +266,10 @@ class Transport(Protocol):
         """Kill ``actor``; its state is lost."""
         ...
 
-    def kill_namespace(self) -> None:
-        """Kill the coordinator and every holder of the namespace."""
+    def kill_namespace(self, timeout_s: float | None = None) -> None:
+        """Kill the coordinator and every holder of the namespace; with ``timeout_s``,
+        ``BackendUnavailableError`` once that passed (the cluster's control plane may
+        never answer: Ray's GCS calls block while it is unreachable)."""
         ...
 
     def end_self(self) -> None:
@@ -274,9 +277,10 @@ class Transport(Protocol):
         cluster has seen it dead)."""
         ...
 
-    def actor_names(self) -> list[str]:
+    def actor_names(self, timeout_s: float | None = None) -> list[str]:
         """The names the namespace's coordinator and holders are registered under now:
-        a killed actor keeps its name until the cluster has seen it dead."""
+        a killed actor keeps its name until the cluster has seen it dead. ``timeout_s``:
+        as ``kill_namespace``'s."""
         ...
 
 

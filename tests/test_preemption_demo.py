@@ -1,7 +1,8 @@
 """The preemption example (``examples/preemption_recovery.py``) on real Ray: a child job
 sent SIGTERM mid-run, and one whose holder's node is drained with Ray's ``ray
-drain-node``; each exits with 143 within its deadline after a final snapshot, and a
-fresh job restores every committed turn and matches a crash-free run."""
+drain-node`` with a deadline, to which its final snapshot is held; each exits with 143
+within its deadline after a final snapshot, and a fresh job restores every committed
+turn and matches a crash-free run."""
 
 from __future__ import annotations
 
@@ -27,12 +28,26 @@ def _run(*args: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("how, told", [((), "SIGTERM"),
-                                       (("--drain",), "a drain of a holder's node")])
+@pytest.mark.parametrize("how, told, deadline", [
+    ((), "SIGTERM", "the deadline: the job's grace period (20s)"),
+    # Drained with a 16 s deadline: the final snapshot is held to it (issue 50, row 13).
+    (("--drain",), "a drain of a holder's node", "the deadline: the drain's deadline (1")])
 def test_a_job_told_to_stop_exits_143_and_its_final_snapshot_restores_every_turn(
-        how: tuple[str, ...], told: str) -> None:
+        how: tuple[str, ...], told: str, deadline: str) -> None:
     out = _run(*how)
     assert f"told to stop by {told}" in out, out
+    assert deadline in out and "3s kept for the exit" in out, out
     assert "it exited with status 143" in out, out
     assert "restored the final snapshot rollout-" in out and "none lost" in out, out
+    assert "preemption demo: VERIFIED" in out, out
+
+
+def test_a_job_stopped_while_every_rollout_is_mid_turn_restores_each_ones_committed_turns(
+        ) -> None:
+    """Issue 50, case 9, as it was reported: 2.5 s tool calls, a 6 s deadline, SIGTERM
+    once each of 3 rollouts has 2 turns committed: the final snapshot continued 0 of 3."""
+    out = _run("--rollouts", "3", "--turns", "6", "--tool-seconds", "2.5", "--deadline", "6")
+    assert "it exited with status 143" in out, out
+    assert "3 rollout(s) continued with" in out and "none lost" in out, out
+    assert "restored the final snapshot rollout-" in out, out
     assert "preemption demo: VERIFIED" in out, out

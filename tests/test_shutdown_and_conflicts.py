@@ -19,7 +19,7 @@ from nemo_ckpt.testing.data_plane import StaticCut
 from tests.harness import World
 from tests.test_sandbox_sessions import sandbox_job
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 NAME_RELEASE_S = 2.0  # how long Ray keeps a killed actor's name here
 
 
@@ -139,3 +139,68 @@ def test_a_shutdown_left_unawaited_kills_the_namespace_and_warns_nothing(job: Wo
         assert job.run(scenario()) == []
         gc.collect()
     assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
+
+
+_RAYLET_GONE = """
+import asyncio, logging, os, signal, time
+import ray
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
+from nemo_ckpt.errors import BackendUnavailableError
+
+logging.basicConfig(level=logging.WARNING)
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+ckpt = RayEnvironmentCheckpoint(CheckpointConfig(namespace="raylet-gone"))
+
+async def main():
+    await ckpt.ensure_holders()
+    node = ray._private.worker._global_node
+    # As a signal to the whole process group (timeout's, Slurm's) ends them.
+    for kind in ("raylet", "gcs_server"):
+        for info in node.all_processes.get(kind, []):
+            os.kill(info.process.pid, signal.SIGKILL)
+            info.process.wait()
+    started = time.monotonic()
+    ckpt.shutdown(timeout_s=2.0)  # a script's last line: it gives up, with one warning
+    print(f"unawaited returned after {time.monotonic() - started:.1f}s", flush=True)
+    started = time.monotonic()
+    try:
+        await ckpt.shutdown(wait=True, timeout_s=4.0)
+    except BackendUnavailableError as exc:
+        print(f"raised after {time.monotonic() - started:.1f}s: {exc}", flush=True)
+    else:
+        print("returned", flush=True)
+    # Not through asyncio.run's end or ray.shutdown(): with the GCS gone, a lookup still
+    # in an executor's thread would hold them until Ray's own minute of retries ends.
+    os._exit(0)
+
+asyncio.run(main())
+"""
+
+
+def test_shutdown_with_wait_after_the_raylet_died_raises_within_its_timeout(
+        tmp_path: Path) -> None:
+    """Issue 50, row 12: signals sent to the whole process group end the local raylet and
+    GCS too; ``await ckpt.shutdown(wait=True)`` then hung in Ray's
+    ``list_named_actors`` until SIGKILL. Every call to Ray there is bounded by
+    ``timeout_s``: a job of its own, on its own Ray, whose raylet and GCS are killed. An
+    unawaited ``shutdown()`` gives up as long after, with one warning."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_RAYLET_GONE)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=150, env=env, start_new_session=True)
+    out = done.stdout
+    assert "unawaited returned after" in out, out + done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "shutdown of namespace" in line]
+    assert len(warned) == 1 and "Ray did not kill the namespace's actors within 2s" \
+        in warned[0], done.stderr[-3000:]
+    assert "raised after" in out, out + done.stderr[-3000:]
+    assert "Ray did not kill the namespace's actors within 4s" in out, out
+    assert "its GCS or this node's raylet is unreachable" in out, out
+    seconds = float(out.split("raised after ")[1].split("s:")[0])
+    assert seconds < 4.0 + 2.0, out  # the timeout, not Ray's own minute of retries

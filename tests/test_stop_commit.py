@@ -16,7 +16,13 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sandboxes.directories import PRIVATE_DIR
 from nemo_ckpt.testing.data_plane import StaticCut
-from tests.test_sandbox_sessions import _open_with_directories, _turns, sandbox_job
+from tests.test_sandbox_sessions import (
+    _make_repo,
+    _open_with_directories,
+    _turn_edits,
+    _turns,
+    sandbox_job,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,8 +103,13 @@ def test_a_stop_snapshot_that_is_refused_parks_nothing(tmp_path: Path) -> None:
         job.close()
 
 
-def test_a_turn_in_flight_at_a_stop_restarts_and_its_late_commit_is_refused(
+def test_a_turn_in_flight_at_a_stop_is_captured_as_of_its_last_commit_and_runs_again(
         tmp_path: Path) -> None:
+    """Issue 50, row 9: a session still mid-turn at a stop snapshot's drain deadline was
+    not captured, so the final snapshot (the newest) lost every turn it had committed.
+    Now it is captured as of its last committed turn: its directory as that turn left
+    it, its staging rows only (the row its turn in flight wrote is an orphan); the late
+    commit is refused, and after the restore the turn runs again."""
     job = sandbox_job(tmp_path)
     path = tmp_path / "ckpt" / "final"
     try:
@@ -108,6 +119,65 @@ def test_a_turn_in_flight_at_a_stop_restarts_and_its_late_commit_is_refused(
             client = await job.client(instance)
             idle, busy = Ep("idle", 0), Ep("busy", 0)
             await client.open(idle, b"s0")
+            work = _make_repo(job.sandboxes / "work" / "busy")
+            await client.open(busy, b"s0", directory=work)
+            async with client.turn(busy) as turn:
+                _turn_edits(work, 0)
+                turn.complete(b"t0", b"s1", ["busy/row0"])
+            entered = asyncio.Event()
+            release = asyncio.Event()
+
+            async def slow_turn() -> None:
+                async with client.turn(busy) as turn:
+                    _turn_edits(work, 1)  # the directory changes mid-turn
+                    entered.set()
+                    await release.wait()
+                    turn.complete(b"late", b"s2", ["busy/row1"])
+
+            task = asyncio.ensure_future(slow_turn())
+            await entered.wait()
+            live = {i: set() for i in job.holders()}
+            live[instance] = {idle, busy}
+            cut = StaticCut(live, {"busy/row0", "busy/row1"})  # row1: the turn's, uncommitted
+            async with job.ckpt.final_snapshot(path, drain_timeout_s=0.2) as snap:
+                assert snap is not None
+                assert snap.captured_rollouts == 2 and snap.restarted_rollouts == 0
+                await snap.check_against_cut(cut)
+                release.set()  # its commit comes while the snapshot is open: it waits
+                await asyncio.sleep(0.5)
+                assert not task.done()
+            with pytest.raises(JobStoppedError):  # parked: it never counted
+                await task
+            async with job.ckpt.restored(path) as restored:
+                assert {(i, r) for i, r, _ in restored.continued_attempts} \
+                    == {(instance, "idle"), (instance, "busy")}
+                assert restored.staging_keys == frozenset({"busy/row0"})
+            again = await client.get(busy.next_attempt())
+            assert again.turns == (b"t0",) and again.state == b"s1"
+            assert again.directory is not None
+            back = Path(again.directory)
+            assert (back / "out-0.txt").read_text() == "output of turn 0\n"
+            assert (back / "src" / "main.py").read_text() == "print('v1')\n"
+            assert not (back / "out-1.txt").exists(), "the turn in flight's change is not kept"
+            async with client.turn(busy.next_attempt()) as turn:  # the turn runs again
+                turn.complete(b"t1", b"s2", ["busy-a1/row1"])
+
+        job.run(run())
+    finally:
+        job.close()
+
+
+def test_a_turn_in_flight_at_a_stop_snapshot_that_fails_commits_once_it_is_aborted(
+        tmp_path: Path) -> None:
+    """The other end of the wait above: a stop snapshot refused by RL's cut parks
+    nothing, and the turn it captured in flight commits as after any failed snapshot."""
+    job = sandbox_job(tmp_path)
+    try:
+        async def run() -> None:
+            await job.ckpt.ensure_holders()
+            instance = sorted(job.holders())[0]
+            client = await job.client(instance)
+            busy = Ep("busy", 0)
             await client.open(busy, b"s0")
             entered = asyncio.Event()
             release = asyncio.Event()
@@ -116,22 +186,22 @@ def test_a_turn_in_flight_at_a_stop_restarts_and_its_late_commit_is_refused(
                 async with client.turn(busy) as turn:
                     entered.set()
                     await release.wait()
-                    turn.complete(b"late", b"s1")
+                    turn.complete(b"t0", b"s1")
 
             task = asyncio.ensure_future(slow_turn())
             await entered.wait()
-            live = {i: set() for i in job.holders()}
-            live[instance] = {idle, busy}
-            async with job.ckpt.final_snapshot(path, drain_timeout_s=0.2) as snap:
-                assert snap is not None
-                assert snap.captured_rollouts == 1 and snap.restarted_rollouts == 1
-                await snap.check_against_cut(StaticCut(live, set()))
-            release.set()
-            with pytest.raises(JobStoppedError):
-                await task
-            async with job.ckpt.restored(path) as restored:
-                assert {(i, r) for i, r, _ in restored.continued_attempts} \
-                    == {(instance, "idle")}
+            wrong = StaticCut({i: set() for i in job.holders()}, set())
+            with pytest.raises(SnapshotMismatchError):
+                async with job.ckpt.final_snapshot(tmp_path / "ckpt" / "final",
+                                                   drain_timeout_s=0.2) as snap:
+                    assert snap is not None and snap.captured_rollouts == 1
+                    release.set()
+                    await asyncio.sleep(0.5)
+                    assert not task.done()
+                    await snap.check_against_cut(wrong)
+            await task  # committed once the snapshot was aborted
+            assert (await client.get(busy)).turns == (b"t0",)
+            assert job.holders()[instance].current == (HolderState.RUNNING, None)
 
         job.run(run())
     finally:

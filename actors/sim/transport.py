@@ -57,8 +57,9 @@ class SimTransport:
     def alive_nodes(self) -> list[str]:
         return self._world.alive_nodes()
 
-    def draining_nodes(self) -> list[str]:
-        return sorted(n for n in self._world.draining if self._world.nodes.get(n))
+    def draining_nodes(self) -> dict[str, float | None]:
+        return {n: self._world.draining[n] for n in sorted(self._world.draining)
+                if self._world.nodes.get(n)}
 
     def is_registered_coordinator(self) -> bool:
         registered = self._world.registry.get((self.namespace, self._config.coordinator_name))
@@ -155,11 +156,13 @@ class SimTransport:
     def end_self(self) -> None:
         self._world.kill(self._me)
 
-    def kill_namespace(self) -> None:
+    def kill_namespace(self, timeout_s: float | None = None) -> None:
+        del timeout_s  # in-process: it never waits
         for (ns, _), actor in list(self._world.registry.items()):
             if ns == self.namespace:
                 self._world.kill(actor)
         self._coordinator = None
 
-    def actor_names(self) -> list[str]:
+    def actor_names(self, timeout_s: float | None = None) -> list[str]:
+        del timeout_s
         return [name for ns, name in self._world.registry if ns == self.namespace]

@@ -29,8 +29,9 @@ class SimWorld:
         self.seed = seed
         self.rng = random.Random(seed)
         self.loop = VirtualTimeLoop()
-        # Nodes announced to drain (``Transport.draining_nodes``), as a test sets them.
-        self.draining: set[str] = set()
+        # Nodes announced to drain (``Transport.draining_nodes``), as a test sets them,
+        # each with its deadline (seconds since the epoch; None: none).
+        self.draining: dict[str, float | None] = {}
         self.loop.set_task_factory(self._task_factory)
         self.nodes: dict[str, bool] = {f"node-{k}": True for k in range(nodes)}
         self.registry: dict[tuple[str, str], SimActor] = {}  # (namespace, name) -> alive

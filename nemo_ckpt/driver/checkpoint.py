@@ -12,7 +12,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,6 +30,7 @@ from nemo_ckpt.driver.startup import (
     storage_findings,
 )
 from nemo_ckpt.errors import (
+    BackendUnavailableError,
     CheckpointPathError,
     HolderBusyError,
     NemoCkptError,
@@ -184,11 +185,13 @@ class RayEnvironmentCheckpoint:
         """A job told to stop: ``snapshot`` (the same block, the same check against
         RL's cut), whose commit parks every session once the manifest is durable.
 
-        No holder resumes before the commit; then each drops its sessions (those
-        captured, and those mid-turn at the drain deadline, which restart as after any
-        crash), removes their containers, sweeps their blobs from its node's cache, and
-        refuses new sessions and turns with ``JobStoppedError`` until a restore (from
-        this snapshot) commits. ``drain_timeout_s`` shortens the wait for turns in
+        A session still mid-turn at the drain deadline is captured as of its last
+        committed turn (not restarted, as a periodic snapshot's is): the turn in flight
+        runs again after the restore, and its commit waits for this snapshot's end,
+        refused once it parked the session. No holder resumes before the commit; then
+        each drops its sessions, removes their containers, sweeps their blobs from its
+        node's cache, and refuses new sessions and turns with ``JobStoppedError`` until
+        a restore (from this snapshot) commits. ``drain_timeout_s`` shortens the wait for turns in
         flight below ``CheckpointConfig.drain_timeout_s`` (a preemption's deadline:
         ``nemo_ckpt.driver.preemption``). A snapshot that fails or is aborted parks
         nothing: the holders resume as after any failed snapshot."""
@@ -204,7 +207,7 @@ class RayEnvironmentCheckpoint:
         async with self._operation("snapshot", path) as op, \
                 self._span("nemo_ckpt.snapshot", op.id, path, stop=stop) as span:
             begun = await op.step(self._coordinator.begin_snapshot(
-                op.id, path, drain_timeout_s, tracing.traceparent()))
+                op.id, path, drain_timeout_s, tracing.traceparent(), stop))
             snap = RaySnapshot(begun, self._held_before)
             # Not awaited, and it never raises: the writes overlap the caller's block.
             self._coordinator.start_writes(op.id)
@@ -413,13 +416,15 @@ class RayEnvironmentCheckpoint:
 
     async def draining_holders(self) -> list[HolderInfo]:
         """The holders whose node the cluster announced it drains (Ray's
-        ``drain-node``, a preemption to come): what ``nemo_ckpt.Preemption`` watches.
-        One look at the cluster's node table when nothing drains."""
-        draining = set(await self._transport.runtime.run_blocking(
-            self._transport.draining_nodes))
+        ``drain-node``, a preemption to come), each with its node's ``drain_deadline``
+        when the drain has one: what ``nemo_ckpt.Preemption`` watches. One look at the
+        cluster's drains when nothing drains."""
+        draining: dict[str, float | None] = await self._transport.runtime.run_blocking(
+            self._transport.draining_nodes)
         if not draining:
             return []
-        return [h for h in await self.holders() if h.node_id in draining]
+        return [replace(h, drain_deadline=draining[h.node_id])
+                for h in await self.holders() if h.node_id in draining]
 
     async def ensure_holders(self) -> list[HolderInfo]:
         """Create the coordinator and a holder on every alive node that lacks one."""
@@ -438,10 +443,28 @@ class RayEnvironmentCheckpoint:
         before a restarted driver's ``check_startup`` and restore, and raises
         ``BackendUnavailableError`` naming the actors still registered after
         ``timeout_s`` (their node may be unreachable; retry). Not awaited, it waits for
-        nothing and warns nothing."""
-        self._transport.kill_namespace()
-        return ShutdownStarted(
-            (lambda: self._link.until_gone(timeout_s)) if wait else None)
+        nothing and warns nothing.
+
+        Every call to the cluster here is bounded by ``timeout_s``, the kill included: a
+        cluster whose control plane is gone (a signal to the whole process group ends
+        the local raylet and GCS too) never answers them. Then the kill gives up after
+        ``timeout_s`` with one warning, and ``wait=True`` raises
+        ``BackendUnavailableError`` saying so."""
+        clock = self._transport.runtime.clock
+        started = clock.monotonic()
+        unsent: BackendUnavailableError | None = None
+        try:
+            self._transport.kill_namespace(timeout_s=timeout_s)
+        except BackendUnavailableError as exc:
+            unsent = exc
+            if not wait:
+                log.warning("shutdown of namespace %s: %s", self.config.namespace, exc)
+        if not wait:
+            return ShutdownStarted(None)
+        if unsent is not None:
+            return ShutdownStarted(lambda: _raise(unsent))
+        return ShutdownStarted(lambda: self._link.until_gone(
+            timeout_s - (clock.monotonic() - started), timeout_s))
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` off the event loop, as this job's runtime runs file work (a
@@ -538,6 +561,10 @@ class ShutdownStarted:
     def __await__(self) -> Generator[Any, None, None]:
         if self._until_gone is not None:
             yield from self._until_gone().__await__()
+
+
+async def _raise(error: BaseException) -> None:
+    raise error
 
 
 @dataclass(frozen=True)

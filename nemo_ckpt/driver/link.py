@@ -146,21 +146,29 @@ class CoordinatorLink:
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    async def until_gone(self, timeout_s: float) -> None:
+    async def until_gone(self, timeout_s: float, shown_s: float | None = None) -> None:
         """Return once Ray has released every name of the namespace (killing any actor a
-        straggling call made meanwhile); ``BackendUnavailableError`` after ``timeout_s``."""
+        straggling call made meanwhile); ``BackendUnavailableError`` after ``timeout_s``
+        (``shown_s`` in its message: the caller's whole timeout), each call to the
+        cluster bounded by what is left of it."""
         transport = self._transport()
         clock = transport.runtime.clock
         deadline = clock.monotonic() + timeout_s
-        while names := transport.actor_names():
-            if clock.monotonic() >= deadline:
+        shown = timeout_s if shown_s is None else shown_s
+        names = transport.actor_names(timeout_s=max(0.0, timeout_s))
+        while names:
+            left = deadline - clock.monotonic()
+            if left > 0:  # one created meanwhile by a straggling call
+                transport.kill_namespace(timeout_s=left)
+                await asyncio.sleep(_GONE_POLL_S)
+                left = deadline - clock.monotonic()
+            if left <= 0:  # no look with no time left: the last one's names say why
                 raise BackendUnavailableError(
                     f"shutdown of namespace {transport.namespace}: {', '.join(sorted(names))} "
-                    f"still registered {timeout_s:g}s after the kill (Ray releases a name "
+                    f"still registered {shown:g}s after the kill (Ray releases a name "
                     f"once it has seen the actor dead; its node may be unreachable); call "
                     f"shutdown(wait=True) again")
-            transport.kill_namespace()  # one created meanwhile by a straggling call
-            await asyncio.sleep(_GONE_POLL_S)
+            names = transport.actor_names(timeout_s=left)
 
 
 async def finish(future: asyncio.Future[Any]) -> tuple[Any, bool]:

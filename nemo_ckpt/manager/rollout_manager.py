@@ -31,7 +31,7 @@ from typing import Any
 
 from nemo_ckpt.catalog.listing import SnapshotInfo, list_snapshots, remove_snapshot
 from nemo_ckpt.catalog.verification import verify_snapshot
-from nemo_ckpt.driver.preemption import Preemption
+from nemo_ckpt.driver.preemption import EXIT_MARGIN_S, Preemption
 from nemo_ckpt.errors import (
     NemoCkptError,
     RolloutCheckpointFailedError,
@@ -153,8 +153,10 @@ class RolloutCheckpointManager:
         """The job was told to stop: a snapshot as ``snapshot`` takes it (RL's half
         saved by the same ``RlHalf.save``), whose commit parks every session
         (``RayEnvironmentCheckpoint.final_snapshot``), with the wait for turns in
-        flight shortened to a quarter of ``within_s`` (turns still running then restart
-        after the restore, as at any drain deadline). Waits for a snapshot under way
+        flight shortened to a quarter of ``within_s``: a session whose turn still runs
+        then is captured as of its last committed turn, and that turn runs again after
+        the restore (a final snapshot never holds less of a running rollout than the one
+        before it). Waits for a snapshot under way
         first. No retention runs, and no failure budget: any failure raises, and the
         last committed snapshot stands (``Preemption`` holds this to its deadline)."""
         async with self._lock:
@@ -164,14 +166,17 @@ class RolloutCheckpointManager:
 
     def preemption(self, deadline_s: float = 25.0, *, watch_drains: bool = True,
                    signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
-                   drain_poll_s: float = 1.0) -> Preemption:
+                   drain_poll_s: float = 1.0, exit_margin_s: float = EXIT_MARGIN_S,
+                   exit_by_deadline: bool = True) -> Preemption:
         """A ``Preemption`` whose final snapshot is ``final_snapshot``: wrap the job's
         main body in ``async with manager.preemption():``. With ``watch_drains`` it
         also stops once a node hosting a holder drains (the checkpoint's
-        ``draining_holders``, when it has them)."""
+        ``draining_holders``, when it has them), by that drain's deadline if sooner.
+        ``exit_margin_s`` and ``exit_by_deadline``: ``Preemption``'s."""
         drains = getattr(self.checkpoint, "draining_holders", None) if watch_drains else None
         return Preemption(self.final_snapshot, deadline_s=deadline_s, signals=signals,
-                          drains=drains, drain_poll_s=drain_poll_s)
+                          drains=drains, drain_poll_s=drain_poll_s,
+                          exit_margin_s=exit_margin_s, exit_by_deadline=exit_by_deadline)
 
     async def _snapshot_now(self, anchor_step: int | None,
                             final_drain_s: float | None = None) -> ManagedSnapshot | None:

@@ -75,10 +75,13 @@ class CoordinatorApi(Protocol):
 
         1) (driver) renew(id)                   every renewal period, from the start to the
                                                 end, whatever phase is running
-        2) (driver) begin_snapshot(id, path[, drain][, trace])
+        2) (driver) begin_snapshot(id, path[, drain][, trace][, stop])
                                                 claim the path; every holder pauses, waits
                                                 up to ``drain`` (default: the config's) for
-                                                turns in flight, and captures (one call each)
+                                                turns in flight, and captures (one call
+                                                each; with ``stop``, the sessions still
+                                                mid-turn too, as of their last committed
+                                                turn: 4 will park them)
         3) (driver) start_writes(id)            at the yield: every holder starts writing;
                                                 the manifest's rollouts are encoded meanwhile
         4) (driver) commit_snapshot(id, path, metrics, restarted[, stop])
@@ -136,8 +139,8 @@ class CoordinatorApi(Protocol):
                     caller_error: str | None = None) -> str: ...
 
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                             drain_timeout_s: float | None = None, trace: str = ""
-                             ) -> SnapshotBegun: ...
+                             drain_timeout_s: float | None = None, trace: str = "",
+                             stop: bool = False) -> SnapshotBegun: ...
 
     async def start_writes(self, snapshot_id: str) -> None: ...
 
@@ -204,11 +207,13 @@ class CoordinatorCalls:
         return self._invoke("abort", operation_id, checkpoint_path, caller_error)
 
     def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                       drain_timeout_s: float | None = None, trace: str = ""
-                       ) -> Awaitable[SnapshotBegun]:
+                       drain_timeout_s: float | None = None, trace: str = "",
+                       stop: bool = False) -> Awaitable[SnapshotBegun]:
         # Only what differs from the defaults travels (``nemo_ckpt.tracing``: ``trace``).
         args: tuple[Any, ...] = (snapshot_id, checkpoint_path)
-        if drain_timeout_s is not None or trace:
+        if stop:
+            args += (drain_timeout_s, trace, True)
+        elif drain_timeout_s is not None or trace:
             args += (drain_timeout_s,) + ((trace,) if trace else ())
         return self._invoke("begin_snapshot", *args)
 

@@ -40,10 +40,12 @@ class HolderControl(Protocol):
     ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``). A snapshot, every call carrying the
     snapshot's id:
 
-        1) begin(id, drain, lease, folder[, trace])  close the turn gate, wait up to ``drain`` for
-                                            turns in flight, take a lease, capture in
-                                            memory (``pause`` then ``capture``, in one
-                                            call) -> (PauseReport, CaptureReport)
+        1) begin(id, drain, lease, folder[, trace][, stop])  close the turn gate, wait up
+                                            to ``drain`` for turns in flight, take a
+                                            lease, capture in memory (``pause`` then
+                                            ``capture``, in one call; with ``stop``,
+                                            sessions mid-turn too, as of their last
+                                            committed turn) -> (PauseReport, CaptureReport)
         2) start_persist(id)                write the shard in the background (a
                                             finish_persist that comes first starts it)
         3) renew_lease(id, lease)           while the driver's block runs
@@ -81,7 +83,8 @@ class HolderControl(Protocol):
     async def probe_containers(self) -> tuple[list[str], list[str]]: ...
 
     async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-                    directory: str, trace: str = "") -> tuple[PauseReport, CaptureReport]: ...
+                    directory: str, trace: str = "", stop: bool = False
+                    ) -> tuple[PauseReport, CaptureReport]: ...
 
     async def renew_lease(self, operation_id: str, lease_s: float) -> float: ...
 
@@ -136,7 +139,11 @@ class HolderCalls:
         return self._call("probe_containers")
 
     def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-              directory: str, trace: str = "") -> Awaitable[tuple[PauseReport, CaptureReport]]:
+              directory: str, trace: str = "", stop: bool = False
+              ) -> Awaitable[tuple[PauseReport, CaptureReport]]:
+        if stop:
+            return self._call("begin", snapshot_id, drain_timeout_s, lease_s, directory, trace,
+                              True)
         if trace:
             return self._call("begin", snapshot_id, drain_timeout_s, lease_s, directory, trace)
         return self._call("begin", snapshot_id, drain_timeout_s, lease_s, directory)
