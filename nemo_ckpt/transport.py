@@ -19,6 +19,8 @@ A transport's ``call`` has one error contract, whatever carries the call:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -31,6 +33,8 @@ __all__ = [
     "COORDINATOR",
     "SESSION_METHODS",
     "concurrency_group",
+    "detached",
+    "on_daemon_thread",
     "HOLDER",
     "RELAY",
     "TRANSPORTS_GROUP",
@@ -104,6 +108,33 @@ async def _passed(point: str) -> None:
     del point
 
 
+def on_daemon_thread(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    """``fn(*args)`` started now on a daemon thread of its own, its outcome in the future
+    returned. Neither the interpreter's exit nor ``asyncio.run``'s end waits for it, as
+    they wait for non-daemon threads and the loop's default executor: a call to a
+    cluster whose control plane is gone may block for as long as the cluster retries."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()  # a waiter's cancellation cannot cancel it
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to whoever waits
+            future.set_exception(exc)
+
+    name = getattr(fn, "__name__", "call")
+    threading.Thread(target=run, name=f"nemo-ckpt: {name}", daemon=True).start()
+    return future
+
+
+async def detached(runtime: Runtime, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` through ``runtime.detach``, awaited without blocking the loop."""
+    future = runtime.detach(fn, *args)
+    if future.done():  # run inline (the simulation): nothing to wait for
+        return future.result()
+    return await asyncio.wrap_future(future)
+
+
 @dataclass(frozen=True)
 class Runtime:
     """What an actor's code needs from the process it runs in.
@@ -117,7 +148,11 @@ class Runtime:
     one piece of blocking work may spread over (a restore's sandbox directories: making
     files is the kernel's work, outside the GIL, and a few threads keep it busy,
     benchmarks/sandboxes_vs_restic.py); 1 in the simulation, whose file work runs
-    inline, in an order its seed replays.
+    inline, in an order its seed replays. ``detach(fn, *args)`` starts a call to the
+    cluster's control plane now, off the event loop, and returns its future: such a call
+    blocks while the control plane is unreachable, so it runs where nothing waits for it
+    at exit (``on_daemon_thread``), each bounded by its caller's deadline; inline in the
+    simulation (``detached`` awaits one).
     """
 
     clock: Clock = field(default_factory=SystemClock)
@@ -126,6 +161,7 @@ class Runtime:
     token: Callable[[], str] = field(default=lambda: uuid.uuid4().hex)
     reached: Callable[[str], Awaitable[None]] = _passed
     threads: int = 4
+    detach: Callable[..., concurrent.futures.Future[Any]] = on_daemon_thread
 
 
 HOLDER = "holder"

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from nemo_ckpt import RayEnvironmentCheckpoint
+from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
 from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.transport import Runtime
 from tests.harness import World
 from tests.test_sandbox_sessions import sandbox_job
 
@@ -141,6 +143,55 @@ def test_a_shutdown_left_unawaited_kills_the_namespace_and_warns_nothing(job: Wo
     assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
 
 
+class _GoneAfterTheKill:
+    """A driver's transport whose cluster lost its control plane right after the kill:
+    each look at the names blocks for its bound, as Ray's calls to a dead GCS do."""
+
+    def __init__(self) -> None:
+        self.runtime = Runtime()
+        self.namespace = "gone-after-the-kill"
+        self.kills: list[float | None] = []
+
+    def kill_namespace(self, timeout_s: float | None = None) -> None:
+        self.kills.append(timeout_s)
+
+    def actor_names(self, timeout_s: float | None = None) -> list[str]:
+        time.sleep(timeout_s or 0.0)
+        raise BackendUnavailableError(f"Ray did not list the named actors within "
+                                      f"{timeout_s:g}s")
+
+
+def test_shutdown_waits_for_the_names_of_a_cluster_gone_after_the_kill_off_the_loop(
+        ) -> None:
+    """Issue 50, row 12: the control plane may go between the kill and the look at the
+    names; ``shutdown(wait=True)`` looks off the event loop, whose other tasks run."""
+    transport = _GoneAfterTheKill()
+    ckpt = RayEnvironmentCheckpoint(CheckpointConfig(namespace=transport.namespace),
+                                    transport)  # type: ignore[arg-type]
+
+    async def scenario() -> tuple[str, int]:
+        ticks: list[float] = []
+
+        async def ticking() -> None:
+            while True:
+                await asyncio.sleep(0.01)
+                ticks.append(time.monotonic())
+
+        ticker = asyncio.ensure_future(ticking())
+        try:
+            with pytest.raises(BackendUnavailableError) as gave_up:
+                await ckpt.shutdown(wait=True, timeout_s=0.5)
+        finally:
+            ticker.cancel()
+        return str(gave_up.value), len(ticks)
+
+    message, ticked = asyncio.run(scenario())
+    assert transport.kills == [0.5]
+    assert message.startswith("Ray did not list the named actors within "), message
+    assert 0 < float(message.split("within ")[1].rstrip("s")) <= 0.5  # what was left
+    assert ticked >= 2
+
+
 _RAYLET_GONE = """
 import asyncio, logging, os, signal, time
 import ray
@@ -150,18 +201,28 @@ from nemo_ckpt.errors import BackendUnavailableError
 logging.basicConfig(level=logging.WARNING)
 ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
 ckpt = RayEnvironmentCheckpoint(CheckpointConfig(namespace="raylet-gone"))
+killed = []
+
+async def ticking(ticks):
+    while True:
+        await asyncio.sleep(0.05)
+        ticks.append(time.monotonic())
 
 async def main():
-    await ckpt.ensure_holders()
+    await ckpt.ensure_holders()  # its holders' handles are looked up in the background
     node = ray._private.worker._global_node
-    # As a signal to the whole process group (timeout's, Slurm's) ends them.
+    # As a signal to the whole process group (timeout's, Slurm's) ends them; before the
+    # lookup above ran, which then waits on the dead GCS.
     for kind in ("raylet", "gcs_server"):
         for info in node.all_processes.get(kind, []):
             os.kill(info.process.pid, signal.SIGKILL)
             info.process.wait()
+    killed.append(time.monotonic())
     started = time.monotonic()
     ckpt.shutdown(timeout_s=2.0)  # a script's last line: it gives up, with one warning
     print(f"unawaited returned after {time.monotonic() - started:.1f}s", flush=True)
+    ticks = []
+    ticker = asyncio.ensure_future(ticking(ticks))
     started = time.monotonic()
     try:
         await ckpt.shutdown(wait=True, timeout_s=4.0)
@@ -169,31 +230,38 @@ async def main():
         print(f"raised after {time.monotonic() - started:.1f}s: {exc}", flush=True)
     else:
         print("returned", flush=True)
-    # Not through asyncio.run's end or ray.shutdown(): with the GCS gone, a lookup still
-    # in an executor's thread would hold them until Ray's own minute of retries ends.
-    os._exit(0)
+    ticker.cancel()
+    print(f"the loop ticked {len(ticks)} times while it waited", flush=True)
 
 asyncio.run(main())
+# Then the interpreter's exit, with Ray's own ray.shutdown() (some 15 s with the GCS gone).
+print(f"asyncio.run returned {time.monotonic() - killed[0]:.1f}s after the kill", flush=True)
 """
 
 
-def test_shutdown_with_wait_after_the_raylet_died_raises_within_its_timeout(
-        tmp_path: Path) -> None:
-    """Issue 50, row 12: signals sent to the whole process group end the local raylet and
-    GCS too; ``await ckpt.shutdown(wait=True)`` then hung in Ray's
-    ``list_named_actors`` until SIGKILL. Every call to Ray there is bounded by
-    ``timeout_s``: a job of its own, on its own Ray, whose raylet and GCS are killed. An
-    unawaited ``shutdown()`` gives up as long after, with one warning."""
+@pytest.fixture(scope="module")
+def raylet_gone(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A job of its own, on its own Ray, whose raylet and GCS are killed; then its
+    driver's shutdown, left unawaited and awaited with ``wait=True``, and its exit."""
     import os
     import subprocess
     import sys
 
-    script = tmp_path / "job.py"
+    script = tmp_path_factory.mktemp("raylet-gone") / "job.py"
     script.write_text(_RAYLET_GONE)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=150, env=env, start_new_session=True)
+
+
+def test_shutdown_with_wait_after_the_raylet_died_raises_within_its_timeout(
+        raylet_gone: Any) -> None:
+    """Issue 50, row 12: signals sent to the whole process group end the local raylet and
+    GCS too; ``await ckpt.shutdown(wait=True)`` then hung in Ray's
+    ``list_named_actors`` until SIGKILL. Every call to Ray there is bounded by
+    ``timeout_s``. An unawaited ``shutdown()`` gives up as long after, with one warning."""
+    done = raylet_gone
     out = done.stdout
     assert "unawaited returned after" in out, out + done.stderr[-3000:]
     warned = [line for line in done.stderr.splitlines() if "shutdown of namespace" in line]
@@ -204,3 +272,27 @@ def test_shutdown_with_wait_after_the_raylet_died_raises_within_its_timeout(
     assert "its GCS or this node's raylet is unreachable" in out, out
     seconds = float(out.split("raised after ")[1].split("s:")[0])
     assert seconds < 4.0 + 2.0, out  # the timeout, not Ray's own minute of retries
+
+
+def test_shutdown_waits_on_a_dead_ray_off_the_event_loop(raylet_gone: Any) -> None:
+    """Issue 50, row 12: while ``await ckpt.shutdown(wait=True)`` waits for a Ray whose
+    GCS is gone, the loop's other tasks run (a ticker every 50 ms here; a preemption's
+    signal handlers in a job); the call held the loop for all of its ``timeout_s``."""
+    out = raylet_gone.stdout
+    assert "raised after" in out, out + raylet_gone.stderr[-3000:]
+    ticked = int(out.split("the loop ticked ")[1].split(" times")[0])
+    assert ticked >= 2, out
+
+
+def test_a_driver_whose_raylet_died_ends_its_asyncio_run_after_shutdown_and_exits_normally(
+        raylet_gone: Any) -> None:
+    """Issue 50, row 12: with the GCS gone, the driver's lookups of its holders' handles,
+    stuck in the loop's default executor, held ``asyncio.run``'s end until Ray's own
+    minute of reconnecting ended the process ("Failed to connect to GCS within 60
+    seconds"). They run on daemon threads now: ``asyncio.run`` returns once shutdown's
+    ``timeout_s`` (2 s, then 4 s) have passed, and the process exits 0."""
+    done = raylet_gone
+    assert "asyncio.run returned" in done.stdout, done.stdout + done.stderr[-3000:]
+    seconds = float(done.stdout.split("asyncio.run returned ")[1].split("s after")[0])
+    assert seconds < 2.0 + 4.0 + 4.0, done.stdout  # the timeouts, not Ray's minute
+    assert done.returncode == 0, done.stderr[-3000:]

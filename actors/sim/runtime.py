@@ -9,6 +9,7 @@ tear chosen calls (``SimWorld.io_faults``); the guard (``actors.sim.guard``) wat
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import random
 from collections.abc import Awaitable, Callable
@@ -61,6 +62,17 @@ def model_clock(actor: SimActor, rng: random.Random, skew_s: float, rate: float)
         actor.rate = 1.0 + rng.uniform(-rate, rate)
 
 
+def _inline(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    """``Runtime.detach`` here: the call runs now, on the loop's thread (a cluster call
+    in the simulation never blocks, and a thread would break the seed's replay)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:  # handed to whoever waits
+        future.set_exception(exc)
+    return future
+
+
 class BlockingRunner:
     """``Runtime.run_blocking`` for the world's actors, one call at a time on the loop's
     thread, with the world's costs, faults and log."""
@@ -73,7 +85,7 @@ class BlockingRunner:
         return Runtime(clock=SimClock(world, actor), metrics=NoMetrics(),
                        run_blocking=self.runner(actor),
                        token=lambda: f"{world.rng.getrandbits(64):016x}",
-                       reached=actor.delays.reached, threads=1)
+                       reached=actor.delays.reached, threads=1, detach=_inline)
 
     def runner(self, actor: SimActor) -> Callable[..., Awaitable[Any]]:
         world = self._world

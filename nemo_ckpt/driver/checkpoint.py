@@ -8,6 +8,7 @@ share; what it says to the coordinator goes through ``nemo_ckpt.driver.link``, a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import sys
@@ -44,7 +45,7 @@ from nemo_ckpt.protocol.coordinator_api import SnapshotBegun
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import register_default_transport
 from nemo_ckpt.storage.location import LocalLocation, join_location, levels_below, parse_location
-from nemo_ckpt.transport import Transport, runtime_transport
+from nemo_ckpt.transport import Transport, detached, runtime_transport
 
 __all__ = ["RayEnvironmentCheckpoint", "ShutdownStarted", "ray_transport"]
 
@@ -419,8 +420,8 @@ class RayEnvironmentCheckpoint:
         ``drain-node``, a preemption to come), each with its node's ``drain_deadline``
         when the drain has one: what ``nemo_ckpt.Preemption`` watches. One look at the
         cluster's drains when nothing drains."""
-        draining: dict[str, float | None] = await self._transport.runtime.run_blocking(
-            self._transport.draining_nodes)
+        draining: dict[str, float | None] = await detached(
+            self._transport.runtime, self._transport.draining_nodes)
         if not draining:
             return []
         return [replace(h, drain_deadline=draining[h.node_id])
@@ -435,36 +436,32 @@ class RayEnvironmentCheckpoint:
     def shutdown(self, wait: bool = False, timeout_s: float = 30.0) -> ShutdownStarted:
         """Kill the coordinator and every holder of this namespace (their sessions go).
 
-        The kill is sent by the call itself, awaited or not: a plain ``ckpt.shutdown()``
-        at the end of a job is enough. Ray releases the actors' names a moment later,
-        and until then a new coordinator or holder of the namespace cannot take them.
-        What it returns may be awaited in every form: ``await ckpt.shutdown()`` returns
-        at once; ``await ckpt.shutdown(wait=True)`` returns once every name is released,
-        before a restarted driver's ``check_startup`` and restore, and raises
+        The kill is started by the call itself, awaited or not: a plain
+        ``ckpt.shutdown()`` at the end of a job is enough (what it returns, dropped
+        unawaited, waits for the kill to be sent). Ray releases the actors' names a
+        moment later, and until then a new coordinator or holder of the namespace cannot
+        take them. What it returns may be awaited in every form: ``await
+        ckpt.shutdown()`` returns once the kill is sent; ``await
+        ckpt.shutdown(wait=True)`` returns once every name is released, before a
+        restarted driver's ``check_startup`` and restore, and raises
         ``BackendUnavailableError`` naming the actors still registered after
         ``timeout_s`` (their node may be unreachable; retry). Not awaited, it waits for
-        nothing and warns nothing.
+        no release and warns nothing.
 
         Every call to the cluster here is bounded by ``timeout_s``, the kill included: a
         cluster whose control plane is gone (a signal to the whole process group ends
         the local raylet and GCS too) never answers them. Then the kill gives up after
         ``timeout_s`` with one warning, and ``wait=True`` raises
-        ``BackendUnavailableError`` saying so."""
-        clock = self._transport.runtime.clock
-        started = clock.monotonic()
-        unsent: BackendUnavailableError | None = None
-        try:
-            self._transport.kill_namespace(timeout_s=timeout_s)
-        except BackendUnavailableError as exc:
-            unsent = exc
-            if not wait:
-                log.warning("shutdown of namespace %s: %s", self.config.namespace, exc)
-        if not wait:
-            return ShutdownStarted(None)
-        if unsent is not None:
-            return ShutdownStarted(lambda: _raise(unsent))
-        return ShutdownStarted(lambda: self._link.until_gone(
-            timeout_s - (clock.monotonic() - started), timeout_s))
+        ``BackendUnavailableError`` saying so. Awaited, the calls are waited for off the
+        event loop, whose other tasks (a preemption's signal handlers) run meanwhile;
+        each runs on a thread that nothing waits for at exit (``Runtime.detach``)."""
+        transport = self._transport
+        clock = transport.runtime.clock
+        deadline = clock.monotonic() + timeout_s
+        kill = transport.runtime.detach(transport.kill_namespace, timeout_s)
+        until_gone = (lambda: self._link.until_gone(deadline - clock.monotonic(), timeout_s)) \
+            if wait else None
+        return ShutdownStarted(kill, until_gone, self.config.namespace, timeout_s)
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` off the event loop, as this job's runtime runs file work (a
@@ -550,21 +547,58 @@ class _Operation:
 
 
 class ShutdownStarted:
-    """What ``RayEnvironmentCheckpoint.shutdown`` returns, its kill already sent: an
-    awaitable that waits for the names' release when ``wait=True`` asked for it. The
-    wait's coroutine is made only when awaited, so a call left unawaited leaves none
-    behind ("coroutine ... was never awaited")."""
+    """What ``RayEnvironmentCheckpoint.shutdown`` returns, its kill already started: an
+    awaitable that waits off the loop for the kill, then for the names' release when
+    ``wait=True`` asked for it. The wait's coroutine is made only when awaited, so a
+    call left unawaited leaves none behind ("coroutine ... was never awaited"); such a
+    call waits for its kill as it is dropped (``ckpt.shutdown()`` as a statement: before
+    the caller's next line, a ``ray.shutdown()`` say), as the synchronous call it reads as.
+    """
 
-    def __init__(self, until_gone: Callable[[], Coroutine[Any, Any, None]] | None) -> None:
+    def __init__(self, kill: concurrent.futures.Future[None],
+                 until_gone: Callable[[], Coroutine[Any, Any, None]] | None,
+                 namespace: str, timeout_s: float) -> None:
+        self._kill = kill
         self._until_gone = until_gone
+        self._namespace = namespace
+        # The kill gives up by itself after timeout_s; the margin: its thread's handover.
+        self._join_s = timeout_s + _KILL_HANDOVER_S
+        self._awaited = False
 
     def __await__(self) -> Generator[Any, None, None]:
+        self._awaited = True
+        return self._finish().__await__()
+
+    async def _finish(self) -> None:
+        try:
+            if not self._kill.done():
+                await asyncio.wrap_future(self._kill)
+            self._kill.result()
+        except BackendUnavailableError as exc:
+            if self._until_gone is not None:
+                raise
+            self._warn(exc)
+            return
         if self._until_gone is not None:
-            yield from self._until_gone().__await__()
+            await self._until_gone()
+
+    def _warn(self, error: BaseException | str) -> None:
+        log.warning("shutdown of namespace %s: %s", self._namespace, error)
+
+    def __del__(self) -> None:
+        if self._awaited:
+            return
+        try:
+            self._kill.result(timeout=self._join_s)
+        except concurrent.futures.TimeoutError:
+            self._warn(f"the kill did not end within {self._join_s:g}s")
+        except Exception as exc:  # nowhere to raise it: a destructor
+            self._warn(exc)
 
 
-async def _raise(error: BaseException) -> None:
-    raise error
+# How long past its timeout_s an unawaited shutdown waits for its kill's thread to say
+# that it gave up (a thread cut off by the interpreter's exit never says so).
+_KILL_HANDOVER_S = 1.0
 
 
 @dataclass(frozen=True)

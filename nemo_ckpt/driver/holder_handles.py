@@ -3,7 +3,9 @@ them itself as its block exits, beside its commit to the coordinator: one hop le
 the coordinator's release (the call order: ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``).
 
 The handles are looked up by name through the driver's transport, off the pause's path
-(in the background): first when the driver learns the holders' names
+(in the background, through ``Runtime.detach``: a lookup that a cluster whose control
+plane died holds must not hold the driver's exit, as the loop's default executor would):
+first when the driver learns the holders' names
 (``ensure_holders``, ``check_startup``), then whenever the coordinator names a new set
 of holders at a snapshot's begin (``SnapshotBegun.holder_set``: a holder restarted,
 added or lost). Until a new set's lookup ends, the handles held are used: one of a dead
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 from nemo_ckpt.protocol.coordinator_api import SnapshotBegun
 from nemo_ckpt.protocol.holder_api import HolderCalls
-from nemo_ckpt.transport import Actor, Transport
+from nemo_ckpt.transport import Actor, Transport, detached
 
 __all__ = ["HolderHandles"]
 
@@ -75,7 +77,7 @@ class HolderHandles:
             return found
 
         try:
-            found = await transport.runtime.run_blocking(resolve)
+            found = await detached(transport.runtime, resolve)
         except Exception as exc:  # the coordinator's release still comes
             log.debug("looking the holders %s up failed: %s", instances, exc)
             return  # the next snapshot looks them up again

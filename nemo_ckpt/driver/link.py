@@ -19,7 +19,7 @@ from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.protocol.coordinator_api import CoordinatorCalls
 from nemo_ckpt.protocol.operations import new_operation_id
-from nemo_ckpt.transport import COORDINATOR, Transport
+from nemo_ckpt.transport import COORDINATOR, Transport, detached
 
 __all__ = ["CoordinatorLink", "finish"]
 
@@ -150,16 +150,16 @@ class CoordinatorLink:
         """Return once Ray has released every name of the namespace (killing any actor a
         straggling call made meanwhile); ``BackendUnavailableError`` after ``timeout_s``
         (``shown_s`` in its message: the caller's whole timeout), each call to the
-        cluster bounded by what is left of it."""
+        cluster bounded by what is left of it and waited for off the loop."""
         transport = self._transport()
         clock = transport.runtime.clock
         deadline = clock.monotonic() + timeout_s
         shown = timeout_s if shown_s is None else shown_s
-        names = transport.actor_names(timeout_s=max(0.0, timeout_s))
+        names = await detached(transport.runtime, transport.actor_names, max(0.0, timeout_s))
         while names:
             left = deadline - clock.monotonic()
             if left > 0:  # one created meanwhile by a straggling call
-                transport.kill_namespace(timeout_s=left)
+                await detached(transport.runtime, transport.kill_namespace, left)
                 await asyncio.sleep(_GONE_POLL_S)
                 left = deadline - clock.monotonic()
             if left <= 0:  # no look with no time left: the last one's names say why
@@ -168,7 +168,7 @@ class CoordinatorLink:
                     f"still registered {shown:g}s after the kill (Ray releases a name "
                     f"once it has seen the actor dead; its node may be unreachable); call "
                     f"shutdown(wait=True) again")
-            names = transport.actor_names(timeout_s=left)
+            names = await detached(transport.runtime, transport.actor_names, left)
 
 
 async def finish(future: asyncio.Future[Any]) -> tuple[Any, bool]:
