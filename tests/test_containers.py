@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import tarfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -365,3 +366,131 @@ def test_a_recording_keeps_files_written_after_someone_elses_podman_checkpoint(
     assert recorded.record.memory is not None
     assert _sh(podman, name, "cat /work/f") == "new"
     assert ask(podman, name) == 1  # still running, from its memory
+
+
+def _craft(sandboxes: ContainerSandboxes, record: ContainerRecord, data: bytes,
+           **fields: object) -> ContainerRecord:
+    """``record`` with the checkpoint archive ``data`` as its memory (stored under its own
+    digest, as an attacker re-hashes what they wrote) and ``fields`` changed."""
+    digest, size = sandboxes.cache.store([data])
+    return ContainerRecord(**{**{f: getattr(record, f) for f in ContainerRecord.__slots__},
+                              "memory": digest, "memory_size": size, **fields})
+
+
+def test_oci_hooks_in_a_stored_spec_never_run_on_the_host(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 1: hooks added to spec.dump ran on the host as root at the restore
+    and at the container's removal; what podman is handed now comes from our record."""
+    sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    marker = tmp_path / "hook-ran"
+    hook = {"path": "/bin/sh", "args": ["sh", "-c", f"echo ran >> {marker}"]}
+    crafted = _craft(sandboxes, recorded.record, _rewrite(data, "spec.dump", lambda s: s.
+                     __setitem__("hooks", {kind: [hook] for kind in (
+                         "prestart", "createRuntime", "createContainer", "startContainer",
+                         "poststart", "poststop")})))
+    name = _name(names)
+    assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
+    assert ask(podman, name) == 1  # its server continues from its memory
+    podman.remove(name)
+    assert not marker.exists()
+
+
+def test_pid_files_a_stored_config_names_on_the_host_are_left_alone(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 2: config.dump's conmonPidFile / pid_file naming a host path had
+    podman overwrite that file as root."""
+    sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    targets = {field: tmp_path / field for field in ("conmonPidFile", "pid_file")}
+    for path in targets.values():
+        path.write_text("the host's")
+
+    def point(config: dict[str, object]) -> None:
+        config.update({field: str(path) for field, path in targets.items()})
+    crafted = _craft(sandboxes, recorded.record, _rewrite(data, "config.dump", point))
+    name = _name(names)
+    assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
+    assert ask(podman, name) == 1
+    podman.remove(name)
+    assert {f: p.read_text() for f, p in targets.items()} == {
+        f: "the host's" for f in targets}
+
+
+def test_a_crafted_deletion_through_a_link_with_memory_never_reaches_the_host(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 3: with CRIU memory the deletions went to podman as deleted.files,
+    which it removes following links; we delete them, by descriptor, before the
+    processes run."""
+    sandboxes = _sandboxes(podman, tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("the host's")
+    first = _name(names)
+    _run(podman, runtime, first, SERVER)
+    _sh(podman, first, f"ln -s {tmp_path} /work_esc && rm /bin/vi")
+    recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is not None
+    crafted = ContainerRecord(**{
+        **{f: getattr(recorded.record, f) for f in ContainerRecord.__slots__},
+        "whiteouts": recorded.record.whiteouts + ("work_esc/victim",)})
+    name = _name(names)
+    assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
+    assert victim.read_text() == "the host's"
+    assert ask(podman, name) == 1
+    assert _sh(podman, name, "readlink /work_esc; test -e /bin/vi || echo no-vi"
+               ).splitlines() == [str(tmp_path), "no-vi"]
+
+
+def test_port_mappings_in_a_stored_config_publish_nothing(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 4: config.dump's newPortMappings published a host port of the
+    file's choosing."""
+    sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    ports = [{"host_ip": "", "container_port": 80, "host_port": 18931, "range": 1,
+              "protocol": "tcp"}]
+    crafted = _craft(sandboxes, recorded.record, _rewrite(
+        data, "config.dump", lambda c: c.__setitem__("newPortMappings", ports)))
+    name = _name(names)
+    assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
+    assert ask(podman, name) == 1
+    assert podman.text("port", name) == ""
+    assert podman.inspect(name)["NetworkSettings"]["Ports"] in ({}, None)
+
+
+def _replace(data: bytes, name: str, body: bytes) -> bytes:
+    """The archive ``data`` with the member ``name``'s content replaced by ``body``
+    (added when it is not there)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(data)) as src, \
+            tarfile.open(fileobj=out, mode="w") as dst:
+        found = False
+        for member in src:
+            content = src.extractfile(member) if member.isreg() else None
+            if member.name == name:
+                found, member.size, content = True, len(body), io.BytesIO(body)
+            dst.addfile(member, content)
+        if not found:
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            dst.addfile(info, io.BytesIO(body))
+    return out.getvalue()
+
+
+def test_a_deeply_nested_dump_or_a_dot_member_is_refused_in_one_line(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 4: a deeply nested config.dump raised a bare RecursionError; a member
+    named ``checkpoint/..`` was accepted."""
+    sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    image = recorded.record.config.image
+    nested = b"[" * 200_000 + b"]" * 200_000
+    with pytest.raises(ContainerRuntimeError,
+                       match=r"holds a dump that is not JSON \(JSON nested too deeply"):
+        check_archive(_replace(data, "config.dump", nested), image, "r")
+    for dot in ("checkpoint/..", "checkpoint/."):
+        with pytest.raises(ContainerRuntimeError,
+                           match=f"holds {re.escape(repr(dot))}, which podman's export "
+                                 f"never writes"):
+            check_archive(_replace(data, dot, b"x"), image, "r")
+    crafted = _craft(sandboxes, recorded.record, _replace(data, "spec.dump", nested))
+    name = _name(names)
+    with pytest.raises(ContainerRuntimeError, match="restore another snapshot$"):
+        sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r")
+    assert not podman.exists(name)

@@ -168,10 +168,18 @@ class Podman:
         not be applied again over them."""
         self.run("container", "restore", "--keep", container)
 
-    def restore_import(self, archive: str, name: str) -> None:
-        self.run("container", "restore", f"--import={archive}", "--name", name,
-                 "--ignore-volumes")
+    def init(self, container: str) -> None:
+        """Have the runtime set the created container up (namespaces, mounts, podman's
+        own files in its folder) without running its command."""
+        self.run("init", container)
 
+    def stop(self, container: str) -> None:
+        self.run("stop", "--time", "0", container)
+
+    def restore_prepared(self, container: str) -> None:
+        """Restore the processes of the stopped ``container`` from the CRIU images
+        placed in its folder (``checkpoint/``), with its files as they are now."""
+        self.run("container", "restore", container)
 
 def criu_check_problem(criu: str, env: Mapping[str, str] | None = None) -> str | None:
     """None when ``criu check`` passes with the binary ``criu``, else what it said."""

@@ -12,11 +12,15 @@ are one consistent image of the container as of the turn's commit.
 
 Restoring (``ContainerSandboxes.restore``) verifies the stored record and tree, makes
 the files in a staging folder (``nemo_ckpt.sandboxes.materialize``: setuid dropped,
-nothing created outside it), then either has podman restore the processes from the
-checked archive with those files as its filesystem changes (``--import``), or creates a
-container from the image and copies the files in, when there is no memory to restore or
-no CRIU on this node. Paths the container deleted are deleted again, walked component
-by component without following a link.
+nothing created outside it), creates the container from the image and the record's own
+fields (never from a stored configuration: ``archive.py``), copies the files in and
+deletes what the container deleted, walked component by component without following a
+link, through the container's mount before anything runs in it. Then either podman
+restores the processes from the checked archive's CRIU images, placed in the
+container's own folder (``podman init`` made it, ``podman container restore`` reads
+it), or the container's command starts afresh when there is no memory to restore or no
+CRIU on this node. podman is never handed a list of deletions: it removes them
+following links (issue 50, case 3).
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tarfile
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.containers.archive import assemble_archive, check_archive
+from nemo_ckpt.containers.archive import check_archive, place_checkpoint
 from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.containers.record import ContainerConfig, ContainerRecord
 from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
@@ -224,21 +229,30 @@ class ContainerSandboxes:
             deleted = list(record.whiteouts) + self._hidden(config.image, record, tree)
             memory = record.memory is not None and self.memory \
                 and self.criu_problem() is None
+            data: bytes | None = None
+            members: list[tarfile.TarInfo] = []
+            if memory:
+                assert record.memory is not None
+                data = bytes(fetch(record.memory, record.memory_size))
+                members = check_archive(data, config.image, where)
             try:
-                if memory:
-                    assert record.memory is not None
-                    data = bytes(fetch(record.memory, record.memory_size))
-                    members = check_archive(data, config.image, where)
-                    archive = Path(tmp) / "checkpoint.tar"
-                    assemble_archive(data, members, rootfs, deleted, archive)
+                # Created from the record's own fields whether or not memory comes
+                # back: no stored configuration reaches podman (archive.py).
+                self.podman.create(name, config.image, config.command,
+                                   config.entrypoint, config.env, config.workdir,
+                                   config.user, {LABEL: capture_key})
+                if data is not None:
+                    # Set up (podman's own files in its folder), never run: the CRIU
+                    # images restore into it below.
+                    self.podman.init(name)
+                    self.podman.stop(name)
+                self.podman.copy_in(str(rootfs), name)
+                self._delete(name, deleted)  # by descriptor, before anything runs
+                if data is not None:
+                    place_checkpoint(data, members, self._folder(name), where)
                     del data
-                    self.podman.restore_import(str(archive), name)
+                    self.podman.restore_prepared(name)
                 else:
-                    self.podman.create(name, config.image, config.command,
-                                       config.entrypoint, config.env, config.workdir,
-                                       config.user, {LABEL: capture_key})
-                    self.podman.copy_in(str(rootfs), name)
-                    self._delete(name, deleted)
                     self.podman.start(name)
             except BaseException:
                 self.podman.remove(name)
@@ -248,6 +262,15 @@ class ContainerSandboxes:
             blobs.add(record.memory)
         stats = tree_stats(tree)
         return RestoredContainer(memory, frozenset(blobs), stats.files, stats.bytes)
+
+    def _folder(self, container: str) -> Path:
+        """The container's folder in podman's storage (its bundle: ``config.json``,
+        ``checkpoint/``), as podman names it."""
+        static = self.podman.inspect(container).get("StaticDir")
+        if not isinstance(static, str) or not os.path.isabs(static):
+            raise ContainerRuntimeError(f"podman names no folder for container "
+                                        f"{container}")
+        return Path(static)
 
     def _hidden(self, image: str, record: ContainerRecord, tree: dict[str, Any]
                 ) -> list[str]:
