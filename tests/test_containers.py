@@ -494,3 +494,32 @@ def test_a_deeply_nested_dump_or_a_dot_member_is_refused_in_one_line(
     with pytest.raises(ContainerRuntimeError, match="restore another snapshot$"):
         sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r")
     assert not podman.exists(name)
+
+
+def test_dev_shm_files_come_back_and_a_link_among_them_is_refused(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """The archive's /dev/shm contents are re-packed from plain files and folders."""
+    sandboxes = _sandboxes(podman, tmp_path)
+    first = _name(names)
+    _run(podman, runtime, first, SERVER)
+    _sh(podman, first, "mkdir /dev/shm/d && echo kept > /dev/shm/d/f")
+    recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is not None
+    name = _name(names)
+    assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r").running
+    assert _sh(podman, name, "cat /dev/shm/d/f") == "kept"
+
+    shm = io.BytesIO()
+    with tarfile.open(fileobj=shm, mode="w") as tar:
+        link = tarfile.TarInfo("escape")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc"
+        tar.addfile(link)
+    data = sandboxes.cache.read(recorded.record.memory, recorded.record.memory_size)
+    assert data is not None
+    crafted = _craft(sandboxes, recorded.record,
+                     _replace(data, "devshm-checkpoint.tar", shm.getvalue()))
+    name = _name(names)
+    with pytest.raises(ContainerRuntimeError,
+                       match="holds 'escape' in its /dev/shm contents, not a plain file"):
+        sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r")
+    assert not podman.exists(name)
