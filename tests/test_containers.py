@@ -12,6 +12,7 @@ import re
 import tarfile
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -523,3 +524,96 @@ def test_dev_shm_files_come_back_and_a_link_among_them_is_refused(
                        match="holds 'escape' in its /dev/shm contents, not a plain file"):
         sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r")
     assert not podman.exists(name)
+
+
+class _Squatting(Podman):
+    """This machine's podman, where another container takes the address of the container
+    being recorded while its processes are checkpointed (as a new session's or a restore's
+    container may on a busy node)."""
+
+    def __init__(self, env: dict[str, str], image: str, squatter: str) -> None:
+        super().__init__(env=env)
+        self.image, self.squatter = image, squatter
+
+    def checkpoint(self, container: str, export: str, keep: bool) -> None:
+        address = self.inspect(container)["NetworkSettings"]["IPAddress"]
+        super().checkpoint(container, export, keep)
+        self.run("run", "-d", "--name", self.squatter, "--ip", address, self.image,
+                 "sleep", "1000")
+
+
+def test_a_recording_whose_address_was_taken_meanwhile_restores_on_a_fresh_one(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 50 row 16: the restore in place that ends a recording with memory asked for
+    the container's old address, and failed when another container had taken it."""
+    squatter = _name(names)
+    sandboxes = ContainerSandboxes(_Squatting(runtime.env, runtime.image, squatter),
+                                   BlobCache(tmp_path / "cache"), tmp_path / "staging")
+    first = _name(names)
+    _run(podman, runtime, first, SERVER)
+    assert ask(podman, first) == 1
+    address = podman.inspect(first)["NetworkSettings"]["IPAddress"]
+    with caplog.at_level("WARNING", logger="nemo_ckpt.holder"):
+        recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is not None
+    assert ask(podman, first) == 2  # running on, from its memory
+    assert podman.inspect(squatter)["NetworkSettings"]["IPAddress"] == address
+    assert podman.inspect(first)["NetworkSettings"]["IPAddress"] not in ("", address)
+    assert f"container {first} continues on a new address" in caplog.text
+
+
+class _LosingDump(Podman):
+    """This machine's podman, where the dump of a recording's checkpoint is lost before
+    its restore in place (as a failing CRIU or a full disk would leave it)."""
+
+    def checkpoint(self, container: str, export: str, keep: bool) -> None:
+        super().checkpoint(container, export, keep)
+        folder = Path(self.inspect(container)["StaticDir"])
+        (folder / "checkpoint" / "inventory.img").unlink()
+
+
+def test_a_recording_that_cannot_restore_its_processes_says_the_container_is_stopped(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 16: the failed recording's error says what state the container is in
+    and what the worker does."""
+    sandboxes = ContainerSandboxes(_LosingDump(env=runtime.env),
+                                   BlobCache(tmp_path / "cache"), tmp_path / "staging")
+    first = _name(names)
+    _run(podman, runtime, first, SERVER)
+    with pytest.raises(ContainerRuntimeError,
+                       match=f"^container {first} was stopped for this turn's recording .* "
+                             f"the turn is not committed and the container stays stopped: "
+                             f"close the session .* or restore the last snapshot$"):
+        sandboxes.record(first, None)
+    assert podman.inspect(first)["State"]["Status"] == "exited"
+
+
+def test_sixteen_containers_on_the_default_network_record_at_every_turn_beside_restores(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 16 at scale: four holders on one node, four sessions each, every turn
+    recorded with memory while the node restores other containers (each takes an address
+    from podman's default network); every recording succeeds and every server continues."""
+    holders = [_sandboxes(podman, tmp_path / f"holder{i}") for i in range(4)]
+    servers = [[_name(names) for _ in range(4)] for _ in holders]
+    for i in range(4):  # neighbouring addresses in different holders
+        for own in servers:
+            _run(podman, runtime, own[i], SERVER)
+
+    def run_holder(sandboxes: ContainerSandboxes, own: list[str]) -> list[int]:
+        recorded: dict[str, RecordedContainer] = {}
+        for turn in range(3):
+            for server in own:
+                assert ask(podman, server) == turn + 1
+                before = recorded.get(server)
+                recorded[server] = sandboxes.record(server, before and before.listings)
+                assert recorded[server].record.memory is not None
+            # Another job's restore on this node: a new container takes an address.
+            made = _name(names)
+            assert sandboxes.restore(recorded[own[turn]].record, _fetch(sandboxes), made,
+                                     "k", "r").running is True
+        return [ask(podman, server) for server in own]
+
+    with ThreadPoolExecutor(len(holders)) as pool:
+        counts = list(pool.map(run_holder, holders, servers))
+    assert counts == [[4, 4, 4, 4]] * len(holders)

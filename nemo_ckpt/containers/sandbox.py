@@ -26,6 +26,7 @@ following links (issue 50, case 3).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import tarfile
@@ -48,6 +49,7 @@ from nemo_ckpt.sandboxes.tree_types import tree_digests, tree_stats
 
 __all__ = ["ContainerSandboxes", "RecordedContainer", "RestoredContainer", "LABEL"]
 
+log = logging.getLogger("nemo_ckpt.holder")
 LABEL = "io.nemo-ckpt.capture-key"  # on every container a restore creates
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_OPAQUE_ENTRIES = 200_000
@@ -179,7 +181,7 @@ class ContainerSandboxes:
                           overlay=marks)
         finally:
             if capture_memory:
-                self.podman.restore_in_place(container)
+                self._continue(container)
         for digest, data in result.objects.items():
             self.cache.put(digest, data)
         blobs = set(result.blobs())
@@ -193,6 +195,27 @@ class ContainerSandboxes:
         return RecordedContainer(record, result.listings, frozenset(blobs),
                                  result.file_count(), result.file_bytes(),
                                  result.files_read)
+
+    def _continue(self, container: str) -> None:
+        """Restore the processes of the recording's checkpoint in place: on the
+        container's own address, or on a new one when that fails (on podman's default
+        network another container may have taken it while they were stopped)."""
+        try:
+            self.podman.restore_in_place(container)
+            return
+        except ContainerRuntimeError as exc:
+            first = str(exc).splitlines()[-1]
+        try:
+            self.podman.restore_in_place(container, fresh_address=True)
+        except ContainerRuntimeError as exc:
+            raise ContainerRuntimeError(
+                f"container {container} was stopped for this turn's recording (its "
+                f"processes checkpointed) and podman could not restore them in place: "
+                f"{str(exc).splitlines()[-1]}; the turn is not committed and the container "
+                f"stays stopped: close the session (its rollout starts over) or restore "
+                f"the last snapshot") from None
+        log.warning("container %s continues on a new address: podman could not restore "
+                    "it on its own (%s)", container, first[-500:])
 
     def _checkpoint(self, container: str) -> tuple[bytes, int]:
         """Checkpoint the processes (they stop, the dump kept for the restore in place)
