@@ -350,3 +350,54 @@ def test_a_stop_snapshot_removes_the_containers_and_a_restore_makes_them_again(
         job.run(run())
     finally:
         job.close()
+
+
+def test_a_turn_whose_container_is_not_restored_after_its_recording_fails_and_names_its_rows(
+        tmp_path: Path, runtime: Setup, podman: Podman, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 50 row 16: a turn whose commit cannot restore the container after its
+    checkpoint fails saying the container stays stopped and what to do; the session
+    keeps its last committed turn; the snapshot names the turn's rows as written by a
+    turn that never committed, not as RL's data plane's leftovers."""
+    armed: list[bool] = []
+
+    class LosingDump(Podman):  # the dump is lost before the restore in place (real podman)
+        def checkpoint(self, container: str, export: str, keep: bool) -> None:
+            super().checkpoint(container, export, keep)
+            if armed:
+                folder = Path(self.inspect(container)["StaticDir"])
+                (folder / "checkpoint" / "inventory.img").unlink()
+
+    monkeypatch.setattr("nemo_ckpt.containers.backend.Podman", LosingDump)
+    job = _job(tmp_path, runtime)
+    try:
+        async def run() -> None:
+            await job.ckpt.ensure_holders()
+            instances = sorted(job.holders())
+            client = await job.client(instances[0])
+            ep = Ep(f"{instances[0]}-r0", 0)
+            name = _start(podman, runtime)
+            await client.open(ep, b"s0", container=name)
+            async with client.turn(ep) as turn:
+                assert ask(podman, name) == 1
+                turn.complete(b"t1", b"s1", ["row-1"])
+            armed.append(True)
+            with pytest.raises(ContainerRuntimeError, match="the turn is not committed and "
+                               "the container stays stopped: close the session"):
+                async with client.turn(ep) as turn:
+                    assert ask(podman, name) == 2
+                    turn.complete(b"t2", b"s2", ["row-2"])
+            assert (await client.get(ep)).turns == (b"t1",)
+            cut = StaticCut({i: ({ep} if i == instances[0] else set()) for i in instances},
+                            {"row-1", "row-2"})
+            with caplog.at_level(logging.WARNING):
+                async with job.ckpt.snapshot(tmp_path / "ckpt" / "step-1") as snap:
+                    assert snap is not None
+                    await snap.check_against_cut(cut)
+            assert "1 staging row(s) written by turns whose commit failed recording the " \
+                   "session's sandbox" in caplog.text
+            assert "row-2" in caplog.text and "RL's data plane" not in caplog.text
+
+        job.run(run())
+    finally:
+        job.close()

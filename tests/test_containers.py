@@ -587,6 +587,11 @@ def test_a_recording_that_cannot_restore_its_processes_says_the_container_is_sto
                              f"close the session .* or restore the last snapshot$"):
         sandboxes.record(first, None)
     assert podman.inspect(first)["State"]["Status"] == "exited"
+    # The next turn's recording refuses rather than record its files without memory.
+    with pytest.raises(ContainerRuntimeError,
+                       match=f"^container {first} is stopped with its processes "
+                             f"checkpointed and not restored .* close the session"):
+        sandboxes.record(first, None)
 
 
 def test_sixteen_containers_on_the_default_network_record_at_every_turn_beside_restores(

@@ -123,10 +123,11 @@ class ContainerSandboxes:
 
     # --- recording ---------------------------------------------------------------
 
-    def describe(self, container: str) -> tuple[ContainerConfig, Path, bool, Path | None]:
+    def describe(self, container: str, memory: bool = False
+                 ) -> tuple[ContainerConfig, Path, bool, Path | None]:
         """The container's creation config, its upper directory, whether it runs, and
         its folder in podman's storage; ``ContainerRuntimeError`` for one that cannot be
-        recorded."""
+        recorded (with ``memory``: stopped by a recording whose restore failed)."""
         info = self.podman.inspect(container)
         driver = info.get("GraphDriver") or {}
         if driver.get("Name") != "overlay":
@@ -155,7 +156,14 @@ class ContainerSandboxes:
             env=tuple(config.get("Env") or ()),
             workdir=str(config.get("WorkingDir") or "/"),
             user=str(config.get("User") or ""))
-        running = bool((info.get("State") or {}).get("Running"))
+        state = info.get("State") or {}
+        running = bool(state.get("Running"))
+        if memory and not running and state.get("Checkpointed"):
+            raise ContainerRuntimeError(
+                f"container {container} is stopped with its processes checkpointed and "
+                f"not restored (a recording of an earlier turn could not restore them): "
+                f"its memory would be lost; close the session (its rollout starts over) "
+                f"or restore the last snapshot")
         static = info.get("StaticDir")
         return cfg, Path(upper), running, Path(static) if static else None
 
@@ -164,7 +172,7 @@ class ContainerSandboxes:
         """Record ``container`` now: its processes' memory where ``memory``, CRIU works
         and it runs, and its filesystem changes (re-reading only what changed since the
         recording whose listings are ``previous``)."""
-        config, upper, running, static = self.describe(container)
+        config, upper, running, static = self.describe(container, memory and self.memory)
         captured: tuple[bytes, int] | None = None
         capture_memory = memory and self.memory and running and self.criu_problem() is None
         if capture_memory:
