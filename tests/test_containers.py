@@ -475,7 +475,7 @@ def _replace(data: bytes, name: str, body: bytes) -> bytes:
     return out.getvalue()
 
 
-def test_a_deeply_nested_dump_or_a_dot_member_is_refused_in_one_line(
+def test_a_deeply_nested_dump_or_a_dot_or_repeated_member_is_refused_in_one_line(
         runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
     """Issue 50 row 4: a deeply nested config.dump raised a bare RecursionError; a member
     named ``checkpoint/..`` was accepted."""
@@ -490,6 +490,15 @@ def test_a_deeply_nested_dump_or_a_dot_member_is_refused_in_one_line(
                            match=f"holds {re.escape(repr(dot))}, which podman's export "
                                  f"never writes"):
             check_archive(_replace(data, dot, b"x"), image, "r")
+    twice = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(data)) as src, \
+            tarfile.open(fileobj=twice, mode="w") as dst:
+        for member in src:
+            dst.addfile(member, src.extractfile(member) if member.isreg() else None)
+            if member.name.endswith("inventory.img"):
+                dst.addfile(member, src.extractfile(member))
+    with pytest.raises(ContainerRuntimeError, match=r"holds 'checkpoint/inventory.img' twice"):
+        check_archive(twice.getvalue(), image, "r")
     crafted = _craft(sandboxes, recorded.record, _replace(data, "spec.dump", nested))
     name = _name(names)
     with pytest.raises(ContainerRuntimeError, match="restore another snapshot$"):

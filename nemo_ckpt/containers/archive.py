@@ -60,6 +60,7 @@ def check_archive(data: bytes, image_id: str, where: str) -> list[tarfile.TarInf
                                      f"restore another snapshot")
 
     members: list[tarfile.TarInfo] = []
+    seen: set[str] = set()
     dumps: dict[str, bytes] = {}
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
@@ -69,6 +70,9 @@ def check_archive(data: bytes, image_id: str, where: str) -> list[tarfile.TarInf
                     raise refuse(f"holds more than {MAX_MEMBERS} members")
                 name = member.name.removeprefix("./").rstrip("/")
                 parts = name.split("/")
+                if name in seen:
+                    raise refuse(f"holds {name[:200]!r} twice")
+                seen.add(name)
                 if not (member.isreg() or member.isdir()):
                     raise refuse(f"holds {name[:200]!r}, neither a file nor a folder")
                 if len(parts) == 1:
@@ -159,6 +163,15 @@ def place_checkpoint(data: bytes, members: Iterable[tarfile.TarInfo], bundle: Pa
     images of the checked archive ``data`` (its ``members``, from ``check_archive``) as
     ``checkpoint/``, and its ``/dev/shm`` contents rebuilt from plain files and folders;
     nothing else of the archive. By descriptor, creating every name afresh."""
+    try:
+        _place(data, members, bundle, where)
+    except OSError as exc:
+        raise ContainerRuntimeError(f"cannot place the checkpoint of {where} in {bundle}: "
+                                    f"{exc.strerror or exc}") from exc
+
+
+def _place(data: bytes, members: Iterable[tarfile.TarInfo], bundle: Path, where: str
+           ) -> None:
     fd = os.open(bundle, _DIR_FLAGS)
     try:
         os.mkdir("checkpoint", 0o700, dir_fd=fd)
