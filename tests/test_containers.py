@@ -235,7 +235,7 @@ def _recorded(podman: Podman, runtime: Setup, names: list[str], tmp_path: Path
     return sandboxes, recorded, data
 
 
-def _rewrite(data: bytes, name: str, change: object) -> bytes:
+def rewrite_dump(data: bytes, name: str, change: object) -> bytes:
     """The archive ``data`` with the JSON member ``name`` changed by ``change``."""
     out = io.BytesIO()
     with tarfile.open(fileobj=io.BytesIO(data)) as src, \
@@ -270,7 +270,7 @@ def test_a_stored_checkpoint_archive_asking_for_the_host_is_refused(
     sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
     check_archive(data, recorded.record.config.image, "r")  # podman's own passes
     with pytest.raises(ContainerRuntimeError, match=refusal):
-        check_archive(_rewrite(data, member, change), recorded.record.config.image, "r")
+        check_archive(rewrite_dump(data, member, change), recorded.record.config.image, "r")
 
 
 def test_a_stored_archive_holding_a_link_or_an_unknown_member_is_refused(
@@ -385,7 +385,7 @@ def test_oci_hooks_in_a_stored_spec_never_run_on_the_host(
     sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
     marker = tmp_path / "hook-ran"
     hook = {"path": "/bin/sh", "args": ["sh", "-c", f"echo ran >> {marker}"]}
-    crafted = _craft(sandboxes, recorded.record, _rewrite(data, "spec.dump", lambda s: s.
+    crafted = _craft(sandboxes, recorded.record, rewrite_dump(data, "spec.dump", lambda s: s.
                      __setitem__("hooks", {kind: [hook] for kind in (
                          "prestart", "createRuntime", "createContainer", "startContainer",
                          "poststart", "poststop")})))
@@ -407,7 +407,7 @@ def test_pid_files_a_stored_config_names_on_the_host_are_left_alone(
 
     def point(config: dict[str, object]) -> None:
         config.update({field: str(path) for field, path in targets.items()})
-    crafted = _craft(sandboxes, recorded.record, _rewrite(data, "config.dump", point))
+    crafted = _craft(sandboxes, recorded.record, rewrite_dump(data, "config.dump", point))
     name = _name(names)
     assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
     assert ask(podman, name) == 1
@@ -447,7 +447,7 @@ def test_port_mappings_in_a_stored_config_publish_nothing(
     sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
     ports = [{"host_ip": "", "container_port": 80, "host_port": 18931, "range": 1,
               "protocol": "tcp"}]
-    crafted = _craft(sandboxes, recorded.record, _rewrite(
+    crafted = _craft(sandboxes, recorded.record, rewrite_dump(
         data, "config.dump", lambda c: c.__setitem__("newPortMappings", ports)))
     name = _name(names)
     assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
