@@ -179,12 +179,14 @@ class Podman:
         self.run("init", container)
 
     def stop(self, container: str) -> None:
+        """Stop the container at once (no grace period)."""
         self.run("stop", "--time", "0", container)
 
     def restore_prepared(self, container: str) -> None:
         """Restore the processes of the stopped ``container`` from the CRIU images
         placed in its folder (``checkpoint/``), with its files as they are now."""
         self.run("container", "restore", container)
+
 
 def criu_check_problem(criu: str, env: Mapping[str, str] | None = None) -> str | None:
     """None when ``criu check`` passes with the binary ``criu``, else what it said."""
