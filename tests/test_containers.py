@@ -547,8 +547,10 @@ class _Squatting(Podman):
     def checkpoint(self, container: str, export: str, keep: bool) -> None:
         address = self.inspect(container)["NetworkSettings"]["IPAddress"]
         super().checkpoint(container, export, keep)
-        self.run("run", "-d", "--name", self.squatter, "--ip", address, self.image,
-                 "sleep", "1000")
+        done = self.run("run", "-d", "--name", self.squatter, "--ip", address, self.image,
+                        "sleep", "1000", check=False)
+        # Refused only when another process's container took the address first.
+        assert done.returncode == 0 or b"is not available" in done.stderr, done.stderr
 
 
 def test_a_recording_whose_address_was_taken_meanwhile_restores_on_a_fresh_one(
@@ -567,7 +569,6 @@ def test_a_recording_whose_address_was_taken_meanwhile_restores_on_a_fresh_one(
         recorded = sandboxes.record(first, None)
     assert recorded.record.memory is not None
     assert ask(podman, first) == 2  # running on, from its memory
-    assert podman.inspect(squatter)["NetworkSettings"]["IPAddress"] == address
     assert podman.inspect(first)["NetworkSettings"]["IPAddress"] not in ("", address)
     assert f"container {first} continues on a new address" in caplog.text
 
