@@ -194,6 +194,10 @@ class Sandboxes:
         # recorded: the worker still finds it in its session): never captured,
         # reported restarting.
         self.restart_only: dict[str, SandboxLocation | None] = {}
+        # The staging keys of each session's last turn whose commit failed recording
+        # its sandbox (the worker got the error): a snapshot's orphan rows are named as
+        # theirs, not blamed on RL's data plane. One set per session, gone with it.
+        self.unrecorded: dict[str, frozenset[str]] = {}
         self.limits = limits or SandboxLimits()
         self.tree_budget = tree_budget or TreeBudget()
         self.restore_setid = restore_setid
@@ -367,6 +371,7 @@ class Sandboxes:
 
     def drop(self, rollout_id: str) -> Sandbox | None:
         self.restart_only.pop(rollout_id, None)
+        self.unrecorded.pop(rollout_id, None)
         old = self._by_rollout.pop(rollout_id, None)
         if old is not None:
             self._count(old.recorded.blobs, -1)

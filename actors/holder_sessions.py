@@ -289,16 +289,20 @@ class Sessions:
         box = self._sandboxes.get(episode.rollout_id)
         recorded: Recorded | None = None
         if box is not None and self._turn_is(episode, token):
+            recording = False
             try:
                 self._check_size("turn record", episode, record)
                 self._check_size("state", episode, state)
+                recording = True
                 recorded = (await self._sandboxes.record_all(
                     self._runtime.run_blocking, [(episode.capture_key, box.location)],
                     box.recorded))[episode.capture_key]
-            except BaseException:
+            except BaseException as exc:
                 if self._turn_is(episode, token):
                     self._take_turn(episode, token)
                     await self._gate.notify()
+                if recording and isinstance(exc, Exception):
+                    self._note_unrecorded(episode, staging_keys)
                 raise
         try:
             self._take_turn(episode, token)
@@ -322,6 +326,17 @@ class Sessions:
             if recorded is not None:
                 self._sandboxes.forget_unused(recorded)
             await self._gate.notify()
+
+    def _note_unrecorded(self, episode: EnvironmentEpisode,
+                         staging_keys: Iterable[str]) -> None:
+        """Remember the staging rows of a turn whose commit failed recording its
+        sandbox, for the orphan rows a snapshot reports."""
+        try:
+            keys = check_staging_keys(staging_keys, episode.capture_key)
+        except TypeError:
+            return
+        if keys and self._sandboxes.get(episode.rollout_id) is not None:
+            self._sandboxes.unrecorded[episode.rollout_id] = keys
 
     async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None:
         """Abort a turn: nothing it did is recorded. A token not in flight (its begin

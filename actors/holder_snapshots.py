@@ -154,6 +154,9 @@ class SnapshotPhases:
             finished_count=parts.table.finished,  # a finished session is never mid-turn
             replay_restarts=parts.replay_restarts,
             restart_only_count=sum(1 for h in mid_turn if h.rollout_id in restart_only),
+            unrecorded_keys=tuple(k for h in held
+                                  for k in parts.sandboxes.unrecorded.get(h.rollout_id, ()))
+            if parts.sandboxes.unrecorded else (),
         )
         op.capture = Capture(held, report, sandboxes)
         return report

@@ -16,11 +16,12 @@ Each operation is timed with a ``sync`` before and after, ``--repeats`` (5) time
    tar);
 3. the restores, each into a new container removed after, podman's first in every
    other repetition: nemo-ckpt's ``ContainerSandboxes.restore`` of the first recording
-   with memory (``podman container restore --import`` of its checked archive and
-   files) and with ``memory = False`` (created from the image, files copied in, started
-   afresh); ``podman container restore --import`` of podman's archive; ``podman
-   import`` of its tar, then ``podman create`` and ``start`` (started afresh); and the
-   floor: as many files of the tree's sizes written into a new folder on the host.
+   with memory (created from its record, files copied in, its checked CRIU images
+   restored by ``podman container restore``) and with ``memory = False`` (created
+   from the image, files copied in, started afresh); ``podman container restore
+   --import`` of podman's archive; ``podman import`` of its tar, then ``podman
+   create`` and ``start`` (started afresh); and the floor: as many files of the
+   tree's sizes written into a new folder on the host.
 
 The recordings run before podman's checkpoints, so that neither sees the other's
 leftovers; the benchmark checks that the changed file survives a recording. (Run

@@ -118,6 +118,9 @@ class CaptureReport:
     # steps returned something else (nemo_ckpt.adapters; SessionClient.replay_diverged).
     replay_restarts: int = 0
     restart_only_count: int = 0
+    # Staging keys of captured sessions' turns whose commit failed recording their
+    # sandbox (the worker got the error): rows RL wrote for turns that never committed.
+    unrecorded_keys: tuple[str, ...] = ()
 
     def rows(self) -> list[list[Any]]:
         """The captured sessions as msgpack decodes them, ``[rollout_id, attempt,

@@ -6,6 +6,7 @@ sessions reported and started over."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import uuid
@@ -18,6 +19,7 @@ import pytest
 from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.containers.podman import Podman
+from nemo_ckpt.containers.sandbox import ContainerSandboxes, RecordedContainer
 from nemo_ckpt.errors import ContainerRuntimeError, StartupCheckError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.sandboxes.backend import ContainerRef, EnvironmentClass
@@ -29,6 +31,7 @@ from tests.test_containers import (
     ask,
     assert_nothing_mounted_or_networked,
     containers_named,
+    rewrite_dump,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -350,3 +353,136 @@ def test_a_stop_snapshot_removes_the_containers_and_a_restore_makes_them_again(
         job.run(run())
     finally:
         job.close()
+
+
+def test_a_turn_whose_container_is_not_restored_after_its_recording_fails_and_names_its_rows(
+        tmp_path: Path, runtime: Setup, podman: Podman, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 50 row 16: a turn whose commit cannot restore the container after its
+    checkpoint fails saying the container stays stopped and what to do; the session
+    keeps its last committed turn; the snapshot names the turn's rows as written by a
+    turn that never committed, not as RL's data plane's leftovers."""
+    armed: list[bool] = []
+
+    class LosingDump(Podman):  # the dump is lost before the restore in place (real podman)
+        def checkpoint(self, container: str, export: str, keep: bool) -> None:
+            super().checkpoint(container, export, keep)
+            if armed:
+                folder = Path(self.inspect(container)["StaticDir"])
+                (folder / "checkpoint" / "inventory.img").unlink()
+
+    monkeypatch.setattr("nemo_ckpt.containers.backend.Podman", LosingDump)
+    job = _job(tmp_path, runtime)
+    try:
+        async def run() -> None:
+            await job.ckpt.ensure_holders()
+            instances = sorted(job.holders())
+            client = await job.client(instances[0])
+            ep = Ep(f"{instances[0]}-r0", 0)
+            name = _start(podman, runtime)
+            await client.open(ep, b"s0", container=name)
+            async with client.turn(ep) as turn:
+                assert ask(podman, name) == 1
+                turn.complete(b"t1", b"s1", ["row-1"])
+            armed.append(True)
+            with pytest.raises(ContainerRuntimeError, match="the turn is not committed and "
+                               "the container stays stopped: close the session"):
+                async with client.turn(ep) as turn:
+                    assert ask(podman, name) == 2
+                    turn.complete(b"t2", b"s2", ["row-2"])
+            assert (await client.get(ep)).turns == (b"t1",)
+            cut = StaticCut({i: ({ep} if i == instances[0] else set()) for i in instances},
+                            {"row-1", "row-2"})
+            with caplog.at_level(logging.WARNING):
+                async with job.ckpt.snapshot(tmp_path / "ckpt" / "step-1") as snap:
+                    assert snap is not None
+                    await snap.check_against_cut(cut)
+            assert "1 staging row(s) written by turns whose commit failed recording the " \
+                   "session's sandbox" in caplog.text
+            assert "row-2" in caplog.text and "RL's data plane" not in caplog.text
+
+        job.run(run())
+    finally:
+        job.close()
+
+
+def test_a_committed_snapshot_its_writer_crafted_never_reaches_the_host(
+        tmp_path: Path, runtime: Setup, podman: Podman,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 50 rows 1-4 through a committed snapshot: whoever writes the checkpoint root
+    wrote it with podman's archive changed (OCI hooks, host pid files, a published port)
+    and a deletion through a link to a host file; every hash in it is right. A fresh
+    job's restore continues the container from its memory, and the host is untouched."""
+    host = tmp_path / "host"
+    host.mkdir()
+    marker, victim = host / "hook-ran", host / "victim"
+    pid_files = {field: host / field for field in ("conmonPidFile", "pid_file")}
+    for path in [victim, *pid_files.values()]:
+        path.write_text("the host's")
+    hook = {"path": "/bin/sh", "args": ["sh", "-c", f"echo ran >> {marker}"]}
+
+    class Crafting(Podman):  # the writer's podman: its exported archive changed
+        def checkpoint(self, container: str, export: str, keep: bool) -> None:
+            super().checkpoint(container, export, keep)
+            data = Path(export).read_bytes()
+            data = rewrite_dump(data, "spec.dump", lambda s: s.__setitem__("hooks", {
+                kind: [hook] for kind in ("prestart", "createRuntime", "poststop")}))
+            data = rewrite_dump(data, "config.dump", lambda c: c.update(
+                {**{f: str(p) for f, p in pid_files.items()}, "newPortMappings": [
+                    {"host_ip": "", "container_port": 80, "host_port": 18932,
+                     "range": 1, "protocol": "tcp"}]}))
+            Path(export).write_bytes(data)
+
+    class CraftingRecords(ContainerSandboxes):  # ... and its record a deletion added
+        def record(self, *args: Any, **kwargs: Any) -> RecordedContainer:
+            got = super().record(*args, **kwargs)
+            return dataclasses.replace(got, record=dataclasses.replace(
+                got.record, whiteouts=got.record.whiteouts + ("work_esc/victim",)))
+
+    monkeypatch.setattr("nemo_ckpt.containers.backend.Podman", Crafting)
+    monkeypatch.setattr("nemo_ckpt.containers.backend.ContainerSandboxes", CraftingRecords)
+    path = tmp_path / "ckpt" / "step-1"
+    job = _job(tmp_path, runtime)
+    eps: dict[Ep, str] = {}
+    try:
+        async def write() -> None:
+            await job.ckpt.ensure_holders()
+            instances = sorted(job.holders())
+            client = await job.client(instances[0])
+            ep = Ep(f"{instances[0]}-r0", 0)
+            eps[ep] = name = _start(podman, runtime)
+            podman.run("exec", name, "ln", "-s", str(host), "/work_esc")
+            await client.open(ep, b"s0", container=name)
+            await _turns(job, podman, eps, instances[0], 2)
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut(
+                    {i: ({ep} if i == instances[0] else set()) for i in instances}, set()))
+
+        job.run(write())
+    finally:
+        job.close()
+    monkeypatch.undo()
+    for name in eps.values():
+        podman.remove(name)
+    assert verify_snapshot(path).ok
+
+    fresh = _job(tmp_path, runtime, seed=1)
+    try:
+        async def restore() -> None:
+            async with fresh.ckpt.restored(path) as restored:
+                assert len(restored.continued_attempts) == 1
+            [(instance, rollout_id, attempt)] = restored.continued_attempts
+            client = await fresh.client(instance)
+            record = await client.get(Ep(rollout_id, attempt + 1))
+            assert record.container is not None
+            assert ask(podman, record.container) == 3  # from its memory
+            assert podman.text("port", record.container) == ""
+            podman.remove(record.container)
+
+        fresh.run(restore())
+    finally:
+        fresh.close()
+    assert not marker.exists()
+    assert {p.name: p.read_text() for p in [victim, *pid_files.values()]} == {
+        p.name: "the host's" for p in [victim, *pid_files.values()]}

@@ -8,9 +8,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import tarfile
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -233,7 +235,7 @@ def _recorded(podman: Podman, runtime: Setup, names: list[str], tmp_path: Path
     return sandboxes, recorded, data
 
 
-def _rewrite(data: bytes, name: str, change: object) -> bytes:
+def rewrite_dump(data: bytes, name: str, change: object) -> bytes:
     """The archive ``data`` with the JSON member ``name`` changed by ``change``."""
     out = io.BytesIO()
     with tarfile.open(fileobj=io.BytesIO(data)) as src, \
@@ -268,7 +270,7 @@ def test_a_stored_checkpoint_archive_asking_for_the_host_is_refused(
     sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
     check_archive(data, recorded.record.config.image, "r")  # podman's own passes
     with pytest.raises(ContainerRuntimeError, match=refusal):
-        check_archive(_rewrite(data, member, change), recorded.record.config.image, "r")
+        check_archive(rewrite_dump(data, member, change), recorded.record.config.image, "r")
 
 
 def test_a_stored_archive_holding_a_link_or_an_unknown_member_is_refused(
@@ -365,3 +367,268 @@ def test_a_recording_keeps_files_written_after_someone_elses_podman_checkpoint(
     assert recorded.record.memory is not None
     assert _sh(podman, name, "cat /work/f") == "new"
     assert ask(podman, name) == 1  # still running, from its memory
+
+
+def _craft(sandboxes: ContainerSandboxes, record: ContainerRecord, data: bytes,
+           **fields: object) -> ContainerRecord:
+    """``record`` with the checkpoint archive ``data`` as its memory (stored under its own
+    digest, as an attacker re-hashes what they wrote) and ``fields`` changed."""
+    digest, size = sandboxes.cache.store([data])
+    return ContainerRecord(**{**{f: getattr(record, f) for f in ContainerRecord.__slots__},
+                              "memory": digest, "memory_size": size, **fields})
+
+
+def test_oci_hooks_in_a_stored_spec_never_run_on_the_host(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 1: hooks added to spec.dump ran on the host as root at the restore
+    and at the container's removal; what podman is handed now comes from our record."""
+    sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    marker = tmp_path / "hook-ran"
+    hook = {"path": "/bin/sh", "args": ["sh", "-c", f"echo ran >> {marker}"]}
+    crafted = _craft(sandboxes, recorded.record, rewrite_dump(data, "spec.dump", lambda s: s.
+                     __setitem__("hooks", {kind: [hook] for kind in (
+                         "prestart", "createRuntime", "createContainer", "startContainer",
+                         "poststart", "poststop")})))
+    name = _name(names)
+    assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
+    assert ask(podman, name) == 1  # its server continues from its memory
+    podman.remove(name)
+    assert not marker.exists()
+
+
+def test_pid_files_a_stored_config_names_on_the_host_are_left_alone(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 2: config.dump's conmonPidFile / pid_file naming a host path had
+    podman overwrite that file as root."""
+    sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    targets = {field: tmp_path / field for field in ("conmonPidFile", "pid_file")}
+    for path in targets.values():
+        path.write_text("the host's")
+
+    def point(config: dict[str, object]) -> None:
+        config.update({field: str(path) for field, path in targets.items()})
+    crafted = _craft(sandboxes, recorded.record, rewrite_dump(data, "config.dump", point))
+    name = _name(names)
+    assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
+    assert ask(podman, name) == 1
+    podman.remove(name)
+    assert {f: p.read_text() for f, p in targets.items()} == {
+        f: "the host's" for f in targets}
+
+
+def test_a_crafted_deletion_through_a_link_with_memory_never_reaches_the_host(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 3: with CRIU memory the deletions went to podman as deleted.files,
+    which it removes following links; we delete them, by descriptor, before the
+    processes run."""
+    sandboxes = _sandboxes(podman, tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("the host's")
+    first = _name(names)
+    _run(podman, runtime, first, SERVER)
+    _sh(podman, first, f"ln -s {tmp_path} /work_esc && rm /bin/vi")
+    recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is not None
+    crafted = ContainerRecord(**{
+        **{f: getattr(recorded.record, f) for f in ContainerRecord.__slots__},
+        "whiteouts": recorded.record.whiteouts + ("work_esc/victim",)})
+    name = _name(names)
+    assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
+    assert victim.read_text() == "the host's"
+    assert ask(podman, name) == 1
+    assert _sh(podman, name, "readlink /work_esc; test -e /bin/vi || echo no-vi"
+               ).splitlines() == [str(tmp_path), "no-vi"]
+
+
+def test_port_mappings_in_a_stored_config_publish_nothing(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 4: config.dump's newPortMappings published a host port of the
+    file's choosing."""
+    sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    ports = [{"host_ip": "", "container_port": 80, "host_port": 18931, "range": 1,
+              "protocol": "tcp"}]
+    crafted = _craft(sandboxes, recorded.record, rewrite_dump(
+        data, "config.dump", lambda c: c.__setitem__("newPortMappings", ports)))
+    name = _name(names)
+    assert sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r").running is True
+    assert ask(podman, name) == 1
+    assert podman.text("port", name) == ""
+    assert podman.inspect(name)["NetworkSettings"]["Ports"] in ({}, None)
+
+
+def _replace(data: bytes, name: str, body: bytes) -> bytes:
+    """The archive ``data`` with the member ``name``'s content replaced by ``body``
+    (added when it is not there)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(data)) as src, \
+            tarfile.open(fileobj=out, mode="w") as dst:
+        found = False
+        for member in src:
+            content = src.extractfile(member) if member.isreg() else None
+            if member.name == name:
+                found, member.size, content = True, len(body), io.BytesIO(body)
+            dst.addfile(member, content)
+        if not found:
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            dst.addfile(info, io.BytesIO(body))
+    return out.getvalue()
+
+
+def test_a_deeply_nested_dump_or_a_dot_or_repeated_member_is_refused_in_one_line(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 4: a deeply nested config.dump raised a bare RecursionError; a member
+    named ``checkpoint/..`` was accepted."""
+    sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
+    image = recorded.record.config.image
+    nested = b"[" * 200_000 + b"]" * 200_000
+    with pytest.raises(ContainerRuntimeError,
+                       match=r"holds a dump that is not JSON \(JSON nested too deeply"):
+        check_archive(_replace(data, "config.dump", nested), image, "r")
+    for dot in ("checkpoint/..", "checkpoint/."):
+        with pytest.raises(ContainerRuntimeError,
+                           match=f"holds {re.escape(repr(dot))}, which podman's export "
+                                 f"never writes"):
+            check_archive(_replace(data, dot, b"x"), image, "r")
+    twice = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(data)) as src, \
+            tarfile.open(fileobj=twice, mode="w") as dst:
+        for member in src:
+            dst.addfile(member, src.extractfile(member) if member.isreg() else None)
+            if member.name.endswith("inventory.img"):
+                dst.addfile(member, src.extractfile(member))
+    with pytest.raises(ContainerRuntimeError, match=r"holds 'checkpoint/inventory.img' twice"):
+        check_archive(twice.getvalue(), image, "r")
+    crafted = _craft(sandboxes, recorded.record, _replace(data, "spec.dump", nested))
+    name = _name(names)
+    with pytest.raises(ContainerRuntimeError, match="restore another snapshot$"):
+        sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r")
+    assert not podman.exists(name)
+
+
+def test_dev_shm_files_come_back_and_a_link_among_them_is_refused(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """The archive's /dev/shm contents are re-packed from plain files and folders."""
+    sandboxes = _sandboxes(podman, tmp_path)
+    first = _name(names)
+    _run(podman, runtime, first, SERVER)
+    _sh(podman, first, "mkdir /dev/shm/d && echo kept > /dev/shm/d/f")
+    recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is not None
+    name = _name(names)
+    assert sandboxes.restore(recorded.record, _fetch(sandboxes), name, "k", "r").running
+    assert _sh(podman, name, "cat /dev/shm/d/f") == "kept"
+
+    shm = io.BytesIO()
+    with tarfile.open(fileobj=shm, mode="w") as tar:
+        link = tarfile.TarInfo("escape")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc"
+        tar.addfile(link)
+    data = sandboxes.cache.read(recorded.record.memory, recorded.record.memory_size)
+    assert data is not None
+    crafted = _craft(sandboxes, recorded.record,
+                     _replace(data, "devshm-checkpoint.tar", shm.getvalue()))
+    name = _name(names)
+    with pytest.raises(ContainerRuntimeError,
+                       match="holds 'escape' in its /dev/shm contents, not a plain file"):
+        sandboxes.restore(crafted, _fetch(sandboxes), name, "k", "r")
+    assert not podman.exists(name)
+
+
+class _Squatting(Podman):
+    """This machine's podman, where another container takes the address of the container
+    being recorded while its processes are checkpointed (as a new session's or a restore's
+    container may on a busy node)."""
+
+    def __init__(self, env: dict[str, str], image: str, squatter: str) -> None:
+        super().__init__(env=env)
+        self.image, self.squatter = image, squatter
+
+    def checkpoint(self, container: str, export: str, keep: bool) -> None:
+        address = self.inspect(container)["NetworkSettings"]["IPAddress"]
+        super().checkpoint(container, export, keep)
+        done = self.run("run", "-d", "--name", self.squatter, "--ip", address, self.image,
+                        "sleep", "1000", check=False)
+        # Refused only when another process's container took the address first.
+        assert done.returncode == 0 or b"is not available" in done.stderr, done.stderr
+
+
+def test_a_recording_whose_address_was_taken_meanwhile_restores_on_a_fresh_one(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 50 row 16: the restore in place that ends a recording with memory asked for
+    the container's old address, and failed when another container had taken it."""
+    squatter = _name(names)
+    sandboxes = ContainerSandboxes(_Squatting(runtime.env, runtime.image, squatter),
+                                   BlobCache(tmp_path / "cache"), tmp_path / "staging")
+    first = _name(names)
+    _run(podman, runtime, first, SERVER)
+    assert ask(podman, first) == 1
+    address = podman.inspect(first)["NetworkSettings"]["IPAddress"]
+    with caplog.at_level("WARNING", logger="nemo_ckpt.holder"):
+        recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is not None
+    assert ask(podman, first) == 2  # running on, from its memory
+    assert podman.inspect(first)["NetworkSettings"]["IPAddress"] not in ("", address)
+    assert f"container {first} continues on a new address" in caplog.text
+
+
+class _LosingDump(Podman):
+    """This machine's podman, where the dump of a recording's checkpoint is lost before
+    its restore in place (as a failing CRIU or a full disk would leave it)."""
+
+    def checkpoint(self, container: str, export: str, keep: bool) -> None:
+        super().checkpoint(container, export, keep)
+        folder = Path(self.inspect(container)["StaticDir"])
+        (folder / "checkpoint" / "inventory.img").unlink()
+
+
+def test_a_recording_that_cannot_restore_its_processes_says_the_container_is_stopped(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 16: the failed recording's error says what state the container is in
+    and what the worker does."""
+    sandboxes = ContainerSandboxes(_LosingDump(env=runtime.env),
+                                   BlobCache(tmp_path / "cache"), tmp_path / "staging")
+    first = _name(names)
+    _run(podman, runtime, first, SERVER)
+    with pytest.raises(ContainerRuntimeError,
+                       match=f"^container {first} was stopped for this turn's recording .* "
+                             f"the turn is not committed and the container stays stopped: "
+                             f"close the session .* or restore the last snapshot$"):
+        sandboxes.record(first, None)
+    assert podman.inspect(first)["State"]["Status"] == "exited"
+    # The next turn's recording refuses rather than record its files without memory.
+    with pytest.raises(ContainerRuntimeError,
+                       match=f"^container {first} is stopped with its processes "
+                             f"checkpointed and not restored .* close the session"):
+        sandboxes.record(first, None)
+
+
+def test_sixteen_containers_on_the_default_network_record_at_every_turn_beside_restores(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    """Issue 50 row 16 at scale: four holders on one node, four sessions each, every turn
+    recorded with memory while the node restores other containers (each takes an address
+    from podman's default network); every recording succeeds and every server continues."""
+    holders = [_sandboxes(podman, tmp_path / f"holder{i}") for i in range(4)]
+    servers = [[_name(names) for _ in range(4)] for _ in holders]
+    for i in range(4):  # neighbouring addresses in different holders
+        for own in servers:
+            _run(podman, runtime, own[i], SERVER)
+
+    def run_holder(sandboxes: ContainerSandboxes, own: list[str]) -> list[int]:
+        recorded: dict[str, RecordedContainer] = {}
+        for turn in range(3):
+            for server in own:
+                assert ask(podman, server) == turn + 1
+                before = recorded.get(server)
+                recorded[server] = sandboxes.record(server, before and before.listings)
+                assert recorded[server].record.memory is not None
+            # Another job's restore on this node: a new container takes an address.
+            made = _name(names)
+            assert sandboxes.restore(recorded[own[turn]].record, _fetch(sandboxes), made,
+                                     "k", "r").running is True
+        return [ask(podman, server) for server in own]
+
+    with ThreadPoolExecutor(len(holders)) as pool:
+        counts = list(pool.map(run_holder, holders, servers))
+    assert counts == [[4, 4, 4, 4]] * len(holders)

@@ -1,31 +1,38 @@
-"""podman's checkpoint archive (``podman container checkpoint --export``), checked and
-put together again for a restore.
+"""podman's checkpoint archive (``podman container checkpoint --export``): checked, and
+its CRIU images placed in the folder of a container we created for the restore.
 
 The archive a capture stores holds the processes (CRIU's images) and the container's
 configuration, not its filesystem (``--ignore-rootfs``: that is recorded apart, in the
-blob store). A stored archive may come from anyone, and podman creates a container from
-the configuration inside it, so before a restore hands one to podman it is checked:
-only the members podman writes, regular files and folders only, within bounds; the
-container unprivileged, created from the record's image, with the default capabilities,
-no namespace joined from elsewhere, and no mount but podman's own (proc, sysfs, tmpfs,
-devpts, mqueue, cgroup, and binds of its own storage's files). Then the restore adds
-the filesystem changes the way podman's own export would have: ``rootfs-diff.tar`` and
-``deleted.files``.
+blob store). A stored archive may come from anyone. What we hand a runtime, we wrote
+(docs/DESIGN.md): the archive's ``config.dump`` and ``spec.dump`` are never given to
+podman. The restore creates the container from the record's image and its own bounded
+fields (``podman create``), and only the CRIU images (``checkpoint/``) and a
+``devshm-checkpoint.tar`` rebuilt from checked plain files go into that container's
+folder; no ``rootfs-diff.tar``, no ``deleted.files``, no ``network.status``. A denylist
+of a stored configuration always misses a field (hooks, pid files, port mappings).
+
+The dumps are still read and checked, as a sign of an archive that podman's checkpoint
+did not write or that was changed: only the members podman writes, regular files and
+folders only, within bounds; the container unprivileged, created from the record's
+image, with the default capabilities, no namespace joined from elsewhere, and no mount
+but podman's own. A refusal names the member or field.
 """
 
 from __future__ import annotations
 
 import io
-import json
+import os
 import re
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from nemo_ckpt.containers.record import check_relative_path
 from nemo_ckpt.errors import ContainerRuntimeError
+from nemo_ckpt.storage.manifest import load_json
 
-__all__ = ["check_archive", "assemble_archive"]
+__all__ = ["check_archive", "place_checkpoint"]
 
 MAX_MEMBERS = 20_000
 MAX_DUMP_BYTES = 16 << 20  # config.dump, spec.dump
@@ -53,6 +60,7 @@ def check_archive(data: bytes, image_id: str, where: str) -> list[tarfile.TarInf
                                      f"restore another snapshot")
 
     members: list[tarfile.TarInfo] = []
+    seen: set[str] = set()
     dumps: dict[str, bytes] = {}
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
@@ -62,13 +70,16 @@ def check_archive(data: bytes, image_id: str, where: str) -> list[tarfile.TarInf
                     raise refuse(f"holds more than {MAX_MEMBERS} members")
                 name = member.name.removeprefix("./").rstrip("/")
                 parts = name.split("/")
+                if name in seen:
+                    raise refuse(f"holds {name[:200]!r} twice")
+                seen.add(name)
                 if not (member.isreg() or member.isdir()):
                     raise refuse(f"holds {name[:200]!r}, neither a file nor a folder")
                 if len(parts) == 1:
                     ok = parts[0] in (_TOP_DIRS if member.isdir() else _TOP_FILES)
                 else:
                     ok = len(parts) == 2 and parts[0] in _TOP_DIRS and member.isreg() \
-                        and bool(_PLAIN.match(parts[1]))
+                        and bool(_PLAIN.match(parts[1])) and parts[1] not in (".", "..")
                 if not ok:
                     raise refuse(f"holds {name[:200]!r}, which podman's export never "
                                  f"writes")
@@ -83,8 +94,8 @@ def check_archive(data: bytes, image_id: str, where: str) -> list[tarfile.TarInf
         if name not in dumps:
             raise refuse(f"lacks {name}")
     try:
-        config = json.loads(dumps["config.dump"])
-        spec = json.loads(dumps["spec.dump"])
+        config = load_json(dumps["config.dump"])
+        spec = load_json(dumps["spec.dump"])
     except ValueError as exc:
         raise refuse(f"holds a dump that is not JSON ({exc})") from None
     problem = _config_problem(config, image_id) or _spec_problem(spec)
@@ -146,28 +157,81 @@ def _spec_problem(spec: Any) -> str | None:
     return None
 
 
-def assemble_archive(data: bytes, members: Iterable[tarfile.TarInfo], rootfs: Path,
-                     deleted: list[str], out: Path) -> None:
-    """Write to ``out`` the checked archive ``data`` (its ``members``, from
-    ``check_archive``) with ``rootfs``'s contents as ``rootfs-diff.tar`` and ``deleted``
-    as ``deleted.files``, as podman's own export with the filesystem would hold."""
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as src, \
-            tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        for member in members:
-            tar.addfile(member, src.extractfile(member) if member.isreg() else None)
-        diff = out.with_name(out.name + ".rootfs-diff")
-        try:
-            with tarfile.open(diff, "w", format=tarfile.PAX_FORMAT) as inner:
-                for child in sorted(rootfs.iterdir()):
-                    inner.add(child, arcname=child.name, recursive=True)  # links as links
-            tar.add(diff, arcname="rootfs-diff.tar")
-        finally:
-            diff.unlink(missing_ok=True)
-        _add_bytes(tar, "deleted.files", json.dumps(["/" + p for p in deleted]).encode())
+def place_checkpoint(data: bytes, members: Iterable[tarfile.TarInfo], bundle: Path,
+                     where: str) -> None:
+    """Write into ``bundle`` (the folder podman made for a container we created) the CRIU
+    images of the checked archive ``data`` (its ``members``, from ``check_archive``) as
+    ``checkpoint/``, and its ``/dev/shm`` contents rebuilt from plain files and folders;
+    nothing else of the archive. By descriptor, creating every name afresh."""
+    try:
+        _place(data, members, bundle, where)
+    except OSError as exc:
+        raise ContainerRuntimeError(f"cannot place the checkpoint of {where} in {bundle}: "
+                                    f"{exc.strerror or exc}") from exc
 
 
-def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mode = 0o600
-    tar.addfile(info, io.BytesIO(data))
+def _place(data: bytes, members: Iterable[tarfile.TarInfo], bundle: Path, where: str
+           ) -> None:
+    fd = os.open(bundle, _DIR_FLAGS)
+    try:
+        os.mkdir("checkpoint", 0o700, dir_fd=fd)
+        images = os.open("checkpoint", _DIR_FLAGS, dir_fd=fd)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as src:
+            try:
+                for member in members:
+                    name = member.name.removeprefix("./").rstrip("/")
+                    body = src.extractfile(member) if member.isreg() else None
+                    if body is None:
+                        continue
+                    if name.startswith("checkpoint/"):
+                        _write_at(images, name.split("/", 1)[1], body.read())
+                    elif name == "devshm-checkpoint.tar":
+                        _write_at(fd, name, _rebuilt_shm(body.read(), where))
+            finally:
+                os.close(images)
+    finally:
+        os.close(fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _write_at(dir_fd: int, name: str, data: bytes) -> None:
+    fd = os.open(name, _NEW_FILE, 0o600, dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _rebuilt_shm(data: bytes, where: str) -> bytes:
+    """The container's ``/dev/shm`` contents as a tar we wrote: plain relative names,
+    regular files and folders only, permission bits only (podman unpacks it into the
+    restored container's ``/dev/shm``)."""
+    out = io.BytesIO()
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as src, \
+                tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst:
+            for count, member in enumerate(src):
+                name = member.name.removeprefix("./").rstrip("/")
+                if name in ("", "."):
+                    continue  # the tar's own top folder
+                if count >= MAX_MEMBERS or not (member.isreg() or member.isdir()) \
+                        or check_relative_path(name) is not None:
+                    raise ContainerRuntimeError(
+                        f"the checkpoint archive of {where} holds {name[:200]!r} in its "
+                        f"/dev/shm contents, not a plain file or folder (or past "
+                        f"{MAX_MEMBERS} entries); restore another snapshot")
+                info = tarfile.TarInfo(name)
+                info.type = tarfile.DIRTYPE if member.isdir() else tarfile.REGTYPE
+                info.mode, info.uid, info.gid = member.mode & 0o777, member.uid, member.gid
+                info.mtime = member.mtime
+                body = None
+                if member.isreg():
+                    info.size = member.size
+                    body = src.extractfile(member)
+                dst.addfile(info, body)
+    except tarfile.TarError as exc:
+        raise ContainerRuntimeError(f"the checkpoint archive of {where} holds /dev/shm "
+                                    f"contents that are not a readable tar ({exc}); "
+                                    f"restore another snapshot") from None
+    return out.getvalue()

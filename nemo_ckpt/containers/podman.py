@@ -161,16 +161,31 @@ class Podman:
             args.append("--keep")
         self.run(*args, container)
 
-    def restore_in_place(self, container: str) -> None:
+    def restore_in_place(self, container: str, fresh_address: bool = False) -> None:
         """Restore the processes of ``checkpoint(keep=True)``. ``--ignore-rootfs``: the
         files are as they were (the processes stopped meanwhile); a rootfs diff left in
         the container's folder by someone's own ``podman container checkpoint`` must
-        not be applied again over them."""
-        self.run("container", "restore", "--keep", container)
+        not be applied again over them. ``fresh_address``: podman assigns the container
+        a new IP address rather than the one it had (taken by another container
+        meanwhile, on a busy node)."""
+        args = ["container", "restore", "--keep"]
+        if fresh_address:
+            args += ["--ignore-static-ip", "--ignore-static-mac"]
+        self.run(*args, container)
 
-    def restore_import(self, archive: str, name: str) -> None:
-        self.run("container", "restore", f"--import={archive}", "--name", name,
-                 "--ignore-volumes")
+    def init(self, container: str) -> None:
+        """Have the runtime set the created container up (namespaces, mounts, podman's
+        own files in its folder) without running its command."""
+        self.run("init", container)
+
+    def stop(self, container: str) -> None:
+        """Stop the container at once (no grace period)."""
+        self.run("stop", "--time", "0", container)
+
+    def restore_prepared(self, container: str) -> None:
+        """Restore the processes of the stopped ``container`` from the CRIU images
+        placed in its folder (``checkpoint/``), with its files as they are now."""
+        self.run("container", "restore", container)
 
 
 def criu_check_problem(criu: str, env: Mapping[str, str] | None = None) -> str | None:

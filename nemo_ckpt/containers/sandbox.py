@@ -12,25 +12,31 @@ are one consistent image of the container as of the turn's commit.
 
 Restoring (``ContainerSandboxes.restore``) verifies the stored record and tree, makes
 the files in a staging folder (``nemo_ckpt.sandboxes.materialize``: setuid dropped,
-nothing created outside it), then either has podman restore the processes from the
-checked archive with those files as its filesystem changes (``--import``), or creates a
-container from the image and copies the files in, when there is no memory to restore or
-no CRIU on this node. Paths the container deleted are deleted again, walked component
-by component without following a link.
+nothing created outside it), creates the container from the image and the record's own
+fields (never from a stored configuration: ``archive.py``), copies the files in and
+deletes what the container deleted, walked component by component without following a
+link, through the container's mount before anything runs in it. Then either podman
+restores the processes from the checked archive's CRIU images, placed in the
+container's own folder (``podman init`` made it, ``podman container restore`` reads
+it), or the container's command starts afresh when there is no memory to restore or no
+CRIU on this node. podman is never handed a list of deletions: it removes them
+following links (issue 50, case 3).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
+import tarfile
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.containers.archive import assemble_archive, check_archive
+from nemo_ckpt.containers.archive import check_archive, place_checkpoint
 from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.containers.record import ContainerConfig, ContainerRecord
 from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
@@ -43,6 +49,7 @@ from nemo_ckpt.sandboxes.tree_types import tree_digests, tree_stats
 
 __all__ = ["ContainerSandboxes", "RecordedContainer", "RestoredContainer", "LABEL"]
 
+log = logging.getLogger("nemo_ckpt.holder")
 LABEL = "io.nemo-ckpt.capture-key"  # on every container a restore creates
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_OPAQUE_ENTRIES = 200_000
@@ -116,10 +123,11 @@ class ContainerSandboxes:
 
     # --- recording ---------------------------------------------------------------
 
-    def describe(self, container: str) -> tuple[ContainerConfig, Path, bool, Path | None]:
+    def describe(self, container: str, memory: bool = False
+                 ) -> tuple[ContainerConfig, Path, bool, Path | None]:
         """The container's creation config, its upper directory, whether it runs, and
         its folder in podman's storage; ``ContainerRuntimeError`` for one that cannot be
-        recorded."""
+        recorded (with ``memory``: stopped by a recording whose restore failed)."""
         info = self.podman.inspect(container)
         driver = info.get("GraphDriver") or {}
         if driver.get("Name") != "overlay":
@@ -148,7 +156,14 @@ class ContainerSandboxes:
             env=tuple(config.get("Env") or ()),
             workdir=str(config.get("WorkingDir") or "/"),
             user=str(config.get("User") or ""))
-        running = bool((info.get("State") or {}).get("Running"))
+        state = info.get("State") or {}
+        running = bool(state.get("Running"))
+        if memory and not running and state.get("Checkpointed"):
+            raise ContainerRuntimeError(
+                f"container {container} is stopped with its processes checkpointed and "
+                f"not restored (a recording of an earlier turn could not restore them): "
+                f"its memory would be lost; close the session (its rollout starts over) "
+                f"or restore the last snapshot")
         static = info.get("StaticDir")
         return cfg, Path(upper), running, Path(static) if static else None
 
@@ -157,7 +172,7 @@ class ContainerSandboxes:
         """Record ``container`` now: its processes' memory where ``memory``, CRIU works
         and it runs, and its filesystem changes (re-reading only what changed since the
         recording whose listings are ``previous``)."""
-        config, upper, running, static = self.describe(container)
+        config, upper, running, static = self.describe(container, memory and self.memory)
         captured: tuple[bytes, int] | None = None
         capture_memory = memory and self.memory and running and self.criu_problem() is None
         if capture_memory:
@@ -174,7 +189,7 @@ class ContainerSandboxes:
                           overlay=marks)
         finally:
             if capture_memory:
-                self.podman.restore_in_place(container)
+                self._continue(container)
         for digest, data in result.objects.items():
             self.cache.put(digest, data)
         blobs = set(result.blobs())
@@ -188,6 +203,27 @@ class ContainerSandboxes:
         return RecordedContainer(record, result.listings, frozenset(blobs),
                                  result.file_count(), result.file_bytes(),
                                  result.files_read)
+
+    def _continue(self, container: str) -> None:
+        """Restore the processes of the recording's checkpoint in place: on the
+        container's own address, or on a new one when that fails (on podman's default
+        network another container may have taken it while they were stopped)."""
+        try:
+            self.podman.restore_in_place(container)
+            return
+        except ContainerRuntimeError as exc:
+            first = str(exc).splitlines()[-1]
+        try:
+            self.podman.restore_in_place(container, fresh_address=True)
+        except ContainerRuntimeError as exc:
+            raise ContainerRuntimeError(
+                f"container {container} was stopped for this turn's recording (its "
+                f"processes checkpointed) and podman could not restore them in place: "
+                f"{str(exc).splitlines()[-1]}; the turn is not committed and the container "
+                f"stays stopped: close the session (its rollout starts over) or restore "
+                f"the last snapshot") from None
+        log.warning("container %s continues on a new address: podman could not restore "
+                    "it on its own (%s)", container, first[-500:])
 
     def _checkpoint(self, container: str) -> tuple[bytes, int]:
         """Checkpoint the processes (they stop, the dump kept for the restore in place)
@@ -224,21 +260,30 @@ class ContainerSandboxes:
             deleted = list(record.whiteouts) + self._hidden(config.image, record, tree)
             memory = record.memory is not None and self.memory \
                 and self.criu_problem() is None
+            data: bytes | None = None
+            members: list[tarfile.TarInfo] = []
+            if memory:
+                assert record.memory is not None
+                data = bytes(fetch(record.memory, record.memory_size))
+                members = check_archive(data, config.image, where)
             try:
-                if memory:
-                    assert record.memory is not None
-                    data = bytes(fetch(record.memory, record.memory_size))
-                    members = check_archive(data, config.image, where)
-                    archive = Path(tmp) / "checkpoint.tar"
-                    assemble_archive(data, members, rootfs, deleted, archive)
+                # Created from the record's own fields whether or not memory comes
+                # back: no stored configuration reaches podman (archive.py).
+                self.podman.create(name, config.image, config.command,
+                                   config.entrypoint, config.env, config.workdir,
+                                   config.user, {LABEL: capture_key})
+                if data is not None:
+                    # Set up (podman's own files in its folder), never run: the CRIU
+                    # images restore into it below.
+                    self.podman.init(name)
+                    self.podman.stop(name)
+                self.podman.copy_in(str(rootfs), name)
+                self._delete(name, deleted)  # by descriptor, before anything runs
+                if data is not None:
+                    place_checkpoint(data, members, self._folder(name), where)
                     del data
-                    self.podman.restore_import(str(archive), name)
+                    self.podman.restore_prepared(name)
                 else:
-                    self.podman.create(name, config.image, config.command,
-                                       config.entrypoint, config.env, config.workdir,
-                                       config.user, {LABEL: capture_key})
-                    self.podman.copy_in(str(rootfs), name)
-                    self._delete(name, deleted)
                     self.podman.start(name)
             except BaseException:
                 self.podman.remove(name)
@@ -248,6 +293,15 @@ class ContainerSandboxes:
             blobs.add(record.memory)
         stats = tree_stats(tree)
         return RestoredContainer(memory, frozenset(blobs), stats.files, stats.bytes)
+
+    def _folder(self, container: str) -> Path:
+        """The container's folder in podman's storage (its bundle: ``config.json``,
+        ``checkpoint/``), as podman names it."""
+        static = self.podman.inspect(container).get("StaticDir")
+        if not isinstance(static, str) or not os.path.isabs(static):
+            raise ContainerRuntimeError(f"podman names no folder for container "
+                                        f"{container}")
+        return Path(static)
 
     def _hidden(self, image: str, record: ContainerRecord, tree: dict[str, Any]
                 ) -> list[str]:

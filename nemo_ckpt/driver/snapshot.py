@@ -116,16 +116,29 @@ class RaySnapshot:
         self.check_result = result
         if result.not_held:
             self._log_not_held(result.not_held)
-        if result.orphan_staging_keys:
-            shown = ", ".join(sorted(result.orphan_staging_keys)[:_SHOWN])
+        orphans = result.orphan_staging_keys
+        unrecorded = orphans & frozenset(
+            k for c in self._begun.captures for k in c.unrecorded_keys)
+        if unrecorded:
+            log.warning(
+                "snapshot %s: the cut holds %d staging row(s) written by turns whose commit "
+                "failed recording the session's sandbox (its worker got the error, e.g. a "
+                "container podman could not restore after its checkpoint): those turns "
+                "never committed, and a restore from this snapshot clears their rows: %s%s",
+                self.snapshot_id, len(unrecorded),
+                ", ".join(sorted(unrecorded)[:_SHOWN]),
+                " ..." if len(unrecorded) > _SHOWN else "")
+            orphans = orphans - unrecorded
+        if orphans:
+            shown = ", ".join(sorted(orphans)[:_SHOWN])
             log.warning(
                 "snapshot %s: the cut holds %d staging row(s) that no captured session "
                 "references; a restore from this snapshot clears them: %s%s. Outside the "
                 "rows of rollouts mid-turn at the drain deadline (%d here), this usually "
                 "means RL's data plane leaves a finished rollout's rows in staging: "
                 "recording a rollout as finished must move its rows out of staging (the "
-                "README's ledger rules)", self.snapshot_id, len(result.orphan_staging_keys),
-                shown, " ..." if len(result.orphan_staging_keys) > _SHOWN else "",
+                "README's ledger rules)", self.snapshot_id, len(orphans),
+                shown, " ..." if len(orphans) > _SHOWN else "",
                 len(result.restarting))
 
     def _log_not_held(self, not_held: frozenset[tuple[str, EnvironmentEpisode]]) -> None:
