@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -390,8 +391,11 @@ def test_the_sweep_leaves_a_link_planted_as_a_partial_snapshot_and_what_it_point
                       f"itself if it is not wanted"]  # once, not at every retention
 
 
+@pytest.mark.parametrize("planted", ["nested", "fifo"])
 def test_a_record_nested_100000_deep_is_passed_over_by_snapshot_and_restore(
-        rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
+        rooted_world: World, caplog: pytest.LogCaptureFixture, planted: str) -> None:
+    # A FIFO in its place hung them (its open waited for a writer) as the nested one
+    # raised RecursionError out of them.
     root = rooted_world.root / "ckpt"
     job = Job(rooted_world, root, settings={"keep_latest_k": 3})
 
@@ -402,12 +406,11 @@ def test_a_record_nested_100000_deep_is_passed_over_by_snapshot_and_restore(
         await job.turn("replica-0", ep, 1)
         newer = await job.manager.snapshot()
         assert older is not None and newer is not None
-        deep = b'{"format": 1, "fingerprint": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
-        (Path(newer.path) / "rollout_checkpoint.json").write_bytes(deep)  # 200 KB: in bound
+        plant(Path(newer.path) / "rollout_checkpoint.json", planted)
         later = await job.manager.snapshot()  # raised RecursionError after its commit
         assert later is not None
         assert [s.path for s in await job.manager.snapshots()] == [later.path, older.path]
-        (Path(later.path) / "rollout_checkpoint.json").write_bytes(deep)
+        plant(Path(later.path) / "rollout_checkpoint.json", planted)
         rooted_world.ckpt.shutdown()
         await rooted_world.ckpt.ensure_holders()
         chosen = await job.manager.restore()
@@ -419,6 +422,17 @@ def test_a_record_nested_100000_deep_is_passed_over_by_snapshot_and_restore(
     # The newer ones do not read, so the restore takes the older, which verifies.
     assert chosen is not None and chosen.path == older.path
     assert record.turns == (b"t0",)
-    assert "rollout_checkpoint.json is JSON nested too deeply (more than 64 levels" in \
-        caplog.text
+    assert ("rollout_checkpoint.json is JSON nested too deeply (more than 64 levels" if
+            planted == "nested" else "rollout_checkpoint.json is a FIFO, not a regular file"
+            ) in caplog.text
     assert "RecursionError" not in caplog.text
+
+
+def plant(record: Path, kind: str) -> None:
+    """A record nested 100,000 deep (200 KB: within its size bound), or a FIFO."""
+    record.unlink()
+    if kind == "fifo":
+        os.mkfifo(record)
+    else:
+        record.write_bytes(b'{"format": 1, "fingerprint": {"x": ' + b"[" * 100_000
+                           + b"]" * 100_000 + b"}}")
