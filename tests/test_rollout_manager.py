@@ -396,6 +396,7 @@ def test_a_record_nested_100000_deep_is_passed_over_by_snapshot_and_restore(
         rooted_world: World, caplog: pytest.LogCaptureFixture, planted: str) -> None:
     # A FIFO in its place hung them (its open waited for a writer) as the nested one
     # raised RecursionError out of them.
+    blocked = guarded(rooted_world)
     root = rooted_world.root / "ckpt"
     job = Job(rooted_world, root, settings={"keep_latest_k": 3})
 
@@ -406,11 +407,11 @@ def test_a_record_nested_100000_deep_is_passed_over_by_snapshot_and_restore(
         await job.turn("replica-0", ep, 1)
         newer = await job.manager.snapshot()
         assert older is not None and newer is not None
-        plant(Path(newer.path) / "rollout_checkpoint.json", planted)
+        plant(rooted_world, Path(newer.path) / "rollout_checkpoint.json", planted)
         later = await job.manager.snapshot()  # raised RecursionError after its commit
         assert later is not None
         assert [s.path for s in await job.manager.snapshots()] == [later.path, older.path]
-        plant(Path(later.path) / "rollout_checkpoint.json", planted)
+        plant(rooted_world, Path(later.path) / "rollout_checkpoint.json", planted)
         rooted_world.ckpt.shutdown()
         await rooted_world.ckpt.ensure_holders()
         chosen = await job.manager.restore()
@@ -426,13 +427,25 @@ def test_a_record_nested_100000_deep_is_passed_over_by_snapshot_and_restore(
             planted == "nested" else "rollout_checkpoint.json is a FIFO, not a regular file"
             ) in caplog.text
     assert "RecursionError" not in caplog.text
+    assert blocked == []
 
 
-def plant(record: Path, kind: str) -> None:
+def guarded(world: World) -> list[str]:
+    """The blocking calls the in-process world's guard finds waiting (it then opens
+    each FIFO ``plant`` made for writing, freeing them): a read that waits on one is
+    reported, and fails the test, rather than hanging it."""
+    blocked: list[str] = []
+    world.sim.on_blocked = lambda actor, name, where: blocked.append(
+        f"{name} of {actor.name}, blocked in {where}")
+    return blocked
+
+
+def plant(world: World, record: Path, kind: str) -> None:
     """A record nested 100,000 deep (200 KB: within its size bound), or a FIFO."""
     record.unlink()
     if kind == "fifo":
         os.mkfifo(record)
+        world.sim.fifos.append(str(record))
     else:
         record.write_bytes(b'{"format": 1, "fingerprint": {"x": ' + b"[" * 100_000
                            + b"]" * 100_000 + b"}}")

@@ -74,7 +74,12 @@ def test_each_command_ends_at_once_naming_a_fifo_or_link_planted_as_a_manifest(
 def test_a_jobs_commit_passes_over_a_fifo_or_link_planted_as_another_snapshots_manifest(
         world: World, kind: str) -> None:
     # The commit numbers itself past every manifest under the root: it read this one.
-    plant(world.root / "planted" / "environment" / "manifest.json", kind)
+    planted = world.root / "planted" / "environment" / "manifest.json"
+    plant(planted, kind)
+    # A read that waits on the FIFO is reported (and freed) by the world's guard.
+    world.sim.fifos.append(str(planted))
+    blocked: list[str] = []
+    world.sim.on_blocked = lambda actor, name, where: blocked.append(f"{name} in {where}")
     path = world.path("ckpt")
 
     async def scenario() -> None:
@@ -82,6 +87,7 @@ def test_a_jobs_commit_passes_over_a_fifo_or_link_planted_as_another_snapshots_m
         await world.snapshot(path, live)
 
     world.run(scenario())
+    assert blocked == []
     assert read_manifest(path).sequence == 1
     listed = {s.path: s for s in list_snapshots(world.root)}
     assert listed[str(path)].readable
