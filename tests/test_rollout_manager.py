@@ -449,3 +449,31 @@ def plant(world: World, record: Path, kind: str) -> None:
     else:
         record.write_bytes(b'{"format": 1, "fingerprint": {"x": ' + b"[" * 100_000
                            + b"]" * 100_000 + b"}}")
+
+
+def test_retention_never_removes_a_snapshot_reached_through_a_link(
+        rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
+    root = rooted_world.root / "ckpt"
+    job = Job(rooted_world, root)  # keeps the newest 2
+    moved = rooted_world.root / "elsewhere"
+
+    async def scenario() -> list[str]:
+        await rooted_world.ckpt.ensure_holders()
+        ep = await job.rollout("g1", "replica-0", 1)
+        first = await job.manager.snapshot()
+        assert first is not None
+        Path(first.path).rename(moved)  # another disk's snapshot, linked in
+        Path(first.path).symlink_to(moved, target_is_directory=True)
+        for n in (1, 2):
+            await job.turn("replica-0", ep, n)
+            assert await job.manager.snapshot() is not None
+        return [s.path for s in await job.manager.snapshots()]
+
+    with caplog.at_level(logging.WARNING, logger="nemo_ckpt"):
+        listed = rooted_world.run(scenario())
+    assert len(listed) == 3  # the third is past keep_latest_k, and left
+    assert sorted(p.name for p in moved.iterdir()) == [
+        "environment", STATE_FILE, "rollout_checkpoint.json"]
+    assert (moved / "environment" / "manifest.json").is_file()
+    assert f"rollout retention leaves {listed[2]}: it is reached through a symbolic link" \
+        in caplog.text
