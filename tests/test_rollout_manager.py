@@ -4,8 +4,11 @@ commit, retention, the failure budget, the restore modes and the fingerprint."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import pytest
 from nemo_ckpt import RolloutCheckpointConfig, RolloutCheckpointManager
 from nemo_ckpt.errors import (
     BackendUnavailableError,
+    CheckpointPathBusyError,
     FingerprintMismatchError,
     RolloutCheckpointFailedError,
     SnapshotMismatchError,
@@ -21,7 +25,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.testing.nemo_rl import DataPlaneCheckpointBarrier, NemoRlState
+from nemo_ckpt.testing.nemo_rl import STATE_FILE, DataPlaneCheckpointBarrier, NemoRlState
 from tests.harness import World
 
 pytestmark = pytest.mark.timeout(90)
@@ -283,3 +287,193 @@ def test_retention_keeps_the_newest_k_the_saved_steps_anchor_and_every_newer_anc
     # Told of no trainer checkpoint: the newest anchor stands for it.
     assert retained(found, 2, trainer_step=None) == {"p7", "p6"}
     assert retained([snap("p1", None)], 3, trainer_step=None) == {"p1"}
+
+
+class SweptInside:
+    """RL's barrier, running ``during`` at the end of each barrier section: after RL's
+    half and the manager's record are written, before the environment commits."""
+
+    def __init__(self, barrier: DataPlaneCheckpointBarrier,
+                 during: Callable[[], Awaitable[Any]]) -> None:
+        self.barrier = barrier
+        self.during = during
+
+    @contextlib.asynccontextmanager
+    async def checkpoint(self) -> AsyncIterator[Any]:
+        async with self.barrier.checkpoint() as cut:
+            yield cut
+            await self.during()
+
+
+def test_a_second_managers_sweep_leaves_a_snapshot_inside_its_barrier_which_restores(
+        rooted_world: World) -> None:
+    root = rooted_world.root / "ckpt"
+    a, b = Job(rooted_world, root), Job(rooted_world, root)  # two jobs, one root
+    swept: list[list[str]] = []
+
+    async def sweep() -> None:
+        swept.append(await b.manager.apply_retention())
+
+    a.manager.barrier = SweptInside(a.barrier, sweep)
+
+    async def scenario() -> Any:
+        await rooted_world.ckpt.ensure_holders()
+        ep = await a.rollout("g1", "replica-0", 2)
+        taken = await a.manager.snapshot()
+        assert taken is not None
+        assert [s.path for s in await a.manager.snapshots()] == [taken.path]
+        rooted_world.ckpt.shutdown()
+        await rooted_world.ckpt.ensure_holders()
+        chosen = await a.manager.restore()
+        record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
+        return ep, taken, chosen, record
+
+    ep, taken, chosen, record = rooted_world.run(scenario())
+    assert swept == [[]]  # B's retention ran inside A's barrier, and removed nothing
+    # A's snapshot is listed, and restores whole: the sessions and RL's half (its rows).
+    assert chosen is not None and chosen.path == taken.path
+    assert record.turns == (b"t0", b"t1")
+    assert set(a.rl.staging.rows) == {f"{ep.capture_key}/row{n}" for n in range(2)}
+    assert sorted(p.name for p in Path(taken.path).iterdir()) == [
+        "environment", STATE_FILE, "rollout_checkpoint.json"]
+
+
+def test_a_snapshot_whose_record_is_removed_before_its_commit_returns_is_not_reported(
+        rooted_world: World) -> None:
+    # What a sweep that ignored claims (a manager of an older release) did to it.
+    job = Job(rooted_world, rooted_world.root / "ckpt")
+
+    async def remove_record() -> None:
+        next(Path(job.manager.config.root).glob(
+            "rollout-*.partial/rollout_checkpoint.json")).unlink()
+
+    job.manager.barrier = SweptInside(job.barrier, remove_record)
+
+    async def scenario() -> list[Any]:
+        await rooted_world.ckpt.ensure_holders()
+        await job.rollout("g1", "replica-0", 1)
+        with pytest.raises(CheckpointPathBusyError, match=r"^rollout snapshot .*/rollout-\S+ "
+                           r"committed, but its record rollout_checkpoint.json was removed "
+                           r"before the commit returned .* not reported as taken; give each "
+                           r"job its own root"):
+            await job.manager.snapshot()
+        return await job.manager.snapshots()
+
+    assert rooted_world.run(scenario()) == []
+    assert job.manager.consecutive_failures == 1
+
+
+def test_the_sweep_leaves_a_link_planted_as_a_partial_snapshot_and_what_it_points_at(
+        rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
+    root = rooted_world.root / "ckpt"
+    root.mkdir(exist_ok=True)
+    elsewhere = rooted_world.root / "elsewhere"
+    (elsewhere / "environment").mkdir(parents=True)
+    (elsewhere / STATE_FILE).write_text("RL's own")
+    (elsewhere / "rollout_checkpoint.json").write_text("someone's")
+    (root / "rollout-x.partial").symlink_to(elsewhere, target_is_directory=True)
+    job = Job(rooted_world, root)
+
+    async def scenario() -> None:
+        await rooted_world.ckpt.ensure_holders()
+        await job.rollout("g1", "replica-0", 1)
+        assert await job.manager.snapshot() is not None  # its retention sweeps
+        assert await job.manager.apply_retention() == []
+
+    with caplog.at_level(logging.WARNING, logger="nemo_ckpt"):
+        rooted_world.run(scenario())
+    assert (elsewhere / STATE_FILE).read_text() == "RL's own"
+    assert (elsewhere / "rollout_checkpoint.json").read_text() == "someone's"
+    assert (root / "rollout-x.partial").is_symlink()
+    warned = [r.getMessage() for r in caplog.records if "symbolic link" in r.getMessage()]
+    assert warned == [f"rollout retention leaves {root / 'rollout-x.partial'} alone: a "
+                      f"symbolic link where the manager makes only folders; remove the link "
+                      f"itself if it is not wanted"]  # once, not at every retention
+
+
+@pytest.mark.parametrize("planted", ["nested", "fifo"])
+def test_a_record_nested_100000_deep_is_passed_over_by_snapshot_and_restore(
+        rooted_world: World, caplog: pytest.LogCaptureFixture, planted: str) -> None:
+    # A FIFO in its place hung them (its open waited for a writer) as the nested one
+    # raised RecursionError out of them.
+    blocked = guarded(rooted_world)
+    root = rooted_world.root / "ckpt"
+    job = Job(rooted_world, root, settings={"keep_latest_k": 3})
+
+    async def scenario() -> tuple[Any, Any, Any, Any]:
+        await rooted_world.ckpt.ensure_holders()
+        ep = await job.rollout("g1", "replica-0", 1)
+        older = await job.manager.snapshot()
+        await job.turn("replica-0", ep, 1)
+        newer = await job.manager.snapshot()
+        assert older is not None and newer is not None
+        plant(rooted_world, Path(newer.path) / "rollout_checkpoint.json", planted)
+        later = await job.manager.snapshot()  # raised RecursionError after its commit
+        assert later is not None
+        assert [s.path for s in await job.manager.snapshots()] == [later.path, older.path]
+        plant(rooted_world, Path(later.path) / "rollout_checkpoint.json", planted)
+        rooted_world.ckpt.shutdown()
+        await rooted_world.ckpt.ensure_holders()
+        chosen = await job.manager.restore()
+        record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
+        return older, later, chosen, record
+
+    with caplog.at_level(logging.WARNING, logger="nemo_ckpt"):
+        older, later, chosen, record = rooted_world.run(scenario())
+    # The newer ones do not read, so the restore takes the older, which verifies.
+    assert chosen is not None and chosen.path == older.path
+    assert record.turns == (b"t0",)
+    assert ("rollout_checkpoint.json is JSON nested too deeply (more than 64 levels" if
+            planted == "nested" else "rollout_checkpoint.json is a FIFO, not a regular file"
+            ) in caplog.text
+    assert "RecursionError" not in caplog.text
+    assert blocked == []
+
+
+def guarded(world: World) -> list[str]:
+    """The blocking calls the in-process world's guard finds waiting (it then opens
+    each FIFO ``plant`` made for writing, freeing them): a read that waits on one is
+    reported, and fails the test, rather than hanging it."""
+    blocked: list[str] = []
+    world.sim.on_blocked = lambda actor, name, where: blocked.append(
+        f"{name} of {actor.name}, blocked in {where}")
+    return blocked
+
+
+def plant(world: World, record: Path, kind: str) -> None:
+    """A record nested 100,000 deep (200 KB: within its size bound), or a FIFO."""
+    record.unlink()
+    if kind == "fifo":
+        os.mkfifo(record)
+        world.sim.fifos.append(str(record))
+    else:
+        record.write_bytes(b'{"format": 1, "fingerprint": {"x": ' + b"[" * 100_000
+                           + b"]" * 100_000 + b"}}")
+
+
+def test_retention_never_removes_a_snapshot_reached_through_a_link(
+        rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
+    root = rooted_world.root / "ckpt"
+    job = Job(rooted_world, root)  # keeps the newest 2
+    moved = rooted_world.root / "elsewhere"
+
+    async def scenario() -> list[str]:
+        await rooted_world.ckpt.ensure_holders()
+        ep = await job.rollout("g1", "replica-0", 1)
+        first = await job.manager.snapshot()
+        assert first is not None
+        Path(first.path).rename(moved)  # another disk's snapshot, linked in
+        Path(first.path).symlink_to(moved, target_is_directory=True)
+        for n in (1, 2):
+            await job.turn("replica-0", ep, n)
+            assert await job.manager.snapshot() is not None
+        return [s.path for s in await job.manager.snapshots()]
+
+    with caplog.at_level(logging.WARNING, logger="nemo_ckpt"):
+        listed = rooted_world.run(scenario())
+    assert len(listed) == 3  # the third is past keep_latest_k, and left
+    assert sorted(p.name for p in moved.iterdir()) == [
+        "environment", STATE_FILE, "rollout_checkpoint.json"]
+    assert (moved / "environment" / "manifest.json").is_file()
+    assert f"rollout retention leaves {listed[2]}: it is reached through a symbolic link" \
+        in caplog.text

@@ -20,6 +20,8 @@ from nemo_ckpt.catalog import listing as catalog
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.driver import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.errors import BackendUnavailableError
+from nemo_ckpt.manager import rollout_manager
+from nemo_ckpt.storage import local_folder
 from nemo_ckpt.transport import HOLDER, Actor
 from tests import simulation
 from tests.simulation import faults as simulation_faults
@@ -102,6 +104,29 @@ def test_a_removal_that_ignores_claims_is_caught(monkeypatch: pytest.MonkeyPatch
     # retention script run, until one shows it.
     shown = (seed for seed in range(2_000) if simulation.Plan.make(seed).retention
              and "1 committed snapshot lost" in {
+                 simulation.case_of(v) for v in simulation.run_one(seed).violations})
+    assert next(shown, None) is not None
+
+
+def test_a_read_of_the_root_that_blocks_on_a_planted_fifo_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 50, case 5: a read that opens what is planted as a manifest (a FIFO, or a
+    link to one) as it opened files before waits for a writer that never comes."""
+    monkeypatch.setattr(local_folder, "_READ_FLAGS", os.O_RDONLY | os.O_CLOEXEC)
+    seed = next(s for s in range(100) if simulation.Plan.make(s).planted)
+    assert "50.5 a read of the root opened a planted FIFO" in {
+        simulation.case_of(v) for v in simulation.run_one(seed).violations}
+
+
+def test_a_managers_sweep_that_ignores_claims_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 50, case 7: a second job's manager whose sweep does not claim a leftover
+    first takes a snapshot in progress, whose snapshot() then returns without RL's half
+    or its record. Rare: only schedules with a second manager run, until one shows it."""
+    monkeypatch.setattr(rollout_manager, "claim_for_removal",
+                        lambda path, clock: (lambda: None))
+    shown = (seed for seed in range(1_000) if simulation.Plan.make(seed).second_manager
+             and "50.7 a managed snapshot returned without its record" in {
                  simulation.case_of(v) for v in simulation.run_one(seed).violations})
     assert next(shown, None) is not None
 

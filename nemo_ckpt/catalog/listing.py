@@ -34,6 +34,7 @@ refused, saying how long to wait.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -72,8 +73,8 @@ from nemo_ckpt.storage.path_claims import (
 from nemo_ckpt.storage.snapshot_files import read_manifest
 
 __all__ = ["LatestSnapshot", "RemovalReport", "RetentionReport", "SkippedSnapshot",
-           "SnapshotInfo", "highest_sequence", "keep_last", "latest_snapshot",
-           "list_snapshots", "remove_snapshot"]
+           "SnapshotInfo", "claim_for_removal", "highest_sequence", "keep_last",
+           "latest_snapshot", "list_snapshots", "remove_snapshot"]
 
 log = logging.getLogger("nemo_ckpt.catalog")
 
@@ -315,6 +316,20 @@ def _claim_alone(path: Path | str, operation: str, owner: str, watch: ClaimWatch
             raise _busy(path, who.operation if who else "another removal",
                         who.owner if who else "another process", wait_s, left_s)
         sleep(min(_WAIT_POLL_S, max(0.0, give_up - clock())))
+
+
+def claim_for_removal(path: Path | str,
+                      clock: Callable[[], float] = time.monotonic) -> Callable[[], None]:
+    """Claim the checkpoint path ``path``'s folder for a removal, as the only operation
+    there (of what is left of a snapshot that never committed, say); returns the call
+    that releases the claim. ``CheckpointPathBusyError`` at once while another
+    operation's claim there is live: one this process's watch on ``clock`` has not yet
+    seen unchanged for its ttl (a snapshot still writing, whoever runs it); a claim seen
+    abandoned is dropped."""
+    token = uuid.uuid4().hex[:12]
+    operation, owner = f"{REMOVAL_PREFIX}{token}", f"nemo-ckpt-remover-{token}"
+    _claim_alone(path, operation, owner, _process_watch(clock), clock, time.sleep, 0.0)
+    return functools.partial(release_claim, environment_folder(path), operation)
 
 
 def _remove_manifest(folder: Folder) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from nemo_ckpt.containers.record import check_relative_path
 from nemo_ckpt.errors import ContainerRuntimeError
-from nemo_ckpt.storage.manifest import load_json
+from nemo_ckpt.storage.stored_json import load_stored_json
 
 __all__ = ["check_archive", "place_checkpoint"]
 
@@ -94,10 +94,10 @@ def check_archive(data: bytes, image_id: str, where: str) -> list[tarfile.TarInf
         if name not in dumps:
             raise refuse(f"lacks {name}")
     try:
-        config = load_json(dumps["config.dump"])
-        spec = load_json(dumps["spec.dump"])
+        config = load_stored_json(dumps["config.dump"], "config.dump", MAX_DUMP_BYTES)
+        spec = load_stored_json(dumps["spec.dump"], "spec.dump", MAX_DUMP_BYTES)
     except ValueError as exc:
-        raise refuse(f"holds a dump that is not JSON ({exc})") from None
+        raise refuse(f"holds a dump that does not read ({exc})") from None
     problem = _config_problem(config, image_id) or _spec_problem(spec)
     if problem is not None:
         raise refuse(problem)

@@ -4,14 +4,14 @@ a committed snapshot always has it), read on a budget like any stored data."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from nemo_ckpt.errors import ManifestInvalidError
 from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.stored_json import StoredJsonError, load_stored_json
 
 __all__ = ["RECORD_FILE", "ManagedRecord", "read_record", "write_record"]
 
@@ -39,17 +39,25 @@ def write_record(checkpoint_path: str, record: ManagedRecord) -> None:
 
 def read_record(checkpoint_path: str | Path) -> ManagedRecord | None:
     """The record, None where the manager wrote none (a snapshot taken without it), or
-    ``ManifestInvalidError`` for one that does not read."""
+    ``ManifestInvalidError`` of one line for one that does not read (not a regular
+    file, too large, nested too deeply, not a record)."""
     folder = folder_at(checkpoint_path)
     if RECORD_FILE not in folder.names():
         return None
-    data = folder.read(RECORD_FILE, limit=_MAX_BYTES + 1)
-    if len(data) > _MAX_BYTES:
-        raise ManifestInvalidError(checkpoint_path, f"{folder.describe(RECORD_FILE)} is "
-                                                    f"larger than {_MAX_BYTES} bytes")
+    where = folder.describe(RECORD_FILE)
     try:
-        raw: Any = json.loads(data)
-        return ManagedRecord.model_validate(raw)
-    except (ValueError, ValidationError) as exc:
+        data = folder.read(RECORD_FILE, limit=_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None  # removed since the listing
+    except OSError as exc:
+        raise ManifestInvalidError(checkpoint_path, f"cannot read {where}: "
+                                                    f"{exc.strerror or exc}") from None
+    try:
+        return ManagedRecord.model_validate(load_stored_json(data, where, _MAX_BYTES))
+    except StoredJsonError as exc:
+        raise ManifestInvalidError(checkpoint_path, str(exc)) from None
+    except ValidationError as exc:
         raise ManifestInvalidError(
-            checkpoint_path, f"{folder.describe(RECORD_FILE)} does not read: {exc}") from exc
+            checkpoint_path, f"{where} does not read: it is not a rollout record "
+                             f"({exc.error_count()} error(s), the first: "
+                             f"{exc.errors()[0]['msg']})") from None

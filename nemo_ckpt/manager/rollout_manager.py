@@ -9,7 +9,13 @@ their commit sequence (``SnapshotInfo.sequence``), never by parsing a path. Rete
 keeps the ``keep_latest_k`` newest and the one the newest trainer checkpoint anchors,
 removing the environment's half first (its manifest is the commit point), then the
 record, then RL's half through ``RlHalf.remove``; what an interrupted removal or
-snapshot left behind is swept at the next retention. On a folder a snapshot is taken
+snapshot left behind is swept at the next retention. The sweep takes only what is the
+manager's own: a real folder directly under the root (never a link, which it leaves
+with a warning), named as it names them, holding no committed manifest, and claimed by
+no operation live (a claim judged on the manager's own clock,
+``nemo_ckpt.storage.claims``): another manager's snapshot on the same root, inside its
+barrier section, is never taken for a leftover. A snapshot whose record is gone when
+its commit returns is not reported as taken. On a folder a snapshot is taken
 under ``<name>.partial`` and renamed to its name once committed and resumed, as NeMo RL
 does (a committed snapshot restores from either name); on a bucket, where a rename is a
 copy, it is taken under its name.
@@ -22,6 +28,7 @@ import inspect
 import logging
 import os
 import signal
+import stat
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -29,10 +36,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.catalog.listing import SnapshotInfo, list_snapshots, remove_snapshot
+from nemo_ckpt.catalog.listing import (
+    SnapshotInfo,
+    claim_for_removal,
+    list_snapshots,
+    remove_snapshot,
+)
 from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.driver.preemption import EXIT_MARGIN_S, Preemption
 from nemo_ckpt.errors import (
+    CheckpointPathBusyError,
     NemoCkptError,
     RolloutCheckpointFailedError,
     SnapshotNotFoundError,
@@ -107,6 +120,8 @@ class RolloutCheckpointManager:
         # One snapshot, retention or restore at a time: the sweep takes any folder of
         # the manager's without a committed manifest for a leftover.
         self._lock = asyncio.Lock()
+        # Links under the root the sweep has warned of (once each).
+        self._links_warned: set[str] = set()
         # The newest trainer step whose checkpoint is known saved (None: none known).
         self.trainer_step: int | None = None
         # File work off the loop as the job's runtime does it (inline in the simulation).
@@ -219,6 +234,17 @@ class RolloutCheckpointManager:
             log.warning("rollout snapshot %s committed; its manifest did not read back "
                         "(%s)", path, exc)
             number, created = None, None
+        if not await self._blocking(_record_stands, path, record):
+            lost = CheckpointPathBusyError(
+                f"rollout snapshot {path} committed, but its record {RECORD_FILE} was "
+                f"removed before the commit returned (by a sweep of another job's manager "
+                f"of an older release, or by hand), so it cannot be listed or restored "
+                f"and is not reported as taken; give each job its own root, or run "
+                f"managers of this release only")
+            if final_drain_s is not None:
+                raise lost
+            self._failed(lost, path)
+            return None
         taken = ManagedSnapshot(number, path, anchor_step, created)
         log.info("rollout snapshot %s committed as number %s%s", path, taken.number,
                  "" if anchor_step is None else f", anchored to trainer step {anchor_step}")
@@ -256,6 +282,12 @@ class RolloutCheckpointManager:
         removed = []
         for snap in found:
             if snap.path not in keep:
+                if _through_link(self.config.root, snap.path):
+                    # Only what the manager made is its to remove: never through a link.
+                    log.warning("rollout retention leaves %s: it is reached through a "
+                                "symbolic link under %s; remove it by hand if it is yours",
+                                snap.path, self.config.root)
+                    continue
                 self._on_event("removing", snap.path)
                 try:
                     await self._blocking(remove_snapshot, snap.path, self.config.root)
@@ -266,8 +298,8 @@ class RolloutCheckpointManager:
                 await self._tidy(snap.path)
                 removed.append(snap.path)
         for path in await self._blocking(self._leftovers, {s.path for s in found}):
-            await self._tidy(path)
-            removed.append(path)
+            if await self._sweep(path):
+                removed.append(path)
         if removed:
             log.info("rollout retention removed %d snapshot(s): %s", len(removed),
                      ", ".join(removed))
@@ -352,6 +384,39 @@ class RolloutCheckpointManager:
                     "retried at the next interval", path, error, self.consecutive_failures,
                     self.config.max_consecutive_failures)
 
+    async def _sweep(self, path: str) -> bool:
+        """Remove the leftover at ``path`` as ``_tidy`` does, under a removal's claim on
+        its folder (``claim_for_removal``): refused while any operation's claim there is
+        live (another manager's snapshot on this root, still writing), and then left for
+        a later retention. Whether it was removed."""
+        try:
+            release = await self._blocking(claim_for_removal, path, self._clock)
+        except CheckpointPathBusyError:
+            log.info("rollout retention leaves %s: an operation in progress claims it",
+                     path)
+            return False
+        except (OSError, NemoCkptError) as exc:
+            log.warning("rollout retention could not look at %s (%s); the next retention "
+                        "retries", path, exc)
+            return False
+        try:
+            # Under the claim, no snapshot commits here: one committed since the listing
+            # is no leftover.
+            if await self._blocking(_holds_manifest, path):
+                return False
+            await self.rl.remove(path)
+            await self._blocking(_drop_record, path)
+        except (OSError, NemoCkptError) as exc:
+            log.warning("could not tidy %s (%s); the next retention retries", path, exc)
+            return False
+        finally:
+            try:
+                await self._blocking(release)
+            except (OSError, NemoCkptError) as exc:  # seen abandoned in time
+                log.warning("could not release the claim on %s (%s)", path, exc)
+        await self._blocking(_remove_empty_folders, path)
+        return True
+
     async def _tidy(self, path: str) -> None:
         """Remove RL's half, the record and the folder of a snapshot that is not (or no
         longer) committed; best effort, as the next retention sweeps what is left."""
@@ -379,14 +444,31 @@ class RolloutCheckpointManager:
 
     def _leftovers(self, committed: set[str]) -> list[str]:
         """Folders the manager named that hold no committed snapshot: what a snapshot
-        or a removal cut short left (none is being taken: the lock)."""
+        or a removal cut short left, or a snapshot in progress (this manager's lock
+        keeps its own out; ``_sweep`` leaves others'). On a filesystem only real folders
+        directly under the root: a link there is left alone, with a warning."""
         root = folder_at(self.config.root)
+        local = _is_local(self.config.root)
         left = []
         for name in root.subfolders():
             path = join_location(self.config.root, name)
-            if name.startswith(SNAPSHOT_PREFIX) and path not in committed \
-                    and MANIFEST_NAME not in folder_at(join_location(path, "environment")
-                                                       ).names():
+            if not name.startswith(SNAPSHOT_PREFIX) or path in committed:
+                continue
+            if local:
+                try:
+                    mode = os.lstat(path).st_mode
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISLNK(mode):
+                    if path not in self._links_warned:
+                        self._links_warned.add(path)
+                        log.warning("rollout retention leaves %s alone: a symbolic link "
+                                    "where the manager makes only folders; remove the "
+                                    "link itself if it is not wanted", path)
+                    continue
+                if not stat.S_ISDIR(mode):
+                    continue
+            if not _holds_manifest(path):
                 left.append(path)
         return left
 
@@ -438,10 +520,45 @@ def _is_local(path: str) -> bool:
     return isinstance(parse_location(path), LocalLocation)
 
 
-def _drop_record_and_folder(path: str) -> None:
+def _holds_manifest(path: str) -> bool:
+    return MANIFEST_NAME in folder_at(join_location(path, "environment")).names()
+
+
+def _record_stands(path: str, record: ManagedRecord) -> bool:
+    """Whether the record a commit wrote at ``path`` is still there (True too when it
+    cannot be read now: only a record gone or replaced says the snapshot was removed)."""
+    try:
+        found = read_record(path)
+    except NemoCkptError:
+        return True
+    # As written: a value's Python type may not survive JSON (a tuple reads as a list).
+    return found is not None and found.model_dump_json() == record.model_dump_json()
+
+
+def _through_link(root: str, path: str) -> bool:
+    """Whether ``path``, below ``root`` on a filesystem, is reached through a link."""
+    if not _is_local(path):
+        return False
+    here, base = Path(path), Path(root)
+    while here != base and base in here.parents:
+        if here.is_symlink():
+            return True
+        here = here.parent
+    return False
+
+
+def _drop_record(path: str) -> None:
     folder = folder_at(path)
     if RECORD_FILE in folder.names():
         folder.remove([RECORD_FILE])
+
+
+def _drop_record_and_folder(path: str) -> None:
+    _drop_record(path)
+    _remove_empty_folders(path)
+
+
+def _remove_empty_folders(path: str) -> None:
     location = parse_location(path)
     if isinstance(location, LocalLocation):
         for empty in (location.path / "environment", location.path):

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, NemoCkptError
 from nemo_ckpt.storage.claims import (
+    MAX_CLAIM_BYTES,
     STALE_FACTOR,
     Claim,
     ClaimWatch,
@@ -61,7 +62,7 @@ class BlobClaims:
             if not (name.startswith(_CLAIM_PREFIX) and name.endswith(".json")):
                 continue
             try:
-                data = self._root.read(name)
+                data = self._root.read(name, MAX_CLAIM_BYTES + 1)
             except FileNotFoundError:
                 continue
             except OSError as exc:
@@ -184,7 +185,7 @@ class BlobClaims:
         the claim is no longer this collection's (it overran, and another took it)."""
         name = _claim_name(COLLECTOR)
         try:
-            current: bytes | None = self._root.read(name)
+            current: bytes | None = self._root.read(name, MAX_CLAIM_BYTES + 1)
         except FileNotFoundError:
             current = None
         if current is None or current not in self._collecting:

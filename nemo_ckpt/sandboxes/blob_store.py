@@ -22,6 +22,7 @@ Snapshots and collection exclude each other through claims in the store's root f
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import xxhash
 from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathError
 from nemo_ckpt.sandboxes.blob_claims import BlobClaims
 from nemo_ckpt.storage.folder import Folder, Sink
+from nemo_ckpt.storage.local_folder import open_regular
 from nemo_ckpt.storage.location import join_location
 
 __all__ = ["BLOB_DIR", "BlobStore", "digest_of", "hex_of"]
@@ -94,7 +96,7 @@ class BlobStore:
         hasher = xxhash.xxh3_128()
 
         def fill(sink: Sink) -> None:
-            with open(source, "rb", buffering=0) as f:
+            with os.fdopen(open_regular(source), "rb", buffering=0) as f:
                 while chunk := f.read(_CHUNK):
                     hasher.update(chunk)
                     sink.write(chunk, copy=True)

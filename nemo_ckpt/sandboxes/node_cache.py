@@ -13,6 +13,8 @@ from pathlib import Path
 import xxhash
 
 from nemo_ckpt.sandboxes.blob_store import digest_of, hex_of
+from nemo_ckpt.storage.local_folder import read_regular
+from nemo_ckpt.storage.store_errors import NotARegularFileError
 
 __all__ = ["BlobCache"]
 
@@ -107,8 +109,8 @@ class BlobCache:
         if data is not None:
             return data if size is None or len(data) == size else None
         try:
-            data = self.path(digest).read_bytes()
-        except FileNotFoundError:
+            data = read_regular(self.path(digest))
+        except (FileNotFoundError, NotARegularFileError):
             return None
         if (size is not None and len(data) != size) or digest_of(data) != digest:
             return None

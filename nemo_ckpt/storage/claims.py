@@ -36,10 +36,10 @@ import xxhash
 
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.storage.folder import ABSENT, Folder, remove_if_holds, write_conditionally
-from nemo_ckpt.storage.manifest import load_json
+from nemo_ckpt.storage.stored_json import load_stored_json
 
 __all__ = ["Claim", "ClaimWatch", "encode_claim", "decode_claim", "write_claim",
-           "LEGACY_TTL_S", "RATE_TOLERANCE", "STALE_FACTOR"]
+           "LEGACY_TTL_S", "MAX_CLAIM_BYTES", "RATE_TOLERANCE", "STALE_FACTOR"]
 
 # Clock rates of the hosts that share a checkpoint root differ by at most this much.
 RATE_TOLERANCE = 0.1
@@ -48,6 +48,8 @@ RATE_TOLERANCE = 0.1
 STALE_FACTOR = 1.2
 # The ttl of a claim an older nemo-ckpt wrote (two leases of the default lease_s).
 LEGACY_TTL_S = 60.0
+# The most a claim is read as: one we write is a few hundred bytes.
+MAX_CLAIM_BYTES = 64 << 10
 # Folders a watch remembers, the least recently read forgotten first: a folder forgotten
 # only makes its claims look new again, live, so this bounds memory, not safety.
 _MAX_FOLDERS = 1024
@@ -105,8 +107,9 @@ def write_claim(folder: Folder, name: str, data: bytes, expect: str = ABSENT) ->
 
 def decode_claim(data: bytes) -> Claim:
     """The claim in ``data``; ``ValueError`` (or ``KeyError``, ``TypeError``) when it is
-    not one (a half-written or foreign file)."""
-    fields = load_json(data)
+    not one (a half-written or foreign file: ``StoredJsonError`` for one too large or
+    nested too deeply)."""
+    fields = load_stored_json(data, "a claim", MAX_CLAIM_BYTES)
     if "beat" not in fields:  # an older nemo-ckpt's
         return Claim(str(fields["operation"]), str(fields["owner"]), LEGACY_TTL_S,
                      xxhash.xxh3_64_hexdigest(data))

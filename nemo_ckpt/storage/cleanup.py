@@ -8,7 +8,6 @@ are touched.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -19,13 +18,15 @@ from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.local_folder import TMP_MARK
 from nemo_ckpt.storage.manifest import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     SHARD_PREFIX,
     SHARD_SUFFIX,
     is_plain_file_name,
-    load_json,
     shard_file_name,
 )
 from nemo_ckpt.storage.path_claims import release_claim
+from nemo_ckpt.storage.store_errors import NotARegularFileError
+from nemo_ckpt.storage.stored_json import load_stored_json
 
 __all__ = ["manifest_shard_files", "manifest_snapshot_id", "remove_files",
            "remove_snapshot_files", "remove_unreferenced_files"]
@@ -40,7 +41,8 @@ def manifest_shard_files(directory: Folder | Path) -> set[str]:
     """The shard files the manifest in ``directory`` names now (none without one)."""
     folder = as_folder(directory)
     try:
-        data = load_json(folder.read(MANIFEST_NAME))
+        data = load_stored_json(folder.read(MANIFEST_NAME, MAX_MANIFEST_BYTES + 1),
+                                folder.describe(MANIFEST_NAME), MAX_MANIFEST_BYTES)
         files = {str(s["file"]) for s in data["shards"]}
         return files | {str(s["trees"]["file"]) for s in data["shards"] if s.get("trees")}
     except FileNotFoundError:
@@ -93,13 +95,15 @@ def manifest_snapshot_id(directory: Folder | Path) -> str | None:
     folder = as_folder(directory)
     try:
         head = folder.read(MANIFEST_NAME, 4096)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotARegularFileError):  # no manifest we could have written
         return None
+    where = folder.describe(MANIFEST_NAME)
     match = _SNAPSHOT_ID.search(head)
     if match is not None:
-        return str(json.loads(b'"' + match.group(1) + b'"'))
+        return str(load_stored_json(b'"' + match.group(1) + b'"', where, len(head) + 2))
     try:
-        return str(load_json(folder.read(MANIFEST_NAME))["snapshot_id"])
+        return str(load_stored_json(folder.read(MANIFEST_NAME, MAX_MANIFEST_BYTES + 1),
+                                    where, MAX_MANIFEST_BYTES)["snapshot_id"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

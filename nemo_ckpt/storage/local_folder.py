@@ -11,6 +11,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
@@ -21,8 +22,9 @@ from nemo_ckpt.errors import SnapshotWriteError
 from nemo_ckpt.storage.folder import ABSENT, Sink, unlistable
 from nemo_ckpt.storage.manifest import is_plain_file_name
 from nemo_ckpt.storage.read_ahead import read_ahead
+from nemo_ckpt.storage.store_errors import not_a_regular_file
 
-__all__ = ["LocalFolder", "TMP_MARK"]
+__all__ = ["LocalFolder", "TMP_MARK", "open_regular", "read_regular"]
 
 # Temp files are ".<name>.tmp-<uuid>": hidden, and recognisably ours for clean-up.
 TMP_MARK = ".tmp-"
@@ -100,6 +102,46 @@ def _writev_all(fd: int, pieces: list[bytes | bytearray | memoryview]) -> None:
             i += 1
         if written:
             views[i] = views[i][written:]
+
+
+# Every read of stored data: a link is not followed, and a FIFO's open does not wait for
+# a writer (a FIFO named manifest.json hung every command that read the root).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_regular(path: Path | str) -> int:
+    """A descriptor for reading the regular file at ``path``, opened without following
+    a link or blocking; ``NotARegularFileError`` (an ``OSError`` of one line) for
+    anything else there, ``FileNotFoundError`` for nothing."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise not_a_regular_file(path, None) from None
+        if exc.errno == errno.ENXIO:  # a socket (or a device with nothing behind it)
+            raise not_a_regular_file(path, stat.S_IFSOCK) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_a_regular_file(path, mode)
+        os.set_blocking(fd, True)  # a file's reads never wait anyway; no EAGAIN
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path | str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file at ``path`` (``open_regular``), at most ``limit``
+    and one more (which shows a file longer than the limit)."""
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
+        if limit is None:
+            return f.read()
+        # A limit may come from a file (a manifest's length): a read of n bytes
+        # allocates n first, so never ask for more than is there (and one more,
+        # to show a file that grew).
+        return f.read(min(limit, os.fstat(f.fileno()).st_size + 1))
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -272,10 +314,14 @@ class LocalFolder:
         except FileNotFoundError:
             return False
         try:
-            if aside.read_bytes() in candidates:
+            try:
+                held = read_regular(aside)
+            except OSError:
+                held = None  # not a file of ours (a FIFO, a link): put back, as it was
+            if held is not None and held in candidates:
                 return True
             with contextlib.suppress(FileExistsError):
-                os.link(aside, target)
+                os.link(aside, target, follow_symlinks=False)
             return False
         finally:
             aside.unlink(missing_ok=True)
@@ -284,19 +330,13 @@ class LocalFolder:
         return self._file(name).stat().st_size
 
     def read(self, name: str, limit: int | None = None) -> bytes:
-        with open(self._file(name), "rb", buffering=0) as f:
-            if limit is None:
-                return f.read()
-            # A limit may come from a file (a manifest's length): a read of n bytes
-            # allocates n first, so never ask for more than is there (and one more,
-            # to show a file that grew).
-            return f.read(min(limit, os.fstat(f.fileno()).st_size + 1))
+        return read_regular(self._file(name), limit)
 
     def read_view(self, name: str, limit: int | None = None) -> memoryview:
         return memoryview(self.read(name, limit))
 
     def read_chunks(self, name: str, length: int, chunk: int) -> Iterator[memoryview]:
-        fd = os.open(self._file(name), os.O_RDONLY)
+        fd = open_regular(self._file(name))
         try:
             size = os.fstat(fd).st_size
             end = min(length, size)
@@ -313,7 +353,7 @@ class LocalFolder:
 
     @contextlib.contextmanager
     def open_read(self, name: str) -> Iterator[BinaryIO]:
-        with open(self._file(name), "rb") as f:
+        with os.fdopen(open_regular(self._file(name)), "rb") as f:
             yield f
 
     def names(self) -> list[str]:

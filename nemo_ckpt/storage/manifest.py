@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "current_figures",
-    "load_json",
+    "MAX_MANIFEST_BYTES",
     "FORMAT_VERSION",
     "SANDBOX_FORMAT_VERSION",
     "RECEIPTS_FORMAT_VERSION",
@@ -97,17 +97,12 @@ CHUNK_HASH_PATTERN = r"^([0-9a-f]{32}|[0-9a-f]{64})$"
 MIN_CHUNK_BYTES = 64 << 10
 MAX_CHUNK_BYTES = 64 << 20
 
+# The most a manifest is read as (nemo_ckpt.storage.stored_json): formats 1 and 2 list
+# every rollout, about 150 bytes each, so this is over a million; later formats are a
+# few kilobytes.
+MAX_MANIFEST_BYTES = 256 << 20
+
 _SAFE_PART = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-def load_json(raw: bytes | str) -> Any:
-    """``json.loads`` of a file someone else may have written (a manifest, a claim):
-    nesting too deep for the parser is a ``ValueError``, like any other damage, rather
-    than a ``RecursionError`` that no caller expects."""
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply to parse") from None
 
 
 @functools.lru_cache(maxsize=4096)  # manifests and trees ask about the same names often

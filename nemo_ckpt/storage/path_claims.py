@@ -21,7 +21,14 @@ from pathlib import Path
 
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, OperationAbortedError
 from nemo_ckpt.storage.checkpoint_folder import as_folder
-from nemo_ckpt.storage.claims import Claim, ClaimWatch, decode_claim, encode_claim, write_claim
+from nemo_ckpt.storage.claims import (
+    MAX_CLAIM_BYTES,
+    Claim,
+    ClaimWatch,
+    decode_claim,
+    encode_claim,
+    write_claim,
+)
 from nemo_ckpt.storage.folder import ABSENT, Folder, remove_if_holds
 from nemo_ckpt.storage.manifest import MANIFEST_NAME, safe_name_part
 
@@ -50,7 +57,7 @@ def read_claims(directory: Folder | Path) -> list[PathClaim]:
         if not (name.startswith(CLAIM_PREFIX) and name.endswith(".json")):
             continue
         try:
-            data = folder.read(name)
+            data = folder.read(name, MAX_CLAIM_BYTES + 1)
         except FileNotFoundError:
             continue
         except OSError as exc:
@@ -91,7 +98,7 @@ def claim_of(directory: Folder | Path, operation_id: str) -> PathClaim | None:
     empty beat when it is not a claim any writer of ours made)."""
     folder = as_folder(directory)
     try:
-        return decode_claim(folder.read(_claim_name(operation_id)))
+        return decode_claim(folder.read(_claim_name(operation_id), MAX_CLAIM_BYTES + 1))
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError):
@@ -182,7 +189,7 @@ def drop_abandoned(directory: Folder | Path, claims: Collection[PathClaim]) -> l
     for claim in claims:
         name = _claim_name(claim.operation)
         try:
-            data = folder.read(name)
+            data = folder.read(name, MAX_CLAIM_BYTES + 1)
             current = decode_claim(data)
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             continue

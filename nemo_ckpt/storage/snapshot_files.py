@@ -32,17 +32,18 @@ from nemo_ckpt.storage.folder import Folder, write_conditionally
 from nemo_ckpt.storage.manifest import (
     ENVIRONMENT_DIR,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     SHARD_PREFIX,
     SUPPORTED_FORMAT_VERSIONS,
     Manifest,
     is_plain_file_name,
-    load_json,
     rollouts_by_shard,
     shard_problems,
     upgrade_v1,
 )
 from nemo_ckpt.storage.path_claims import claim_of
 from nemo_ckpt.storage.shards import RolloutIndexEntry, read_shard, read_shard_index
+from nemo_ckpt.storage.stored_json import StoredJsonError, check_json, load_stored_json
 
 __all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollouts",
            "write_manifest"]
@@ -129,7 +130,7 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
                                f"one holding {ENVIRONMENT_DIR}/)")
     path = folder.describe(MANIFEST_NAME)
     try:
-        raw = folder.read(MANIFEST_NAME)
+        raw = folder.read(MANIFEST_NAME, MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         detail = ""
         if any(name.startswith(SHARD_PREFIX) for name in folder.names()):
@@ -142,16 +143,18 @@ def read_manifest(checkpoint_path: Path | str) -> Manifest:
         ) from exc
 
     try:
+        text = check_json(raw, path, MAX_MANIFEST_BYTES)
+    except StoredJsonError as exc:  # too large, not UTF-8, or nested too deeply
+        raise ManifestInvalidError(path, f"{exc}: restore an earlier checkpoint") from None
+    try:
         # The happy path parses once; only a refusal parses again, to say why.
-        manifest = Manifest.model_validate_json(raw)
+        manifest = Manifest.model_validate_json(text)
     except ValidationError as exc:
         try:
-            data = load_json(raw)
-        except ValueError as bad_json:  # not JSON, not UTF-8, or nested too deeply
-            raise ManifestInvalidError(
-                path, f"{path} is not valid JSON ({bad_json}); the file is damaged: "
-                      f"restore an earlier checkpoint"
-            ) from exc
+            data = load_stored_json(text, path, MAX_MANIFEST_BYTES)
+        except StoredJsonError as bad_json:
+            raise ManifestInvalidError(path, f"{bad_json}: restore an earlier checkpoint"
+                                       ) from exc
         upgraded = upgrade_v1(data)
         if upgraded is not data:
             try:

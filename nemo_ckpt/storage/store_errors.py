@@ -5,16 +5,22 @@ lines; the mistakes people make on a bucket (a bucket that does not exist, no
 credentials or endpoint, a wrong endpoint, credentials that may not do it) each get a
 sentence naming what to change, in the terms of the store (S3's ``AWS_*`` variables,
 Azure's ``AZURE_*``). Anything else keeps its class and first line.
+
+On a folder, a name that should hold a file we wrote but holds something else (a FIFO,
+whose open would block for ever; a link, which would be read through; a device, a
+folder) is ``NotARegularFileError``, refused before a byte is read.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from nemo_ckpt.storage.location import ObjectLocation
 
-__all__ = ["is_store_error", "store_failure"]
+__all__ = ["NotARegularFileError", "is_store_error", "not_a_regular_file", "store_failure"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,23 @@ _STORES: dict[str, _Store] = {
                  "check AZURE_STORAGE_ACCOUNT_NAME (AZURITE_BLOB_STORAGE_URL for Azurite)",
                  "AZURE_ALLOW_HTTP"),
 }
+
+
+class NotARegularFileError(OSError):
+    """A stored name that is not a regular file: nothing of it was read. Its message is
+    one line naming the path, what is there and what to do."""
+
+
+def not_a_regular_file(where: Path | str, mode: int | None) -> NotARegularFileError:
+    """The refusal of ``where``, whose ``stat`` mode is ``mode`` (None: a link, which
+    was not followed)."""
+    kind = ("a symbolic link" if mode is None else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a folder" if stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file")
+    return NotARegularFileError(
+        f"{where} is {kind}, not a regular file as nemo-ckpt writes (it reads no other "
+        f"kind): remove it")
 
 
 def is_store_error(exc: BaseException) -> bool:

@@ -58,6 +58,7 @@ from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.location import as_path_or_url
+from nemo_ckpt.storage.stored_json import StoredJsonError, load_stored_json, validate_stored_json
 
 __all__ = [
     "trajectory_result",
@@ -86,6 +87,8 @@ __all__ = [
 DATA_PLANE_FILE = "data_plane.json"
 _FORMAT: Literal["nemo-ckpt-reference-data-plane"] = "nemo-ckpt-reference-data-plane"
 _VERSION: Literal[1] = 1
+# The most the data-plane file (or a finished result) is read as: a test job's ledger.
+_MAX_FILE_BYTES = 256 << 20
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -274,7 +277,7 @@ def trajectory_result(records: Sequence[Any], staging_keys: Sequence[str]) -> by
 def read_trajectory_result(result: bytes) -> tuple[list[Any], list[str]]:
     """``(records, staging_keys)`` of a ``trajectory_result``; ValueError otherwise."""
     try:
-        data = json.loads(result)
+        data = load_stored_json(result, "a finished result", _MAX_FILE_BYTES)
         records, keys = data["records"], data["staging_keys"]
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"a finished result is not a trajectory_result ({exc})") from None
@@ -344,7 +347,7 @@ def read_data_plane_file(checkpoint_path: Path | str) -> DataPlaneFile:
     folder = folder_at(checkpoint_path)
     path = folder.describe(DATA_PLANE_FILE)
     try:
-        raw = folder.read(DATA_PLANE_FILE)
+        raw = folder.read(DATA_PLANE_FILE, _MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise DataPlaneFileError(
             path, f"no data-plane state at {path}: the snapshot at {checkpoint_path} was "
@@ -352,7 +355,9 @@ def read_data_plane_file(checkpoint_path: Path | str) -> DataPlaneFile:
     except OSError as exc:
         raise DataPlaneFileError(path, f"cannot read {path}: {exc}") from None
     try:
-        return DataPlaneFile.model_validate_json(raw)
+        return validate_stored_json(DataPlaneFile, raw, path, _MAX_FILE_BYTES)
+    except StoredJsonError as exc:
+        raise DataPlaneFileError(path, str(exc)) from None
     except ValidationError as exc:
         raise DataPlaneFileError(
             path, f"{path} is not a valid data-plane file (format {_FORMAT!r} version "

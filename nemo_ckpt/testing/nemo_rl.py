@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from nemo_ckpt.interfaces import RestoredEnvironmentRollouts
 from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.stored_json import load_stored_json
 
 __all__ = [
     "LEDGER_SCHEMA_VERSION",
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 STATE_FILE = "nemo_rl_state.json"
+# The most the state file is read as: the ledger and the staging rows of a test job.
+_MAX_STATE_BYTES = 256 << 20
 
 LEDGER_SCHEMA_VERSION = 4
 
@@ -493,7 +496,10 @@ class NemoRlState:
         await self._blocking(folder.write_bytes, STATE_FILE, data.encode())
 
     async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> None:
-        raw = json.loads(await self._blocking(folder_at(path).read, STATE_FILE))
+        folder = folder_at(path)
+        raw = load_stored_json(
+            await self._blocking(folder.read, STATE_FILE, _MAX_STATE_BYTES + 1),
+            folder.describe(STATE_FILE), _MAX_STATE_BYTES)
         self.ledger = RolloutRecoveryLedger.from_state_dict(raw["ledger"])
         self.staging = StagingPartition.from_state_dict(
             {k: bytes.fromhex(v) for k, v in raw["staging"].items()})

@@ -44,6 +44,15 @@ as NeMo RL shows it (a ledger's inventory and a staging listing, a cut with only
 is checked; in half of those (``Plan.manager``) every snapshot is a
 ``RolloutCheckpointManager``'s, with its names, rename and retention.
 
+Hostile files in the root (issue 50; ``Plan.planted``, a quarter of the schedules): a FIFO
+planted as a folder's manifest, or a link there to a FIFO, which every read of the root
+(a commit's numbering, a gc, a collection, a manager's listing) must refuse at once (the
+guard reports one that waits: case 50.5); in manager schedules a committed snapshot's
+record nested 100,000 deep (50.6), a link named as a partial snapshot whose target's files
+no sweep may remove (50.8), and a second job's manager on the same root running its
+retention now and then (``Plan.second_manager``), whose sweep must never take a snapshot
+in progress: each snapshot the manager returns has its record and RL's half (50.7).
+
     .venv/bin/python -m tests.simulation                  # 10,000 schedules on 2 processes
     .venv/bin/python -m tests.simulation --replay SEED    # one schedule, with its trace
 

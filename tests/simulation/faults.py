@@ -15,6 +15,7 @@ import errno
 import functools
 import os
 import random
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from typing import Any
 from actors.sim import SimActor
 from nemo_ckpt.catalog.listing import remove_snapshot
 from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotWriteError
+from nemo_ckpt.manager.config import RolloutCheckpointConfig
+from nemo_ckpt.manager.record import RECORD_FILE
+from nemo_ckpt.manager.rollout_manager import RolloutCheckpointManager
 from nemo_ckpt.sandboxes.collection import collect_blobs
 from nemo_ckpt.sandboxes.scan import _Scanner
 from nemo_ckpt.storage.checkpoint_folder import environment_dir
@@ -33,7 +37,12 @@ from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 
 from .checkers import Checkers
 from .plan import CONFIG
-from .state import Part, State, secret_bytes, short
+from .state import RL_HALF, Part, State, remove_rl_half, secret_bytes, short
+
+# The folder a hostile writer's manifest is planted in (``Faults.plant``).
+PLANTED_DIR = "planted"
+# ... and the link named as a manager's partial snapshot (in manager schedules).
+PLANTED_LINK = "rollout-link.partial"
 
 # --- disk faults at every Folder call -------------------------------------------------
 
@@ -151,6 +160,8 @@ class Faults(Part):
         self.retired: set[str] = set()  # paths a user's retention script removed
         self.relay_rng = random.Random(f"relay-kills-{s.seed}")
         self.relay_kills = 0
+        # What a manager's retention removing a snapshot tells the workload (Schedule).
+        self.on_managed_event: Any = lambda event, path: None
         self._install_io_faults()
         DiskFaults.install(self)
         HostileSandbox.install(self)
@@ -477,6 +488,8 @@ class Faults(Part):
             out.append(self._gc_process())
         out += [self._retention(at) for at in plan.retention]
         out += [self._second_job(at, k) for k, at in enumerate(plan.second_job)]
+        if plan.second_manager:
+            out.append(self._second_manager())
         return out
 
     async def _gc_process(self) -> None:
@@ -556,6 +569,98 @@ class Faults(Part):
         with contextlib.suppress(Exception):
             await asyncio.sleep(CONFIG.lease_s)
             await runtime.run_blocking(release_claim, folder, op_id)
+
+    # --- hostile files in the root (issue 50, case 5) ----------------------------------------
+
+    def plant(self) -> None:
+        """A hostile writer's files in the root: a FIFO as the manifest of a folder of its
+        own, or a link there to a FIFO in a hidden folder. Every read of the root (a
+        commit's numbering, a gc, a collection, the manager's listing and sweep) must
+        refuse it at once: one that opens it waits, and the guard reports it."""
+        kind = self.plan.planted
+        if kind is None:
+            return
+        manifest = environment_dir(self.root / PLANTED_DIR) / "manifest.json"
+        manifest.parent.mkdir(parents=True)
+        fifo = manifest if kind == "fifo" else self.root / ".outside" / "target.fifo"
+        fifo.parent.mkdir(exist_ok=True)
+        os.mkfifo(fifo)
+        self.world.fifos.append(str(fifo))
+        if kind == "link":
+            manifest.symlink_to(fifo)
+        self.s.faults += 1
+        self.log(f"fault: a {kind} planted as {manifest.relative_to(self.root)}")
+        if self.plan.manager:
+            # Case 8: a link named as a manager's partial snapshot, to another folder
+            # holding RL's half and a record, which no sweep may remove through it.
+            elsewhere = self.root / ".outside" / "elsewhere"
+            elsewhere.mkdir(parents=True)
+            for name in (RL_HALF, RECORD_FILE):
+                (elsewhere / name).write_bytes(b"not the manager's")
+            (self.root / PLANTED_LINK).symlink_to(elsewhere, target_is_directory=True)
+            self.log(f"fault: a link planted as {PLANTED_LINK}")
+
+    def unplant(self) -> None:
+        """Before the final checks, which read every manifest outside the guard: what the
+        link planted as a partial snapshot points at is all there."""
+        elsewhere = self.root / ".outside" / "elsewhere"
+        if elsewhere.exists():
+            gone = [name for name in (RL_HALF, RECORD_FILE) if not (elsewhere / name).exists()]
+            if gone:
+                self.check.violate(f"a sweep removed {', '.join(gone)} through the link "
+                                   f"planted as {PLANTED_LINK}, outside the root's folders")
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / PLANTED_LINK).unlink()
+        shutil.rmtree(self.root / PLANTED_DIR, ignore_errors=True)
+        shutil.rmtree(self.root / ".outside", ignore_errors=True)
+
+    async def _second_manager(self) -> None:
+        """A second job's ``RolloutCheckpointManager`` on the same root (issue 50, case 7:
+        two jobs, or a restarted job beside its predecessor) runs its retention now and
+        then: its sweep must never take this job's snapshot in progress for a leftover
+        (``Workload._managed_snapshot`` checks each returned snapshot has its record)."""
+        actor = self.world.new_actor("manager2", "manager-2", "job2-host")
+        actor.alive = True  # a host outside the Ray cluster
+        runtime = self.world.runtime(actor)
+        workload = self
+
+        class Elsewhere:  # the second job's checkpoint: only its file work is used here
+            run_blocking = staticmethod(runtime.run_blocking)
+
+            def snapshot(self, *args: Any) -> Any:
+                raise AssertionError("the second manager only runs its retention")
+
+            restored = checkpoint = snapshot  # its barrier too
+
+            def is_unavailable(self, error: BaseException) -> bool:
+                return False
+
+        class Half:
+            async def save(self, cut: Any, path: str) -> None:
+                raise AssertionError("the second manager takes no snapshot")
+
+            restore = save
+
+            async def remove(self, path: str) -> None:
+                remove_rl_half(path)
+                workload.log(f"manager 2 removes RL's half of {Path(path).name}")
+
+        manager = RolloutCheckpointManager(
+            Elsewhere(), Elsewhere(), Half(),
+            RolloutCheckpointConfig(root=str(self.root), snapshot_attempt_interval_s=1.0,
+                                    keep_latest_k=2),
+            clock=runtime.clock.monotonic, on_event=self.on_managed_event)
+        last = 0.0
+        for at in self.plan.second_manager:
+            await asyncio.sleep(at - last)
+            last = at
+            self.s.faults += 1
+            try:
+                removed = await manager.apply_retention()
+            except (NemoCkptError, OSError) as exc:
+                self.log(f"manager 2's retention: {type(exc).__name__}: {short(exc)}")
+                continue
+            self.log(f"manager 2's retention removed {[Path(p).name for p in removed]}")
 
     def swap(self, source: str) -> None:
         """The sandbox's own process acts on ``source`` as the scan is about to read it

@@ -5,7 +5,7 @@ group leaves every other draw of a seed as it was."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_ckpt.config import CheckpointConfig
@@ -96,6 +96,13 @@ class Plan:
     # The driver's snapshots are a RolloutCheckpointManager's (its names, its check, its
     # retention keeping the newest two), in half the nemo_rl schedules; drawn apart.
     manager: bool = False
+    # Hostile files in the root (issue 50), drawn apart: a FIFO planted as the manifest
+    # of a folder of its own ("fifo"), or a link there to a FIFO elsewhere ("link"); and,
+    # in manager schedules, the first committed snapshot's record nested 100,000 deep,
+    # and when a second job's manager on the same root runs its retention (its sweep).
+    planted: str | None = None
+    record_bomb: bool = False
+    second_manager: list[float] = field(default_factory=list)
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -139,6 +146,12 @@ class Plan:
         plan.disk_landed = random.Random(f"landed-{seed}").choice([0.0, 0.0, 0.0, 0.2])
         plan.nemo_rl = random.Random(f"nemo-rl-{seed}").random() < 0.25
         plan.manager = plan.nemo_rl and random.Random(f"manager-{seed}").random() < 0.5
+        plan.planted = random.Random(f"planted-{seed}").choice([None] * 6 + ["fifo", "link"])
+        plan.record_bomb = plan.manager and random.Random(f"record-{seed}").random() < 0.5
+        if plan.manager:
+            beside = random.Random(f"second-manager-{seed}")
+            plan.second_manager = sorted(round(beside.uniform(0.5, 9.0), 3)
+                                         for _ in range(beside.choice([0, 2, 4, 8])))
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))

@@ -23,6 +23,7 @@ class Schedule:
         self.check = Checkers(self.s)
         self.inject = Faults(self.s, self.check)
         self.work = Workload(self.s, self.check, self.inject)
+        self.inject.on_managed_event = self.work.managed_event
         world = self.s.world
         world.on_blocked = self.check.on_blocked
         world.on_send = self._on_send
@@ -70,6 +71,7 @@ class Schedule:
         s.driver = Driver(s, "driver-1")
         await s.driver.ckpt.ensure_holders()
         await work.start_workers(fresh=True)
+        inject.plant()
         injector = asyncio.ensure_future(inject.inject_faults())
         stalls = asyncio.ensure_future(inject.inject_stalls())
         monitor = asyncio.ensure_future(check.monitor())
@@ -84,6 +86,7 @@ class Schedule:
         for task in seconds:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(task, CONFIG.lease_s * 3)
+        inject.unplant()
         await work.stop_workers()
         await check.check_settled()
         monitor.cancel()

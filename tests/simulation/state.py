@@ -6,6 +6,7 @@ violations. The workload, the faults and the checkers each hold one ``State``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import defaultdict
 from collections.abc import Iterable
@@ -28,6 +29,16 @@ SECRET = b"the-secret-outside-every-sandbox"
 def secret_bytes(seed: int) -> bytes:
     """What the file outside every sandbox holds in schedule ``seed`` (``HostileSandbox``)."""
     return SECRET + f"-{seed}".encode()
+
+
+# RL's half of a managed snapshot, as the simulation's RL writes it into the folder.
+RL_HALF = "rl_half"
+
+
+def remove_rl_half(path: str) -> None:
+    """``RlHalf.remove``, for every manager of the schedule."""
+    with contextlib.suppress(FileNotFoundError):
+        (Path(path) / RL_HALF).unlink()
 
 
 @dataclass
@@ -105,6 +116,7 @@ class State:
         # What the workload runs:
         self.ops: list[OpRecord] = []
         self.committed: dict[str, list[str]] = defaultdict(list)  # path -> ids seen committed
+        self.managed_removing: set[str] = set()  # managed snapshots retention began to remove
         self.next_managed_name = ""  # the folder a managed snapshot takes next
         self.failed_checks: set[str] = set()
         self.driver: Driver | None = None

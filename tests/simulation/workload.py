@@ -27,6 +27,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.manager.config import RolloutCheckpointConfig
+from nemo_ckpt.manager.record import RECORD_FILE
 from nemo_ckpt.manager.rollout_manager import PARTIAL_SUFFIX, RolloutCheckpointManager
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import SessionClient
@@ -38,7 +39,7 @@ from .checkers import Checkers
 from .faults import Faults
 from .plan import CONFIG, SPARSE_BYTES
 from .rl import LiveOnly, NemoRlView, Saved, SimRL
-from .state import Driver, OpRecord, Part, State, short
+from .state import RL_HALF, Driver, OpRecord, Part, State, remove_rl_half, short
 from .text_env import CounterFramework, policy, reference
 
 T = TypeVar("T")
@@ -60,6 +61,7 @@ class Workload(Part):
         self.check, self.inject = check, inject
         self.stop = False
         self._restart: list[tuple[str, Ep]] = []
+        self._record_bombed = False  # Plan.record_bomb: done once
 
     def on_send(self, caller: SimActor, callee: SimActor, method: str,
                 args: tuple[Any, ...]) -> None:
@@ -196,7 +198,10 @@ class Workload(Part):
         class Half:
             async def save(self, cut: Any, path: str) -> None:
                 saved.append(workload.s.rl.state(record.op_id or "?"))
-                await asyncio.sleep(workload.rng.uniform(0.0, 1.5))  # RL saves its half
+                # RL's half on disk as it begins (a sweep must leave it), then its time.
+                Path(path).mkdir(parents=True, exist_ok=True)
+                (Path(path) / RL_HALF).write_bytes(b"RL's half")
+                await asyncio.sleep(workload.rng.uniform(0.0, 1.5))
                 workload.check.check_paused_through_block(record)
                 record.body_end = workload.now()
 
@@ -204,6 +209,7 @@ class Workload(Part):
                 raise AssertionError("the simulation restores by path")
 
             async def remove(self, path: str) -> None:
+                remove_rl_half(path)
                 workload.log(f"RL's half of {Path(path).name} removed (managed)")
 
         if driver.manager is None:
@@ -211,7 +217,8 @@ class Workload(Part):
                 nemo_rl_checkpoint(driver.ckpt, view), Barrier(), Half(),
                 RolloutCheckpointConfig(root=str(self.root), snapshot_attempt_interval_s=1.0,
                                         keep_latest_k=2, max_consecutive_failures=100),
-                names=lambda: self.s.next_managed_name, on_event=self._managed_event)
+                names=lambda: self.s.next_managed_name, on_event=self.managed_event,
+                clock=self.world.runtime(driver.actor).clock.monotonic)
         manager = driver.manager
         self.s.next_managed_name = name
         # This operation's barrier and RL half; its integration reads this view.
@@ -237,6 +244,21 @@ class Workload(Part):
             self.check.check_deadlines(record, driver.config)
         if error is None:
             assert taken is not None
+            lost = [name for name in (RECORD_FILE, RL_HALF)
+                    if not (Path(taken.path) / name).is_file()]
+            if taken.path not in self.s.managed_removing and lost:
+                self.check.violate(f"{record.op_id} was returned as taken without its record "
+                                   f"or RL's half ({', '.join(lost)} gone): it can never be "
+                                   f"listed or restored")
+            if self.plan.record_bomb and not self._record_bombed:
+                # A hostile writer's record, 200 KB nested 100,000 deep: every later
+                # snapshot's retention reads it (issue 50, case 6).
+                self._record_bombed = True
+                self.s.faults += 1
+                (Path(taken.path) / RECORD_FILE).write_bytes(
+                    b'{"format": 1, "fingerprint": {"x": ' + b"[" * 100_000
+                    + b"]" * 100_000 + b"}}")
+                self.log(f"fault: {Path(taken.path).name}'s record nested 100,000 deep")
             record.path, record.outcome = taken.path, "committed"
             self.s.rl.saves[taken.path] = saved[-1]
             self.s.committed[taken.path].append(record.op_id or "?")
@@ -251,11 +273,12 @@ class Workload(Part):
             self.check.check_dead_name(record, error)
             await self.check.check_failed_snapshot(record, error)
 
-    def _managed_event(self, event: str, path: str) -> None:
+    def managed_event(self, event: str, path: str) -> None:
         if event != "removing":
             return
         # Retention begins to remove it: from now on no snapshot RL may restore (its
         # manifest goes first; a removal that fails after that is retried later).
+        self.s.managed_removing.add(path)
         gone = Path(path).resolve()
         for key in [k for k in self.s.committed if Path(k).resolve() == gone]:
             self.s.rl.saves.pop(key, None)
