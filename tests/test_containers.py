@@ -482,8 +482,8 @@ def test_a_deeply_nested_dump_or_a_dot_or_repeated_member_is_refused_in_one_line
     sandboxes, recorded, data = _recorded(podman, runtime, names, tmp_path)
     image = recorded.record.config.image
     nested = b"[" * 200_000 + b"]" * 200_000
-    with pytest.raises(ContainerRuntimeError,
-                       match=r"holds a dump that does not read \(config.dump is JSON nested too deeply"):
+    with pytest.raises(ContainerRuntimeError, match=r"holds a dump that does not read "
+                       r"\(config.dump is JSON nested too deeply"):
         check_archive(_replace(data, "config.dump", nested), image, "r")
     for dot in ("checkpoint/..", "checkpoint/."):
         with pytest.raises(ContainerRuntimeError,
