@@ -16,7 +16,7 @@ import msgpack
 
 from actors.holder_operations import HolderOperations
 from actors.holder_parts import HolderParts
-from actors.holder_sandboxes import RestoredSandbox
+from actors.holder_sandbox_restores import RestoredSandbox
 from actors.holder_shards import ShardPrefetch, read_restore_shard
 from actors.holder_states import (
     OperationState,
@@ -68,7 +68,7 @@ class RestoreUndo:
         sandboxes = self._parts.sandboxes
         discard_staged(self._parts, work.sandboxes)
         if work.sandboxes or sandboxes.root is not None:
-            self._parts.background(sandboxes.discard_staging, work.id)
+            self._parts.background(sandboxes.restores.discard_staging, work.id)
 
     def _drop_live(self, restore_id: str, live: RestoreLive) -> None:
         """Drop the sessions a committed restore made live (see ``RestoreLive``)."""
@@ -77,8 +77,8 @@ class RestoreUndo:
             parts.table.drop(rollout_id)
             parts.sandboxes.drop(rollout_id)
         if live.directories:
-            parts.sandboxes.doom(live.directories)
-            parts.background(parts.sandboxes.remove_doomed)
+            parts.sandboxes.restores.doom(live.directories)
+            parts.background(parts.sandboxes.restores.remove_doomed)
         log.warning("%s: restore %s, live here but not used yet, was undone: its %d "
                     "sessions were dropped again", parts.instance_id, restore_id,
                     len(live.rollouts))
@@ -89,11 +89,11 @@ def discard_staged(parts: HolderParts, staged: list[RestoredSandbox]) -> None:
     and its containers are removed (in the background); directories go with the
     restore's staging folder."""
     sandboxes = parts.sandboxes
-    sandboxes.forget_restore(staged)
+    sandboxes.restores.forget_restore(staged)
     made = [b.target for b in staged if b.staging is None]  # containers
     if made:
-        sandboxes.doom(made)
-        parts.background(sandboxes.remove_doomed)
+        sandboxes.restores.doom(made)
+        parts.background(sandboxes.restores.remove_doomed)
 
 
 class RestorePhases:
@@ -230,10 +230,10 @@ class RestorePhases:
                     f"{self.instance_id}: rollout {held.rollout_id!r} went live during the "
                     f"restore")
         if op.sandboxes:
-            await self._runtime.run_blocking(parts.sandboxes.commit_restore, op.sandboxes)
+            await self._runtime.run_blocking(parts.sandboxes.restores.commit_restore, op.sandboxes)
             if not parts.restore_open(op):  # aborted or lapsed while they moved
-                parts.sandboxes.doom(b.target for b in op.sandboxes)
-                parts.background(parts.sandboxes.remove_doomed)
+                parts.sandboxes.restores.doom(b.target for b in op.sandboxes)
+                parts.background(parts.sandboxes.restores.remove_doomed)
                 raise parts.refusal(restore_id)
         for held in op.pending:
             parts.table.put(held)

@@ -28,13 +28,13 @@ Layout under ``sandbox_root`` (the same path on every node):
                                               instance if this one dies first
 
 A session's container (``nemo_ckpt.containers``) is recorded into the same cache and
-store; a restore creates it running (``prepare_restore``), and its undo removes it.
+store; a restore creates it running, and its undo removes it. A restore's sandboxes
+(staged, placed, undone) are the part ``Sandboxes.restores``
+(``actors.holder_sandbox_restores``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import logging
 import os
 import shutil
@@ -43,18 +43,17 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Protocol
 
+from actors.holder_sandbox_restores import SandboxRestores
 from nemo_ckpt.containers.backend import ContainerBackend
 from nemo_ckpt.containers.record import encode_record
-from nemo_ckpt.errors import ContainerRuntimeError, RestoreConflictError, SandboxError
+from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
 from nemo_ckpt.sandboxes.backend import (
     ContainerRef,
     Recorded,
     SandboxBackend,
     SandboxLocation,
-    Staged,
-    StoredSandbox,
 )
 from nemo_ckpt.sandboxes.blob_store import BlobStore
 from nemo_ckpt.sandboxes.directories import PRIVATE_DIR, DirectoryBackend
@@ -62,45 +61,22 @@ from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.sandboxes.node_cache import BlobCache
 from nemo_ckpt.sandboxes.snapshot_trees import (
     BlobsWritten,
-    TreeRow,
     persist_blobs,
-    read_blob,
-    read_trees_file,
     write_trees_file,
 )
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.manifest import (
     MAX_SANDBOX_ID_BYTES,
-    ShardEntry,
     TreesEntry,
     restored_name_problem,
     safe_name_part,
     trees_file_name,
 )
 
-__all__ = ["Sandbox", "Recorded", "Sandboxes", "RestoredSandbox", "SandboxCapture", "PRIVATE_DIR"]
+__all__ = ["Sandbox", "Recorded", "Sandboxes", "SandboxCapture", "PRIVATE_DIR"]
 
 log = logging.getLogger("nemo_ckpt.holder")
-T = TypeVar("T")
-
-_RESTORE_MEMORY = 256 << 20  # verified blobs a restore keeps in memory per shard
-
-
-def in_threads(calls: Sequence[Callable[[], T]], threads: int) -> list[T]:
-    """Each of ``calls``' results, in order, run ``threads`` at a time. The first error
-    is raised once the calls already running have ended; the rest never start."""
-    if len(calls) <= 1 or threads <= 1:
-        return [call() for call in calls]
-    with concurrent.futures.ThreadPoolExecutor(
-            min(threads, len(calls)), thread_name_prefix="nemo-ckpt-restore") as pool:
-        futures = [pool.submit(call) for call in calls]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
 
 
 @dataclass(slots=True)
@@ -109,10 +85,6 @@ class Sandbox:
 
     location: SandboxLocation
     recorded: Recorded
-
-
-# A sandbox a restore made, not live yet (the name the holder's parts use).
-RestoredSandbox = Staged
 
 
 @dataclass
@@ -204,7 +176,8 @@ class Sandboxes:
         self.root = None if sandbox_root is None else Path(os.path.abspath(sandbox_root))
         self.blob_root = blob_root
         # Jobs of other namespaces may share the root and their instances' names.
-        self._private = None if self.root is None else \
+        # This holder's own folder (cache, staging, containers' files).
+        self.private = None if self.root is None else \
             self.root / PRIVATE_DIR / safe_name_part(namespace) / safe_name_part(instance_id)
         self._cache: BlobCache | None = None
         self._cache_lock = threading.Lock()
@@ -222,14 +195,11 @@ class Sandboxes:
         # it changed, or a scan that failed), for the sweep; from threads, so locked.
         self._orphans: set[bytes] = set()
         self._scan_lock = threading.Lock()
-        # Directories of an undone restore, to remove before any restore materializes
-        # (its retry makes the same ones); the lock makes a restore wait for a removal
-        # that a background thread has begun.
-        self._doomed: list[SandboxLocation] = []
-        self._doomed_lock = threading.Lock()
         # What this holder saw of the store's collection claim, across persists: a claim
         # a dead collector left is taken as abandoned once seen unchanged for its ttl.
         self._collection_watch: ClaimWatch | None = None
+        # A restore's sandboxes: made in staging, placed, undone (its own part).
+        self.restores = SandboxRestores(self)
 
     def __len__(self) -> int:
         return len(self._by_rollout)
@@ -249,13 +219,13 @@ class Sandboxes:
         live refers to it and a file of it may not have survived a crash whole."""
         with self._cache_lock:
             if self._cache is None:
-                assert self._private is not None
+                assert self.private is not None
                 if self.container_env is not None:  # before the folder goes
                     ContainerBackend.remove_left(self.instance_id, self.container_env,
-                                                 self._private / "containers")
-                if self._private.exists():
-                    shutil.rmtree(self._private)
-                self._cache = BlobCache(self._private / "blobs")
+                                                 self.private / "containers")
+                if self.private.exists():
+                    shutil.rmtree(self.private)
+                self._cache = BlobCache(self.private / "blobs")
             return self._cache
 
     @property
@@ -263,10 +233,10 @@ class Sandboxes:
         """The node's container backend, made on first use (blocking)."""
         if self._containers is None:
             cache = self.cache
-            assert self._private is not None and self.container_env is not None
+            assert self.private is not None and self.container_env is not None
             self._containers = ContainerBackend(
                 self.instance_id, self.namespace, self.container_env, cache,
-                self._private / "containers", self.limits, self.tree_budget,
+                self.private / "containers", self.limits, self.tree_budget,
                 self.restore_setid)
         return self._containers
 
@@ -278,7 +248,7 @@ class Sandboxes:
                                                  self.tree_budget, self.restore_setid)
         return self._directories
 
-    def _backend(self, location: SandboxLocation) -> SandboxBackend:
+    def backend_of(self, location: SandboxLocation) -> SandboxBackend:
         """The backend of a sandbox: the sessions' router's one decision."""
         if isinstance(location, ContainerRef):
             return self.containers
@@ -288,7 +258,7 @@ class Sandboxes:
         """(problems, warnings) of this node's container runtime (check_startup)."""
         if self.container_env is None:
             return [], []
-        if self._private is None:
+        if self.private is None:
             return [f"{self.instance_id}: CheckpointConfig.containers is on but "
                     f"sandbox_root is not set; set it (the node cache of containers' "
                     f"files lives there)"], []
@@ -297,7 +267,7 @@ class Sandboxes:
     def probe(self) -> None:
         """Make the cache folder and write and remove a file in it (check_startup):
         ``SandboxError`` saying why this node cannot hold sandboxes' files."""
-        if self._private is None:
+        if self.private is None:
             return
         try:
             probe = self.cache.directory / f".probe-{os.getpid()}"
@@ -347,7 +317,7 @@ class Sandboxes:
     def record(self, location: SandboxLocation, previous: Recorded | None) -> Recorded:
         """Record the sandbox at ``location`` through its backend (re-reading only what
         changed since ``previous``): its new blobs go into the cache."""
-        backend = self._backend(location)
+        backend = self.backend_of(location)
         sink = _Sink(self)
         with self._scan_lock:
             self._scans_running += 1
@@ -472,141 +442,13 @@ class Sandboxes:
                                 self.instance_id, written.attribute(rows, refs),
                                 len(needed), written, capture.containers())
 
-    # --- a restore (blocking, then bookkeeping) --------------------------------------
-
-    def target_of(self, capture_key: str) -> Path:
-        return self.directories.target_of(capture_key)
-
-    def prepare_restore(self, restore_id: str, directory: Folder, entry: ShardEntry,
-                        blob_store: str | None, new_keys: dict[str, str],
-                        threads: int = 1) -> list[RestoredSandbox]:
-        """Materialize the directories of shard ``entry``'s sessions in a staging folder,
-        ``threads`` at a time (``Runtime.threads``); ``new_keys`` maps each rollout to the
-        capture key it is restored as."""
-        assert entry.trees is not None
-        if self.root is None or self._private is None:
-            raise SandboxError(
-                f"{self.instance_id}: shard {entry.file} holds sandbox directories, but "
-                f"CheckpointConfig.sandbox_root is not set here to restore them into")
-        if blob_store is None:
-            raise SandboxError(f"{self.instance_id}: shard {entry.file} holds sandbox "
-                               f"directories, but its manifest names no blob store")
-        from nemo_ckpt.storage.checkpoint_folder import folder_at
-
-        self.remove_doomed()  # an undone restore's directories: its retry makes them again
-        store = BlobStore(blob_store, folder_at)
-        cache = self.cache
-        staging = self._make_staging(self._private, restore_id)
-        # Blobs verified once, kept in memory while the shard's directories are made:
-        # rollouts started from one repository share most of their files.
-        verified: dict[bytes, bytes] = {}
-        held = 0
-        reading = threading.Lock()  # directories are made in threads; a blob read once
-
-        def fetch(digest: bytes, size: int) -> bytes:
-            nonlocal held
-            data = verified.get(digest)
-            if data is not None:
-                return data
-            with reading:
-                data = verified.get(digest)
-                if data is not None:
-                    return data
-                data = read_blob(store, cache, digest, size)
-                if held + len(data) <= _RESTORE_MEMORY:
-                    verified[digest] = data
-                    held += len(data)
-            return data
-
-        containers: dict[str, bytes] = {}
-        rows = read_trees_file(directory, entry.trees, self.instance_id, containers)
-        self._check_restored_names(rows, new_keys, directory, entry.trees.file)
-        made: list[Callable[[], RestoredSandbox]] = []  # in the rows' order
-        for rollout_id, attempt, tree_digest, tree_size, _ in rows:
-            raw = containers.get(rollout_id)
-            if raw is not None and self.container_env is None:
-                raise ContainerRuntimeError(
-                    f"{self.instance_id}: the snapshot holds the container of rollout "
-                    f"{rollout_id!r}, but CheckpointConfig.containers is off here; turn "
-                    f"it on to restore it")
-            stored = StoredSandbox(
-                rollout_id, attempt, tree_digest, tree_size, raw,
-                f"{rollout_id} (attempt {attempt}) in {directory.describe(entry.trees.file)}")
-            backend = self.containers if raw is not None else self.directories
-            made.append(functools.partial(backend.restore, stored, fetch,
-                                          new_keys[rollout_id], restore_id, staging))
-        if containers:  # the container runtime's calls, one at a time
-            return [make() for make in made]
-        return in_threads(made, threads)
-
-    def _make_staging(self, private: Path, restore_id: str) -> Path:
-        """The restore's staging folder, made (a retry's is reused)."""
-        staging = private / f"restore-{safe_name_part(restore_id)}"
-        try:
-            staging.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SandboxError(f"{self.instance_id}: cannot make the restore's staging "
-                               f"folder {staging}: {exc.strerror or exc}") from exc
-        return staging
-
-    def _check_restored_names(self, rows: list[TreeRow], new_keys: dict[str, str],
-                              directory: Folder, trees_file: str) -> None:
-        """Refuse the restore, before any directory is made, when a row of the trees
-        file names a rollout its shard does not hold or one whose restored name is not
-        a safe directory name."""
-        for rollout_id, attempt, _, _, _ in rows:
-            key = new_keys.get(rollout_id)
-            if key is None:
-                raise SandboxError(f"trees file {trees_file} names rollout "
-                                   f"{rollout_id!r}, which its shard does not hold")
-            problem = restored_name_problem(key)
-            if problem is not None:
-                raise SandboxError(f"{self.instance_id}: cannot restore the directory of "
-                                   f"rollout {rollout_id!r} (attempt {attempt}) of "
-                                   f"{directory.describe(trees_file)}: {problem}; "
-                                   f"the snapshot was written before rollout ids were "
-                                   f"bounded, or crafted: restore another one")
-
-    def commit_restore(self, restored: list[RestoredSandbox]) -> None:
-        """Put a prepared restore's sandboxes in place (blocking): directories moved,
-        containers made the sessions'. Every place is checked before any moves."""
-        for box in restored:
-            problem = self._backend(box.target).conflict(box)
-            if problem is not None:
-                raise RestoreConflictError(problem)
-        for box in restored:
-            self._backend(box.target).place(box)
-
-    def discard_staging(self, restore_id: str) -> None:
-        """Remove a restore's staging folder (blocking)."""
-        if self._private is not None:
-            shutil.rmtree(self._private / f"restore-{safe_name_part(restore_id)}",
-                          ignore_errors=True)
-
-    def doom(self, made: Iterable[SandboxLocation]) -> None:
-        """Directories and containers an undone restore made: ``remove_doomed`` removes
-        them."""
-        self._doomed.extend(made)
-
-    def remove_doomed(self) -> None:
-        """Remove the doomed directories and containers (blocking; waits for a removal
-        under way)."""
-        with self._doomed_lock:
-            doomed, self._doomed = self._doomed, []
-            for d in doomed:
-                self._backend(d).discard(d)
-
-    def forget_restore(self, restored: Iterable[RestoredSandbox]) -> None:
-        for box in restored:
-            self.forget_unused(box.recorded)
-
     # --- the cache's collection ----------------------------------------------------
 
     def sweep(self) -> int:
         """Remove the cached blobs no live session references; returns how many. Call
         it on the event loop, only while no snapshot or restore is open (their captures
         may still need them); it does nothing while a scan runs."""
-        if self.scans_in_flight or self._private is None:
+        if self.scans_in_flight or self.private is None:
             return 0
         with self._scan_lock:  # no scan starts while the cache loses blobs
             if self._scans_running:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import msgpack
 
 from actors.heap import collector_paused
-from actors.holder_sandboxes import RestoredSandbox, Sandboxes
+from actors.holder_sandbox_restores import RestoredSandbox
+from actors.holder_sandboxes import Sandboxes
 from actors.holder_states import Capture
 from actors.session_table import Held
 from nemo_ckpt.errors import HolderStateError, ShardCorruptedError, SnapshotReadError
@@ -165,7 +166,7 @@ async def read_restore_shard(
     staged: list[RestoredSandbox] = []
     if entry.trees is not None:
         staged = await runtime.run_blocking(
-            sandboxes.prepare_restore, restore_id, directory, entry, blob_store,
+            sandboxes.restores.prepare_restore, restore_id, directory, entry, blob_store,
             {h.rollout_id: h.capture_key for h in held if not h.finished}, runtime.threads)
     finished: list[list[object]] = [[h.rollout_id, h.attempt, h.state_bytes()] for h in held
                                     if h.finished]

@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from actors.holder_sandboxes import RestoredSandbox, SandboxCapture
+from actors.holder_sandbox_restores import RestoredSandbox
+from actors.holder_sandboxes import SandboxCapture
 from actors.session_table import Held
 from nemo_ckpt.errors import HolderBusyError, HolderStateError, StaleSnapshotError
 from nemo_ckpt.phases import CaptureReport, HolderState, PauseReport, PersistReport

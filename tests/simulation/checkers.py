@@ -797,9 +797,9 @@ class Checkers(Part):
                     keys = {r[0]: Ep(r[0], r[1]).next_attempt().capture_key for r in rows}
                     boxes = Sandboxes(shard.instance_id, str(scratch), None,
                                       namespace="check")
-                    boxes.prepare_restore("restore-check", environment_folder(snapshot),
+                    boxes.restores.prepare_restore("restore-check", environment_folder(snapshot),
                                           shard, where, keys)
-                    boxes.discard_staging("restore-check")
+                    boxes.restores.discard_staging("restore-check")
             except Exception as exc:
                 self.violate(f"committed snapshot {manifest.snapshot_id} at "
                              f"{Path(snapshot).name} does not restore: {type(exc).__name__}: "
@@ -851,7 +851,7 @@ class Checkers(Part):
             ("gc", lambda: snapshot_refs(str(copy), store, budget=BUDGET)),
             ("a restore", lambda: Sandboxes(shard.instance_id, str(scratch), None,
                                             namespace="check", tree_budget=BUDGET
-                                            ).prepare_restore(
+                                            ).restores.prepare_restore(
                 "restore-check", folder, shard, blob_store_of(copy, manifest),
                 {rollout[0]: Ep(rollout[0], rollout[1]).next_attempt().capture_key})),
         ]
