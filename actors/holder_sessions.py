@@ -1,18 +1,19 @@
-"""The holder's session calls: sessions and their turns, from environment workers
-(``nemo_ckpt.protocol.holder_api.HolderSessions``), and the ledger's calls from RL through the
-coordinator (``retire``, ``forget``), with the checks they make of what they are given.
+"""The holder's session calls: sessions opened, read, finished and closed, from
+environment workers (``nemo_ckpt.protocol.holder_api.HolderSessions``), and the ledger's
+calls from RL through the coordinator (``retire``, ``forget``), with the checks they
+make of what they are given. A session's turns are the part beside it
+(``actors.holder_turns.Turns``), which finds and checks their session here
+(``Sessions.held``, ``check_episode``, ``check_size``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import msgpack
 
 from actors.holder_parts import HolderParts
-from actors.holder_sandboxes import Recorded
 from actors.session_table import Held
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
@@ -22,14 +23,12 @@ from nemo_ckpt.errors import (
     SessionExistsError,
     SessionNotFoundError,
     StateTooLargeError,
-    TurnAbortedError,
     TurnInProgressError,
-    TurnTimedOutError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.protocol.holder_api import OpeningSessions
 from nemo_ckpt.sandboxes.backend import ContainerRef, SandboxLocation
-from nemo_ckpt.session_record import SessionHead, SessionRecord, check_staging_keys
+from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.manifest import sandbox_id_problem
 
 __all__ = ["Sessions"]
@@ -41,7 +40,7 @@ _Opening = tuple[EnvironmentEpisode, bytes, SandboxLocation | None, bool]
 
 
 class Sessions:
-    """The session calls and the ledger's calls of one holder."""
+    """The session calls (but for turns) and the ledger's calls of one holder."""
 
     def __init__(self, parts: HolderParts, max_state_bytes: int) -> None:
         self._parts = parts
@@ -64,7 +63,7 @@ class Sessions:
         session is never captured (``nemo_ckpt.sandboxes.backend``). Waits while
         paused."""
         await self.open_sessions([(episode, state, directory, restart_only)])
-        return self._parts.record(self._held(episode))
+        return self._parts.record(self.held(episode))
 
     async def open_sessions(self, sessions: OpeningSessions) -> int:
         """Open many sessions in one call (a worker starting a batch of rollouts, or a
@@ -128,8 +127,8 @@ class Sessions:
         restart = item[3] if len(item) > 3 else False
         if type(restart) is not bool:
             raise TypeError(f"restart_only must be True or False, not {restart!r}")
-        self._check_episode(episode)
-        self._check_size("initial state", episode, state)
+        self.check_episode(episode)
+        self.check_size("initial state", episode, state)
         if where is not None:  # its id names the directories its restores make
             problem = sandbox_id_problem(episode.rollout_id, episode.attempt)
             if problem is not None:
@@ -153,7 +152,7 @@ class Sessions:
         return self._sandboxes.location(episode.rollout_id) == location
 
     def _check_openable(self, episode: EnvironmentEpisode) -> None:
-        self._refuse_retired(episode)
+        self.refuse_retired(episode)
         key = episode.capture_key
         live = self._table.of_rollout(episode.rollout_id)
         if live is not None:
@@ -174,8 +173,8 @@ class Sessions:
     async def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> int:
         """A continued rollout starts over because its replay diverged: warn, naming it,
         and count it for the next snapshot's metrics. Returns the count so far."""
-        self._check_episode(episode)
-        self._held(episode)  # only a live session's rollout restarts
+        self.check_episode(episode)
+        self.held(episode)  # only a live session's rollout restarts
         self._parts.replay_restarts += 1
         log.warning("%s: rollout %s starts over: replaying its recorded steps diverged (%s)",
                     self.instance_id, episode.capture_key, detail[:500])
@@ -183,7 +182,7 @@ class Sessions:
 
     async def get_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
         """The live session of ``episode`` (or with that capture key)."""
-        return self._parts.record(self._held(episode))
+        return self._parts.record(self.held(episode))
 
     async def read_turns(self, episode: EnvironmentEpisode | str, start: int = 0,
                          stop: int | None = None) -> list[bytes]:
@@ -192,7 +191,7 @@ class Sessions:
         capture key); only those are decoded."""
         if type(start) is not int or not (stop is None or type(stop) is int):
             raise TypeError(f"read_turns takes int bounds, not {start!r} and {stop!r}")
-        held = self._held(episode)
+        held = self.held(episode)
         first, last, _ = slice(start, stop).indices(held.turn_count)
         if last <= first:
             return []
@@ -207,7 +206,7 @@ class Sessions:
         """Close a finished session (of ``episode``, or with that capture key) and return
         its final record. Waits while paused."""
         await self._parts.wait_for_gate()
-        held = self._held(episode)
+        held = self.held(episode)
         if held.capture_key in self._gate:
             raise TurnInProgressError(
                 f"{self.instance_id}: session {held.capture_key} has a turn in flight; "
@@ -223,11 +222,11 @@ class Sessions:
         stays, finished, until RL acknowledges it (``retire``); it runs no more turns.
         Waits while paused, like a turn: a snapshot captures the session either as it
         was before, or finished. Repeating it with the same result changes nothing."""
-        self._check_episode(episode)
-        self._check_size("result", episode, result)
+        self.check_episode(episode)
+        self.check_size("result", episode, result)
         await self._parts.wait_for_gate()
         self._parts.refuse_if_parked()
-        held = self._held(episode)
+        held = self.held(episode)
         if held.finished:
             if held.state != bytes(result):
                 raise RolloutFinishedError(
@@ -243,132 +242,6 @@ class Sessions:
         self._sandboxes.drop(held.rollout_id)  # the worker owns the directory from now on
         return self._parts.record(finished)
 
-    # --- turns -------------------------------------------------------------------------
-
-    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionHead:
-        """Start a turn whose token the caller made: wait while paused, then return the
-        session as a turn sees it (its state and turn count, not its turn records). A
-        token its caller already aborted (it went away while this call travelled or
-        waited at the gate) is refused, so no turn stays open for ever."""
-        self._check_episode(episode)
-        if not isinstance(token, str) or not token:
-            raise TypeError("a turn token must be a non-empty string made by the caller")
-        self._refuse_aborted(episode, token)
-        await self._parts.wait_for_gate()
-        self._refuse_aborted(episode, token)
-        self._parts.refuse_if_parked()
-        held = self._held(episode)
-        if held.finished:
-            raise RolloutFinishedError(
-                f"{self.instance_id}: {held.capture_key} was handed in as finished; it "
-                f"runs no more turns (RL reads its result and acknowledges it)")
-        head = self._parts.head(held)
-        self._gate.begin(episode.capture_key, token, self._parts.clock.monotonic())
-        self._parts.settle_restore()
-        return head
-
-    async def commit_turn(
-        self,
-        episode: EnvironmentEpisode,
-        token: str,
-        record: bytes,
-        state: bytes,
-        staging_keys: Iterable[str] = (),
-    ) -> SessionHead:
-        """Commit a turn: append its record, replace the state, add its staging keys,
-        and record the session's directory as the turn left it (a thread re-reads the
-        files that changed; the turn stays in flight until that is done, so a pause
-        waits for it). Nothing earlier in the session is decoded or re-encoded
-        (``Held.with_turn``); the answer is the session's head. Invalid arguments, or a
-        directory that cannot be recorded, abort the turn and change nothing. A turn
-        that a stop snapshot captured in flight commits only if that snapshot ends
-        without parking its session (``HolderParts.after_stop_capture``)."""
-        self._check_episode(episode)
-        if not self._gate.is_open:  # paused: a stop snapshot may hold this turn's session
-            await self._parts.after_stop_capture(episode.capture_key)
-        box = self._sandboxes.get(episode.rollout_id)
-        recorded: Recorded | None = None
-        if box is not None and self._turn_is(episode, token):
-            recording = False
-            try:
-                self._check_size("turn record", episode, record)
-                self._check_size("state", episode, state)
-                recording = True
-                recorded = (await self._sandboxes.record_all(
-                    self._runtime.run_blocking, [(episode.capture_key, box.location)],
-                    box.recorded))[episode.capture_key]
-            except BaseException as exc:
-                if self._turn_is(episode, token):
-                    self._take_turn(episode, token)
-                    await self._gate.notify()
-                if recording and isinstance(exc, Exception):
-                    self._note_unrecorded(episode, staging_keys)
-                raise
-        try:
-            self._take_turn(episode, token)
-        except BaseException:
-            if recorded is not None:
-                self._sandboxes.forget_unused(recorded)
-            raise
-        try:
-            old = self._held(episode)
-            self._check_size("turn record", episode, record)
-            self._check_size("state", episode, state)
-            keys = check_staging_keys(staging_keys, episode.capture_key)
-            new = old.with_turn(record, state, keys, token)
-            self._table.put(new)
-            if recorded is not None and box is not None:
-                self._sandboxes.install(episode.rollout_id, box.location, recorded)
-                recorded = None
-            self._parts.heap.note(len(record) + len(state))
-            return self._parts.head(new)
-        finally:
-            if recorded is not None:
-                self._sandboxes.forget_unused(recorded)
-            await self._gate.notify()
-
-    def _note_unrecorded(self, episode: EnvironmentEpisode,
-                         staging_keys: Iterable[str]) -> None:
-        """Remember the staging rows of a turn whose commit failed recording its
-        sandbox, for the orphan rows a snapshot reports."""
-        try:
-            keys = check_staging_keys(staging_keys, episode.capture_key)
-        except TypeError:
-            return
-        if keys and self._sandboxes.get(episode.rollout_id) is not None:
-            self._sandboxes.unrecorded[episode.rollout_id] = keys
-
-    async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None:
-        """Abort a turn: nothing it did is recorded. A token not in flight (its begin
-        still travelling, or already finished) is remembered and refused later."""
-        self._check_episode(episode)
-        if self._gate.abort(episode.capture_key, token):
-            await self._gate.notify()
-
-    async def resolve_turn(self, episode: EnvironmentEpisode, token: str
-                           ) -> SessionHead | None:
-        """The outcome of the turn of ``token``, for a caller whose ``commit_turn`` got no
-        answer: the session's head as that commit left it if the turn committed, else None,
-        and then the turn can no longer commit (aborted here now if it is in flight,
-        its token refused if its begin is still on its way). Read and decided with no
-        await between, so no commit lands between the look and the abort.
-
-        A session remembers the token of its last committed turn, and nothing older,
-        until it leaves the holder: enough, as a session runs one turn at a time and
-        ``SessionClient`` asks before it begins the session's next turn. Raises as any
-        session call does when the session is not live here (retired, closed, or lost
-        with a holder that died)."""
-        self._check_episode(episode)
-        if not isinstance(token, str) or not token:
-            raise TypeError("a turn token must be a non-empty string made by the caller")
-        held = self._table.get(episode)
-        if held is not None and held.last_turn == token:
-            return self._parts.head(held)
-        if self._gate.abort(episode.capture_key, token):
-            await self._gate.notify()
-        self._held(episode)  # the session is gone: say so rather than "not recorded"
-        return None
-
     # --- ledger operations (from RL, through the coordinator) ------------------------
 
     async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]:
@@ -377,7 +250,7 @@ class Sessions:
         self._parts.require_running("retire")
         dropped = []
         for ep in episodes:
-            self._check_episode(ep)
+            self.check_episode(ep)
             mark = self._gate.retire(ep.rollout_id, ep.attempt)
             held = self._table.of_rollout(ep.rollout_id)
             if held is not None and held.attempt <= mark:
@@ -395,7 +268,7 @@ class Sessions:
         self._parts.require_running("forget")
         dropped = []
         for ep in episodes:
-            self._check_episode(ep)
+            self.check_episode(ep)
             self._gate.forget(ep.rollout_id, ep.attempt)
             if self._table.get(ep) is not None:
                 self._gate.drop(ep.capture_key)
@@ -407,14 +280,14 @@ class Sessions:
 
     # --- the checks ------------------------------------------------------------------
 
-    def _held(self, episode: EnvironmentEpisode | str) -> Held:
+    def held(self, episode: EnvironmentEpisode | str) -> Held:
         """The live session of ``episode`` (or with that capture key), or a refusal."""
         if isinstance(episode, str):
             held = self._table.by_capture_key(episode)
             key = episode
         else:
-            self._check_episode(episode)
-            self._refuse_retired(episode)
+            self.check_episode(episode)
+            self.refuse_retired(episode)
             held = self._table.get(episode)
             key = episode.capture_key
         if held is None:
@@ -424,7 +297,7 @@ class Sessions:
                 f"to the instance that holds it")
         return held
 
-    def _refuse_retired(self, episode: EnvironmentEpisode) -> None:
+    def refuse_retired(self, episode: EnvironmentEpisode) -> None:
         mark = self._gate.retired_up_to(episode.rollout_id)
         if mark is not None and episode.attempt <= mark:
             raise RetiredAttemptError(
@@ -432,37 +305,11 @@ class Sessions:
                 f"(every attempt up to {mark} of {episode.rollout_id!r} is); open the next "
                 f"attempt instead, or forget this one first")
 
-    def _refuse_aborted(self, episode: EnvironmentEpisode, token: str) -> None:
-        if self._gate.consume_aborted(token):
-            raise TurnAbortedError(
-                f"{self.instance_id}: the turn of {episode.capture_key} was aborted by its "
-                f"caller before it began here; nothing was recorded")
-
-    def _turn_is(self, episode: EnvironmentEpisode, token: str) -> bool:
-        return self._gate.holds(episode.capture_key, token)
-
-    def _take_turn(self, episode: EnvironmentEpisode, token: str) -> None:
-        if not self._gate.take(episode.capture_key, token):
-            self._refuse_retired(episode)
-            self._parts.refuse_if_parked()
-            timeout_s = self._gate.timed_out(token)
-            if timeout_s is not None:
-                raise TurnTimedOutError(
-                    f"{self.instance_id}: the turn of {episode.capture_key} ran longer than "
-                    f"turn_timeout_s ({timeout_s:g}s, not counting the time the "
-                    f"holder was paused), so the holder aborted it and recorded nothing; "
-                    f"run the turn again, and raise CheckpointConfig.turn_timeout_s if "
-                    f"your tool calls take that long")
-            raise TurnInProgressError(
-                f"{self.instance_id}: no turn in flight for {episode.capture_key} with "
-                f"that token; it was aborted (turn timeout, retire or forget) or already "
-                f"finished")
-
-    def _check_episode(self, episode: object) -> None:
+    def check_episode(self, episode: object) -> None:
         if not isinstance(episode, EnvironmentEpisode):
             raise TypeError(f"expected an EnvironmentEpisode, got {type(episode).__name__}")
 
-    def _check_size(self, what: str, episode: EnvironmentEpisode, data: bytes) -> None:
+    def check_size(self, what: str, episode: EnvironmentEpisode, data: bytes) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"{what} of {episode.capture_key} must be bytes, not "
                             f"{type(data).__name__}; serialize it in the environment")

@@ -8,8 +8,9 @@ probes and watchdog, and routes every other call to its parts, which share one
 ``actors.holder_parts.HolderParts`` (the session table, the turn gate, the sandboxes, the
 operation table and ``set_state``, the one transition):
 
-- ``actors.holder_sessions.Sessions``: sessions and turns from workers, and the ledger's
+- ``actors.holder_sessions.Sessions``: sessions from workers, and the ledger's
   ``retire`` and ``forget``;
+- ``actors.holder_turns.Turns``: their turns, begun, committed, aborted and resolved;
 - ``actors.holder_operations.HolderOperations``: an operation admitted, its lease
   renewed and lapsed, and aborted: the one place one ends without committing; a
   restore's undo (``actors.holder_restores.RestoreUndo``) lives beside its phases;
@@ -34,6 +35,7 @@ from actors.holder_sandboxes import Sandboxes
 from actors.holder_sessions import Sessions
 from actors.holder_snapshots import SnapshotPhases
 from actors.holder_states import HolderOperationTable
+from actors.holder_turns import Turns
 from actors.session_table import SessionTable
 from actors.turn_gate import TurnGate
 from actors.watchdog import Check, Watchdog
@@ -123,6 +125,7 @@ class SessionHolder:
             ops=HolderOperationTable(instance_id), heap=trimmer or NoTrimmer(),
             watchdog=self._watchdog)
         self._sessions = Sessions(self._parts, max_state_bytes)
+        self._turns = Turns(self._parts, self._sessions)
         self._operations = HolderOperations(self._parts, RestoreUndo(self._parts))
         self._snapshots = SnapshotPhases(self._parts, self._operations)
         self._restores = RestorePhases(self._parts, self._operations)
@@ -230,7 +233,7 @@ class SessionHolder:
         return await self._parts.runtime.run_blocking(
             self._parts.sandboxes.check_containers)
 
-    # --- session calls (from environment workers): ``Sessions`` -----------------------
+    # --- session calls (from environment workers): ``Sessions``, ``Turns`` -----------
 
     async def open_session(self, episode: EnvironmentEpisode, state: bytes = b"",
                            directory: str | ContainerRef | None = None,
@@ -256,22 +259,22 @@ class SessionHolder:
         return await self._sessions.read_turns(episode, start, stop)
 
     async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionHead:
-        """Start a turn whose token the caller made (``Sessions.begin_turn``)."""
-        return await self._sessions.begin_turn(episode, token)
+        """Start a turn whose token the caller made (``Turns.begin_turn``)."""
+        return await self._turns.begin_turn(episode, token)
 
     async def commit_turn(self, episode: EnvironmentEpisode, token: str, record: bytes,
                           state: bytes, staging_keys: Iterable[str] = ()) -> SessionHead:
-        """Commit a turn (``Sessions.commit_turn``)."""
-        return await self._sessions.commit_turn(episode, token, record, state, staging_keys)
+        """Commit a turn (``Turns.commit_turn``)."""
+        return await self._turns.commit_turn(episode, token, record, state, staging_keys)
 
     async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None:
-        """Abort a turn: nothing it did is recorded (``Sessions.abort_turn``)."""
-        await self._sessions.abort_turn(episode, token)
+        """Abort a turn: nothing it did is recorded (``Turns.abort_turn``)."""
+        await self._turns.abort_turn(episode, token)
 
     async def resolve_turn(self, episode: EnvironmentEpisode, token: str
                            ) -> SessionHead | None:
-        """The outcome of a turn whose commit got no answer (``Sessions.resolve_turn``)."""
-        return await self._sessions.resolve_turn(episode, token)
+        """The outcome of a turn whose commit got no answer (``Turns.resolve_turn``)."""
+        return await self._turns.resolve_turn(episode, token)
 
     async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
         """Close a session and return its final record (``Sessions.close_session``)."""
