@@ -20,7 +20,7 @@ from nemo_ckpt.catalog import listing as catalog
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.driver import RayEnvironmentCheckpoint, RaySnapshot
 from nemo_ckpt.errors import BackendUnavailableError
-from nemo_ckpt.manager import rollout_manager
+from nemo_ckpt.manager import removals
 from nemo_ckpt.storage import local_folder
 from nemo_ckpt.transport import HOLDER, Actor
 from tests import simulation
@@ -123,7 +123,7 @@ def test_a_managers_sweep_that_ignores_claims_is_caught(
     """Issue 50, case 7: a second job's manager whose sweep does not claim a leftover
     first takes a snapshot in progress, whose snapshot() then returns without RL's half
     or its record. Rare: only schedules with a second manager run, until one shows it."""
-    monkeypatch.setattr(rollout_manager, "claim_for_removal",
+    monkeypatch.setattr(removals, "claim_for_removal",
                         lambda path, clock: (lambda: None))
     shown = (seed for seed in range(1_000) if simulation.Plan.make(seed).second_manager
              and "50.7 a managed snapshot returned without its record" in {

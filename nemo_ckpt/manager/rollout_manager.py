@@ -18,7 +18,8 @@ barrier section, is never taken for a leftover. A snapshot whose record is gone 
 its commit returns is not reported as taken. On a folder a snapshot is taken
 under ``<name>.partial`` and renamed to its name once committed and resumed, as NeMo RL
 does (a committed snapshot restores from either name); on a bucket, where a rename is a
-copy, it is taken under its name.
+copy, it is taken under its name. Retention's removals and the sweep are the manager's
+part ``nemo_ckpt.manager.removals.ManagedRemovals``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import inspect
 import logging
 import os
 import signal
-import stat
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -38,9 +38,7 @@ from typing import Any
 
 from nemo_ckpt.catalog.listing import (
     SnapshotInfo,
-    claim_for_removal,
     list_snapshots,
-    remove_snapshot,
 )
 from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.driver.preemption import EXIT_MARGIN_S, Preemption
@@ -54,18 +52,15 @@ from nemo_ckpt.manager.config import RolloutCheckpointConfig
 from nemo_ckpt.manager.contract import ManagedSnapshot, RlHalf
 from nemo_ckpt.manager.fingerprint import refuse_changes
 from nemo_ckpt.manager.record import RECORD_FILE, ManagedRecord, read_record, write_record
-from nemo_ckpt.manager.retention import retained
-from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.manager.removals import SNAPSHOT_PREFIX, ManagedRemovals
 from nemo_ckpt.storage.location import LocalLocation, join_location, parse_location
-from nemo_ckpt.storage.manifest import FORMAT_VERSION, MANIFEST_NAME
+from nemo_ckpt.storage.manifest import FORMAT_VERSION
 from nemo_ckpt.storage.snapshot_files import read_manifest
 
 __all__ = ["PARTIAL_SUFFIX", "RolloutCheckpointManager", "SNAPSHOT_PREFIX"]
 
 log = logging.getLogger("nemo_ckpt")
 
-# The folders the manager names under the root begin so: its sweep looks at no other.
-SNAPSHOT_PREFIX = "rollout-"
 # A snapshot being taken into a folder has this suffix until it has committed.
 PARTIAL_SUFFIX = ".partial"
 
@@ -120,13 +115,13 @@ class RolloutCheckpointManager:
         # One snapshot, retention or restore at a time: the sweep takes any folder of
         # the manager's without a committed manifest for a leftover.
         self._lock = asyncio.Lock()
-        # Links under the root the sweep has warned of (once each).
-        self._links_warned: set[str] = set()
         # The newest trainer step whose checkpoint is known saved (None: none known).
         self.trainer_step: int | None = None
         # File work off the loop as the job's runtime does it (inline in the simulation).
         self._blocking: Callable[..., Awaitable[Any]] = getattr(
             checkpoint, "run_blocking", None) or asyncio.to_thread
+        # Retention's removals, the sweep of leftovers and a failed snapshot's tidy.
+        self._removals = ManagedRemovals(self, self._blocking, clock, self._on_event)
 
     # --- snapshots ------------------------------------------------------------------------
 
@@ -210,7 +205,7 @@ class RolloutCheckpointManager:
                     await self.rl.save(cut, taking)
                     await self._blocking(write_record, taking, record)
         except Exception as exc:
-            await self._tidy(taking)
+            await self._removals.tidy(taking)
             if final_drain_s is not None:
                 raise
             self._failed(exc, taking)
@@ -251,7 +246,7 @@ class RolloutCheckpointManager:
         if final_drain_s is not None:  # the job is stopping: retention waits for the next
             return taken
         try:
-            await self._retain()
+            await self._removals.retain(await self.snapshots(), self.trainer_step)
         except (OSError, NemoCkptError) as exc:  # the snapshot stands; the next one retries
             log.warning("rollout retention after %s failed (%s); the next snapshot retries",
                         path, exc)
@@ -274,36 +269,7 @@ class RolloutCheckpointManager:
         anchors retention keeps (``trainer_checkpoint_saved``), and what interrupted
         snapshots or removals left. Returns the paths removed."""
         async with self._lock:
-            return await self._retain()
-
-    async def _retain(self) -> list[str]:
-        found = await self.snapshots()
-        keep = retained(found, self.config.keep_latest_k, self.trainer_step)
-        removed = []
-        for snap in found:
-            if snap.path not in keep:
-                if _through_link(self.config.root, snap.path):
-                    # Only what the manager made is its to remove: never through a link.
-                    log.warning("rollout retention leaves %s: it is reached through a "
-                                "symbolic link under %s; remove it by hand if it is yours",
-                                snap.path, self.config.root)
-                    continue
-                self._on_event("removing", snap.path)
-                try:
-                    await self._blocking(remove_snapshot, snap.path, self.config.root)
-                except (OSError, NemoCkptError) as exc:  # busy, say: the next one retries
-                    log.warning("rollout retention could not remove %s (%s); the next "
-                                "retention retries", snap.path, exc)
-                    continue
-                await self._tidy(snap.path)
-                removed.append(snap.path)
-        for path in await self._blocking(self._leftovers, {s.path for s in found}):
-            if await self._sweep(path):
-                removed.append(path)
-        if removed:
-            log.info("rollout retention removed %d snapshot(s): %s", len(removed),
-                     ", ".join(removed))
-        return removed
+            return await self._removals.retain(await self.snapshots(), self.trainer_step)
 
     # --- restore --------------------------------------------------------------------------
 
@@ -384,48 +350,6 @@ class RolloutCheckpointManager:
                     "retried at the next interval", path, error, self.consecutive_failures,
                     self.config.max_consecutive_failures)
 
-    async def _sweep(self, path: str) -> bool:
-        """Remove the leftover at ``path`` as ``_tidy`` does, under a removal's claim on
-        its folder (``claim_for_removal``): refused while any operation's claim there is
-        live (another manager's snapshot on this root, still writing), and then left for
-        a later retention. Whether it was removed."""
-        try:
-            release = await self._blocking(claim_for_removal, path, self._clock)
-        except CheckpointPathBusyError:
-            log.info("rollout retention leaves %s: an operation in progress claims it",
-                     path)
-            return False
-        except (OSError, NemoCkptError) as exc:
-            log.warning("rollout retention could not look at %s (%s); the next retention "
-                        "retries", path, exc)
-            return False
-        try:
-            # Under the claim, no snapshot commits here: one committed since the listing
-            # is no leftover.
-            if await self._blocking(_holds_manifest, path):
-                return False
-            await self.rl.remove(path)
-            await self._blocking(_drop_record, path)
-        except (OSError, NemoCkptError) as exc:
-            log.warning("could not tidy %s (%s); the next retention retries", path, exc)
-            return False
-        finally:
-            try:
-                await self._blocking(release)
-            except (OSError, NemoCkptError) as exc:  # seen abandoned in time
-                log.warning("could not release the claim on %s (%s)", path, exc)
-        await self._blocking(_remove_empty_folders, path)
-        return True
-
-    async def _tidy(self, path: str) -> None:
-        """Remove RL's half, the record and the folder of a snapshot that is not (or no
-        longer) committed; best effort, as the next retention sweeps what is left."""
-        try:
-            await self.rl.remove(path)
-            await self._blocking(_drop_record_and_folder, path)
-        except (OSError, NemoCkptError) as exc:
-            log.warning("could not tidy %s (%s); the next retention retries", path, exc)
-
     def _managed(self) -> list[ManagedSnapshot]:
         found = []
         for info in list_snapshots(self.config.root):
@@ -441,36 +365,6 @@ class RolloutCheckpointManager:
                 found.append(ManagedSnapshot(info.sequence, info.path, record.anchor_step,
                                              info.created_at))
         return found  # list_snapshots' order: newest first by commit number
-
-    def _leftovers(self, committed: set[str]) -> list[str]:
-        """Folders the manager named that hold no committed snapshot: what a snapshot
-        or a removal cut short left, or a snapshot in progress (this manager's lock
-        keeps its own out; ``_sweep`` leaves others'). On a filesystem only real folders
-        directly under the root: a link there is left alone, with a warning."""
-        root = folder_at(self.config.root)
-        local = _is_local(self.config.root)
-        left = []
-        for name in root.subfolders():
-            path = join_location(self.config.root, name)
-            if not name.startswith(SNAPSHOT_PREFIX) or path in committed:
-                continue
-            if local:
-                try:
-                    mode = os.lstat(path).st_mode
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISLNK(mode):
-                    if path not in self._links_warned:
-                        self._links_warned.add(path)
-                        log.warning("rollout retention leaves %s alone: a symbolic link "
-                                    "where the manager makes only folders; remove the "
-                                    "link itself if it is not wanted", path)
-                    continue
-                if not stat.S_ISDIR(mode):
-                    continue
-            if not _holds_manifest(path):
-                left.append(path)
-        return left
 
     def _choose(self, trainer_step: int | None) -> ManagedSnapshot | None:
         found = self._managed()
@@ -520,8 +414,6 @@ def _is_local(path: str) -> bool:
     return isinstance(parse_location(path), LocalLocation)
 
 
-def _holds_manifest(path: str) -> bool:
-    return MANIFEST_NAME in folder_at(join_location(path, "environment")).names()
 
 
 def _record_stands(path: str, record: ManagedRecord) -> bool:
@@ -535,35 +427,8 @@ def _record_stands(path: str, record: ManagedRecord) -> bool:
     return found is not None and found.model_dump_json() == record.model_dump_json()
 
 
-def _through_link(root: str, path: str) -> bool:
-    """Whether ``path``, below ``root`` on a filesystem, is reached through a link."""
-    if not _is_local(path):
-        return False
-    here, base = Path(path), Path(root)
-    while here != base and base in here.parents:
-        if here.is_symlink():
-            return True
-        here = here.parent
-    return False
 
 
-def _drop_record(path: str) -> None:
-    folder = folder_at(path)
-    if RECORD_FILE in folder.names():
-        folder.remove([RECORD_FILE])
 
 
-def _drop_record_and_folder(path: str) -> None:
-    _drop_record(path)
-    _remove_empty_folders(path)
-
-
-def _remove_empty_folders(path: str) -> None:
-    location = parse_location(path)
-    if isinstance(location, LocalLocation):
-        for empty in (location.path / "environment", location.path):
-            try:
-                os.rmdir(empty)  # only if empty: never RL's files
-            except OSError:
-                pass
 
