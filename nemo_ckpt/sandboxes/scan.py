@@ -81,6 +81,21 @@ class OverlayMarks:
         self.fifos = []
         self.sockets = []
 
+    def note(self, rel: str, st: os.stat_result) -> bool:
+        """Note the entry ``rel`` (stat ``st``) if it is one of the overlay's marks
+        rather than an entry of the tree: a whiteout (a character device 0/0), a FIFO,
+        a socket. Whether it was."""
+        mode = st.st_mode
+        if stat.S_ISCHR(mode) and st.st_rdev == 0:
+            self.whiteouts.append(rel)
+        elif stat.S_ISFIFO(mode):
+            self.fifos.append((rel, stat.S_IMODE(mode)))
+        elif stat.S_ISSOCK(mode):
+            self.sockets.append(rel)
+        else:
+            return False
+        return True
+
 
 @dataclass(frozen=True, slots=True)
 class Seen:
@@ -260,16 +275,8 @@ class _Scanner:
                     entries[name] = seen
                     continue
                 found = self._link(fd, name, path + "/" + name, key)
-            elif self.overlay is not None and (  # see OverlayMarks
-                    (stat.S_ISCHR(mode) and st.st_rdev == 0) or stat.S_ISFIFO(mode)
-                    or stat.S_ISSOCK(mode)):
-                if stat.S_ISCHR(mode):
-                    self.overlay.whiteouts.append(prefix + name)
-                elif stat.S_ISFIFO(mode):
-                    self.overlay.fifos.append((prefix + name, stat.S_IMODE(mode)))
-                else:
-                    self.overlay.sockets.append(prefix + name)
-                whiteouts += 1
+            elif self.overlay is not None and self.overlay.note(prefix + name, st):
+                whiteouts += 1  # an overlay's mark, not an entry
                 continue
             else:
                 raise self._special(path + "/" + name, mode)
