@@ -120,6 +120,22 @@ def test_an_adapted_rollout_rebuilt_without_its_replay_is_caught(
     assert "28.1 an adapted rollout continued on a history it does not reproduce" in cases
 
 
+def test_a_rollout_captured_before_its_init_turn_that_resume_refuses_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schedules whose opens answer slowly (``Plan.slow_open``) snapshot sessions
+    between ``AdaptedRollout.start``'s open and its init turn; a resume that does not
+    read the prompt recorded at the open (as before issue 56) is refused on the
+    continued attempt, and the simulation names it."""
+    from nemo_ckpt.adapters import rollout
+
+    monkeypatch.setattr(rollout, "_recorded_prompt", lambda state: (False, None))
+    seeds = (s for s in range(400) if simulation.Plan.make(s).slow_open
+             and "restore" in simulation.Plan.make(s).ops)
+    shown = (s for s in seeds if "56.1 a continued adapted rollout that cannot be resumed"
+             in {simulation.case_of(v) for v in simulation.run_one(s).violations})
+    assert next(shown, None) is not None
+
+
 def _blocking_world() -> tuple[SimWorld, SimActor]:
     world = SimWorld(seed=7, nodes=1)
     actor = world.new_actor("worker", "w", "node-0")

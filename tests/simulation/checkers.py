@@ -480,14 +480,16 @@ class Checkers(Part):
                               when: str) -> None:
         """An adapter-driven rollout (``Plan.adapted``) over a deterministic environment:
         a continued one was rebuilt by a replay whose observations equal the recorded
-        ones (no restart: nothing differs to start over for), and what it recorded, the
+        ones (no restart: nothing differs to start over for), or, captured before its
+        init turn committed, started afresh by its init alone; and what it recorded, the
         replayed prefix and the finished whole, equals a run that never crashed."""
         if rollout.restarts:
             self.violate(f"the replay of {ep.capture_key} diverged from its recorded turns "
                          f"({rollout.records[0].restarted}): the restore brought back turns "
                          f"its environment does not reproduce")
         outputs = [r.output for r in rollout.records]
-        if when == "resumed" and (rollout.rebuilt_by != "replay" or [
+        fresh = rollout.rebuilt_by == "fresh" and not rollout.replayed and len(outputs) == 1
+        if when == "resumed" and not fresh and (rollout.rebuilt_by != "replay" or [
                 o.as_plain() for o in rollout.replayed] != outputs):
             self.violate(f"{ep.capture_key} was rebuilt by {rollout.rebuilt_by}, its replay "
                          f"returning {len(rollout.replayed)} of its {len(outputs)} recorded "
@@ -1012,6 +1014,8 @@ CASES = [
     ("34.4 refused by a claim of its own", ("was refused by a claim of its own",
                                              "refused by a collection claim of its own")),
     ("34.5 a claim left behind by a process that gave up", ("a claim was left behind",)),
+    ("56.1 a continued adapted rollout that cannot be resumed",
+     ("cannot be resumed with AdaptedRollout.resume",)),
     ("28.1 an adapted rollout continued on a history it does not reproduce",
      ("differs from a crash-free run", "diverged from its recorded turns",
       "other observations than those recorded")),

@@ -158,6 +158,7 @@ class Faults(Part):
         self._install_ray()
         self._install_releases()
         self._install_reply_loss()
+        self._install_slow_open()
 
     # --- at a message or a file operation (the world's hooks): the planned triggers -------
 
@@ -336,6 +337,22 @@ class Faults(Part):
             return True
 
         self.world.lose_reply = lose
+
+    def _install_slow_open(self) -> None:
+        """The answer to a worker's ``open_session`` travels for up to three seconds
+        (``Plan.slow_open``, issue 56): the session is open on its holder while its
+        worker has not yet begun the init turn, so a snapshot's pause lands in between
+        and captures the session with no turns. Its own RNG."""
+        if not self.plan.slow_open:
+            return
+        rng, delay = random.Random(f"slow-open-run-{self.seed}"), self.world.message_delay
+
+        def slow(target: SimActor, method: str, reply: bool) -> float:
+            if reply and method == "open_session":
+                return rng.uniform(0.3, 3.0)
+            return delay(target, method, reply)
+
+        self.world.message_delay = slow
 
     async def inject_stalls(self) -> None:
         start = self.now()

@@ -77,6 +77,10 @@ class Plan:
     # The rollouts run a text environment through nemo_ckpt.adapters (issue 28), in a
     # quarter of the schedules without sandboxes; drawn apart, last.
     adapted: bool = False
+    # In half the adapted schedules, the answer to a session's open travels slowly
+    # (issue 56): a snapshot's pause lands between AdaptedRollout.start's open and its
+    # init turn, capturing the session with no turns; drawn apart.
+    slow_open: bool = False
     # Untrusted stored data (issue 34), drawn apart, in sandbox schedules only: the first
     # rollout of each node has an id this long (near and past what a file name holds),
     # and a hostile writer plants a tree that expands to 2^30 directories in a copy of a
@@ -130,6 +134,7 @@ class Plan:
         )
         plan.adapted = (not plan.sandboxes
                         and random.Random(f"adapted-{seed}").random() < 0.25)
+        plan.slow_open = plan.adapted and random.Random(f"slow-open-{seed}").random() < 0.5
         if plan.sandboxes:
             untrusted = random.Random(f"untrusted-{seed}")
             plan.long_id = untrusted.choice([None] * 4 + [200, 216, 217, 233, 254])
