@@ -229,21 +229,30 @@ class Checkers(Part):
                          f"another config ({', '.join(fixed)} differ): nothing refused it")
 
     def check_deadlines(self, record: OpRecord, cfg: CheckpointConfig) -> None:
-        """A snapshot's entry and its commit return within their driver's configured
-        deadlines (with a margin of a lease: messages, retries, a slow link)."""
-        entry = cfg.drain_timeout_s + 3 * cfg.phase_timeout_s + cfg.lease_s
+        """A snapshot's entry (begun, or failed and aborted) and its commit return within
+        their driver's deadlines (``CoordinatorLink.deadline_s``): the call's, then the
+        abort's that may follow it, with a lease of margin
+        (messages, retries, a slow link). A coordinator that never answers ends neither
+        (issue 56, case 2: the simulation's ``Plan.hang``)."""
+        # A lease and a phase (the time Ray may take to tell of a death) on each call,
+        # and as the abort's own deadline.
+        abort = cfg.lease_s + cfg.phase_timeout_s
+        entry = cfg.drain_timeout_s + 2 * cfg.phase_timeout_s + 2 * abort + cfg.lease_s
         # From the call, not from the wait for RL's own lock (its retires may be slow).
         called = record.entered if record.entered is not None else record.start
-        if record.begun is not None and record.begun - called > entry:
+        entered = record.begun if record.begun is not None else record.entry_failed
+        if entered is not None and entered - called > entry:
             self.violate(f"a call waits past its deadline: the snapshot {record.op_id} took "
-                         f"{record.begun - called:.1f}s to begin (drain and phase "
-                         f"deadlines: {entry - cfg.lease_s:g}s){self._queue_note(record.op_id)}")
-        commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + cfg.lease_s
+                         f"{entered - called:.1f}s to "
+                         f"{'begin' if record.begun is not None else 'fail'} (drain, phase "
+                         f"and abort deadlines: {entry - cfg.lease_s:g}s)"
+                         f"{self._queue_note(record.op_id)}")
+        commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + 2 * abort + cfg.lease_s
         if record.body_end is not None and record.end is not None and \
                 record.end - record.body_end > commit:
             self.violate(f"a call waits past its deadline: the commit of {record.op_id} took "
-                         f"{record.end - record.body_end:.1f}s after its block ended (persist "
-                         f"and phase deadlines: {commit - cfg.lease_s:g}s)"
+                         f"{record.end - record.body_end:.1f}s after its block ended (persist, "
+                         f"phase and abort deadlines: {commit - cfg.lease_s:g}s)"
                          f"{self._queue_note(record.op_id)}")
 
     def check_error_kind(self, exc: BaseException, what: str) -> None:

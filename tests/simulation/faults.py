@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import math
 import os
 import random
 from collections import defaultdict
@@ -151,6 +152,7 @@ class Faults(Part):
         self.retired: set[str] = set()  # paths a user's retention script removed
         self.relay_rng = random.Random(f"relay-kills-{s.seed}")
         self.relay_kills = 0
+        self.hang_ends: float | None = None  # when the coordinator's hang ends (Plan.hang)
         self._install_io_faults()
         DiskFaults.install(self)
         HostileSandbox.install(self)
@@ -359,8 +361,20 @@ class Faults(Part):
         faults = list(self.plan.stalls)
         if self.plan.coordinator_node_dies is not None:
             faults.append((self.plan.coordinator_node_dies, "coordinator_node", 0.0))
+        if self.plan.hang is not None:
+            faults.append((self.plan.hang[0], "hang", self.plan.hang[1]))
         for at, kind, seconds in sorted(faults):
             await asyncio.sleep(max(0.0, start + at - self.now()))
+            if kind == "hang":  # issue 56 case 2: alive to Ray, answering nothing
+                actors = self.world.live(COORDINATOR)
+                if actors:
+                    self.s.faults += 1
+                    self.s.fired.append((self.now(), "stall:hang"))
+                    self.log(f"fault: the coordinator hangs for {seconds:.1f}s, never "
+                             f"declared dead: {actors}")
+                    self.world.stall(actors, seconds, math.inf)
+                    self.hang_ends = self.now() + seconds
+                continue
             if kind == "coordinator_node":  # issue 29 case 2: the node is removed
                 for coordinator in self.world.live(COORDINATOR):
                     node = coordinator.node

@@ -100,6 +100,9 @@ class Plan:
     # The driver's snapshots are a RolloutCheckpointManager's (its names, its check, its
     # retention keeping the newest two), in half the nemo_rl schedules; drawn apart.
     manager: bool = False
+    # The live coordinator stops answering for a long while, never declared dead (a
+    # loaded machine; issue 56, case 2): (when, seconds), drawn apart; None: it does not.
+    hang: tuple[float, float] | None = None
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -144,6 +147,9 @@ class Plan:
         plan.disk_landed = random.Random(f"landed-{seed}").choice([0.0, 0.0, 0.0, 0.2])
         plan.nemo_rl = random.Random(f"nemo-rl-{seed}").random() < 0.25
         plan.manager = plan.nemo_rl and random.Random(f"manager-{seed}").random() < 0.5
+        hang = random.Random(f"hang-{seed}")
+        if hang.random() < 0.1:
+            plan.hang = (round(hang.uniform(0.3, 9.0), 3), round(hang.uniform(30.0, 120.0), 3))
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))

@@ -159,6 +159,8 @@ class Workload(Part):
             self.check.check_commit(record)
             self.check.check_one_config(driver, record)
         except BaseException as exc:
+            if record.begun is None:
+                record.entry_failed = self.now()
             record.outcome = type(exc).__name__
             self.log(f"{record.op_id} failed: {type(exc).__name__}: {short(exc)}")
             if not isinstance(exc, asyncio.CancelledError):
