@@ -349,6 +349,10 @@ class Snapshots:
         await self._parts.blobs.release(op.id)
         if removed:  # an older snapshot's files went: its blobs may be garbage now
             self._parts.blobs.garbage_possible()
+        # A bounded round before the answer, while no snapshot of this driver holds the
+        # store (issue 56); the rest in the background.
+        await self._parts.blobs.collect_round(checkpoint_path,
+                                              self._parts.config.phase_timeout_s / 2)
         self._parts.blobs.start()
         result = SnapshotCommitted(metrics=all_metrics, rollouts=rollouts,
                                    shards=len(shards), removed_files=tuple(removed))
