@@ -959,3 +959,62 @@ def test_snapshots_taken_back_to_back_with_keep_last_keep_the_blob_store_bounded
     job.run(scenario())
     margin = max(referenced for _, referenced in counts)  # about a snapshot's blobs
     assert all(blobs <= referenced + margin for blobs, referenced in counts), counts
+
+
+def test_a_collection_a_snapshot_interrupted_resumes_with_the_garbage_it_found(
+        job: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 56, case 3: the garbage an interrupted collection found is kept by its
+    caller (``pending``); the next collection removes what of it no committed snapshot
+    references, without listing the store again: a blob a snapshot committed since
+    references (its holder found it present and did not write it again) stays."""
+    root, path = tmp_path / "ckpt", tmp_path / "ckpt" / "latest"
+    orphans = {digest_of(f"orphan {i}\n".encode()): f"orphan {i}\n" for i in range(5)}
+    clock = lambda: EPOCH + job.sim.loop.time()  # noqa: E731
+    pending: set[bytes] = set()
+
+    async def snapshot_with(cut: StaticCut, d: Path, client: Any, ep: Ep,
+                            content: str | None) -> None:
+        async with client.turn(ep) as turn:
+            if content is not None:
+                (d / "found.txt").write_text(content)
+            turn.complete(b"t", b"s")
+        async with job.ckpt.snapshot(path) as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut)
+        await _coordinator(job).collection_done()
+
+    async def scenario() -> bytes:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        cut = StaticCut(live, set())
+        ep, d = next(iter(dirs.items()))
+        client = await job.client(ep.rollout_id.split("-r")[0])
+        await snapshot_with(cut, d, client, ep, None)
+        for digest, text in orphans.items():  # garbage: no snapshot references them
+            _store(tmp_path).put(digest, text.encode())
+        asked = [0]
+
+        def stop_after_two() -> bool:
+            asked[0] += 1
+            return asked[0] > 3  # the snapshot's references read, then two removals
+
+        first = collect_blobs(root, clock=clock, should_stop=stop_after_two, pending=pending)
+        assert first.interrupted and first.removed == 2 and len(pending) == 3
+        assert pending < set(orphans)
+        again = sorted(pending)[0]  # a sandbox file with its content: the next snapshot
+        await snapshot_with(cut, d, client, ep, orphans[again])  # references it
+        assert again in _referenced(tmp_path)
+        return again
+
+    again = job.run(scenario())
+
+    def no_listing(self: BlobStore) -> set[bytes]:
+        raise AssertionError("a resumed collection listed the store")
+
+    with monkeypatch.context() as m:
+        m.setattr(BlobStore, "digests", no_listing)
+        collect_blobs(root, clock=clock, pending=pending)
+    assert pending == set()
+    present = _store(tmp_path).digests()
+    assert again in present
+    assert present & set(orphans) == {again}
+    assert present == _referenced(tmp_path)
