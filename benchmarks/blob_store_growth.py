@@ -92,8 +92,10 @@ async def run(work: Path, args: argparse.Namespace) -> bool:
                     (d / f"t{i - 2}-{j}.bin").unlink(missing_ok=True)
                 turn.complete(b"t", b"")
         async with ckpt.snapshot(root / f"step-{i:04d}"):
-            pass
-        await asyncio.to_thread(keep_last, root, KEEP)  # the job's retention
+            if args.retention == "inside":  # beside RL's save: its collection is refused
+                await asyncio.to_thread(keep_last, root, KEEP)
+        if args.retention == "after":
+            await asyncio.to_thread(keep_last, root, KEEP)
         files, size = store_figures(root)
         series.append(files)
         if (i + 1) % args.every == 0 or i == 0:
@@ -125,9 +127,13 @@ def main() -> None:
     parser.add_argument("--snapshots", type=int, default=200)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between snapshots")
     parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--files", type=int, default=10, help="new files per turn")
+    parser.add_argument("--files", type=int, default=100, help="new files per turn")
     parser.add_argument("--file-bytes", type=int, default=4096)
     parser.add_argument("--every", type=int, default=10, help="print every this many")
+    parser.add_argument("--retention", choices=["inside", "after"], default="inside",
+                        help="run keep_last inside each snapshot's block (beside RL's save: "
+                             "its own collection is refused, the coordinator's alone "
+                             "collects) or after it (it may collect too)")
     args = parser.parse_args()
     on_local_ray(lambda work: run(work, args), "nemo-ckpt-blob-growth-")
 
