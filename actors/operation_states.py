@@ -218,6 +218,9 @@ class SnapshotOperation(Operation):
     # snapshot's hold on that store (``nemo_ckpt.sandboxes.blob_claims``), taken beside the pause.
     blob_ref: str | None = None
     blob_hold: asyncio.Future[None] | None = None
+    # The path's claim being written beside the pause: an abort's release waits for it,
+    # so that its write never lands after the release removed the snapshot's files.
+    claiming: asyncio.Future[None] | None = None
     # When (this process's monotonic clock) the path's claim and the store's hold were
     # last written: a renewal that failed leaves them standing for their ttl only.
     claimed_at: float | None = None

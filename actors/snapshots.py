@@ -95,6 +95,10 @@ class SnapshotHolds:
             await self._parts.blobs.release(op.id)
         if op.path is None:
             return
+        if op.claiming is not None and not op.claiming.done():
+            # An abort that overtook the begin (a coordinator that hung, then ran both):
+            # the claim's put must land before the files are removed, not after.
+            await asyncio.wait([op.claiming])
         try:
             committed = await self._runtime.run_blocking(
                 remove_snapshot_files, environment_folder(op.path), op.id)
@@ -168,7 +172,8 @@ class Snapshots:
             # the claim holds (writes start after this returns), and on a bucket its
             # list, reads and put would otherwise add round trips to every pause. A
             # refused claim aborts the snapshot like any failure here: holders resume.
-            claimed = asyncio.ensure_future(self._prepare_and_claim(op))
+            claimed = op.claiming = asyncio.ensure_future(self._prepare_and_claim(op))
+            claimed.add_done_callback(lambda f: f.cancelled() or f.exception())
             if self._parts.blobs.store is not None:
                 # Not awaited here: no holder relies on the store before it holds (the
                 # writes start after it, and the commit awaits it), and its file work
@@ -347,6 +352,10 @@ class Snapshots:
         await self._parts.blobs.release(op.id)
         if removed:  # an older snapshot's files went: its blobs may be garbage now
             self._parts.blobs.garbage_possible()
+        # A bounded round before the answer, while no snapshot of this driver holds the
+        # store (issue 56); the rest in the background.
+        await self._parts.blobs.collect_round(checkpoint_path,
+                                              self._parts.config.phase_timeout_s / 2)
         self._parts.blobs.start()
         result = SnapshotCommitted(metrics=all_metrics, rollouts=rollouts,
                                    shards=len(shards), removed_files=tuple(removed))

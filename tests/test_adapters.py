@@ -454,3 +454,58 @@ def test_a_rollout_with_a_sandbox_directory_continues_in_its_restored_copy(
     assert (restored_dir / "notes.txt").read_text() == "first\nsecond\nthird\n"
     assert out.observations == [
         {"role": "user", "content": "3 notes: ['first', 'second', 'third']"}]
+
+
+def test_a_rollout_snapshotted_before_its_init_turn_committed_resumes_without_a_prompt(
+        tmp_path: Path) -> None:
+    """A snapshot that pauses the holder after ``start`` opened a session and before its
+    init turn began captures the session with no turns; the continued attempt resumes
+    with the README's call, no ``prompt=``: ``init`` runs afresh (issue 56, case 1)."""
+    import asyncio
+
+    from nemo_ckpt.testing.data_plane import StaticCut
+    from tests.harness import World
+
+    task = gsm8k_task("gsm-window", seed=5)
+    episode = Ep("gsm-window", 0)
+    path = tmp_path / "ckpt" / "step-1"
+    job = World(tmp_path, nodes=1)
+    # The init turn's begin travels slowly: the snapshot's pause reaches the holder first.
+    job.sim.message_delay = lambda target, method, reply: \
+        2.0 if method == "begin_turn" and not reply else 0.001
+    try:
+        async def first_life() -> int:
+            await job.ckpt.ensure_holders()
+            client = await job.client("holder-0")
+            starting = asyncio.ensure_future(AdaptedRollout.start(
+                client, episode, task.framework, task.prompt))
+            await asyncio.sleep(0.5)  # opened; its init turn's begin on its way
+            async with job.ckpt.snapshot(path) as snap:
+                assert snap is not None and snap.restarted_rollouts == 0
+                await snap.check_against_cut(StaticCut({"holder-0": {episode}}, set()))
+            rollout = await starting
+            await run_steps(rollout, task, until=1)  # lost in the crash
+            return len(rollout.records)
+
+        assert job.run(first_life()) == 2
+    finally:
+        job.close()
+    fresh = World(tmp_path, nodes=1, seed=1)
+    try:
+        async def second_life() -> tuple[int, AdaptedRollout]:
+            async with fresh.ckpt.restored(path) as restored:
+                continued = restored.continued_attempts
+            assert continued == frozenset({("holder-0", "gsm-window", 0)})
+            client = await fresh.client("holder-0")
+            captured = await client.get(episode.next_attempt())
+            resumed = await AdaptedRollout.resume(client, episode.next_attempt(),
+                                                  task.framework)
+            await run_steps(resumed, task)
+            return len(captured.turns), resumed
+
+        captured_turns, resumed = fresh.run(second_life())
+    finally:
+        fresh.close()
+    assert captured_turns == 0
+    assert resumed.rebuilt_by == "fresh" and resumed.records[0].given == task.prompt
+    assert plain_outputs(resumed.outputs) == plain_outputs(reference_outputs(task))

@@ -132,6 +132,35 @@ async def test_a_checkpoint_and_a_client_work_on_across_ray_shutdown_and_init(
     assert [r.episode for r in await c.sessions()] == [Ep("a", 0)]
 
 
+async def test_a_snapshot_after_ray_is_initialised_again_ends_by_its_deadline_when_the_commit_never_answers(  # noqa: E501
+        cluster: Any, namespace: str, tmp_path: Path) -> None:
+    """Issue 56, case 2: after ``ray.shutdown()`` and ``ray.init()`` the same checkpoint
+    snapshots through handles looked up again; a commit the live coordinator never
+    answers (held at its commit point) ends by the driver's deadline, and so does the
+    abort that asks for its outcome: the documented error, not a wait for ever."""
+    config = CheckpointConfig(allow_unchecked_snapshots=True, namespace=namespace,
+                              checkpoint_root=tmp_path, drain_timeout_s=0.5, lease_s=4.0,
+                              phase_timeout_s=5.0, persist_timeout_s=5.0)
+    ckpt = RayEnvironmentCheckpoint(config)
+    try:
+        await ckpt.ensure_holders()
+        ray.shutdown()
+        ray.init(address=cluster.address, log_to_driver=False)
+        async with ckpt.snapshot(tmp_path / "after-init"):
+            pass
+        assert read_manifest(tmp_path / "after-init") is not None
+        coordinator = ray.get_actor(config.coordinator_name, namespace=namespace)
+        await coordinator.inject_delay.remote("commit_snapshot", 3600.0)
+        with pytest.raises(BackendUnavailableError) as raised:
+            async with ckpt.snapshot(tmp_path / "never-answered"):
+                pass
+        assert "got no answer by its deadline" in str(raised.value)
+        assert "may still commit" in str(raised.value)
+        assert raised.value.timed_out and ckpt.is_unavailable(raised.value)
+    finally:
+        await ckpt.shutdown(wait=True)
+
+
 async def test_a_restarted_driver_with_another_config_is_refused_or_its_deadlines_adopted(
         ckpt: Any, tmp_path: Path) -> None:
     """Case 6: the first driver's coordinator lives on (detached); a second driver's

@@ -921,3 +921,100 @@ def test_a_hold_renewal_that_lands_after_its_snapshots_abort_is_removed(job: Wor
 
     job.run(scenario())
     assert sorted(p.name for p in blobs.glob(".claim-*")) == []
+
+
+def test_snapshots_taken_back_to_back_with_keep_last_keep_the_blob_store_bounded(
+        job: World, tmp_path: Path) -> None:
+    """Issue 56, case 3: each snapshot begins as soon as the last one committed, a turn
+    between them writing a new file, and keep_last(root, 3) runs inside each block (its
+    own collection refused: the snapshot holds the store). A collection walks the store
+    slower than the next snapshot begins. The store holds what the three kept snapshots
+    reference and a margin of about one snapshot's blobs, however many snapshots went
+    (before: each next snapshot interrupted the collection, and the store grew by a
+    snapshot's blobs each time)."""
+    from nemo_ckpt.catalog.listing import keep_last
+
+    root = tmp_path / "ckpt"
+    slow = {"collect_quietly": 0.5}  # seconds: a collection over many files
+    job.sim.io_cost = lambda name: slow.get(name, 0.002)
+    counts: list[tuple[int, int]] = []  # (blobs in the store, blobs the kept ones reference)
+
+    async def scenario() -> None:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        cut = StaticCut(live, set())
+        for i in range(40):
+            for ep, d in dirs.items():  # a turn writes a new file and drops the last one
+                client = await job.client(ep.rollout_id.split("-r")[0])
+                async with client.turn(ep) as turn:
+                    (d / f"step-{i}.log").write_text(f"what step {i} wrote\n" * 50)
+                    (d / f"step-{i - 1}.log").unlink(missing_ok=True)
+                    turn.complete(b"t", b"s")
+            async with job.ckpt.snapshot(root / f"step-{i:03d}") as snap:
+                assert snap is not None
+                await snap.check_against_cut(cut)
+                retention = keep_last(root, 3)  # RL's retention, beside its save
+                assert retention.collection is None  # refused: this snapshot holds it
+            counts.append((len(_store(tmp_path).digests()), len(_referenced(tmp_path))))
+
+    job.run(scenario())
+    margin = max(referenced for _, referenced in counts)  # about a snapshot's blobs
+    assert all(blobs <= referenced + margin for blobs, referenced in counts), counts
+
+
+def test_a_collection_a_snapshot_interrupted_resumes_with_the_garbage_it_found(
+        job: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 56, case 3: the garbage an interrupted collection found is kept by its
+    caller (``pending``); the next collection removes what of it no committed snapshot
+    references, without listing the store again: a blob a snapshot committed since
+    references (its holder found it present and did not write it again) stays."""
+    root, path = tmp_path / "ckpt", tmp_path / "ckpt" / "latest"
+    orphans = {digest_of(f"orphan {i}\n".encode()): f"orphan {i}\n" for i in range(5)}
+    clock = lambda: EPOCH + job.sim.loop.time()  # noqa: E731
+    pending: set[bytes] = set()
+
+    async def snapshot_with(cut: StaticCut, d: Path, client: Any, ep: Ep,
+                            content: str | None) -> None:
+        async with client.turn(ep) as turn:
+            if content is not None:
+                (d / "found.txt").write_text(content)
+            turn.complete(b"t", b"s")
+        async with job.ckpt.snapshot(path) as snap:
+            assert snap is not None
+            await snap.check_against_cut(cut)
+        await _coordinator(job).collection_done()
+
+    async def scenario() -> bytes:
+        live, dirs = await _open_with_directories(job, rollouts=1)
+        cut = StaticCut(live, set())
+        ep, d = next(iter(dirs.items()))
+        client = await job.client(ep.rollout_id.split("-r")[0])
+        await snapshot_with(cut, d, client, ep, None)
+        for digest, text in orphans.items():  # garbage: no snapshot references them
+            _store(tmp_path).put(digest, text.encode())
+        asked = [0]
+
+        def stop_after_two() -> bool:
+            asked[0] += 1
+            return asked[0] > 3  # the snapshot's references read, then two removals
+
+        first = collect_blobs(root, clock=clock, should_stop=stop_after_two, pending=pending)
+        assert first.interrupted and first.removed == 2 and len(pending) == 3
+        assert pending < set(orphans)
+        again = sorted(pending)[0]  # a sandbox file with its content: the next snapshot
+        await snapshot_with(cut, d, client, ep, orphans[again])  # references it
+        assert again in _referenced(tmp_path)
+        return again
+
+    again = job.run(scenario())
+
+    def no_listing(self: BlobStore) -> set[bytes]:
+        raise AssertionError("a resumed collection listed the store")
+
+    with monkeypatch.context() as m:
+        m.setattr(BlobStore, "digests", no_listing)
+        collect_blobs(root, clock=clock, pending=pending)
+    assert pending == set()
+    present = _store(tmp_path).digests()
+    assert again in present
+    assert present & set(orphans) == {again}
+    assert present == _referenced(tmp_path)

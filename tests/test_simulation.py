@@ -145,6 +145,37 @@ def test_an_adapted_rollout_rebuilt_without_its_replay_is_caught(
     assert "28.1 an adapted rollout continued on a history it does not reproduce" in cases
 
 
+def test_a_rollout_captured_before_its_init_turn_that_resume_refuses_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schedules whose opens answer slowly (``Plan.slow_open``) snapshot sessions
+    between ``AdaptedRollout.start``'s open and its init turn; a resume that does not
+    read the prompt recorded at the open (as before issue 56) is refused on the
+    continued attempt, and the simulation names it."""
+    from nemo_ckpt.adapters import rollout
+
+    monkeypatch.setattr(rollout, "_recorded_prompt", lambda state: (False, None))
+    seeds = (s for s in range(400) if simulation.Plan.make(s).slow_open
+             and "restore" in simulation.Plan.make(s).ops)
+    shown = (s for s in seeds if "56.1 a continued adapted rollout that cannot be resumed"
+             in {simulation.case_of(v) for v in simulation.run_one(s).violations})
+    assert next(shown, None) is not None
+
+
+def test_a_driver_whose_calls_have_no_deadline_is_caught_waiting_on_a_hung_coordinator(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schedules whose coordinator hangs, alive to Ray (``Plan.hang``): a driver that
+    waits for its calls' answers without a deadline (as before issue 56) takes past its
+    deadlines to begin, fail or commit, and the simulation names it."""
+    from nemo_ckpt.driver import link
+
+    monkeypatch.setattr(link.CoordinatorLink, "deadline_s",
+                        lambda self, method, *args: None)
+    seeds = (s for s in range(300) if simulation.Plan.make(s).hang is not None)
+    shown = (s for s in seeds if "23.9 a call waits past its deadline (not on a FIFO)"
+             in {simulation.case_of(v) for v in simulation.run_one(s).violations})
+    assert next(shown, None) is not None
+
+
 def _blocking_world() -> tuple[SimWorld, SimActor]:
     world = SimWorld(seed=7, nodes=1)
     actor = world.new_actor("worker", "w", "node-0")

@@ -5,6 +5,9 @@
 the prompt or action and what the call returned (``nemo_ckpt.adapters.turn_records``).
 The session's state is empty, unless the environment offers the state export
 (``nemo_ckpt.adapters.state_export``): then it is the environment's exported state.
+Until ``init`` commits, it is the prompt: ``start`` opens the session with it, so that a
+snapshot taken between the open and the ``init`` turn (a session captured with no turns)
+holds what ``resume`` needs to start that rollout afresh, with no ``prompt=`` (issue 56).
 
 After a restore, ``AdaptedRollout.resume`` constructs the environment afresh and either
 loads its exported state or replays the live trajectory's prompt and actions, without
@@ -31,7 +34,7 @@ import msgpack
 from nemo_ckpt.adapters.framework import Framework
 from nemo_ckpt.adapters.replay import replay
 from nemo_ckpt.adapters.state_export import offers_state_export
-from nemo_ckpt.adapters.step_output import StepOutput
+from nemo_ckpt.adapters.step_output import StepOutput, plain
 from nemo_ckpt.adapters.turn_records import TurnRecord, decode_record, live_records
 from nemo_ckpt.errors import EnvironmentAdapterError
 from nemo_ckpt.interfaces import EnvironmentEpisode
@@ -56,6 +59,35 @@ RebuiltBy = Literal["fresh", "replay", "state", "restarted"]
 # A session state that is an exported environment state starts with this byte; an
 # empty state means "rebuilt by replay".
 _EXPORTED = b"S"
+# The state ``start`` opens a session with, until its ``init`` commits: this byte, then
+# the prompt as msgpack (its plain form, as the init record stores it).
+_PROMPT = b"P"
+
+
+def _opening_state(prompt: Any) -> bytes:
+    """The state a session opens with: the prompt, when its plain form is the prompt's
+    own data (a value of another type is recorded by its type alone, which ``init``
+    cannot be given again); else empty, and ``resume`` asks for ``prompt=``."""
+    given = plain(prompt)
+    return _PROMPT + msgpack.packb(given, use_bin_type=True) if _replayable(given) else b""
+
+
+def _replayable(value: Any) -> bool:
+    if isinstance(value, dict):
+        return "__not_comparable__" not in value and all(map(_replayable, value.values()))
+    if isinstance(value, list):
+        return all(map(_replayable, value))
+    return True
+
+
+def _recorded_prompt(state: bytes) -> tuple[bool, Any]:
+    """``(True, prompt)`` if ``state`` is one ``start`` opened a session with."""
+    if state[:1] != _PROMPT:
+        return False, None
+    try:
+        return True, msgpack.unpackb(state[1:], raw=False)
+    except Exception:
+        return False, None
 
 
 def trajectory_of(result: bytes) -> list[TurnRecord]:
@@ -131,9 +163,11 @@ class AdaptedRollout:
         run the environment's ``init(prompt)`` as its first turn. ``staging`` (a
         ``Staging``: ``async def staging(turn: int) -> list[str]``) writes that turn's
         staging rows inside it and returns their keys; ``TypeError`` if it is not
-        callable, before the session is opened."""
+        callable, before the session is opened. The session opens with the prompt as
+        its state, so that ``resume`` can run ``init`` if a snapshot captures it before
+        that turn commits."""
         _check_staging(staging)
-        await client.open(episode, directory=directory)
+        await client.open(episode, _opening_state(prompt), directory=directory)
         rollout = cls(client, episode, framework)
         await rollout._init(prompt, None, staging)
         return rollout
@@ -143,16 +177,22 @@ class AdaptedRollout:
                      framework: Framework, prompt: Any = None) -> AdaptedRollout:
         """Continue ``episode``'s session (a continued rollout after a restore, or a
         worker that lost its environment): rebuild the environment from its exported
-        state or by a checked replay. ``prompt`` is needed only for a session whose
-        ``init`` never committed."""
+        state or by a checked replay. A session whose ``init`` never committed (captured
+        between ``start``'s open and its first turn) starts afresh: ``init`` runs with the
+        prompt ``start`` recorded at the open, and ``rebuilt_by`` is ``"fresh"``.
+        ``prompt`` is needed only for a session ``start`` did not open with a prompt it
+        could record (one of a type that is not plain data, or an older release's)."""
         rollout = cls(client, episode, framework)
         session = await client.get(episode)
         live = rollout._live(session)
         if not live:
             if prompt is None:
-                raise EnvironmentAdapterError(
-                    f"rollout {episode.capture_key} has no committed init turn to replay; "
-                    f"pass prompt= to AdaptedRollout.resume, or start a new attempt")
+                recorded, prompt = _recorded_prompt(session.state)
+                if not recorded:
+                    raise EnvironmentAdapterError(
+                        f"rollout {episode.capture_key} has no committed init turn to "
+                        f"replay and no recorded prompt; pass prompt= to "
+                        f"AdaptedRollout.resume, or start a new attempt")
             await rollout._init(prompt, None, None)
         else:
             await rollout._rebuild(session, live)

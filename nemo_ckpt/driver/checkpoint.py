@@ -531,12 +531,14 @@ class _Operation:
         if beside is not None:
             # After the commit's first step (queued first), which sends it.
             asyncio.get_running_loop().call_soon(beside)
-        answer, cancelled = await finish(commit)
+        answer, cancelled = await finish(commit)  # the commit's call ends by its deadline
         if isinstance(answer, BaseException):
             outcome = await self.end(answer)
             if outcome != "committed":
                 if cancelled:
                     raise asyncio.CancelledError()
+                if outcome is None and getattr(answer, "timed_out", False):
+                    raise _outcome_unknown(self.id, self.path, answer)
                 raise answer
             log.warning("%s: its commit call failed (%s), but the commit won: its "
                         "outcome is committed", self.id, answer)
@@ -544,6 +546,23 @@ class _Operation:
         if cancelled:
             raise asyncio.CancelledError()
         return answer
+
+
+def _outcome_unknown(op_id: str, path: str | None, cause: BaseException) -> NemoCkptError:
+    """The error of a commit that missed its deadline and whose abort could not learn
+    its outcome either (a coordinator that does not answer): it may still commit."""
+    if path is not None:
+        what, then = (f"snapshot {op_id} into {path}", "Retry it (a snapshot into the "
+                      "same path replaces it); `nemo-ckpt ls` shows what committed")
+    else:
+        what, then = (f"restore {op_id}", "Its sessions may go live: "
+                      "`ckpt.holders()` shows them; retry once the coordinator answers")
+    error = BackendUnavailableError(
+        f"the commit of {what} got no answer by its deadline ({cause}), and the abort "
+        f"that asks the coordinator for its outcome got none either: it may still "
+        f"commit. {then}")
+    error.unreachable, error.timed_out = "coordinator", True
+    return error
 
 
 class ShutdownStarted:

@@ -1,6 +1,13 @@
-"""The driver's link to the coordinator: calls attached to it, sent again while its name
-still resolves to a dead incarnation, lease renewals, aborts that learn an operation's
-outcome, the ledger's retries and the wait for a shutdown's names to go.
+"""The driver's link to the coordinator: calls attached to it, each bounded by its
+deadline (``CoordinatorLink.deadline_s``), sent again while its name still resolves to a
+dead incarnation, lease renewals, aborts that learn an operation's outcome, the ledger's
+retries and the wait for a shutdown's names to go.
+
+Every call ends by its deadline whatever the coordinator or Ray does (a live
+coordinator that never answers on a loaded machine, issue 56): it then raises
+``BackendUnavailableError`` with ``timed_out`` set, and the call it ended may still run
+there. An abort is a call of its own with its own deadline, so it never waits on the
+call it aborts.
 
 The call order a driver follows is stated once, on
 ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``.
@@ -32,6 +39,9 @@ NAME_RETRY_S = 0.25
 _GONE_POLL_S = 0.1
 # Calls whose outcome, when the coordinator died under them, only the abort can tell.
 _OUTCOME_CALLS = frozenset({"commit_snapshot", "commit_restore"})
+# The least ``ensure_holders`` (which creates the holders and waits for their first
+# answer) is given: Ray starts processes slowly on a loaded machine.
+CREATE_MIN_S = 120.0
 
 
 class CoordinatorLink:
@@ -53,6 +63,31 @@ class CoordinatorLink:
         incarnation: past a lease, the holders have resumed by themselves anyway."""
         return self.config.lease_s + self.config.phase_timeout_s
 
+    def deadline_s(self, method: str, *args: Any) -> float:
+        """How long one attempt of ``method`` may take before the driver gives up on it:
+        the coordinator's own deadlines for the phase (a snapshot's begin waits for the
+        drain and a pause call; a commit or a restore's read for the shards' writes or
+        reads; either for the holders' answers: two phases), plus ``name_wait_s`` (a
+        lease and a phase), the time Ray may take to tell the callers of a coordinator
+        that died of its death: until then a dead coordinator looks like one that does
+        not answer, and the call that learns of the death goes on to its successor
+        (simulation seed 30646). An abort has that margin alone: the holders drop the
+        operation within a phase, and a commit running there, which it waits for, has
+        had its own deadline already."""
+        cfg = self.config
+        if method == "abort":
+            return self.name_wait_s
+        if method == "begin_snapshot":
+            given = args[2] if len(args) > 2 and args[2] is not None else cfg.drain_timeout_s
+            phase = min(float(given), cfg.drain_timeout_s) + 2 * cfg.phase_timeout_s
+        elif method in ("commit_snapshot", "prepare_restore"):
+            phase = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s
+        else:
+            phase = 2 * cfg.phase_timeout_s
+        if method == "ensure_holders":
+            phase = max(CREATE_MIN_S, cfg.persist_timeout_s + 2 * cfg.phase_timeout_s)
+        return phase + self.name_wait_s
+
     def new_operation_id(self, kind: str) -> str:
         runtime = self._transport().runtime
         if self._driver_id is None:
@@ -69,18 +104,26 @@ class CoordinatorLink:
         a coordinator's loss then finds its successor. The wait counts from the first
         attempt that found it dead, not from the call: that attempt may itself have waited
         for Ray to notice the death (simulation seed 30646). A commit is not sent again:
-        its outcome is learned from the abort (``RayEnvironmentCheckpoint``'s commit)."""
+        its outcome is learned from the abort (``RayEnvironmentCheckpoint``'s commit).
+        Each attempt, its attach included, ends by ``deadline_s(method)``; one that
+        missed it is not sent again (it may still run)."""
         transport = self._transport()
         clock = transport.runtime.clock
+        timeout = self.deadline_s(method, *args)
         deadline: float | None = None
         while True:
             try:
-                if not self._attached:
-                    await CoordinatorCalls.direct(transport).attach(self.config)
+                if not self._attached and method != "abort":
+                    # Within the call's own deadline. An abort is sent at once, attached
+                    # or not (a coordinator it makes is made with this config): it must
+                    # not wait behind an attach to a coordinator that does not answer.
+                    await CoordinatorCalls.direct(transport, timeout).attach(self.config)
                     self._attached = True
-                return await transport.call(transport.coordinator(), method, *args)
+                return await transport.call(transport.coordinator(), method, *args,
+                                            timeout=timeout)
             except BackendUnavailableError as exc:
-                self._attached = False  # another coordinator may answer next: attach to it
+                if not exc.timed_out:  # another coordinator may answer next: attach to it
+                    self._attached = False
                 if exc.unreachable != COORDINATOR or exc.timed_out or method in _OUTCOME_CALLS:
                     raise
                 if deadline is None:

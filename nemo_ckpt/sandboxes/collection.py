@@ -13,8 +13,9 @@ store, so collecting the store cannot take a file a live session needs
 3) removes every other blob, and temp files of writes that died, each removal inside
    the claim's life; then drops the claim.
 
-It runs after each commit (the coordinator, in the background) and as
-``nemo-ckpt gc ROOT``.
+It runs after each commit (the coordinator: a bounded round before the commit answers,
+then the rest in the background, which the next snapshot interrupts and the next
+collection resumes; ``actors.blob_collector``) and as ``nemo-ckpt gc ROOT``.
 """
 
 from __future__ import annotations
@@ -175,7 +176,9 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
                   should_stop: Callable[[], bool] = lambda: False,
                   watch: ClaimWatch | None = None, wait_s: float = 0.0,
                   sleep: Callable[[float], None] = time.sleep,
-                  budget: TreeBudget | None = None) -> CollectionReport:
+                  budget: TreeBudget | None = None,
+                  pending: set[bytes] | None = None,
+                  max_removals: int | None = None) -> CollectionReport:
     """Collect the blob store under ``root`` (see the module docstring). Raises
     ``CheckpointPathBusyError`` while a snapshot holds the store or another collection
     runs, and a ``SnapshotReadError`` naming the snapshot whose references could not be
@@ -188,7 +191,15 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
     busy store is retried, watching, for up to ``wait_s`` seconds (``sleep`` between
     tries) before the refusal: long enough, a hold whose snapshot died is seen
     abandoned. Each tree is read within ``budget`` (by default ``TreeBudget()``): one past
-    it refuses the collection."""
+    it refuses the collection.
+
+    ``pending``, the caller's, kept across collections, makes one that ``should_stop``
+    interrupted resume where it stopped (issue 56): the garbage it had found and not yet
+    removed is left in it, and the next collection removes what of it no committed
+    snapshot references now (a snapshot committed since may reference a blob again),
+    without listing the store; once it is empty, the store is listed again. A snapshot
+    still in progress cannot rely on one of them: it holds the store, and no collection
+    begins while it does. ``max_removals`` ends it, interrupted, after that many."""
     where = join_location(root, BLOB_DIR)
     store = BlobStore(where, folder_at)
     report = CollectionReport(store=where, dry_run=dry_run)
@@ -213,16 +224,22 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
             for old in [k for k in cache if k[0] not in report.snapshots]:
                 del cache[old]
         report.referenced = len(referenced)
-        present = store.digests()
-        garbage = sorted(present - referenced)
-        report.kept = len(present) - len(garbage)
+        if pending and not dry_run:  # an interrupted collection's garbage, still garbage
+            garbage = sorted(pending - referenced)
+            pending.clear()
+        else:
+            present = store.digests()
+            garbage = sorted(present - referenced)
+            report.kept = len(present) - len(garbage)
         if dry_run:
             report.removed = len(garbage)
             return report
-        for digest in garbage:
+        for k, digest in enumerate(garbage):
             keep_claim()
-            if should_stop():
+            if should_stop() or (max_removals is not None and report.removed >= max_removals):
                 report.interrupted = True
+                if pending is not None:
+                    pending.update(garbage[k:])
                 return report
             if clock() > until - _MARGIN_S:
                 raise CheckpointPathBusyError(
@@ -288,13 +305,17 @@ def collect_quietly(root: str | Path, owner: str, cache: RefsCache,
                     clock: Callable[[], float] = time.monotonic,
                     should_stop: Callable[[], bool] = lambda: False,
                     watch: ClaimWatch | None = None,
-                    budget: TreeBudget | None = None) -> CollectionReport | None:
+                    budget: TreeBudget | None = None,
+                    pending: set[bytes] | None = None,
+                    max_removals: int | None = None) -> CollectionReport | None:
     """``collect_blobs`` after a commit, at once: a busy store or an unreadable snapshot
     skips it (the next commit, or ``nemo-ckpt gc``, tries again), with a log line.
-    ``watch``: the caller's, kept across collections (see ``collect_blobs``)."""
+    ``watch`` and ``pending``: the caller's, kept across collections (see
+    ``collect_blobs``)."""
     try:
         return collect_blobs(root, owner, cache=cache, clock=clock, should_stop=should_stop,
-                             watch=watch, budget=budget)
+                             watch=watch, budget=budget, pending=pending,
+                             max_removals=max_removals)
     except (NemoCkptError, OSError) as exc:
         log.info("blob collection under %s skipped: %s", root, exc)
         return None

@@ -229,21 +229,30 @@ class Checkers(Part):
                          f"another config ({', '.join(fixed)} differ): nothing refused it")
 
     def check_deadlines(self, record: OpRecord, cfg: CheckpointConfig) -> None:
-        """A snapshot's entry and its commit return within their driver's configured
-        deadlines (with a margin of a lease: messages, retries, a slow link)."""
-        entry = cfg.drain_timeout_s + 3 * cfg.phase_timeout_s + cfg.lease_s
+        """A snapshot's entry (begun, or failed and aborted) and its commit return within
+        their driver's deadlines (``CoordinatorLink.deadline_s``): the call's, then the
+        abort's that may follow it, with a lease of margin
+        (messages, retries, a slow link). A coordinator that never answers ends neither
+        (issue 56, case 2: the simulation's ``Plan.hang``)."""
+        # A lease and a phase (the time Ray may take to tell of a death) on each call,
+        # and as the abort's own deadline.
+        abort = cfg.lease_s + cfg.phase_timeout_s
+        entry = cfg.drain_timeout_s + 2 * cfg.phase_timeout_s + 2 * abort + cfg.lease_s
         # From the call, not from the wait for RL's own lock (its retires may be slow).
         called = record.entered if record.entered is not None else record.start
-        if record.begun is not None and record.begun - called > entry:
+        entered = record.begun if record.begun is not None else record.entry_failed
+        if entered is not None and entered - called > entry:
             self.violate(f"a call waits past its deadline: the snapshot {record.op_id} took "
-                         f"{record.begun - called:.1f}s to begin (drain and phase "
-                         f"deadlines: {entry - cfg.lease_s:g}s){self._queue_note(record.op_id)}")
-        commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + cfg.lease_s
+                         f"{entered - called:.1f}s to "
+                         f"{'begin' if record.begun is not None else 'fail'} (drain, phase "
+                         f"and abort deadlines: {entry - cfg.lease_s:g}s)"
+                         f"{self._queue_note(record.op_id)}")
+        commit = cfg.persist_timeout_s + 2 * cfg.phase_timeout_s + 2 * abort + cfg.lease_s
         if record.body_end is not None and record.end is not None and \
                 record.end - record.body_end > commit:
             self.violate(f"a call waits past its deadline: the commit of {record.op_id} took "
-                         f"{record.end - record.body_end:.1f}s after its block ended (persist "
-                         f"and phase deadlines: {commit - cfg.lease_s:g}s)"
+                         f"{record.end - record.body_end:.1f}s after its block ended (persist, "
+                         f"phase and abort deadlines: {commit - cfg.lease_s:g}s)"
                          f"{self._queue_note(record.op_id)}")
 
     def check_error_kind(self, exc: BaseException, what: str) -> None:
@@ -480,14 +489,16 @@ class Checkers(Part):
                               when: str) -> None:
         """An adapter-driven rollout (``Plan.adapted``) over a deterministic environment:
         a continued one was rebuilt by a replay whose observations equal the recorded
-        ones (no restart: nothing differs to start over for), and what it recorded, the
+        ones (no restart: nothing differs to start over for), or, captured before its
+        init turn committed, started afresh by its init alone; and what it recorded, the
         replayed prefix and the finished whole, equals a run that never crashed."""
         if rollout.restarts:
             self.violate(f"the replay of {ep.capture_key} diverged from its recorded turns "
                          f"({rollout.records[0].restarted}): the restore brought back turns "
                          f"its environment does not reproduce")
         outputs = [r.output for r in rollout.records]
-        if when == "resumed" and (rollout.rebuilt_by != "replay" or [
+        fresh = rollout.rebuilt_by == "fresh" and not rollout.replayed and len(outputs) == 1
+        if when == "resumed" and not fresh and (rollout.rebuilt_by != "replay" or [
                 o.as_plain() for o in rollout.replayed] != outputs):
             self.violate(f"{ep.capture_key} was rebuilt by {rollout.rebuilt_by}, its replay "
                          f"returning {len(rollout.replayed)} of its {len(outputs)} recorded "
@@ -1012,6 +1023,8 @@ CASES = [
     ("34.4 refused by a claim of its own", ("was refused by a claim of its own",
                                              "refused by a collection claim of its own")),
     ("34.5 a claim left behind by a process that gave up", ("a claim was left behind",)),
+    ("56.1 a continued adapted rollout that cannot be resumed",
+     ("cannot be resumed with AdaptedRollout.resume",)),
     ("28.1 an adapted rollout continued on a history it does not reproduce",
      ("differs from a crash-free run", "diverged from its recorded turns",
       "other observations than those recorded")),

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import math
 import os
 import random
 import shutil
@@ -162,6 +163,7 @@ class Faults(Part):
         self.relay_kills = 0
         # What a manager's retention removing a snapshot tells the workload (Schedule).
         self.on_managed_event: Any = lambda event, path: None
+        self.hang_ends: float | None = None  # when the coordinator's hang ends (Plan.hang)
         self._install_io_faults()
         DiskFaults.install(self)
         HostileSandbox.install(self)
@@ -169,6 +171,7 @@ class Faults(Part):
         self._install_ray()
         self._install_releases()
         self._install_reply_loss()
+        self._install_slow_open()
 
     # --- at a message or a file operation (the world's hooks): the planned triggers -------
 
@@ -348,13 +351,41 @@ class Faults(Part):
 
         self.world.lose_reply = lose
 
+    def _install_slow_open(self) -> None:
+        """The answer to a worker's ``open_session`` travels for up to three seconds
+        (``Plan.slow_open``, issue 56): the session is open on its holder while its
+        worker has not yet begun the init turn, so a snapshot's pause lands in between
+        and captures the session with no turns. Its own RNG."""
+        if not self.plan.slow_open:
+            return
+        rng, delay = random.Random(f"slow-open-run-{self.seed}"), self.world.message_delay
+
+        def slow(target: SimActor, method: str, reply: bool) -> float:
+            if reply and method == "open_session":
+                return rng.uniform(0.3, 3.0)
+            return delay(target, method, reply)
+
+        self.world.message_delay = slow
+
     async def inject_stalls(self) -> None:
         start = self.now()
         faults = list(self.plan.stalls)
         if self.plan.coordinator_node_dies is not None:
             faults.append((self.plan.coordinator_node_dies, "coordinator_node", 0.0))
+        if self.plan.hang is not None:
+            faults.append((self.plan.hang[0], "hang", self.plan.hang[1]))
         for at, kind, seconds in sorted(faults):
             await asyncio.sleep(max(0.0, start + at - self.now()))
+            if kind == "hang":  # issue 56 case 2: alive to Ray, answering nothing
+                actors = self.world.live(COORDINATOR)
+                if actors:
+                    self.s.faults += 1
+                    self.s.fired.append((self.now(), "stall:hang"))
+                    self.log(f"fault: the coordinator hangs for {seconds:.1f}s, never "
+                             f"declared dead: {actors}")
+                    self.world.stall(actors, seconds, math.inf)
+                    self.hang_ends = self.now() + seconds
+                continue
             if kind == "coordinator_node":  # issue 29 case 2: the node is removed
                 for coordinator in self.world.live(COORDINATOR):
                     node = coordinator.node

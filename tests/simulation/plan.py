@@ -77,6 +77,10 @@ class Plan:
     # The rollouts run a text environment through nemo_ckpt.adapters (issue 28), in a
     # quarter of the schedules without sandboxes; drawn apart, last.
     adapted: bool = False
+    # In half the adapted schedules, the answer to a session's open travels slowly
+    # (issue 56): a snapshot's pause lands between AdaptedRollout.start's open and its
+    # init turn, capturing the session with no turns; drawn apart.
+    slow_open: bool = False
     # Untrusted stored data (issue 34), drawn apart, in sandbox schedules only: the first
     # rollout of each node has an id this long (near and past what a file name holds),
     # and a hostile writer plants a tree that expands to 2^30 directories in a copy of a
@@ -103,6 +107,9 @@ class Plan:
     planted: str | None = None
     record_bomb: bool = False
     second_manager: list[float] = field(default_factory=list)
+    # The live coordinator stops answering for a long while, never declared dead (a
+    # loaded machine; issue 56, case 2): (when, seconds), drawn apart; None: it does not.
+    hang: tuple[float, float] | None = None
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -137,6 +144,7 @@ class Plan:
         )
         plan.adapted = (not plan.sandboxes
                         and random.Random(f"adapted-{seed}").random() < 0.25)
+        plan.slow_open = plan.adapted and random.Random(f"slow-open-{seed}").random() < 0.5
         if plan.sandboxes:
             untrusted = random.Random(f"untrusted-{seed}")
             plan.long_id = untrusted.choice([None] * 4 + [200, 216, 217, 233, 254])
@@ -152,6 +160,9 @@ class Plan:
             beside = random.Random(f"second-manager-{seed}")
             plan.second_manager = sorted(round(beside.uniform(0.5, 9.0), 3)
                                          for _ in range(beside.choice([0, 2, 4, 8])))
+        hang = random.Random(f"hang-{seed}")
+        if hang.random() < 0.1:
+            plan.hang = (round(hang.uniform(0.3, 9.0), 3), round(hang.uniform(30.0, 120.0), 3))
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))

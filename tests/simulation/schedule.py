@@ -88,6 +88,8 @@ class Schedule:
                 await asyncio.wait_for(task, CONFIG.lease_s * 3)
         inject.unplant()
         await work.stop_workers()
+        if inject.hang_ends is not None:  # what a hung coordinator owes is settled after
+            await asyncio.sleep(max(0.0, inject.hang_ends - s.world.loop.time()))
         await check.check_settled()
         monitor.cancel()
         await asyncio.sleep(CONFIG.lease_s * 2 + (CONFIG.turn_timeout_s or 0) + 1)

@@ -52,6 +52,7 @@ class OpRecord:
     begun: float | None = None  # when the driver's snapshot began (holders captured)
     body_end: float | None = None  # when the caller's block ended (RL saved its half)
     end: float | None = None
+    entry_failed: float | None = None  # when a snapshot failed before its block began
     failed_at: float | None = None  # a restore's first attempt failed (RL may retry)
     failed_id: str | None = None  # its id then: None if it never reached the coordinator
     outcome: str = "running"

@@ -20,6 +20,7 @@ from actors.sim import SimActor
 from nemo_ckpt.adapters import AdaptedRollout
 from nemo_ckpt.errors import (
     BackendUnavailableError,
+    EnvironmentAdapterError,
     NemoCkptError,
     SnapshotMismatchError,
     is_retriable,
@@ -160,6 +161,8 @@ class Workload(Part):
             self.check.check_commit(record)
             self.check.check_one_config(driver, record)
         except BaseException as exc:
+            if record.begun is None:
+                record.entry_failed = self.now()
             record.outcome = type(exc).__name__
             self.log(f"{record.op_id} failed: {type(exc).__name__}: {short(exc)}")
             if not isinstance(exc, asyncio.CancelledError):
@@ -592,7 +595,12 @@ class Workload(Part):
             rollout = await AdaptedRollout.start(client, ep, framework, framework.prompt,
                                                  staging=staging)
         else:
-            rollout = await AdaptedRollout.resume(client, ep, framework)
+            try:
+                rollout = await AdaptedRollout.resume(client, ep, framework)
+            except EnvironmentAdapterError as exc:  # the README's call, as the example makes it
+                self.check.violate(f"the continued rollout {ep.capture_key} cannot be "
+                                   f"resumed with AdaptedRollout.resume: {short(exc)}")
+                return
             self.log(f"rollout {ep.capture_key} rebuilt by {rollout.rebuilt_by} at "
                      f"{len(rollout.records)} turn(s)")
             self.check.check_adapted_rollout(ep, rollout, reference(framework), "resumed")

@@ -1,0 +1,86 @@
+"""Every call the driver makes ends by its deadline (issue 56, case 2): a coordinator
+that is alive to Ray but never answers (a loaded machine) ends neither a snapshot's
+commit nor the abort after it. In-process, under virtual time (``tests.harness``)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from nemo_ckpt.errors import BackendUnavailableError
+from nemo_ckpt.phases import HolderState
+from nemo_ckpt.storage.checkpoint_folder import environment_dir
+from nemo_ckpt.transport import COORDINATOR
+from tests.harness import CONFIG, World
+
+pytestmark = pytest.mark.timeout(60)
+
+# The driver's deadlines under the harness's config (CoordinatorLink.deadline_s).
+ABORT_S = CONFIG.lease_s + CONFIG.phase_timeout_s  # the time Ray may take to tell a death
+BEGIN_S = CONFIG.drain_timeout_s + 2 * CONFIG.phase_timeout_s + ABORT_S
+COMMIT_S = CONFIG.persist_timeout_s + 2 * CONFIG.phase_timeout_s + ABORT_S
+
+
+def hang_coordinator(world: World, seconds: float) -> None:
+    """The coordinator stops answering for ``seconds``; Ray never declares it dead."""
+    world.sim.stall(world.sim.live(COORDINATOR), seconds, math.inf)
+
+
+def test_a_commit_the_coordinator_never_answers_ends_by_its_deadline_as_outcome_unknown(
+        world: World) -> None:
+    path = world.path("ckpt")
+    sent: list[str] = []
+    block_end: list[float] = []
+
+    async def scenario() -> None:
+        live = await world.populate()
+
+        async def block() -> None:
+            hang_coordinator(world, 10_000.0)
+            world.sim.on_send = lambda caller, callee, method, args: sent.append(method)
+            block_end.append(world.sim.loop.time())
+
+        with pytest.raises(BackendUnavailableError) as raised:
+            await world.snapshot(path, live, block)
+        ended = world.sim.loop.time() - block_end[0]
+        assert ended <= COMMIT_S + ABORT_S + 0.5, ended
+        error = raised.value
+        assert "got no answer by its deadline" in str(error)
+        assert "may still commit" in str(error) and "Retry it" in str(error)
+        assert error.timed_out and world.ckpt.is_unavailable(error)
+        calls = [m for m in sent if m != "renew"]  # the lease's renewals, beside them
+        assert calls[:1] == ["commit_snapshot"] and "abort" in calls
+        assert not (environment_dir(path) / "manifest.json").exists()
+
+    world.run(scenario())
+
+
+def test_a_begin_the_coordinator_never_answers_fails_by_its_deadline_and_its_abort_lands(
+        world: World) -> None:
+    """The abort is sent at once, not behind the stuck begin or an attach: once the
+    coordinator runs again it takes both, and no holder stays paused for the snapshot
+    nor any claim of it stays in the folder."""
+    path = world.path("ckpt")
+    sent: list[str] = []
+
+    async def scenario() -> None:
+        live = await world.populate()
+        hang_coordinator(world, 120.0)
+        world.sim.on_send = lambda caller, callee, method, args: sent.append(method)
+        began = world.sim.loop.time()
+        with pytest.raises(BackendUnavailableError,
+                           match=rf"did not finish begin_snapshot within {BEGIN_S:.1f}s"):
+            await world.snapshot(path, live)
+        assert world.sim.loop.time() - began <= BEGIN_S + ABORT_S + 0.5
+        calls = [m for m in sent if m != "renew"]  # the lease's renewals, beside them
+        assert calls[:2] == ["begin_snapshot", "abort"]
+        await asyncio.sleep(120.0 + CONFIG.lease_s)  # the coordinator ran both, late
+        assert set(world.states().values()) == {HolderState.RUNNING}
+        folder = environment_dir(path)
+        assert not folder.exists() or sorted(p.name for p in folder.iterdir()) == []
+        await world.snapshot(path, live)  # and the next snapshot commits
+        assert (environment_dir(path) / "manifest.json").exists()
+
+    world.run(scenario())
