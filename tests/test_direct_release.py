@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_ckpt import RayEnvironmentCheckpoint
 from nemo_ckpt.driver.holder_handles import HolderHandles
+from nemo_ckpt.driver.snapshot_operation import SnapshotOperation
 from nemo_ckpt.errors import SnapshotMismatchError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
@@ -56,7 +56,7 @@ def test_the_driver_releases_the_holders_one_hop_before_the_coordinator(
     async def scenario() -> tuple[float, float]:
         live = await world.populate()  # its ensure_holders lets the driver learn them
         direct = await _seconds_paused_after_the_block(world, live, world.path("a"))
-        monkeypatch.setattr(RayEnvironmentCheckpoint, "_release_holders",
+        monkeypatch.setattr(SnapshotOperation, "_release_holders",
                             lambda self, begun: 0)
         via_coordinator = await _seconds_paused_after_the_block(world, live,
                                                                 world.path("a"))

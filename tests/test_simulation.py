@@ -18,7 +18,8 @@ from actors.session_holder import SessionHolder
 from actors.sim import SimActor, SimWorld, delivery
 from nemo_ckpt.catalog import listing as catalog
 from nemo_ckpt.config import HOLDER_NAME_PREFIX
-from nemo_ckpt.driver import RayEnvironmentCheckpoint, RaySnapshot
+from nemo_ckpt.driver import RaySnapshot
+from nemo_ckpt.driver.snapshot_operation import SnapshotOperation
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.manager import removals
 from nemo_ckpt.storage import local_folder
@@ -66,7 +67,7 @@ def test_a_snapshot_committed_despite_its_failed_check_is_caught(
 
     monkeypatch.setattr(RaySnapshot, "check_against_cut", forgetful)
     # ... and the later guard that refuses a snapshot no passing check vouched for.
-    monkeypatch.setattr(RayEnvironmentCheckpoint, "_unchecked", lambda *args: None)
+    monkeypatch.setattr(SnapshotOperation, "_unchecked", lambda *args: None)
     total, _, bad = simulation.run_many(0, 150, jobs=1)
     cases = {simulation.case_of(v) for r in bad for v in r.violations}
     assert "10 refused snapshot committed" in cases

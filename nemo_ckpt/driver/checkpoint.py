@@ -1,8 +1,10 @@
 """``RayEnvironmentCheckpoint``: the ``EnvironmentCheckpoint`` contract over Ray actors.
 
-It keeps the contract and one operation skeleton that ``snapshot()`` and ``restored()``
-share; what it says to the coordinator goes through ``nemo_ckpt.driver.link``, and
-``check_startup``'s checks are ``nemo_ckpt.driver.startup``'s.
+It keeps the contract, the restore and RL's ledger calls; a snapshot runs in
+``nemo_ckpt.driver.snapshot_operation``, and both open their operation through the
+skeleton they share, ``nemo_ckpt.driver.operation``. What it says to the coordinator
+goes through ``nemo_ckpt.driver.link``, and ``check_startup``'s checks are
+``nemo_ckpt.driver.startup``'s.
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ import concurrent.futures
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
 from nemo_ckpt import tracing
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver.holder_handles import HolderHandles
-from nemo_ckpt.driver.link import NAME_RETRY_S, CoordinatorLink, finish
+from nemo_ckpt.driver.link import NAME_RETRY_S, CoordinatorLink
+from nemo_ckpt.driver.operation import OpenOperations, checkpoint_location, operation_span
 from nemo_ckpt.driver.snapshot import HeldBefore, RaySnapshot
+from nemo_ckpt.driver.snapshot_operation import SnapshotOperation
 from nemo_ckpt.driver.startup import (
     Findings,
     container_findings,
@@ -32,19 +36,14 @@ from nemo_ckpt.driver.startup import (
 )
 from nemo_ckpt.errors import (
     BackendUnavailableError,
-    CheckpointPathError,
     HolderBusyError,
     NemoCkptError,
-    SnapshotInProgressError,
     StartupCheckError,
-    UncheckedSnapshotError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.phases import HolderInfo
-from nemo_ckpt.protocol.coordinator_api import SnapshotBegun
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import register_default_transport
-from nemo_ckpt.storage.location import LocalLocation, join_location, levels_below, parse_location
 from nemo_ckpt.transport import Transport, detached, runtime_transport
 
 __all__ = ["RayEnvironmentCheckpoint", "ShutdownStarted", "ray_transport"]
@@ -88,17 +87,16 @@ class RayEnvironmentCheckpoint:
         self._transport_ = transport
         if self.config.trace_file is not None:
             tracing.write_spans_to(str(self.config.trace_file))
-        self._open: str | None = None
-        self._closed: asyncio.Event | None = None  # set when the open operation ends
         self._restored_results: tuple[FinishedRollout, ...] = ()
         self._last_restore: dict[str, float | int] | None = None
-        # What the last snapshot held (or the last restore made live), for the next
-        # snapshot's warning about rollouts lost since (``HeldBefore``).
-        self._held_before: HeldBefore | None = None
         self._link = CoordinatorLink(self.config, lambda: self._transport)
         self._coordinator = self._link.calls
         # Its own handles on the holders, to release them as a snapshot's block exits.
         self._holder_handles = HolderHandles(lambda: self._transport)
+        # The one snapshot or restore open at a time, and the snapshots run through it.
+        self._ops = OpenOperations(self._link)
+        self._snapshots = SnapshotOperation(self.config, self._link, self._holder_handles,
+                                            self._ops, lambda: self._transport)
 
     @property
     def last_restore_metrics(self) -> dict[str, float | int] | None:
@@ -122,7 +120,7 @@ class RayEnvironmentCheckpoint:
     @property
     def open_operation(self) -> str | None:
         """The id of the snapshot or restore open now, if any (for logs and tests)."""
-        return self._open
+        return self._ops.current
 
     # --- the contract --------------------------------------------------------------------
 
@@ -179,7 +177,7 @@ class RayEnvironmentCheckpoint:
         even if this task is cancelled meanwhile (the cancellation is raised after it):
         a commit is never torn by an abort.
         """
-        return self._snapshot(checkpoint_path, stop=False, drain_timeout_s=None)
+        return self._snapshots.run(checkpoint_path, stop=False, drain_timeout_s=None)
 
     def final_snapshot(self, checkpoint_path: Path, *, drain_timeout_s: float | None = None
                        ) -> contextlib.AbstractAsyncContextManager[Optional[RaySnapshot]]:
@@ -196,87 +194,8 @@ class RayEnvironmentCheckpoint:
         flight below ``CheckpointConfig.drain_timeout_s`` (a preemption's deadline:
         ``nemo_ckpt.driver.preemption``). A snapshot that fails or is aborted parks
         nothing: the holders resume as after any failed snapshot."""
-        return self._snapshot(checkpoint_path, stop=True, drain_timeout_s=drain_timeout_s)
-
-    @contextlib.asynccontextmanager
-    async def _snapshot(self, checkpoint_path: Path, stop: bool,
-                        drain_timeout_s: float | None
-                        ) -> AsyncIterator[Optional[RaySnapshot]]:
-        path = self._checkpoint_location(checkpoint_path)  # a folder, or a URL
-        clock = self._transport.runtime.clock
-        started = clock.monotonic()
-        async with self._operation("snapshot", path) as op, \
-                self._span("nemo_ckpt.snapshot", op.id, path, stop=stop) as span:
-            begun = await op.step(self._coordinator.begin_snapshot(
-                op.id, path, drain_timeout_s, tracing.traceparent(), stop))
-            snap = RaySnapshot(begun, self._held_before)
-            # Not awaited, and it never raises: the writes overlap the caller's block.
-            self._coordinator.start_writes(op.id)
-            self._holder_handles.prepare(begun)  # in the background, for the exit
-            given = snap if snap.captured_rollouts or snap.restarted_rollouts else None
-            yield given
-            refused = snap.refused or self._unchecked(snap, given is not None, path)
-            if refused is not None:  # a check that raised (caught) or never ran
-                await op.fail(refused)
-            # The manifest carries what is known at commit; the holders' pause ends here,
-            # as the commit releases them.
-            snap._record_release(clock.monotonic() - started)
-            metrics = snap.figures()
-            committed = await op.commit(
-                self._coordinator.commit_snapshot(op.id, path, metrics,
-                                                  snap.restarted_rollouts, stop),
-                # A stop keeps every gate closed until its sessions are parked.
-                beside=None if stop else lambda: self._release_holders(begun),
-                lost=lambda: _Committed(dict(metrics)))
-            snap._record_commit(committed.metrics)
-            tracing.set_attributes(span, sessions=snap.captured_rollouts,
-                                   bytes=int(committed.metrics.get("bytes_written", 0)))
-            self._held_before = snap.held()
-            log.info("%s %s committed: %d rollouts, %d restarted, %d bytes, "
-                     "paused %.3fs", "stop snapshot" if stop else "snapshot", op.id,
-                     snap.captured_rollouts,
-                     snap.restarted_rollouts, committed.metrics.get("bytes_written", 0),
-                     clock.monotonic() - started)
-
-    def _release_holders(self, begun: SnapshotBegun) -> int:
-        """Release the holders ``begun`` paused, from here: their gates open one hop
-        sooner than by the coordinator's release, which still follows
-        (``nemo_ckpt.driver.holder_handles``). Returns how many releases were sent."""
-        return self._holder_handles.release(begun)
-
-    def _checkpoint_location(self, checkpoint_path: Path | str) -> str:
-        """``checkpoint_path`` as the actors are handed it, or ``CheckpointPathError``:
-        every node resolves it alike only when it is absolute, and the blob store and
-        ``check_startup``'s probes are the root's, so it must lie below the root."""
-        location = parse_location(checkpoint_path)
-        text = str(location)
-        if isinstance(location, LocalLocation) and not location.path.is_absolute():
-            raise CheckpointPathError(
-                text, f"checkpoint path {text!r} is relative: the holders on other nodes "
-                      f"would resolve it against their own working directories; pass an "
-                      f"absolute path (os.path.abspath)")
-        root = self.config.checkpoint_root
-        if root is not None and levels_below(root, text) is None:
-            raise CheckpointPathError(
-                text, f"checkpoint path {text} is not below CheckpointConfig.checkpoint_root "
-                      f"{root}; pass a path below the root (one per checkpoint, e.g. "
-                      f"{join_location(root, 'step-100')}), or set checkpoint_root to a "
-                      f"folder that holds it")
-        return text
-
-    def _unchecked(self, snap: RaySnapshot, yielded: bool, path: str
-                   ) -> UncheckedSnapshotError | None:
-        """The refusal of a snapshot whose block never checked it against the cut."""
-        if not yielded or snap.check_result is not None \
-                or self.config.allow_unchecked_snapshots:
-            return None
-        return UncheckedSnapshotError(
-            f"snapshot {snap.snapshot_id} into {path} was not committed: its block never "
-            f"called `await snapshot.check_against_cut(cut)` inside "
-            f"`async with data_plane_barrier.checkpoint() as cut:`, so nothing proved that "
-            f"the {snap.captured_rollouts} captured rollout(s) match RL's ledger; add the "
-            f"check, or set CheckpointConfig(allow_unchecked_snapshots=True) for a backend "
-            f"used without a data-plane cut")
+        return self._snapshots.run(checkpoint_path, stop=True,
+                                   drain_timeout_s=drain_timeout_s)
 
     async def prefetch(self, checkpoint_path: Path) -> int:
         """Have the holders start reading and verifying the snapshot at
@@ -286,7 +205,7 @@ class RayEnvironmentCheckpoint:
         guarantees: nothing is installed, a restore of another snapshot drops these
         reads, one that failed is read again by the restore, and memory is bounded per
         holder. Raises as ``restored`` would for a path that holds no snapshot."""
-        path = self._checkpoint_location(checkpoint_path)
+        path = checkpoint_location(checkpoint_path, self.config.checkpoint_root)
         return await self._coordinator.prefetch_restore(path)
 
     @contextlib.asynccontextmanager
@@ -297,12 +216,13 @@ class RayEnvironmentCheckpoint:
         Sessions go live on a clean exit; on an exception (or a cancellation, or a
         commit that failed on some holder) every holder drops them: all or nothing.
         """
-        path = self._checkpoint_location(checkpoint_path)  # a folder, or a URL
+        # A folder, or a URL.
+        path = checkpoint_location(checkpoint_path, self.config.checkpoint_root)
         clock = self._transport.runtime.clock
         started = clock.monotonic()
         self._restored_results = ()  # a restore that fails hands nothing back
-        async with self._operation("restore", None) as op, \
-                self._span("nemo_ckpt.restore", op.id, path) as span:
+        async with self._ops.open("restore", None) as op, \
+                operation_span("nemo_ckpt.restore", op.id, path) as span:
             begun = await op.step(self._coordinator.prepare_restore(op.id, path,
                                                                     tracing.traceparent()))
             tracing.set_attributes(span, sessions=len(begun.continued_attempts),
@@ -317,7 +237,7 @@ class RayEnvironmentCheckpoint:
             except BaseException:
                 self._restored_results = ()  # they did not go live
                 raise
-            self._held_before = HeldBefore(live=frozenset(
+            self._snapshots.held_before = HeldBefore(live=frozenset(
                 (inst, EnvironmentEpisode(rid, att).next_attempt())
                 for inst, rid, att in begun.continued_attempts))
             self._last_restore = {
@@ -343,36 +263,6 @@ class RayEnvironmentCheckpoint:
                 and self.is_unavailable(cause)
         return isinstance(error, (RayActorError, GetTimeoutError))
 
-    # --- the operation skeleton both share ------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def _span(self, name: str, op_id: str, path: str, **attributes: Any
-                    ) -> AsyncIterator[Any]:
-        """The operation's root span (``nemo_ckpt.tracing``), entered and left in the
-        caller's task, around the caller's block too."""
-        with tracing.span(name, **{"operation.id": op_id, "path": path}, **attributes) as s:
-            yield s
-
-    @contextlib.asynccontextmanager
-    async def _operation(self, kind: str, path: str | None) -> AsyncIterator[_Operation]:
-        """One snapshot or restore: refused while another is open, given an id, its lease
-        renewed from the start (phases and reads can be long), and aborted on every
-        holder by whatever ends it early (``_Operation``'s steps)."""
-        self._refuse_if_open(kind)
-        op = _Operation(self._link.new_operation_id("snap" if kind == "snapshot"
-                                                    else "restore"), path, self)
-        self._set_open(op.id)
-        try:
-            async with self._link.renewing(op.id):
-                try:
-                    yield op
-                except BaseException as exc:
-                    if not op.ended:  # the caller's block, or a step before it, raised
-                        await op.end(exc)
-                    raise
-        finally:
-            self._set_open(None)
-
     # --- RL's ledger operations and introspection ----------------------------------------
 
     async def retire(self, episodes: Iterable[EnvironmentEpisode]) -> list[str]:
@@ -381,7 +271,7 @@ class RayEnvironmentCheckpoint:
         Returns the capture keys dropped. Idempotent, so a coordinator or holder that is
         briefly unavailable is retried here before ``BackendUnavailableError`` escapes.
         """
-        self._refuse_if_open("retire")
+        self._ops.refuse_if_open("retire")
         return await self._link.ledger_op("retire", list(episodes))
 
     async def acknowledge(self, episodes: Iterable[EnvironmentEpisode]) -> list[str]:
@@ -395,8 +285,7 @@ class RayEnvironmentCheckpoint:
         clock = self._transport.runtime.clock
         deadline: float | None = None  # from the first busy holder, not while we wait
         while True:
-            while self._closed is not None:
-                await self._closed.wait()
+            await self._ops.wait_closed()
             try:
                 return await self._link.ledger_op("retire", episodes)
             except HolderBusyError:
@@ -408,7 +297,7 @@ class RayEnvironmentCheckpoint:
 
     async def forget(self, episodes: Iterable[EnvironmentEpisode]) -> list[str]:
         """Drop these attempts' sessions and their refusals. Retried like ``retire``."""
-        self._refuse_if_open("forget")
+        self._ops.refuse_if_open("forget")
         return await self._link.ledger_op("forget", list(episodes))
 
     async def holders(self) -> list[HolderInfo]:
@@ -477,93 +366,6 @@ class RayEnvironmentCheckpoint:
             self._transport_ = ray_transport(self.config)
         return self._transport_
 
-    def _set_open(self, op_id: str | None) -> None:
-        self._open = op_id
-        if op_id is not None:
-            self._closed = asyncio.Event()
-        elif self._closed is not None:
-            self._closed.set()
-            self._closed = None
-
-    def _refuse_if_open(self, what: str) -> None:
-        if self._open is not None:
-            raise SnapshotInProgressError(
-                f"cannot {what} while {self._open} is open; finish its `async with` block "
-                f"first")
-
-
-class _Operation:
-    """The steps of one open snapshot or restore (``RayEnvironmentCheckpoint._operation``):
-    each ends the operation on every holder when it fails, once."""
-
-    def __init__(self, op_id: str, path: str | None, owner: RayEnvironmentCheckpoint) -> None:
-        self.id = op_id
-        self.path = path  # a snapshot's; None for a restore
-        self._owner = owner
-        self.ended = False
-
-    async def end(self, cause: BaseException) -> str | None:
-        """Abort the operation everywhere; its outcome ("committed" if its commit won)."""
-        self.ended = True
-        return await self._owner._link.abort(self.id, self.path, cause)
-
-    async def step(self, call: Awaitable[Any]) -> Any:
-        """A phase before the caller's block; a failure aborts and propagates."""
-        try:
-            return await call
-        except BaseException as exc:
-            await self.end(exc)
-            raise
-
-    async def fail(self, error: BaseException) -> None:
-        """Abort with ``error`` and raise it (a refusal after the caller's block)."""
-        await self.end(error)
-        raise error
-
-    async def commit(self, call: Awaitable[Any], lost: Callable[[], Any],
-                     beside: Callable[[], object] | None = None) -> Any:
-        """The commit, shielded from this task's cancellation (raised after it), with
-        ``beside`` sent once the commit has left. A commit that failed is aborted, and
-        the abort's answer decides: the commit may have won after all (its reply was
-        lost, or the coordinator died right after it), and then ``lost()`` stands for
-        its answer. Otherwise every holder drops the operation and the error propagates."""
-        commit = asyncio.ensure_future(call)
-        if beside is not None:
-            # After the commit's first step (queued first), which sends it.
-            asyncio.get_running_loop().call_soon(beside)
-        answer, cancelled = await finish(commit)  # the commit's call ends by its deadline
-        if isinstance(answer, BaseException):
-            outcome = await self.end(answer)
-            if outcome != "committed":
-                if cancelled:
-                    raise asyncio.CancelledError()
-                if outcome is None and getattr(answer, "timed_out", False):
-                    raise _outcome_unknown(self.id, self.path, answer)
-                raise answer
-            log.warning("%s: its commit call failed (%s), but the commit won: its "
-                        "outcome is committed", self.id, answer)
-            answer = lost()
-        if cancelled:
-            raise asyncio.CancelledError()
-        return answer
-
-
-def _outcome_unknown(op_id: str, path: str | None, cause: BaseException) -> NemoCkptError:
-    """The error of a commit that missed its deadline and whose abort could not learn
-    its outcome either (a coordinator that does not answer): it may still commit."""
-    if path is not None:
-        what, then = (f"snapshot {op_id} into {path}", "Retry it (a snapshot into the "
-                      "same path replaces it); `nemo-ckpt ls` shows what committed")
-    else:
-        what, then = (f"restore {op_id}", "Its sessions may go live: "
-                      "`ckpt.holders()` shows them; retry once the coordinator answers")
-    error = BackendUnavailableError(
-        f"the commit of {what} got no answer by its deadline ({cause}), and the abort "
-        f"that asks the coordinator for its outcome got none either: it may still "
-        f"commit. {then}")
-    error.unreachable, error.timed_out = "coordinator", True
-    return error
-
 
 class ShutdownStarted:
     """What ``RayEnvironmentCheckpoint.shutdown`` returns, its kill already started: an
@@ -618,13 +420,6 @@ class ShutdownStarted:
 # How long past its timeout_s an unawaited shutdown waits for its kill's thread to say
 # that it gave up (a thread cut off by the interpreter's exit never says so).
 _KILL_HANDOVER_S = 1.0
-
-
-@dataclass(frozen=True)
-class _Committed:
-    """A commit whose answer was lost, but which won (the abort said so)."""
-
-    metrics: dict[str, float | int]
 
 
 def ray_transport(config: CheckpointConfig) -> Transport:
