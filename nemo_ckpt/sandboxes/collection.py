@@ -205,17 +205,10 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
     report = CollectionReport(store=where, dry_run=dry_run)
     owner = owner or f"collector-{uuid.uuid4().hex[:8]}"
     watch = watch or ClaimWatch(clock)
-    until = _claim(store, owner, ttl_s, watch, clock, wait_s, sleep)
-
-    def keep_claim() -> None:
-        nonlocal until
-        if clock() > until - ttl_s / 2:
-            renewed = clock() + ttl_s
-            store.claims.renew_collection(owner, ttl_s)
-            until = renewed
-
+    claim = _KeptClaim(store, owner, ttl_s, clock,
+                       _claim(store, owner, ttl_s, watch, clock, wait_s, sleep))
     try:
-        referenced = _referenced(root, store, cache, budget, report, keep_claim,
+        referenced = _referenced(root, store, cache, budget, report, claim.keep,
                                  should_stop)
         if referenced is None:
             report.interrupted = True
@@ -235,16 +228,13 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
             report.removed = len(garbage)
             return report
         for k, digest in enumerate(garbage):
-            keep_claim()
+            claim.keep()
             if should_stop() or (max_removals is not None and report.removed >= max_removals):
                 report.interrupted = True
                 if pending is not None:
                     pending.update(garbage[k:])
                 return report
-            if clock() > until - _MARGIN_S:
-                raise CheckpointPathBusyError(
-                    f"collection of {where} ran out of its claim ({ttl_s:g}s) after "
-                    f"removing {report.removed} blobs; run it again")
+            claim.refuse_if_short(where, report.removed)
             try:
                 report.removed_bytes += store.size(digest)
             except FileNotFoundError:
@@ -255,6 +245,32 @@ def collect_blobs(root: str | Path, owner: str | None = None, ttl_s: float = 30.
     finally:
         store.claims.end_collection()
     return report
+
+
+class _KeptClaim:
+    """A collection's claim on ``store``, taken by ``_claim`` (which says by when on
+    ``clock``, ``until``, it runs out): renewed as the work goes, and refused when too
+    little of it is left to remove another blob."""
+
+    def __init__(self, store: BlobStore, owner: str, ttl_s: float,
+                 clock: Callable[[], float], until: float) -> None:
+        self._store, self._owner, self._ttl_s, self._clock = store, owner, ttl_s, clock
+        self.until = until
+
+    def keep(self) -> None:
+        """Renew the claim once half of it has run out."""
+        if self._clock() > self.until - self._ttl_s / 2:
+            renewed = self._clock() + self._ttl_s
+            self._store.claims.renew_collection(self._owner, self._ttl_s)
+            self.until = renewed
+
+    def refuse_if_short(self, where: str, removed: int) -> None:
+        """``CheckpointPathBusyError`` when the claim may run out before the next
+        removal ends."""
+        if self._clock() > self.until - _MARGIN_S:
+            raise CheckpointPathBusyError(
+                f"collection of {where} ran out of its claim ({self._ttl_s:g}s) after "
+                f"removing {removed} blobs; run it again")
 
 
 def _claim(store: BlobStore, owner: str, ttl_s: float, watch: ClaimWatch,
