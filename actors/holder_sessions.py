@@ -278,7 +278,7 @@ class Sessions:
         await self._gate.notify()
         return dropped
 
-    # --- the checks ------------------------------------------------------------------
+    # --- the checks (``Turns`` makes them too) -----------------------------------------
 
     def held(self, episode: EnvironmentEpisode | str) -> Held:
         """The live session of ``episode`` (or with that capture key), or a refusal."""
