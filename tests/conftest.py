@@ -18,6 +18,32 @@ import pytest
 
 WORKER_NODES = 2
 
+# The modules that run containers on this machine's podman: each checks at its end that
+# no container named nemo-ckpt-* is left and nothing is mounted, and test_container_sessions
+# removes every such container after each test, so two of them must never run at once.
+PODMAN_MODULES = {"test_containers.py", "test_containers_ray.py", "test_container_sessions.py",
+                  "test_container_demo.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test`` runs ``pytest -n 2 --dist loadfile`` (pytest-xdist): a module's tests
+    on one worker, so its module-scoped fixtures start once, and the podman modules on the
+    same worker, one after another. Each worker has its own session fixtures (a Ray
+    cluster, S3 servers) on ports of their own. (xdist's own ``loadgroup`` marks do not
+    group under pytest 9, whose node ids no longer come from the attribute xdist
+    rewrites.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "podman" if module.rsplit("/", 1)[-1] in PODMAN_MODULES else module
+
+    return ModuleScheduling(config, log)
+
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
