@@ -38,12 +38,15 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	@touch $(STAMP)
 	@echo "make install: done; the tools are in $(VENV)/bin"
 
+# pytest on two workers (pytest-xdist): the Ray tests mostly wait, so two of them share 2
+# cores well; each worker runs whole modules (tests/conftest.py groups them) on a Ray
+# cluster of its own.
 test: $(STAMP)
 	$(VENV)/bin/ruff check nemo_ckpt actors tests examples benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m tests.container_runtime
 	$(PY) -m tests.simulation --schedules $(SIM_SCHEDULES)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # The local container runtime (tests/container_runtime.py): podman, runc and conmon from
 # apt, CRIU 4.x built from Debian's source package where the system's fails `criu check`,

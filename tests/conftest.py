@@ -18,6 +18,54 @@ import pytest
 
 WORKER_NODES = 2
 
+# The modules that run containers on this machine's podman: each checks at its end that
+# no container named nemo-ckpt-* is left and nothing is mounted, and test_container_sessions
+# removes every such container after each test, so two of them must never run at once.
+PODMAN_MODULES = {"test_containers.py", "test_containers_ray.py", "test_container_sessions.py",
+                  "test_container_demo.py"}
+
+
+# The modules that take longest (minutes each on 2 cores), longest first: under xdist they
+# start first, so that no worker is left with a long one while the other is idle (xdist
+# would otherwise start the modules with the most tests first, and test_chaos.py last).
+SLOWEST_MODULES = ("podman", "test_faults.py", "test_chaos.py", "test_demo.py",
+                   "test_preemption_demo.py", "test_ray_runtime.py", "test_adapters.py")
+
+
+def _module_group(name: str) -> str:
+    return "podman" if name in PODMAN_MODULES else name
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, the slowest modules first (``SLOWEST_MODULES``); a run without ``-n``
+    keeps pytest's order."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {name: i for i, name in enumerate(SLOWEST_MODULES)}
+    items.sort(key=lambda item: rank.get(_module_group(item.path.name), len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test`` runs ``pytest -n 2 --dist loadfile`` (pytest-xdist): a module's tests
+    on one worker, so its module-scoped fixtures start once, and the podman modules on the
+    same worker, one after another, in the order the workers collected them (the slowest
+    first). Each worker has its own session fixtures (a Ray cluster, S3 servers) on ports
+    of their own. (xdist's own ``loadgroup`` marks do not group under pytest 9, whose node
+    ids no longer come from the attribute xdist rewrites.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "podman" if module.rsplit("/", 1)[-1] in PODMAN_MODULES else module
+
+    return ModuleScheduling(config, log)
+
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
