@@ -13,7 +13,7 @@ from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage.checkpoint_folder import environment_dir
 from nemo_ckpt.transport import COORDINATOR
-from tests.harness import CONFIG, World
+from tests.harness import CONFIG, World, cut_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,5 +82,31 @@ def test_a_begin_the_coordinator_never_answers_fails_by_its_deadline_and_its_abo
         assert not folder.exists() or sorted(p.name for p in folder.iterdir()) == []
         await world.snapshot(path, live)  # and the next snapshot commits
         assert (environment_dir(path) / "manifest.json").exists()
+
+    world.run(scenario())
+
+
+def test_an_attach_that_answers_late_leaves_its_call_only_what_is_left_of_the_deadline(
+        world: World) -> None:
+    """A driver's first call is attached first; the attach spends the call's deadline,
+    it has none of its own. A coordinator that answered a fresh driver's attach late and
+    then never answered its ``begin_snapshot`` let the snapshot run the whole deadline
+    twice before failing (simulation seed 700400: 32.2 s against 25)."""
+    path = world.path("ckpt")
+    late = BEGIN_S - 2.0
+
+    async def scenario() -> None:
+        live = await world.populate()
+        fresh = world.checkpoint(world.sim.new_actor("driver", "driver-2", "node-0"),
+                                 CONFIG)
+        hang_coordinator(world, late)  # the attach is answered as this ends
+        world.on_deliver("begin_snapshot", lambda coordinator: hang_coordinator(world, 120.0))
+        began = world.sim.loop.time()
+        with pytest.raises(BackendUnavailableError, match="did not finish begin_snapshot"):
+            async with fresh.snapshot(path) as snap:
+                if snap is not None:
+                    await snap.check_against_cut(cut_of(live))
+        assert world.sim.loop.time() - began <= BEGIN_S + ABORT_S + 0.5
+        assert not (environment_dir(path) / "manifest.json").exists()
 
     world.run(scenario())

@@ -26,7 +26,7 @@ from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.protocol.coordinator_api import CoordinatorCalls
 from nemo_ckpt.protocol.operations import new_operation_id
-from nemo_ckpt.transport import COORDINATOR, Transport, detached
+from nemo_ckpt.transport import COORDINATOR, Transport, detached, unavailable_error
 
 __all__ = ["CoordinatorLink", "finish"]
 
@@ -113,14 +113,21 @@ class CoordinatorLink:
         deadline: float | None = None
         while True:
             try:
+                began = clock.monotonic()
                 if not self._attached and method != "abort":
                     # Within the call's own deadline. An abort is sent at once, attached
                     # or not (a coordinator it makes is made with this config): it must
                     # not wait behind an attach to a coordinator that does not answer.
                     await CoordinatorCalls.direct(transport, timeout).attach(self.config)
                     self._attached = True
-                return await transport.call(transport.coordinator(), method, *args,
-                                            timeout=timeout)
+                # The attach spent part of this attempt's deadline, not a deadline of
+                # its own (simulation seed 700400: an attach and a begin_snapshot each
+                # took their whole deadline).
+                left = None if timeout is None else timeout - (clock.monotonic() - began)
+                coordinator = transport.coordinator()
+                if left is not None and left <= 0:
+                    raise unavailable_error(coordinator, method, timeout=timeout)
+                return await transport.call(coordinator, method, *args, timeout=left)
             except BackendUnavailableError as exc:
                 if not exc.timed_out:  # another coordinator may answer next: attach to it
                     self._attached = False
