@@ -24,11 +24,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors import metrics
-from actors.coordinator import CheckpointCoordinator
+from actors.coordinator.actor import CheckpointCoordinator
+from actors.coordinator.holders import FanRelay
 from actors.drills import COORDINATOR_POINTS, HOLDER_POINTS, PhaseDelays
-from actors.heap import HeapTrimmer, freeze_startup_objects
-from actors.holder_registry import FanRelay
-from actors.session_holder import SessionHolder
+from actors.holder.actor import SessionHolder
+from actors.holder.heap import HeapTrimmer, freeze_startup_objects
 from nemo_ckpt import tracing
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.errors import BackendUnavailableError

@@ -6,7 +6,7 @@ Measured in one run:
 
 - **Real holders** (4, 16 and 64 on a 4-node local cluster; 16 and 64 are placed on the
   same 4 nodes, as the scale series' wide point is): the coordinator's own code
-  (``actors.coordinator.CheckpointCoordinator``) runs in this process over Ray's
+  (``actors.coordinator.actor.CheckpointCoordinator``) runs in this process over Ray's
   transport and drives one empty snapshot and one restore of it per repetition.
 - **Simulated holders** (256 and 1,024): the same coordinator code in this process over
   the simulation's transport (``actors.sim``), one simulated node per holder.
@@ -22,7 +22,7 @@ this process's CPU (``resource.getrusage``). In the simulation, the holders' tas
 transport's deliveries are not the coordinator's and are not counted.
 
 Phases, each from a coordinator call's start to its phase log line
-(``actors.holder_registry.log_phase``): ``pause_capture`` (``begin_snapshot``),
+(``actors.coordinator.holders.log_phase``): ``pause_capture`` (``begin_snapshot``),
 ``release`` (``commit_snapshot``'s first step: the releases go out before it waits for
 anything), ``finish_persist`` (the rest of ``commit_snapshot`` up to its phase line),
 ``prepare_restore`` and ``commit_restore``; besides, ``start_writes`` (one message per
@@ -62,8 +62,8 @@ from typing import Any
 
 import ray
 
-from actors.coordinator import CheckpointCoordinator
-from actors.holder_registry import PHASE_LOGGER
+from actors.coordinator.actor import CheckpointCoordinator
+from actors.coordinator.holders import PHASE_LOGGER
 from actors.ray_transport import RayTransport
 from actors.sim import SimWorld, current_actor
 from benchmarks.common import (

@@ -1,5 +1,5 @@
 """Where a holder's memory goes, without Ray: one process holds N sessions the way a
-holder does (``actors.session_table``), captures them and writes their shard, and prints
+holder does (``actors.holder.session_table``), captures them and writes their shard, and prints
 the resident cost per session and what the capture and the write add at their peak.
 
     .venv/bin/python -m benchmarks.holder_memory --sessions 250000 --state-bytes 1024
@@ -18,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from actors.holder_shards import write_held_shard
-from actors.session_table import Held, SessionTable
+from actors.holder.session_table import Held, SessionTable
+from actors.holder.shards import write_held_shard
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import join_captured
 from nemo_ckpt.storage.checkpoint_folder import folder_at

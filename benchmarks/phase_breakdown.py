@@ -2,7 +2,7 @@
 """Where a snapshot's and a restore's time goes, phase by phase (the evidence behind
 benchmarks/README.md's bottleneck analysis).
 
-It runs the coordinator's own code (``actors.coordinator.CheckpointCoordinator``, a plain
+It runs the coordinator's own code (``actors.coordinator.actor.CheckpointCoordinator``, a plain
 asyncio class) inside this process instead of as an actor, and drives real holders on a
 local multi-node cluster. Each holder phase (``pause_capture`` and ``finish_persist`` of
 a snapshot, ``prepare_restore`` and ``commit_restore`` of a restore) is timed by the
@@ -51,9 +51,9 @@ import msgpack
 import ray
 import ray.cloudpickle as cp
 
-import actors.claimed_folders
-import actors.restores
-from actors.coordinator import CheckpointCoordinator
+import actors.coordinator.folders
+import actors.coordinator.restore
+from actors.coordinator.actor import CheckpointCoordinator
 from actors.ray_transport import RayTransport
 from benchmarks.common import LocalCluster, MiB, PhaseLog, evict_from_page_cache, populate
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
@@ -114,10 +114,10 @@ def _timed_store_calls() -> Iterator[None]:
         patched.append((module, name, original))
         setattr(module, name, timed)
 
-    wrap(actors.restores, "read_manifest", "  store: read the manifest")
-    wrap(actors.restores, "moved_blob_store", "  store: check for moved blobs")
-    wrap(actors.claimed_folders, "claim_for_reading", "  store: write the read claim")
-    wrap(actors.claimed_folders, "release_claim", "  store: release the read claim")
+    wrap(actors.coordinator.restore, "read_manifest", "  store: read the manifest")
+    wrap(actors.coordinator.restore, "moved_blob_store", "  store: check for moved blobs")
+    wrap(actors.coordinator.folders, "claim_for_reading", "  store: write the read claim")
+    wrap(actors.coordinator.folders, "release_claim", "  store: release the read claim")
     try:
         yield
     finally:

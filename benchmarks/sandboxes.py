@@ -30,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-from actors.holder_sandboxes import Sandboxes
+from actors.holder.sandboxes import Sandboxes
 from benchmarks.common import on_local_ray, print_verdicts
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.config import CheckpointConfig

@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 import ray
 
-from actors.coordinator import SnapshotBegun
+from actors.coordinator.actor import SnapshotBegun
 from benchmarks.common import (
     GateProbe,
     actor_pid,

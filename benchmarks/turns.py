@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from actors.session_holder import SessionHolder
+from actors.holder.actor import SessionHolder
 from benchmarks.common import bench_config, on_local_ray, print_verdicts
 from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.interfaces import EnvironmentEpisode

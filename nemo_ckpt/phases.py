@@ -56,7 +56,7 @@ class HolderInfo:
     sessions: int
     turns_in_flight: int
     last_snapshot_id: str | None
-    # What it was made with (``actors.coordinator.holder_options``): a holder found
+    # What it was made with (``actors.coordinator.actor.holder_options``): a holder found
     # alive keeps them, whatever config the coordinator that finds it has.
     options: Mapping[str, Any] = field(default_factory=dict)
     # Why it writes no spans to ``CheckpointConfig.trace_file`` (None: it does, or none

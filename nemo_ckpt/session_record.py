@@ -182,7 +182,7 @@ class SessionHead:
 # A shard stores a session's body as the msgpack array [turns, state]: its turns blob,
 # then the state as a bin object, so a holder writes and reads it without re-encoding.
 # The staging keys are a set: a session opened here lists them sorted, and each turn
-# appends its own (``actors.session_table.Held.with_turn``), so a key two turns wrote
+# appends its own (``actors.holder.session_table.Held.with_turn``), so a key two turns wrote
 # appears twice; every reader takes them as a set (before issue 39 they were sorted).
 
 NO_TURNS = b"\x90"  # msgpack's empty array: the turns of a session just opened

@@ -282,7 +282,7 @@ class Transport(Protocol):
         ...
 
     def create_relay(self, node_id: str) -> Actor:
-        """Start a relay on ``node_id`` (``actors.holder_registry.FanRelay``): no state
+        """Start a relay on ``node_id`` (``actors.coordinator.holders.FanRelay``): no state
         of its own, it calls a group of holders for the coordinator that created it,
         and dies with it."""
         ...

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from actors.restores import Restores
+from actors.coordinator.restore import Restores
 from nemo_ckpt.catalog import listing as catalog
 from nemo_ckpt.catalog.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.catalog.listing import keep_last, latest_snapshot, list_snapshots, remove_snapshot

@@ -1,4 +1,4 @@
-"""The coordinator's fan-out through relays (``actors.holder_registry``, from
+"""The coordinator's fan-out through relays (``actors.coordinator.holders``, from
 ``relay_min_holders`` holders on), in-process under virtual time
 (``actors.sim``): what a user sees is what a flat fan-out gives them, and a
 relay that dies mid-phase fails only its group's calls, as those holders' own deaths

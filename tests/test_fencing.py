@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from actors.coordinator import CheckpointCoordinator
+from actors.coordinator.actor import CheckpointCoordinator
 from nemo_ckpt.errors import OperationAbortedError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.protocol.operations import new_operation_id

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from actors import heap
-from actors.heap import CALL_OVERHEAD_BYTES, HeapTrimmer
-from actors.session_holder import SessionHolder
+from actors.holder import heap
+from actors.holder.actor import SessionHolder
+from actors.holder.heap import CALL_OVERHEAD_BYTES, HeapTrimmer
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient
@@ -224,7 +224,7 @@ def test_freezing_startup_objects_takes_them_out_of_every_collection() -> None:
     import subprocess
     import sys
 
-    code = ("import gc, json; from actors.heap import freeze_startup_objects; "
+    code = ("import gc, json; from actors.holder.heap import freeze_startup_objects; "
             "before = gc.get_freeze_count(); freeze_startup_objects(); "
             "print(json.dumps([before, gc.get_freeze_count(), gc.get_count()[2]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -238,7 +238,7 @@ async def test_a_coordinator_in_a_driver_process_leaves_the_drivers_objects_alon
 ) -> None:
     import gc
 
-    from actors.coordinator import CheckpointCoordinator
+    from actors.coordinator.actor import CheckpointCoordinator
     from actors.ray_transport import RayTransport
 
     before = gc.get_freeze_count()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.holder_states import (
+from actors.holder.states import (
     Ended,
     HolderOperationTable,
     RestoreLive,
@@ -17,8 +17,8 @@ from actors.holder_states import (
     SnapshotReleased,
     SnapshotWork,
 )
-from actors.turn_gate import TurnGate
-from actors.watchdog import Check, Watchdog
+from actors.holder.turn_gate import TurnGate
+from actors.holder.watchdog import Check, Watchdog
 from nemo_ckpt.errors import (
     HolderBusyError,
     HolderStateError,

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from actors.claimed_folders import ClaimedFolders
-from actors.operation_states import SnapshotBeginning, SnapshotOperation
+from actors.coordinator.folders import ClaimedFolders
+from actors.coordinator.states import SnapshotBeginning, SnapshotOperation
 from nemo_ckpt.catalog.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.catalog.listing import remove_snapshot
 from nemo_ckpt.errors import CheckpointPathBusyError, SnapshotWriteError

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import ray
 
-from actors.coordinator import CheckpointCoordinator
+from actors.coordinator.actor import CheckpointCoordinator
 from actors.ray_transport import RayTransport
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt import EnvironmentEpisode as Ep

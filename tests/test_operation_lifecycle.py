@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from actors.operation_states import (
+from actors.coordinator.operation_table import OperationTable
+from actors.coordinator.states import (
     Aborted,
     Committed,
     FoundCommitted,
@@ -22,7 +23,6 @@ from actors.operation_states import (
     SnapshotWriting,
     Unseen,
 )
-from actors.operation_table import OperationTable
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     LeaseExpiredError,

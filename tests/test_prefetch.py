@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import actors.holder_shards as holder_shards
+import actors.holder.shards as holder_shards
 from nemo_ckpt.errors import SnapshotNotFoundError
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from tests.harness import World

@@ -16,7 +16,7 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.coordinator import CheckpointCoordinator
+from actors.coordinator.actor import CheckpointCoordinator
 from actors.drills import COORDINATOR_POINTS, PhaseDelays
 from actors.ray_transport import CheckpointCoordinatorActor, RayMetrics, RayTransport
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient

@@ -1,5 +1,5 @@
 """A restore's plan decided without actors: placement, shard assignment, and the checks
-of what the holders read (``nemo_ckpt.protocol.restore_plan``)."""
+of what the holders read (``actors.coordinator.restore_plan``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from datetime import datetime, timezone
 import msgpack
 import pytest
 
-from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
-from nemo_ckpt.phases import RestorePrepared
-from nemo_ckpt.protocol.restore_plan import (
+from actors.coordinator.restore_plan import (
     assign_shards,
     conflict_error,
     holder_said,
@@ -18,6 +16,8 @@ from nemo_ckpt.protocol.restore_plan import (
     place_instances,
     verify_prepared,
 )
+from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
+from nemo_ckpt.phases import RestorePrepared
 from nemo_ckpt.storage.manifest import (
     MIN_CHUNK_BYTES,
     Manifest,

@@ -575,7 +575,7 @@ def test_an_entry_whose_directory_is_not_in_the_tree_is_refused(tmp_path: Path) 
 
 
 def test_directories_made_in_threads_come_back_in_order_and_the_first_error_ends_them() -> None:
-    from actors.holder_sandbox_restores import in_threads
+    from actors.holder.sandbox_restores import in_threads
 
     ran: list[int] = []
 

@@ -709,7 +709,7 @@ def test_check_startup_refuses_a_sandbox_root_a_holder_cannot_write(tmp_path: Pa
 
 
 def test_jobs_sharing_a_sandbox_root_keep_their_node_caches_apart(tmp_path: Path) -> None:
-    from actors.holder_sandboxes import Sandboxes
+    from actors.holder.sandboxes import Sandboxes
 
     root = tmp_path / "sandboxes"
     big = os.urandom(2 << 20)  # past the in-memory tier: kept in a file of the cache
@@ -730,7 +730,7 @@ def test_jobs_sharing_a_sandbox_root_keep_their_node_caches_apart(tmp_path: Path
 
 def test_a_new_holder_removes_what_an_earlier_holder_of_its_instance_left(
         tmp_path: Path) -> None:
-    from actors.holder_sandboxes import Sandboxes
+    from actors.holder.sandboxes import Sandboxes
 
     root = tmp_path / "sandboxes"
     d = root / "r0"
@@ -859,7 +859,7 @@ def test_a_sparse_file_is_snapshotted_and_restored_with_its_holes_and_no_setuid_
 
 def test_what_a_file_read_again_or_a_refused_scan_kept_is_swept_from_the_node_cache(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from actors.holder_sandboxes import Sandboxes
+    from actors.holder.sandboxes import Sandboxes
 
     d = tmp_path / "sandboxes" / "r0"
     d.mkdir(parents=True)

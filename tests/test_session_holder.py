@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from actors.drills import HOLDER_POINTS, PhaseDelays
-from actors.session_holder import SessionHolder
+from actors.holder.actor import SessionHolder
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     HolderBusyError,

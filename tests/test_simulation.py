@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from actors.session_holder import SessionHolder
+from actors.holder.actor import SessionHolder
 from actors.sim import SimActor, SimWorld, delivery
 from nemo_ckpt.catalog import listing as catalog
 from nemo_ckpt.config import HOLDER_NAME_PREFIX

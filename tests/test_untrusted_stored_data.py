@@ -110,8 +110,8 @@ def test_a_session_of_the_longest_id_allowed_snapshots_and_restores(tmp_path: Pa
 
 def test_a_snapshot_refuses_to_capture_a_session_a_restore_could_not_name(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import actors.holder_sessions
-    monkeypatch.setattr(actors.holder_sessions, "sandbox_id_problem", lambda *a: None)
+    import actors.holder.sessions
+    monkeypatch.setattr(actors.holder.sessions, "sandbox_id_problem", lambda *a: None)
     job = sandbox_job(tmp_path)
     try:
         with pytest.raises(SandboxError, match=(
@@ -126,11 +126,11 @@ def test_a_snapshot_refuses_to_capture_a_session_a_restore_could_not_name(
 
 def test_a_stored_session_a_restore_cannot_name_is_reported_by_verify_and_refused_by_restore(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    import actors.holder_sandboxes
-    import actors.holder_sessions
+    import actors.holder.sandboxes
+    import actors.holder.sessions
     # Holders as they were before ids were bounded: any id opens and is captured.
-    monkeypatch.setattr(actors.holder_sessions, "sandbox_id_problem", lambda *a: None)
-    monkeypatch.setattr(actors.holder_sandboxes, "restored_name_problem", lambda key: None)
+    monkeypatch.setattr(actors.holder.sessions, "sandbox_id_problem", lambda *a: None)
+    monkeypatch.setattr(actors.holder.sandboxes, "restored_name_problem", lambda key: None)
     path = tmp_path / "ckpt" / "step-1"
     job = sandbox_job(tmp_path)
     try:

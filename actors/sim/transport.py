@@ -10,9 +10,9 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
-from actors.coordinator import CheckpointCoordinator
-from actors.holder_registry import FanRelay
-from actors.session_holder import SessionHolder
+from actors.coordinator.actor import CheckpointCoordinator
+from actors.coordinator.holders import FanRelay
+from actors.holder.actor import SessionHolder
 from actors.sim.actor import ActorDied, SimActor
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY, Actor, Runtime, unavailable_error

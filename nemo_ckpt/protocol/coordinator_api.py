@@ -1,7 +1,7 @@
 """The coordinator's interface as the driver sees it, and what its phases answer.
 
 ``CoordinatorApi`` is what ``RayEnvironmentCheckpoint`` calls;
-``actors.coordinator.CheckpointCoordinator`` implements it (``actors.ray_transport`` has
+``actors.coordinator.actor.CheckpointCoordinator`` implements it (``actors.ray_transport`` has
 mypy check that it does). The order of the calls is stated once, on ``CoordinatorApi``.
 ``CoordinatorCalls`` makes those calls through whatever carries them to the one named
 coordinator (the driver's retrying call), each method named once and typed.

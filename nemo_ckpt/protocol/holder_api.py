@@ -3,7 +3,7 @@
 ``HolderControl`` is what the coordinator calls (the phases of a snapshot and a restore,
 the ledger operations, probes; the driver sends ``release`` too,
 ``nemo_ckpt.driver.holder_handles``), ``HolderSessions`` what an environment worker's
-``SessionClient`` calls; ``actors.session_holder.SessionHolder`` implements both, and
+``SessionClient`` calls; ``actors.holder.actor.SessionHolder`` implements both, and
 ``actors.ray_transport`` has mypy check that it does. The order of the calls is stated
 once, on ``HolderControl``. ``HolderCalls`` and ``SessionCalls`` make the same calls through a
 ``Transport`` (``nemo_ckpt.transport``), so a caller names a method and its arguments

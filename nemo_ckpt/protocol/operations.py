@@ -121,7 +121,8 @@ S = TypeVar("S")
 class LifecycleTable(ABC, Generic[S]):
     """Open operations by id, each in a state ``S``, and the bounded history of the ended
     ones: what the holder's and the coordinator's tables share
-    (``actors.holder_states.HolderOperationTable``, ``actors.operation_table.OperationTable``).
+    (``actors.holder.states.HolderOperationTable``,
+    ``actors.coordinator.operation_table.OperationTable``).
     Each keeps its own moves between states; both close an operation only through
     ``_close``, the one place an outcome is recorded, and refuse a call for an operation
     that is not open in the same order (``refusal``), in their own words."""

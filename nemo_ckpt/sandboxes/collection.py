@@ -4,7 +4,7 @@ A blob stays while any committed manifest under the checkpoint root references i
 (through its trees), and while any snapshot in progress holds the store (it may rely on
 a blob it found there). Live sessions reference their node's cache, never only the
 store, so collecting the store cannot take a file a live session needs
-(``actors.holder_sandboxes``). A collection:
+(``actors.holder.sandboxes``). A collection:
 
 1) claims the store (``BlobStore.begin_collection``), refused while a snapshot holds it;
 2) lists every committed snapshot under the root and the blobs their trees reference; a
@@ -15,7 +15,7 @@ store, so collecting the store cannot take a file a live session needs
 
 It runs after each commit (the coordinator: a bounded round before the commit answers,
 then the rest in the background, which the next snapshot interrupts and the next
-collection resumes; ``actors.blob_collector``) and as ``nemo-ckpt gc ROOT``.
+collection resumes; ``actors.coordinator.blobs``) and as ``nemo-ckpt gc ROOT``.
 """
 
 from __future__ import annotations

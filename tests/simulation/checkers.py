@@ -18,8 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from actors.holder_sandboxes import Sandboxes
-from actors.holder_states import Ended, SnapshotReleased
+from actors.holder.sandboxes import Sandboxes
+from actors.holder.states import Ended, SnapshotReleased
 from actors.sim import SimActor
 from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.config import ADOPTED_FIELDS, DRIVER_FIELDS, CheckpointConfig

@@ -2,17 +2,17 @@
 its sandbox recorded as the turn left it), aborted, and resolved for a caller whose commit
 got no answer, all from environment workers (``nemo_ckpt.protocol.holder_api.HolderSessions``).
 
-``Turns`` is a part of the holder beside ``actors.holder_sessions.Sessions``, which finds
+``Turns`` is a part of the holder beside ``actors.holder.sessions.Sessions``, which finds
 and checks the session a turn belongs to (``Sessions.held``, ``check_episode``,
-``check_size``); the turns in flight are the turn gate's (``actors.turn_gate``).
+``check_size``); the turns in flight are the turn gate's (``actors.holder.turn_gate``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from actors.holder_parts import HolderParts
-from actors.holder_sessions import Sessions
+from actors.holder.parts import HolderParts
+from actors.holder.sessions import Sessions
 from nemo_ckpt.errors import (
     RolloutFinishedError,
     TurnAbortedError,

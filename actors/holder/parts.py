@@ -1,8 +1,8 @@
 """What the session holder's parts share: its session table, turn gate, sandboxes and
 operation table, its clock and blocking-work runner, its heap trimmer and watchdog, and
-the one transition (``HolderParts.set_state``). ``actors.session_holder`` makes one and
-routes to the parts that use it (``actors.holder_operations``, ``actors.holder_sessions``,
-``actors.holder_snapshots``, ``actors.holder_restores``).
+the one transition (``HolderParts.set_state``). ``actors.holder.actor`` makes one and
+routes to the parts that use it (``actors.holder.operations``, ``actors.holder.sessions``,
+``actors.holder.snapshot``, ``actors.holder.restore``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from actors.holder_sandboxes import Sandboxes
-from actors.holder_states import (
+from actors.holder.sandboxes import Sandboxes
+from actors.holder.session_table import Held, SessionTable
+from actors.holder.states import (
     Ended,
     HolderOperationTable,
     OperationState,
@@ -25,9 +26,8 @@ from actors.holder_states import (
     SnapshotReleased,
     SnapshotWork,
 )
-from actors.session_table import Held, SessionTable
-from actors.turn_gate import TurnGate
-from actors.watchdog import Watchdog
+from actors.holder.turn_gate import TurnGate
+from actors.holder.watchdog import Watchdog
 from nemo_ckpt.errors import HolderBusyError, JobStoppedError
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.sandboxes.backend import ContainerRef
@@ -39,7 +39,7 @@ __all__ = ["HolderParts", "NoTrimmer", "Trimmer"]
 log = logging.getLogger("nemo_ckpt.holder")
 
 class Trimmer(Protocol):
-    """Gives freed heap memory back to the OS (``actors.heap.HeapTrimmer`` under Ray)."""
+    """Gives freed heap memory back to the OS (``actors.holder.heap.HeapTrimmer`` under Ray)."""
 
     def note(self, payload_bytes: int) -> None: ...
 
@@ -65,20 +65,20 @@ class NoTrimmer:
 class HolderParts:
     """The holder's state and parts, shared by its session, snapshot and restore parts.
 
-    Each operation's state is a value of ``actors.holder_states``, entered only through
+    Each operation's state is a value of ``actors.holder.states``, entered only through
     ``set_state``, which alone opens and closes the turn gate and, on entering ``Ended``,
     records the operation's one outcome in a bounded history."""
 
     instance_id: str
     runtime: Runtime
-    # The live sessions, each kept encoded (actors/session_table.py): a capture joins
+    # The live sessions, each kept encoded (actors/holder/session_table.py): a capture joins
     # their rows, a shard is written from them as they are.
     table: SessionTable
     gate: TurnGate
     # The sessions' sandbox directories, and the node cache of their files.
     sandboxes: Sandboxes
     ops: HolderOperationTable
-    # Gives the heap the session calls' freed buffers back to the OS (actors/heap.py):
+    # Gives the heap the session calls' freed buffers back to the OS (actors/holder/heap.py):
     # they are most of a holder's growth beyond its sessions. Driven by the watchdog.
     heap: Trimmer
     watchdog: Watchdog
@@ -98,7 +98,7 @@ class HolderParts:
         """Move operation ``op_id`` to ``new``: the only place that opens or closes the
         turn gate and that ends an operation (recording its outcome). Returns the state
         it left (None if it was not open); an end that is not a commit goes through
-        ``actors.holder_operations.HolderOperations.end``, which undoes what it left."""
+        ``actors.holder.operations.HolderOperations.end``, which undoes what it left."""
         old = self.ops.enter(op_id, new)
         if isinstance(new, Ended) and isinstance(old, SnapshotPaused | SnapshotReleased) \
                 and new.outcome is Outcome.COMMITTED:

@@ -2,17 +2,23 @@
 the holders read and verify their shards (``prepare``), then make every restored
 session live, all or nothing (``commit``). The order of these calls is stated on
 ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``; the plan itself, pure, in
-``nemo_ckpt.protocol.restore_plan``.
+``actors.coordinator.restore_plan``.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from actors.coordinator_parts import CoordinatorParts
-from actors.holder_registry import HolderCall
-from actors.operation_lifecycle import OperationLifecycle
-from actors.operation_states import (
+from actors.coordinator.holders import HolderCall
+from actors.coordinator.lifecycle import OperationLifecycle
+from actors.coordinator.parts import CoordinatorParts
+from actors.coordinator.restore_plan import (
+    assign_shards,
+    conflict_error,
+    holder_said,
+    verify_prepared,
+)
+from actors.coordinator.states import (
     Committed,
     Operation,
     RestoreCommitting,
@@ -25,12 +31,6 @@ from nemo_ckpt.errors import CheckpointPathError, RestoreConflictError, StaleSna
 from nemo_ckpt.phases import RestorePrepared
 from nemo_ckpt.protocol.coordinator_api import RestoreBegun
 from nemo_ckpt.protocol.operations import Outcome
-from nemo_ckpt.protocol.restore_plan import (
-    assign_shards,
-    conflict_error,
-    holder_said,
-    verify_prepared,
-)
 from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of, moved_blob_store
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.manifest import Manifest, ShardEntry
@@ -42,8 +42,8 @@ __all__ = ["RestoreHolds", "Restores"]
 
 class RestoreHolds:
     """What a restore holds beyond its holders: its read claim on the snapshot's folder,
-    which renews itself (``actors.claimed_folders.ReadClaim``). Released when it ends
-    without committing (``actors.operation_lifecycle`` calls ``release``); its commit
+    which renews itself (``actors.coordinator.folders.ReadClaim``). Released when it ends
+    without committing (``actors.coordinator.lifecycle`` calls ``release``); its commit
     releases it too."""
 
     async def renew(self, op: Operation) -> None:

@@ -30,7 +30,7 @@ Layout under ``sandbox_root`` (the same path on every node):
 A session's container (``nemo_ckpt.containers``) is recorded into the same cache and
 store; a restore creates it running, and its undo removes it. A restore's sandboxes
 (staged, placed, undone) are the part ``Sandboxes.restores``
-(``actors.holder_sandbox_restores``).
+(``actors.holder.sandbox_restores``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from actors.holder_sandbox_restores import SandboxRestores
+from actors.holder.sandbox_restores import SandboxRestores
 from nemo_ckpt.containers.backend import ContainerBackend
 from nemo_ckpt.containers.record import encode_record
 from nemo_ckpt.errors import ContainerRuntimeError, SandboxError

@@ -5,21 +5,21 @@ the same code runs as a Ray actor (``actors.ray_transport``) and in the simulati
 
 The coordinator routes each call to its parts:
 
-- ``actors.operation_table.OperationTable``: one record per snapshot or restore, whose
-  state is a value (``actors.operation_states``) changed only by ``set_state``, which
+- ``actors.coordinator.operation_table.OperationTable``: one record per snapshot or restore, whose
+  state is a value (``actors.coordinator.states``) changed only by ``set_state``, which
   alone records the outcome; a late or repeated call is answered with it or refused;
-- ``actors.holder_registry.HolderRegistry``: the holders, their placement, the fan-out
+- ``actors.coordinator.holders.HolderRegistry``: the holders, their placement, the fan-out
   (a failure that several holders report carries each one's error:
   ``nemo_ckpt.errors.aggregate``);
-- ``actors.claimed_folders.ClaimedFolders``: the claims on snapshot folders and the clean-up;
-- ``actors.blob_collector.BlobCollector``: snapshots' holds on the blob store and its
+- ``actors.coordinator.folders.ClaimedFolders``: the claims on snapshot folders and the clean-up;
+- ``actors.coordinator.blobs.BlobCollector``: snapshots' holds on the blob store and its
   collection;
-- ``actors.operation_lifecycle.OperationLifecycle``: an operation opened, renewed,
+- ``actors.coordinator.lifecycle.OperationLifecycle``: an operation opened, renewed,
   reaped when its driver stopped renewing, and aborted: the one place an operation ends
   without committing; each kind's undo (``SnapshotHolds``, ``RestoreHolds``) lives
   beside its phases;
-- ``actors.snapshots.Snapshots`` and ``actors.restores.Restores``: the phases;
-- ``nemo_ckpt.protocol.restore_plan``: a restore's shard assignment and checks, pure.
+- ``actors.coordinator.snapshot.Snapshots`` and ``actors.coordinator.restore.Restores``: the phases;
+- ``actors.coordinator.restore_plan``: a restore's shard assignment and checks, pure.
 
 The coordinator's interface is ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``.
 
@@ -34,14 +34,14 @@ import asyncio
 import logging
 from typing import Any
 
-from actors.blob_collector import BlobCollector
-from actors.claimed_folders import ClaimedFolders
-from actors.coordinator_parts import CoordinatorParts
-from actors.holder_registry import HolderCall, HolderRegistry
-from actors.operation_lifecycle import OperationLifecycle
-from actors.operation_table import OperationTable
-from actors.restores import RestoreHolds, Restores
-from actors.snapshots import SnapshotHolds, Snapshots
+from actors.coordinator.blobs import BlobCollector
+from actors.coordinator.folders import ClaimedFolders
+from actors.coordinator.holders import HolderCall, HolderRegistry
+from actors.coordinator.lifecycle import OperationLifecycle
+from actors.coordinator.operation_table import OperationTable
+from actors.coordinator.parts import CoordinatorParts
+from actors.coordinator.restore import RestoreHolds, Restores
+from actors.coordinator.snapshot import SnapshotHolds, Snapshots
 from nemo_ckpt import tracing
 from nemo_ckpt.config import (
     ADOPTED_FIELDS,
@@ -218,7 +218,7 @@ class CheckpointCoordinator:
                        else ([f"{inst}: the container check failed: {r}"], []))
                 for inst, r in zip(self.holders.handles, results, strict=True)}
 
-    # --- operations: leases, aborts (actors.operation_lifecycle) ----------------------
+    # --- operations: leases, aborts (actors.coordinator.lifecycle) ----------------------
 
     async def renew(self, operation_id: str) -> None:
         """Renew the lease of the operation and of every holder taking part in it."""
@@ -238,7 +238,7 @@ class CheckpointCoordinator:
         """
         return await self._lifecycle.abort(operation_id, checkpoint_path, caller_error)
 
-    # --- snapshot and restore (actors.snapshots, actors.restores) ---------------------
+    # --- snapshot and restore (actors.coordinator.snapshot, .restore) ----------------
 
     async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
                              drain_timeout_s: float | None = None, trace: str = "",

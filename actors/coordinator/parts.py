@@ -1,17 +1,17 @@
 """What the coordinator's parts share: the job's config, the transport, the operation
 table, the holder registry, the folder claims and the blob collector.
-``actors.coordinator`` makes one and routes to the parts that use it
-(``actors.operation_lifecycle``, ``actors.snapshots``, ``actors.restores``).
+``actors.coordinator.actor`` makes one and routes to the parts that use it
+(``actors.coordinator.lifecycle``, ``actors.coordinator.snapshot``, ``actors.coordinator.restore``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.blob_collector import BlobCollector
-from actors.claimed_folders import ClaimedFolders
-from actors.holder_registry import HolderRegistry
-from actors.operation_table import OperationTable
+from actors.coordinator.blobs import BlobCollector
+from actors.coordinator.folders import ClaimedFolders
+from actors.coordinator.holders import HolderRegistry
+from actors.coordinator.operation_table import OperationTable
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.protocol.holder_api import HolderCalls
 from nemo_ckpt.transport import Actor, Transport

@@ -1,7 +1,7 @@
 """A restore's plan, apart from any I/O: where instances go, which shards each holder
 reads, and whether what the holders read may go live.
 
-The coordinator (``actors.coordinator``) reads the manifest, asks the holders to read
+The coordinator (``actors.coordinator.actor``) reads the manifest, asks the holders to read
 their shards, and hands what they report here; each function is a pure decision, so
 the whole plan is tested without actors.
 """

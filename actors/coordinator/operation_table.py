@@ -2,7 +2,7 @@
 
 ``OperationTable`` opens a record for each first call, answers or refuses every later
 one from it, and is the only place a record's state changes (``set_state``): the move
-is checked against ``actors.operation_states``, and entering a terminal state alone
+is checked against ``actors.coordinator.states``, and entering a terminal state alone
 records the outcome, in a bounded history (``nemo_ckpt.protocol.operations``) that answers late
 and repeated calls once the record is gone.
 """
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from actors.operation_states import (
+from actors.coordinator.states import (
     FoundCommitted,
     Operation,
     OperationState,

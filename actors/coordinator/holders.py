@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from actors.coordinator.restore_plan import place_instances
 from nemo_ckpt.errors import BackendUnavailableError, aggregate
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
 from nemo_ckpt.protocol.holder_api import HolderCalls
-from nemo_ckpt.protocol.restore_plan import place_instances
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["FanRelay", "HolderCall", "HolderRegistry", "PHASE_LOGGER"]

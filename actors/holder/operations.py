@@ -4,7 +4,7 @@ the watchdog (``lapse``); aborted (``abort``).
 
 An operation ends here, and only here, without committing (``end``): the one transition
 (``HolderParts.set_state``) records the outcome and opens the gate, then a restore's undo,
-which lives beside its phases (``actors.holder_restores.RestoreUndo``), drops what it
+which lives beside its phases (``actors.holder.restore.RestoreUndo``), drops what it
 staged or made live. A snapshot leaves nothing to undo: a shard still being written
 removes itself once written (``SnapshotPhases._persist``). The phase parts end an
 operation through ``end``; none calls back into the holder that composes them.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from actors.holder_parts import HolderParts
-from actors.holder_states import (
+from actors.holder.parts import HolderParts
+from actors.holder.states import (
     Ended,
     OperationState,
     RestoreLive,

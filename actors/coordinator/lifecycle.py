@@ -4,8 +4,8 @@ aborted (``abort``, ``end``).
 
 An operation ends here, and only here, without committing: every holder it involved drops
 it, then what it holds beyond the holders is released by its kind's ``Holds``, which lives
-beside that kind's phases (``actors.snapshots.SnapshotHolds``: the path's claim, the blob
-store's hold, the files; ``actors.restores.RestoreHolds``: the read claim). The phase
+beside that kind's phases (``actors.coordinator.snapshot.SnapshotHolds``: the path's claim, the blob
+store's hold, the files; ``actors.coordinator.restore.RestoreHolds``: the read claim). The phase
 parts end an operation through ``end``; no part calls back into the coordinator that
 composes them.
 """
@@ -16,9 +16,9 @@ import asyncio
 import logging
 from typing import Protocol, TypeVar
 
-from actors.coordinator_parts import CoordinatorParts
-from actors.holder_registry import HolderCall
-from actors.operation_states import (
+from actors.coordinator.holders import HolderCall
+from actors.coordinator.parts import CoordinatorParts
+from actors.coordinator.states import (
     Aborted,
     Operation,
     RestoreOperation,

@@ -2,7 +2,7 @@
 holder (``begin``), start every holder's write (``start_writes``), then wait for every
 shard, write the manifest last and resume the holders (``commit``). The order of these
 calls is stated on ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``; the states a snapshot
-passes through, in ``actors.operation_states``.
+passes through, in ``actors.coordinator.states``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
-from actors.coordinator_parts import CoordinatorParts
-from actors.holder_registry import HolderCall
-from actors.operation_lifecycle import OperationLifecycle
-from actors.operation_states import (
+from actors.coordinator.holders import HolderCall
+from actors.coordinator.lifecycle import OperationLifecycle
+from actors.coordinator.parts import CoordinatorParts
+from actors.coordinator.states import (
     Committed,
     FoundCommitted,
     Operation,
@@ -49,7 +49,7 @@ log = logging.getLogger("nemo_ckpt.coordinator")
 class SnapshotHolds:
     """What a snapshot holds beyond its holders: its path's claim, its hold on the blob
     store, its files. Renewed with its lease (``renew``), released when it ends without
-    committing (``release``; ``actors.operation_lifecycle`` calls both)."""
+    committing (``release``; ``actors.coordinator.lifecycle`` calls both)."""
 
     def __init__(self, parts: CoordinatorParts) -> None:
         self._parts = parts

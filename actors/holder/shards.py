@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import msgpack
 
-from actors.heap import collector_paused
-from actors.holder_sandbox_restores import RestoredSandbox
-from actors.holder_sandboxes import Sandboxes
-from actors.holder_states import Capture
-from actors.session_table import Held
+from actors.holder.heap import collector_paused
+from actors.holder.sandbox_restores import RestoredSandbox
+from actors.holder.sandboxes import Sandboxes
+from actors.holder.session_table import Held
+from actors.holder.states import Capture
 from nemo_ckpt.errors import HolderStateError, ShardCorruptedError, SnapshotReadError
 from nemo_ckpt.storage.cleanup import remove_files
 from nemo_ckpt.storage.folder import Folder

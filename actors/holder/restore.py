@@ -2,8 +2,8 @@
 instance's shards read and verified and their sandboxes staged, nothing live yet
 (``prepare_restore``), then the sessions made live (``commit_restore``). The order of
 these calls is stated on ``nemo_ckpt.protocol.holder_api.HolderControl``; the states a restore
-passes through, and its undo, in ``actors.holder_states`` and
-``actors.holder_parts.HolderParts.set_state``.
+passes through, and its undo, in ``actors.holder.states`` and
+``actors.holder.parts.HolderParts.set_state``.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from actors.holder_operations import HolderOperations
-from actors.holder_parts import HolderParts
-from actors.holder_sandbox_restores import RestoredSandbox
-from actors.holder_shards import ShardPrefetch, read_restore_shard
-from actors.holder_states import (
+from actors.holder.operations import HolderOperations
+from actors.holder.parts import HolderParts
+from actors.holder.sandbox_restores import RestoredSandbox
+from actors.holder.session_table import Held
+from actors.holder.shards import ShardPrefetch, read_restore_shard
+from actors.holder.states import (
     OperationState,
     RestoreLive,
     RestoreLoading,
     RestoreWork,
 )
-from actors.session_table import Held
 from nemo_ckpt import tracing
 from nemo_ckpt.errors import HolderStateError, RestoreConflictError
 from nemo_ckpt.phases import RestorePrepared
@@ -50,7 +50,7 @@ class _Read:
 
 class RestoreUndo:
     """What a restore leaves behind when it ends without committing
-    (``actors.holder_operations.HolderOperations.end`` calls ``undo``): the directories it
+    (``actors.holder.operations.HolderOperations.end`` calls ``undo``): the directories it
     staged, or the sessions a commit made live here but no turn used yet."""
 
     def __init__(self, parts: HolderParts) -> None:

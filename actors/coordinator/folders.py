@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 
-from actors.operation_states import SnapshotOperation
+from actors.coordinator.states import SnapshotOperation
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.claims import ClaimWatch

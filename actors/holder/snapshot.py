@@ -3,7 +3,7 @@ the background (``start_persist``, ``finish_persist``), the lease renewed, the g
 opened by ``release`` and the snapshot ended by ``resume`` or ``abort``; a shard whose
 snapshot ended while it was written removes itself (``_persist``). The order of these
 calls is stated on ``nemo_ckpt.protocol.holder_api.HolderControl``; the states a snapshot passes
-through, in ``actors.holder_states``.
+through, in ``actors.holder.states``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from actors.holder_operations import HolderOperations
-from actors.holder_parts import HolderParts
-from actors.holder_shards import write_capture
-from actors.holder_states import (
+from actors.holder.operations import HolderOperations
+from actors.holder.parts import HolderParts
+from actors.holder.shards import write_capture
+from actors.holder.states import (
     Capture,
     Ended,
     SnapshotPaused,

@@ -3,7 +3,7 @@
 Every operation is one record (``SnapshotOperation`` or ``RestoreOperation``) whose
 ``state`` is one of the classes below, each carrying the data that exists in it and no
 more. A state changes only through ``OperationTable.set_state``
-(``actors.operation_table``), which checks the move against ``_MOVES`` and, on entering
+(``actors.coordinator.operation_table``), which checks the move against ``_MOVES`` and, on entering
 a terminal state, alone records the outcome. The call order that drives these moves is
 stated once, on ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``.
 
@@ -37,7 +37,7 @@ from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.transport import Actor
 
 if TYPE_CHECKING:
-    from actors.claimed_folders import ReadClaim
+    from actors.coordinator.folders import ReadClaim
 
 __all__ = [
     "Aborted",

@@ -5,17 +5,17 @@ runner injected (``nemo_ckpt.transport.Runtime``), so its state machine runs wit
 Ray, in tests and in the simulation; ``actors.ray_transport.SessionHolderActor`` is the
 same class as a Ray actor, pinned to its node. It keeps its construction, introspection,
 probes and watchdog, and routes every other call to its parts, which share one
-``actors.holder_parts.HolderParts`` (the session table, the turn gate, the sandboxes, the
+``actors.holder.parts.HolderParts`` (the session table, the turn gate, the sandboxes, the
 operation table and ``set_state``, the one transition):
 
-- ``actors.holder_sessions.Sessions``: sessions from workers, and the ledger's
+- ``actors.holder.sessions.Sessions``: sessions from workers, and the ledger's
   ``retire`` and ``forget``;
-- ``actors.holder_turns.Turns``: their turns, begun, committed, aborted and resolved;
-- ``actors.holder_operations.HolderOperations``: an operation admitted, its lease
+- ``actors.holder.turns.Turns``: their turns, begun, committed, aborted and resolved;
+- ``actors.holder.operations.HolderOperations``: an operation admitted, its lease
   renewed and lapsed, and aborted: the one place one ends without committing; a
-  restore's undo (``actors.holder_restores.RestoreUndo``) lives beside its phases;
-- ``actors.holder_snapshots.SnapshotPhases``: a snapshot's phases;
-- ``actors.holder_restores.RestorePhases``: a restore's phases.
+  restore's undo (``actors.holder.restore.RestoreUndo``) lives beside its phases;
+- ``actors.holder.snapshot.SnapshotPhases``: a snapshot's phases;
+- ``actors.holder.restore.RestorePhases``: a restore's phases.
 
 The order of the coordinator's calls is stated once, numbered, on
 ``nemo_ckpt.protocol.holder_api.HolderControl``.
@@ -28,17 +28,17 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from actors.holder_operations import HolderOperations
-from actors.holder_parts import HolderParts, NoTrimmer, Trimmer
-from actors.holder_restores import RestorePhases, RestoreUndo
-from actors.holder_sandboxes import Sandboxes
-from actors.holder_sessions import Sessions
-from actors.holder_snapshots import SnapshotPhases
-from actors.holder_states import HolderOperationTable
-from actors.holder_turns import Turns
-from actors.session_table import SessionTable
-from actors.turn_gate import TurnGate
-from actors.watchdog import Check, Watchdog
+from actors.holder.operations import HolderOperations
+from actors.holder.parts import HolderParts, NoTrimmer, Trimmer
+from actors.holder.restore import RestorePhases, RestoreUndo
+from actors.holder.sandboxes import Sandboxes
+from actors.holder.session_table import SessionTable
+from actors.holder.sessions import Sessions
+from actors.holder.snapshot import SnapshotPhases
+from actors.holder.states import HolderOperationTable
+from actors.holder.turn_gate import TurnGate
+from actors.holder.turns import Turns
+from actors.holder.watchdog import Check, Watchdog
 from nemo_ckpt import tracing
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import (
@@ -66,7 +66,7 @@ log = logging.getLogger("nemo_ckpt.holder")
 class SessionHolder:
     """Holds the sessions of one instance, and takes part in snapshots and restores.
 
-    Each operation's state is a value of ``actors.holder_states``, entered only through
+    Each operation's state is a value of ``actors.holder.states``, entered only through
     ``HolderParts.set_state``, which alone opens and closes the turn gate and, on
     entering ``Ended``, records the operation's one outcome (committed, aborted, lapsed)
     in a bounded history: a late or repeated call gets that outcome or a clear refusal,

@@ -26,9 +26,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from actors.holder_sandbox_restores import RestoredSandbox
-from actors.holder_sandboxes import SandboxCapture
-from actors.session_table import Held
+from actors.holder.sandbox_restores import RestoredSandbox
+from actors.holder.sandboxes import SandboxCapture
+from actors.holder.session_table import Held
 from nemo_ckpt.errors import HolderBusyError, HolderStateError, StaleSnapshotError
 from nemo_ckpt.phases import CaptureReport, HolderState, PauseReport, PersistReport
 from nemo_ckpt.phases import RestorePrepared as PreparedReport

@@ -2,7 +2,7 @@
 environment workers (``nemo_ckpt.protocol.holder_api.HolderSessions``), and the ledger's
 calls from RL through the coordinator (``retire``, ``forget``), with the checks they
 make of what they are given. A session's turns are the part beside it
-(``actors.holder_turns.Turns``), which finds and checks their session here
+(``actors.holder.turns.Turns``), which finds and checks their session here
 (``Sessions.held``, ``check_episode``, ``check_size``).
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import msgpack
 
-from actors.holder_parts import HolderParts
-from actors.session_table import Held
+from actors.holder.parts import HolderParts
+from actors.holder.session_table import Held
 from nemo_ckpt.errors import (
     CaptureKeyCollisionError,
     RetiredAttemptError,

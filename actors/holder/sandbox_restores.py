@@ -2,10 +2,10 @@
 file (``prepare_restore``), checked and put in place (``commit_restore``), and undone
 (the staging folder discarded, what was made doomed and removed).
 
-``SandboxRestores`` is a part of the holder's ``actors.holder_sandboxes.Sandboxes``,
+``SandboxRestores`` is a part of the holder's ``actors.holder.sandboxes.Sandboxes``,
 which makes one and shares with it the node cache, the backends and the reference
-counts; the holder's restore phases (``actors.holder_restores``) and its shard reads
-(``actors.holder_shards``) call it as ``sandboxes.restores``. Its methods block (the
+counts; the holder's restore phases (``actors.holder.restore``) and its shard reads
+(``actors.holder.shards``) call it as ``sandboxes.restores``. Its methods block (the
 holder runs them through ``run_blocking``), but for ``doom`` and ``forget_restore``,
 bookkeeping on the event loop.
 """
@@ -28,7 +28,7 @@ from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.manifest import ShardEntry, restored_name_problem, safe_name_part
 
 if TYPE_CHECKING:
-    from actors.holder_sandboxes import Sandboxes
+    from actors.holder.sandboxes import Sandboxes
 
 __all__ = ["RestoredSandbox", "SandboxRestores", "in_threads"]
 
