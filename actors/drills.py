@@ -13,9 +13,9 @@ import asyncio
 __all__ = ["COORDINATOR_POINTS", "HOLDER_POINTS", "PhaseDelays"]
 
 # A holder's points: pause (before the drain), capture, persist (before a shard is
-# written), finish_persist (before its write is awaited), prepare_restore (before the
+# written), finish_writes (before its write is awaited), prepare_restore (before the
 # shards are read), commit_restore (before the sessions go live).
-HOLDER_POINTS = frozenset({"pause", "capture", "persist", "finish_persist",
+HOLDER_POINTS = frozenset({"pause", "capture", "persist", "finish_writes",
                            "prepare_restore", "commit_restore"})
 # The coordinator's: begin_snapshot (before the holders are asked), commit_snapshot
 # (before the shards are awaited), before_manifest (every shard durable, the manifest

@@ -32,8 +32,7 @@ from actors.holder.heap import HeapTrimmer, freeze_startup_objects
 from nemo_ckpt import tracing
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.errors import BackendUnavailableError
-from nemo_ckpt.protocol.coordinator_api import CoordinatorApi
-from nemo_ckpt.protocol.holder_api import HolderControl, HolderSessions
+from nemo_ckpt.protocol.holder_api import concurrency_group
 from nemo_ckpt.transport import (
     CONTROL_GROUP,
     COORDINATOR,
@@ -41,7 +40,6 @@ from nemo_ckpt.transport import (
     RELAY,
     Actor,
     Runtime,
-    concurrency_group,
     unavailable_error,
 )
 
@@ -444,11 +442,6 @@ def _holder_options() -> dict[str, Any]:
 # Control calls a holder runs at once: one operation's calls at a time, plus status.
 _CONTROL_SLOTS = 64
 
-
-# mypy checks here that the actors implement the interfaces their callers are typed by.
-_HOLDER_INTERFACE: type[HolderControl] = SessionHolder
-_HOLDER_SESSIONS: type[HolderSessions] = SessionHolder
-_COORDINATOR_INTERFACE: type[CoordinatorApi] = CheckpointCoordinator
 
 # ray.remote's overloads do not type actor options; the handles are dynamic anyway.
 SessionHolderActor: Any = cast(Any, ray.remote)(**_holder_options())(_RaySessionHolder)

@@ -22,9 +22,9 @@ this process's CPU (``resource.getrusage``). In the simulation, the holders' tas
 transport's deliveries are not the coordinator's and are not counted.
 
 Phases, each from a coordinator call's start to its phase log line
-(``actors.coordinator.holders.log_phase``): ``pause_capture`` (``begin_snapshot``),
+(``actors.coordinator.holders.log_phase``): ``begin_snapshot`` (``begin_snapshot``),
 ``release`` (``commit_snapshot``'s first step: the releases go out before it waits for
-anything), ``finish_persist`` (the rest of ``commit_snapshot`` up to its phase line),
+anything), ``finish_writes`` (the rest of ``commit_snapshot`` up to its phase line),
 ``prepare_restore`` and ``commit_restore``; besides, ``start_writes`` (one message per
 holder) and the commit's tail after its phase line (manifest, resume, clean-up).
 
@@ -33,8 +33,8 @@ Ray's per-call cost)``, where ``fixed`` is the intercept of the real holders' fi
 per-holder CPU the slope of the simulated points (the coordinator's code alone), and
 Ray's per-call cost the empty call's. Each holder is on a node of its own with its own
 cores, so the holders' own part runs in parallel and stays what it is at 4 holders:
-``entry(N) = entry(4) + work(N) - work(4)`` for ``pause_capture``, and the pause adds the
-release's work the same way: ``paused(N) = paused(4) + (pause_capture + release work at N)
+``entry(N) = entry(4) + work(N) - work(4)`` for ``begin_snapshot``, and the pause adds the
+release's work the same way: ``paused(N) = paused(4) + (begin_snapshot + release work at N)
 - (the same at 4)``, with ``paused(4)`` the 4 holders' entry plus two call round trips
 (the driver's commit to the coordinator, the release to a holder). Targets: the
 predicted coordinator work of the entry at 1,000 nodes <= 100 ms.
@@ -86,7 +86,7 @@ QUICK_REAL_POINTS = ((4, False), (16, False), (16, True))
 SIM_POINTS = ((256, False), (1024, False), (256, True), (1024, True))
 FLAT = 1_000_000  # relay_min_holders that no point reaches
 PREDICT_NODES = (256, 1000)
-PHASES = ("pause_capture", "release", "finish_persist", "prepare_restore", "commit_restore")
+PHASES = ("begin_snapshot", "release", "finish_writes", "prepare_restore", "commit_restore")
 ENTRY_TARGET_MS = 100.0
 _PHASE_PREFIX = "nemo_ckpt "
 
@@ -227,14 +227,14 @@ async def _one_round(coord: CheckpointCoordinator, account: CpuAccount, marks: _
         rep.process[name] = (p1 - p0) * 1e3
         return result, timed
 
-    await call("begin", coord.begin_snapshot(sid, path), sid, "pause_capture")
+    await call("begin", coord.begin_snapshot(sid, path), sid, "begin_snapshot")
     await call("start_writes", coord.start_writes(sid), sid, None)
     _, timed = await call("commit", coord.commit_snapshot(sid, path, {}, 0), sid,
-                          "finish_persist")
+                          "finish_writes")
     if timed is not None and timed.first_step is not None:
         release = timed.first_step * 1e3
         rep.cpu["release"] = release
-        rep.cpu["finish_persist"] -= release
+        rep.cpu["finish_writes"] -= release
     await call("prepare", coord.prepare_restore(rid, path), rid, "prepare_restore")
     await call("commit_restore", coord.commit_restore(rid), rid, "commit_restore")
     return rep
@@ -426,7 +426,7 @@ def model(real: list[dict[str, Any]], simulated: list[dict[str, Any]],
                            for n in PREDICT_NODES},
         }
     four = next(p for p in flat_real if p["holders"] == NODES)
-    work4 = four["cpu_ms"]["pause_capture"]
+    work4 = four["cpu_ms"]["begin_snapshot"]
     release4 = four["cpu_ms"].get("release", 0.0)
     paused4 = four["entry_ms"] + 2 * call["round_trip_ms"]
     predictions: dict[int, dict[str, Any]] = {}
@@ -435,7 +435,7 @@ def model(real: list[dict[str, Any]], simulated: list[dict[str, Any]],
         leg = math.ceil(n / groups_of(n)) * ray_call_ms + call["round_trip_ms"]
         predictions[n] = {"relays": groups_of(n)}
         for kind, extra in (("flat", 0.0), ("relayed", leg)):
-            work = phases["pause_capture"][f"{kind}_ms"][n]
+            work = phases["begin_snapshot"][f"{kind}_ms"][n]
             release = phases["release"][f"{kind}_ms"][n]
             predictions[n][kind] = {
                 "entry_work_ms": work,

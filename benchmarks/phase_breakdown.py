@@ -4,7 +4,7 @@ benchmarks/README.md's bottleneck analysis).
 
 It runs the coordinator's own code (``actors.coordinator.actor.CheckpointCoordinator``, a plain
 asyncio class) inside this process instead of as an actor, and drives real holders on a
-local multi-node cluster. Each holder phase (``pause_capture`` and ``finish_persist`` of
+local multi-node cluster. Each holder phase (``begin_snapshot`` and ``finish_writes`` of
 a snapshot, ``prepare_restore`` and ``commit_restore`` of a restore) is timed by the
 coordinator's own phase log line (``benchmarks.common.PhaseLog``): the phase, its
 slowest and its fastest holder. The rest of each coordinator call, its own work around
@@ -198,9 +198,9 @@ async def _cluster_part(args: argparse.Namespace, bucket: str | None) -> None:
                 t2 = time.perf_counter()
                 lines = phases.of(sid)
                 _record_call("begin_snapshot (pause, capture; writes started)", t1 - t0,
-                             "pause_capture", lines)
+                             "begin_snapshot", lines)
                 _record_call("commit_snapshot (finish persist, manifest, resume)", t2 - t1,
-                             "finish_persist", lines)
+                             "finish_writes", lines)
                 _record("  holders' persist_seconds (max)", _persist_seconds(committed))
                 for what, value in (("SnapshotBegun", begun),
                                     ("SnapshotCommitted", committed)):
@@ -277,8 +277,8 @@ async def _entry_split(namespace: str, instances: list[str], repeats: int,
             _record("direct: pause round, then capture round", t2 - t0)
             _record("  direct: pause round", t1 - t0)
             _record("  direct: capture round", t2 - t1)
-        await asyncio.gather(*(h.start_persist.remote(sid, directory) for h in handles))
-        await asyncio.gather(*(h.finish_persist.remote(sid) for h in handles))
+        await asyncio.gather(*(h.start_writes.remote(sid, directory) for h in handles))
+        await asyncio.gather(*(h.finish_writes.remote(sid) for h in handles))
         await asyncio.gather(*(h.resume.remote(sid) for h in handles))
         shutil.rmtree(work / f"split-{r}", ignore_errors=True)
 

@@ -136,7 +136,7 @@ class CaptureReport:
 
 @dataclass(frozen=True)
 class PersistReport:
-    """What one holder wrote (``finish_persist``). The rollouts in it are the holder's
+    """What one holder wrote (``finish_writes``). The rollouts in it are the holder's
     capture."""
 
     instance_id: str

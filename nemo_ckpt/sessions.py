@@ -24,7 +24,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import instance_sort_key
-from nemo_ckpt.protocol.holder_api import HolderCalls, SessionCalls
+from nemo_ckpt.protocol.holder_api import holder_calls, session_calls
 from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord, check_staging_keys
 from nemo_ckpt.transport import Actor, Transport
@@ -145,7 +145,7 @@ class SessionClient:
         # An async actor may run calls out of order, so a session's next turn waits for
         # the abort of its last one.
         self._aborting: dict[str, asyncio.Future[Any]] = {}
-        self._holder_calls = SessionCalls(self._call)
+        self._holder_calls = session_calls(self._call)
 
     @classmethod
     async def connect(
@@ -175,7 +175,7 @@ class SessionClient:
         infos = {}
         for inst, handle in handles.items():
             with contextlib.suppress(Exception):
-                infos[inst] = await HolderCalls(transport, handle, None).info()
+                infos[inst] = await holder_calls(transport, handle, None).info()
         here = sorted((i for i, info in infos.items() if info.node_id == node),
                       key=instance_sort_key)
         if not here:
@@ -311,7 +311,7 @@ class SessionClient:
         why: BaseException = lost
         try:
             while (remaining := deadline - clock.monotonic()) > 0:
-                calls = SessionCalls(functools.partial(self._call, timeout=remaining))
+                calls = session_calls(functools.partial(self._call, timeout=remaining))
                 try:
                     session = await calls.resolve_turn(episode, token)
                 except BackendUnavailableError as exc:

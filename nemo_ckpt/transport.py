@@ -31,8 +31,6 @@ from typing import Any, Protocol, TypeVar
 __all__ = [
     "CONTROL_GROUP",
     "COORDINATOR",
-    "SESSION_METHODS",
-    "concurrency_group",
     "detached",
     "on_daemon_thread",
     "HOLDER",
@@ -172,20 +170,8 @@ RELAY = "relay"  # calls a group of holders for the coordinator (``create_relay`
 # at a paused holder's gate in any number, and the coordinator's control calls (pause,
 # release, renewals, persist, abort, restore, status). A transport with a limit on
 # concurrent calls (Ray's max_concurrency) gives control calls their own slots, so they
-# never queue behind waiting turns.
+# never queue behind waiting turns (``nemo_ckpt.protocol.holder_api.concurrency_group``).
 CONTROL_GROUP = "control"
-SESSION_METHODS = frozenset({
-    "open_session", "open_sessions", "get_session", "read_turns", "begin_turn", "commit_turn",
-    "abort_turn", "resolve_turn", "close_session", "finish_session", "sessions",
-    "replay_diverged"})
-
-
-def concurrency_group(kind: str, method: str) -> str | None:
-    """The group of slots a call of ``method`` on an actor of ``kind`` runs in: None for
-    the actor's default slots (a holder's session calls; every coordinator call)."""
-    if kind == HOLDER and method not in SESSION_METHODS:
-        return CONTROL_GROUP
-    return None
 
 
 @dataclass(frozen=True)

@@ -113,12 +113,14 @@ class World:
 
         self.sim.on_send = hook
 
-    def on_deliver(self, method: str, action: Callable[[SimActor], None]) -> None:
-        """Run ``action(callee)`` as ``method`` arrives somewhere (once)."""
+    def on_deliver(self, method: str, action: Callable[[SimActor], None],
+                   kind: str | None = None) -> None:
+        """Run ``action(callee)`` as ``method`` arrives somewhere (once), at an actor of
+        ``kind`` if given (a step's call has one name at the coordinator and the holder)."""
         fired: list[str] = []
 
         def hook(target: SimActor, m: str, args: tuple[Any, ...]) -> None:
-            if m == method and not fired:
+            if m == method and not fired and kind in (None, target.kind):
                 fired.append(m)
                 action(target)
 

@@ -100,7 +100,8 @@ def test_an_attach_that_answers_late_leaves_its_call_only_what_is_left_of_the_de
         fresh = world.checkpoint(world.sim.new_actor("driver", "driver-2", "node-0"),
                                  CONFIG)
         hang_coordinator(world, late)  # the attach is answered as this ends
-        world.on_deliver("begin_snapshot", lambda coordinator: hang_coordinator(world, 120.0))
+        world.on_deliver("begin_snapshot", lambda coordinator: hang_coordinator(world, 120.0),
+                         kind=COORDINATOR)
         began = world.sim.loop.time()
         with pytest.raises(BackendUnavailableError, match="did not finish begin_snapshot"):
             async with fresh.snapshot(path) as snap:

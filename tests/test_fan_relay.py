@@ -73,7 +73,7 @@ def test_a_relay_dying_mid_pause_fails_its_groups_holders_and_resumes_every_hold
 
         def die_after_first(caller: SimActor, callee: SimActor, m: str,
                             args: tuple[Any, ...]) -> None:
-            if caller.kind == RELAY and m == "begin" and not reached:
+            if caller.kind == RELAY and m == "begin_snapshot" and not reached:
                 reached.append(callee.name)
                 world.sim.kill(caller)  # right after passing the first begin on
 
@@ -102,13 +102,13 @@ def test_failures_behind_different_relays_are_aggregated_not_first_wins(
         groups = [["holder-0", "holder-1", "holder-2"], ["holder-3", "holder-4"]]
 
         def kill_one_per_group(target: SimActor, m: str, args: tuple[Any, ...]) -> None:
-            if m == "begin" and target.kind == HOLDER and not any(
+            if m == "begin_snapshot" and target.kind == HOLDER and not any(
                     target.name in g and set(g) & set(killed) for g in groups):
                 killed.append(target.name)
                 world.sim.kill(target)
 
         world.sim.on_deliver = kill_one_per_group
-        with pytest.raises(BackendUnavailableError, match="pause_capture failed on 2 holders"
+        with pytest.raises(BackendUnavailableError, match="begin_snapshot failed on 2 holders"
                            ) as failed:
             await world.snapshot(world.path("ckpt"), live)
         assert sorted(failed.value.failures) == sorted(killed)
@@ -125,7 +125,7 @@ def test_an_abort_reaches_every_holder_directly_so_no_dead_relay_keeps_a_group_p
         aborts: list[tuple[str, str]] = []
 
         def kill_a_holder(target: SimActor, m: str, args: tuple[Any, ...]) -> None:
-            if m == "begin" and target.name == "holder-4" and not killed:
+            if m == "begin_snapshot" and target.name == "holder-4" and not killed:
                 killed.append(target.name)
                 world.sim.kill(target)
                 for relay in world.sim.live(RELAY):  # dead before the abort, unseen

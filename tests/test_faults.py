@@ -231,7 +231,7 @@ async def fresh_job(ckpt: RayEnvironmentCheckpoint, **changes: Any
 # --- actor and node faults ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("phase", ["pause", "capture", "persist", "finish_persist"])
+@pytest.mark.parametrize("phase", ["pause", "capture", "persist", "finish_writes"])
 async def test_a_holder_killed_in_a_snapshot_phase_fails_it_cleanly(
     ckpt: Any, tmp_path: Path, phase: str
 ) -> None:

@@ -171,7 +171,7 @@ async def test_the_holder_trims_after_a_burst_of_opens_and_after_a_snapshot() ->
     heap_trimmer.note(4 * MiB)  # bytes that arrive while paused wait for the resume
     await asyncio.sleep(0.5)
     assert trim.calls == 1
-    await h.resume("snap-1")
+    await h.commit_snapshot("snap-1")
     await asyncio.sleep(0.5)
     assert trim.calls == 2
 

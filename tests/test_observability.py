@@ -41,8 +41,8 @@ async def test_each_phase_logs_its_holder_timings_and_names_the_slowest(
     await coordinator.commit_snapshot("snap-log", str(tmp_path / "c"), {}, 0)
 
     lines = {line["phase"]: line for line in phase_lines(caplog)}
-    assert set(lines) == {"pause_capture", "finish_persist"}
-    capture = lines["pause_capture"]
+    assert set(lines) == {"begin_snapshot", "finish_writes"}
+    capture = lines["begin_snapshot"]
     assert capture["operation"] == "snap-log" and capture["slowest"] == "holder-2"
     assert set(capture["holders"]) == {"holder-0", "holder-1", "holder-2"}
     assert capture["holders"]["holder-2"] >= 0.4 > capture["holders"]["holder-0"]

@@ -212,7 +212,7 @@ def test_a_final_snapshot_that_misses_its_deadline_leaves_the_last_committed_one
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(lines) == 1 and "within 4.5s and was aborted" in lines[0] \
         and "last committed snapshot is untouched" in lines[0], lines
-    assert "pause_capture failed on 3 holders" in lines[0]  # the phase's own deadline
+    assert "begin_snapshot failed on 3 holders" in lines[0]  # the phase's own deadline
 
     async def after() -> None:
         latest = await job.manager.latest()

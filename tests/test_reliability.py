@@ -119,7 +119,7 @@ def test_a_holder_lost_during_the_pause_leaves_the_others_running_and_a_retry_wo
 
     async def scenario() -> None:
         live = await world.populate()
-        world.on_deliver("begin", lambda holder: world.sim.kill(holder))
+        world.on_deliver("begin_snapshot", lambda holder: world.sim.kill(holder), kind=HOLDER)
         with pytest.raises(BackendUnavailableError) as failed:
             await world.snapshot(path, live)
         assert world.ckpt.is_unavailable(failed.value)
@@ -140,12 +140,12 @@ def test_a_failure_on_several_holders_carries_every_holders_error(world: World) 
         killed: list[str] = []
 
         def kill_two(target: SimActor, m: str, args: tuple[Any, ...]) -> None:
-            if m == "begin" and target.kind == HOLDER and len(killed) < 2:
+            if m == "begin_snapshot" and target.kind == HOLDER and len(killed) < 2:
                 killed.append(target.name)
                 world.sim.kill(target)
 
         world.sim.on_deliver = kill_two
-        with pytest.raises(BackendUnavailableError, match="pause_capture failed on 2 holders"
+        with pytest.raises(BackendUnavailableError, match="begin_snapshot failed on 2 holders"
                            ) as failed:
             await world.snapshot(world.path("ckpt"), live)
         assert sorted(failed.value.failures) == sorted(killed)
@@ -376,7 +376,8 @@ def test_a_begin_that_arrives_after_its_abort_pauses_nothing(world: World) -> No
 
         def delay(target: SimActor, method: str, reply: bool) -> float:
             # The begin to holder-1 is stuck on a slow link, past the call's deadline.
-            return 10.0 if (target.obj is slow and method == "begin" and not reply) else 0.001
+            return 10.0 if (target.obj is slow and method == "begin_snapshot"
+                            and not reply) else 0.001
 
         world.sim.message_delay = delay
         with pytest.raises(BackendUnavailableError, match="holder-1 did not finish begin"):

@@ -146,7 +146,7 @@ async def test_new_turns_wait_while_paused_and_run_after_resume() -> None:
     waiting = asyncio.ensure_future(h.begin_turn(Ep("r", 0), "t1"))
     await asyncio.sleep(0.2)
     assert not waiting.done(), "a turn began while the holder was paused"
-    await h.resume("snap-1")
+    await h.commit_snapshot("snap-1")
     await asyncio.wait_for(waiting, 2)
     await h.commit_turn(Ep("r", 0), "t1", b"t", b"s")
 
@@ -199,13 +199,13 @@ async def test_repeated_phases_are_idempotent_and_stale_ids_refused(tmp_path: Pa
                        match="refuses pause for snapshot snap-2: it is paused for snap-1"):
         await h.pause("snap-2", 1, 10)
     directory = prepare_environment_dir(tmp_path)
-    await h.start_persist("snap-1", str(directory))
-    await h.start_persist("snap-1", str(directory))
-    r1 = await h.finish_persist("snap-1")
-    assert await h.finish_persist("snap-1") == r1
+    await h.start_writes("snap-1", str(directory))
+    await h.start_writes("snap-1", str(directory))
+    r1 = await h.finish_writes("snap-1")
+    assert await h.finish_writes("snap-1") == r1
     assert len(r1.shards) == 1 and r1.bytes_written == r1.shards[0].bytes
-    await h.resume("snap-1")
-    await h.resume("snap-1")
+    await h.commit_snapshot("snap-1")
+    await h.commit_snapshot("snap-1")
     assert (await h.info()).state is HolderState.RUNNING
     with pytest.raises(StaleSnapshotError, match="snap-1 already committed"):
         await h.capture("snap-1")
@@ -236,28 +236,28 @@ async def test_begin_pauses_and_captures_without_writing_until_asked(tmp_path: P
     h = holder()
     await h.open_session(Ep("r", 0), b"s")
     directory = prepare_environment_dir(tmp_path)
-    pause, capture = await h.begin("snap-1", 1, 10, str(directory))
+    pause, capture = await h.begin_snapshot("snap-1", 1, 10, str(directory))
     assert (pause.turns_in_flight, capture.captured_count) == (0, 1)
     await asyncio.sleep(0.1)
-    assert list(directory.iterdir()) == []  # the write waits for start_persist
-    await h.start_persist("snap-1")  # into the folder begin named
-    report = await h.finish_persist("snap-1")
+    assert list(directory.iterdir()) == []  # the write waits for start_writes
+    await h.start_writes("snap-1")  # into the folder begin named
+    report = await h.finish_writes("snap-1")
     assert [p.name for p in directory.iterdir()] == [report.shards[0].file]
     assert [r.episode for r in read_shard(directory, report.shards[0])] == [Ep("r", 0)]
 
 
 @on_virtual_time
-async def test_finish_persist_starts_a_write_whose_start_message_never_came(
+async def test_finish_writes_starts_a_write_whose_start_message_never_came(
     tmp_path: Path,
 ) -> None:
     h = holder()
     await h.open_session(Ep("r", 0), b"s")
     directory = prepare_environment_dir(tmp_path)
-    await h.begin("snap-1", 1, 10, str(directory))
-    report = await h.finish_persist("snap-1")
+    await h.begin_snapshot("snap-1", 1, 10, str(directory))
+    report = await h.finish_writes("snap-1")
     assert report.bytes_written > 0 and (directory / report.shards[0].file).is_file()
-    await h.start_persist("snap-1")  # arriving late, it is a no-op
-    assert await h.finish_persist("snap-1") == report
+    await h.start_writes("snap-1")  # arriving late, it is a no-op
+    assert await h.finish_writes("snap-1") == report
 
 
 @on_virtual_time
@@ -266,7 +266,7 @@ async def test_persist_of_a_snapshot_not_yet_captured_is_refused() -> None:
     await h.open_session(Ep("r", 0), b"s")
     await h.pause("snap-1", 1, 10)
     with pytest.raises(HolderStateError, match="persist for snapshot snap-1 before capture"):
-        await h.finish_persist("snap-1")
+        await h.finish_writes("snap-1")
 
 
 @on_virtual_time
@@ -275,14 +275,14 @@ async def test_a_lapsed_lease_resumes_the_holder_and_blocks_the_commit(tmp_path:
     await h.open_session(Ep("r", 0))
     await h.pause("snap-1", 1, lease_s=0.3)
     await h.capture("snap-1")
-    await h.start_persist("snap-1", str(prepare_environment_dir(tmp_path)))
+    await h.start_writes("snap-1", str(prepare_environment_dir(tmp_path)))
     await asyncio.sleep(0.6)
     info = await h.info()
     assert info.state is HolderState.RUNNING and info.operation_id is None
     with pytest.raises(LeaseExpiredError, match="lease of snap-1 lapsed"):
-        await h.finish_persist("snap-1")
+        await h.finish_writes("snap-1")
     with pytest.raises(LeaseExpiredError):
-        await h.renew_lease("snap-1", 10)
+        await h.renew("snap-1", 10)
     await h.abort("snap-1")  # the coordinator's abort still succeeds
     # Without a manifest the written shard is no snapshot; turns flow again.
     with pytest.raises(SnapshotNotFoundError, match="interrupted before it committed"):
@@ -298,7 +298,7 @@ async def test_a_shard_finished_after_its_snapshot_was_aborted_removes_itself(
     await h.open_session(Ep("r", 0))
     await h.pause("snap-1", 1, 10)
     await h.capture("snap-1")
-    await h.start_persist("snap-1", str(prepare_environment_dir(tmp_path)))
+    await h.start_writes("snap-1", str(prepare_environment_dir(tmp_path)))
     await h.abort("snap-1")  # aborted while the write is still pending
     await asyncio.sleep(0.6)
     assert list((tmp_path / "environment").iterdir()) == []
@@ -312,7 +312,7 @@ async def test_a_lease_lapses_at_the_watchdogs_first_look_past_its_deadline() ->
     assert h.current == (HolderState.PAUSED, "snap-1")  # past the deadline, not yet seen
     await asyncio.sleep(0.31 - now())
     assert h.current == (HolderState.RUNNING, None)
-    await h.resume("snap-1")  # a late resume changes nothing
+    await h.commit_snapshot("snap-1")  # a late resume changes nothing
     assert h.current == (HolderState.RUNNING, None)
     with pytest.raises(LeaseExpiredError, match="lease of snap-1 lapsed"):
         await h.capture("snap-1")
@@ -324,7 +324,7 @@ async def test_renewing_the_lease_keeps_the_holder_paused() -> None:
     await h.pause("snap-1", 1, lease_s=0.3)
     for _ in range(4):
         await asyncio.sleep(0.15)
-        await h.renew_lease("snap-1", 0.3)
+        await h.renew("snap-1", 0.3)
     assert (await h.info()).state is HolderState.PAUSED
 
 
@@ -364,8 +364,8 @@ async def test_restore_installs_next_attempts_only_on_commit(tmp_path: Path) -> 
     await src.pause("snap-1", 1, 10)
     await src.capture("snap-1")
     directory = prepare_environment_dir(tmp_path)
-    await src.start_persist("snap-1", str(directory))
-    report = await src.finish_persist("snap-1")
+    await src.start_writes("snap-1", str(directory))
+    report = await src.finish_writes("snap-1")
 
     dst = holder("node-b")
     prepared = await dst.prepare_restore("restore-1", str(directory), list(report.shards), 10)
@@ -387,8 +387,8 @@ async def test_an_aborted_restore_leaves_nothing_and_a_conflict_is_refused(tmp_p
     await src.pause("s", 1, 10)
     await src.capture("s")
     directory = prepare_environment_dir(tmp_path)
-    await src.start_persist("s", str(directory))
-    shards = list((await src.finish_persist("s")).shards)
+    await src.start_writes("s", str(directory))
+    shards = list((await src.finish_writes("s")).shards)
 
     dst = holder("node-b")
     await dst.prepare_restore("restore-1", str(directory), shards, 10)
@@ -445,7 +445,7 @@ async def test_the_time_a_pause_holds_a_turn_does_not_count_against_its_timeout(
     report = await h.pause("snap-1", drain_timeout_s=0.2, lease_s=10)
     assert report.turns_in_flight == 1
     await asyncio.sleep(2.0)  # paused four times the turn's timeout
-    await h.resume("snap-1")
+    await h.commit_snapshot("snap-1")
     await asyncio.sleep(0.1)  # 0.4 s of the turn's 0.5 s counted
     head = await h.commit_turn(Ep("r", 0), token, b"t0", b"s1")
     assert (head.turn_count, head.state) == (1, b"s1")
@@ -463,9 +463,9 @@ async def test_persist_writes_a_shard_and_capture_ignores_later_turns(tmp_path: 
     await h.pause("snap-1", 1, 10)
     await h.capture("snap-1")
     directory = prepare_environment_dir(tmp_path)
-    await h.start_persist("snap-1", str(directory))
-    report = await h.finish_persist("snap-1")
-    await h.resume("snap-1")
+    await h.start_writes("snap-1", str(directory))
+    report = await h.finish_writes("snap-1")
+    await h.commit_snapshot("snap-1")
     await run_turn(h, ep, b"after", b"s1")
     (shard,) = report.shards
     assert [r.turns for r in read_shard(directory, shard)] == [()]
@@ -486,13 +486,13 @@ async def test_a_turn_aborted_by_its_caller_before_its_begin_arrives_never_opens
     waiting = asyncio.ensure_future(h.begin_turn(ep, "tok-gone"))
     await asyncio.sleep(0.05)
     await h.abort_turn(ep, "tok-gone")  # the client's abort, sent as it was cancelled
-    await h.resume("snap-1")
+    await h.commit_snapshot("snap-1")
     with pytest.raises(TurnAbortedError, match="aborted by its caller before it began"):
         await asyncio.wait_for(waiting, 1)
     assert (await h.info()).turns_in_flight == 0
     report = await h.pause("snap-2", drain_timeout_s=5, lease_s=10)
     assert report.turns_in_flight == 0 and report.drain_seconds == 0  # nothing to drain
-    await h.resume("snap-2")
+    await h.commit_snapshot("snap-2")
     await run_turn(h, ep, b"t0", b"s1")  # the session's turns go on
     assert (await h.close_session("r")).turns == (b"t0",)
 
@@ -504,7 +504,7 @@ async def test_an_abort_that_overtakes_its_begin_leaves_the_holder_running() -> 
     op = new_operation_id("snap", 0.0, "d0d0d0d0", 3)
     await h.abort(op)
     with pytest.raises(OperationAbortedError, match="was aborted"):
-        await h.begin(op, 1, 10, ".")
+        await h.begin_snapshot(op, 1, 10, ".")
     with pytest.raises(OperationAbortedError):
         await h.prepare_restore(op, ".", [], 10)
     info = await h.info()
@@ -516,15 +516,15 @@ async def test_a_call_for_an_operation_its_driver_has_moved_past_is_refused() ->
     # Fencing that outlives the bounded history: a driver runs one operation at a time.
     h = holder()
     newer = new_operation_id("snap", 0.0, "d0d0d0d0", 9)
-    await h.begin(newer, 1, 10, ".")
+    await h.begin_snapshot(newer, 1, 10, ".")
     await h.abort(newer)
     for _ in range(70):  # more finished operations than the history keeps
         other = new_operation_id("snap", 0.0, "e1e1e1e1", _ + 1)
-        await h.begin(other, 1, 10, ".")
-        await h.resume(other)
+        await h.begin_snapshot(other, 1, 10, ".")
+        await h.commit_snapshot(other)
     late = new_operation_id("snap", 0.0, "d0d0d0d0", 8)
     with pytest.raises(StaleSnapshotError, match="late: its driver has started a newer"):
-        await h.begin(late, 1, 10, ".")
+        await h.begin_snapshot(late, 1, 10, ".")
     assert (await h.info()).state is HolderState.RUNNING
     assert h.bounds()["history"] <= 64
 
@@ -582,14 +582,14 @@ async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: P
     src = holder()
     await src.open_session(Ep("r", 0), b"s")
     directory = prepare_environment_dir(tmp_path)
-    await src.begin("snap-1", 1, 10, str(directory))
-    shards = list((await src.finish_persist("snap-1")).shards)
+    await src.begin_snapshot("snap-1", 1, 10, str(directory))
+    shards = list((await src.finish_writes("snap-1")).shards)
     dst = holder("node-b", watch_period_s=0.02, delays={"prepare_restore": 0.6})
     preparing = asyncio.ensure_future(dst.prepare_restore("restore-1", str(directory),
                                                           shards, 0.2))
     for _ in range(8):
         await asyncio.sleep(0.1)
-        await dst.renew_lease("restore-1", 0.2)
+        await dst.renew("restore-1", 0.2)
     prepared = await preparing
     assert prepared.continued() == [("r", 0)]
     assert await dst.commit_restore("restore-1") == 1
@@ -601,8 +601,8 @@ async def restored_elsewhere(tmp_path: Path) -> tuple[SessionHolder, str, list[S
     src = holder()
     await src.open_session(Ep("r", 0), b"s")
     directory = prepare_environment_dir(tmp_path)
-    await src.begin("snap-1", 1, 10, str(directory))
-    shards = list((await src.finish_persist("snap-1")).shards)
+    await src.begin_snapshot("snap-1", 1, 10, str(directory))
+    shards = list((await src.finish_writes("snap-1")).shards)
     dst = holder("node-b")
     await dst.prepare_restore("restore-1", str(directory), shards, 10)
     assert await dst.commit_restore("restore-1") == 1
@@ -645,8 +645,8 @@ async def test_a_retried_restore_adopts_a_holder_whose_abort_has_not_arrived(
     src = holder()
     await src.open_session(Ep("r", 0), b"s")
     directory = prepare_environment_dir(tmp_path)
-    await src.begin("snap-1", 1, 10, str(directory))
-    shards = list((await src.finish_persist("snap-1")).shards)
+    await src.begin_snapshot("snap-1", 1, 10, str(directory))
+    shards = list((await src.finish_writes("snap-1")).shards)
     dst = holder("node-b")
     await dst.prepare_restore("restore-1", str(directory), shards, 10)
     await dst.commit_restore("restore-1")
@@ -681,15 +681,15 @@ async def test_a_released_snapshot_lets_turns_run_while_its_shard_is_written(
     ep = Ep("r", 0)
     await h.open_session(ep, b"s0")
     directory = prepare_environment_dir(tmp_path)
-    await h.begin("snap-1", 1, 10, str(directory))
-    await h.start_persist("snap-1")
+    await h.begin_snapshot("snap-1", 1, 10, str(directory))
+    await h.start_writes("snap-1")
     await h.release("snap-1")
     assert (await h.info()).state is HolderState.RUNNING
     await asyncio.wait_for(run_turn(h, ep, b"t0", b"s1"), 0.2)  # not after the write
-    report = await h.finish_persist("snap-1")
+    report = await h.finish_writes("snap-1")
     assert [r.turns for r in read_shard(directory, report.shards[0])] == [()]
-    await h.renew_lease("snap-1", 10)
-    await h.resume("snap-1")
+    await h.renew("snap-1", 10)
+    await h.commit_snapshot("snap-1")
     assert h.bounds()["released"] == 0 and (await h.info()).last_snapshot_id == "snap-1"
 
 
@@ -701,12 +701,12 @@ async def test_a_late_or_repeated_release_of_an_earlier_snapshot_leaves_the_next
     h = holder()
     await h.open_session(Ep("r", 0), b"s0")
     directory = str(prepare_environment_dir(tmp_path))
-    await h.begin("snap-1", 1, 10, directory)
+    await h.begin_snapshot("snap-1", 1, 10, directory)
     await h.release("snap-1")
     await h.release("snap-1")
-    await h.finish_persist("snap-1")
-    await h.resume("snap-1")
-    await h.begin("snap-2", 1, 10, directory)
+    await h.finish_writes("snap-1")
+    await h.commit_snapshot("snap-1")
+    await h.begin_snapshot("snap-2", 1, 10, directory)
     await h.release("snap-1")
     assert h.current == (HolderState.PAUSED, "snap-2")
     await h.release("snap-2")
@@ -719,16 +719,16 @@ async def test_a_released_snapshot_aborted_or_lapsed_leaves_no_shard(tmp_path: P
     await h.open_session(Ep("r", 0), b"s0")
     directory = prepare_environment_dir(tmp_path)
     for op, end in (("snap-1", "abort"), ("snap-2", "lapse")):
-        await h.begin(op, 1, lease_s=0.1 if end == "lapse" else 10,
+        await h.begin_snapshot(op, 1, lease_s=0.1 if end == "lapse" else 10,
                       directory=str(directory))
-        await h.start_persist(op)
+        await h.start_writes(op)
         await h.release(op)
         if end == "abort":
             await h.abort(op)
         await asyncio.sleep(0.4)
         assert list(directory.iterdir()) == [] and h.bounds()["released"] == 0
     with pytest.raises(LeaseExpiredError):
-        await h.finish_persist("snap-2")
+        await h.finish_writes("snap-2")
 
 
 @on_virtual_time
@@ -737,13 +737,13 @@ async def test_a_late_abort_after_the_commit_leaves_the_snapshot_committed(
 ) -> None:
     h = holder()
     await h.open_session(Ep("r", 0), b"s")
-    await h.begin("snap-1", 1, 10, str(prepare_environment_dir(tmp_path)))
-    await h.finish_persist("snap-1")
-    await h.resume("snap-1")
+    await h.begin_snapshot("snap-1", 1, 10, str(prepare_environment_dir(tmp_path)))
+    await h.finish_writes("snap-1")
+    await h.commit_snapshot("snap-1")
     await h.abort("snap-1")  # overtaken by the resume: its outcome stands
     assert (await h.info()).last_snapshot_id == "snap-1"
     with pytest.raises(StaleSnapshotError, match="snap-1 already committed"):
-        await h.finish_persist("snap-1")
+        await h.finish_writes("snap-1")
 
 
 # --- issue 39: turns by delta ----------------------------------------------------------------
@@ -799,8 +799,8 @@ async def test_a_session_of_many_turns_is_snapshotted_restored_and_continued_who
     await src.pause("snap-1", 1, 10)
     await src.capture("snap-1")
     directory = prepare_environment_dir(tmp_path)
-    await src.start_persist("snap-1", str(directory))
-    report = await src.finish_persist("snap-1")
+    await src.start_writes("snap-1", str(directory))
+    report = await src.finish_writes("snap-1")
     (stored,) = read_shard(directory, report.shards[0])
     assert stored.turns == tuple(records) and stored.state == b"s40"
 

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.coordinator.blobs import BlobCollector
 from actors.coordinator.folders import ClaimedFolders
-from actors.coordinator.holders import HolderCall, HolderRegistry
+from actors.coordinator.holders import HolderRegistry
+from actors.coordinator.ledger import Ledger
 from actors.coordinator.lifecycle import OperationLifecycle
 from actors.coordinator.operation_table import OperationTable
 from actors.coordinator.parts import CoordinatorParts
@@ -53,12 +54,21 @@ from nemo_ckpt.errors import (
     BackendUnavailableError,
     ConfigMismatchError,
 )
-from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import (
     HolderInfo,
     instance_sort_key,
 )
-from nemo_ckpt.protocol.coordinator_api import RestoreBegun, SnapshotBegun, SnapshotCommitted
+from nemo_ckpt.protocol.calls import serves
+from nemo_ckpt.protocol.coordinator_api import (
+    CoordinatorLedgerCalls,
+    CoordinatorOperationCalls,
+    CoordinatorRestoreCalls,
+    CoordinatorSetupCalls,
+    CoordinatorSnapshotCalls,
+    RestoreBegun,
+    SnapshotBegun,
+    SnapshotCommitted,
+)
 from nemo_ckpt.sandboxes.blob_store import BLOB_DIR
 from nemo_ckpt.sandboxes.collection import CollectionReport
 from nemo_ckpt.storage.claims import ClaimWatch
@@ -70,8 +80,21 @@ __all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "Resto
 log = logging.getLogger("nemo_ckpt.coordinator")
 
 
+@serves({
+    CoordinatorSetupCalls: None,  # the coordinator's own
+    CoordinatorOperationCalls: ("_lifecycle", OperationLifecycle),
+    CoordinatorSnapshotCalls: ("_snapshots", Snapshots),
+    CoordinatorRestoreCalls: ("_restores", Restores),
+    CoordinatorLedgerCalls: ("_ledger", Ledger),
+})
 class CheckpointCoordinator:
     """Fans pause, snapshot and restore out to the session holders."""
+
+    if TYPE_CHECKING:
+        # The routed methods are made as the class is (``serves``), so mypy does not
+        # see them; ``serves`` checks each against its Protocol, and each part is
+        # typed by the Protocol it serves (``__init__``).
+        def __getattr__(self, name: str) -> Any: ...
 
     def __init__(self, config: CheckpointConfig, transport: Transport) -> None:
         self._transport = transport
@@ -115,10 +138,13 @@ class CheckpointCoordinator:
         self.blobs = self._parts.blobs
         self._calls = self._parts.calls
         snapshot_holds = SnapshotHolds(self._parts)
-        self._lifecycle = OperationLifecycle(self._parts, snapshot_holds, RestoreHolds())
-        self._snapshots = Snapshots(self._parts, self._lifecycle, snapshot_holds,
-                                    self._incarnation)
-        self._restores = Restores(self._parts, self._lifecycle)
+        lifecycle = OperationLifecycle(self._parts, snapshot_holds, RestoreHolds())
+        # Each part typed by the Protocol it serves: mypy checks that it does.
+        self._lifecycle: CoordinatorOperationCalls = lifecycle
+        self._snapshots: CoordinatorSnapshotCalls = Snapshots(
+            self._parts, lifecycle, snapshot_holds, self._incarnation)
+        self._restores: CoordinatorRestoreCalls = Restores(self._parts, lifecycle)
+        self._ledger: CoordinatorLedgerCalls = Ledger(transport, self._parts.holders)
         self._ending = False  # stepping aside for a coordinator of the job's config
 
     @property
@@ -218,103 +244,10 @@ class CheckpointCoordinator:
                        else ([f"{inst}: the container check failed: {r}"], []))
                 for inst, r in zip(self.holders.handles, results, strict=True)}
 
-    # --- operations: leases, aborts (actors.coordinator.lifecycle) ----------------------
-
-    async def renew(self, operation_id: str) -> None:
-        """Renew the lease of the operation and of every holder taking part in it."""
-        await self._lifecycle.renew(operation_id)
-
-    async def abort(self, operation_id: str, checkpoint_path: str | None = None,
-                    caller_error: str | None = None) -> str:
-        """End the operation without a trace and return its outcome.
-
-        The outcome is "committed" when its commit won (committed is final: nothing is
-        removed then), else "aborted" or "lapsed". Every holder it involved drops it,
-        and its files go. An operation this coordinator never saw (its predecessor
-        died, or this abort overtook the first call) is aborted on every holder and
-        remembered, so that its late first call is refused; it is a snapshot when the
-        driver names its ``checkpoint_path``. ``caller_error`` names the exception that
-        ended the caller's block, for the failure metric.
-        """
-        return await self._lifecycle.abort(operation_id, checkpoint_path, caller_error)
-
-    # --- snapshot and restore (actors.coordinator.snapshot, .restore) ----------------
-
-    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                             drain_timeout_s: float | None = None, trace: str = "",
-                             stop: bool = False) -> SnapshotBegun:
-        """Claim the path, pause every holder and capture (``Snapshots.begin``)."""
-        return await self.operations.first_call(
-            snapshot_id, lambda: self._snapshots.begin(snapshot_id, checkpoint_path,
-                                                       drain_timeout_s, trace, stop))
-
-    async def start_writes(self, snapshot_id: str) -> None:
-        """Start every holder's write of the snapshot; never raises."""
-        await self._snapshots.start_writes(snapshot_id)
-
-    async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                              metrics: dict[str, float | int], restarted: int,
-                              stop: bool = False) -> SnapshotCommitted:
-        """Wait for every shard, write the manifest last, then resume every holder, or
-        with ``stop`` park its sessions (``Snapshots.commit``)."""
-        return await self._snapshots.commit(snapshot_id, checkpoint_path, metrics, restarted,
-                                            stop)
-
     async def collection_done(self) -> CollectionReport | None:
         """Wait for the blob store's collection in progress, if any; the last one's
-        report."""
+        report (for tests and tools)."""
         return await self.blobs.done()
-
-    async def prepare_restore(self, restore_id: str, checkpoint_path: str, trace: str = ""
-                              ) -> RestoreBegun:
-        """Verify the snapshot and have each instance's holder load it, nothing live yet
-        (``Restores.prepare``)."""
-        return await self.operations.first_call(
-            restore_id, lambda: self._restores.prepare(restore_id, checkpoint_path, trace))
-
-    async def prefetch_restore(self, checkpoint_path: str) -> int:
-        """Have the holders start reading the snapshot a restore will read
-        (``Restores.prefetch``)."""
-        return await self._restores.prefetch(checkpoint_path)
-
-    async def commit_restore(self, restore_id: str) -> int:
-        """Make every restored session live, all or nothing (``Restores.commit``)."""
-        return await self._restores.commit(restore_id)
-
-    # --- ledger operations --------------------------------------------------------------
-
-    async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]:
-        """Retire these attempts on every holder; returns the capture keys dropped."""
-        return await self._ledger_op("retire", episodes)
-
-    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
-        """Forget these attempts on every holder; returns the capture keys dropped."""
-        return await self._ledger_op("forget", episodes)
-
-    def _require_registered(self, what: str) -> None:
-        if not self._transport.is_registered_coordinator():
-            raise BackendUnavailableError(
-                f"{what} reached a nemo-ckpt coordinator that Ray declared dead and that "
-                f"another has replaced; retry (the live coordinator takes it)")
-
-    async def _ledger_op(self, what: str, episodes: list[EnvironmentEpisode]) -> list[str]:
-        # RL retires an attempt per finished rollout: use the known holders, and pay for
-        # a rediscovery only when there are none or one of them has gone. Only the
-        # coordinator registered under the name rediscovers: one Ray declared dead that
-        # runs again would reach the holders of a job restored since, and drop what it
-        # restored (simulation seed 6063).
-        if not self.holders.handles:
-            self._require_registered(what)
-            await self.holders.ensure()
-
-        call: HolderCall[list[str]] = HolderCall(what, (episodes,))
-        try:
-            dropped = await self.holders.fan(self.holders.handles, what, call)
-        except BackendUnavailableError:
-            self._require_registered(what)
-            await self.holders.ensure()
-            dropped = await self.holders.fan(self.holders.handles, what, call)
-        return sorted(k for keys in dropped.values() for k in keys)
 
 
 # How long a coordinator that steps aside waits for its answer to leave before it ends.

@@ -20,17 +20,17 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from actors.coordinator.restore_plan import place_instances
 from nemo_ckpt.errors import BackendUnavailableError, aggregate
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
-from nemo_ckpt.protocol.holder_api import HolderCalls
+from nemo_ckpt.protocol.calls import Call
+from nemo_ckpt.protocol.holder_api import holder_calls
 from nemo_ckpt.transport import Actor, Transport
 
-__all__ = ["FanRelay", "HolderCall", "HolderRegistry", "PHASE_LOGGER"]
+__all__ = ["FanRelay", "HolderRegistry", "PerHolder", "PHASE_LOGGER"]
 
 T = TypeVar("T")
 # The logger of the phase lines (``fan`` with an operation id): one JSON object each.
@@ -40,18 +40,13 @@ log = logging.getLogger(PHASE_LOGGER)
 RelayAnswer = tuple[Any, BaseException | None, float]
 
 
-@dataclass(frozen=True)
-class HolderCall(Generic[T]):
-    """One control call to each holder of a fan-out, as data, so that a relay can make
-    it: the method, its arguments (the same for every holder, or by instance id) and
-    its timeout (None: a control call's)."""
+# A fan-out's call: the same for every holder, or made for each by its instance id
+# (``nemo_ckpt.protocol.calls.call`` of a ``HolderControl`` method either way).
+PerHolder = Call[T] | Callable[[str], Call[T]]
 
-    method: str
-    args: tuple[Any, ...] | Callable[[str], tuple[Any, ...]] = ()
-    timeout: float | None = None
 
-    def args_of(self, instance_id: str) -> tuple[Any, ...]:
-        return self.args(instance_id) if callable(self.args) else self.args
+def _call_of(made: PerHolder[T], instance_id: str) -> Call[T]:
+    return made(instance_id) if callable(made) else made
 
 
 class FanRelay:
@@ -152,25 +147,29 @@ class HolderRegistry:
     def _relayed(self, targets: dict[str, Actor]) -> bool:
         return len(targets) >= self._relay_min()
 
-    def send(self, holders: dict[str, Actor], method: str, *args: Any) -> None:
-        """Send ``method(*args)`` to every holder and forget it (through relays from
-        ``relay_min_holders`` on: one message per group)."""
+    def send(self, holders: dict[str, Actor], message: Call[None]) -> None:
+        """Send ``message`` (a ``one_way`` call) to every holder and forget it (through
+        relays from ``relay_min_holders`` on: one message per group)."""
+        if not message.one_way:
+            raise TypeError(f"{message.method} is a call, not a message: fan it out")
         if not self._relayed(holders):
             for handle in holders.values():
-                self._transport.send(handle, method, *args)
+                self._transport.send(handle, message.method, *message.args)
             return
         for node, group in self._groups(holders):
-            self._transport.send(self._relay(node), "relay_send", method,
-                                 {i: (h, args) for i, h in group.items()})
+            self._transport.send(self._relay(node), "relay_send", message.method,
+                                 {i: (h, message.args) for i, h in group.items()})
 
-    async def _through_relays(self, targets: dict[str, Actor], call: HolderCall[Any],
+    async def _through_relays(self, targets: dict[str, Actor], made: PerHolder[Any],
                               seconds: dict[str, float], direct_after_relay: bool
                               ) -> dict[str, Any]:
         """Each group's calls through its relay. A relay that fails fails its group, or,
         with ``direct_after_relay`` (the calls that end or keep up an operation:
         resume, renewals, which holders take twice as once), has the coordinator
         call that group itself: a dead relay must not leave holders paused."""
-        timeout = self._timeout() if call.timeout is None else call.timeout
+        calls = {i: _call_of(made, i) for i in targets}
+        first = next(iter(calls.values()))
+        timeout = self._timeout() if first.timeout is None else first.timeout
         out: dict[str, Any] = {}
 
         async def group_call(node: str, group: dict[str, Actor]) -> None:
@@ -179,18 +178,18 @@ class HolderRegistry:
             try:
                 # The relay's own hop on top of its holders' timeout.
                 answers: dict[str, RelayAnswer] = await self._transport.call(
-                    relay, "relay_call", call.method, timeout,
-                    {i: (h, call.args_of(i)) for i, h in group.items()},
+                    relay, "relay_call", first.method, timeout,
+                    {i: (h, calls[i].args) for i, h in group.items()},
                     timeout=timeout + self._timeout())
             except Exception as exc:
                 if self._relays.get(node) is relay:
                     self._drop_relay(node)  # the next phase makes another
                 if direct_after_relay:
                     log.warning("relay %s failed during %s (%s); calling its %d holders "
-                                "directly", relay.name, call.method, exc, len(group))
-                    direct = self._direct(call)
+                                "directly", relay.name, first.method, exc, len(group))
                     answers_direct = await asyncio.gather(
-                        *(direct(i, h) for i, h in group.items()), return_exceptions=True)
+                        *(self._direct(h, calls[i]) for i, h in group.items()),
+                        return_exceptions=True)
                     for inst, res in zip(group, answers_direct, strict=True):
                         out[inst] = res
                         seconds[inst] = self._clock.monotonic() - start
@@ -211,7 +210,7 @@ class HolderRegistry:
         found = self._transport.holders()
         self._registered = found
         results = await asyncio.gather(
-            *(HolderCalls(self._transport, h, self._timeout()).info()
+            *(holder_calls(self._transport, h, self._timeout()).info()
               for h in found.values()),
             return_exceptions=True)
         infos = []
@@ -293,16 +292,17 @@ class HolderRegistry:
 
     async def create(self, instance_id: str, node_id: str) -> HolderInfo:
         handle = self._transport.create_holder(instance_id, node_id, self._options())
-        info = await HolderCalls(self._transport, handle, self._timeout()).info()
+        info = await holder_calls(self._transport, handle, self._timeout()).info()
         self._holders[instance_id] = handle
         self._nodes[instance_id] = info.node_id
         log.info("created holder %s on node %s", instance_id, node_id)
         return info
 
-    def _direct(self, call: HolderCall[T]) -> Callable[[str, Actor], Awaitable[T]]:
-        timeout = self._timeout() if call.timeout is None else call.timeout
-        return lambda inst, handle: self._transport.call(
-            handle, call.method, *call.args_of(inst), timeout=timeout)
+    async def _direct(self, handle: Actor, made: Call[T]) -> T:
+        timeout = self._timeout() if made.timeout is None else made.timeout
+        result: T = await self._transport.call(handle, made.method, *made.args,
+                                               timeout=timeout)
+        return result
 
     def _free_instance_ids(self, count: int) -> list[str]:
         """The ``count`` smallest ``holder-<k>`` names no known holder has."""
@@ -317,34 +317,37 @@ class HolderRegistry:
     async def fan(
         self,
         holders: dict[str, Actor],
-        what: str,
-        call: Callable[[str, Actor], Awaitable[T]] | HolderCall[T],
+        made: PerHolder[T],
         tolerate_failures: bool = False,
         op_id: str | None = None,
         direct: bool = False,
+        explain: Callable[[dict[str, BaseException]], BaseException | None] | None = None,
     ) -> dict[str, T]:
-        """Call every holder concurrently; after all have answered, raise one error that
-        carries every holder's failure (``aggregate``), unless ``tolerate_failures``.
-        A ``HolderCall`` goes through relays from ``relay_min_holders`` holders on,
-        unless ``direct`` (an abort: a relay that died unseen would keep its group
-        paused until Ray declares it dead, which the fallback to direct calls waits for).
+        """Make ``made`` (a ``HolderControl`` call, or one per instance) on every holder
+        concurrently; after all have answered, raise one error that carries every
+        holder's failure (``aggregate``; or the one ``explain`` makes of them, when it
+        makes one), unless ``tolerate_failures``. From ``relay_min_holders`` holders on
+        the calls go through relays, unless ``direct`` (an abort: a relay that died
+        unseen would keep its group paused until Ray declares it dead, which the
+        fallback to direct calls waits for).
 
-        With ``op_id``, logs one structured line: the phase, its per-holder seconds and
-        the slowest holder, so that a slow pause names its cause.
+        With ``op_id``, logs one structured line: the phase (the call's name), its
+        per-holder seconds and the slowest holder, so that a slow pause names its cause.
         """
         targets = dict(holders)
+        if not targets:
+            return {}
+        what = _call_of(made, next(iter(targets))).method
         seconds: dict[str, float] = {}
         start = self._clock.monotonic()
         results: list[Any]
-        if isinstance(call, HolderCall) and self._relayed(targets) and not direct:
-            relayed = await self._through_relays(targets, call, seconds, tolerate_failures)
+        if self._relayed(targets) and not direct:
+            relayed = await self._through_relays(targets, made, seconds, tolerate_failures)
             results = [relayed[i] for i in targets]
         else:
-            each = self._direct(call) if isinstance(call, HolderCall) else call
-
             async def one(inst: str, handle: Actor) -> T:
                 try:
-                    return await each(inst, handle)
+                    return await self._direct(handle, _call_of(made, inst))
                 finally:
                     seconds[inst] = self._clock.monotonic() - start
 
@@ -358,7 +361,7 @@ class HolderRegistry:
             log_phase(op_id, what, self._clock.monotonic() - start, seconds,
                       {i: f"{type(e).__name__}: {e}" for i, e in errors.items()})
         if errors and not tolerate_failures:
-            raise aggregate(what, errors)
+            raise (explain and explain(errors)) or aggregate(what, errors)
         for inst, err in errors.items():
             log.info("%s on %s failed (tolerated): %s", what, inst, err)
         return {i: r for i, r in zip(targets, results, strict=True)

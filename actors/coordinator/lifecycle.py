@@ -16,7 +16,6 @@ import asyncio
 import logging
 from typing import Protocol, TypeVar
 
-from actors.coordinator.holders import HolderCall
 from actors.coordinator.parts import CoordinatorParts
 from actors.coordinator.states import (
     Aborted,
@@ -25,6 +24,8 @@ from actors.coordinator.states import (
     SnapshotOperation,
     Unseen,
 )
+from nemo_ckpt.protocol.calls import call
+from nemo_ckpt.protocol.holder_api import HolderControl
 from nemo_ckpt.protocol.operations import Outcome
 
 __all__ = ["Holds", "OperationLifecycle"]
@@ -87,14 +88,22 @@ class OperationLifecycle:
         # The holders first, and whatever the claims' writes do: a disk full for a few
         # seconds must not lapse the holders' leases (the commit checks the claims).
         await self._parts.holders.fan(
-            op.holders, "renew_lease", HolderCall("renew_lease", (operation_id, lease_s)),
+            op.holders, call(HolderControl.renew, operation_id, lease_s),
             tolerate_failures=True)
         await self._holds[op.kind].renew(op)
 
     async def abort(self, operation_id: str, checkpoint_path: str | None = None,
                     caller_error: str | None = None) -> str:
-        """End the operation without a trace and return its outcome
-        (``CheckpointCoordinator.abort`` says how)."""
+        """End the operation without a trace and return its outcome.
+
+        The outcome is "committed" when its commit won (committed is final: nothing is
+        removed then), else "aborted" or "lapsed". Every holder it involved drops it,
+        and its files go. An operation this coordinator never saw (its predecessor
+        died, or this abort overtook the first call) is aborted on every holder and
+        remembered, so that its late first call is refused; it is a snapshot when the
+        driver names its ``checkpoint_path``. ``caller_error`` names the exception that
+        ended the caller's block, for the failure metric.
+        """
         operations = self._parts.operations
         op = operations.get(operation_id)
         if op is None:
@@ -150,5 +159,5 @@ class OperationLifecycle:
                     targets[inst] = handle
                 elif targets[inst].ref != handle.ref:  # another incarnation of it now
                     targets[f"{inst} (now)"] = handle
-        await holders.fan(targets, "abort", HolderCall("abort", (op.id, keep_committed)),
+        await holders.fan(targets, call(HolderControl.abort, op.id, keep_committed),
                           tolerate_failures=True, direct=True)

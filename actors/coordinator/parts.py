@@ -13,7 +13,7 @@ from actors.coordinator.folders import ClaimedFolders
 from actors.coordinator.holders import HolderRegistry
 from actors.coordinator.operation_table import OperationTable
 from nemo_ckpt.config import CheckpointConfig
-from nemo_ckpt.protocol.holder_api import HolderCalls
+from nemo_ckpt.protocol.holder_api import HolderControl, holder_calls
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["CoordinatorParts"]
@@ -30,10 +30,10 @@ class CoordinatorParts:
     folders: ClaimedFolders
     blobs: BlobCollector
 
-    def calls(self, holder: Actor, timeout: float | None = None) -> HolderCalls:
+    def calls(self, holder: Actor, timeout: float | None = None) -> HolderControl:
         """Typed calls to one holder, with a control call's timeout unless given."""
-        return HolderCalls(self.transport, holder,
-                           self.config.phase_timeout_s if timeout is None else timeout)
+        return holder_calls(self.transport, holder,
+                            self.config.phase_timeout_s if timeout is None else timeout)
 
     @property
     def claim_ttl(self) -> float:

@@ -1,15 +1,21 @@
-"""The coordinator's side of a restore: read the manifest, place every instance, have
-the holders read and verify their shards (``prepare``), then make every restored
-session live, all or nothing (``commit``). The order of these calls is stated on
-``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``; the plan itself, pure, in
-``actors.coordinator.restore_plan``.
+"""The coordinator's room of a restore: the steps of ``CoordinatorRestoreCalls`` that it
+serves, in the order ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi`` states once,
+and the one room that calls the holders' restore steps
+(``nemo_ckpt.protocol.holder_api.HolderRestoreCalls``):
+
+    0) prefetch_restore  place every instance; every holder's ``prefetch_restore``
+    2) prepare_restore   read the manifest, place every instance (the plan, pure:
+                         ``actors.coordinator.restore_plan``); every holder's
+                         ``prepare_restore``; what they read checked against the manifest
+    3) commit_restore    every holder's ``commit_restore``, all or nothing
+
+Step 1 (renewals) and an abort are every operation's, in ``actors.coordinator.lifecycle``.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from actors.coordinator.holders import HolderCall
 from actors.coordinator.lifecycle import OperationLifecycle
 from actors.coordinator.parts import CoordinatorParts
 from actors.coordinator.restore_plan import (
@@ -29,13 +35,14 @@ from actors.coordinator.states import (
 from nemo_ckpt import tracing
 from nemo_ckpt.errors import CheckpointPathError, RestoreConflictError, StaleSnapshotError
 from nemo_ckpt.phases import RestorePrepared
+from nemo_ckpt.protocol.calls import call
 from nemo_ckpt.protocol.coordinator_api import RestoreBegun
+from nemo_ckpt.protocol.holder_api import HolderControl
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of, moved_blob_store
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.manifest import Manifest, ShardEntry
 from nemo_ckpt.storage.snapshot_files import read_manifest
-from nemo_ckpt.transport import Actor
 
 __all__ = ["RestoreHolds", "Restores"]
 
@@ -65,9 +72,16 @@ class Restores:
         self._clock = self._runtime.clock
         self._metrics = self._runtime.metrics
 
-    async def prepare(self, restore_id: str, checkpoint_path: str, trace: str = ""
-                      ) -> RestoreBegun:
-        """Verify the snapshot and have each instance's holder load it, nothing live yet."""
+    async def prepare_restore(self, restore_id: str, checkpoint_path: str, trace: str = ""
+                              ) -> RestoreBegun:
+        """Verify the snapshot and have each instance's holder load it, nothing live yet;
+        a repeat of this first call is answered as the first was
+        (``OperationTable.first_call``)."""
+        return await self._parts.operations.first_call(
+            restore_id, lambda: self._prepare_in_span(restore_id, checkpoint_path, trace))
+
+    async def _prepare_in_span(self, restore_id: str, checkpoint_path: str, trace: str
+                               ) -> RestoreBegun:
         with tracing.span("nemo_ckpt.restore.prepare", parent=trace, phase="prepare",
                           **{"operation.id": restore_id, "path": checkpoint_path}) as span:
             begun = await self._prepare(restore_id, checkpoint_path, trace)
@@ -117,26 +131,20 @@ class Restores:
         directory = str(environment_folder(checkpoint_path))
         blob_store = blob_store_of(checkpoint_path, manifest)
         shards_of = assign_shards(manifest, op.holders, checkpoint_path)
-        conflicts: dict[str, RestoreConflictError] = {}
         trace = tracing.traceparent()  # the holders' spans go under the prepare's
 
-        async def prepare(inst: str, holder: Actor) -> RestorePrepared:
-            try:
-                return await self._parts.calls(holder, cfg.persist_timeout_s).prepare_restore(
-                    op.id, directory, shards_of[inst], cfg.lease_s, blob_store, trace)
-            except RestoreConflictError as exc:
-                conflicts[inst] = exc
-                raise
+        def conflicts(errors: dict[str, BaseException]) -> BaseException | None:
+            """One error naming every holder where sessions are live, and the fix."""
+            live = {inst: [holder_said(inst, e)] for inst, e in errors.items()
+                    if isinstance(e, RestoreConflictError)}
+            return conflict_error(checkpoint_path, live) if live else None
 
-        try:
-            prepared: dict[str, RestorePrepared] = await self._parts.holders.fan(
-                op.holders, "prepare_restore", prepare, op_id=op.id)
-        except BaseException as exc:
-            if not conflicts:
-                raise
-            # One error naming every holder where sessions are live, and the fix.
-            raise conflict_error(checkpoint_path, {
-                inst: [holder_said(inst, e)] for inst, e in conflicts.items()}) from exc
+        prepared: dict[str, RestorePrepared] = await self._parts.holders.fan(
+            op.holders,
+            lambda inst: call(HolderControl.prepare_restore, op.id, directory,
+                              shards_of[inst], cfg.lease_s, blob_store, trace
+                              ).within(cfg.persist_timeout_s),
+            op_id=op.id, explain=conflicts)
         if op.outcome is not None:
             raise self._parts.operations.refusal(op.id)
         with tracing.span("nemo_ckpt.verify", phase="verify", **{"operation.id": op.id}):
@@ -148,7 +156,7 @@ class Restores:
             bytes_read=verified.bytes_read, read_seconds=verified.read_seconds,
             finished=verified.finished)
 
-    async def prefetch(self, checkpoint_path: str) -> int:
+    async def prefetch_restore(self, checkpoint_path: str) -> int:
         """Place every instance of the snapshot at ``checkpoint_path`` and have each
         holder start reading and verifying its shards, so that a restore of it finds them
         read. Not an operation: nothing is claimed or installed, a holder that fails or
@@ -163,11 +171,11 @@ class Restores:
             if shard.instance_id in holders:
                 shards_of.setdefault(shard.instance_id, []).append(shard)
         started = await asyncio.gather(*(
-            self._parts.calls(holders[inst]).prefetch(directory, shards)
+            self._parts.calls(holders[inst]).prefetch_restore(directory, shards)
             for inst, shards in shards_of.items()), return_exceptions=True)
         return sum(n for n in started if isinstance(n, int))
 
-    async def commit(self, restore_id: str) -> int:
+    async def commit_restore(self, restore_id: str) -> int:
         """Make every restored session live. Returns how many. If any holder fails, the
         ones that went live drop the restored sessions again (all or nothing)."""
         op = self._parts.operations.get(restore_id)
@@ -177,7 +185,7 @@ class Restores:
             raise self._parts.operations.refusal(restore_id)
         if op.committing:
             await op.closed.wait()
-            return await self.commit(restore_id)
+            return await self.commit_restore(restore_id)
         if not isinstance(op.state, RestoreVerified):
             raise StaleSnapshotError(f"commit of {restore_id} before its prepare finished")
         with tracing.span("nemo_ckpt.restore.commit", parent=op.trace, phase="commit",
@@ -191,8 +199,7 @@ class Restores:
         try:
             await self._runtime.reached("commit_restore")
             counts: dict[str, int] = await self._parts.holders.fan(
-                op.holders, "commit_restore", HolderCall("commit_restore", (restore_id,)),
-                op_id=restore_id)
+                op.holders, call(HolderControl.commit_restore, restore_id), op_id=restore_id)
         except BaseException as exc:
             self._parts.count_failure("restore", exc)
             await self._lifecycle.end(op, Outcome.ABORTED)

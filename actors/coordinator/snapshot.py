@@ -1,8 +1,18 @@
-"""The coordinator's side of a snapshot: claim the path and pause and capture on every
-holder (``begin``), start every holder's write (``start_writes``), then wait for every
-shard, write the manifest last and resume the holders (``commit``). The order of these
-calls is stated on ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi``; the states a snapshot
-passes through, in ``actors.coordinator.states``.
+"""The coordinator's room of a snapshot: the steps of ``CoordinatorSnapshotCalls`` that it
+serves, in the order ``nemo_ckpt.protocol.coordinator_api.CoordinatorApi`` states once,
+and the one room that calls the holders' snapshot steps
+(``nemo_ckpt.protocol.holder_api.HolderSnapshotCalls``):
+
+    2) begin_snapshot   claim the path; every holder's ``begin_snapshot``
+    3) start_writes     every holder's ``start_writes``
+    4) commit_snapshot  every holder's ``release`` (unless stopping) and ``finish_writes``;
+                        the manifest written last (its number from
+                        ``nemo_ckpt.catalog.commit_sequence``); every holder's
+                        ``commit_snapshot``; the replaced files removed
+
+Step 1 (renewals) and an abort are every operation's, in ``actors.coordinator.lifecycle``;
+a snapshot's undo (``SnapshotHolds``) lives here. The states a snapshot passes through:
+``actors.coordinator.states``.
 """
 
 from __future__ import annotations
@@ -14,7 +24,6 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
-from actors.coordinator.holders import HolderCall
 from actors.coordinator.lifecycle import OperationLifecycle
 from actors.coordinator.parts import CoordinatorParts
 from actors.coordinator.states import (
@@ -31,7 +40,9 @@ from nemo_ckpt import tracing
 from nemo_ckpt.catalog.commit_sequence import sequence_root, take_sequence
 from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport
+from nemo_ckpt.protocol.calls import call
 from nemo_ckpt.protocol.coordinator_api import SnapshotBegun, SnapshotCommitted
+from nemo_ckpt.protocol.holder_api import HolderControl
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.sandboxes.snapshot_trees import blob_store_ref
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
@@ -126,9 +137,18 @@ class Snapshots:
         self._paused_set: list[tuple[str, Any]] = []
         self._sets = 0
 
-    async def begin(self, snapshot_id: str, checkpoint_path: str,
-                    drain_timeout_s: float | None = None, trace: str = "",
-                    stop: bool = False) -> SnapshotBegun:
+    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                             drain_timeout_s: float | None = None, trace: str = "",
+                             stop: bool = False) -> SnapshotBegun:
+        """Claim the path, pause every holder and capture; a repeat of this first call
+        is answered as the first was (``OperationTable.first_call``)."""
+        return await self._parts.operations.first_call(
+            snapshot_id, lambda: self._begin_in_span(snapshot_id, checkpoint_path,
+                                                     drain_timeout_s, trace, stop))
+
+    async def _begin_in_span(self, snapshot_id: str, checkpoint_path: str,
+                             drain_timeout_s: float | None, trace: str, stop: bool
+                             ) -> SnapshotBegun:
         """``_begin`` in its span, the child of the driver's ``trace``."""
         with tracing.span("nemo_ckpt.snapshot.begin", parent=trace, phase="begin",
                           **{"operation.id": snapshot_id, "path": checkpoint_path}) as span:
@@ -148,7 +168,7 @@ class Snapshots:
         discovery, re-discovered only when the alive nodes changed, and each holder
         pauses and captures in one call (``SessionHolder.begin``). The writes start at
         ``start_writes``, which the driver sends once it has this answer (benchmarks/
-        README.md says what starting them earlier cost the answer). ``finish_persist``
+        README.md says what starting them earlier cost the answer). ``finish_writes``
         starts any write whose start message has not arrived.
         """
         now = self._clock.monotonic()
@@ -181,10 +201,10 @@ class Snapshots:
                 op.blob_hold = asyncio.ensure_future(self._holds.hold_blobs(op, first=True))
                 op.blob_hold.add_done_callback(lambda f: f.cancelled() or f.exception())
             begun: dict[str, tuple[PauseReport, CaptureReport]] = await self._parts.holders.fan(
-                op.holders, "pause_capture",
-                HolderCall("begin", (snapshot_id, drain, cfg.lease_s, str(directory),
-                                     tracing.traceparent()) + ((True,) if stop else ()),
-                           drain + cfg.phase_timeout_s),
+                op.holders,
+                call(HolderControl.begin_snapshot, snapshot_id, drain, cfg.lease_s,
+                     str(directory), tracing.traceparent(), stop
+                     ).within(drain + cfg.phase_timeout_s),
                 op_id=snapshot_id)
             # Shielded: a cancelled begin must not cancel the claim under its thread,
             # whose put would then land after the abort's clean-up.
@@ -240,7 +260,7 @@ class Snapshots:
 
     async def start_writes(self, snapshot_id: str) -> None:
         """Start every holder's write of the snapshot; waits for none. Never raises:
-        whatever fails here fails the commit (``finish_persist`` starts a write that did
+        whatever fails here fails the commit (``finish_writes`` starts a write that did
         not start)."""
         op = self._parts.operations.get(snapshot_id)
         if not isinstance(op, SnapshotOperation) or type(op.state) is not SnapshotCaptured:
@@ -254,22 +274,23 @@ class Snapshots:
                 with contextlib.suppress(Exception):  # its error fails the commit
                     await asyncio.shield(hold)
                     if op.outcome is None:
-                        self._parts.holders.send(op.holders, "start_persist", snapshot_id)
+                        self._parts.holders.send(
+                            op.holders, call(HolderControl.start_writes, snapshot_id))
 
             task = asyncio.ensure_future(after_hold())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             return
-        self._parts.holders.send(op.holders, "start_persist", snapshot_id)
+        self._parts.holders.send(op.holders, call(HolderControl.start_writes, snapshot_id))
 
-    async def commit(self, snapshot_id: str, checkpoint_path: str,
-                     metrics: dict[str, float | int], restarted: int,
-                     stop: bool = False) -> SnapshotCommitted:
+    async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                              metrics: dict[str, float | int], restarted: int,
+                              stop: bool = False) -> SnapshotCommitted:
         """Wait for every shard, write the manifest last, then resume every holder.
 
         With ``stop`` (a job told to stop), the holders are not released before the
         manifest is durable, and then park the sessions instead of resuming: they drop
-        them, free their sandboxes and refuse new turns (``SnapshotPhases.resume``).
+        them, free their sandboxes and refuse new turns (``SnapshotPhases.commit_snapshot``).
 
         A repeated commit gets the first one's answer; a commit of an operation that
         was aborted (or lapsed) is refused with that outcome's error."""
@@ -293,8 +314,8 @@ class Snapshots:
             raise self._parts.operations.refusal(snapshot_id)
         if op.committing:
             await op.closed.wait()
-            return await self.commit(snapshot_id, checkpoint_path, metrics, restarted,
-                                     stop)
+            return await self.commit_snapshot(snapshot_id, checkpoint_path, metrics,
+                                              restarted, stop)
         if not isinstance(op, SnapshotOperation) or op.captured is None:
             raise StaleSnapshotError(f"commit of {snapshot_id} before its begin finished")
         captured = op.captured
@@ -305,9 +326,8 @@ class Snapshots:
             if op.blob_hold is not None:  # no holder relies on the store before it holds
                 await asyncio.shield(op.blob_hold)
             persists: dict[str, PersistReport] = await self._parts.holders.fan(
-                op.holders, "finish_persist",
-                HolderCall("finish_persist", (snapshot_id,),
-                           self._parts.config.persist_timeout_s),
+                op.holders, call(HolderControl.finish_writes, snapshot_id
+                                 ).within(self._parts.config.persist_timeout_s),
                 op_id=snapshot_id)
             shards: list[ShardEntry] = [s for p in persists.values() for s in p.shards]
             all_metrics = _commit_metrics(metrics, persists)
@@ -343,10 +363,9 @@ class Snapshots:
         self._record_commit(op, committing.released, all_metrics, rollouts, restarted)
         # Committed: resume first; the older snapshots' files are garbage from here on
         # and their removal must not lengthen the pause.
-        await self._parts.holders.fan(op.holders, "resume",
-                                      HolderCall("resume", (snapshot_id, True) if stop
-                                                 else (snapshot_id,)),
-                                      tolerate_failures=True)
+        await self._parts.holders.fan(
+            op.holders, call(HolderControl.commit_snapshot, snapshot_id, stop),
+            tolerate_failures=True)
         removed = await self._parts.folders.clean_up(
             op, [o.id for o in self._parts.operations.open_ones()])
         await self._parts.blobs.release(op.id)
@@ -372,7 +391,7 @@ class Snapshots:
         # shard and the manifest, and a failure still aborts the snapshot. A stop keeps
         # the gate closed: no turn may run that the parked sessions would not hold.
         if not stop:
-            self._parts.holders.send(op.holders, "release", snapshot_id)
+            self._parts.holders.send(op.holders, call(HolderControl.release, snapshot_id))
         # The check that no rollout was captured by two instances starts now, after the
         # release went out: a thread that decodes every capture holds this process's
         # GIL meanwhile. Its error is raised by commit's await on it; an abort cancels it.

@@ -4,18 +4,22 @@
 runner injected (``nemo_ckpt.transport.Runtime``), so its state machine runs without
 Ray, in tests and in the simulation; ``actors.ray_transport.SessionHolderActor`` is the
 same class as a Ray actor, pinned to its node. It keeps its construction, introspection,
-probes and watchdog, and routes every other call to its parts, which share one
+probes and watchdog, and routes every other call to the part that serves its Protocol
+(``nemo_ckpt.protocol.calls.serves`` makes one method per call, from the Protocols of
+``nemo_ckpt.protocol.holder_api``: nothing is forwarded by hand). The parts share one
 ``actors.holder.parts.HolderParts`` (the session table, the turn gate, the sandboxes, the
 operation table and ``set_state``, the one transition):
 
-- ``actors.holder.sessions.Sessions``: sessions from workers, and the ledger's
-  ``retire`` and ``forget``;
-- ``actors.holder.turns.Turns``: their turns, begun, committed, aborted and resolved;
+- ``actors.holder.sessions.Sessions``: sessions from workers (``HolderSessionCalls``),
+  and the ledger's ``retire`` and ``forget`` (``HolderLedgerCalls``);
+- ``actors.holder.turns.Turns``: their turns, begun, committed, aborted and resolved
+  (``HolderTurnCalls``);
 - ``actors.holder.operations.HolderOperations``: an operation admitted, its lease
-  renewed and lapsed, and aborted: the one place one ends without committing; a
-  restore's undo (``actors.holder.restore.RestoreUndo``) lives beside its phases;
-- ``actors.holder.snapshot.SnapshotPhases``: a snapshot's phases;
-- ``actors.holder.restore.RestorePhases``: a restore's phases.
+  renewed and lapsed, and aborted: the one place one ends without committing
+  (``HolderOperationCalls``); a restore's undo (``actors.holder.restore.RestoreUndo``)
+  lives beside its steps;
+- ``actors.holder.snapshot.SnapshotPhases``: the snapshot's room (``HolderSnapshotCalls``);
+- ``actors.holder.restore.RestorePhases``: the restore's room (``HolderRestoreCalls``).
 
 The order of the coordinator's calls is stated once, numbered, on
 ``nemo_ckpt.protocol.holder_api.HolderControl``.
@@ -25,8 +29,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.holder.operations import HolderOperations
 from actors.holder.parts import HolderParts, NoTrimmer, Trimmer
@@ -40,22 +43,20 @@ from actors.holder.turn_gate import TurnGate
 from actors.holder.turns import Turns
 from actors.holder.watchdog import Check, Watchdog
 from nemo_ckpt import tracing
-from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.phases import (
-    CaptureReport,
-    HolderInfo,
-    HolderState,
-    PauseReport,
-    PersistReport,
-    RestorePrepared,
+from nemo_ckpt.phases import HolderInfo, HolderState
+from nemo_ckpt.protocol.calls import serves
+from nemo_ckpt.protocol.holder_api import (
+    HolderLedgerCalls,
+    HolderOperationCalls,
+    HolderProbeCalls,
+    HolderRestoreCalls,
+    HolderSessionCalls,
+    HolderSnapshotCalls,
+    HolderTurnCalls,
 )
-from nemo_ckpt.protocol.holder_api import OpeningSessions
-from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
-from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.storage.location import join_location
-from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["SessionHolder", "Trimmer"]
@@ -63,6 +64,15 @@ __all__ = ["SessionHolder", "Trimmer"]
 log = logging.getLogger("nemo_ckpt.holder")
 
 
+@serves({
+    HolderProbeCalls: None,  # the holder's own
+    HolderSessionCalls: ("_sessions", Sessions),
+    HolderLedgerCalls: ("_ledger", Sessions),
+    HolderTurnCalls: ("_turns", Turns),
+    HolderOperationCalls: ("_operations", HolderOperations),
+    HolderSnapshotCalls: ("_snapshots", SnapshotPhases),
+    HolderRestoreCalls: ("_restores", RestorePhases),
+})
 class SessionHolder:
     """Holds the sessions of one instance, and takes part in snapshots and restores.
 
@@ -73,6 +83,12 @@ class SessionHolder:
     and a call for an operation its driver has moved past is refused without pausing
     anything.
     """
+
+    if TYPE_CHECKING:
+        # The routed methods are made as the class is (``serves``), so mypy does not
+        # see them; ``serves`` checks each against its Protocol, and each part is
+        # typed by the Protocol it serves (``__init__``).
+        def __getattr__(self, name: str) -> Any: ...
 
     def __init__(
         self,
@@ -110,7 +126,7 @@ class SessionHolder:
         self._turn_timeout_s = turn_timeout_s
         self._heap_state_seen = HolderState.RUNNING  # the state at the watchdog's last look
         self._watchdog = Watchdog(self._clock, watch_period_s, [
-            Check("leases", lambda now: self._operations.lapse(now)),
+            Check("leases", lambda now: self._lapse(now)),
             Check("turn timeouts", self._time_out_turns),
             Check("heap and cache", self._trim_when_running),
             Check("sessions gauge", self._publish_sessions),
@@ -124,11 +140,16 @@ class SessionHolder:
                                 container_env),
             ops=HolderOperationTable(instance_id), heap=trimmer or NoTrimmer(),
             watchdog=self._watchdog)
-        self._sessions = Sessions(self._parts, max_state_bytes)
-        self._turns = Turns(self._parts, self._sessions)
-        self._operations = HolderOperations(self._parts, RestoreUndo(self._parts))
-        self._snapshots = SnapshotPhases(self._parts, self._operations)
-        self._restores = RestorePhases(self._parts, self._operations)
+        # Each part typed by the Protocol it serves: mypy checks that it does.
+        sessions = Sessions(self._parts, max_state_bytes)
+        self._sessions: HolderSessionCalls = sessions
+        self._ledger: HolderLedgerCalls = sessions
+        self._turns: HolderTurnCalls = Turns(self._parts, sessions)
+        operations = HolderOperations(self._parts, RestoreUndo(self._parts))
+        self._operations: HolderOperationCalls = operations
+        self._lapse = operations.lapse
+        self._snapshots: HolderSnapshotCalls = SnapshotPhases(self._parts, operations)
+        self._restores: HolderRestoreCalls = RestorePhases(self._parts, operations)
 
     # --- the watchdog's checks -----------------------------------------------------------
 
@@ -206,10 +227,6 @@ class SessionHolder:
         """``(capture key, token)`` of every turn in flight (for checks and status)."""
         return self._parts.gate.in_flight()
 
-    async def sessions(self) -> list[SessionRecord]:
-        """Every live session, sorted by capture key."""
-        return [self._parts.record(h) for h in self._parts.table.sorted()]
-
     async def probe_storage(self, root: str) -> str:
         """Write a probe file under ``root`` (a folder or a bucket's prefix) and return
         where (for check_startup)."""
@@ -232,126 +249,3 @@ class SessionHolder:
         containers (``CheckpointConfig.containers``; check_startup)."""
         return await self._parts.runtime.run_blocking(
             self._parts.sandboxes.check_containers)
-
-    # --- session calls (from environment workers): ``Sessions``, ``Turns`` -----------
-
-    async def open_session(self, episode: EnvironmentEpisode, state: bytes = b"",
-                           directory: str | ContainerRef | None = None,
-                           restart_only: bool = False) -> SessionRecord:
-        """Open a session, with its sandbox if any (``Sessions.open_session``)."""
-        return await self._sessions.open_session(episode, state, directory, restart_only)
-
-    async def open_sessions(self, sessions: OpeningSessions) -> int:
-        """Open many sessions, all or none (``Sessions.open_sessions``)."""
-        return await self._sessions.open_sessions(sessions)
-
-    async def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> int:
-        """Count a rollout that starts over (``Sessions.replay_diverged``)."""
-        return await self._sessions.replay_diverged(episode, detail)
-
-    async def get_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
-        """The live session of ``episode`` (or with that capture key)."""
-        return await self._sessions.get_session(episode)
-
-    async def read_turns(self, episode: EnvironmentEpisode | str, start: int = 0,
-                         stop: int | None = None) -> list[bytes]:
-        """Some of a live session's turn records (``Sessions.read_turns``)."""
-        return await self._sessions.read_turns(episode, start, stop)
-
-    async def begin_turn(self, episode: EnvironmentEpisode, token: str) -> SessionHead:
-        """Start a turn whose token the caller made (``Turns.begin_turn``)."""
-        return await self._turns.begin_turn(episode, token)
-
-    async def commit_turn(self, episode: EnvironmentEpisode, token: str, record: bytes,
-                          state: bytes, staging_keys: Iterable[str] = ()) -> SessionHead:
-        """Commit a turn (``Turns.commit_turn``)."""
-        return await self._turns.commit_turn(episode, token, record, state, staging_keys)
-
-    async def abort_turn(self, episode: EnvironmentEpisode, token: str) -> None:
-        """Abort a turn: nothing it did is recorded (``Turns.abort_turn``)."""
-        await self._turns.abort_turn(episode, token)
-
-    async def resolve_turn(self, episode: EnvironmentEpisode, token: str
-                           ) -> SessionHead | None:
-        """The outcome of a turn whose commit got no answer (``Turns.resolve_turn``)."""
-        return await self._turns.resolve_turn(episode, token)
-
-    async def close_session(self, episode: EnvironmentEpisode | str) -> SessionRecord:
-        """Close a session and return its final record (``Sessions.close_session``)."""
-        return await self._sessions.close_session(episode)
-
-    async def finish_session(self, episode: EnvironmentEpisode, result: bytes
-                             ) -> SessionRecord:
-        """Hand in a finished rollout's result (``Sessions.finish_session``)."""
-        return await self._sessions.finish_session(episode, result)
-
-    # --- ledger operations (from RL, through the coordinator): ``Sessions`` -----------
-
-    async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]:
-        """Retire these attempts; the capture keys dropped (``Sessions.retire``)."""
-        return await self._sessions.retire(episodes)
-
-    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
-        """Forget these attempts; the capture keys dropped (``Sessions.forget``)."""
-        return await self._sessions.forget(episodes)
-
-    # --- snapshot phases (from the coordinator): ``SnapshotPhases`` ---------------------
-
-    async def pause(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-                    directory: str | None = None) -> PauseReport:
-        """Close the gate, drain, take a lease (``SnapshotPhases.pause``)."""
-        return await self._snapshots.pause(snapshot_id, drain_timeout_s, lease_s, directory)
-
-    async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-                    directory: str, trace: str = "", stop: bool = False
-                    ) -> tuple[PauseReport, CaptureReport]:
-        """``pause`` and ``capture`` in one call (``SnapshotPhases.begin``)."""
-        return await self._snapshots.begin(snapshot_id, drain_timeout_s, lease_s, directory,
-                                           trace, stop)
-
-    async def renew_lease(self, operation_id: str, lease_s: float) -> float:
-        """Extend the current operation's lease (``HolderOperations.renew_lease``)."""
-        return await self._operations.renew_lease(operation_id, lease_s)
-
-    async def release(self, snapshot_id: str) -> None:
-        """Open the gate while the shard is written (``SnapshotPhases.release``)."""
-        await self._snapshots.release(snapshot_id)
-
-    async def capture(self, snapshot_id: str) -> CaptureReport:
-        """Copy the idle sessions in memory (``SnapshotPhases.capture``)."""
-        return await self._snapshots.capture(snapshot_id)
-
-    async def start_persist(self, snapshot_id: str, directory: str | None = None) -> None:
-        """Start writing the shard (``SnapshotPhases.start_persist``)."""
-        await self._snapshots.start_persist(snapshot_id, directory)
-
-    async def finish_persist(self, snapshot_id: str) -> PersistReport:
-        """Wait for the shard to be durable (``SnapshotPhases.finish_persist``)."""
-        return await self._snapshots.finish_persist(snapshot_id)
-
-    async def resume(self, snapshot_id: str, stop: bool = False) -> None:
-        """The snapshot committed: it ends here, and with ``stop`` the sessions are
-        parked (``SnapshotPhases.resume``)."""
-        await self._snapshots.resume(snapshot_id, stop)
-
-    async def abort(self, operation_id: str, keep_committed: bool = False) -> None:
-        """End any operation without a trace here (``HolderOperations.abort``)."""
-        await self._operations.abort(operation_id, keep_committed)
-
-    # --- restore phases (from the coordinator): ``RestorePhases`` -----------------------
-
-    async def prefetch(self, where: str, shards: list[ShardEntry]) -> int:
-        """Start reading shards for a restore to come (``RestorePhases.prefetch``)."""
-        return await self._restores.prefetch(where, shards)
-
-    async def prepare_restore(
-        self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
-        blob_store: str | None = None, trace: str = "",
-    ) -> RestorePrepared:
-        """Read and verify the shards, nothing live (``RestorePhases.prepare_restore``)."""
-        return await self._restores.prepare_restore(restore_id, where, shards, lease_s,
-                                                    blob_store, trace)
-
-    async def commit_restore(self, restore_id: str) -> int:
-        """Make the restored sessions live (``RestorePhases.commit_restore``)."""
-        return await self._restores.commit_restore(restore_id)

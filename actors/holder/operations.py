@@ -1,5 +1,5 @@
 """The holder's operations from admission to their end: a new snapshot or restore let in
-or refused (``admit``); its lease renewed by the coordinator (``renew_lease``), lapsed by
+or refused (``admit``); its lease renewed by the coordinator (``renew``), lapsed by
 the watchdog (``lapse``); aborted (``abort``).
 
 An operation ends here, and only here, without committing (``end``): the one transition
@@ -65,7 +65,7 @@ class HolderOperations:
         if restore and live is not None:
             self.end(live[0], Outcome.ABORTED)
 
-    async def renew_lease(self, operation_id: str, lease_s: float) -> float:
+    async def renew(self, operation_id: str, lease_s: float) -> float:
         """Extend the lease of the snapshot or restore in progress (paused, restoring or
         released); returns seconds left. Refused, without changing anything, for any
         other operation."""

@@ -1,9 +1,15 @@
-"""The holder's side of a restore: shards read ahead of it (``prefetch``), this
-instance's shards read and verified and their sandboxes staged, nothing live yet
-(``prepare_restore``), then the sessions made live (``commit_restore``). The order of
-these calls is stated on ``nemo_ckpt.protocol.holder_api.HolderControl``; the states a restore
-passes through, and its undo, in ``actors.holder.states`` and
-``actors.holder.parts.HolderParts.set_state``.
+"""The holder's room of a restore: the steps of ``HolderRestoreCalls`` that it serves,
+in the order ``nemo_ckpt.protocol.holder_api.HolderControl`` states once:
+
+    0) prefetch_restore  shards read ahead of a restore to come
+    1) prepare_restore   this instance's shards read and verified (``actors.holder.shards``)
+                         and their sandboxes staged (``actors.holder.sandbox_restores``);
+                         nothing live yet
+    3) commit_restore    the sessions made live
+
+Step 2 (the lease renewed) and an abort are every operation's, in
+``actors.holder.operations``; a restore's undo (``RestoreUndo``) lives here. The states a
+restore passes through: ``actors.holder.states``.
 """
 
 from __future__ import annotations
@@ -105,10 +111,10 @@ class RestorePhases:
         self.instance_id = parts.instance_id
         self._runtime = parts.runtime
         self._clock = parts.clock
-        # Shards read ahead of a restore the driver announced (``prefetch``).
+        # Shards read ahead of a restore the driver announced (``prefetch_restore``).
         self._prefetch = ShardPrefetch(parts.runtime)
 
-    async def prefetch(self, where: str, shards: list[ShardEntry]) -> int:
+    async def prefetch_restore(self, where: str, shards: list[ShardEntry]) -> int:
         """Start reading and verifying ``shards`` of snapshot folder ``where`` for a restore
         to come, replacing any earlier prefetch; returns how many reads started. Nothing
         is installed: a restore of exactly these shard entries takes the reads, and a

@@ -170,6 +170,10 @@ class Sessions:
                 f"{other.rollout_id!r} attempt {other.attempt} already uses; rename the "
                 f"rollout (ids ending in '-a<digits>' collide with later attempts)")
 
+    async def sessions(self) -> list[SessionRecord]:
+        """Every live session, sorted by capture key."""
+        return [self._parts.record(h) for h in self._parts.table.sorted()]
+
     async def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> int:
         """A continued rollout starts over because its replay diverged: warn, naming it,
         and count it for the next snapshot's metrics. Returns the count so far."""

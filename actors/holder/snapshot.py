@@ -1,9 +1,15 @@
-"""The holder's side of a snapshot: pause and capture (``begin``), the shard written in
-the background (``start_persist``, ``finish_persist``), the lease renewed, the gate
-opened by ``release`` and the snapshot ended by ``resume`` or ``abort``; a shard whose
-snapshot ended while it was written removes itself (``_persist``). The order of these
-calls is stated on ``nemo_ckpt.protocol.holder_api.HolderControl``; the states a snapshot passes
-through, in ``actors.holder.states``.
+"""The holder's room of a snapshot: the steps of ``HolderSnapshotCalls`` that it serves,
+in the order ``nemo_ckpt.protocol.holder_api.HolderControl`` states once:
+
+    1) begin_snapshot   pause (close the gate, drain, take a lease) and capture, one call
+    2) start_writes     the shard written in the background (``actors.holder.shards``)
+    4) release          the gate opened while the shard is written
+    5) finish_writes    the shard durable: its manifest entry
+    6) commit_snapshot  the manifest written: the snapshot ends (or, stopping, parks)
+
+Step 3 (the lease renewed) and an abort are every operation's, in
+``actors.holder.operations``. A shard whose snapshot ended while it was written removes
+itself (``_persist``). The states a snapshot passes through: ``actors.holder.states``.
 """
 
 from __future__ import annotations
@@ -75,16 +81,16 @@ class SnapshotPhases:
             self._metrics.observe("drain", op.pause.drain_seconds, tags)
         return op.pause
 
-    async def begin(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
-                    directory: str, trace: str = "", stop: bool = False
-                    ) -> tuple[PauseReport, CaptureReport]:
+    async def begin_snapshot(self, snapshot_id: str, drain_timeout_s: float, lease_s: float,
+                             directory: str, trace: str = "", stop: bool = False
+                             ) -> tuple[PauseReport, CaptureReport]:
         """``pause`` and ``capture`` in one call, the pause's hot path: one round trip.
         Idempotent like each of them. ``stop``: a stop snapshot's (``capture``).
 
         The write does not start here: a writer thread started before the reply leaves
         holds the GIL while the reply is serialized and delays it (~15 ms at 2,500
-        sessions). ``start_persist`` (sent once every capture is in) or
-        ``finish_persist`` starts it, into ``directory``."""
+        sessions). ``start_writes`` (sent once every capture is in) or
+        ``finish_writes`` starts it, into ``directory``."""
         with tracing.span("nemo_ckpt.pause", parent=trace, phase="pause",
                           instance=self.instance_id, **{"operation.id": snapshot_id}):
             pause = await self.pause(snapshot_id, drain_timeout_s, lease_s, directory)
@@ -161,9 +167,9 @@ class SnapshotPhases:
         op.capture = Capture(held, report, sandboxes)
         return report
 
-    async def start_persist(self, snapshot_id: str, directory: str | None = None) -> None:
+    async def start_writes(self, snapshot_id: str, directory: str | None = None) -> None:
         """Start writing the captured sessions' shard in the background, into
-        ``directory`` or the one ``begin`` named. Repeating it is a no-op."""
+        ``directory`` or the one ``begin_snapshot`` named. Repeating it is a no-op."""
         op = self._parts.current_snapshot(snapshot_id)
         if op.capture is None:
             raise HolderStateError(
@@ -172,24 +178,24 @@ class SnapshotPhases:
             op.directory = folder_at(directory)
         if op.persist is None:
             op.persist = asyncio.ensure_future(self._persist(op, op.directory, op.capture))
-            # Its error reaches finish_persist; one of a snapshot that ended meanwhile
+            # Its error reaches finish_writes; one of a snapshot that ended meanwhile
             # (aborted, lapsed) has no reader, and is not an error to report.
             op.persist.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    async def finish_persist(self, snapshot_id: str) -> PersistReport:
-        """Wait for the shard to be durable, starting the write if ``start_persist`` has
+    async def finish_writes(self, snapshot_id: str) -> PersistReport:
+        """Wait for the shard to be durable, starting the write if ``start_writes`` has
         not (its message may come second). Refused once the snapshot ended here (its
         lease lapsed, or it was aborted)."""
         op = self._parts.current_snapshot(snapshot_id)
         if op.persist is None:
-            await self.start_persist(snapshot_id)
+            await self.start_writes(snapshot_id)
         assert op.persist is not None
-        await self._parts.runtime.reached("finish_persist")
+        await self._parts.runtime.reached("finish_writes")
         report = await asyncio.shield(op.persist)
         self._parts.current_snapshot(snapshot_id)  # it may have ended while writing
         return report
 
-    async def resume(self, snapshot_id: str, stop: bool = False) -> None:
+    async def commit_snapshot(self, snapshot_id: str, stop: bool = False) -> None:
         """The snapshot committed: open the turn gate, or with ``stop`` park (``park``).
         Repeating it, or after the snapshot ended here otherwise (its lease lapsed), is a
         no-op."""

@@ -15,7 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from actors.sim.actor import NO_ACTOR, ActorDied, SimActor, retrieve, settle
-from nemo_ckpt.transport import concurrency_group
+from nemo_ckpt.protocol.holder_api import concurrency_group
 
 if TYPE_CHECKING:
     from actors.sim.world import SimWorld

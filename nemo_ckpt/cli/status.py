@@ -21,7 +21,7 @@ from nemo_ckpt.connect import ray_address
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.options import non_empty, positive_float
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
-from nemo_ckpt.protocol.holder_api import HolderCalls
+from nemo_ckpt.protocol.holder_api import holder_calls
 from nemo_ckpt.transport import Actor, Transport, runtime_transport
 
 __all__ = ["HolderStatus", "add_parser", "holder_status", "run", "run_status"]
@@ -66,7 +66,7 @@ async def holder_status(transport: Transport, timeout_s: float = 10.0) -> list[H
 
     async def ask(instance_id: str, holder: Actor) -> HolderStatus:
         try:
-            info = await HolderCalls(transport, holder, timeout_s).info()
+            info = await holder_calls(transport, holder, timeout_s).info()
         except BackendUnavailableError as exc:
             if exc.unreachable is None:
                 raise  # the holder itself raised it: a bug, not an outage

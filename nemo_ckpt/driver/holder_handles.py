@@ -20,8 +20,9 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
+from nemo_ckpt.protocol.calls import call
 from nemo_ckpt.protocol.coordinator_api import SnapshotBegun
-from nemo_ckpt.protocol.holder_api import HolderCalls
+from nemo_ckpt.protocol.holder_api import HolderControl
 from nemo_ckpt.transport import Actor, Transport, detached
 
 __all__ = ["HolderHandles"]
@@ -89,10 +90,11 @@ class HolderHandles:
         last instance first: the coordinator sends in instance order, so each holder
         gets the sooner of the two. Returns how many were sent; sending never raises."""
         transport = self._transport()
+        release = call(HolderControl.release, begun.snapshot_id)
         sent = 0
         for instance_id in reversed(begun.instances):
             handle = self._handles.get(instance_id)
             if handle is not None:
-                HolderCalls(transport, handle, None).release(begun.snapshot_id)
+                transport.send(handle, release.method, *release.args)
                 sent += 1
         return sent

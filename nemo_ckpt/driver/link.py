@@ -24,7 +24,7 @@ from typing import Any
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import BackendUnavailableError
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.protocol.coordinator_api import CoordinatorCalls
+from nemo_ckpt.protocol.coordinator_api import coordinator_calls, direct_coordinator_calls
 from nemo_ckpt.protocol.operations import new_operation_id
 from nemo_ckpt.transport import COORDINATOR, Transport, detached, unavailable_error
 
@@ -53,7 +53,7 @@ class CoordinatorLink:
         self._attached = False  # whether the coordinator has compared our config
         self._driver_id: str | None = None  # names this driver in its operation ids
         self._sequence = 0
-        self.calls = CoordinatorCalls(
+        self.calls = coordinator_calls(
             self._call, lambda method, *args: self._transport().send(
                 self._transport().coordinator(), method, *args))
 
@@ -118,7 +118,7 @@ class CoordinatorLink:
                     # Within the call's own deadline. An abort is sent at once, attached
                     # or not (a coordinator it makes is made with this config): it must
                     # not wait behind an attach to a coordinator that does not answer.
-                    await CoordinatorCalls.direct(transport, timeout).attach(self.config)
+                    await direct_coordinator_calls(transport, timeout).attach(self.config)
                     self._attached = True
                 # The attach spent part of this attempt's deadline, not a deadline of
                 # its own (simulation seed 700400: an attach and a begin_snapshot each
@@ -161,8 +161,8 @@ class CoordinatorLink:
 
         async def renew_once() -> None:
             try:
-                await CoordinatorCalls.direct(self._transport(),
-                                              self.config.lease_s).renew(op_id)
+                await direct_coordinator_calls(self._transport(),
+                                               self.config.lease_s).renew(op_id)
             except Exception as exc:
                 log.debug("lease renewal of %s failed: %s", op_id, exc)
 

@@ -61,8 +61,9 @@ class SnapshotOperation:
             begun = await op.step(self._coordinator.begin_snapshot(
                 op.id, path, drain_timeout_s, tracing.traceparent(), stop))
             snap = RaySnapshot(begun, self.held_before)
-            # Not awaited, and it never raises: the writes overlap the caller's block.
-            self._coordinator.start_writes(op.id)
+            # A message, sent here and never raising: the writes overlap the caller's
+            # block (awaiting it waits for nothing).
+            await self._coordinator.start_writes(op.id)
             self._holder_handles.prepare(begun)  # in the background, for the exit
             given = snap if snap.captured_rollouts or snap.restarted_rollouts else None
             yield given

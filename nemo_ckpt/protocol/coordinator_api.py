@@ -1,30 +1,37 @@
 """The coordinator's interface as the driver sees it, and what its phases answer.
 
-``CoordinatorApi`` is what ``RayEnvironmentCheckpoint`` calls;
-``actors.coordinator.actor.CheckpointCoordinator`` implements it (``actors.ray_transport`` has
-mypy check that it does). The order of the calls is stated once, on ``CoordinatorApi``.
-``CoordinatorCalls`` makes those calls through whatever carries them to the one named
-coordinator (the driver's retrying call), each method named once and typed.
+Each call is declared once, as a method of the Protocol of the coordinator's part that
+serves it (``nemo_ckpt.protocol.calls``); ``CoordinatorApi`` gathers them and states their
+order once. ``actors.coordinator.actor.CheckpointCoordinator`` serves it, each Protocol by
+one part (``serves``); ``coordinator_calls`` is the driver's typed proxy, which hands each
+call to whatever carries it to the one named coordinator (the driver's retrying call).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import CaptureReport, HolderInfo, PauseReport
+from nemo_ckpt.protocol.calls import Call, Proxy, one_way
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.transport import Transport
 
 __all__ = [
     "CoordinatorApi",
-    "CoordinatorCalls",
+    "CoordinatorLedgerCalls",
+    "CoordinatorOperationCalls",
+    "CoordinatorRestoreCalls",
+    "CoordinatorSetupCalls",
+    "CoordinatorSnapshotCalls",
     "RestoreBegun",
     "SnapshotBegun",
     "SnapshotCommitted",
+    "coordinator_calls",
+    "direct_coordinator_calls",
 ]
 
 
@@ -66,7 +73,70 @@ class RestoreBegun:
     finished: tuple[FinishedRollout, ...] = ()  # results to hand back (nemo_ckpt.receipts)
 
 
-class CoordinatorApi(Protocol):
+class CoordinatorSetupCalls(Protocol):
+    """The job's config, its holders, and the checks of ``check_startup``."""
+
+    async def attach(self, config: CheckpointConfig) -> None: ...
+
+    async def ensure_holders(self) -> list[HolderInfo]: ...
+
+    async def holder_infos(self) -> list[HolderInfo]: ...
+
+    async def startup_warnings(self) -> list[str]: ...
+
+    async def probe_storage(self, root: str) -> dict[str, str]: ...
+
+    async def probe_sandboxes(self) -> dict[str, str]: ...
+
+    async def probe_containers(self) -> dict[str, tuple[list[str], list[str]]]: ...
+
+
+class CoordinatorOperationCalls(Protocol):
+    """What every operation takes: its lease kept up, and its end without a trace."""
+
+    async def renew(self, operation_id: str) -> None: ...
+
+    async def abort(self, operation_id: str, checkpoint_path: str | None = None,
+                    caller_error: str | None = None) -> str: ...
+
+
+class CoordinatorSnapshotCalls(Protocol):
+    """A snapshot's steps (their order: ``CoordinatorApi``)."""
+
+    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                             drain_timeout_s: float | None = None, trace: str = "",
+                             stop: bool = False) -> SnapshotBegun: ...
+
+    @one_way
+    async def start_writes(self, snapshot_id: str) -> None: ...
+
+    async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
+                              metrics: dict[str, float | int], restarted: int,
+                              stop: bool = False) -> SnapshotCommitted: ...
+
+
+class CoordinatorRestoreCalls(Protocol):
+    """A restore's steps (their order: ``CoordinatorApi``)."""
+
+    async def prefetch_restore(self, checkpoint_path: str) -> int: ...
+
+    async def prepare_restore(self, restore_id: str, checkpoint_path: str, trace: str = ""
+                              ) -> RestoreBegun: ...
+
+    async def commit_restore(self, restore_id: str) -> int: ...
+
+
+class CoordinatorLedgerCalls(Protocol):
+    """RL's ledger operations, on every holder: the capture keys dropped."""
+
+    async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
+
+    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
+
+
+class CoordinatorApi(CoordinatorSetupCalls, CoordinatorOperationCalls,
+                     CoordinatorSnapshotCalls, CoordinatorRestoreCalls,
+                     CoordinatorLedgerCalls, Protocol):
     """The calls a driver makes of the coordinator.
 
     The call order, stated here once (the other docstrings point here; what each holder
@@ -119,132 +189,25 @@ class CoordinatorApi(Protocol):
         that went live drop the restored sessions again (all or nothing).
     """
 
-    async def attach(self, config: CheckpointConfig) -> None: ...
 
-    async def ensure_holders(self) -> list[HolderInfo]: ...
-
-    async def holder_infos(self) -> list[HolderInfo]: ...
-
-    async def startup_warnings(self) -> list[str]: ...
-
-    async def probe_storage(self, root: str) -> dict[str, str]: ...
-
-    async def probe_sandboxes(self) -> dict[str, str]: ...
-
-    async def probe_containers(self) -> dict[str, tuple[list[str], list[str]]]: ...
-
-    async def renew(self, operation_id: str) -> None: ...
-
-    async def abort(self, operation_id: str, checkpoint_path: str | None = None,
-                    caller_error: str | None = None) -> str: ...
-
-    async def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                             drain_timeout_s: float | None = None, trace: str = "",
-                             stop: bool = False) -> SnapshotBegun: ...
-
-    async def start_writes(self, snapshot_id: str) -> None: ...
-
-    async def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                              metrics: dict[str, float | int], restarted: int,
-                              stop: bool = False) -> SnapshotCommitted: ...
-
-    async def prepare_restore(self, restore_id: str, checkpoint_path: str, trace: str = ""
-                              ) -> RestoreBegun: ...
-
-    async def prefetch_restore(self, checkpoint_path: str) -> int: ...
-
-    async def commit_restore(self, restore_id: str) -> int: ...
-
-    async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
-
-    async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
-
-
-class CoordinatorCalls:
+def coordinator_calls(invoke: Callable[..., Awaitable[Any]],
+                      tell: Callable[..., None] | None = None) -> CoordinatorApi:
     """``CoordinatorApi``'s calls through ``invoke(method, *args)``, which carries a call
-    to the coordinator and returns its answer; ``start_writes`` is a one-way message,
-    sent through ``tell(method, *args)``, as the driver never waits for it."""
+    to the coordinator and returns its answer; a message (``start_writes``) goes through
+    ``tell(method, *args)``, as the driver never waits for it."""
+    send = None if tell is None else (lambda made: tell(made.method, *made.args))
+    return cast(CoordinatorApi, Proxy(
+        (CoordinatorApi,), lambda made: invoke(made.method, *made.args), send))
 
-    def __init__(self, invoke: Callable[..., Awaitable[Any]],
-                 tell: Callable[..., None] | None = None) -> None:
-        self._invoke = invoke
-        self._tell = tell
 
-    @classmethod
-    def direct(cls, transport: Transport, timeout: float | None = None) -> CoordinatorCalls:
-        """Calls to the transport's coordinator, each with ``timeout``, sent once."""
-        return cls(lambda method, *args: transport.call(
-                       transport.coordinator(), method, *args, timeout=timeout),
-                   lambda method, *args: transport.send(transport.coordinator(), method,
-                                                        *args))
+def direct_coordinator_calls(transport: Transport, timeout: float | None = None
+                             ) -> CoordinatorApi:
+    """Calls to the transport's coordinator, each with ``timeout``, sent once."""
 
-    def attach(self, config: CheckpointConfig) -> Awaitable[None]:
-        return self._invoke("attach", config)
+    def invoke(made: Call[Any]) -> Awaitable[Any]:
+        return transport.call(transport.coordinator(), made.method, *made.args,
+                              timeout=timeout)
 
-    def ensure_holders(self) -> Awaitable[list[HolderInfo]]:
-        return self._invoke("ensure_holders")
-
-    def holder_infos(self) -> Awaitable[list[HolderInfo]]:
-        return self._invoke("holder_infos")
-
-    def startup_warnings(self) -> Awaitable[list[str]]:
-        return self._invoke("startup_warnings")
-
-    def probe_storage(self, root: str) -> Awaitable[dict[str, str]]:
-        return self._invoke("probe_storage", root)
-
-    def probe_sandboxes(self) -> Awaitable[dict[str, str]]:
-        return self._invoke("probe_sandboxes")
-
-    def probe_containers(self) -> Awaitable[dict[str, tuple[list[str], list[str]]]]:
-        return self._invoke("probe_containers")
-
-    def renew(self, operation_id: str) -> Awaitable[None]:
-        return self._invoke("renew", operation_id)
-
-    def abort(self, operation_id: str, checkpoint_path: str | None = None,
-              caller_error: str | None = None) -> Awaitable[str]:
-        return self._invoke("abort", operation_id, checkpoint_path, caller_error)
-
-    def begin_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                       drain_timeout_s: float | None = None, trace: str = "",
-                       stop: bool = False) -> Awaitable[SnapshotBegun]:
-        # Only what differs from the defaults travels (``nemo_ckpt.tracing``: ``trace``).
-        args: tuple[Any, ...] = (snapshot_id, checkpoint_path)
-        if stop:
-            args += (drain_timeout_s, trace, True)
-        elif drain_timeout_s is not None or trace:
-            args += (drain_timeout_s,) + ((trace,) if trace else ())
-        return self._invoke("begin_snapshot", *args)
-
-    def start_writes(self, snapshot_id: str) -> None:
-        if self._tell is None:
-            raise TypeError("these calls were made without a way to send a message")
-        self._tell("start_writes", snapshot_id)
-
-    def commit_snapshot(self, snapshot_id: str, checkpoint_path: str,
-                        metrics: dict[str, float | int], restarted: int, stop: bool = False
-                        ) -> Awaitable[SnapshotCommitted]:
-        if stop:
-            return self._invoke("commit_snapshot", snapshot_id, checkpoint_path, metrics,
-                                restarted, True)
-        return self._invoke("commit_snapshot", snapshot_id, checkpoint_path, metrics,
-                            restarted)
-
-    def prepare_restore(self, restore_id: str, checkpoint_path: str, trace: str = ""
-                        ) -> Awaitable[RestoreBegun]:
-        if trace:
-            return self._invoke("prepare_restore", restore_id, checkpoint_path, trace)
-        return self._invoke("prepare_restore", restore_id, checkpoint_path)
-
-    def prefetch_restore(self, checkpoint_path: str) -> Awaitable[int]:
-        return self._invoke("prefetch_restore", checkpoint_path)
-
-    def commit_restore(self, restore_id: str) -> Awaitable[int]:
-        return self._invoke("commit_restore", restore_id)
-
-    def retire(self, episodes: list[EnvironmentEpisode]) -> Awaitable[list[str]]:
-        return self._invoke("retire", episodes)
-
-    def forget(self, episodes: list[EnvironmentEpisode]) -> Awaitable[list[str]]:
-        return self._invoke("forget", episodes)
+    return cast(CoordinatorApi, Proxy(
+        (CoordinatorApi,), invoke,
+        lambda made: transport.send(transport.coordinator(), made.method, *made.args)))

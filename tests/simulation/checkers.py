@@ -37,6 +37,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
+from nemo_ckpt.protocol.holder_api import SESSION_METHODS
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sandboxes import tree_codec
@@ -58,12 +59,12 @@ from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_fol
 from nemo_ckpt.storage.claims import decode_claim
 from nemo_ckpt.storage.path_claims import read_claims
 from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
-from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY, SESSION_METHODS
+from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 
 from .plan import CONFIG, SPARSE_BYTES
 from .state import Driver, OpRecord, Part, State, secret_bytes, short
 
-_END_METHODS = ("resume", "abort")
+_END_METHODS = ("commit_snapshot", "abort")
 # How long after an operation ended a holder may still be paused for it (its abort or
 # resume in flight): well under a lease, so a stuck pause is seen before it lapses.
 GRACE_S = 1.0
@@ -146,7 +147,7 @@ class Checkers(Part):
         if method in ("abort_turn", "resolve_turn") and len(args) > 1:
             self.turn_aborts_in_flight[args[1]] -= 1
         if target.kind == HOLDER and args and isinstance(args[0], str):
-            if method in ("begin", "pause", "prepare_restore"):
+            if method in ("begin_snapshot", "pause", "prepare_restore"):
                 self.begin_delivered.setdefault((target.serial, args[0]), self.now())
             elif method in _END_METHODS:
                 self.end_delivered.setdefault((target.serial, args[0]), self.now())

@@ -37,7 +37,7 @@ from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 
 from .checkers import Checkers
-from .plan import CONFIG
+from .plan import CONFIG, TRIGGERS
 from .state import RL_HALF, Part, State, remove_rl_half, secret_bytes, short
 
 # The folder a hostile writer's manifest is planted in (``Faults.plant``).
@@ -176,6 +176,9 @@ class Faults(Part):
     # --- at a message or a file operation (the world's hooks): the planned triggers -------
 
     def on_deliver(self, target: SimActor, method: str, args: tuple[Any, ...]) -> None:
+        aimed = f"holder.{method}"
+        if target.kind == HOLDER and aimed in TRIGGERS["kill_at"]:
+            method = aimed
         if self._trigger("kill_at", method):
             self.log(f"fault: {target} is killed as {method} arrives")
             self.world.kill(target)

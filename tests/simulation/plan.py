@@ -16,9 +16,12 @@ CONFIG = CheckpointConfig(namespace="sim", drain_timeout_s=1.0, lease_s=6.0,
 
 
 # Faults aimed at a phase boundary: kill the actor a call arrives at, kill an actor right
-# after a file operation returns, cancel the driver's operation as it sends a call.
+# after a file operation returns, cancel the driver's operation as it sends a call. A
+# step's call has one name on both sides; ``holder.`` aims at its arrival at a holder,
+# the bare name at the coordinator (or, for the calls only holders get, at a holder).
 TRIGGERS = {
-    "kill_at": ["begin", "start_persist", "finish_persist", "resume", "renew_lease",
+    "kill_at": ["holder.begin_snapshot", "holder.start_writes", "finish_writes",
+                "holder.commit_snapshot", "holder.renew",
                 "prepare_restore", "commit_restore", "abort_restore", "abort",
                 "begin_snapshot", "start_writes", "commit_snapshot", "abort_snapshot",
                 "renew"],
