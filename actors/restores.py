@@ -31,11 +31,11 @@ from nemo_ckpt.protocol.restore_plan import (
     holder_said,
     verify_prepared,
 )
-from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of, moved_blob_store
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.manifest import Manifest, ShardEntry
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.transport import Actor
+from nemo_ckpt.trees.snapshot_trees import blob_store_of, moved_blob_store
 
 __all__ = ["RestoreHolds", "Restores"]
 

@@ -50,13 +50,13 @@ from nemo_ckpt.phases import (
     RestorePrepared,
 )
 from nemo_ckpt.protocol.holder_api import OpeningSessions
-from nemo_ckpt.sandboxes.backend import ContainerRef
-from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
+from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import Runtime
+from nemo_ckpt.trees.limits import SandboxLimits, TreeBudget
 
 __all__ = ["SessionHolder", "Trimmer"]
 

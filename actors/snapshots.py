@@ -33,12 +33,12 @@ from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotErro
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport
 from nemo_ckpt.protocol.coordinator_api import SnapshotBegun, SnapshotCommitted
 from nemo_ckpt.protocol.operations import Outcome
-from nemo_ckpt.sandboxes.snapshot_trees import blob_store_ref
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.cleanup import remove_snapshot_files
 from nemo_ckpt.storage.manifest import ShardEntry, encode_manifest
 from nemo_ckpt.storage.snapshot_files import write_manifest
 from nemo_ckpt.transport import Actor
+from nemo_ckpt.trees.snapshot_trees import blob_store_ref
 
 __all__ = ["SnapshotHolds", "Snapshots"]
 

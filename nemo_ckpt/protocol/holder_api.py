@@ -24,7 +24,7 @@ from nemo_ckpt.phases import (
     PersistReport,
     RestorePrepared,
 )
-from nemo_ckpt.sandboxes.backend import ContainerRef
+from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import Actor, Transport
