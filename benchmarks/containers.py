@@ -62,7 +62,7 @@ from typing import Any
 from benchmarks.common import median
 from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.containers.sandbox import ContainerSandboxes, RecordedContainer
-from nemo_ckpt.sandboxes.node_cache import BlobCache
+from nemo_ckpt.trees.node_cache import BlobCache
 from tests.container_runtime import Setup, ensure
 
 PREFIX = "nemo-ckpt-bench-"

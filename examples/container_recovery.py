@@ -40,7 +40,7 @@ from pathlib import Path
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.sandboxes.backend import ContainerRef
+from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.testing.data_plane import StaticCut
 
 IMAGE = "localhost/nemo-ckpt-busybox:1"

@@ -55,7 +55,6 @@ from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver import RayEnvironmentCheckpoint
 from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.location import (
@@ -81,6 +80,7 @@ from nemo_ckpt.testing.toy_env import (
     reference_trajectory,
     start_env_workers,
 )
+from nemo_ckpt.trees.blob_store import BLOB_DIR
 
 __all__ = ["DemoOptions", "DemoProgress", "DemoReport", "DemoError", "run_demo",
            "latest_committed_snapshot", "format_report"]

@@ -50,10 +50,10 @@ from nemo_ckpt.manager.config import RolloutCheckpointConfig
 from nemo_ckpt.manager.contract import ManagedSnapshot, RlHalf
 from nemo_ckpt.manager.rollout_manager import RolloutCheckpointManager
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
-from nemo_ckpt.sandboxes.backend import ContainerRef, EnvironmentClass
-from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs
+from nemo_ckpt.sandbox_backend import ContainerRef, EnvironmentClass
 from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
+from nemo_ckpt.trees.collection import CollectionReport, collect_blobs
 
 __all__ = [
     "CatalogProgress",

@@ -16,8 +16,8 @@ from pydantic import (
 )
 
 from nemo_ckpt.errors import CheckpointPathError
-from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.storage.location import LocalLocation, parse_location
+from nemo_ckpt.trees.limits import SandboxLimits, TreeBudget
 
 __all__ = ["CheckpointConfig", "HOLDER_NAME_PREFIX", "LEASE_MARGIN", "DRIVER_FIELDS",
            "ADOPTED_FIELDS", "config_differences"]

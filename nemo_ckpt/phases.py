@@ -104,7 +104,7 @@ class CaptureReport:
     the yield, and one ``bytes`` ships in microseconds where tens of thousands of tuples
     took milliseconds to pickle at every hop. It is decoded only where it is used.
     ``restarting`` is ``(rollout_id, attempt)`` per session mid-turn at the deadline, or
-    restart-only (``restart_only_count`` of them; ``nemo_ckpt.sandboxes.backend``).
+    restart-only (``restart_only_count`` of them; ``nemo_ckpt.sandbox_backend``).
     """
 
     instance_id: str

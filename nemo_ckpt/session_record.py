@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.sandboxes.backend import EnvironmentClass
+from nemo_ckpt.sandbox_backend import EnvironmentClass
 
 __all__ = ["SessionRecord", "SessionHead", "check_staging_keys", "encode_row",
            "encode_turns", "body_head", "bin_header", "array_header", "turn_items",
@@ -80,7 +80,7 @@ class SessionRecord:
 
     @property
     def environment_class(self) -> EnvironmentClass:
-        """What a snapshot captures of this session (``nemo_ckpt.sandboxes.backend``)."""
+        """What a snapshot captures of this session (``nemo_ckpt.sandbox_backend``)."""
         if self.restart_only:
             return EnvironmentClass.RESTART_ONLY
         if self.directory is not None or self.container is not None:

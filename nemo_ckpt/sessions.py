@@ -25,7 +25,7 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import instance_sort_key
 from nemo_ckpt.protocol.holder_api import holder_calls, session_calls
-from nemo_ckpt.sandboxes.backend import ContainerRef
+from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord, check_staging_keys
 from nemo_ckpt.transport import Actor, Transport
 
@@ -213,7 +213,7 @@ class SessionClient:
                    container: str | ContainerRef | None = None,
                    restart_only: bool = False) -> SessionRecord:
         """Open a session for ``episode`` with its initial state and, optionally, the
-        sandbox it owns on this node (``nemo_ckpt.sandboxes.backend`` says what each
+        sandbox it owns on this node (``nemo_ckpt.sandbox_backend`` says what each
         class of environment gets):
 
         - ``directory``: a folder inside ``CheckpointConfig.sandbox_root``; its tree is

@@ -18,7 +18,6 @@ import pytest
 
 from nemo_ckpt.catalog.commit_sequence import take_sequence
 from nemo_ckpt.errors import CheckpointPathBusyError, OperationAbortedError
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.storage.folder import ABSENT
@@ -27,6 +26,7 @@ from nemo_ckpt.storage.manifest import encode_manifest, shard_file_name
 from nemo_ckpt.storage.path_claims import advisory_claims_warning, claim_path
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_manifest, write_manifest
+from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore
 from tests.azurite_server import AzuriteServer
 from tests.s3_server import LocalS3Server, RcloneServer
 from tests.test_object_storage import session

@@ -19,11 +19,11 @@ import pytest
 
 from nemo_ckpt.containers.archive import check_archive
 from nemo_ckpt.containers.podman import Podman
-from nemo_ckpt.containers.record import ContainerRecord, decode_record, encode_record
 from nemo_ckpt.containers.sandbox import ContainerSandboxes, RecordedContainer
 from nemo_ckpt.errors import ContainerRuntimeError
-from nemo_ckpt.sandboxes.blob_store import digest_of
-from nemo_ckpt.sandboxes.node_cache import BlobCache
+from nemo_ckpt.trees.blob_store import digest_of
+from nemo_ckpt.trees.container_record import ContainerRecord, decode_record, encode_record
+from nemo_ckpt.trees.node_cache import BlobCache
 from tests.container_runtime import Setup, ensure
 
 pytestmark = pytest.mark.timeout(180)

@@ -3,6 +3,9 @@
 its ``class`` or ``def`` line to its last line, decorators left out, nested ones too.
 One over its bound is split along a concern into a part of its own, as the holder's
 and the driver's parts are (docs/LAYOUT.md); import circles are test_core_modules'.
+The two sandbox backends, ``nemo_ckpt/sandboxes/`` (directories) and
+``nemo_ckpt/containers/``, import neither each other, not even for type checking: what
+both use lies below them (``nemo_ckpt/trees/``, ``nemo_ckpt/sandbox_backend.py``).
 """
 
 from __future__ import annotations
@@ -59,3 +62,64 @@ def test_the_check_names_each_class_and_function_over_its_bound_and_where_it_is(
         "along a concern"]
     within = "class Small:\n    def f(self) -> None:\n" + "        pass\n" * 79
     assert oversized(within, "actors/small.py") == []
+
+
+BACKENDS = ("nemo_ckpt.sandboxes", "nemo_ckpt.containers")
+
+
+def imported_modules(source: str, module: str) -> set[str]:
+    """Every module the source of ``module`` names in an import, anywhere in it (inside
+    functions and ``if TYPE_CHECKING:`` too), relative imports resolved, and for
+    ``from a import b`` both ``a`` and ``a.b`` (``b`` may be a module)."""
+    found: set[str] = set()
+    package = module.split(".")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def crossing_imports(source: str, module: str) -> list[str]:
+    """The imports of ``module`` that reach the other sandbox backend's package."""
+    own = [b for b in BACKENDS if module == b or module.startswith(b + ".")]
+    others = [b for b in BACKENDS if b not in own]
+    return sorted(f"{module} imports {name}" for name in imported_modules(source, module)
+                  if own and any(name == o or name.startswith(o + ".") for o in others))
+
+
+def test_the_directory_and_container_backends_import_neither_each_other() -> None:
+    found = []
+    for backend in BACKENDS:
+        folder = ROOT.joinpath(*backend.split("."))
+        modules = sorted(folder.rglob("*.py"))
+        assert len(modules) >= 2  # the package, not an empty glob
+        for path in modules:
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found += crossing_imports(path.read_text(), name)
+    assert found == []
+
+
+def test_the_backend_check_sees_typing_only_relative_and_in_function_imports() -> None:
+    source = ("from typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n"
+              "    from nemo_ckpt.containers.record import ContainerRecord\n"
+              "from ..containers import podman\n"
+              "from nemo_ckpt.trees.scan import scan\n"
+              "def f() -> None:\n"
+              "    import nemo_ckpt.containers.backend\n")
+    assert crossing_imports(source, "nemo_ckpt.sandboxes.directories") == [
+        "nemo_ckpt.sandboxes.directories imports nemo_ckpt.containers",
+        "nemo_ckpt.sandboxes.directories imports nemo_ckpt.containers.backend",
+        "nemo_ckpt.sandboxes.directories imports nemo_ckpt.containers.podman",
+        "nemo_ckpt.sandboxes.directories imports nemo_ckpt.containers.record",
+        "nemo_ckpt.sandboxes.directories imports nemo_ckpt.containers.record.ContainerRecord"]
+    assert crossing_imports("from nemo_ckpt import sandboxes\n",
+                            "nemo_ckpt.containers.sandbox") == [
+        "nemo_ckpt.containers.sandbox imports nemo_ckpt.sandboxes"]
+    assert crossing_imports(source, "nemo_ckpt.trees.scan") == []

@@ -25,8 +25,6 @@ from actors.coordinator.states import SnapshotBeginning, SnapshotOperation
 from nemo_ckpt.catalog.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.catalog.listing import remove_snapshot
 from nemo_ckpt.errors import CheckpointPathBusyError, SnapshotWriteError
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore, digest_of
-from nemo_ckpt.sandboxes.collection import collect_blobs
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import ClaimWatch, encode_claim
 from nemo_ckpt.storage.cleanup import remove_snapshot_files
@@ -35,6 +33,8 @@ from nemo_ckpt.storage.local_folder import LocalFolder
 from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.storage.path_claims import claim_of, claim_path
 from nemo_ckpt.transport import Runtime
+from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.trees.collection import collect_blobs
 from tests.s3_server import LocalS3Server
 from tests.test_object_storage import session, write_snapshot
 

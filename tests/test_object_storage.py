@@ -26,7 +26,6 @@ from nemo_ckpt.errors import (
     UnsafeShardNameError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
@@ -45,6 +44,7 @@ from nemo_ckpt.storage.snapshot_files import (
     snapshot_rollouts,
     write_manifest,
 )
+from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore
 from tests.s3_server import BUCKET, SERVERS, LocalS3Server
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,16 +18,16 @@ import msgpack
 import pytest
 
 from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathBusyError, SandboxError
-from nemo_ckpt.sandboxes.blob_store import BlobStore, digest_of
-from nemo_ckpt.sandboxes.limits import MAX_DEPTH, SandboxLimits
-from nemo_ckpt.sandboxes.materialize import materialize
-from nemo_ckpt.sandboxes.node_cache import BlobCache
-from nemo_ckpt.sandboxes.scan import scan
-from nemo_ckpt.sandboxes.tree_codec import decode_tree, encode_tree
-from nemo_ckpt.sandboxes.tree_types import DIR, FILE, LINK, SPARSE, Entry, diff_trees
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.testing.toy_env import directory_listing
+from nemo_ckpt.trees.blob_store import BlobStore, digest_of
+from nemo_ckpt.trees.limits import MAX_DEPTH, SandboxLimits
+from nemo_ckpt.trees.materialize import materialize
+from nemo_ckpt.trees.node_cache import BlobCache
+from nemo_ckpt.trees.scan import scan
+from nemo_ckpt.trees.tree_codec import decode_tree, encode_tree
+from nemo_ckpt.trees.tree_types import DIR, FILE, LINK, SPARSE, Entry, diff_trees
 
 
 def _repo(root: Path) -> Path:

@@ -27,8 +27,6 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
-from nemo_ckpt.sandboxes.blob_store import BlobStore, digest_of
-from nemo_ckpt.sandboxes.collection import collect_blobs, committed_snapshots, snapshot_refs
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.storage.manifest import FORMAT_VERSION
@@ -37,6 +35,8 @@ from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.toy_env import directory_listing
 from nemo_ckpt.testing.virtual_time import EPOCH
 from nemo_ckpt.transport import COORDINATOR
+from nemo_ckpt.trees.blob_store import BlobStore, digest_of
+from nemo_ckpt.trees.collection import collect_blobs, committed_snapshots, snapshot_refs
 from tests.harness import World
 from tests.test_sandbox import same_content, sparse_file, swap_before_open
 

@@ -28,8 +28,6 @@ from nemo_ckpt.errors import (
     UnsupportedFormatVersionError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore, digest_of
-from nemo_ckpt.sandboxes.collection import collect_blobs
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at, prepare_environment_dir
 from nemo_ckpt.storage.claims import LEGACY_TTL_S, STALE_FACTOR, ClaimWatch
@@ -58,6 +56,8 @@ from nemo_ckpt.storage.snapshot_files import (
     snapshot_rollouts,
     write_manifest,
 )
+from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.trees.collection import collect_blobs
 
 
 def session(inst: str, rid: str, attempt: int = 0, state: bytes = b"s", turns: int = 2

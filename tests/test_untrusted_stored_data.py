@@ -17,17 +17,17 @@ from nemo_ckpt.cli.main import main
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import SandboxError, SnapshotReadError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.sandboxes import tree_codec
-from nemo_ckpt.sandboxes.blob_store import BlobStore, digest_of
-from nemo_ckpt.sandboxes.collection import collect_blobs
-from nemo_ckpt.sandboxes.limits import TreeBudget
-from nemo_ckpt.sandboxes.snapshot_trees import BlobsWritten, read_trees_file, write_trees_file
-from nemo_ckpt.sandboxes.tree_codec import decode_tree, pack_tree_object
-from nemo_ckpt.sandboxes.tree_types import DIR
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
 from nemo_ckpt.storage.manifest import MAX_SANDBOX_ID_BYTES, NAME_MAX
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.trees import tree_codec
+from nemo_ckpt.trees.blob_store import BlobStore, digest_of
+from nemo_ckpt.trees.collection import collect_blobs
+from nemo_ckpt.trees.limits import TreeBudget
+from nemo_ckpt.trees.snapshot_trees import BlobsWritten, read_trees_file, write_trees_file
+from nemo_ckpt.trees.tree_codec import decode_tree, pack_tree_object
+from nemo_ckpt.trees.tree_types import DIR
 from tests.harness import World
 from tests.test_sandbox_sessions import sandbox_job
 

@@ -69,11 +69,11 @@ from nemo_ckpt.protocol.coordinator_api import (
     SnapshotBegun,
     SnapshotCommitted,
 )
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR
-from nemo_ckpt.sandboxes.collection import CollectionReport
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.transport import COORDINATOR, Transport
+from nemo_ckpt.trees.blob_store import BLOB_DIR
+from nemo_ckpt.trees.collection import CollectionReport
 
 __all__ = ["CheckpointCoordinator", "SnapshotBegun", "SnapshotCommitted", "RestoreBegun"]
 

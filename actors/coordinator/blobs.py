@@ -1,10 +1,10 @@
 """The coordinator's side of the blob store: snapshots' holds on it, and its collection.
 
 A snapshot whose sessions may own sandboxes holds the root's blob store
-(``nemo_ckpt.sandboxes.blob_claims``) from its pause to its end, since it relies on the
+(``nemo_ckpt.trees.blob_claims``) from its pause to its end, since it relies on the
 blobs it found present; no collection runs while any hold stands. After a commit that may have made
 blobs garbage (an older snapshot replaced or removed, one aborted after writing), the
-store is collected (``nemo_ckpt.sandboxes.collection``): one bounded round before the
+store is collected (``nemo_ckpt.trees.collection``): one bounded round before the
 commit answers, then the rest in the background; one collection at a time, and one more
 when a commit lands while it runs.
 
@@ -27,19 +27,19 @@ from collections.abc import Callable
 from typing import Any
 
 from nemo_ckpt.errors import NemoCkptError
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
-from nemo_ckpt.sandboxes.collection import (
+from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.claims import ClaimWatch
+from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.transport import Runtime
+from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore
+from nemo_ckpt.trees.collection import (
     CollectionReport,
     RefsCache,
     collect_quietly,
     committed_snapshots,
     snapshot_refs,
 )
-from nemo_ckpt.sandboxes.limits import TreeBudget
-from nemo_ckpt.storage.checkpoint_folder import folder_at
-from nemo_ckpt.storage.claims import ClaimWatch
-from nemo_ckpt.storage.location import join_location
-from nemo_ckpt.transport import Runtime
+from nemo_ckpt.trees.limits import TreeBudget
 
 __all__ = ["BlobCollector", "MIN_ROUND_REMOVALS"]
 

@@ -39,10 +39,10 @@ from nemo_ckpt.protocol.calls import call
 from nemo_ckpt.protocol.coordinator_api import RestoreBegun
 from nemo_ckpt.protocol.holder_api import HolderControl
 from nemo_ckpt.protocol.operations import Outcome
-from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of, moved_blob_store
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.manifest import Manifest, ShardEntry
 from nemo_ckpt.storage.snapshot_files import read_manifest
+from nemo_ckpt.trees.snapshot_trees import blob_store_of, moved_blob_store
 
 __all__ = ["RestoreHolds", "Restores"]
 

@@ -44,12 +44,12 @@ from nemo_ckpt.protocol.calls import call
 from nemo_ckpt.protocol.coordinator_api import SnapshotBegun, SnapshotCommitted
 from nemo_ckpt.protocol.holder_api import HolderControl
 from nemo_ckpt.protocol.operations import Outcome
-from nemo_ckpt.sandboxes.snapshot_trees import blob_store_ref
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.cleanup import remove_snapshot_files
 from nemo_ckpt.storage.manifest import ShardEntry, encode_manifest
 from nemo_ckpt.storage.snapshot_files import write_manifest
 from nemo_ckpt.transport import Actor
+from nemo_ckpt.trees.snapshot_trees import blob_store_ref
 
 __all__ = ["SnapshotHolds", "Snapshots"]
 

@@ -215,7 +215,7 @@ class SnapshotOperation(Operation):
     blob store's hold."""
 
     # The manifest's blob_store ("../blobs") when sessions may own sandboxes, and the
-    # snapshot's hold on that store (``nemo_ckpt.sandboxes.blob_claims``), taken beside the pause.
+    # snapshot's hold on that store (``nemo_ckpt.trees.blob_claims``), taken beside the pause.
     blob_ref: str | None = None
     blob_hold: asyncio.Future[None] | None = None
     # The path's claim being written beside the pause: an abort's release waits for it,

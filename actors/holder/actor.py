@@ -54,10 +54,10 @@ from nemo_ckpt.protocol.holder_api import (
     HolderSnapshotCalls,
     HolderTurnCalls,
 )
-from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.transport import Runtime
+from nemo_ckpt.trees.limits import SandboxLimits, TreeBudget
 
 __all__ = ["SessionHolder", "Trimmer"]
 

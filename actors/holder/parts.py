@@ -30,7 +30,7 @@ from actors.holder.turn_gate import TurnGate
 from actors.holder.watchdog import Watchdog
 from nemo_ckpt.errors import HolderBusyError, JobStoppedError
 from nemo_ckpt.protocol.operations import Outcome
-from nemo_ckpt.sandboxes.backend import ContainerRef
+from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.transport import Clock, Runtime
 

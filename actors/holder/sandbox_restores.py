@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from nemo_ckpt.errors import ContainerRuntimeError, RestoreConflictError, SandboxError
-from nemo_ckpt.sandboxes.backend import SandboxLocation, Staged, StoredSandbox
-from nemo_ckpt.sandboxes.blob_store import BlobStore
-from nemo_ckpt.sandboxes.snapshot_trees import TreeRow, read_blob, read_trees_file
+from nemo_ckpt.sandbox_backend import SandboxLocation, Staged, StoredSandbox
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.manifest import ShardEntry, restored_name_problem, safe_name_part
+from nemo_ckpt.trees.blob_store import BlobStore
+from nemo_ckpt.trees.snapshot_trees import TreeRow, read_blob, read_trees_file
 
 if TYPE_CHECKING:
     from actors.holder.sandboxes import Sandboxes

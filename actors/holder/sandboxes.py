@@ -47,23 +47,14 @@ from typing import Protocol
 
 from actors.holder.sandbox_restores import SandboxRestores
 from nemo_ckpt.containers.backend import ContainerBackend
-from nemo_ckpt.containers.record import encode_record
 from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
-from nemo_ckpt.sandboxes.backend import (
+from nemo_ckpt.sandbox_backend import (
     ContainerRef,
     Recorded,
     SandboxBackend,
     SandboxLocation,
 )
-from nemo_ckpt.sandboxes.blob_store import BlobStore
 from nemo_ckpt.sandboxes.directories import PRIVATE_DIR, DirectoryBackend
-from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
-from nemo_ckpt.sandboxes.node_cache import BlobCache
-from nemo_ckpt.sandboxes.snapshot_trees import (
-    BlobsWritten,
-    persist_blobs,
-    write_trees_file,
-)
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.manifest import (
@@ -72,6 +63,15 @@ from nemo_ckpt.storage.manifest import (
     restored_name_problem,
     safe_name_part,
     trees_file_name,
+)
+from nemo_ckpt.trees.blob_store import BlobStore
+from nemo_ckpt.trees.container_record import encode_record
+from nemo_ckpt.trees.limits import SandboxLimits, TreeBudget
+from nemo_ckpt.trees.node_cache import BlobCache
+from nemo_ckpt.trees.snapshot_trees import (
+    BlobsWritten,
+    persist_blobs,
+    write_trees_file,
 )
 
 __all__ = ["Sandbox", "Recorded", "Sandboxes", "SandboxCapture", "PRIVATE_DIR"]
@@ -149,7 +149,7 @@ class _Sink:
 class Sandboxes:
     """The sandboxes of one holder (see the module docstring): the sessions' table and
     the node cache's account, routing each sandbox's work to its backend
-    (``nemo_ckpt.sandboxes.backend``: directories, containers)."""
+    (``nemo_ckpt.sandbox_backend``: directories, containers)."""
 
     def __init__(self, instance_id: str, sandbox_root: str | None,
                  blob_root: str | None, namespace: str = "nemo_ckpt",

@@ -27,7 +27,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.protocol.holder_api import OpeningSessions
-from nemo_ckpt.sandboxes.backend import ContainerRef, SandboxLocation
+from nemo_ckpt.sandbox_backend import ContainerRef, SandboxLocation
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.manifest import sandbox_id_problem
 
@@ -60,7 +60,7 @@ class Sessions:
         """Open a session for ``episode`` with its initial state, and the sandbox it
         owns, if any: a ``directory`` (inside ``sandbox_root``) or a container (a
         ``ContainerRef``), recorded now, as the session's start. A ``restart_only``
-        session is never captured (``nemo_ckpt.sandboxes.backend``). Waits while
+        session is never captured (``nemo_ckpt.sandbox_backend``). Waits while
         paused."""
         await self.open_sessions([(episode, state, directory, restart_only)])
         return self._parts.record(self.held(episode))

@@ -31,7 +31,7 @@ from nemo_ckpt import tracing
 from nemo_ckpt.errors import HolderStateError
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport, join_captured
 from nemo_ckpt.protocol.operations import Outcome
-from nemo_ckpt.sandboxes.backend import ContainerRef
+from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.cleanup import remove_files
 from nemo_ckpt.storage.folder import Folder

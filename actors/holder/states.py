@@ -33,7 +33,7 @@ from nemo_ckpt.errors import HolderBusyError, HolderStateError, StaleSnapshotErr
 from nemo_ckpt.phases import CaptureReport, HolderState, PauseReport, PersistReport
 from nemo_ckpt.phases import RestorePrepared as PreparedReport
 from nemo_ckpt.protocol.operations import LifecycleTable, Outcome
-from nemo_ckpt.sandboxes.backend import SandboxLocation
+from nemo_ckpt.sandbox_backend import SandboxLocation
 from nemo_ckpt.storage.folder import Folder
 
 __all__ = [

@@ -20,7 +20,7 @@ from nemo_ckpt.errors import (
     TurnTimedOutError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.sandboxes.backend import Recorded
+from nemo_ckpt.sandbox_backend import Recorded
 from nemo_ckpt.session_record import SessionHead, check_staging_keys
 
 __all__ = ["Turns"]

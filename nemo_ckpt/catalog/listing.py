@@ -3,7 +3,7 @@ that verifies, remove one, keep the last N.
 
 A snapshot is committed once its manifest is written (``nemo_ckpt.storage.snapshot_files``), so
 the collection is every checkpoint path below the root that holds a manifest
-(``nemo_ckpt.sandboxes.collection.committed_snapshots``). Newest first means by the manifest's
+(``nemo_ckpt.trees.collection.committed_snapshots``). Newest first means by the manifest's
 ``sequence`` (format 6): a coordinator numbers each commit one more than the highest it
 has seen under its root (``highest_sequence``, read once per coordinator, then its own
 commits and the snapshot it restored), because the hosts that commit a root's snapshots
@@ -20,7 +20,7 @@ or a restore reads it, and a snapshot that begins during the removal is refused 
 (``CheckpointPathBusyError``) rather than having its files taken. It removes the
 manifest first, so a removal cut short leaves no committed snapshot that is missing
 files, then the shards and trees files, then collects the blob store
-(``nemo_ckpt.sandboxes.collection``), which keeps every blob another committed snapshot references.
+(``nemo_ckpt.trees.collection``), which keeps every blob another committed snapshot references.
 Only the environment's half of a checkpoint path is removed, and its ``environment/``
 folder once empty (on a filesystem); RL's files there are RL's.
 
@@ -54,8 +54,6 @@ from nemo_ckpt.errors import (
     SnapshotReadError,
 )
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
-from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs, committed_snapshots
-from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.storage.cleanup import manifest_snapshot_id, remove_unreferenced_files
@@ -71,6 +69,8 @@ from nemo_ckpt.storage.path_claims import (
     release_claim,
 )
 from nemo_ckpt.storage.snapshot_files import read_manifest
+from nemo_ckpt.trees.collection import CollectionReport, collect_blobs, committed_snapshots
+from nemo_ckpt.trees.snapshot_trees import blob_store_of
 
 __all__ = ["LatestSnapshot", "RemovalReport", "RetentionReport", "SkippedSnapshot",
            "SnapshotInfo", "claim_for_removal", "highest_sequence", "keep_last",

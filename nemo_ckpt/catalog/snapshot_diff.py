@@ -12,11 +12,11 @@ from pathlib import Path
 
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.phases import instance_sort_key
-from nemo_ckpt.sandboxes.snapshot_trees import snapshot_directories
-from nemo_ckpt.sandboxes.tree_types import diff_trees
 from nemo_ckpt.storage.manifest import Manifest
 from nemo_ckpt.storage.shards import RolloutIndexEntry
 from nemo_ckpt.storage.snapshot_files import read_manifest, snapshot_rollouts
+from nemo_ckpt.trees.snapshot_trees import snapshot_directories
+from nemo_ckpt.trees.tree_types import diff_trees
 
 __all__ = ["SnapshotDiff", "compare_directories", "diff_manifests", "diff_snapshots",
            "rollout_sort_key", "snapshot_index"]

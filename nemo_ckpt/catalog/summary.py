@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from nemo_ckpt.phases import instance_sort_key
-from nemo_ckpt.sandboxes.snapshot_trees import snapshot_directories
-from nemo_ckpt.sandboxes.tree_types import tree_stats
 from nemo_ckpt.storage.manifest import Manifest
 from nemo_ckpt.storage.snapshot_files import read_manifest, snapshot_rollouts
+from nemo_ckpt.trees.snapshot_trees import snapshot_directories
+from nemo_ckpt.trees.tree_types import tree_stats
 
 __all__ = ["DirectorySummary", "InstanceSummary", "RolloutSummary", "SandboxSummary",
            "ShardSummary", "SnapshotSummary", "inspect_snapshot", "snapshot_summary"]

@@ -20,7 +20,7 @@ traceback means a bug in nemo-ckpt.
 Each command is a module of this package (``inspect``, ``verify``, ``diff``,
 ``status``, ``gc``, ``ls``, ``rm``), rendering what the core computes
 (``nemo_ckpt.catalog.summary``, ``nemo_ckpt.catalog.verification``,
-``nemo_ckpt.catalog.snapshot_diff``, ``nemo_ckpt.sandboxes.collection``,
+``nemo_ckpt.catalog.snapshot_diff``, ``nemo_ckpt.trees.collection``,
 ``nemo_ckpt.catalog.listing``); ``main`` holds the parser and the entry point (the console script's
 ``nemo_ckpt.cli.main:main``), ``render`` what they print with.
 """

@@ -1,5 +1,5 @@
 """``nemo-ckpt gc ROOT [--dry-run] [--wait SECONDS]``: remove sandbox blobs no
-committed snapshot references (``nemo_ckpt.sandboxes.collection``)."""
+committed snapshot references (``nemo_ckpt.trees.collection``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TextIO
 from nemo_ckpt.cli.render import PROG, human_bytes, one_line
 from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError
 from nemo_ckpt.options import checkpoint_path, non_negative_float
-from nemo_ckpt.sandboxes.collection import check_collection_root, collect_blobs
+from nemo_ckpt.trees.collection import check_collection_root, collect_blobs
 
 __all__ = ["add_parser", "run"]
 

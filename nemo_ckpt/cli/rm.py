@@ -18,7 +18,7 @@ from nemo_ckpt.cli.render import (
 )
 from nemo_ckpt.errors import NemoCkptError, SnapshotNotFoundError
 from nemo_ckpt.options import at_least, checkpoint_path, non_negative_float
-from nemo_ckpt.sandboxes.collection import CollectionReport
+from nemo_ckpt.trees.collection import CollectionReport
 
 __all__ = ["add_parser", "run"]
 

@@ -28,9 +28,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.containers.record import check_relative_path
 from nemo_ckpt.errors import ContainerRuntimeError
 from nemo_ckpt.storage.stored_json import load_stored_json
+from nemo_ckpt.trees.container_record import check_relative_path
 
 __all__ = ["check_archive", "place_checkpoint"]
 

@@ -1,4 +1,4 @@
-"""Containers as a sandbox backend (``nemo_ckpt.sandboxes.backend``; blocking): the
+"""Containers as a sandbox backend (``nemo_ckpt.sandbox_backend``; blocking): the
 holder's side of ``nemo_ckpt.containers.sandbox``, with what a restore needs around it.
 
 A restore creates each container as ``nemo-ckpt-<namespace>-<capture key>`` (beside one
@@ -17,10 +17,9 @@ import re
 from pathlib import Path
 
 from nemo_ckpt.containers.podman import Podman
-from nemo_ckpt.containers.record import decode_record
 from nemo_ckpt.containers.sandbox import ContainerSandboxes
 from nemo_ckpt.errors import ContainerRuntimeError, RestoreConflictError
-from nemo_ckpt.sandboxes.backend import (
+from nemo_ckpt.sandbox_backend import (
     BlobSink,
     ContainerRef,
     Fetch,
@@ -28,10 +27,11 @@ from nemo_ckpt.sandboxes.backend import (
     Recorded,
     Staged,
     StoredSandbox,
+    beside,
 )
-from nemo_ckpt.sandboxes.directories import beside
-from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
-from nemo_ckpt.sandboxes.node_cache import BlobCache
+from nemo_ckpt.trees.container_record import decode_record
+from nemo_ckpt.trees.limits import SandboxLimits, TreeBudget
+from nemo_ckpt.trees.node_cache import BlobCache
 
 __all__ = ["ContainerBackend", "container_name"]
 

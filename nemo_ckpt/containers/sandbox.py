@@ -3,7 +3,7 @@ the next attempt's container (blocking; a holder calls these through its runtime
 
 Recording (``ContainerSandboxes.record``) reads what the container changed against its
 image straight from its overlay upper directory with the sandbox scan
-(``nemo_ckpt.sandboxes.scan`` in its overlay mode: no link followed, names and sizes
+(``nemo_ckpt.trees.scan`` in its overlay mode: no link followed, names and sizes
 bounded, only what changed since the last turn re-read), into the node's blob cache, so
 rollouts from one image share their bytes in the store. Where CRIU works, the
 container's processes are checkpointed first (podman stops them), the filesystem is
@@ -11,7 +11,7 @@ scanned while nothing runs, and the processes are restored in place: memory and 
 are one consistent image of the container as of the turn's commit.
 
 Restoring (``ContainerSandboxes.restore``) verifies the stored record and tree, makes
-the files in a staging folder (``nemo_ckpt.sandboxes.materialize``: setuid dropped,
+the files in a staging folder (``nemo_ckpt.trees.materialize``: setuid dropped,
 nothing created outside it), creates the container from the image and the record's own
 fields (never from a stored configuration: ``archive.py``), copies the files in and
 deletes what the container deleted, walked component by component without following a
@@ -38,14 +38,14 @@ from typing import Any
 
 from nemo_ckpt.containers.archive import check_archive, place_checkpoint
 from nemo_ckpt.containers.podman import Podman
-from nemo_ckpt.containers.record import ContainerConfig, ContainerRecord
 from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
-from nemo_ckpt.sandboxes.limits import MAX_DEPTH, SandboxLimits, TreeBudget
-from nemo_ckpt.sandboxes.materialize import materialize
-from nemo_ckpt.sandboxes.node_cache import BlobCache
-from nemo_ckpt.sandboxes.scan import Listings, OverlayMarks, scan
-from nemo_ckpt.sandboxes.tree_codec import decode_tree
-from nemo_ckpt.sandboxes.tree_types import tree_digests, tree_stats
+from nemo_ckpt.trees.container_record import ContainerConfig, ContainerRecord
+from nemo_ckpt.trees.limits import MAX_DEPTH, SandboxLimits, TreeBudget
+from nemo_ckpt.trees.materialize import materialize
+from nemo_ckpt.trees.node_cache import BlobCache
+from nemo_ckpt.trees.scan import Listings, OverlayMarks, scan
+from nemo_ckpt.trees.tree_codec import decode_tree
+from nemo_ckpt.trees.tree_types import tree_digests, tree_stats
 
 __all__ = ["ContainerSandboxes", "RecordedContainer", "RestoredContainer", "LABEL"]
 

@@ -181,7 +181,7 @@ class RaySnapshot:
             "bytes_written": 0,
             "captured_rollouts": self.captured_rollouts,
             "restarted_rollouts": self.restarted_rollouts,
-            # Of those, sessions classed restart-only (nemo_ckpt.sandboxes.backend).
+            # Of those, sessions classed restart-only (nemo_ckpt.sandbox_backend).
             "restart_only_rollouts": sum(c.restart_only_count for c in b.captures),
             "holders": len(b.instances),
             "state_bytes": sum(c.state_bytes for c in b.captures),

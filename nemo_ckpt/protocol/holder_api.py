@@ -24,7 +24,7 @@ from nemo_ckpt.phases import (
     RestorePrepared,
 )
 from nemo_ckpt.protocol.calls import Call, Proxy, methods, one_way
-from nemo_ckpt.sandboxes.backend import ContainerRef
+from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import CONTROL_GROUP, HOLDER, Actor, Transport

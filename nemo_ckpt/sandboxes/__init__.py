@@ -1,1 +1,1 @@
-"""Sessions' sandbox directories: trees, the blob store, snapshots' trees, collection."""
+"""Sessions' sandbox directories: the directory backend (over ``nemo_ckpt.trees``)."""

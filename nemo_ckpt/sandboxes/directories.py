@@ -1,43 +1,31 @@
-"""Sandbox directories as a sandbox backend (``nemo_ckpt.sandboxes.backend``; blocking).
+"""Sandbox directories as a sandbox backend (``nemo_ckpt.sandbox_backend``; blocking).
 
 A session's directory lies inside ``CheckpointConfig.sandbox_root`` on its node. It is
-recorded with ``nemo_ckpt.sandboxes.scan`` (only what changed re-read), restored with
-``nemo_ckpt.sandboxes.materialize`` into the restore's staging folder, and moved into
+recorded with ``nemo_ckpt.trees.scan`` (only what changed re-read), restored with
+``nemo_ckpt.trees.materialize`` into the restore's staging folder, and moved into
 place when the restore goes live: to ``<sandbox_root>/<capture key>``, or beside it
 (``<capture key>.<restore id>``) when that is taken.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 from nemo_ckpt.errors import RestoreConflictError, SandboxError
-from nemo_ckpt.sandboxes.backend import BlobSink, Fetch, Recorded, Staged, StoredSandbox
-from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
-from nemo_ckpt.sandboxes.materialize import materialize
-from nemo_ckpt.sandboxes.scan import scan
-from nemo_ckpt.sandboxes.tree_codec import decode_tree
-from nemo_ckpt.sandboxes.tree_types import tree_digests, tree_stats
-from nemo_ckpt.storage.manifest import NAME_MAX, safe_name_part
+from nemo_ckpt.sandbox_backend import BlobSink, Fetch, Recorded, Staged, StoredSandbox, beside
+from nemo_ckpt.storage.manifest import safe_name_part
+from nemo_ckpt.trees.limits import SandboxLimits, TreeBudget
+from nemo_ckpt.trees.materialize import materialize
+from nemo_ckpt.trees.scan import scan
+from nemo_ckpt.trees.tree_codec import decode_tree
+from nemo_ckpt.trees.tree_types import tree_digests, tree_stats
 
-__all__ = ["DirectoryBackend", "PRIVATE_DIR", "beside"]
+__all__ = ["DirectoryBackend", "PRIVATE_DIR"]
 
 PRIVATE_DIR = ".nemo-ckpt"  # under sandbox_root: nemo-ckpt's own, never a sandbox
-
-
-def beside(key: str, restore_id: str) -> str:
-    """The name of a restored sandbox beside one left in place: ``<key>.<restore id>``,
-    or, when that passes ``NAME_MAX``, a 16-digit tag of the restore id in its place."""
-    name = f"{safe_name_part(key)}.{safe_name_part(restore_id)}"
-    if len(name) > NAME_MAX:
-        tag = hashlib.blake2b(restore_id.encode("utf-8", "surrogatepass"),
-                              digest_size=8).hexdigest()
-        name = f"{safe_name_part(key)}.{tag}"
-    return name
 
 
 class DirectoryBackend:

@@ -2,7 +2,7 @@
 
 A claim is a small file an operation writes, and rewrites to renew, in a folder others
 share: a checkpoint folder (``nemo_ckpt.storage.path_claims``: two jobs must not write
-one path) or the blob store's root (``nemo_ckpt.sandboxes.blob_claims``: snapshots' holds
+one path) or the blob store's root (``nemo_ckpt.trees.blob_claims``: snapshots' holds
 and a collection's claim).
 Its reader may run on another host, whose wall clock has any offset from the writer's,
 so a claim carries no time to compare: it carries its owner, its ttl (a duration) and a

@@ -40,11 +40,17 @@ from nemo_ckpt.phases import HolderState
 from nemo_ckpt.protocol.holder_api import SESSION_METHODS
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.receipts import FinishedRollout
-from nemo_ckpt.sandboxes import tree_codec
-from nemo_ckpt.sandboxes.blob_claims import COLLECTOR
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore, digest_of
-from nemo_ckpt.sandboxes.collection import committed_snapshots, snapshot_refs
-from nemo_ckpt.sandboxes.snapshot_trees import (
+from nemo_ckpt.session_record import SessionHead, SessionRecord
+from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
+from nemo_ckpt.storage.claims import decode_claim
+from nemo_ckpt.storage.path_claims import read_claims
+from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
+from nemo_ckpt.trees import tree_codec
+from nemo_ckpt.trees.blob_claims import COLLECTOR
+from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore, digest_of
+from nemo_ckpt.trees.collection import committed_snapshots, snapshot_refs
+from nemo_ckpt.trees.snapshot_trees import (
     BlobsWritten,
     blob_store_of,
     read_trees_file,
@@ -52,14 +58,8 @@ from nemo_ckpt.sandboxes.snapshot_trees import (
     verify_directories,
     write_trees_file,
 )
-from nemo_ckpt.sandboxes.tree_codec import pack_tree_object
-from nemo_ckpt.sandboxes.tree_types import DIR
-from nemo_ckpt.session_record import SessionHead, SessionRecord
-from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
-from nemo_ckpt.storage.claims import decode_claim
-from nemo_ckpt.storage.path_claims import read_claims
-from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
-from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
+from nemo_ckpt.trees.tree_codec import pack_tree_object
+from nemo_ckpt.trees.tree_types import DIR
 
 from .plan import CONFIG, SPARSE_BYTES
 from .state import Driver, OpRecord, Part, State, secret_bytes, short

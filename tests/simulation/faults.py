@@ -27,14 +27,14 @@ from nemo_ckpt.errors import CheckpointPathBusyError, NemoCkptError, SnapshotWri
 from nemo_ckpt.manager.config import RolloutCheckpointConfig
 from nemo_ckpt.manager.record import RECORD_FILE
 from nemo_ckpt.manager.rollout_manager import RolloutCheckpointManager
-from nemo_ckpt.sandboxes.collection import collect_blobs
-from nemo_ckpt.sandboxes.scan import _Scanner
 from nemo_ckpt.storage.checkpoint_folder import environment_dir
 from nemo_ckpt.storage.folder import unlistable
 from nemo_ckpt.storage.local_folder import LocalFolder, write_failure
 from nemo_ckpt.storage.path_claims import claim_path, release_claim
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
+from nemo_ckpt.trees.collection import collect_blobs
+from nemo_ckpt.trees.scan import _Scanner
 
 from .checkers import Checkers
 from .plan import CONFIG, TRIGGERS
@@ -125,7 +125,7 @@ class HostileSandbox:
     """The process inside a sandbox (model-generated code), acting just before the scan
     opens a file it listed: it swaps the file for a symlink to a secret file outside
     every sandbox, for a FIFO, or changes it. The scan's ``_Scanner._file`` opens each
-    listed file (``nemo_ckpt/sandboxes/tree.py``), so it is wrapped (once per process) here
+    listed file (``nemo_ckpt/trees/scan.py``), so it is wrapped (once per process) here
     alone."""
 
     active: Faults | None = None

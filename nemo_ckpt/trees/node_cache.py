@@ -1,5 +1,5 @@
 """The node's blob cache: what a holder's turn commits read, kept for its live sessions
-and its next snapshots (see ``nemo_ckpt.sandboxes.blob_store`` for the two places blobs
+and its next snapshots (see ``nemo_ckpt.trees.blob_store`` for the two places blobs
 live).
 """
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import xxhash
 
-from nemo_ckpt.sandboxes.blob_store import digest_of, hex_of
 from nemo_ckpt.storage.local_folder import read_regular
 from nemo_ckpt.storage.store_errors import NotARegularFileError
+from nemo_ckpt.trees.blob_store import digest_of, hex_of
 
 __all__ = ["BlobCache"]
 

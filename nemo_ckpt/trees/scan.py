@@ -4,10 +4,10 @@ A session may own a directory on its node (under ``CheckpointConfig.sandbox_root
 When one of its turns commits, its holder records the directory's tree with ``scan``:
 it walks the directory, re-reads only the files whose size, mtime, ctime, inode or mode
 changed since the session's previous tree, puts their content into the node's
-``nemo_ckpt.sandboxes.node_cache.BlobCache`` under its digest, and encodes again only
-the directories along a change (``nemo_ckpt.sandboxes.tree_codec``). A snapshot then
+``nemo_ckpt.trees.node_cache.BlobCache`` under its digest, and encodes again only
+the directories along a change (``nemo_ckpt.trees.tree_codec``). A snapshot then
 stores the trees and writes only the blobs its store lacks; a restore rebuilds each
-directory with ``nemo_ckpt.sandboxes.materialize``.
+directory with ``nemo_ckpt.trees.materialize``.
 
 Reading a sandbox, which model-generated code writes while we read it: the scan walks
 directories by descriptor (each opened with ``O_NOFOLLOW | O_DIRECTORY`` below its
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nemo_ckpt.errors import SandboxError
-from nemo_ckpt.sandboxes.blob_store import digest_of
-from nemo_ckpt.sandboxes.extents import find_extents, sparse_header
-from nemo_ckpt.sandboxes.limits import MAX_DEPTH, SandboxLimits
-from nemo_ckpt.sandboxes.tree_codec import pack_tree_object
-from nemo_ckpt.sandboxes.tree_types import (
+from nemo_ckpt.trees.blob_store import digest_of
+from nemo_ckpt.trees.extents import find_extents, sparse_header
+from nemo_ckpt.trees.limits import MAX_DEPTH, SandboxLimits
+from nemo_ckpt.trees.tree_codec import pack_tree_object
+from nemo_ckpt.trees.tree_types import (
     CONTENT_KINDS,
     DIR,
     FILE,
@@ -475,7 +475,7 @@ def _range(fd: int, start: int, end: int) -> Iterator[bytes]:
 
 
 def _sparse(fd: int, header: bytes, extents: list[tuple[int, int]]) -> Iterator[bytes]:
-    """A sparse blob (``nemo_ckpt.sandboxes.extents``): ``header``, then each extent's bytes."""
+    """A sparse blob (``nemo_ckpt.trees.extents``): ``header``, then each extent's bytes."""
     yield header
     for start, end in extents:
         yield from _range(fd, start, end)

@@ -12,9 +12,9 @@ What a tree may hold, and what it never does:
   below it (a link as a parent would make a write follow it), so ``materialize`` only
   ever creates entries below the directory it made.
 
-Where a tree comes from and goes: ``nemo_ckpt.sandboxes.scan`` records one from a
-directory, ``nemo_ckpt.sandboxes.tree_codec`` stores and reads it, and
-``nemo_ckpt.sandboxes.materialize`` creates it again.
+Where a tree comes from and goes: ``nemo_ckpt.trees.scan`` records one from a
+directory, ``nemo_ckpt.trees.tree_codec`` stores and reads it, and
+``nemo_ckpt.trees.materialize`` creates it again.
 """
 
 from __future__ import annotations

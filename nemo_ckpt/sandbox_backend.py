@@ -1,5 +1,10 @@
 """What a session's sandbox is, and the interface every sandbox backend keeps.
 
+Two backends keep it, neither importing the other: directories
+(``nemo_ckpt.sandboxes.directories``) and containers (``nemo_ckpt.containers.backend``);
+the holder's ``Sandboxes`` picks one per session. What both record into,
+file trees and their blobs, is ``nemo_ckpt.trees``.
+
 An environment declares, per session, what of it lives outside the session's state
 (``SessionClient.open``), in one of three classes (NeMo Gym's participant classes):
 
@@ -34,19 +39,22 @@ the blocking ones in a thread):
 from __future__ import annotations
 
 import enum
+import hashlib
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
+from nemo_ckpt.storage.manifest import NAME_MAX, safe_name_part
+
 if TYPE_CHECKING:
-    from nemo_ckpt.containers.record import ContainerRecord
-    from nemo_ckpt.sandboxes.scan import Listings
+    from nemo_ckpt.trees.container_record import ContainerRecord
+    from nemo_ckpt.trees.scan import Listings
 
 __all__ = ["EnvironmentClass", "ContainerRef", "MemoryPolicy", "SandboxLocation",
            "SandboxBackend", "Recorded", "Staged", "StoredSandbox", "BlobSink", "Fetch",
-           "container_name_problem"]
+           "container_name_problem", "beside"]
 
 
 class EnvironmentClass(str, enum.Enum):
@@ -173,3 +181,14 @@ class SandboxBackend(Protocol):
     def discard(self, location: Any) -> None:
         """Remove what a restore made that will not go live (blocking)."""
         ...
+
+
+def beside(key: str, restore_id: str) -> str:
+    """The name of a restored sandbox beside one left in place: ``<key>.<restore id>``,
+    or, when that passes ``NAME_MAX``, a 16-digit tag of the restore id in its place."""
+    name = f"{safe_name_part(key)}.{safe_name_part(restore_id)}"
+    if len(name) > NAME_MAX:
+        tag = hashlib.blake2b(restore_id.encode("utf-8", "surrogatepass"),
+                              digest_size=8).hexdigest()
+        name = f"{safe_name_part(key)}.{tag}"
+    return name

@@ -2,7 +2,7 @@
 
 Two places hold blobs:
 
-- ``BlobCache`` (``nemo_ckpt.sandboxes.node_cache``), in each holder (small blobs in
+- ``BlobCache`` (``nemo_ckpt.trees.node_cache``), in each holder (small blobs in
   memory, the rest in ``<sandbox_root>/.nemo-ckpt/<namespace>/<instance>/blobs``): what a
   turn commit's scan read, kept until no live session of that holder references it. Not
   fsynced: it only serves the holder's live sessions and its next snapshots, which die
@@ -16,7 +16,7 @@ A blob's name is the XXH3-128 of its content, and a read checks it: a blob that 
 not match is refused (``BlobCorruptedError``), never restored.
 
 Snapshots and collection exclude each other through claims in the store's root folder
-(``BlobStore.claims``, ``nemo_ckpt.sandboxes.blob_claims``).
+(``BlobStore.claims``, ``nemo_ckpt.trees.blob_claims``).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 import xxhash
 
 from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathError
-from nemo_ckpt.sandboxes.blob_claims import BlobClaims
 from nemo_ckpt.storage.folder import Folder, Sink
 from nemo_ckpt.storage.local_folder import open_regular
 from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.trees.blob_claims import BlobClaims
 
 __all__ = ["BLOB_DIR", "BlobStore", "digest_of", "hex_of"]
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.sandboxes.extents import sparse_layout
-from nemo_ckpt.sandboxes.tree_types import DIR, LINK, SPARSE, Tree
+from nemo_ckpt.trees.extents import sparse_layout
+from nemo_ckpt.trees.tree_types import DIR, LINK, SPARSE, Tree
 
 _SETID = 0o6000
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

@@ -3,7 +3,7 @@ may come from anyone: every field is bounded and checked when it is read).
 
 A container is its image (named by id, the digest of its configuration) and how it was
 created (command, entrypoint, environment, working directory, user), plus what it
-changed: its overlay upper directory as a sandbox tree (``nemo_ckpt.sandboxes``: files,
+changed: its overlay upper directory as a sandbox tree (``nemo_ckpt.trees``: files,
 directories, links, in the shared blob store), the paths it deleted from the image
 (whiteouts), the image directories it replaced whole (opaque), and, where CRIU works,
 its processes' memory (podman's checkpoint archive, without the filesystem, as one blob).
@@ -12,6 +12,11 @@ Stored as msgpack: ``{"v": 1, "image", "command", "entrypoint", "env", "workdir"
 "tree", "tree_size", "whiteouts", "opaque", "fifos", "memory", "memory_size",
 "policy"}``; ``fifos`` is
 ``[[path, mode], ...]``.
+
+It lies below both backends: a snapshot's trees file carries it
+(``nemo_ckpt.trees.snapshot_trees``), and what reads stored snapshots (verification, the
+catalog, collection) finds a container's image and memory blob in it without the
+container backend (``nemo_ckpt.containers``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.errors import ContainerRuntimeError
-from nemo_ckpt.sandboxes.limits import MAX_DEPTH
+from nemo_ckpt.trees.limits import MAX_DEPTH
 
 __all__ = ["ContainerConfig", "ContainerRecord", "decode_record", "encode_record",
            "check_relative_path", "MAX_RECORD_BYTES"]
@@ -62,7 +67,7 @@ class ContainerRecord:
     fifos: tuple[tuple[str, int], ...]  # (path, mode bits)
     memory: bytes | None  # the checkpoint archive's digest, None when not captured
     memory_size: int
-    # What the session needs of its memory (nemo_ckpt.sandboxes.backend.MemoryPolicy).
+    # What the session needs of its memory (nemo_ckpt.sandbox_backend.MemoryPolicy).
     policy: str = "preferred"
 
 

@@ -1,8 +1,8 @@
 """How a snapshot stores its sessions' sandbox directories (manifest format 4).
 
 Beside each holder's shard, a *trees file* lists, per session that owns a directory, the
-digest of its tree (``nemo_ckpt.sandboxes.tree_codec``); trees and the files they name
-are blobs in the root's ``BlobStore`` (``nemo_ckpt.sandboxes.blob_store``), so a snapshot
+digest of its tree (``nemo_ckpt.trees.tree_codec``); trees and the files they name
+are blobs in the root's ``BlobStore`` (``nemo_ckpt.trees.blob_store``), so a snapshot
 writes only the blobs the store lacks, and an unchanged directory costs its row in the
 trees file.
 
@@ -14,7 +14,7 @@ written and verified like a shard: length and hash in the manifest (``TreesEntry
 durable before the manifest.
 
 Version 2 (written only when a session owns a container): a row may have a sixth
-element, the session's container record (``nemo_ckpt.containers.record``), whose tree
+element, the session's container record (``nemo_ckpt.trees.container_record``), whose tree
 is the row's; its memory blob, if any, is in the blob store beside the files. A reader
 of version 1 refuses a version-2 file rather than restore a container as a directory.
 """
@@ -29,21 +29,21 @@ from typing import Any
 
 import msgpack
 
-from nemo_ckpt.containers.record import decode_record
 from nemo_ckpt.errors import NemoCkptError, SandboxError, ShardCorruptedError
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
-from nemo_ckpt.sandboxes.extents import sparse_layout
-from nemo_ckpt.sandboxes.limits import TreeBudget
-from nemo_ckpt.sandboxes.node_cache import BlobCache
-from nemo_ckpt.sandboxes.tree_codec import decode_tree
-from nemo_ckpt.sandboxes.tree_types import FILE, SPARSE, Tree
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder, Sink
 from nemo_ckpt.storage.hashed_files import read_verified, view_unpacker, write_hashed
 from nemo_ckpt.storage.location import join_location, levels_below, parent_location
 from nemo_ckpt.storage.manifest import Manifest, TreesEntry, restored_name_problem
+from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore
+from nemo_ckpt.trees.container_record import decode_record
+from nemo_ckpt.trees.extents import sparse_layout
+from nemo_ckpt.trees.limits import TreeBudget
+from nemo_ckpt.trees.node_cache import BlobCache
+from nemo_ckpt.trees.tree_codec import decode_tree
+from nemo_ckpt.trees.tree_types import FILE, SPARSE, Tree
 
 __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
            "blob_store_of", "moved_blob_store", "persist_blobs", "BlobsWritten", "fetch_tree",
@@ -126,7 +126,7 @@ def read_trees_file(directory: Folder, entry: TreesEntry, instance_id: str,
                     containers: dict[str, bytes] | None = None) -> list[TreeRow]:
     """A trees file's rows, once its length and hash match ``entry``; each row's encoded
     container record, if it has one, into ``containers`` by rollout id (decode it with
-    ``nemo_ckpt.containers.record.decode_record``: it is checked there)."""
+    ``nemo_ckpt.trees.container_record.decode_record``: it is checked there)."""
     path, data = read_verified(directory, entry)
     try:
         unpacker = view_unpacker(data)

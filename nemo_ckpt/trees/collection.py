@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nemo_ckpt.containers.record import decode_record
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     CheckpointPathError,
@@ -35,16 +34,17 @@ from nemo_ckpt.errors import (
     SandboxError,
     SnapshotReadError,
 )
-from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
-from nemo_ckpt.sandboxes.limits import TreeBudget
-from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of, fetch_tree, read_trees_file
-from nemo_ckpt.sandboxes.tree_types import tree_digests
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
 from nemo_ckpt.storage.snapshot_files import read_manifest
+from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore
+from nemo_ckpt.trees.container_record import decode_record
+from nemo_ckpt.trees.limits import TreeBudget
+from nemo_ckpt.trees.snapshot_trees import blob_store_of, fetch_tree, read_trees_file
+from nemo_ckpt.trees.tree_types import tree_digests
 
 __all__ = ["CollectionReport", "collect_blobs", "collect_quietly", "committed_snapshots",
            "snapshot_refs", "RefsCache"]

@@ -23,9 +23,9 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.errors import SandboxError
-from nemo_ckpt.sandboxes.blob_store import digest_of
-from nemo_ckpt.sandboxes.limits import TreeBudget
-from nemo_ckpt.sandboxes.tree_types import DIR, KIND_NAMES, LINK, Entry, Tree
+from nemo_ckpt.trees.blob_store import digest_of
+from nemo_ckpt.trees.limits import TreeBudget
+from nemo_ckpt.trees.tree_types import DIR, KIND_NAMES, LINK, Entry, Tree
 
 # Called by ``decode_tree`` with (where, entries expanded so far) as it reads each tree
 # object: the simulation observes that no read expands past its budget.
@@ -101,7 +101,7 @@ def decode_tree(root: bytes, size: int, fetch: Callable[[bytes, int], bytes], wh
                 budget: TreeBudget | None = None) -> tuple[Tree, dict[bytes, int]]:
     """The tree whose top object is ``root`` (``fetch(digest, size)`` returns a tree
     object's verified bytes), and every tree object it took; ``SandboxError`` (naming
-    ``where``) for anything a restore must not create (``nemo_ckpt.sandboxes.tree_types``), and
+    ``where``) for anything a restore must not create (``nemo_ckpt.trees.tree_types``), and
     for a tree that expands past ``budget`` (by default ``TreeBudget()``), refused as
     soon as it does: a tree object is read and checked once, then expanded at every
     place that names it, each entry counted."""
