@@ -32,13 +32,13 @@ from nemo_ckpt.sandboxes.collection import (
     CollectionReport,
     RefsCache,
     collect_quietly,
-    committed_snapshots,
     snapshot_refs,
 )
 from nemo_ckpt.sandboxes.limits import TreeBudget
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.storage.snapshot_files import committed_snapshots
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["BlobCollector", "MIN_ROUND_REMOVALS"]

@@ -28,7 +28,6 @@ from actors.operation_states import (
     SnapshotWriting,
 )
 from nemo_ckpt import tracing
-from nemo_ckpt.catalog.commit_sequence import sequence_root, take_sequence
 from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
 from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport
 from nemo_ckpt.protocol.coordinator_api import SnapshotBegun, SnapshotCommitted
@@ -36,6 +35,7 @@ from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.sandboxes.snapshot_trees import blob_store_ref
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.cleanup import remove_snapshot_files
+from nemo_ckpt.storage.commit_sequence import sequence_root, take_sequence
 from nemo_ckpt.storage.manifest import ShardEntry, encode_manifest
 from nemo_ckpt.storage.snapshot_files import write_manifest
 from nemo_ckpt.transport import Actor

@@ -32,8 +32,9 @@ from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.catalog.listing import keep_last
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.sandboxes.blob_store import BlobStore
-from nemo_ckpt.sandboxes.collection import committed_snapshots, snapshot_refs
+from nemo_ckpt.sandboxes.collection import snapshot_refs
 from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.snapshot_files import committed_snapshots
 
 KEEP = 3
 

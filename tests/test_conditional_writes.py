@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from nemo_ckpt.catalog.commit_sequence import take_sequence
 from nemo_ckpt.errors import CheckpointPathBusyError, OperationAbortedError
 from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
+from nemo_ckpt.storage.commit_sequence import take_sequence
 from nemo_ckpt.storage.folder import ABSENT
 from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.storage.manifest import encode_manifest, shard_file_name

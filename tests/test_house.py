@@ -3,6 +3,7 @@
 its ``class`` or ``def`` line to its last line, decorators left out, nested ones too.
 One over its bound is split along a concern into a part of its own, as the holder's
 and the driver's parts are (docs/LAYOUT.md); import circles are test_core_modules'.
+And the arrows run one way: storage imports nothing of the packages above it.
 """
 
 from __future__ import annotations
@@ -59,3 +60,44 @@ def test_the_check_names_each_class_and_function_over_its_bound_and_where_it_is(
         "along a concern"]
     within = "class Small:\n    def f(self) -> None:\n" + "        pass\n" * 79
     assert oversized(within, "actors/small.py") == []
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top, in a function or for typing only, and
+    for ``from m import n`` also ``m.n`` (a submodule it may name)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def reaching(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
+    """One line per import in ``paths`` of a module in (or below) ``forbidden``."""
+    return [f"{path.relative_to(ROOT)} imports {name}" for path in paths
+            for name in sorted(imported_modules(path))
+            if any(name == f or name.startswith(f + ".") for f in forbidden)]
+
+
+def test_storage_imports_nothing_from_the_packages_above_it() -> None:
+    storage = sorted((ROOT / "nemo_ckpt" / "storage").glob("*.py"))
+    assert (ROOT / "nemo_ckpt" / "storage" / "commit_sequence.py") in storage
+    above = tuple(f"nemo_ckpt.{p}" for p in ("catalog", "cli", "manager", "driver",
+                                               "integrations", "adapters"))
+    assert not (found := reaching(storage, above)), "\n" + "\n".join(found)
+
+
+def test_the_import_check_sees_imports_inside_functions_and_for_typing(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\n"
+                      "if TYPE_CHECKING:\n"
+                      "    from nemo_ckpt.storage.manifest import ShardEntry\n"
+                      "def f() -> None:\n"
+                      "    import nemo_ckpt.catalog.listing\n"
+                      "from nemo_ckpt.storage import manifest\n")
+    assert imported_modules(module) >= {"nemo_ckpt.storage.manifest",
+                                        "nemo_ckpt.storage.manifest.ShardEntry",
+                                        "nemo_ckpt.catalog.listing"}

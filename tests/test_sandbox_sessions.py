@@ -28,11 +28,11 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sandboxes.blob_store import BlobStore, digest_of
-from nemo_ckpt.sandboxes.collection import collect_blobs, committed_snapshots, snapshot_refs
+from nemo_ckpt.sandboxes.collection import collect_blobs, snapshot_refs
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.storage.manifest import FORMAT_VERSION
-from nemo_ckpt.storage.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import committed_snapshots, read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.toy_env import directory_listing
 from nemo_ckpt.testing.virtual_time import EPOCH

@@ -3,10 +3,10 @@ that verifies, remove one, keep the last N.
 
 A snapshot is committed once its manifest is written (``nemo_ckpt.storage.snapshot_files``), so
 the collection is every checkpoint path below the root that holds a manifest
-(``nemo_ckpt.sandboxes.collection.committed_snapshots``). Newest first means by the manifest's
-``sequence`` (format 6): a coordinator numbers each commit one more than the highest it
-has seen under its root (``highest_sequence``, read once per coordinator, then its own
-commits and the snapshot it restored), because the hosts that commit a root's snapshots
+(``committed_snapshots`` there). Newest first means by the manifest's ``sequence``
+(format 6): a coordinator numbers each commit one more than the highest it has seen
+under its root (``nemo_ckpt.storage.commit_sequence``, read once per coordinator, then its
+own commits and the snapshot it restored), because the hosts that commit a root's snapshots
 over a job's restarts have clocks with any offset, and one host's clock may step back.
 Two coordinators committing under one root at once may give one number twice; the time
 their hosts wrote (``created_at``), then the id, break such ties, and order the
@@ -54,7 +54,7 @@ from nemo_ckpt.errors import (
     SnapshotReadError,
 )
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
-from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs, committed_snapshots
+from nemo_ckpt.sandboxes.collection import CollectionReport, collect_blobs
 from nemo_ckpt.sandboxes.snapshot_trees import blob_store_of
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
@@ -70,10 +70,10 @@ from nemo_ckpt.storage.path_claims import (
     read_claims,
     release_claim,
 )
-from nemo_ckpt.storage.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import committed_snapshots, read_manifest
 
 __all__ = ["LatestSnapshot", "RemovalReport", "RetentionReport", "SkippedSnapshot",
-           "SnapshotInfo", "claim_for_removal", "highest_sequence", "keep_last",
+           "SnapshotInfo", "claim_for_removal", "keep_last",
            "latest_snapshot", "list_snapshots", "remove_snapshot"]
 
 log = logging.getLogger("nemo_ckpt.catalog")
@@ -148,19 +148,6 @@ def list_snapshots(root: Path | str,
     dated.sort(key=lambda s: (s.sequence or 0, s.created_at, s.snapshot_id or ""),
                reverse=True)
     return undated + dated
-
-
-def highest_sequence(root: Path | str) -> int:
-    """The highest ``sequence`` of the committed snapshots below ``root`` (0 when none
-    has one): what a coordinator's first commit there numbers past. A manifest that does
-    not read is passed over, as ``list_snapshots`` lists it apart."""
-    highest = 0
-    for path in committed_snapshots(root):
-        try:
-            highest = max(highest, read_manifest(path).sequence or 0)
-        except SnapshotReadError:
-            continue
-    return highest
 
 
 @dataclass(frozen=True)

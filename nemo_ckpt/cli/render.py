@@ -10,10 +10,10 @@ from typing import TextIO
 from nemo_ckpt.catalog.verification import one_line
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
 from nemo_ckpt.progress import CatalogProgress
-from nemo_ckpt.sandboxes.collection import committed_snapshots
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.location import ObjectLocation, parse_location
 from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
+from nemo_ckpt.storage.snapshot_files import committed_snapshots
 
 __all__ = ["PROG", "ProgressLine", "add_progress_option", "human_bytes", "nothing_at_root",
            "number", "one_line", "progress_line", "read_error", "table"]

@@ -33,10 +33,10 @@ from nemo_ckpt.sandboxes.blob_claims import BlobClaims
 from nemo_ckpt.storage.folder import Folder, Sink
 from nemo_ckpt.storage.local_folder import open_regular
 from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.storage.manifest import BLOB_DIR  # the store's folder: the format's name
 
 __all__ = ["BLOB_DIR", "BlobStore", "digest_of", "hex_of"]
 
-BLOB_DIR = "blobs"
 _CHUNK = 4 << 20
 
 

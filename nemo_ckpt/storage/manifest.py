@@ -54,6 +54,7 @@ __all__ = [
     "trees_file_name",
     "CONTENT_HASH_PATTERN",
     "SUPPORTED_FORMAT_VERSIONS",
+    "BLOB_DIR",
     "ENVIRONMENT_DIR",
     "MANIFEST_NAME",
     "ShardEntry",
@@ -86,8 +87,10 @@ ENVIRONMENT_DIR = "environment"
 MANIFEST_NAME = "manifest.json"
 SHARD_PREFIX = "shard-"
 SHARD_SUFFIX = ".msgpack"
+# The blob store's folder under a checkpoint root (``nemo_ckpt.sandboxes.blob_store``).
+BLOB_DIR = "blobs"
 # The blob store relative to a checkpoint path: one or more "../", then the store's folder.
-BLOB_STORE_PATTERN = r"^(\.\./)+blobs$"
+BLOB_STORE_PATTERN = rf"^(\.\./)+{BLOB_DIR}$"
 
 # "<algorithm>:<hex digest>"; storage.content_hasher knows each algorithm.
 CONTENT_HASH_PATTERN = r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$"
@@ -276,7 +279,7 @@ class Manifest(_Model):
     sequence: int | None = Field(
         None, ge=1,
         description="Format 6, written by a coordinator: the number its commit took "
-                    "under its root (``nemo_ckpt.catalog.commit_sequence``); newest first lists "
+                    "under its root (``nemo_ckpt.storage.commit_sequence``); newest first lists "
                     "by it, not by a host's clock.")
 
     @field_validator("metrics")

@@ -42,7 +42,7 @@ from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sandboxes import tree_codec
 from nemo_ckpt.sandboxes.blob_claims import COLLECTOR
 from nemo_ckpt.sandboxes.blob_store import BLOB_DIR, BlobStore, digest_of
-from nemo_ckpt.sandboxes.collection import committed_snapshots, snapshot_refs
+from nemo_ckpt.sandboxes.collection import snapshot_refs
 from nemo_ckpt.sandboxes.snapshot_trees import (
     BlobsWritten,
     blob_store_of,
@@ -57,7 +57,7 @@ from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
 from nemo_ckpt.storage.claims import decode_claim
 from nemo_ckpt.storage.path_claims import read_claims
-from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.storage.snapshot_files import committed_snapshots, read_manifest, read_snapshot
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY, SESSION_METHODS
 
 from .plan import CONFIG, SPARSE_BYTES
