@@ -48,6 +48,7 @@ from nemo_ckpt.phases import (
     PauseReport,
     PersistReport,
     RestorePrepared,
+    ShardRef,
 )
 from nemo_ckpt.protocol.holder_api import OpeningSessions
 from nemo_ckpt.sandboxes.backend import ContainerRef
@@ -55,7 +56,6 @@ from nemo_ckpt.sandboxes.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.session_record import SessionHead, SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
 from nemo_ckpt.storage.location import join_location
-from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import Runtime
 
 __all__ = ["SessionHolder", "Trimmer"]
@@ -340,12 +340,12 @@ class SessionHolder:
 
     # --- restore phases (from the coordinator): ``RestorePhases`` -----------------------
 
-    async def prefetch(self, where: str, shards: list[ShardEntry]) -> int:
+    async def prefetch(self, where: str, shards: list[ShardRef]) -> int:
         """Start reading shards for a restore to come (``RestorePhases.prefetch``)."""
         return await self._restores.prefetch(where, shards)
 
     async def prepare_restore(
-        self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
+        self, restore_id: str, where: str, shards: list[ShardRef], lease_s: float,
         blob_store: str | None = None, trace: str = "",
     ) -> RestorePrepared:
         """Read and verify the shards, nothing live (``RestorePhases.prepare_restore``)."""

@@ -29,14 +29,15 @@ from actors.operation_states import (
 )
 from nemo_ckpt import tracing
 from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
-from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport
+from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport, ShardRef
 from nemo_ckpt.protocol.coordinator_api import SnapshotBegun, SnapshotCommitted
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.sandboxes.snapshot_trees import blob_store_ref
+from nemo_ckpt.shard_refs import shard_entry
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.cleanup import remove_snapshot_files
 from nemo_ckpt.storage.commit_sequence import sequence_root, take_sequence
-from nemo_ckpt.storage.manifest import ShardEntry, encode_manifest
+from nemo_ckpt.storage.manifest import encode_manifest
 from nemo_ckpt.storage.snapshot_files import write_manifest
 from nemo_ckpt.transport import Actor
 
@@ -309,7 +310,7 @@ class Snapshots:
                 HolderCall("finish_persist", (snapshot_id,),
                            self._parts.config.persist_timeout_s),
                 op_id=snapshot_id)
-            shards: list[ShardEntry] = [s for p in persists.values() for s in p.shards]
+            shards: list[ShardRef] = [s for p in persists.values() for s in p.shards]
             all_metrics = _commit_metrics(metrics, persists)
             rollouts = await unique
             await self._earlier_commits(op, captured.order)
@@ -385,13 +386,13 @@ class Snapshots:
         self._parts.operations.set_state(op, committing)
         return committing, unique
 
-    def _manifest(self, snapshot_id: str, op: SnapshotOperation, shards: list[ShardEntry],
+    def _manifest(self, snapshot_id: str, op: SnapshotOperation, shards: list[ShardRef],
                   restarted: int, metrics: dict[str, float | int], sequence: int) -> bytes:
         """The manifest of snapshot ``op``, stamped with the wall clock now."""
         return encode_manifest(
             snapshot_id=snapshot_id,
             created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
-            instances=list(op.holders), shards=shards,
+            instances=list(op.holders), shards=[shard_entry(s) for s in shards],
             restarted_rollouts=restarted, metrics=metrics, blob_store=op.blob_ref,
             sequence=sequence)
 

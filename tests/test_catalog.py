@@ -25,7 +25,8 @@ from nemo_ckpt.storage.checkpoint_folder import (
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch, encode_claim
 from nemo_ckpt.storage.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.storage.local_folder import LocalFolder
-from nemo_ckpt.storage.manifest import FORMAT_VERSION, encode_manifest, shard_file_name
+from nemo_ckpt.storage.manifest import FORMAT_VERSION, encode_manifest
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.path_claims import claim_path, read_claims
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_snapshot, write_manifest

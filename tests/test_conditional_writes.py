@@ -23,7 +23,8 @@ from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.storage.commit_sequence import take_sequence
 from nemo_ckpt.storage.folder import ABSENT
 from nemo_ckpt.storage.location import join_location
-from nemo_ckpt.storage.manifest import encode_manifest, shard_file_name
+from nemo_ckpt.storage.manifest import encode_manifest
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.path_claims import advisory_claims_warning, claim_path
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_manifest, write_manifest

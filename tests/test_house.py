@@ -3,7 +3,8 @@
 its ``class`` or ``def`` line to its last line, decorators left out, nested ones too.
 One over its bound is split along a concern into a part of its own, as the holder's
 and the driver's parts are (docs/LAYOUT.md); import circles are test_core_modules'.
-And the arrows run one way: storage imports nothing of the packages above it.
+And the arrows run one way: storage imports nothing of the packages above it, and the
+wire (the protocol and the holders) nothing of the manifest's on-disk classes.
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ def test_storage_imports_nothing_from_the_packages_above_it() -> None:
     above = tuple(f"nemo_ckpt.{p}" for p in ("catalog", "cli", "manager", "driver",
                                                "integrations", "adapters"))
     assert not (found := reaching(storage, above)), "\n" + "\n".join(found)
+
+
+def test_the_wire_and_the_holders_import_nothing_from_the_manifests_disk_classes() -> None:
+    wire = sorted([*(ROOT / "nemo_ckpt" / "protocol").glob("*.py"),
+                   ROOT / "nemo_ckpt" / "phases.py",
+                   *(ROOT / "actors").glob("holder*.py"),
+                   ROOT / "actors" / "session_holder.py"])
+    assert len(wire) > 12 and all(p.exists() for p in wire)
+    found = reaching(wire, ("nemo_ckpt.storage.manifest",))
+    assert not found, "\n" + "\n".join(found)
 
 
 def test_the_import_check_sees_imports_inside_functions_and_for_typing(tmp_path: Path) -> None:

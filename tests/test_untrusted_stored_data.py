@@ -25,7 +25,7 @@ from nemo_ckpt.sandboxes.snapshot_trees import BlobsWritten, read_trees_file, wr
 from nemo_ckpt.sandboxes.tree_codec import decode_tree, pack_tree_object
 from nemo_ckpt.sandboxes.tree_types import DIR
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
-from nemo_ckpt.storage.manifest import MAX_SANDBOX_ID_BYTES, NAME_MAX
+from nemo_ckpt.storage.names import MAX_SANDBOX_ID_BYTES, NAME_MAX
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from tests.harness import World

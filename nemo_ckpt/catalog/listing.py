@@ -62,7 +62,8 @@ from nemo_ckpt.storage.cleanup import manifest_snapshot_id, remove_unreferenced_
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.local_folder import LocalFolder
 from nemo_ckpt.storage.location import LocalLocation, parent_location, parse_location
-from nemo_ckpt.storage.manifest import MANIFEST_NAME, SHARD_PREFIX, Manifest
+from nemo_ckpt.storage.manifest import MANIFEST_NAME, Manifest
+from nemo_ckpt.storage.names import SHARD_PREFIX
 from nemo_ckpt.storage.path_claims import (
     REMOVAL_PREFIX,
     claim_path,

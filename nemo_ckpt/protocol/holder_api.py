@@ -23,10 +23,10 @@ from nemo_ckpt.phases import (
     PauseReport,
     PersistReport,
     RestorePrepared,
+    ShardRef,
 )
 from nemo_ckpt.sandboxes.backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord
-from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import Actor, Transport
 
 __all__ = ["HolderCalls", "HolderControl", "HolderSessions", "SessionCalls"]
@@ -99,11 +99,11 @@ class HolderControl(Protocol):
     async def abort(self, operation_id: str, keep_committed: bool = False) -> None: ...
 
     async def prepare_restore(self, restore_id: str, where: str,
-                              shards: list[ShardEntry], lease_s: float,
+                              shards: list[ShardRef], lease_s: float,
                               blob_store: str | None = None, trace: str = ""
                               ) -> RestorePrepared: ...
 
-    async def prefetch(self, where: str, shards: list[ShardEntry]) -> int: ...
+    async def prefetch(self, where: str, shards: list[ShardRef]) -> int: ...
 
     async def commit_restore(self, restore_id: str) -> int: ...
 
@@ -168,7 +168,7 @@ class HolderCalls:
     def abort(self, operation_id: str, keep_committed: bool = False) -> Awaitable[None]:
         return self._call("abort", operation_id, keep_committed)
 
-    def prepare_restore(self, restore_id: str, where: str, shards: list[ShardEntry],
+    def prepare_restore(self, restore_id: str, where: str, shards: list[ShardRef],
                         lease_s: float, blob_store: str | None = None, trace: str = ""
                         ) -> Awaitable[RestorePrepared]:
         if trace:
@@ -177,7 +177,7 @@ class HolderCalls:
         return self._call("prepare_restore", restore_id, where, shards, lease_s,
                           blob_store)
 
-    def prefetch(self, where: str, shards: list[ShardEntry]) -> Awaitable[int]:
+    def prefetch(self, where: str, shards: list[ShardRef]) -> Awaitable[int]:
         return self._call("prefetch", where, shards)
 
     def commit_restore(self, restore_id: str) -> Awaitable[int]:

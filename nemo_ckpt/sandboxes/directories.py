@@ -22,7 +22,7 @@ from nemo_ckpt.sandboxes.materialize import materialize
 from nemo_ckpt.sandboxes.scan import scan
 from nemo_ckpt.sandboxes.tree_codec import decode_tree
 from nemo_ckpt.sandboxes.tree_types import tree_digests, tree_stats
-from nemo_ckpt.storage.manifest import NAME_MAX, safe_name_part
+from nemo_ckpt.storage.names import NAME_MAX, safe_name_part
 
 __all__ = ["DirectoryBackend", "PRIVATE_DIR", "beside"]
 

@@ -43,7 +43,8 @@ from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder, Sink
 from nemo_ckpt.storage.hashed_files import read_verified, view_unpacker, write_hashed
 from nemo_ckpt.storage.location import join_location, levels_below, parent_location
-from nemo_ckpt.storage.manifest import Manifest, TreesEntry, restored_name_problem
+from nemo_ckpt.storage.manifest import Manifest, TreesEntry
+from nemo_ckpt.storage.names import restored_name_problem
 
 __all__ = ["TreeRow", "write_trees_file", "read_trees_file", "blob_store_ref",
            "blob_store_of", "moved_blob_store", "persist_blobs", "BlobsWritten", "fetch_tree",

@@ -35,16 +35,20 @@ from nemo_ckpt.storage.manifest import (
     ENVIRONMENT_DIR,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
-    SHARD_PREFIX,
     SUPPORTED_FORMAT_VERSIONS,
     Manifest,
     is_plain_file_name,
     rollouts_by_shard,
-    shard_problems,
     upgrade_v1,
 )
+from nemo_ckpt.storage.names import SHARD_PREFIX
 from nemo_ckpt.storage.path_claims import claim_of
-from nemo_ckpt.storage.shards import RolloutIndexEntry, read_shard, read_shard_index
+from nemo_ckpt.storage.shards import (
+    RolloutIndexEntry,
+    read_shard,
+    read_shard_index,
+    shard_problems,
+)
 from nemo_ckpt.storage.stored_json import StoredJsonError, check_json, load_stored_json
 
 __all__ = ["LoadedSnapshot", "committed_snapshots", "holds_manifest", "read_manifest",

@@ -54,6 +54,7 @@ from nemo_ckpt.sandboxes.snapshot_trees import (
 from nemo_ckpt.sandboxes.tree_codec import pack_tree_object
 from nemo_ckpt.sandboxes.tree_types import DIR
 from nemo_ckpt.session_record import SessionHead, SessionRecord
+from nemo_ckpt.shard_refs import shard_ref
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
 from nemo_ckpt.storage.claims import decode_claim
 from nemo_ckpt.storage.path_claims import read_claims
@@ -809,7 +810,7 @@ class Checkers(Part):
                     boxes = Sandboxes(shard.instance_id, str(scratch), None,
                                       namespace="check")
                     boxes.restores.prepare_restore("restore-check", environment_folder(snapshot),
-                                          shard, where, keys)
+                                          shard_ref(shard), where, keys)
                     boxes.restores.discard_staging("restore-check")
             except Exception as exc:
                 self.violate(f"committed snapshot {manifest.snapshot_id} at "
@@ -863,7 +864,7 @@ class Checkers(Part):
             ("a restore", lambda: Sandboxes(shard.instance_id, str(scratch), None,
                                             namespace="check", tree_budget=BUDGET
                                             ).restores.prepare_restore(
-                "restore-check", folder, shard, blob_store_of(copy, manifest),
+                "restore-check", folder, shard_ref(shard), blob_store_of(copy, manifest),
                 {rollout[0]: Ep(rollout[0], rollout[1]).next_attempt().capture_key})),
         ]
         for what, read in readers:
