@@ -32,8 +32,9 @@ from nemo_ckpt import RayEnvironmentCheckpoint, SessionClient
 from nemo_ckpt.catalog.listing import keep_last
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.storage.checkpoint_folder import folder_at
+from nemo_ckpt.storage.snapshot_files import committed_snapshots
 from nemo_ckpt.trees.blob_store import BlobStore
-from nemo_ckpt.trees.collection import committed_snapshots, snapshot_refs
+from nemo_ckpt.trees.collection import snapshot_refs
 
 KEEP = 3
 

@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import format_table, median
-from nemo_ckpt.catalog.commit_sequence import take_sequence
 from nemo_ckpt.catalog.listing import keep_last, list_snapshots
 from nemo_ckpt.cut import check_rows_against_cut
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at, prepare_environment_dir
-from nemo_ckpt.storage.manifest import MANIFEST_NAME, encode_manifest, shard_file_name
+from nemo_ckpt.storage.commit_sequence import take_sequence
+from nemo_ckpt.storage.manifest import MANIFEST_NAME, encode_manifest
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import write_manifest
 from nemo_ckpt.testing.data_plane import StaticCut

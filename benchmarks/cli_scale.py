@@ -24,7 +24,8 @@ from pathlib import Path
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
-from nemo_ckpt.storage.manifest import encode_manifest, shard_file_name
+from nemo_ckpt.storage.manifest import encode_manifest
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import write_manifest
 

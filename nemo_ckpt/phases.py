@@ -12,9 +12,10 @@ from typing import Any
 
 import msgpack
 
-from nemo_ckpt.storage.manifest import ShardEntry
-
 __all__ = [
+    "ChunkHashes",
+    "TreesRef",
+    "ShardRef",
     "HolderState",
     "HolderInfo",
     "PauseReport",
@@ -135,12 +136,55 @@ class CaptureReport:
 
 
 @dataclass(frozen=True)
+class ChunkHashes:
+    """A shard's bytes in chunks of ``bytes`` each (the last one may be shorter), and
+    each chunk's hex digest in the shard's hash algorithm, in the file's order."""
+
+    bytes: int
+    hashes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TreesRef:
+    """The file of a shard's sessions' directory trees, beside the shard, and what
+    writing it stored: how many sessions own a sandbox, the blobs they reference, and
+    how many of those (and their bytes) this snapshot wrote."""
+
+    file: str
+    bytes: int
+    content_hash: str  # "<algorithm>:<hex digest>"
+    sandboxes: int
+    blobs: int
+    new_blobs: int
+    new_blob_bytes: int
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """One shard file as the coordinator and a holder name it to each other: what the
+    holder wrote (``finish_persist``) and what it reads back (``prepare_restore``,
+    ``prefetch``). The wire's own type, not the manifest's ``ShardEntry``: the one
+    conversion between them (``nemo_ckpt.shard_refs``) keeps a change of the format on
+    disk from reaching the calls between processes. ``finished``: how many of its
+    sessions are finished rollouts RL has not acknowledged (None: none)."""
+
+    file: str
+    bytes: int
+    content_hash: str  # "<algorithm>:<hex digest>"
+    instance_id: str
+    sessions: int
+    chunks: ChunkHashes | None = None
+    trees: TreesRef | None = None
+    finished: int | None = None
+
+
+@dataclass(frozen=True)
 class PersistReport:
     """What one holder wrote (``finish_writes``). The rollouts in it are the holder's
     capture."""
 
     instance_id: str
-    shards: tuple[ShardEntry, ...]
+    shards: tuple[ShardRef, ...]
     persist_seconds: float
     bytes_written: int
 

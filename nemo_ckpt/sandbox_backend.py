@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
-from nemo_ckpt.storage.manifest import NAME_MAX, safe_name_part
+from nemo_ckpt.storage.names import NAME_MAX, safe_name_part
 
 if TYPE_CHECKING:
     from nemo_ckpt.trees.container_record import ContainerRecord

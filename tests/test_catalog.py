@@ -14,7 +14,6 @@ import pytest
 
 from actors.coordinator.restore import Restores
 from nemo_ckpt.catalog import listing as catalog
-from nemo_ckpt.catalog.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.catalog.listing import keep_last, latest_snapshot, list_snapshots, remove_snapshot
 from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.errors import CheckpointPathBusyError, CheckpointPathError, SnapshotNotFoundError
@@ -24,8 +23,10 @@ from nemo_ckpt.storage.checkpoint_folder import (
     prepare_environment_dir,
 )
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch, encode_claim
+from nemo_ckpt.storage.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.storage.local_folder import LocalFolder
-from nemo_ckpt.storage.manifest import FORMAT_VERSION, encode_manifest, shard_file_name
+from nemo_ckpt.storage.manifest import FORMAT_VERSION, encode_manifest
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.path_claims import claim_path, read_claims
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_snapshot, write_manifest

@@ -26,7 +26,8 @@ from nemo_ckpt import (
 from nemo_ckpt.catalog import listing as catalog
 from nemo_ckpt.catalog import verification
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, prepare_environment_dir
-from nemo_ckpt.storage.manifest import encode_manifest, shard_file_name
+from nemo_ckpt.storage.manifest import encode_manifest
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.path_claims import read_claims
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import write_manifest

@@ -12,7 +12,7 @@ from nemo_ckpt.storage.cleanup import (
     remove_snapshot_files,
     remove_unreferenced_files,
 )
-from nemo_ckpt.storage.manifest import shard_file_name
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.path_claims import claim_path
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_snapshot

@@ -22,7 +22,8 @@ from nemo_ckpt.cli.status import HolderStatus, holder_status, run_status
 from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at
-from nemo_ckpt.storage.manifest import FORMAT_VERSION, shard_file_name
+from nemo_ckpt.storage.manifest import FORMAT_VERSION
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_snapshot
 from nemo_ckpt.testing import StaticCut

@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 
-from nemo_ckpt.catalog.commit_sequence import take_sequence
 from nemo_ckpt.errors import CheckpointPathBusyError, OperationAbortedError
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
+from nemo_ckpt.storage.commit_sequence import take_sequence
 from nemo_ckpt.storage.folder import ABSENT
 from nemo_ckpt.storage.location import join_location
-from nemo_ckpt.storage.manifest import encode_manifest, shard_file_name
+from nemo_ckpt.storage.manifest import encode_manifest
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.path_claims import advisory_claims_warning, claim_path
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_manifest, write_manifest

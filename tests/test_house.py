@@ -6,6 +6,8 @@ and the driver's parts are (docs/LAYOUT.md); import circles are test_core_module
 The two sandbox backends, ``nemo_ckpt/sandboxes/`` (directories) and
 ``nemo_ckpt/containers/``, import neither each other, not even for type checking: what
 both use lies below them (``nemo_ckpt/trees/``, ``nemo_ckpt/sandbox_backend.py``).
+And the arrows run one way: storage imports nothing of the packages above it, and the
+wire (the protocol and the holders) nothing of the manifest's on-disk classes.
 """
 
 from __future__ import annotations
@@ -123,3 +125,44 @@ def test_the_backend_check_sees_typing_only_relative_and_in_function_imports() -
                             "nemo_ckpt.containers.sandbox") == [
         "nemo_ckpt.containers.sandbox imports nemo_ckpt.sandboxes"]
     assert crossing_imports(source, "nemo_ckpt.trees.scan") == []
+
+
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def reaching(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
+    """One line per import in ``paths`` of a module in (or below) ``forbidden``."""
+    return [f"{path.relative_to(ROOT)} imports {name}" for path in paths
+            for name in sorted(imported_modules(path.read_text(), _module_of(path)))
+            if any(name == f or name.startswith(f + ".") for f in forbidden)]
+
+
+def test_storage_imports_nothing_from_the_packages_above_it() -> None:
+    storage = sorted((ROOT / "nemo_ckpt" / "storage").glob("*.py"))
+    assert (ROOT / "nemo_ckpt" / "storage" / "commit_sequence.py") in storage
+    above = tuple(f"nemo_ckpt.{p}" for p in ("catalog", "cli", "manager", "driver",
+                                               "integrations", "adapters"))
+    assert not (found := reaching(storage, above)), "\n" + "\n".join(found)
+
+
+def test_the_wire_and_the_holders_import_nothing_from_the_manifests_disk_classes() -> None:
+    wire = sorted([*(ROOT / "nemo_ckpt" / "protocol").glob("*.py"),
+                   ROOT / "nemo_ckpt" / "phases.py",
+                   *(ROOT / "actors" / "holder").glob("*.py")])
+    assert len(wire) > 12 and all(p.exists() for p in wire)
+    found = reaching(wire, ("nemo_ckpt.storage.manifest",))
+    assert not found, "\n" + "\n".join(found)
+
+
+def test_the_import_check_sees_imports_inside_functions_and_for_typing(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\n"
+                      "if TYPE_CHECKING:\n"
+                      "    from nemo_ckpt.storage.manifest import ShardEntry\n"
+                      "def f() -> None:\n"
+                      "    import nemo_ckpt.catalog.listing\n"
+                      "from nemo_ckpt.storage import manifest\n")
+    assert imported_modules(module.read_text(), "m") >= {"nemo_ckpt.storage.manifest",
+                                        "nemo_ckpt.storage.manifest.ShardEntry",
+                                        "nemo_ckpt.catalog.listing"}

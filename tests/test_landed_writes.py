@@ -22,12 +22,12 @@ import pytest
 
 from actors.coordinator.folders import ClaimedFolders
 from actors.coordinator.states import SnapshotBeginning, SnapshotOperation
-from nemo_ckpt.catalog.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.catalog.listing import remove_snapshot
 from nemo_ckpt.errors import CheckpointPathBusyError, SnapshotWriteError
 from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import ClaimWatch, encode_claim
 from nemo_ckpt.storage.cleanup import remove_snapshot_files
+from nemo_ckpt.storage.commit_sequence import SEQUENCE_DIR, take_sequence
 from nemo_ckpt.storage.folder import unlistable
 from nemo_ckpt.storage.local_folder import LocalFolder
 from nemo_ckpt.storage.location import join_location

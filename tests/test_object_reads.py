@@ -21,7 +21,7 @@ from nemo_ckpt.cli.main import main as cli_main
 from nemo_ckpt.errors import CheckpointPathError, ShardCorruptedError
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
-from nemo_ckpt.storage.manifest import shard_file_name
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.snapshot_files import read_snapshot
 from tests.test_object_storage import session, write_snapshot
 

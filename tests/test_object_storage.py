@@ -35,7 +35,8 @@ from nemo_ckpt.storage.cleanup import (
     remove_unreferenced_files,
 )
 from nemo_ckpt.storage.location import join_location
-from nemo_ckpt.storage.manifest import Manifest, encode_manifest, shard_file_name
+from nemo_ckpt.storage.manifest import Manifest, encode_manifest
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.path_claims import claim_path, live_claims, release_claim
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import (

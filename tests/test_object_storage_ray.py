@@ -20,7 +20,7 @@ from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.errors import NemoCkptError, StartupCheckError
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
-from nemo_ckpt.storage.manifest import shard_file_name
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.testing import StaticCut
 from tests.conftest import alive_node_ids

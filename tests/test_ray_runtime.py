@@ -35,7 +35,8 @@ from nemo_ckpt.errors import (
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, prepare_environment_dir
-from nemo_ckpt.storage.manifest import Manifest, RolloutEntry, shard_file_name
+from nemo_ckpt.storage.manifest import Manifest, RolloutEntry
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import (
     read_manifest,

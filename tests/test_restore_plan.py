@@ -3,6 +3,7 @@ of what the holders read (``actors.coordinator.restore_plan``)."""
 
 from __future__ import annotations
 
+import pickle
 from datetime import datetime, timezone
 
 import msgpack
@@ -17,13 +18,16 @@ from actors.coordinator.restore_plan import (
     verify_prepared,
 )
 from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
-from nemo_ckpt.phases import RestorePrepared
+from nemo_ckpt.phases import ChunkHashes, RestorePrepared, ShardRef
+from nemo_ckpt.shard_refs import shard_entry, shard_ref
 from nemo_ckpt.storage.manifest import (
     MIN_CHUNK_BYTES,
     Manifest,
     ShardChunks,
     ShardEntry,
+    TreesEntry,
     encode_manifest,
+    rollouts_by_shard,
 )
 
 HASH = "xxh3-128:" + "0" * 32
@@ -64,7 +68,8 @@ def test_placement_with_no_alive_node_is_refused_as_unavailable() -> None:
 
 def test_each_instance_reads_only_its_own_shards() -> None:
     manifest = _manifest(_shard("holder-0", 2), _shard("holder-1", 1))
-    shards = assign_shards(manifest, ["holder-0", "holder-1", "holder-2"], "/ckpt/a")
+    shards = assign_shards([shard_ref(s) for s in manifest.shards],
+                           ["holder-0", "holder-1", "holder-2"], "/ckpt/a")
     assert {i: [s.file for s in ss] for i, ss in shards.items()} == {
         "holder-0": ["shard-holder-0.msgpack"], "holder-1": ["shard-holder-1.msgpack"],
         "holder-2": []}
@@ -73,12 +78,12 @@ def test_each_instance_reads_only_its_own_shards() -> None:
 def test_a_shard_whose_instance_has_no_holder_refuses_the_restore() -> None:
     manifest = _manifest(_shard("holder-0", 1), _shard("holder-1", 1))
     with pytest.raises(BackendUnavailableError, match="instance holder-1 of /ckpt/a"):
-        assign_shards(manifest, ["holder-0"], "/ckpt/a")
+        assign_shards([shard_ref(s) for s in manifest.shards], ["holder-0"], "/ckpt/a")
 
 
 def test_what_the_holders_read_becomes_the_continued_attempts() -> None:
     manifest = _manifest(_shard("holder-0", 2), _shard("holder-1", 1))
-    verified = verify_prepared(manifest, "/ckpt/a/environment", "/ckpt/a", {
+    verified = verify_prepared(rollouts_by_shard(manifest), "/ckpt/a/environment", "/ckpt/a", {
         "holder-0": _prepared("holder-0", [("r0", 0), ("r1", 2)], staging=frozenset({"k"}),
                               read_seconds=0.5),
         "holder-1": _prepared("holder-1", [("r2", 1)], read_seconds=0.2)})
@@ -91,7 +96,7 @@ def test_what_the_holders_read_becomes_the_continued_attempts() -> None:
 def test_a_rollout_in_two_shards_is_refused_as_corrupt() -> None:
     manifest = _manifest(_shard("holder-0", 1), _shard("holder-1", 1))
     with pytest.raises(ShardCorruptedError, match=r"rollouts held by two shards .*\['r0'\]"):
-        verify_prepared(manifest, "/ckpt/a/environment", "/ckpt/a", {
+        verify_prepared(rollouts_by_shard(manifest), "/ckpt/a/environment", "/ckpt/a", {
             "holder-0": _prepared("holder-0", [("r0", 0)]),
             "holder-1": _prepared("holder-1", [("r0", 0)])})
 
@@ -99,7 +104,7 @@ def test_a_rollout_in_two_shards_is_refused_as_corrupt() -> None:
 def test_a_rollout_live_now_refuses_the_restore_naming_every_holder_and_the_fix() -> None:
     manifest = _manifest(_shard("holder-0", 1), _shard("holder-1", 1), _shard("holder-2", 1))
     with pytest.raises(RestoreConflictError) as refused:
-        verify_prepared(manifest, "/ckpt/a/environment", "/ckpt/a", {
+        verify_prepared(rollouts_by_shard(manifest), "/ckpt/a/environment", "/ckpt/a", {
             "holder-0": _prepared("holder-0", [("r0", 0)]),
             "holder-1": _prepared("holder-1", [("r5", 0)], live=["r0", "r9"]),
             "holder-2": _prepared("holder-2", [("r7", 0)], live=["r5"])})
@@ -130,3 +135,17 @@ def test_holders_placed_together_spread_as_if_created_one_by_one() -> None:
     assert place_instances(["a", "b", "c", "d"], ["n1", "n2", "n3"], ["n1", "gone"]) == [
         ("a", "n2"), ("b", "n3"), ("c", "n1"), ("d", "n2")]
     assert place_instances([], ["n1"], []) == []
+
+
+def test_a_manifests_shard_crosses_the_wire_and_comes_back_as_the_manifest_holds_it() -> None:
+    # Every field the format carries: trees, chunk hashes, finished rollouts.
+    trees = TreesEntry(file="shard-s-holder-0-trees.msgpack", bytes=7, content_hash=HASH,
+                       sandboxes=1, blobs=3, new_blobs=2, new_blob_bytes=40)
+    entry = _shard("holder-0", 2).model_copy(update={"trees": trees, "finished": 1})
+    wired = pickle.loads(pickle.dumps(shard_ref(entry)))  # as a call carries it
+    assert isinstance(wired, ShardRef) and wired.trees is not None
+    assert (wired.file, wired.sessions, wired.finished, wired.trees.new_blob_bytes,
+            wired.chunks) == ("shard-holder-0.msgpack", 2, 1, 40,
+                              ChunkHashes(MIN_CHUNK_BYTES, ("0" * 32,)))
+    assert shard_entry(wired) == entry
+    assert {wired: 1}[shard_ref(entry)] == 1  # a prefetch finds its read by it

@@ -30,13 +30,13 @@ from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, folder_at
 from nemo_ckpt.storage.claims import STALE_FACTOR, ClaimWatch
 from nemo_ckpt.storage.manifest import FORMAT_VERSION
-from nemo_ckpt.storage.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import committed_snapshots, read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.testing.toy_env import directory_listing
 from nemo_ckpt.testing.virtual_time import EPOCH
 from nemo_ckpt.transport import COORDINATOR
 from nemo_ckpt.trees.blob_store import BlobStore, digest_of
-from nemo_ckpt.trees.collection import collect_blobs, committed_snapshots, snapshot_refs
+from nemo_ckpt.trees.collection import collect_blobs, snapshot_refs
 from tests.harness import World
 from tests.test_sandbox import same_content, sparse_file, swap_before_open
 

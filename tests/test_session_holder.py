@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import itertools
 import pickle
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -33,13 +34,14 @@ from nemo_ckpt.errors import (
     TurnTimedOutError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.phases import HolderState
+from nemo_ckpt.phases import HolderState, ShardRef
 from nemo_ckpt.protocol.operations import new_operation_id
 from nemo_ckpt.session_record import encode_turns
+from nemo_ckpt.shard_refs import shard_entry, shard_ref
 from nemo_ckpt.storage.checkpoint_folder import prepare_environment_dir
-from nemo_ckpt.storage.manifest import ShardEntry
+from nemo_ckpt.storage.manifest import encode_manifest
 from nemo_ckpt.storage.shards import read_shard
-from nemo_ckpt.storage.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import read_manifest, write_manifest
 from tests.virtual_time import now, on_virtual_time, virtual_runtime
 
 pytestmark = pytest.mark.timeout(30)
@@ -243,7 +245,7 @@ async def test_begin_pauses_and_captures_without_writing_until_asked(tmp_path: P
     await h.start_writes("snap-1")  # into the folder begin named
     report = await h.finish_writes("snap-1")
     assert [p.name for p in directory.iterdir()] == [report.shards[0].file]
-    assert [r.episode for r in read_shard(directory, report.shards[0])] == [Ep("r", 0)]
+    assert [r.episode for r in read_shard(directory, shard_entry(report.shards[0]))] == [Ep("r", 0)]
 
 
 @on_virtual_time
@@ -353,6 +355,36 @@ async def test_retire_and_forget_are_refused_while_paused() -> None:
     for op in (h.retire, h.forget):
         with pytest.raises(HolderBusyError, match="paused for snap-1"):
             await op([Ep("r", 0)])
+
+
+@on_virtual_time
+async def test_a_manifest_written_from_the_holders_report_restores_through_the_wire_type(
+        tmp_path: Path) -> None:
+    # The path of a snapshot and its restore across the wire: the holder reports its
+    # shard as a ShardRef, the coordinator writes the manifest's ShardEntry from it, and
+    # a restore reads the manifest and sends the shard back to a holder as a ShardRef.
+    src = holder()
+    ep = Ep("r", 0)
+    await src.open_session(ep, b"s0")
+    await run_turn(src, ep, b"t0", b"s1", ("r/0",))
+    await src.pause("snap-1", 1, 10)
+    await src.capture("snap-1")
+    directory = prepare_environment_dir(tmp_path)
+    await src.start_writes("snap-1", str(directory))
+    report = await src.finish_writes("snap-1")
+    assert [type(s) for s in report.shards] == [ShardRef]
+    write_manifest(directory, encode_manifest(
+        snapshot_id="snap-1", created_at=datetime.now(timezone.utc), instances=["holder-0"],
+        shards=[shard_entry(s) for s in report.shards], restarted_rollouts=0, metrics={}))
+    shards = [shard_ref(s) for s in read_manifest(tmp_path).shards]
+    assert shards == list(report.shards)  # nothing lost on disk and back
+    dst = holder("node-b")
+    await dst.prepare_restore("restore-1", str(directory),
+                              pickle.loads(pickle.dumps(shards)), 10)  # as sent
+    assert await dst.commit_restore("restore-1") == 1
+    (s,) = await dst.sessions()
+    assert (s.episode, s.turns, s.state, s.staging_keys) == (Ep("r", 1), (b"t0",), b"s1",
+                                                            {"r/0"})
 
 
 @on_virtual_time
@@ -595,7 +627,7 @@ async def test_renewals_keep_a_restore_whose_read_outlasts_one_lease(tmp_path: P
     assert await dst.commit_restore("restore-1") == 1
 
 
-async def restored_elsewhere(tmp_path: Path) -> tuple[SessionHolder, str, list[ShardEntry]]:
+async def restored_elsewhere(tmp_path: Path) -> tuple[SessionHolder, str, list[ShardRef]]:
     """Rollout r captured on one holder and restored, committed, on another (node-b):
     that holder, the snapshot's folder and its shards."""
     src = holder()
@@ -687,7 +719,7 @@ async def test_a_released_snapshot_lets_turns_run_while_its_shard_is_written(
     assert (await h.info()).state is HolderState.RUNNING
     await asyncio.wait_for(run_turn(h, ep, b"t0", b"s1"), 0.2)  # not after the write
     report = await h.finish_writes("snap-1")
-    assert [r.turns for r in read_shard(directory, report.shards[0])] == [()]
+    assert [r.turns for r in read_shard(directory, shard_entry(report.shards[0]))] == [()]
     await h.renew("snap-1", 10)
     await h.commit_snapshot("snap-1")
     assert h.bounds()["released"] == 0 and (await h.info()).last_snapshot_id == "snap-1"
@@ -801,7 +833,7 @@ async def test_a_session_of_many_turns_is_snapshotted_restored_and_continued_who
     directory = prepare_environment_dir(tmp_path)
     await src.start_writes("snap-1", str(directory))
     report = await src.finish_writes("snap-1")
-    (stored,) = read_shard(directory, report.shards[0])
+    (stored,) = read_shard(directory, shard_entry(report.shards[0]))
     assert stored.turns == tuple(records) and stored.state == b"s40"
 
     dst = holder("node-b")
@@ -832,6 +864,6 @@ async def test_a_shard_whose_row_claims_other_turns_than_its_body_holds_is_refus
                               b"\x91" + row, 1, [(encode_turns([b"t0", b"t1"]), b"s2")])
     dst = holder("node-b")
     with pytest.raises(ShardCorruptedError, match="says 3 turns, its body holds 2"):
-        await dst.prepare_restore("restore-1", str(directory), [entry], 10)
+        await dst.prepare_restore("restore-1", str(directory), [shard_ref(entry)], 10)
     assert await dst.sessions() == []
     assert (await dst.info()).state is HolderState.RUNNING

@@ -45,11 +45,10 @@ from nemo_ckpt.storage.manifest import (
     ShardEntry,
     encode_manifest,
     is_plain_file_name,
-    shard_file_name,
-    shard_problems,
 )
+from nemo_ckpt.storage.names import shard_file_name
 from nemo_ckpt.storage.path_claims import claim_path, live_claims
-from nemo_ckpt.storage.shards import read_shard, read_shard_index, write_shard
+from nemo_ckpt.storage.shards import read_shard, read_shard_index, shard_problems, write_shard
 from nemo_ckpt.storage.snapshot_files import (
     read_manifest,
     read_snapshot,

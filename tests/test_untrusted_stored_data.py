@@ -18,7 +18,7 @@ from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.errors import SandboxError, SnapshotReadError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
-from nemo_ckpt.storage.manifest import MAX_SANDBOX_ID_BYTES, NAME_MAX
+from nemo_ckpt.storage.names import MAX_SANDBOX_ID_BYTES, NAME_MAX
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.trees import tree_codec

@@ -30,13 +30,13 @@ from nemo_ckpt.errors import NemoCkptError
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.storage.snapshot_files import committed_snapshots
 from nemo_ckpt.transport import Runtime
 from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.trees.collection import (
     CollectionReport,
     RefsCache,
     collect_quietly,
-    committed_snapshots,
     snapshot_refs,
 )
 from nemo_ckpt.trees.limits import TreeBudget

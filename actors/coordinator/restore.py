@@ -34,13 +34,14 @@ from actors.coordinator.states import (
 )
 from nemo_ckpt import tracing
 from nemo_ckpt.errors import CheckpointPathError, RestoreConflictError, StaleSnapshotError
-from nemo_ckpt.phases import RestorePrepared
+from nemo_ckpt.phases import RestorePrepared, ShardRef
 from nemo_ckpt.protocol.calls import call
 from nemo_ckpt.protocol.coordinator_api import RestoreBegun
 from nemo_ckpt.protocol.holder_api import HolderControl
 from nemo_ckpt.protocol.operations import Outcome
+from nemo_ckpt.shard_refs import shard_ref
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
-from nemo_ckpt.storage.manifest import Manifest, ShardEntry
+from nemo_ckpt.storage.manifest import Manifest, rollouts_by_shard
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.trees.snapshot_trees import blob_store_of, moved_blob_store
 
@@ -130,7 +131,8 @@ class Restores:
             raise self._parts.operations.refusal(op.id)
         directory = str(environment_folder(checkpoint_path))
         blob_store = blob_store_of(checkpoint_path, manifest)
-        shards_of = assign_shards(manifest, op.holders, checkpoint_path)
+        shards_of = assign_shards([shard_ref(s) for s in manifest.shards], op.holders,
+                                  checkpoint_path)
         trace = tracing.traceparent()  # the holders' spans go under the prepare's
 
         def conflicts(errors: dict[str, BaseException]) -> BaseException | None:
@@ -148,7 +150,8 @@ class Restores:
         if op.outcome is not None:
             raise self._parts.operations.refusal(op.id)
         with tracing.span("nemo_ckpt.verify", phase="verify", **{"operation.id": op.id}):
-            verified = verify_prepared(manifest, directory, checkpoint_path, prepared)
+            verified = verify_prepared(rollouts_by_shard(manifest), directory,
+                                       checkpoint_path, prepared)
         self._parts.operations.set_state(op, RestoreVerified(verified.read_seconds))
         return RestoreBegun(
             restore_id=op.id, continued_attempts=verified.continued_attempts,
@@ -166,10 +169,10 @@ class Restores:
         await self._parts.holders.place(list(manifest.instances))
         directory = str(environment_folder(checkpoint_path))
         holders = self._parts.holders.handles
-        shards_of: dict[str, list[ShardEntry]] = {}
+        shards_of: dict[str, list[ShardRef]] = {}
         for shard in manifest.shards:
             if shard.instance_id in holders:
-                shards_of.setdefault(shard.instance_id, []).append(shard)
+                shards_of.setdefault(shard.instance_id, []).append(shard_ref(shard))
         started = await asyncio.gather(*(
             self._parts.calls(holders[inst]).prefetch_restore(directory, shards)
             for inst, shards in shards_of.items()), return_exceptions=True)

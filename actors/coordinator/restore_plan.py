@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from nemo_ckpt.errors import BackendUnavailableError, RestoreConflictError, ShardCorruptedError
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.phases import RestorePrepared, instance_sort_key
+from nemo_ckpt.phases import RestorePrepared, ShardRef, instance_sort_key
 from nemo_ckpt.receipts import FinishedRollout
-from nemo_ckpt.storage.manifest import Manifest, ShardEntry, rollouts_by_shard, shard_problems
+from nemo_ckpt.storage.shards import shard_problems
 
 __all__ = ["CONFLICT_FIX", "VerifiedRestore", "assign_shards", "conflict_error", "holder_said",
            "least_loaded_node", "place_instances", "verify_prepared"]
@@ -47,11 +47,12 @@ def place_instances(instances: Iterable[str], alive_nodes: Sequence[str],
     return placed
 
 
-def assign_shards(manifest: Manifest, instances: Iterable[str],
-                  checkpoint_path: str) -> dict[str, list[ShardEntry]]:
-    """Each placed instance's shards; refused if a shard's instance has no holder."""
-    shards_of: dict[str, list[ShardEntry]] = {i: [] for i in instances}
-    for shard in manifest.shards:
+def assign_shards(shards: Iterable[ShardRef], instances: Iterable[str],
+                  checkpoint_path: str) -> dict[str, list[ShardRef]]:
+    """Each placed instance's shards (``shards``: the manifest's, as the wire carries
+    them); refused if a shard's instance has no holder."""
+    shards_of: dict[str, list[ShardRef]] = {i: [] for i in instances}
+    for shard in shards:
         if shard.instance_id not in shards_of:
             raise BackendUnavailableError(
                 f"no holder could be placed for instance {shard.instance_id} of "
@@ -108,13 +109,14 @@ class VerifiedRestore:
     finished: tuple[FinishedRollout, ...] = ()  # installed as captured, not continued
 
 
-def verify_prepared(manifest: Manifest, directory: str, checkpoint_path: str,
+def verify_prepared(listed: Mapping[str, Mapping[str, int]] | None, directory: str,
+                    checkpoint_path: str,
                     prepared: Mapping[str, RestorePrepared]) -> VerifiedRestore:
     """Check what the holders read against the manifest, shard by shard (the check
     ``nemo-ckpt verify`` makes), that no rollout goes live twice, and that none of them
-    is live now on any holder. Raises ``ShardCorruptedError`` or
-    ``RestoreConflictError``, naming every problem found."""
-    listed = rollouts_by_shard(manifest)
+    is live now on any holder. ``listed``: the rollouts the manifest lists per shard
+    file (``rollouts_by_shard``; None for format 3 and later, which list none). Raises
+    ``ShardCorruptedError`` or ``RestoreConflictError``, naming every problem found."""
     by_shard = {p.instance_id: p.sessions_by_shard() for p in prepared.values()}
     problems = [problem for shards in by_shard.values() for file, sessions in shards
                 for problem in shard_problems(

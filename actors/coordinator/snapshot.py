@@ -7,7 +7,7 @@ and the one room that calls the holders' snapshot steps
     3) start_writes     every holder's ``start_writes``
     4) commit_snapshot  every holder's ``release`` (unless stopping) and ``finish_writes``;
                         the manifest written last (its number from
-                        ``nemo_ckpt.catalog.commit_sequence``); every holder's
+                        ``nemo_ckpt.storage.commit_sequence``); every holder's
                         ``commit_snapshot``; the replaced files removed
 
 Step 1 (renewals) and an abort are every operation's, in ``actors.coordinator.lifecycle``;
@@ -37,16 +37,17 @@ from actors.coordinator.states import (
     SnapshotWriting,
 )
 from nemo_ckpt import tracing
-from nemo_ckpt.catalog.commit_sequence import sequence_root, take_sequence
 from nemo_ckpt.errors import LeaseExpiredError, NemoCkptError, StaleSnapshotError
-from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport
+from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport, ShardRef
 from nemo_ckpt.protocol.calls import call
 from nemo_ckpt.protocol.coordinator_api import SnapshotBegun, SnapshotCommitted
 from nemo_ckpt.protocol.holder_api import HolderControl
 from nemo_ckpt.protocol.operations import Outcome
+from nemo_ckpt.shard_refs import shard_entry
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.cleanup import remove_snapshot_files
-from nemo_ckpt.storage.manifest import ShardEntry, encode_manifest
+from nemo_ckpt.storage.commit_sequence import sequence_root, take_sequence
+from nemo_ckpt.storage.manifest import encode_manifest
 from nemo_ckpt.storage.snapshot_files import write_manifest
 from nemo_ckpt.transport import Actor
 from nemo_ckpt.trees.snapshot_trees import blob_store_ref
@@ -329,7 +330,7 @@ class Snapshots:
                 op.holders, call(HolderControl.finish_writes, snapshot_id
                                  ).within(self._parts.config.persist_timeout_s),
                 op_id=snapshot_id)
-            shards: list[ShardEntry] = [s for p in persists.values() for s in p.shards]
+            shards: list[ShardRef] = [s for p in persists.values() for s in p.shards]
             all_metrics = _commit_metrics(metrics, persists)
             rollouts = await unique
             await self._earlier_commits(op, captured.order)
@@ -404,13 +405,13 @@ class Snapshots:
         self._parts.operations.set_state(op, committing)
         return committing, unique
 
-    def _manifest(self, snapshot_id: str, op: SnapshotOperation, shards: list[ShardEntry],
+    def _manifest(self, snapshot_id: str, op: SnapshotOperation, shards: list[ShardRef],
                   restarted: int, metrics: dict[str, float | int], sequence: int) -> bytes:
         """The manifest of snapshot ``op``, stamped with the wall clock now."""
         return encode_manifest(
             snapshot_id=snapshot_id,
             created_at=datetime.fromtimestamp(self._clock.wall(), timezone.utc),
-            instances=list(op.holders), shards=shards,
+            instances=list(op.holders), shards=[shard_entry(s) for s in shards],
             restarted_rollouts=restarted, metrics=metrics, blob_store=op.blob_ref,
             sequence=sequence)
 

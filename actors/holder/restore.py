@@ -33,11 +33,10 @@ from actors.holder.states import (
 )
 from nemo_ckpt import tracing
 from nemo_ckpt.errors import HolderStateError, RestoreConflictError
-from nemo_ckpt.phases import RestorePrepared
+from nemo_ckpt.phases import RestorePrepared, ShardRef
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.folder import Folder
-from nemo_ckpt.storage.manifest import ShardEntry
 
 __all__ = ["RestorePhases", "RestoreUndo"]
 
@@ -114,7 +113,7 @@ class RestorePhases:
         # Shards read ahead of a restore the driver announced (``prefetch_restore``).
         self._prefetch = ShardPrefetch(parts.runtime)
 
-    async def prefetch_restore(self, where: str, shards: list[ShardEntry]) -> int:
+    async def prefetch_restore(self, where: str, shards: list[ShardRef]) -> int:
         """Start reading and verifying ``shards`` of snapshot folder ``where`` for a restore
         to come, replacing any earlier prefetch; returns how many reads started. Nothing
         is installed: a restore of exactly these shard entries takes the reads, and a
@@ -125,7 +124,7 @@ class RestorePhases:
         return self._prefetch.start(folder_at(where), where, shards)
 
     async def prepare_restore(
-        self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
+        self, restore_id: str, where: str, shards: list[ShardRef], lease_s: float,
         blob_store: str | None = None, trace: str = "",
     ) -> RestorePrepared:
         """``_prepare_restore`` in its span, under the coordinator's ``trace``."""
@@ -137,7 +136,7 @@ class RestorePhases:
             return prepared
 
     async def _prepare_restore(
-        self, restore_id: str, where: str, shards: list[ShardEntry], lease_s: float,
+        self, restore_id: str, where: str, shards: list[ShardRef], lease_s: float,
         blob_store: str | None, trace: str,
     ) -> RestorePrepared:
         """Read and verify this instance's shards, and materialize their sessions'
@@ -185,7 +184,7 @@ class RestorePhases:
             raise
 
     async def _read(self, op: RestoreWork, directory: Folder, where: str,
-                    shards: list[ShardEntry], blob_store: str | None) -> _Read:
+                    shards: list[ShardRef], blob_store: str | None) -> _Read:
         """Read and verify each shard, taking a prefetched read when there is one, and
         stage its sandboxes (recorded on ``op`` as they are, for a discard)."""
         parts = self._parts

@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from nemo_ckpt.errors import ContainerRuntimeError, RestoreConflictError, SandboxError
+from nemo_ckpt.phases import ShardRef
 from nemo_ckpt.sandbox_backend import SandboxLocation, Staged, StoredSandbox
+from nemo_ckpt.shard_refs import shard_entry
 from nemo_ckpt.storage.folder import Folder
-from nemo_ckpt.storage.manifest import ShardEntry, restored_name_problem, safe_name_part
+from nemo_ckpt.storage.names import restored_name_problem, safe_name_part
 from nemo_ckpt.trees.blob_store import BlobStore
 from nemo_ckpt.trees.snapshot_trees import TreeRow, read_blob, read_trees_file
 
@@ -68,13 +70,14 @@ class SandboxRestores:
         self._doomed: list[SandboxLocation] = []
         self._doomed_lock = threading.Lock()
 
-    def prepare_restore(self, restore_id: str, directory: Folder, entry: ShardEntry,
+    def prepare_restore(self, restore_id: str, directory: Folder, entry: ShardRef,
                         blob_store: str | None, new_keys: dict[str, str],
                         threads: int = 1) -> list[RestoredSandbox]:
         """Materialize the directories of shard ``entry``'s sessions in a staging folder,
         ``threads`` at a time (``Runtime.threads``); ``new_keys`` maps each rollout to the
         capture key it is restored as."""
-        assert entry.trees is not None
+        trees = shard_entry(entry).trees  # storage reads the manifest's own class
+        assert trees is not None
         boxes = self._boxes
         if boxes.root is None or boxes.private is None:
             raise SandboxError(
@@ -111,8 +114,8 @@ class SandboxRestores:
             return data
 
         containers: dict[str, bytes] = {}
-        rows = read_trees_file(directory, entry.trees, self.instance_id, containers)
-        self._check_restored_names(rows, new_keys, directory, entry.trees.file)
+        rows = read_trees_file(directory, trees, self.instance_id, containers)
+        self._check_restored_names(rows, new_keys, directory, trees.file)
         made: list[Callable[[], RestoredSandbox]] = []  # in the rows' order
         for rollout_id, attempt, tree_digest, tree_size, _ in rows:
             raw = containers.get(rollout_id)
@@ -123,7 +126,7 @@ class SandboxRestores:
                     f"it on to restore it")
             stored = StoredSandbox(
                 rollout_id, attempt, tree_digest, tree_size, raw,
-                f"{rollout_id} (attempt {attempt}) in {directory.describe(entry.trees.file)}")
+                f"{rollout_id} (attempt {attempt}) in {directory.describe(trees.file)}")
             backend = boxes.containers if raw is not None else boxes.directories
             made.append(functools.partial(backend.restore, stored, fetch,
                                           new_keys[rollout_id], restore_id, staging))

@@ -48,6 +48,7 @@ from typing import Protocol
 from actors.holder.sandbox_restores import SandboxRestores
 from nemo_ckpt.containers.backend import ContainerBackend
 from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
+from nemo_ckpt.phases import TreesRef
 from nemo_ckpt.sandbox_backend import (
     ContainerRef,
     Recorded,
@@ -55,11 +56,11 @@ from nemo_ckpt.sandbox_backend import (
     SandboxLocation,
 )
 from nemo_ckpt.sandboxes.directories import PRIVATE_DIR, DirectoryBackend
+from nemo_ckpt.shard_refs import trees_ref
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder
-from nemo_ckpt.storage.manifest import (
+from nemo_ckpt.storage.names import (
     MAX_SANDBOX_ID_BYTES,
-    TreesEntry,
     restored_name_problem,
     safe_name_part,
     trees_file_name,
@@ -415,7 +416,7 @@ class Sandboxes:
     # --- a snapshot's persist (blocking) -------------------------------------------
 
     def persist(self, capture: SandboxCapture, directory: Folder, snapshot_id: str,
-                clock: Callable[[], float]) -> TreesEntry:
+                clock: Callable[[], float]) -> TreesRef:
         """Make the captured trees' blobs durable in the store, then write the trees file."""
         if self.blob_root is None:
             raise SandboxError(f"{self.instance_id}: sessions own sandboxes but no blob "
@@ -438,9 +439,9 @@ class Sandboxes:
             self._collection_watch = ClaimWatch(clock)
         written: BlobsWritten = persist_blobs(store, self.cache, needed, clock,
                                               watch=self._collection_watch)
-        return write_trees_file(directory, trees_file_name(snapshot_id, self.instance_id),
-                                self.instance_id, written.attribute(rows, refs),
-                                len(needed), written, capture.containers())
+        return trees_ref(write_trees_file(
+            directory, trees_file_name(snapshot_id, self.instance_id), self.instance_id,
+            written.attribute(rows, refs), len(needed), written, capture.containers()))
 
     # --- the cache's collection ----------------------------------------------------
 

@@ -29,7 +29,7 @@ from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.protocol.holder_api import OpeningSessions
 from nemo_ckpt.sandbox_backend import ContainerRef, SandboxLocation
 from nemo_ckpt.session_record import SessionRecord
-from nemo_ckpt.storage.manifest import sandbox_id_problem
+from nemo_ckpt.storage.names import sandbox_id_problem
 
 __all__ = ["Sessions"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 
@@ -16,9 +16,11 @@ from actors.holder.sandboxes import Sandboxes
 from actors.holder.session_table import Held
 from actors.holder.states import Capture
 from nemo_ckpt.errors import HolderStateError, ShardCorruptedError, SnapshotReadError
+from nemo_ckpt.phases import ShardRef
+from nemo_ckpt.shard_refs import shard_entry, shard_ref
 from nemo_ckpt.storage.cleanup import remove_files
 from nemo_ckpt.storage.folder import Folder
-from nemo_ckpt.storage.manifest import ShardEntry, shard_file_name, trees_file_name
+from nemo_ckpt.storage.names import shard_file_name, trees_file_name
 from nemo_ckpt.storage.shards import ShardParts, read_shard_parts, write_shard_parts
 from nemo_ckpt.transport import Runtime
 
@@ -32,22 +34,22 @@ PREFETCH_BYTES = 2 << 30
 
 
 def write_held_shard(directory: Folder, name: str, instance_id: str,
-                     held: list[Held], index: bytes) -> ShardEntry:
+                     held: list[Held], index: bytes) -> ShardRef:
     """Write captured sessions as one shard, from their bytes as held; ``index`` is
     their capture's ``captured_msgpack`` (the shard's index, the same bytes)."""
-    return write_shard_parts(directory, name, instance_id, index, len(held),
-                             ((h.turns_pieces(), h.state) for h in held))
+    return shard_ref(write_shard_parts(directory, name, instance_id, index, len(held),
+                                       ((h.turns_pieces(), h.state) for h in held)))
 
 
-def load_shard(directory: Folder, entry: ShardEntry) -> ShardParts:
+def load_shard(directory: Folder, entry: ShardRef) -> ShardParts:
     """``read_shard_parts`` with the collector paused while the index is decoded."""
     with collector_paused():
-        return read_shard_parts(directory, entry)
+        return read_shard_parts(directory, shard_entry(entry))
 
 
 async def write_capture(runtime: Runtime, sandboxes: Sandboxes, instance_id: str,
                         op_id: str, directory: Folder,
-                        capture: Capture) -> tuple[ShardEntry, list[str]]:
+                        capture: Capture) -> tuple[ShardRef, list[str]]:
     """Write ``capture`` as this instance's shard of snapshot ``op_id``: its sandboxes'
     blobs and trees file first, then the shard, all before the manifest. Returns the
     shard's entry and the names of the files written."""
@@ -67,9 +69,9 @@ async def write_capture(runtime: Runtime, sandboxes: Sandboxes, instance_id: str
         write_held_shard, directory, name, instance_id, capture.held,
         capture.report.captured_msgpack)
     if trees is not None:
-        entry = entry.model_copy(update={"trees": trees})
+        entry = replace(entry, trees=trees)
     if capture.report.finished_count:
-        entry = entry.model_copy(update={"finished": capture.report.finished_count})
+        entry = replace(entry, finished=capture.report.finished_count)
     return entry, names
 
 
@@ -83,9 +85,9 @@ class ShardPrefetch:
     def __init__(self, runtime: Runtime, limit_bytes: int = PREFETCH_BYTES) -> None:
         self._runtime = runtime
         self._limit = limit_bytes
-        self._reads: dict[tuple[str, str], asyncio.Future[ShardParts]] = {}
+        self._reads: dict[tuple[str, ShardRef], asyncio.Future[ShardParts]] = {}
 
-    def start(self, directory: Folder, where: str, shards: list[ShardEntry]) -> int:
+    def start(self, directory: Folder, where: str, shards: list[ShardRef]) -> int:
         """Start reading ``shards`` of snapshot folder ``where``; returns how many."""
         self.discard()
         total = 0
@@ -96,12 +98,12 @@ class ShardPrefetch:
             read = asyncio.ensure_future(self._runtime.run_blocking(load_shard, directory,
                                                                      entry))
             read.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._reads[(where, entry.model_dump_json())] = read
+            self._reads[(where, entry)] = read
         return len(self._reads)
 
-    def take(self, where: str, entry: ShardEntry) -> asyncio.Future[ShardParts] | None:
+    def take(self, where: str, entry: ShardRef) -> asyncio.Future[ShardParts] | None:
         """The read of exactly ``entry`` at ``where`` started ahead, if any."""
-        return self._reads.pop((where, entry.model_dump_json()), None)
+        return self._reads.pop((where, entry), None)
 
     def discard(self) -> None:
         """Drop every read not taken (one still running ends in its thread, unused)."""
@@ -110,7 +112,7 @@ class ShardPrefetch:
         self._reads.clear()
 
 
-async def _parts(runtime: Runtime, directory: Folder, entry: ShardEntry,
+async def _parts(runtime: Runtime, directory: Folder, entry: ShardRef,
                  ahead: asyncio.Future[ShardParts] | None) -> ShardParts:
     """The shard's parts: those read ahead when that read succeeded, else read now (a
     prefetch that failed changes nothing: the restore reads, and refuses, for itself)."""
@@ -138,7 +140,7 @@ class RestoredShard:
 
 async def read_restore_shard(
     runtime: Runtime, sandboxes: Sandboxes, instance_id: str, restore_id: str,
-    directory: Folder, entry: ShardEntry, blob_store: str | None,
+    directory: Folder, entry: ShardRef, blob_store: str | None,
     still_open: Callable[[], object], ahead: asyncio.Future[ShardParts] | None = None,
 ) -> RestoredShard:
     """Read and verify one of this instance's shards, decode its sessions and stage their

@@ -29,13 +29,12 @@ from actors.holder.states import (
 )
 from nemo_ckpt import tracing
 from nemo_ckpt.errors import HolderStateError
-from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport, join_captured
+from nemo_ckpt.phases import CaptureReport, PauseReport, PersistReport, ShardRef, join_captured
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.cleanup import remove_files
 from nemo_ckpt.storage.folder import Folder
-from nemo_ckpt.storage.manifest import ShardEntry
 
 __all__ = ["SnapshotPhases"]
 
@@ -248,7 +247,7 @@ class SnapshotPhases:
                      capture: Capture) -> PersistReport:
         start = self._clock.monotonic()
         await self._parts.runtime.reached("persist")
-        shards: tuple[ShardEntry, ...] = ()
+        shards: tuple[ShardRef, ...] = ()
         if capture.held:
             entry, names = await write_capture(self._runtime, self._parts.sandboxes,
                                                self.instance_id, op.id, directory, capture)

@@ -3,10 +3,10 @@ that verifies, remove one, keep the last N.
 
 A snapshot is committed once its manifest is written (``nemo_ckpt.storage.snapshot_files``), so
 the collection is every checkpoint path below the root that holds a manifest
-(``nemo_ckpt.trees.collection.committed_snapshots``). Newest first means by the manifest's
-``sequence`` (format 6): a coordinator numbers each commit one more than the highest it
-has seen under its root (``highest_sequence``, read once per coordinator, then its own
-commits and the snapshot it restored), because the hosts that commit a root's snapshots
+(``committed_snapshots`` there). Newest first means by the manifest's ``sequence``
+(format 6): a coordinator numbers each commit one more than the highest it has seen
+under its root (``nemo_ckpt.storage.commit_sequence``, read once per coordinator, then its
+own commits and the snapshot it restored), because the hosts that commit a root's snapshots
 over a job's restarts have clocks with any offset, and one host's clock may step back.
 Two coordinators committing under one root at once may give one number twice; the time
 their hosts wrote (``created_at``), then the id, break such ties, and order the
@@ -60,7 +60,8 @@ from nemo_ckpt.storage.cleanup import manifest_snapshot_id, remove_unreferenced_
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.local_folder import LocalFolder
 from nemo_ckpt.storage.location import LocalLocation, parent_location, parse_location
-from nemo_ckpt.storage.manifest import MANIFEST_NAME, SHARD_PREFIX, Manifest
+from nemo_ckpt.storage.manifest import MANIFEST_NAME, Manifest
+from nemo_ckpt.storage.names import SHARD_PREFIX
 from nemo_ckpt.storage.path_claims import (
     REMOVAL_PREFIX,
     claim_path,
@@ -68,12 +69,12 @@ from nemo_ckpt.storage.path_claims import (
     read_claims,
     release_claim,
 )
-from nemo_ckpt.storage.snapshot_files import read_manifest
-from nemo_ckpt.trees.collection import CollectionReport, collect_blobs, committed_snapshots
+from nemo_ckpt.storage.snapshot_files import committed_snapshots, read_manifest
+from nemo_ckpt.trees.collection import CollectionReport, collect_blobs
 from nemo_ckpt.trees.snapshot_trees import blob_store_of
 
 __all__ = ["LatestSnapshot", "RemovalReport", "RetentionReport", "SkippedSnapshot",
-           "SnapshotInfo", "claim_for_removal", "highest_sequence", "keep_last",
+           "SnapshotInfo", "claim_for_removal", "keep_last",
            "latest_snapshot", "list_snapshots", "remove_snapshot"]
 
 log = logging.getLogger("nemo_ckpt.catalog")
@@ -148,19 +149,6 @@ def list_snapshots(root: Path | str,
     dated.sort(key=lambda s: (s.sequence or 0, s.created_at, s.snapshot_id or ""),
                reverse=True)
     return undated + dated
-
-
-def highest_sequence(root: Path | str) -> int:
-    """The highest ``sequence`` of the committed snapshots below ``root`` (0 when none
-    has one): what a coordinator's first commit there numbers past. A manifest that does
-    not read is passed over, as ``list_snapshots`` lists it apart."""
-    highest = 0
-    for path in committed_snapshots(root):
-        try:
-            highest = max(highest, read_manifest(path).sequence or 0)
-        except SnapshotReadError:
-            continue
-    return highest
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from nemo_ckpt.errors import SnapshotReadError
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.folder import Folder
-from nemo_ckpt.storage.manifest import Manifest, ShardEntry, rollouts_by_shard, shard_problems
-from nemo_ckpt.storage.shards import read_shard
+from nemo_ckpt.storage.manifest import Manifest, ShardEntry, rollouts_by_shard
+from nemo_ckpt.storage.shards import read_shard, shard_problems
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.trees.snapshot_trees import verify_directories
 

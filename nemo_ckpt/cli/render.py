@@ -13,7 +13,7 @@ from nemo_ckpt.progress import CatalogProgress
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.storage.location import ObjectLocation, parse_location
 from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
-from nemo_ckpt.trees.collection import committed_snapshots
+from nemo_ckpt.storage.snapshot_files import committed_snapshots
 
 __all__ = ["PROG", "ProgressLine", "add_progress_option", "human_bytes", "nothing_at_root",
            "number", "one_line", "progress_line", "read_error", "table"]

@@ -22,11 +22,11 @@ from nemo_ckpt.phases import (
     PauseReport,
     PersistReport,
     RestorePrepared,
+    ShardRef,
 )
 from nemo_ckpt.protocol.calls import Call, Proxy, methods, one_way
 from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord
-from nemo_ckpt.storage.manifest import ShardEntry
 from nemo_ckpt.transport import CONTROL_GROUP, HOLDER, Actor, Transport
 
 __all__ = [
@@ -94,10 +94,10 @@ class HolderSnapshotCalls(Protocol):
 class HolderRestoreCalls(Protocol):
     """A restore's steps on a holder (their order: ``HolderControl``)."""
 
-    async def prefetch_restore(self, where: str, shards: list[ShardEntry]) -> int: ...
+    async def prefetch_restore(self, where: str, shards: list[ShardRef]) -> int: ...
 
     async def prepare_restore(self, restore_id: str, where: str,
-                              shards: list[ShardEntry], lease_s: float,
+                              shards: list[ShardRef], lease_s: float,
                               blob_store: str | None = None, trace: str = ""
                               ) -> RestorePrepared: ...
 

@@ -16,14 +16,8 @@ from nemo_ckpt.errors import CheckpointPathError
 from nemo_ckpt.storage.checkpoint_folder import as_folder
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.local_folder import TMP_MARK
-from nemo_ckpt.storage.manifest import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    SHARD_PREFIX,
-    SHARD_SUFFIX,
-    is_plain_file_name,
-    shard_file_name,
-)
+from nemo_ckpt.storage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, is_plain_file_name
+from nemo_ckpt.storage.names import SHARD_PREFIX, SHARD_SUFFIX, shard_file_name
 from nemo_ckpt.storage.path_claims import release_claim
 from nemo_ckpt.storage.store_errors import NotARegularFileError
 from nemo_ckpt.storage.stored_json import load_stored_json

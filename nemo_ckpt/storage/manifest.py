@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import json
 import json.encoder
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -51,9 +50,9 @@ __all__ = [
     "SANDBOX_FORMAT_VERSION",
     "RECEIPTS_FORMAT_VERSION",
     "TreesEntry",
-    "trees_file_name",
     "CONTENT_HASH_PATTERN",
     "SUPPORTED_FORMAT_VERSIONS",
+    "BLOB_DIR",
     "ENVIRONMENT_DIR",
     "MANIFEST_NAME",
     "ShardEntry",
@@ -67,14 +66,7 @@ __all__ = [
     "check_consistency",
     "check_shards",
     "encode_manifest",
-    "shard_file_name",
     "rollouts_by_shard",
-    "shard_problems",
-    "safe_name_part",
-    "NAME_MAX",
-    "MAX_SANDBOX_ID_BYTES",
-    "sandbox_id_problem",
-    "restored_name_problem",
 ]
 
 # The version every snapshot is written as; the others name where a feature came in.
@@ -84,10 +76,10 @@ RECEIPTS_FORMAT_VERSION: Literal[5] = 5
 SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
 ENVIRONMENT_DIR = "environment"
 MANIFEST_NAME = "manifest.json"
-SHARD_PREFIX = "shard-"
-SHARD_SUFFIX = ".msgpack"
+# The blob store's folder under a checkpoint root (``nemo_ckpt.trees.blob_store``).
+BLOB_DIR = "blobs"
 # The blob store relative to a checkpoint path: one or more "../", then the store's folder.
-BLOB_STORE_PATTERN = r"^(\.\./)+blobs$"
+BLOB_STORE_PATTERN = rf"^(\.\./)+{BLOB_DIR}$"
 
 # "<algorithm>:<hex digest>"; storage.content_hasher knows each algorithm.
 CONTENT_HASH_PATTERN = r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$"
@@ -102,9 +94,6 @@ MAX_CHUNK_BYTES = 64 << 20
 # few kilobytes.
 MAX_MANIFEST_BYTES = 256 << 20
 
-_SAFE_PART = re.compile(r"[^A-Za-z0-9_.-]")
-
-
 @functools.lru_cache(maxsize=4096)  # manifests and trees ask about the same names often
 def is_plain_file_name(name: str) -> bool:
     """Whether ``name`` names a file directly inside its folder, on any platform."""
@@ -113,66 +102,6 @@ def is_plain_file_name(name: str) -> bool:
     if "/" in name or "\\" in name or "\x00" in name:
         return False
     return PurePosixPath(name).name == name and PureWindowsPath(name).name == name
-
-
-def safe_name_part(text: str) -> str:
-    """``text`` with every character a file name should not hold replaced by ``_``."""
-    return _SAFE_PART.sub("_", text)
-
-
-# What a rollout's id becomes on disk when its session owns a sandbox: the directory a
-# restore makes is named by the restored attempt's key, ``<id>-a<attempt>`` (escaped by
-# ``safe_name_part``: one ASCII byte per character), or, beside one left in place, that
-# and ``.<restore id>`` (at most ``RESTORE_SUFFIX_BYTES``). A file name holds at most
-# ``NAME_MAX`` bytes; an id within ``MAX_SANDBOX_ID_BYTES`` leaves room for both
-# suffixes at any attempt up to 20 digits (docs/DESIGN.md, "On disk").
-NAME_MAX = 255
-ATTEMPT_SUFFIX_BYTES = 22  # "-a" and 20 digits
-RESTORE_SUFFIX_BYTES = 17  # "." and a 16-digit restore tag
-MAX_SANDBOX_ID_BYTES = NAME_MAX - ATTEMPT_SUFFIX_BYTES - RESTORE_SUFFIX_BYTES  # 216
-MAX_ATTEMPT = 10**20 - 1
-
-
-def sandbox_id_problem(rollout_id: str, attempt: int) -> str | None:
-    """Why a session of ``rollout_id`` (at ``attempt``) may not own a sandbox: the
-    names its restores would make could not exist on disk; None when they can."""
-    size = len(safe_name_part(rollout_id))
-    if size > MAX_SANDBOX_ID_BYTES:
-        return (f"rollout id {rollout_id[:40]!r}... is {size} bytes as a file name; at "
-                f"most {MAX_SANDBOX_ID_BYTES} for a session with a sandbox directory (a "
-                f"restore names the directory <id>-a<attempt>, within the {NAME_MAX}-byte "
-                f"limit of a file name); use a shorter id")
-    if attempt > MAX_ATTEMPT:
-        return f"attempt {attempt} has more than 20 digits"
-    return None
-
-
-def restored_name_problem(key: str) -> str | None:
-    """Why a restore cannot name the directory of capture key ``key`` (the restored
-    attempt's): it and the suffix of a restore beside it pass ``NAME_MAX``."""
-    size = len(safe_name_part(key)) + RESTORE_SUFFIX_BYTES
-    if size > NAME_MAX:
-        return (f"its restored directory would be named {key[:40]!r}... ({size} bytes "
-                f"with a restore's suffix), past the {NAME_MAX}-byte limit of a file name")
-    return None
-
-
-def shard_file_name(snapshot_id: str, instance_id: str, index: int = 0) -> str:
-    """The file name of a holder's ``index``-th shard in snapshot ``snapshot_id``.
-
-    Names carry the snapshot id, so a new snapshot written into a folder that holds an
-    older one never overwrites the older one's shards before its manifest commits.
-    """
-    sid = safe_name_part(snapshot_id)
-    inst = safe_name_part(instance_id)
-    return f"{SHARD_PREFIX}{sid}-{inst}-{index:04d}{SHARD_SUFFIX}"
-
-
-def trees_file_name(snapshot_id: str, instance_id: str) -> str:
-    """The file name of a holder's directory trees in snapshot ``snapshot_id``: a shard
-    name, so that clean-up treats it as one."""
-    return f"{SHARD_PREFIX}{safe_name_part(snapshot_id)}-{safe_name_part(instance_id)}" \
-           f"-trees{SHARD_SUFFIX}"
 
 
 class _Model(BaseModel):
@@ -276,7 +205,7 @@ class Manifest(_Model):
     sequence: int | None = Field(
         None, ge=1,
         description="Format 6, written by a coordinator: the number its commit took "
-                    "under its root (``nemo_ckpt.catalog.commit_sequence``); newest first lists "
+                    "under its root (``nemo_ckpt.storage.commit_sequence``); newest first lists "
                     "by it, not by a host's clock.")
 
     @field_validator("metrics")
@@ -437,31 +366,6 @@ def rollouts_by_shard(manifest: Manifest) -> dict[str, dict[str, int]] | None:
     for r in manifest.rollouts:
         listed.setdefault(r.shard, {})[r.rollout_id] = r.attempt
     return listed
-
-
-def shard_problems(listed: Mapping[str, int] | None, sessions: Iterable[tuple[str, int]],
-                   where: str) -> list[str]:
-    """What is wrong with the sessions a shard holds, ``(rollout_id, attempt)`` each: a
-    rollout held twice; and against ``listed`` (its manifest's rollouts there, from
-    ``rollouts_by_shard``; None for format 3, whose manifest lists none), one the manifest
-    does not list there (or lists at another attempt), one it lists but the shard lacks.
-    The one check a restore and ``nemo-ckpt verify`` both make, so a crafted shard cannot
-    make two sessions of a rollout live."""
-    problems: list[str] = []
-    seen: set[str] = set()
-    for rollout_id, attempt in sessions:
-        key = rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
-        if rollout_id in seen:
-            problems.append(f"shard {where} holds rollout {rollout_id!r} twice; restore an "
-                            f"earlier checkpoint")
-        elif listed is not None and listed.get(rollout_id) != attempt:
-            problems.append(f"shard {where} holds {key}, which its manifest does not list "
-                            f"there; restore an earlier checkpoint")
-        seen.add(rollout_id)
-    if listed is not None and (missing := sorted(set(listed) - seen)):
-        problems.append(f"shard {where} lacks rollouts its manifest lists there: "
-                        f"{', '.join(missing)}; restore an earlier checkpoint")
-    return problems
 
 
 def upgrade_v1(data: Any) -> Any:

@@ -30,7 +30,8 @@ from nemo_ckpt.storage.claims import (
     write_claim,
 )
 from nemo_ckpt.storage.folder import ABSENT, Folder, remove_if_holds
-from nemo_ckpt.storage.manifest import MANIFEST_NAME, safe_name_part
+from nemo_ckpt.storage.manifest import MANIFEST_NAME
+from nemo_ckpt.storage.names import safe_name_part
 
 __all__ = ["CLAIM_PREFIX", "REMOVAL_PREFIX", "PathClaim", "advisory_claims_warning",
            "claim_beat", "claim_for_reading", "claim_of", "claim_path", "drop_abandoned",

@@ -10,7 +10,7 @@ it holds against its manifest entry; each refusal has its own exception class (s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -35,7 +35,8 @@ from nemo_ckpt.storage.hashed_files import (
 from nemo_ckpt.storage.manifest import ShardEntry, is_plain_file_name
 
 __all__ = ["SHARD_MAGIC", "SHARD_VERSION", "RolloutIndexEntry", "ShardParts", "read_shard",
-           "read_shard_index", "read_shard_parts", "write_shard", "write_shard_parts"]
+           "read_shard_index", "read_shard_parts", "shard_problems", "write_shard",
+           "write_shard_parts"]
 
 SHARD_MAGIC = "nemo-ckpt-shard"
 # Shard layouts: 3 (written): a header, the index (one row per session), then one
@@ -444,3 +445,28 @@ def read_shard_index(directory: Folder | Path, entry: ShardEntry) -> list[Rollou
                                   sorted(set(row[2])), entry.file) for row in rows]
     except (TypeError, IndexError) as exc:
         raise _undecodable(path, f"its index has rows of the wrong shape ({exc})") from exc
+
+
+def shard_problems(listed: Mapping[str, int] | None, sessions: Iterable[tuple[str, int]],
+                   where: str) -> list[str]:
+    """What is wrong with the sessions a shard holds, ``(rollout_id, attempt)`` each: a
+    rollout held twice; and against ``listed`` (its manifest's rollouts there, from
+    ``rollouts_by_shard``; None for format 3, whose manifest lists none), one the manifest
+    does not list there (or lists at another attempt), one it lists but the shard lacks.
+    The one check a restore and ``nemo-ckpt verify`` both make, so a crafted shard cannot
+    make two sessions of a rollout live."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for rollout_id, attempt in sessions:
+        key = rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+        if rollout_id in seen:
+            problems.append(f"shard {where} holds rollout {rollout_id!r} twice; restore an "
+                            f"earlier checkpoint")
+        elif listed is not None and listed.get(rollout_id) != attempt:
+            problems.append(f"shard {where} holds {key}, which its manifest does not list "
+                            f"there; restore an earlier checkpoint")
+        seen.add(rollout_id)
+    if listed is not None and (missing := sorted(set(listed) - seen)):
+        problems.append(f"shard {where} lacks rollouts its manifest lists there: "
+                        f"{', '.join(missing)}; restore an earlier checkpoint")
+    return problems

@@ -27,26 +27,32 @@ from nemo_ckpt.errors import (
     UnsupportedFormatVersionError,
 )
 from nemo_ckpt.session_record import SessionRecord
-from nemo_ckpt.storage.checkpoint_folder import as_folder, environment_folder
+from nemo_ckpt.storage.checkpoint_folder import as_folder, environment_folder, folder_at
 from nemo_ckpt.storage.folder import Folder, write_conditionally
+from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.storage.manifest import (
+    BLOB_DIR,
     ENVIRONMENT_DIR,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
-    SHARD_PREFIX,
     SUPPORTED_FORMAT_VERSIONS,
     Manifest,
     is_plain_file_name,
     rollouts_by_shard,
-    shard_problems,
     upgrade_v1,
 )
+from nemo_ckpt.storage.names import SHARD_PREFIX
 from nemo_ckpt.storage.path_claims import claim_of
-from nemo_ckpt.storage.shards import RolloutIndexEntry, read_shard, read_shard_index
+from nemo_ckpt.storage.shards import (
+    RolloutIndexEntry,
+    read_shard,
+    read_shard_index,
+    shard_problems,
+)
 from nemo_ckpt.storage.stored_json import StoredJsonError, check_json, load_stored_json
 
-__all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollouts",
-           "write_manifest"]
+__all__ = ["LoadedSnapshot", "committed_snapshots", "holds_manifest", "read_manifest",
+           "read_snapshot", "snapshot_rollouts", "write_manifest"]
 
 # The manifest each job (claim owner) last committed in each folder from this
 # coordinator incarnation (its process): what its next snapshot there may replace besides
@@ -55,6 +61,7 @@ __all__ = ["LoadedSnapshot", "read_manifest", "read_snapshot", "snapshot_rollout
 # process).
 _COMMITTED: dict[tuple[str, str, str], str] = {}
 _MAX_COMMITTED = 1024
+_MAX_DEPTH = 8  # how deep below a root snapshots are looked for
 
 
 def write_manifest(directory: Folder | Path, manifest: Manifest | bytes,
@@ -241,3 +248,31 @@ def snapshot_rollouts(checkpoint_path: Path | str, manifest: Manifest
         except SnapshotReadError as exc:
             unreadable[shard.file] = str(exc)
     return rollouts, unreadable
+
+
+def holds_manifest(where: str, subfolders: list[str]) -> bool:
+    """Whether the folder ``where`` (whose subfolders are ``subfolders``) is a committed
+    snapshot: its ``environment/`` holds a manifest."""
+    return ENVIRONMENT_DIR in subfolders and \
+        MANIFEST_NAME in folder_at(join_location(where, ENVIRONMENT_DIR)).names()
+
+
+def committed_snapshots(root: str | Path) -> list[str]:
+    """Every checkpoint path below ``root`` that holds a committed snapshot (a manifest),
+    sorted; the blob store and hidden folders are not searched."""
+    found: list[str] = []
+    pending = [(str(root), 0)]
+    while pending:
+        where, depth = pending.pop()
+        folder = folder_at(where)
+        names = folder.subfolders()
+        if holds_manifest(where, names):
+            found.append(where)
+            continue
+        if depth >= _MAX_DEPTH:
+            continue
+        for name in names:
+            if name.startswith(".") or (depth == 0 and name == BLOB_DIR):
+                continue
+            pending.append((join_location(where, name), depth + 1))
+    return sorted(found)

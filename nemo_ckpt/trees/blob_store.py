@@ -32,11 +32,11 @@ from nemo_ckpt.errors import BlobCorruptedError, CheckpointPathError
 from nemo_ckpt.storage.folder import Folder, Sink
 from nemo_ckpt.storage.local_folder import open_regular
 from nemo_ckpt.storage.location import join_location
+from nemo_ckpt.storage.manifest import BLOB_DIR  # the store's folder: the format's name
 from nemo_ckpt.trees.blob_claims import BlobClaims
 
 __all__ = ["BLOB_DIR", "BlobStore", "digest_of", "hex_of"]
 
-BLOB_DIR = "blobs"
 _CHUNK = 4 << 20
 
 

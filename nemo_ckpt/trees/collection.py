@@ -38,23 +38,21 @@ from nemo_ckpt.storage.checkpoint_folder import environment_folder, folder_at
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.location import join_location
-from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, MANIFEST_NAME
-from nemo_ckpt.storage.snapshot_files import read_manifest
+from nemo_ckpt.storage.snapshot_files import committed_snapshots, holds_manifest, read_manifest
 from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.trees.container_record import decode_record
 from nemo_ckpt.trees.limits import TreeBudget
 from nemo_ckpt.trees.snapshot_trees import blob_store_of, fetch_tree, read_trees_file
 from nemo_ckpt.trees.tree_types import tree_digests
 
-__all__ = ["CollectionReport", "collect_blobs", "collect_quietly", "committed_snapshots",
-           "snapshot_refs", "RefsCache"]
+__all__ = ["CollectionReport", "collect_blobs", "collect_quietly", "snapshot_refs",
+           "RefsCache"]
 
 log = logging.getLogger("nemo_ckpt.collection")
 
 # A removal is started only while this much of the claim is left (a renewal that
 # failed to land, or a stall, must not let a removal run past the claim).
 _MARGIN_S = 5.0
-_MAX_DEPTH = 8  # how deep below the root snapshots are looked for
 _WAIT_POLL_S = 1.0  # how often a collection told to wait tries the store again
 
 
@@ -70,34 +68,6 @@ class CollectionReport:
     kept: int = 0
     dry_run: bool = False
     interrupted: bool = False  # stopped early for a snapshot (``should_stop``)
-
-
-def _holds_manifest(where: str, subfolders: list[str]) -> bool:
-    """Whether the folder ``where`` (whose subfolders are ``subfolders``) is a committed
-    snapshot: its ``environment/`` holds a manifest."""
-    return ENVIRONMENT_DIR in subfolders and \
-        MANIFEST_NAME in folder_at(join_location(where, ENVIRONMENT_DIR)).names()
-
-
-def committed_snapshots(root: str | Path) -> list[str]:
-    """Every checkpoint path below ``root`` that holds a committed snapshot (a manifest),
-    sorted; the blob store and hidden folders are not searched."""
-    found: list[str] = []
-    pending = [(str(root), 0)]
-    while pending:
-        where, depth = pending.pop()
-        folder = folder_at(where)
-        names = folder.subfolders()
-        if _holds_manifest(where, names):
-            found.append(where)
-            continue
-        if depth >= _MAX_DEPTH:
-            continue
-        for name in names:
-            if name.startswith(".") or (depth == 0 and name == BLOB_DIR):
-                continue
-            pending.append((join_location(where, name), depth + 1))
-    return sorted(found)
 
 
 RefsCache = dict[tuple[str, str], frozenset[bytes]]
@@ -120,7 +90,7 @@ def check_collection_root(root: str | Path) -> None:
         raise CheckpointPathError(
             where, f"there is nothing at {where}, so it is no checkpoint root (mistyped?): "
                    f"pass CheckpointConfig.checkpoint_root; nothing was created")
-    if _holds_manifest(str(root), subfolders):
+    if holds_manifest(str(root), subfolders):
         raise CheckpointPathError(
             where, f"{where} is a snapshot, not a checkpoint root: pass the root it lies "
                    f"under (CheckpointConfig.checkpoint_root), whose blobs/ it uses; to "

@@ -36,7 +36,8 @@ from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder, Sink
 from nemo_ckpt.storage.hashed_files import read_verified, view_unpacker, write_hashed
 from nemo_ckpt.storage.location import join_location, levels_below, parent_location
-from nemo_ckpt.storage.manifest import Manifest, TreesEntry, restored_name_problem
+from nemo_ckpt.storage.manifest import Manifest, TreesEntry
+from nemo_ckpt.storage.names import restored_name_problem
 from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore
 from nemo_ckpt.trees.container_record import decode_record
 from nemo_ckpt.trees.extents import sparse_layout

@@ -41,15 +41,16 @@ from nemo_ckpt.protocol.holder_api import SESSION_METHODS
 from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.session_record import SessionHead, SessionRecord
+from nemo_ckpt.shard_refs import shard_ref
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder, folder_at
 from nemo_ckpt.storage.claims import decode_claim
 from nemo_ckpt.storage.path_claims import read_claims
-from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
+from nemo_ckpt.storage.snapshot_files import committed_snapshots, read_manifest, read_snapshot
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY
 from nemo_ckpt.trees import tree_codec
 from nemo_ckpt.trees.blob_claims import COLLECTOR
 from nemo_ckpt.trees.blob_store import BLOB_DIR, BlobStore, digest_of
-from nemo_ckpt.trees.collection import committed_snapshots, snapshot_refs
+from nemo_ckpt.trees.collection import snapshot_refs
 from nemo_ckpt.trees.snapshot_trees import (
     BlobsWritten,
     blob_store_of,
@@ -810,7 +811,7 @@ class Checkers(Part):
                     boxes = Sandboxes(shard.instance_id, str(scratch), None,
                                       namespace="check")
                     boxes.restores.prepare_restore("restore-check", environment_folder(snapshot),
-                                          shard, where, keys)
+                                          shard_ref(shard), where, keys)
                     boxes.restores.discard_staging("restore-check")
             except Exception as exc:
                 self.violate(f"committed snapshot {manifest.snapshot_id} at "
@@ -864,7 +865,7 @@ class Checkers(Part):
             ("a restore", lambda: Sandboxes(shard.instance_id, str(scratch), None,
                                             namespace="check", tree_budget=BUDGET
                                             ).restores.prepare_restore(
-                "restore-check", folder, shard, blob_store_of(copy, manifest),
+                "restore-check", folder, shard_ref(shard), blob_store_of(copy, manifest),
                 {rollout[0]: Ep(rollout[0], rollout[1]).next_attempt().capture_key})),
         ]
         for what, read in readers:
