@@ -251,7 +251,7 @@ def test_the_sql_database_the_tests_make_is_where_text2sql_looks(tmp_path: Path)
 
 @pytest.mark.timeout(150)
 def test_the_example_crashes_mid_run_restores_and_verifies_every_rollout(cluster: Any) -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, str(root / "examples" / "adapter_recovery.py"),
          "--address", cluster.address, "--rollouts", "8", "--seed", "2"],

@@ -1,6 +1,6 @@
 """The catalog's progress callbacks and its ``_async`` forms: the event loop keeps running
 while they work, progress arrives on the loop, and a cancelled call stops at its next
-step (the sync core they run: tests/test_catalog.py)."""
+step (the sync core they run: tests/catalog/test_listing.py)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from nemo_ckpt.storage.manifest import encode_manifest, shard_file_name
 from nemo_ckpt.storage.path_claims import read_claims
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import write_manifest
-from tests.test_catalog import T0, snap
-from tests.test_storage import session
+from tests.catalog.test_listing import T0, snap
+from tests.storage.test_disk_format import session
 
 pytestmark = pytest.mark.timeout(60)
 

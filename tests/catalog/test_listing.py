@@ -33,14 +33,14 @@ from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.transport import COORDINATOR
 from tests.harness import World
 from tests.s3_server import BUCKET
-from tests.test_sandbox_sessions import (
+from tests.sandboxes.test_sandbox_sessions import (
     _coordinator,
     _open_with_directories,
     _store,
     _turns,
     sandbox_job,
 )
-from tests.test_storage import FakeClock, flip_middle_byte, manifest_path, session
+from tests.storage.test_disk_format import FakeClock, flip_middle_byte, manifest_path, session
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -521,7 +521,7 @@ def test_a_removal_while_a_restore_reads_the_snapshot_is_refused_and_the_restore
 
 def test_the_cli_pages_example_runs_as_written(tmp_path: Path, three: dict[str, Path],
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    page = (Path(__file__).resolve().parent.parent / "docs" / "CLI.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "CLI.md").read_text()
     start = page.index("\n## Finding, keeping and removing snapshots\n")
     block = page[page.index("```python\n", start) + 10:page.index("```\n", start + 1)]
     flip_middle_byte(first_shard(three["new"]))

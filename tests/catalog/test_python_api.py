@@ -23,8 +23,8 @@ from nemo_ckpt import (
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.errors import SnapshotNotFoundError, SnapshotReadError
 from nemo_ckpt.storage.manifest import FORMAT_VERSION
-from tests.test_catalog import first_shard
-from tests.test_storage import flip_middle_byte, session, write_snapshot_v3
+from tests.catalog.test_listing import first_shard
+from tests.storage.test_disk_format import flip_middle_byte, session, write_snapshot_v3
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from nemo_ckpt.testing import StaticCut
 from nemo_ckpt.transport import HOLDER
 from tests.conftest import alive_node_ids
 from tests.harness import CONFIG, World
-from tests.test_storage import (
+from tests.storage.test_disk_format import (
     edit_manifest,
     flip_middle_byte,
     manifest_path,

@@ -1,5 +1,5 @@
 """``nemo-ckpt ls`` and ``nemo-ckpt rm`` on real snapshot folders, damaged and claimed
-ones included (the core they render: tests/test_catalog.py)."""
+ones included (the core they render: tests/catalog/test_listing.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.storage.checkpoint_folder import environment_dir, environment_folder
 from nemo_ckpt.storage.claims import encode_claim
+from tests.catalog.test_listing import _claim_as_snapshot, first_shard, snap
 from tests.s3_server import BUCKET
-from tests.test_catalog import _claim_as_snapshot, first_shard, snap
-from tests.test_object_storage import session, write_snapshot
-from tests.test_storage import flip_middle_byte, manifest_path
+from tests.storage.test_disk_format import flip_middle_byte, manifest_path
+from tests.storage.test_object_folder import session, write_snapshot
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -25,14 +25,14 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.sandboxes.backend import ContainerRef, EnvironmentClass
 from nemo_ckpt.testing.data_plane import StaticCut
 from tests.container_runtime import Setup, ensure
-from tests.harness import World
-from tests.test_containers import (
+from tests.containers.test_containers import (
     SERVER,
     ask,
     assert_nothing_mounted_or_networked,
     containers_named,
     rewrite_dump,
 )
+from tests.harness import World
 
 pytestmark = pytest.mark.timeout(180)
 

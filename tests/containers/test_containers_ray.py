@@ -25,7 +25,7 @@ from nemo_ckpt.phases import HolderState
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from tests.conftest import kill_a_driver_inside
 from tests.container_runtime import Setup, ensure
-from tests.test_containers import (
+from tests.containers.test_containers import (
     SERVER,
     ask,
     assert_nothing_mounted_or_networked,

@@ -2,7 +2,7 @@
 actors made by the coordinator's process, holders' handles and errors cross them as
 they cross a direct call, and a relay killed mid-phase fails its group's calls as
 unreachable while every holder resumes. (The same under virtual time, with the relay
-killed at exact points: tests/test_fan_relay.py.)
+killed at exact points: tests/coordinator/test_fan_relay.py.)
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Work of an older coordinator incarnation never touches what a newer one owns (issue
 29, case 1): a coordinator Ray declared dead (its node stalled) runs again and finishes
 an old commit while the job, through its successor, snapshots into the same path.
-In-process, under virtual time, as ``tests/test_reliability.py``; the same on real Ray
-in ``tests/test_ray_as_it_behaves.py``."""
+In-process, under virtual time, as ``tests/simulation/test_reliability.py``; the same on real Ray
+in ``tests/ray_cluster/test_ray_as_it_behaves.py``."""
 
 from __future__ import annotations
 

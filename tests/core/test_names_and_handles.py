@@ -1,6 +1,6 @@
 """Handles that outlive the actor they named (issue 29): a worker's ``SessionClient``
 finds its instance's current holder by name after the one it held died. In-process,
-under virtual time, as ``tests/test_reliability.py``."""
+under virtual time, as ``tests/simulation/test_reliability.py``."""
 
 from __future__ import annotations
 

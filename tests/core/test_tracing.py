@@ -2,9 +2,9 @@
 whose phases nest under the driver's span, an error recorded on its span, nothing of
 OpenTelemetry imported without it, and a trace file that is not a regular file refused
 at the driver's construction. A trace file the actors cannot open, on real Ray:
-``tests/test_observability.py``. The trace file of a run on real Ray, spans of one
+``tests/ray_cluster/test_observability.py``. The trace file of a run on real Ray, spans of one
 trace from the driver, the coordinator and the holders:
-``tests/test_demo.py::assert_one_trace_per_operation_across_processes``."""
+``tests/examples/test_demo.py::assert_one_trace_per_operation_across_processes``."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from tests.harness import World
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

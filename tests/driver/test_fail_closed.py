@@ -1,7 +1,7 @@
 """A user's mistakes fail closed, with an error that says what to do (issue 23): a
 snapshot nobody checked against the cut, a relative root or a path outside it, a cut
 adapter returning the wrong types. In-process, under virtual time, as
-``tests/test_reliability.py``."""
+``tests/simulation/test_reliability.py``."""
 
 from __future__ import annotations
 

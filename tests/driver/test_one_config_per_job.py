@@ -1,6 +1,6 @@
 """One config per job (issue 29, case 6): a restarted driver finds the job's coordinator
 and holders alive by name, made with whoever's config created them. In-process, under
-virtual time, as ``tests/test_reliability.py``."""
+virtual time, as ``tests/simulation/test_reliability.py``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 under virtual time with NeMo RL's test double: a stop, a node's drain, and a deadline the
 final snapshot cannot meet; and a real SIGTERM to this process on a real event loop. The
 same on real Ray, a child job sent SIGTERM and a node drained with Ray's CLI:
-tests/test_preemption_demo.py."""
+tests/examples/test_preemption_demo.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from nemo_ckpt.errors import JobStoppedError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from tests.harness import World
-from tests.test_rollout_manager import OWNERS, Job
+from tests.manager.test_rollout_manager import OWNERS, Job
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -325,7 +325,7 @@ except SystemExit:
     time.sleep(3600)  # a shutdown that outlasts the grace
     raise
 """)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
     try:

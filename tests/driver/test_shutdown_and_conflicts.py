@@ -19,7 +19,7 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.testing.data_plane import StaticCut
 from nemo_ckpt.transport import Runtime
 from tests.harness import World
-from tests.test_sandbox_sessions import sandbox_job
+from tests.sandboxes.test_sandbox_sessions import sandbox_job
 
 pytestmark = pytest.mark.timeout(180)
 NAME_RELEASE_S = 2.0  # how long Ray keeps a killed actor's name here
@@ -250,7 +250,7 @@ def raylet_gone(tmp_path_factory: pytest.TempPathFactory) -> Any:
     script = tmp_path_factory.mktemp("raylet-gone") / "job.py"
     script.write_text(_RAYLET_GONE)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=150, env=env, start_new_session=True)
 

@@ -12,7 +12,7 @@ import yaml
 
 pytestmark = pytest.mark.timeout(30)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = ROOT / "cluster.yaml"
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.container_runtime import ensure
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:

@@ -25,7 +25,7 @@ from nemo_ckpt.testing import (
     step,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- the toy environment ------------------------------------------------------------------

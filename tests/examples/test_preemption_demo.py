@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(240)
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "preemption_recovery.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "preemption_recovery.py"
 
 
 def _run(*args: str) -> str:

@@ -1,7 +1,7 @@
 """A job told to stop: a final snapshot whose commit parks every session (the holders
 drop them, free their sandboxes and refuse new sessions and turns), through the real
 driver, coordinator and holders in-process (``actors.sim``); a restore brings them back.
-The same on real Ray with containers: tests/test_preemption.py."""
+The same on real Ray with containers: tests/driver/test_preemption.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.phases import HolderState
 from nemo_ckpt.sandboxes.directories import PRIVATE_DIR
 from nemo_ckpt.testing.data_plane import StaticCut
-from tests.test_sandbox_sessions import (
+from tests.sandboxes.test_sandbox_sessions import (
     _make_repo,
     _open_with_directories,
     _turn_edits,

@@ -14,7 +14,7 @@ from nemo_ckpt.sessions import SessionClient, register_default_transport
 from nemo_ckpt.transport import HOLDER, Transport
 from tests.harness import CONFIG
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("nemo_ckpt", "actors")
 # The Ray-facing modules of the package, and its testing helpers, may reach Ray (none of
 # the package reaches the actors: the next test); the rest is the core.

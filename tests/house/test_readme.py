@@ -30,7 +30,7 @@ from nemo_ckpt.storage.manifest import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
 
 pytestmark = pytest.mark.timeout(30)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
 # The reference pages the README links: its long tables live there.

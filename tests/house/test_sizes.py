@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("nemo_ckpt", "actors")
 MAX_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 80

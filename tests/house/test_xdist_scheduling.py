@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import PODMAN_MODULES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(120)
 

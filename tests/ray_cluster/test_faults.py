@@ -382,7 +382,7 @@ async def test_a_driver_that_dies_inside_the_snapshot_leaves_holders_resuming_by
         assert snap is not None and snap.captured_rollouts == 6
 
 
-# --- the reviewed cases 1-6 (tests/test_reliability.py), on a real cluster -----------------
+# --- the reviewed cases 1-6 (tests/simulation/test_reliability.py), on a real cluster -------
 
 
 async def test_a_driver_cancelled_while_its_commit_runs_keeps_the_new_snapshot_committed(

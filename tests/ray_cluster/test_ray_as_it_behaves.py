@@ -32,7 +32,7 @@ from nemo_ckpt.phases import HolderState
 from nemo_ckpt.protocol.operations import new_operation_id
 from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
 from nemo_ckpt.transport import Runtime
-from tests.test_faults import wait_until
+from tests.ray_cluster.test_faults import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -38,7 +38,7 @@ from nemo_ckpt.testing.toy_env import directory_listing
 from nemo_ckpt.testing.virtual_time import EPOCH
 from nemo_ckpt.transport import COORDINATOR
 from tests.harness import World
-from tests.test_sandbox import same_content, sparse_file, swap_before_open
+from tests.sandboxes.test_trees_and_blobs import same_content, sparse_file, swap_before_open
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -682,7 +682,7 @@ def test_a_collection_a_predecessor_coordinator_left_is_waited_out_not_dropped(
                 await snap.check_against_cut(StaticCut(live, set()))
                 assert store.claims.live_collection(ClaimWatch()) == claim  # not dropped
             # The holders waited it out (the wait itself, on their clocks:
-            # tests/test_storage.py, ..._waits_out_a_dead_collectors_claim_...).
+            # tests/storage/test_disk_format.py, ..._waits_out_a_dead_collectors_claim_...).
             assert read_manifest(tmp_path / "ckpt" / "a").blob_store == "../blobs"
             assert store.claims.live_collection(ClaimWatch()) == claim
 

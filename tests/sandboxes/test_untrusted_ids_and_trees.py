@@ -29,7 +29,7 @@ from nemo_ckpt.storage.manifest import MAX_SANDBOX_ID_BYTES, NAME_MAX
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.testing.data_plane import StaticCut
 from tests.harness import World
-from tests.test_sandbox_sessions import sandbox_job
+from tests.sandboxes.test_sandbox_sessions import sandbox_job
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,7 @@ driver, coordinator and holders in-process (``actors.sim``), under virtual
 time, with a fault aimed at one phase boundary. Each asserts what a user would see: the
 error raised, the holders' state, the files on disk, the sessions that are live.
 (The same faults, at random points, run in ``tests/simulation/``; cases 1-6 also run
-on a real cluster in ``tests/test_faults.py``.)
+on a real cluster in ``tests/ray_cluster/test_faults.py``.)
 """
 
 from __future__ import annotations
@@ -746,7 +746,7 @@ def test_retriability_is_a_property_of_each_error_class_and_the_docs_list_it() -
     assert ckpt.is_unavailable(LeaseExpiredError("lapsed"))
     assert ckpt.is_unavailable(HolderBusyError("busy"))
     assert not ckpt.is_unavailable(SnapshotMismatchError(()))
-    table = (Path(__file__).resolve().parent.parent / "docs" / "FAILURES.md").read_text()
+    table = (Path(__file__).resolve().parents[2] / "docs" / "FAILURES.md").read_text()
     documented: dict[str, bool] = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

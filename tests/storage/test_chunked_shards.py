@@ -17,7 +17,7 @@ from nemo_ckpt.storage.hashed_files import CHUNK_BYTES
 from nemo_ckpt.storage.manifest import ENVIRONMENT_DIR, FORMAT_VERSION, MANIFEST_NAME, Manifest
 from nemo_ckpt.storage.shards import read_shard_parts
 from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
-from tests.test_object_storage import session, write_snapshot
+from tests.storage.test_object_folder import session, write_snapshot
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -36,7 +36,7 @@ from nemo_ckpt.storage.location import join_location
 from nemo_ckpt.storage.path_claims import claim_of, claim_path
 from nemo_ckpt.transport import Runtime
 from tests.s3_server import LocalS3Server
-from tests.test_object_storage import session, write_snapshot
+from tests.storage.test_object_folder import session, write_snapshot
 
 pytestmark = pytest.mark.timeout(120)
 

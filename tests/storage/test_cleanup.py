@@ -16,7 +16,7 @@ from nemo_ckpt.storage.manifest import shard_file_name
 from nemo_ckpt.storage.path_claims import claim_path
 from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_snapshot
-from tests.test_storage import session, tree, write_snapshot
+from tests.storage.test_disk_format import session, tree, write_snapshot
 
 
 def test_a_late_clean_up_never_removes_what_a_newer_manifest_names(tmp_path: Path) -> None:

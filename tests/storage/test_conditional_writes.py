@@ -29,7 +29,7 @@ from nemo_ckpt.storage.shards import write_shard
 from nemo_ckpt.storage.snapshot_files import read_manifest, write_manifest
 from tests.azurite_server import AzuriteServer
 from tests.s3_server import LocalS3Server, RcloneServer
-from tests.test_object_storage import session
+from tests.storage.test_object_folder import session
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from nemo_ckpt.cli.main import main
 from nemo_ckpt.errors import CheckpointPathError
 from nemo_ckpt.storage.location import LocalLocation, ObjectLocation, join_location, parse_location
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_folders_stay_folders_and_urls_keep_bucket_and_prefix() -> None:

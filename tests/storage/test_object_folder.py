@@ -323,7 +323,7 @@ def test_the_server_command_runs_a_command_against_its_bucket_and_stops_after_it
         [sys.executable, "-m", "tests.s3_server", "--data-dir", str(tmp_path),
          "--", sys.executable, "-c", script],
         capture_output=True, text=True, timeout=80, env=env,
-        cwd=Path(__file__).resolve().parent.parent)  # where tests.s3_server imports from
+        cwd=Path(__file__).resolve().parents[2])  # where tests.s3_server imports from
     assert done.returncode == 3, done.stderr
     endpoint, read = done.stdout.split()
     assert read == "b'hello'"

@@ -3,7 +3,7 @@
 The server here is an HTTP server of this test's own that answers GETs the ways real
 ones differ (rclone's ``serve s3`` answers every ranged GET with a 200 and the range),
 and the ways a broken one fails (a body that stops short of its length). The same reads
-against real servers: tests/test_object_storage.py."""
+against real servers: tests/storage/test_object_folder.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.storage.checkpoint_folder import environment_folder
 from nemo_ckpt.storage.manifest import shard_file_name
 from nemo_ckpt.storage.snapshot_files import read_snapshot
-from tests.test_object_storage import session, write_snapshot
+from tests.storage.test_object_folder import session, write_snapshot
 
 pytestmark = pytest.mark.timeout(60)
 

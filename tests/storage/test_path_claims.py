@@ -14,7 +14,7 @@ from nemo_ckpt.errors import CheckpointPathBusyError
 from nemo_ckpt.storage.checkpoint_folder import prepare_environment_dir
 from nemo_ckpt.storage.claims import LEGACY_TTL_S, STALE_FACTOR, ClaimWatch
 from nemo_ckpt.storage.path_claims import claim_path, live_claims, read_claims
-from tests.test_storage import FakeClock
+from tests.storage.test_disk_format import FakeClock
 
 
 def test_another_jobs_live_claim_refuses_a_snapshot_into_the_same_path(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The mistakes of a bucket's set-up that no server is needed to make: no credentials,
 an endpoint where no server answers, a scheme with no store. Each is one line that
 names what to set.
-(A missing bucket and refused credentials, against real servers: test_object_storage.py.)"""
+(A missing bucket and refused credentials, against real servers:
+tests/storage/test_object_folder.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from nemo_ckpt.catalog.listing import list_snapshots
 from nemo_ckpt.cli.main import main
 from nemo_ckpt.errors import CheckpointPathError, SnapshotWriteError
 from nemo_ckpt.storage.checkpoint_folder import PROBE_DIR, folder_at
-from tests.test_object_storage import session, write_snapshot
+from tests.storage.test_object_folder import session, write_snapshot
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -22,8 +22,8 @@ from nemo_ckpt.storage.path_claims import read_claims
 from nemo_ckpt.storage.snapshot_files import read_manifest
 from nemo_ckpt.storage.store_errors import NotARegularFileError
 from nemo_ckpt.storage.stored_json import MAX_DEPTH, StoredJsonError, load_stored_json
+from tests.catalog.test_listing import snap
 from tests.harness import World
-from tests.test_catalog import snap
 
 pytestmark = pytest.mark.timeout(60)
 
