@@ -1,5 +1,5 @@
 # Set-up commands: `make test` and `make demo` bootstrap .venv by themselves
-# (`make install` only bootstraps it). The contract check is tests/test_contract.py.
+# (`make install` only bootstraps it). The contract check is tests/core/test_contract.py.
 PYTHON ?= python3
 # PIPESTATUS: pip's own exit status through the filter below.
 SHELL := /bin/bash

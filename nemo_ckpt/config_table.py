@@ -1,7 +1,7 @@
 """The table of ``CheckpointConfig`` fields on docs/CONFIG.md, made from the model itself.
 
 ``python -m nemo_ckpt.config_table`` prints the table; ``--write docs/CONFIG.md`` replaces
-the table between that page's markers. tests/test_readme.py fails when the two differ, so
+the table between that page's markers. tests/house/test_readme.py fails when the two differ, so
 a field's description is written once, in ``nemo_ckpt/config.py``.
 """
 

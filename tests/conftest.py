@@ -21,6 +21,8 @@ WORKER_NODES = 2
 # The modules that run containers on this machine's podman: each checks at its end that
 # no container named nemo-ckpt-* is left and nothing is mounted, and test_container_sessions
 # removes every such container after each test, so two of them must never run at once.
+# Here and below, modules by file name, wherever under tests/ they live
+# (tests/house/test_layout.py checks that each names one module).
 PODMAN_MODULES = {"test_containers.py", "test_containers_ray.py", "test_container_sessions.py",
                   "test_container_demo.py"}
 
@@ -219,7 +221,8 @@ def namespace() -> str:
 async def ckpt(cluster: Any, namespace: str, tmp_path: Any) -> AsyncIterator[Any]:
     """A RayEnvironmentCheckpoint in a fresh namespace, with short deadlines. It commits
     snapshots that no cut checked: these tests exercise the backend alone (the refusal of
-    unchecked snapshots is tested in test_fail_closed.py and test_ray_runtime.py)."""
+    unchecked snapshots is tested in driver/test_fail_closed.py and
+    ray_cluster/test_ray_runtime.py)."""
     from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
 
     config = CheckpointConfig(allow_unchecked_snapshots=True,

@@ -1,8 +1,8 @@
 """The scenario tests' harness: one job in-process (``actors.sim``), under
 virtual time, with the real driver, coordinator and holders: a driver, holders on every
 node, a worker's session clients, and hooks that aim a fault at one message. The
-reviewed cases (``tests/test_reliability.py``), the sandbox sessions
-(``tests/test_sandbox_sessions.py``) and the other in-process scenarios run on it."""
+reviewed cases (``tests/simulation/test_reliability.py``), the sandbox sessions
+(``tests/sandboxes/test_sandbox_sessions.py``) and the other in-process scenarios run on it."""
 
 from __future__ import annotations
 

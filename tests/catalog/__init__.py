@@ -1,0 +1,1 @@
+"""Tests of `nemo_ckpt/catalog/`: snapshots as a collection, and the Python API over it."""

@@ -1,0 +1,1 @@
+"""Tests of `nemo_ckpt/cli/`: the `nemo-ckpt` command line."""

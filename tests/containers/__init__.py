@@ -1,0 +1,1 @@
+"""Tests of `nemo_ckpt/containers/`: sessions' containers on this machine's podman."""

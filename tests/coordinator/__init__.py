@@ -1,0 +1,2 @@
+"""Tests of `actors/coordinator/`: the coordinator's operations, fan-out, restore plan and
+fencing."""

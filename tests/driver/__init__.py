@@ -1,0 +1,1 @@
+"""Tests of `nemo_ckpt/driver/`: `RayEnvironmentCheckpoint` and its parts, in-process."""

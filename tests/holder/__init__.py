@@ -1,0 +1,1 @@
+"""Tests of `actors/holder/`: the session holder and its parts."""

@@ -1,0 +1,1 @@
+"""Tests of `nemo_ckpt/manager/`: `RolloutCheckpointManager`."""

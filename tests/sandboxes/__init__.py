@@ -1,0 +1,1 @@
+"""Tests of `nemo_ckpt/sandboxes/`: sandbox trees, blobs and the sessions that own directories."""
