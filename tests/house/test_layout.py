@@ -27,11 +27,13 @@ MIRRORS: dict[str, tuple[str, ...]] = {
     "house": ("docs/LAYOUT.md", "README.md"),
     "integrations": ("nemo_ckpt/integrations",),
     "manager": ("nemo_ckpt/manager",),
+    "protocol": ("nemo_ckpt/protocol",),
     "ray_cluster": ("actors/ray_transport.py", "actors/metrics.py", "actors/drills.py"),
     "sandboxes": ("nemo_ckpt/sandboxes",),
     "simulation": ("actors/sim", "tests/simulation/__main__.py"),
     "storage": ("nemo_ckpt/storage",),
     "testing": ("nemo_ckpt/testing",),
+    "trees": ("nemo_ckpt/trees",),
 }
 
 

@@ -38,7 +38,7 @@ from nemo_ckpt.transport import COORDINATOR
 from nemo_ckpt.trees.blob_store import BlobStore, digest_of
 from nemo_ckpt.trees.collection import collect_blobs, snapshot_refs
 from tests.harness import World
-from tests.sandboxes.test_trees_and_blobs import same_content, sparse_file, swap_before_open
+from tests.trees.test_trees_and_blobs import same_content, sparse_file, swap_before_open
 
 pytestmark = pytest.mark.timeout(60)
 
