@@ -69,7 +69,7 @@ async def test_a_proxy_sends_a_message_at_once_and_invokes_a_call_with_its_timeo
     assert await holder.finish_writes("snap-1") == "answered"
     assert transport.calls == [("finish_writes", ("snap-1",), 7.0)]
     with pytest.raises(AttributeError, match="'resume' is not a call of this interface"):
-        holder.resume
+        _ = holder.resume  # type: ignore[attr-defined]
 
 
 async def test_a_coordinator_proxy_without_a_way_to_send_refuses_a_message() -> None:
