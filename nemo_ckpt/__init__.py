@@ -50,8 +50,8 @@ from nemo_ckpt.manager.config import RolloutCheckpointConfig
 from nemo_ckpt.manager.contract import ManagedSnapshot, RlHalf
 from nemo_ckpt.manager.rollout_manager import RolloutCheckpointManager
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
-from nemo_ckpt.sandbox_backend import ContainerRef, EnvironmentClass
-from nemo_ckpt.session_record import SessionHead, SessionRecord
+from nemo_ckpt.sandbox_backend import ContainerRef
+from nemo_ckpt.session_record import EnvironmentClass, SessionHead, SessionRecord
 from nemo_ckpt.sessions import SessionClient, Turn
 from nemo_ckpt.trees.collection import CollectionReport, collect_blobs
 

@@ -21,10 +21,12 @@ import itertools
 from collections.abc import Collection, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from nemo_ckpt.errors import SnapshotMismatchError
-from nemo_ckpt.interfaces import EnvironmentEpisode
+
+# The cut's Protocols are the contract's (``nemo_ckpt.interfaces``), named here too.
+from nemo_ckpt.interfaces import DataPlaneMutationCut, EnvironmentEpisode, ScopedCut
 from nemo_ckpt.session_record import row_is_finished
 
 __all__ = [
@@ -36,45 +38,6 @@ __all__ = [
     "check_rows_against_cut",
     "CapturedRow",
 ]
-
-
-@runtime_checkable
-class DataPlaneMutationCut(Protocol):
-    """The part of RL's data-plane cut that nemo-ckpt reads.
-
-    A cut is live only inside its barrier section: while it is live, RL's data plane
-    accepts no mutation, so what it reports is one consistent state.
-    """
-
-    def require_live(self) -> None:
-        """Raise if the barrier section that produced this cut has exited."""
-        ...
-
-    def expected_episodes(self) -> Mapping[str, frozenset[EnvironmentEpisode]]:
-        """RL's ledger at the cut, per instance: the attempts dispatched there and not finished."""
-        ...
-
-    def staging_keys(self) -> frozenset[str]:
-        """The token-capture staging rows present in the data plane at the cut."""
-        ...
-
-
-@runtime_checkable
-class ScopedCut(DataPlaneMutationCut, Protocol):
-    """A cut whose RL continues only some rollouts at turn level (NeMo RL: the turn-level
-    prompt groups; ``nemo_ckpt.integrations.nemo_rl`` makes one). The check reads these
-    two methods when the cut has them.
-    """
-
-    def rollouts_in_scope(self) -> frozenset[str]:
-        """The rollout ids RL continues from a snapshot. A captured session of any other
-        rollout is outside the check: RL starts it over, and a restore drops it."""
-        ...
-
-    def retained_staging_keys(self) -> frozenset[str]:
-        """Staging rows RL keeps for its own reasons (NeMo RL: sealed attempts' rows,
-        kept until their group is trained); never orphans."""
-        ...
 
 
 @dataclass(frozen=True, order=True)

@@ -21,20 +21,23 @@ and a restore in this order::
         ...  # RL restores its data plane: continues restored.continued_attempts,
              # keeps restored.staging_keys, starts every other unfinished rollout over
     # restored sessions live (or dropped, if the block raised)
+
+What a cut offers the check (``DataPlaneMutationCut``, and ``ScopedCut`` for an RL that
+continues only some rollouts) is part of the contract too, here; ``nemo_ckpt.cut`` checks a
+capture against one.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Protocol
-
-if TYPE_CHECKING:
-    from nemo_ckpt.cut import DataPlaneMutationCut
+from typing import Optional, Protocol, runtime_checkable
 
 __all__ = [
+    "DataPlaneMutationCut",
+    "ScopedCut",
     "EnvironmentEpisode",
     "RestoredEnvironmentRollouts",
     "EnvironmentSnapshot",
@@ -83,6 +86,45 @@ class EnvironmentEpisode:
     def next_attempt(self) -> EnvironmentEpisode:
         """The attempt the backend creates when it restores this one."""
         return EnvironmentEpisode(self.rollout_id, self.attempt + 1)
+
+
+@runtime_checkable
+class DataPlaneMutationCut(Protocol):
+    """The part of RL's data-plane cut that nemo-ckpt reads.
+
+    A cut is live only inside its barrier section: while it is live, RL's data plane
+    accepts no mutation, so what it reports is one consistent state.
+    """
+
+    def require_live(self) -> None:
+        """Raise if the barrier section that produced this cut has exited."""
+        ...
+
+    def expected_episodes(self) -> Mapping[str, frozenset[EnvironmentEpisode]]:
+        """RL's ledger at the cut, per instance: the attempts dispatched there and not finished."""
+        ...
+
+    def staging_keys(self) -> frozenset[str]:
+        """The token-capture staging rows present in the data plane at the cut."""
+        ...
+
+
+@runtime_checkable
+class ScopedCut(DataPlaneMutationCut, Protocol):
+    """A cut whose RL continues only some rollouts at turn level (NeMo RL: the turn-level
+    prompt groups; ``nemo_ckpt.integrations.nemo_rl`` makes one). The check reads these
+    two methods when the cut has them.
+    """
+
+    def rollouts_in_scope(self) -> frozenset[str]:
+        """The rollout ids RL continues from a snapshot. A captured session of any other
+        rollout is outside the check: RL starts it over, and a restore drops it."""
+        ...
+
+    def retained_staging_keys(self) -> frozenset[str]:
+        """Staging rows RL keeps for its own reasons (NeMo RL: sealed attempts' rows,
+        kept until their group is trained); never orphans."""
+        ...
 
 
 @dataclass(frozen=True)

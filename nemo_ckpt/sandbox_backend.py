@@ -38,31 +38,19 @@ the blocking ones in a thread):
 
 from __future__ import annotations
 
-import enum
-import hashlib
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
-from nemo_ckpt.storage.names import NAME_MAX, safe_name_part
-
 if TYPE_CHECKING:
     from nemo_ckpt.trees.container_record import ContainerRecord
     from nemo_ckpt.trees.scan import Listings
 
-__all__ = ["EnvironmentClass", "ContainerRef", "MemoryPolicy", "SandboxLocation",
+__all__ = ["ContainerRef", "MemoryPolicy", "SandboxLocation",
            "SandboxBackend", "Recorded", "Staged", "StoredSandbox", "BlobSink", "Fetch",
-           "container_name_problem", "beside"]
-
-
-class EnvironmentClass(str, enum.Enum):
-    """How much of a session a snapshot can capture (see the module docstring)."""
-
-    CAPTURABLE = "capturable"
-    RESTART_ONLY = "restart_only"
-    STATELESS = "stateless"
+           "container_name_problem"]
 
 
 # What a container session needs of its processes' memory on a restore:
@@ -181,14 +169,3 @@ class SandboxBackend(Protocol):
     def discard(self, location: Any) -> None:
         """Remove what a restore made that will not go live (blocking)."""
         ...
-
-
-def beside(key: str, restore_id: str) -> str:
-    """The name of a restored sandbox beside one left in place: ``<key>.<restore id>``,
-    or, when that passes ``NAME_MAX``, a 16-digit tag of the restore id in its place."""
-    name = f"{safe_name_part(key)}.{safe_name_part(restore_id)}"
-    if len(name) > NAME_MAX:
-        tag = hashlib.blake2b(restore_id.encode("utf-8", "surrogatepass"),
-                              digest_size=8).hexdigest()
-        name = f"{safe_name_part(key)}.{tag}"
-    return name

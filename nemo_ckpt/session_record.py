@@ -9,6 +9,7 @@ shards store it so; the functions below convert between the two.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +17,8 @@ from typing import Any
 import msgpack
 
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.sandbox_backend import EnvironmentClass
 
-__all__ = ["SessionRecord", "SessionHead", "check_staging_keys", "encode_row",
+__all__ = ["EnvironmentClass", "SessionRecord", "SessionHead", "check_staging_keys", "encode_row",
            "encode_turns", "body_head", "bin_header", "array_header", "turn_items",
            "record_parts", "record_of", "row_is_finished", "NO_TURNS"]
 
@@ -40,6 +40,15 @@ def check_staging_keys(staging_keys: Iterable[str], where: str) -> frozenset[str
         raise TypeError(f"staging keys of {where} must be non-empty strings; got "
                         f"{sorted(map(repr, bad))[:5]}")
     return keys
+
+
+class EnvironmentClass(str, enum.Enum):
+    """How much of a session a snapshot can capture (the classes:
+    ``nemo_ckpt.sandbox_backend``)."""
+
+    CAPTURABLE = "capturable"
+    RESTART_ONLY = "restart_only"
+    STATELESS = "stateless"
 
 
 # slots: a holder keeps one record per live session; without a __dict__ a record is one

@@ -50,7 +50,7 @@ __all__ = ["RestoreHolds", "Restores"]
 
 class RestoreHolds:
     """What a restore holds beyond its holders: its read claim on the snapshot's folder,
-    which renews itself (``actors.coordinator.folders.ReadClaim``). Released when it ends
+    which renews itself (``actors.coordinator.read_claim.ReadClaim``). Released when it ends
     without committing (``actors.coordinator.lifecycle`` calls ``release``); its commit
     releases it too."""
 

@@ -37,7 +37,7 @@ from nemo_ckpt.protocol.operations import Outcome
 from nemo_ckpt.transport import Actor
 
 if TYPE_CHECKING:
-    from actors.coordinator.folders import ReadClaim
+    from actors.coordinator.read_claim import ReadClaim
 
 __all__ = [
     "Aborted",

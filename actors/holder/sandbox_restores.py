@@ -18,19 +18,48 @@ import shutil
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
+from nemo_ckpt.containers.backend import ContainerBackend
 from nemo_ckpt.errors import ContainerRuntimeError, RestoreConflictError, SandboxError
 from nemo_ckpt.phases import ShardRef
-from nemo_ckpt.sandbox_backend import SandboxLocation, Staged, StoredSandbox
+from nemo_ckpt.sandbox_backend import (
+    Recorded,
+    SandboxBackend,
+    SandboxLocation,
+    Staged,
+    StoredSandbox,
+)
+from nemo_ckpt.sandboxes.directories import DirectoryBackend
 from nemo_ckpt.shard_refs import shard_entry
 from nemo_ckpt.storage.folder import Folder
 from nemo_ckpt.storage.names import restored_name_problem, safe_name_part
 from nemo_ckpt.trees.blob_store import BlobStore
+from nemo_ckpt.trees.node_cache import BlobCache
 from nemo_ckpt.trees.snapshot_trees import TreeRow, read_blob, read_trees_file
 
-if TYPE_CHECKING:
-    from actors.holder.sandboxes import Sandboxes
+
+class SandboxHome(Protocol):
+    """What a restore's sandboxes need of the holder's ``Sandboxes``, whose part this is
+    (typed here so that neither module imports the other)."""
+
+    instance_id: str
+    root: Path | None
+    private: Path | None
+    container_env: dict[str, str] | None
+
+    @property
+    def cache(self) -> BlobCache: ...
+
+    @property
+    def containers(self) -> ContainerBackend: ...
+
+    @property
+    def directories(self) -> DirectoryBackend: ...
+
+    def backend_of(self, location: SandboxLocation) -> SandboxBackend: ...
+
+    def forget_unused(self, recorded: Recorded) -> None: ...
 
 __all__ = ["RestoredSandbox", "SandboxRestores", "in_threads"]
 
@@ -61,7 +90,7 @@ def in_threads(calls: Sequence[Callable[[], T]], threads: int) -> list[T]:
 class SandboxRestores:
     """The restores of one holder's sandboxes (see the module docstring)."""
 
-    def __init__(self, sandboxes: Sandboxes) -> None:
+    def __init__(self, sandboxes: SandboxHome) -> None:
         self._boxes = sandboxes
         self.instance_id = sandboxes.instance_id
         # Directories of an undone restore, to remove before any restore materializes

@@ -12,13 +12,11 @@ import asyncio
 import io
 import pickle
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from actors.sim.actor import NO_ACTOR, ActorDied, SimActor, retrieve, settle
+from actors.sim.view import WorldView
 from nemo_ckpt.protocol.holder_api import concurrency_group
-
-if TYPE_CHECKING:
-    from actors.sim.world import SimWorld
 
 __all__ = ["Delivery", "method_group"]
 
@@ -34,7 +32,7 @@ def method_group(kind: str, method: str) -> str:
 class Delivery:
     """The messages of one world: calls on their way, in queues, running, answered."""
 
-    def __init__(self, world: SimWorld) -> None:
+    def __init__(self, world: WorldView) -> None:
         self._world = world
 
     def deliver(self, caller: SimActor, target: SimActor, method: str,

@@ -8,10 +8,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from actors.sim.world import SimWorld
+from actors.sim.view import WorldView
 
 __all__ = ["GUARD", "GUARD_S", "Guard"]
 
@@ -33,14 +31,14 @@ class Guard:
     blocked, and counting it would make a seed's schedule depend on the machine's load."""
 
     def __init__(self) -> None:
-        self.world: SimWorld | None = None
+        self.world: WorldView | None = None
         self.serial = 0  # counts the calls run
         self.busy = False  # whether one runs now
         self.thread_id = 0
         self._stat = Path("/proc/self/stat")
         self._thread: threading.Thread | None = None
 
-    def start(self, world: SimWorld) -> None:
+    def start(self, world: WorldView) -> None:
         self.world = world
         self.thread_id = threading.get_ident()
         self._stat = Path(f"/proc/self/task/{threading.get_native_id()}/stat")

@@ -13,30 +13,24 @@ import concurrent.futures
 import os
 import random
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from actors.sim.actor import NO_ACTOR, IoFault, SimActor, retrieve, settle
 from actors.sim.guard import GUARD
+from actors.sim.view import WorldView
 from nemo_ckpt.errors import SnapshotWriteError
 from nemo_ckpt.testing.virtual_time import EPOCH
 from nemo_ckpt.transport import NoMetrics, Runtime
 
-if TYPE_CHECKING:
-    from actors.sim.world import SimWorld
+__all__ = ["BlockingRunner", "SimClock", "model_clock"]
 
-__all__ = ["BlockingRunner", "IoDecision", "SimClock", "model_clock"]
-
-# What a blocking call may suffer, decided per call by ``SimWorld.io_faults``:
-# "fail" raises OSError-like refusal before the work, "tear" leaves a partial temp
-# file and kills the calling actor mid-write.
-IoDecision = str | None
 
 
 class SimClock:
     """One actor's clocks: virtual time at its rate, its offsets and jumps, and the time
     a blocked call's clocks moved on (``thread_skip``) while that call runs."""
 
-    def __init__(self, world: SimWorld, actor: SimActor) -> None:
+    def __init__(self, world: WorldView, actor: SimActor) -> None:
         self._world = world
         self._actor = actor
 
@@ -77,7 +71,7 @@ class BlockingRunner:
     """``Runtime.run_blocking`` for the world's actors, one call at a time on the loop's
     thread, with the world's costs, faults and log."""
 
-    def __init__(self, world: SimWorld) -> None:
+    def __init__(self, world: WorldView) -> None:
         self._world = world
 
     def runtime(self, actor: SimActor) -> Runtime:

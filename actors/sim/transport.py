@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from actors.coordinator.actor import CheckpointCoordinator
 from actors.coordinator.holders import FanRelay
 from actors.holder.actor import SessionHolder
 from actors.sim.actor import ActorDied, SimActor
+from actors.sim.view import WorldView
 from nemo_ckpt.config import HOLDER_NAME_PREFIX, CheckpointConfig
 from nemo_ckpt.transport import COORDINATOR, HOLDER, RELAY, Actor, Runtime, unavailable_error
-
-if TYPE_CHECKING:
-    from actors.sim.world import SimWorld
 
 __all__ = ["SimTransport"]
 
@@ -26,7 +24,7 @@ __all__ = ["SimTransport"]
 class SimTransport:
     """``Transport`` over a ``SimWorld``, as seen from one (pseudo-)actor."""
 
-    def __init__(self, world: SimWorld, me: SimActor, config: CheckpointConfig) -> None:
+    def __init__(self, world: WorldView, me: SimActor, config: CheckpointConfig) -> None:
         self._world = world
         self._me = me
         self._config = config

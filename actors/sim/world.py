@@ -13,8 +13,9 @@ from typing import Any
 
 from actors.sim.actor import NO_ACTOR, ActorDied, SimActor, current_actor, settle
 from actors.sim.delivery import Delivery
-from actors.sim.runtime import BlockingRunner, IoDecision, model_clock
+from actors.sim.runtime import BlockingRunner, model_clock
 from actors.sim.transport import SimTransport
+from actors.sim.view import IoDecision
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.testing.virtual_time import VirtualTimeLoop
 from nemo_ckpt.transport import Runtime

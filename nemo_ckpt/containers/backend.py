@@ -27,8 +27,8 @@ from nemo_ckpt.sandbox_backend import (
     Recorded,
     Staged,
     StoredSandbox,
-    beside,
 )
+from nemo_ckpt.storage.names import beside
 from nemo_ckpt.trees.container_record import decode_record
 from nemo_ckpt.trees.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.trees.node_cache import BlobCache

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from nemo_ckpt.errors import RestoreConflictError, SandboxError
-from nemo_ckpt.sandbox_backend import BlobSink, Fetch, Recorded, Staged, StoredSandbox, beside
-from nemo_ckpt.storage.names import safe_name_part
+from nemo_ckpt.sandbox_backend import BlobSink, Fetch, Recorded, Staged, StoredSandbox
+from nemo_ckpt.storage.names import beside, safe_name_part
 from nemo_ckpt.trees.limits import SandboxLimits, TreeBudget
 from nemo_ckpt.trees.materialize import materialize
 from nemo_ckpt.trees.scan import scan

@@ -5,6 +5,7 @@ the files it writes and checks the ids it will restore by these alone.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "NAME_MAX",
     "SHARD_PREFIX",
     "SHARD_SUFFIX",
+    "beside",
     "restored_name_problem",
     "safe_name_part",
     "sandbox_id_problem",
@@ -83,3 +85,14 @@ def trees_file_name(snapshot_id: str, instance_id: str) -> str:
     name, so that clean-up treats it as one."""
     return f"{SHARD_PREFIX}{safe_name_part(snapshot_id)}-{safe_name_part(instance_id)}" \
            f"-trees{SHARD_SUFFIX}"
+
+
+def beside(key: str, restore_id: str) -> str:
+    """The name of a restored sandbox beside one left in place: ``<key>.<restore id>``,
+    or, when that passes ``NAME_MAX``, a 16-digit tag of the restore id in its place."""
+    name = f"{safe_name_part(key)}.{safe_name_part(restore_id)}"
+    if len(name) > NAME_MAX:
+        tag = hashlib.blake2b(restore_id.encode("utf-8", "surrogatepass"),
+                              digest_size=8).hexdigest()
+        name = f"{safe_name_part(key)}.{tag}"
+    return name

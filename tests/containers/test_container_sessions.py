@@ -22,7 +22,8 @@ from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.containers.sandbox import ContainerSandboxes, RecordedContainer
 from nemo_ckpt.errors import ContainerRuntimeError, StartupCheckError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.sandbox_backend import ContainerRef, EnvironmentClass
+from nemo_ckpt.sandbox_backend import ContainerRef
+from nemo_ckpt.session_record import EnvironmentClass
 from nemo_ckpt.testing.data_plane import StaticCut
 from tests.container_runtime import Setup, ensure
 from tests.containers.test_containers import (

@@ -22,18 +22,19 @@ RAY_FACING = ("nemo_ckpt.cli", "nemo_ckpt.connect", "nemo_ckpt.driver",
               "nemo_ckpt.testing")
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, for_typing: bool = False) -> set[str]:
     """Every module ``path`` imports at run time, inside functions too (imports under
-    ``if TYPE_CHECKING:`` run no code and are left out)."""
+    ``if TYPE_CHECKING:`` run no code and are left out, unless ``for_typing``)."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for sub in node.body for n in ast.walk(sub)}
+    typing_only = set() if for_typing else {
+        id(n) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for sub in node.body for n in ast.walk(sub)}
     found: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -46,14 +47,14 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(for_typing: bool = False, root: Path = ROOT) -> dict[str, set[str]]:
     """Module -> the project's modules it imports (a package's ``__init__`` runs with
     each of its modules, so a module's own packages are no edge)."""
-    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    files = {_module_name(p, root): p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         edges = set()
-        for target in _imports(path):
+        for target in _imports(path, for_typing):
             while target and target not in files:
                 target = target.rpartition(".")[0]
             if target and target != name and not name.startswith(target + "."):
@@ -98,6 +99,24 @@ def test_no_module_imports_itself_through_others_not_even_inside_a_function() ->
     graph = _graph()
     assert "nemo_ckpt.sessions" in graph and "actors.coordinator.actor" in graph
     assert _circles(graph) == []
+
+
+def test_no_module_imports_itself_through_others_not_even_for_type_checking() -> None:
+    """A circle of type-only imports is a circle of meaning: two rooms that each need the
+    other to be understood (a part typed by its owner: give it a Protocol of its own)."""
+    graph = _graph(for_typing=True)
+    assert "actors.sim.world" in graph and "nemo_ckpt.interfaces" in graph
+    assert _circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle_made_only_for_type_checking(tmp_path: Path) -> None:
+    (tmp_path / "nemo_ckpt").mkdir()
+    (tmp_path / "actors").mkdir()
+    (tmp_path / "nemo_ckpt" / "a.py").write_text("from nemo_ckpt.b import B\n")
+    (tmp_path / "nemo_ckpt" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nemo_ckpt.a import A\n")
+    assert _circles(_graph(root=tmp_path)) == []
+    assert _circles(_graph(for_typing=True, root=tmp_path)) == [["nemo_ckpt.a", "nemo_ckpt.b"]]
 
 
 def test_the_core_imports_nothing_from_the_actors_or_ray_not_even_inside_a_function() -> None:
