@@ -14,7 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable
+from collections.abc import Callable, Coroutine, Generator, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -23,8 +23,9 @@ from nemo_ckpt import tracing
 from nemo_ckpt.config import CheckpointConfig
 from nemo_ckpt.driver.holder_handles import HolderHandles
 from nemo_ckpt.driver.link import NAME_RETRY_S, CoordinatorLink
-from nemo_ckpt.driver.operation import OpenOperations, checkpoint_location, operation_span
-from nemo_ckpt.driver.snapshot import HeldBefore, RaySnapshot
+from nemo_ckpt.driver.operation import OpenOperations
+from nemo_ckpt.driver.restore_operation import RestoreOperation
+from nemo_ckpt.driver.snapshot import RaySnapshot
 from nemo_ckpt.driver.snapshot_operation import SnapshotOperation
 from nemo_ckpt.driver.startup import (
     Findings,
@@ -87,8 +88,6 @@ class RayEnvironmentCheckpoint:
         self._transport_ = transport
         if self.config.trace_file is not None:
             tracing.write_spans_to(str(self.config.trace_file))
-        self._restored_results: tuple[FinishedRollout, ...] = ()
-        self._last_restore: dict[str, float | int] | None = None
         self._link = CoordinatorLink(self.config, lambda: self._transport)
         self._coordinator = self._link.calls
         # Its own handles on the holders, to release them as a snapshot's block exits.
@@ -97,6 +96,8 @@ class RayEnvironmentCheckpoint:
         self._ops = OpenOperations(self._link)
         self._snapshots = SnapshotOperation(self.config, self._link, self._holder_handles,
                                             self._ops, lambda: self._transport)
+        self._restores = RestoreOperation(self.config, self._link, self._ops,
+                                          lambda: self._transport, self._snapshots.live_now)
 
     @property
     def last_restore_metrics(self) -> dict[str, float | int] | None:
@@ -105,7 +106,8 @@ class RayEnvironmentCheckpoint:
         holder's shard reads (fetched, verified, decoded into sessions; the mirror of a
         snapshot's ``persist_seconds``); ``restore_seconds``, ``restored()`` entered ->
         sessions live; ``continued_rollouts``."""
-        return None if self._last_restore is None else dict(self._last_restore)
+        last = self._restores.last_metrics
+        return None if last is None else dict(last)
 
     @property
     def restored_results(self) -> tuple[FinishedRollout, ...]:
@@ -115,7 +117,7 @@ class RayEnvironmentCheckpoint:
         live again, finished, on their instances, and not in ``continued_attempts``: RL
         records the ones its restored ledger does not have as finished, then
         ``acknowledge``s every one."""
-        return self._restored_results
+        return self._restores.results
 
     @property
     def open_operation(self) -> str | None:
@@ -205,46 +207,17 @@ class RayEnvironmentCheckpoint:
         guarantees: nothing is installed, a restore of another snapshot drops these
         reads, one that failed is read again by the restore, and memory is bounded per
         holder. Raises as ``restored`` would for a path that holds no snapshot."""
-        path = checkpoint_location(checkpoint_path, self.config.checkpoint_root)
-        return await self._coordinator.prefetch_restore(path)
+        return await self._restores.prefetch(checkpoint_path)
 
-    @contextlib.asynccontextmanager
-    async def restored(self, checkpoint_path: Path) -> AsyncIterator[RestoredEnvironmentRollouts]:
+    def restored(self, checkpoint_path: Path
+                 ) -> contextlib.AbstractAsyncContextManager[RestoredEnvironmentRollouts]:
         """Restore every instance's sessions from ``checkpoint_path`` as next attempts.
 
         The snapshot is verified, every shard included, before any holder changes.
         Sessions go live on a clean exit; on an exception (or a cancellation, or a
         commit that failed on some holder) every holder drops them: all or nothing.
         """
-        # A folder, or a URL.
-        path = checkpoint_location(checkpoint_path, self.config.checkpoint_root)
-        clock = self._transport.runtime.clock
-        started = clock.monotonic()
-        self._restored_results = ()  # a restore that fails hands nothing back
-        async with self._ops.open("restore", None) as op, \
-                operation_span("nemo_ckpt.restore", op.id, path) as span:
-            begun = await op.step(self._coordinator.prepare_restore(op.id, path,
-                                                                    tracing.traceparent()))
-            tracing.set_attributes(span, sessions=len(begun.continued_attempts),
-                                   bytes=int(begun.bytes_read))
-            self._restored_results = begun.finished
-            try:
-                yield RestoredEnvironmentRollouts(
-                    continued_attempts=begun.continued_attempts,
-                    staging_keys=begun.staging_keys)
-                live = await op.commit(self._coordinator.commit_restore(op.id),
-                                       lost=lambda: "all")
-            except BaseException:
-                self._restored_results = ()  # they did not go live
-                raise
-            self._snapshots.held_before = HeldBefore(live=frozenset(
-                (inst, EnvironmentEpisode(rid, att).next_attempt())
-                for inst, rid, att in begun.continued_attempts))
-            self._last_restore = {
-                "bytes_read": int(begun.bytes_read), "read_seconds": begun.read_seconds,
-                "restore_seconds": clock.monotonic() - started,
-                "continued_rollouts": len(begun.continued_attempts)}
-            log.info("restore %s from %s: %s sessions live", op.id, path, live)
+        return self._restores.run(checkpoint_path)
 
     def is_unavailable(self, error: BaseException) -> bool:
         """True only for a failure that left nothing RL holds changed and goes away by

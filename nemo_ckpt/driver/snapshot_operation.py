@@ -1,8 +1,15 @@
 """A snapshot as the driver runs it (``RayEnvironmentCheckpoint.snapshot`` and
-``final_snapshot``): begun on the coordinator, the writes started, the caller's block
-around the ``RaySnapshot`` it holds (``nemo_ckpt.driver.snapshot``), refused when its
-check against RL's cut raised or never ran, and committed, with the holders released
-from here as the commit leaves (``nemo_ckpt.driver.holder_handles``).
+``final_snapshot``), the driver's room of a snapshot: the steps it takes, in the order
+``nemo_ckpt.protocol.coordinator_api.CoordinatorApi`` states once:
+
+    1) renew            from the start to the end (``nemo_ckpt.driver.operation``)
+    2) begin_snapshot   every holder paused and captured; the caller's block runs around
+                        the ``RaySnapshot`` it holds (``nemo_ckpt.driver.snapshot``)
+    3) start_writes     as the block starts
+    4) commit_snapshot  on a clean exit, unless the check against RL's cut raised or never
+                        ran (then an abort)
+    5) release          to each holder, from here as the commit leaves
+                        (``nemo_ckpt.driver.holder_handles``)
 
 ``SnapshotOperation`` is a part of ``RayEnvironmentCheckpoint``; it opens its operation
 through the checkpoint's ``OpenOperations`` (``nemo_ckpt.driver.operation``) and keeps
@@ -47,6 +54,10 @@ class SnapshotOperation:
         # What the last snapshot held (or the last restore made live), for the next
         # snapshot's warning about rollouts lost since (``HeldBefore``).
         self.held_before: HeldBefore | None = None
+
+    def live_now(self, held: HeldBefore) -> None:
+        """What a restore just made live: the next snapshot's "held before"."""
+        self.held_before = held
 
     @contextlib.asynccontextmanager
     async def run(self, checkpoint_path: Path, stop: bool, drain_timeout_s: float | None
