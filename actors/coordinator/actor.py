@@ -60,6 +60,7 @@ from nemo_ckpt.phases import (
 )
 from nemo_ckpt.protocol.calls import serves
 from nemo_ckpt.protocol.coordinator_api import (
+    CoordinatorHolderCalls,
     CoordinatorLedgerCalls,
     CoordinatorOperationCalls,
     CoordinatorRestoreCalls,
@@ -82,6 +83,7 @@ log = logging.getLogger("nemo_ckpt.coordinator")
 
 @serves({
     CoordinatorSetupCalls: None,  # the coordinator's own
+    CoordinatorHolderCalls: ("_holder_calls", HolderRegistry),
     CoordinatorOperationCalls: ("_lifecycle", OperationLifecycle),
     CoordinatorSnapshotCalls: ("_snapshots", Snapshots),
     CoordinatorRestoreCalls: ("_restores", Restores),
@@ -134,6 +136,7 @@ class CheckpointCoordinator:
                 lambda: bool(operations), config.tree_budget))
         self.operations = operations
         self.holders = self._parts.holders
+        self._holder_calls: CoordinatorHolderCalls = self.holders  # mypy checks it serves
         self.folders = self._parts.folders
         self.blobs = self._parts.blobs
         self._calls = self._parts.calls
@@ -200,14 +203,6 @@ class CheckpointCoordinator:
 
     # --- holders ---------------------------------------------------------------------
 
-    async def ensure_holders(self) -> list[HolderInfo]:
-        """Find every live holder, and create one on each alive node that has none."""
-        return await self.holders.ensure()
-
-    async def holder_infos(self) -> list[HolderInfo]:
-        """Every live holder's info, without creating any."""
-        return await self.holders.infos()
-
     async def startup_warnings(self) -> list[str]:
         """What ``check_startup`` warns of about the coordinator itself (its trace file)."""
         if self._trace_problem is None:
@@ -217,7 +212,7 @@ class CheckpointCoordinator:
     async def probe_storage(self, root: str) -> dict[str, str]:
         """Have every holder write a probe file under ``root``; returns instance -> path
         or ``error: ...``."""
-        await self.holders.ensure()
+        await self.holders.ensure_holders()
         results = await asyncio.gather(
             *(self._calls(h).probe_storage(root) for h in self.holders.handles.values()),
             return_exceptions=True)
@@ -226,7 +221,7 @@ class CheckpointCoordinator:
 
     async def probe_sandboxes(self) -> dict[str, str]:
         """Have every holder check its sandbox cache; instance -> "" or ``error: ...``."""
-        await self.holders.ensure()
+        await self.holders.ensure_holders()
         results = await asyncio.gather(
             *(self._calls(h).probe_sandbox() for h in self.holders.handles.values()),
             return_exceptions=True)
@@ -236,7 +231,7 @@ class CheckpointCoordinator:
     async def probe_containers(self) -> dict[str, tuple[list[str], list[str]]]:
         """Have every holder check its node's container runtime: instance ->
         (problems, warnings)."""
-        await self.holders.ensure()
+        await self.holders.ensure_holders()
         results = await asyncio.gather(
             *(self._calls(h).probe_containers() for h in self.holders.handles.values()),
             return_exceptions=True)

@@ -225,7 +225,7 @@ class HolderRegistry:
                 log.warning("holder %s does not answer (%s); treating it as lost", inst, res)
         return infos
 
-    async def ensure(self) -> list[HolderInfo]:
+    async def ensure_holders(self) -> list[HolderInfo]:
         """Find every live holder, and create one on each alive node that has none."""
         async with self.lock:
             infos = await self.discover()
@@ -256,10 +256,10 @@ class HolderRegistry:
         holder, which the pause must not pay every time."""
         alive = set(self._transport.alive_nodes())
         if not self._holders or alive != set(self._nodes.values()):
-            await self.ensure()
+            await self.ensure_holders()
         return self.handles
 
-    async def infos(self) -> list[HolderInfo]:
+    async def holder_infos(self) -> list[HolderInfo]:
         """Every live holder's info, without creating any."""
         return sorted(await self.discover(), key=_instance_order)
 

@@ -44,11 +44,11 @@ class Ledger:
         holders = self._holders
         if not holders.handles:
             self._require_registered(made.method)
-            await holders.ensure()
+            await holders.ensure_holders()
         try:
             dropped = await holders.fan(holders.handles, made)
         except BackendUnavailableError:
             self._require_registered(made.method)
-            await holders.ensure()
+            await holders.ensure_holders()
             dropped = await holders.fan(holders.handles, made)
         return sorted(k for keys in dropped.values() for k in keys)

@@ -22,6 +22,7 @@ from nemo_ckpt.transport import Transport
 
 __all__ = [
     "CoordinatorApi",
+    "CoordinatorHolderCalls",
     "CoordinatorLedgerCalls",
     "CoordinatorOperationCalls",
     "CoordinatorRestoreCalls",
@@ -74,13 +75,9 @@ class RestoreBegun:
 
 
 class CoordinatorSetupCalls(Protocol):
-    """The job's config, its holders, and the checks of ``check_startup``."""
+    """The job's config, and the checks of ``check_startup``."""
 
     async def attach(self, config: CheckpointConfig) -> None: ...
-
-    async def ensure_holders(self) -> list[HolderInfo]: ...
-
-    async def holder_infos(self) -> list[HolderInfo]: ...
 
     async def startup_warnings(self) -> list[str]: ...
 
@@ -89,6 +86,14 @@ class CoordinatorSetupCalls(Protocol):
     async def probe_sandboxes(self) -> dict[str, str]: ...
 
     async def probe_containers(self) -> dict[str, tuple[list[str], list[str]]]: ...
+
+
+class CoordinatorHolderCalls(Protocol):
+    """The job's holders: each alive node's made (``ensure_holders``) or listed."""
+
+    async def ensure_holders(self) -> list[HolderInfo]: ...
+
+    async def holder_infos(self) -> list[HolderInfo]: ...
 
 
 class CoordinatorOperationCalls(Protocol):
@@ -134,9 +139,9 @@ class CoordinatorLedgerCalls(Protocol):
     async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]: ...
 
 
-class CoordinatorApi(CoordinatorSetupCalls, CoordinatorOperationCalls,
-                     CoordinatorSnapshotCalls, CoordinatorRestoreCalls,
-                     CoordinatorLedgerCalls, Protocol):
+class CoordinatorApi(CoordinatorSetupCalls, CoordinatorHolderCalls,
+                     CoordinatorOperationCalls, CoordinatorSnapshotCalls,
+                     CoordinatorRestoreCalls, CoordinatorLedgerCalls, Protocol):
     """The calls a driver makes of the coordinator.
 
     The call order, stated here once (the other docstrings point here; what each holder
