@@ -7,8 +7,6 @@ coordinator and holders, on virtual time."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,23 +21,14 @@ SAVE = "timing/rollout_checkpoint/"
 LOAD = "timing/rollout_recovery/"
 
 
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[World]:
-    j = World(tmp_path)
-    try:
-        yield j
-    finally:
-        j.close()
-
-
 def test_a_snapshot_gives_nemo_rls_barrier_wait_exclusive_hold_and_total_save_beside_ours(
-        job: World) -> None:
-    path = job.path("step-1")
+        world: World) -> None:
+    path = world.path("step-1")
 
     async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        live = await job.populate()
+        live = await world.populate()
         instance = sorted(live)[0]
-        client = await job.client(instance)
+        client = await world.client(instance)
         slow = Ep("slow", 0)
         await client.open(slow, b"s0")
         live[instance].append(slow)
@@ -51,7 +40,7 @@ def test_a_snapshot_gives_nemo_rls_barrier_wait_exclusive_hold_and_total_save_be
 
         turning = asyncio.ensure_future(long_turn())
         await asyncio.sleep(0.4)
-        async with job.ckpt.snapshot(path) as snap:
+        async with world.ckpt.snapshot(path) as snap:
             assert snap is not None
             await snap.check_against_cut(cut_of(live))
             inside = nemo_rl_snapshot_figures(snap.metrics(0.0))
@@ -60,7 +49,7 @@ def test_a_snapshot_gives_nemo_rls_barrier_wait_exclusive_hold_and_total_save_be
         ours = snap.metrics(0.0)
         return inside, ours, nemo_rl_snapshot_figures(ours)
 
-    inside, ours, seen = job.run(scenario())
+    inside, ours, seen = world.run(scenario())
     # Ours are all there, unchanged; NeMo RL's beside them.
     assert {k: v for k, v in seen.items() if "/" not in k} == ours
     assert sorted(k for k in seen if "/" in k) == [
@@ -80,19 +69,19 @@ def test_a_snapshot_gives_nemo_rls_barrier_wait_exclusive_hold_and_total_save_be
     assert SAVE + "total_save_seconds" not in inside
 
 
-def test_a_restore_gives_nemo_rls_recovery_prepare_seconds_beside_ours(job: World) -> None:
-    path = job.path("step-1")
+def test_a_restore_gives_nemo_rls_recovery_prepare_seconds_beside_ours(world: World) -> None:
+    path = world.path("step-1")
 
     async def scenario() -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        live = await job.populate()
-        await job.snapshot(path, live)
-        await job.ckpt.retire([ep for eps in live.values() for ep in eps])
-        before = nemo_rl_restore_figures(job.ckpt.last_restore_metrics)
-        async with job.ckpt.restored(path):
+        live = await world.populate()
+        await world.snapshot(path, live)
+        await world.ckpt.retire([ep for eps in live.values() for ep in eps])
+        before = nemo_rl_restore_figures(world.ckpt.last_restore_metrics)
+        async with world.ckpt.restored(path):
             await asyncio.sleep(1.5)  # RL prepares its ledger inside the restore
-        return job.ckpt.last_restore_metrics, before
+        return world.ckpt.last_restore_metrics, before
 
-    ours, before = job.run(scenario())
+    ours, before = world.run(scenario())
     assert before == {}  # no restore went live yet
     assert ours is not None
     seen = nemo_rl_restore_figures(ours)
