@@ -13,12 +13,14 @@ The driver never opens a session or runs a turn. Here:
   ``ModelServer`` actor, which writes the turn's token-capture row to RL's data plane
   (inside the turn, before it commits) and returns the completion; at the end the server
   hands the result to the backend (``client.finish``) and returns it;
-- the driver takes snapshots while the servers run, at turn boundaries (the holders
-  drain turns in flight), under a data-plane cut, then kills the servers, the model
-  server, the data plane and the holders mid-rollout: a crash;
+- the driver takes a snapshot while the servers run, at turn boundaries (the holders
+  drain turns in flight), under a data-plane cut, with one rollout dispatched and still
+  queued for its server, and prints its figures under NeMo RL's names
+  (``nemo_ckpt.nemo_rl_telemetry``); then it kills the servers, the model server, the
+  data plane and the holders mid-rollout: a crash;
 - a fresh job restores both halves, starts NEW server processes, and sends each
   continued rollout back to the server of its instance, which continues it from its
-  last saved turn; the rollouts not held start over;
+  last saved turn; the queued one, not held at the snapshot, starts over;
 - every trajectory is compared with a crash-free run's (the toy environment's are pure
   functions of seed, rollout and turn): VERIFIED, or exit 1.
 
@@ -44,6 +46,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
+from nemo_ckpt.nemo_rl_telemetry import SNAPSHOT_NAMES, nemo_rl_snapshot_figures
 from nemo_ckpt.options import at_least, non_negative_float
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.testing import (
@@ -61,6 +64,8 @@ from nemo_ckpt.testing import (
 )
 
 Say = Callable[[str], None]
+# What a NeMo RL dashboard shows of a snapshot (nemo_ckpt.nemo_rl_telemetry).
+NEMO_RL = [alias.name for alias in SNAPSHOT_NAMES]
 
 
 class ModelServer:
@@ -158,15 +163,15 @@ class Life:
 
         self.tasks.append(asyncio.ensure_future(run()))
 
-    async def snapshot(self, path: Path) -> int:
-        """Both halves at one cut; the rollouts captured mid-rollout."""
+    async def snapshot(self, path: Path) -> dict[str, float | int]:
+        """Both halves at one cut; its figures, with NeMo RL's names beside ours."""
         barrier = DataPlaneBarrier(self.data_plane)
         async with self.ckpt.snapshot(path) as snap:    # holders paused at turn ends
             async with barrier.checkpoint() as cut:      # RL's data plane frozen
                 if snap is not None:
                     await snap.check_against_cut(cut)
                 await barrier.save(cut, path)
-        return 0 if snap is None else snap.captured_rollouts
+        return {} if snap is None else nemo_rl_snapshot_figures(snap.metrics(0.0))
 
     async def rows_written(self) -> int:
         return int((await self.data_plane.stats.remote()).rows_written)
@@ -217,13 +222,19 @@ async def run_gym_example(root: Path, namespace: str, rollouts: int = 6, turns: 
     life = await Life.start(config, turn_seconds)
     instances = sorted(life.servers)
     tell(f"gym servers {', '.join(f'{i} (pid {life.pids[i]})' for i in instances)}")
+    sent = []
     for k, rollout_id in enumerate(names):  # the ledger first, then the environment
         instance_id = instances[k % len(instances)]
         episode = await life.data_plane.dispatch.remote(rollout_id, instance_id)
-        life.send(RolloutTask(episode, instance_id, namespace, seed, turns, fresh=True))
-    await wait_for_rows(life, rollouts * turns // 3)
-    captured = await life.snapshot(path)
-    tell(f"snapshot {path.name}: {captured} rollouts captured mid-rollout")
+        sent.append(RolloutTask(episode, instance_id, namespace, seed, turns, fresh=True))
+    for task in sent[:-1]:  # the last waits for a free slot on its server
+        life.send(task)
+    await wait_for_rows(life, (rollouts - 1) * turns // 3)
+    figures = await life.snapshot(path)
+    tell(f"snapshot {path.name}: {figures.get('captured_rollouts', 0)} rollouts captured "
+         f"mid-rollout, {figures.get('not_held_rollouts', 0)} dispatched and not opened yet "
+         f"({names[-1]}); " + ", ".join(f"{name}={figures.get(name, 0.0):.3f}" for name in NEMO_RL))
+    life.send(sent[-1])
     await wait_for_rows(life, rollouts * turns * 2 // 3)
     await life.crash()
     tell("CRASH: gym servers, model server, data plane and session holders killed")
@@ -263,7 +274,7 @@ async def run_gym_example(root: Path, namespace: str, rollouts: int = 6, turns: 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=at_least(1), default=2)
-    p.add_argument("--rollouts", type=at_least(1), default=6)
+    p.add_argument("--rollouts", type=at_least(2), default=6)
     p.add_argument("--turns", type=at_least(3), default=8, help="turns per rollout")
     p.add_argument("--turn-seconds", type=non_negative_float, default=0.05)
     args = p.parse_args(argv)

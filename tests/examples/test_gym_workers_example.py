@@ -31,6 +31,13 @@ async def test_gym_servers_killed_mid_rollout_are_replaced_and_continue_from_sav
         assert f"from its saved turn {turns} of 8" in told
     restored = sum(report.continued.values())
     assert f"{restored} turns were restored, not re-run" in report.lines[-1]
+    # The rollout still queued for its server at the snapshot started over, and only it.
+    assert report.restarted == ["r5"] and "r5" not in report.continued
+    assert "1 dispatched and not opened yet (r5)" in told
+    assert "; 1 rollout(s) started over" in report.lines[-1]
+    # The snapshot's figures under the names a NeMo RL dashboard finds.
+    for name in ("barrier_wait_seconds", "exclusive_hold_seconds", "total_save_seconds"):
+        assert f"timing/rollout_checkpoint/{name}=" in told
     # New processes: every server of the restarted job has another pid than before.
     before, after = report.pids
     assert set(before) == set(after) and len(after) == 3  # one per node of the cluster
