@@ -171,7 +171,8 @@ class RaySnapshot:
 
     def figures(self) -> dict[str, float | int]:
         """``metrics`` without the caller's ``paused_seconds``: what the manifest
-        records."""
+        records, and once committed ``snapshot_seconds`` (``snapshot()`` entered ->
+        committed)."""
         b = self._begun
         figures: dict[str, float | int] = {
             "entry_seconds": b.entry_seconds,
@@ -202,7 +203,11 @@ class RaySnapshot:
         was entered: the holders are released from here."""
         self._holders_paused = holders_paused_seconds
 
-    def _record_commit(self, manifest_metrics: dict[str, float | int]) -> None:
+    def _record_commit(self, manifest_metrics: dict[str, float | int],
+                       snapshot_seconds: float) -> None:
+        """Committed ``snapshot_seconds`` after ``snapshot()`` was entered (the whole
+        save: NeMo RL's ``total_save_seconds``, ``nemo_ckpt.nemo_rl_telemetry``)."""
         for key in ("persist_seconds", "bytes_written"):
             if key in manifest_metrics:
                 self._committed[key] = manifest_metrics[key]
+        self._committed["snapshot_seconds"] = snapshot_seconds

@@ -91,7 +91,7 @@ class SnapshotOperation:
                 # A stop keeps every gate closed until its sessions are parked.
                 beside=None if stop else lambda: self._release_holders(begun),
                 lost=lambda: _Committed(dict(metrics)))
-            snap._record_commit(committed.metrics)
+            snap._record_commit(committed.metrics, clock.monotonic() - started)
             tracing.set_attributes(span, sessions=snap.captured_rollouts,
                                    bytes=int(committed.metrics.get("bytes_written", 0)))
             self.held_before = snap.held()

@@ -3,7 +3,6 @@ never crashed. Also the toy environment's determinism, which that comparison res
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from nemo_ckpt.testing import (
     reference_trajectory,
     step,
 )
+from tests.examples import load_example
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -200,20 +200,6 @@ def assert_one_trace_per_operation_across_processes(traces: Path) -> None:
 
 
 # --- options, checked before Ray starts -----------------------------------------------------
-
-
-def load_example(name: str) -> Any:
-    """An example script as a module (examples/ is not a package)."""
-    examples = str(ROOT / "examples")
-    spec = importlib.util.spec_from_file_location(name, f"{examples}/{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, examples)  # as when run as a script: its siblings import
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(examples)
-    return module
 
 
 def bad_options(tmp_path: Path) -> list[tuple[list[str], str]]:

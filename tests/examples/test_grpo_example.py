@@ -5,7 +5,6 @@ and its command line starts a Ray instance of its own beside another one."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,20 +14,12 @@ from typing import Any
 
 import pytest
 
+from tests.examples import load_example
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("grpo_recovery",
-                                                  ROOT / "examples" / "grpo_recovery.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["grpo_recovery"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-EXAMPLE = load_example()
+EXAMPLE = load_example("grpo_recovery")
 
 
 REFERENCE: list[Any] = []  # the crash-free run, made once for every crash point
@@ -60,8 +51,7 @@ def test_the_example_starts_a_ray_of_its_own_where_another_runs(cluster: Any) ->
     running ("When connecting to an existing cluster, num_cpus and num_gpus must not be
     provided"). The test cluster runs, and ``RAY_ADDRESS`` names it, as inside a job."""
     script = textwrap.dedent(f"""
-        import importlib.util
-        import sys
+                import sys
         import ray
         spec = importlib.util.spec_from_file_location(
             "grpo_recovery", {str(ROOT / "examples" / "grpo_recovery.py")!r})

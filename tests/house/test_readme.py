@@ -26,6 +26,7 @@ from nemo_ckpt.config_table import (
     replace_table,
 )
 from nemo_ckpt.config_table import main as config_table_command
+from nemo_ckpt.nemo_rl_telemetry import RESTORE_NAMES, SNAPSHOT_NAMES
 from nemo_ckpt.storage.manifest import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS
 
 pytestmark = pytest.mark.timeout(30)
@@ -231,6 +232,14 @@ def test_the_metrics_table_lists_every_metric_the_actors_publish() -> None:
     published = set(re.findall(r'"(nemo_ckpt_\w+)"', (ROOT / "actors" / "metrics.py").read_text()))
     listed = set(re.findall(r"^\| `(nemo_ckpt_\w+)", section("Metrics", METRICS), flags=re.M))
     assert published and listed == published
+
+
+def test_the_nemo_rl_names_table_lists_every_name_the_driver_gives_with_its_figure(
+        ) -> None:
+    given = {(n.name, n.ours) for n in (*SNAPSHOT_NAMES, *RESTORE_NAMES)}
+    listed = set(re.findall(r"^\| `([\w/]+)` \| `([^`]+)` \|",
+                            section("NeMo RL's names", METRICS), flags=re.M))
+    assert given and listed == given
 
 
 def test_the_glossary_defines_the_words_a_newcomer_meets_in_alphabetical_order() -> None:
