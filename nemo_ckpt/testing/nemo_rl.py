@@ -442,12 +442,12 @@ def _enum_field(kind: type[enum.Enum], raw: Any, name: str) -> Any:
 
 # --- the ledger ----------------------------------------------------------------------
 
-_Ledger = TypeVar("_Ledger", bound="RolloutRecoveryLedger")
+_Ledger = TypeVar("_Ledger", bound="_LedgerRecords")
 
 
-class RolloutRecoveryLedger:
-    """The controller's lineage of prompt groups (schema 4): every change needs a live
-    cut. This revision keeps no record of the Gym episodes it drops."""
+class _LedgerRecords:
+    """What every revision of the ledger shares: its groups, looked up and copied, their
+    finalization states, and their saved state (schema 4)."""
 
     def __init__(self) -> None:
         self._groups: dict[str, PromptGroupRecoveryRecord] = {}
@@ -465,6 +465,151 @@ class RolloutRecoveryLedger:
 
     def __contains__(self, group_id: object) -> bool:
         return isinstance(group_id, str) and group_id in self._groups
+
+    # --- finalization ---------------------------------------------------------------
+
+    def finalization_inputs(self, group_id: str) -> tuple[
+            list[str], list[str], list[Optional[dict[str, Any]]], list[float], list[bool]]:
+        """Gate ids, logical ids, receipts, rewards and masks of a sealed group."""
+        record = self._require_group(group_id)
+        if record.status is not PromptGroupStatus.READY_TO_FINALIZE:
+            raise ValueError(f"group {group_id!r} is not ready to finalize: "
+                             f"{record.status.value!r}")
+        receipts, rewards, masks = [], [], []
+        for sibling in record.siblings:
+            attempt = sibling.current_attempt
+            if (attempt.status is not RolloutAttemptStatus.SEALED or attempt.reward is None
+                    or attempt.mask_sample is None):
+                raise ValueError(f"logical rollout "
+                                 f"{record.logical_rollout_id(sibling.generation_index)!r} "
+                                 f"is not sealed")
+            receipts.append(copy.deepcopy(attempt.receipt))
+            rewards.append(attempt.reward)
+            masks.append(attempt.mask_sample)
+        return record.gate_rollout_ids, record.logical_rollout_ids, receipts, rewards, masks
+
+    def mark_finalization_started(self, cut: DataPlaneMutationCut, group_id: str) -> None:
+        cut.require_live()
+        self._move(group_id, PromptGroupStatus.READY_TO_FINALIZE,
+                   PromptGroupStatus.FINALIZING, "start finalization")
+
+    def mark_finalization_unknown(self, cut: DataPlaneMutationCut, group_id: str) -> None:
+        cut.require_live()
+        self._move(group_id, PromptGroupStatus.FINALIZING,
+                   PromptGroupStatus.FINALIZATION_UNKNOWN, "mark finalization unknown")
+
+    def assert_checkpoint_safe(self) -> None:
+        """A group being published (or whose publication is in doubt) cannot be saved
+        or restarted."""
+        unsafe = [g.group_id for g in self._groups.values()
+                  if g.status in (PromptGroupStatus.FINALIZING,
+                                  PromptGroupStatus.FINALIZATION_UNKNOWN)]
+        if unsafe:
+            raise RuntimeError(f"rollout recovery contains checkpoint-unsafe group "
+                               f"states: groups={unsafe!r}")
+
+    # --- persistence ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Schema 4: what the controller saves (uuids as 16 bytes; prompts by reference
+        only, so every group's prompt must be bound)."""
+        self.assert_checkpoint_safe()
+        groups = []
+        for record in self._groups.values():
+            if record.runtime_prompt_payload is None:
+                raise RuntimeError(f"cannot checkpoint recovery group {record.group_id!r} "
+                                   f"before its prompt is rehydrated")
+            _check_prompt(record.prompt_ref, record.runtime_prompt_payload, record.group_id)
+            groups.append({
+                "group_id": record.group_id, "admission_id": record.admission_id,
+                "prompt_id": record.prompt_id,
+                "prompt_ref": {"sample_id": record.prompt_ref.sample_id,
+                               "task_name": record.prompt_ref.task_name},
+                "task_source": record.task_source,
+                "recovery_granularity": record.recovery_granularity.value,
+                "restore_level": record.restore_level.value,
+                "expected_generations": record.expected_generations,
+                "target_step": record.target_step,
+                "start_weight_version": record.start_weight_version,
+                "status": record.status.value, "phase": record.phase.value,
+                "siblings": [{"generation_index": s.generation_index, "attempts": [
+                    {"attempt_uuid": a.attempt_uuid.bytes, "status": a.status.value,
+                     "receipt": copy.deepcopy(a.receipt), "reward": a.reward,
+                     "mask_sample": a.mask_sample, "staging_keys": list(a.staging_keys),
+                     "gym_instance_id": a.gym_instance_id, "gym_attempt": a.gym_attempt}
+                    for a in s.attempts]} for s in record.siblings]})
+        return {"schema_version": ROLLOUT_RECOVERY_SCHEMA_VERSION, "groups": groups}
+
+    @classmethod
+    def from_state_dict(cls: type[_Ledger], state: Any) -> _Ledger:
+        """A ledger from saved state, checked field by field; its groups' prompts are
+        unbound until ``bind_runtime_prompt``."""
+        if not isinstance(state, dict):
+            raise TypeError(f"rollout recovery state must be a dictionary, got "
+                            f"{type(state).__name__}")
+        _unknown_fields(state, _STATE_FIELDS, "rollout recovery state")
+        version = state.get("schema_version")
+        if version != ROLLOUT_RECOVERY_SCHEMA_VERSION:
+            raise ValueError(f"Unsupported rollout-recovery schema version: {version!r}; "
+                             f"expected {ROLLOUT_RECOVERY_SCHEMA_VERSION}")
+        raw_groups = state.get("groups")
+        if not isinstance(raw_groups, list):
+            raise ValueError("rollout-recovery state must contain a groups list")
+        ledger = cls()
+        seen: set[uuid.UUID] = set()
+        for raw in raw_groups:
+            record = _group_from_state(raw, seen)
+            if record.group_id in ledger._groups:
+                raise ValueError(f"duplicate recovery group_id={record.group_id!r}")
+            ledger._groups[record.group_id] = record
+        admissions: dict[str, tuple[PromptGroupPhase, Optional[int]]] = {}
+        for record in ledger._groups.values():
+            pair = (record.phase, record.target_step)
+            if admissions.setdefault(record.admission_id, pair) != pair:
+                raise ValueError(f"rollout recovery groups sharing admission_id="
+                                 f"{record.admission_id!r} disagree on phase or target_step")
+        return ledger
+
+    def load_state_dict(self, cut: DataPlaneMutationCut, state: Any) -> None:
+        """Fill this empty ledger from saved state."""
+        cut.require_live()
+        if self._groups:
+            raise RuntimeError("cannot restore into a non-empty rollout recovery ledger")
+        self._groups = self.from_state_dict(state)._groups
+
+    # --- internals ------------------------------------------------------------------
+
+    def _move(self, group_id: str, source: PromptGroupStatus, target: PromptGroupStatus,
+              what: str) -> None:
+        record = self._require_group(group_id)
+        if record.status is not source:
+            raise ValueError(f"cannot {what} group {group_id!r} from "
+                             f"{record.status.value!r}")
+        record.status = target
+
+    def _require_group(self, group_id: str) -> PromptGroupRecoveryRecord:
+        try:
+            return self._groups[group_id]
+        except KeyError:
+            raise ValueError(f"unknown recovery group_id={group_id!r}") from None
+
+    @staticmethod
+    def _require_sibling(record: PromptGroupRecoveryRecord, index: int
+                         ) -> RolloutSiblingRecord:
+        if not 0 <= index < len(record.siblings):
+            raise ValueError(f"generation_index={index} is outside group "
+                             f"{record.group_id!r}")
+        return record.siblings[index]
+
+    @staticmethod
+    def _copy(record: PromptGroupRecoveryRecord) -> PromptGroupRecoveryRecord:
+        # The prompt is shared, not copied (it may be large); the lineage is copied.
+        return dataclasses.replace(record, siblings=copy.deepcopy(record.siblings))
+
+
+class RolloutRecoveryLedger(_LedgerRecords):
+    """The controller's lineage of prompt groups (schema 4): every change needs a live
+    cut. This revision keeps no record of the Gym episodes it drops."""
 
     # --- a group's life -------------------------------------------------------------
 
@@ -679,37 +824,7 @@ class RolloutRecoveryLedger:
             sibling.attempts.append(_fresh_attempt())
         return self._copy(record)
 
-    # --- finalization and publication ----------------------------------------------
-
-    def finalization_inputs(self, group_id: str) -> tuple[
-            list[str], list[str], list[Optional[dict[str, Any]]], list[float], list[bool]]:
-        """Gate ids, logical ids, receipts, rewards and masks of a sealed group."""
-        record = self._require_group(group_id)
-        if record.status is not PromptGroupStatus.READY_TO_FINALIZE:
-            raise ValueError(f"group {group_id!r} is not ready to finalize: "
-                             f"{record.status.value!r}")
-        receipts, rewards, masks = [], [], []
-        for sibling in record.siblings:
-            attempt = sibling.current_attempt
-            if (attempt.status is not RolloutAttemptStatus.SEALED or attempt.reward is None
-                    or attempt.mask_sample is None):
-                raise ValueError(f"logical rollout "
-                                 f"{record.logical_rollout_id(sibling.generation_index)!r} "
-                                 f"is not sealed")
-            receipts.append(copy.deepcopy(attempt.receipt))
-            rewards.append(attempt.reward)
-            masks.append(attempt.mask_sample)
-        return record.gate_rollout_ids, record.logical_rollout_ids, receipts, rewards, masks
-
-    def mark_finalization_started(self, cut: DataPlaneMutationCut, group_id: str) -> None:
-        cut.require_live()
-        self._move(group_id, PromptGroupStatus.READY_TO_FINALIZE,
-                   PromptGroupStatus.FINALIZING, "start finalization")
-
-    def mark_finalization_unknown(self, cut: DataPlaneMutationCut, group_id: str) -> None:
-        cut.require_live()
-        self._move(group_id, PromptGroupStatus.FINALIZING,
-                   PromptGroupStatus.FINALIZATION_UNKNOWN, "mark finalization unknown")
+    # --- leaving the ledger ---------------------------------------------------------
 
     def discard_group(self, cut: DataPlaneMutationCut, group_id: str) -> None:
         """The group leaves the ledger (published, or cleaned up); its staging rows are
@@ -729,16 +844,6 @@ class RolloutRecoveryLedger:
         return len(gone)
 
     # --- what checkpointing reads ---------------------------------------------------
-
-    def assert_checkpoint_safe(self) -> None:
-        """A group being published (or whose publication is in doubt) cannot be saved
-        or restarted."""
-        unsafe = [g.group_id for g in self._groups.values()
-                  if g.status in (PromptGroupStatus.FINALIZING,
-                                  PromptGroupStatus.FINALIZATION_UNKNOWN)]
-        if unsafe:
-            raise RuntimeError(f"rollout recovery contains checkpoint-unsafe group "
-                               f"states: groups={unsafe!r}")
 
     def expected_staging_keys(self) -> set[str]:
         """The staging rows of the sealed current attempts of the groups it holds."""
@@ -815,75 +920,6 @@ class RolloutRecoveryLedger:
             raise ValueError(f"Gym restored episodes are not owned by dispatched "
                              f"turn-level rollouts: {sorted(unused)!r}")
 
-    # --- persistence ----------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Schema 4: what the controller saves (uuids as 16 bytes; prompts by reference
-        only, so every group's prompt must be bound)."""
-        self.assert_checkpoint_safe()
-        groups = []
-        for record in self._groups.values():
-            if record.runtime_prompt_payload is None:
-                raise RuntimeError(f"cannot checkpoint recovery group {record.group_id!r} "
-                                   f"before its prompt is rehydrated")
-            _check_prompt(record.prompt_ref, record.runtime_prompt_payload, record.group_id)
-            groups.append({
-                "group_id": record.group_id, "admission_id": record.admission_id,
-                "prompt_id": record.prompt_id,
-                "prompt_ref": {"sample_id": record.prompt_ref.sample_id,
-                               "task_name": record.prompt_ref.task_name},
-                "task_source": record.task_source,
-                "recovery_granularity": record.recovery_granularity.value,
-                "restore_level": record.restore_level.value,
-                "expected_generations": record.expected_generations,
-                "target_step": record.target_step,
-                "start_weight_version": record.start_weight_version,
-                "status": record.status.value, "phase": record.phase.value,
-                "siblings": [{"generation_index": s.generation_index, "attempts": [
-                    {"attempt_uuid": a.attempt_uuid.bytes, "status": a.status.value,
-                     "receipt": copy.deepcopy(a.receipt), "reward": a.reward,
-                     "mask_sample": a.mask_sample, "staging_keys": list(a.staging_keys),
-                     "gym_instance_id": a.gym_instance_id, "gym_attempt": a.gym_attempt}
-                    for a in s.attempts]} for s in record.siblings]})
-        return {"schema_version": ROLLOUT_RECOVERY_SCHEMA_VERSION, "groups": groups}
-
-    @classmethod
-    def from_state_dict(cls: type[_Ledger], state: Any) -> _Ledger:
-        """A ledger from saved state, checked field by field; its groups' prompts are
-        unbound until ``bind_runtime_prompt``."""
-        if not isinstance(state, dict):
-            raise TypeError(f"rollout recovery state must be a dictionary, got "
-                            f"{type(state).__name__}")
-        _unknown_fields(state, _STATE_FIELDS, "rollout recovery state")
-        version = state.get("schema_version")
-        if version != ROLLOUT_RECOVERY_SCHEMA_VERSION:
-            raise ValueError(f"Unsupported rollout-recovery schema version: {version!r}; "
-                             f"expected {ROLLOUT_RECOVERY_SCHEMA_VERSION}")
-        raw_groups = state.get("groups")
-        if not isinstance(raw_groups, list):
-            raise ValueError("rollout-recovery state must contain a groups list")
-        ledger = cls()
-        seen: set[uuid.UUID] = set()
-        for raw in raw_groups:
-            record = _group_from_state(raw, seen)
-            if record.group_id in ledger._groups:
-                raise ValueError(f"duplicate recovery group_id={record.group_id!r}")
-            ledger._groups[record.group_id] = record
-        admissions: dict[str, tuple[PromptGroupPhase, Optional[int]]] = {}
-        for record in ledger._groups.values():
-            pair = (record.phase, record.target_step)
-            if admissions.setdefault(record.admission_id, pair) != pair:
-                raise ValueError(f"rollout recovery groups sharing admission_id="
-                                 f"{record.admission_id!r} disagree on phase or target_step")
-        return ledger
-
-    def load_state_dict(self, cut: DataPlaneMutationCut, state: Any) -> None:
-        """Fill this empty ledger from saved state."""
-        cut.require_live()
-        if self._groups:
-            raise RuntimeError("cannot restore into a non-empty rollout recovery ledger")
-        self._groups = self.from_state_dict(state)._groups
-
     # --- internals ------------------------------------------------------------------
 
     def _dropping(self, record: PromptGroupRecoveryRecord, sibling: RolloutSiblingRecord
@@ -923,32 +959,6 @@ class RolloutRecoveryLedger:
         attempt.staging_keys = keys
         attempt.status = RolloutAttemptStatus.SEALED
 
-    def _move(self, group_id: str, source: PromptGroupStatus, target: PromptGroupStatus,
-              what: str) -> None:
-        record = self._require_group(group_id)
-        if record.status is not source:
-            raise ValueError(f"cannot {what} group {group_id!r} from "
-                             f"{record.status.value!r}")
-        record.status = target
-
-    def _require_group(self, group_id: str) -> PromptGroupRecoveryRecord:
-        try:
-            return self._groups[group_id]
-        except KeyError:
-            raise ValueError(f"unknown recovery group_id={group_id!r}") from None
-
-    @staticmethod
-    def _require_sibling(record: PromptGroupRecoveryRecord, index: int
-                         ) -> RolloutSiblingRecord:
-        if not 0 <= index < len(record.siblings):
-            raise ValueError(f"generation_index={index} is outside group "
-                             f"{record.group_id!r}")
-        return record.siblings[index]
-
-    @staticmethod
-    def _copy(record: PromptGroupRecoveryRecord) -> PromptGroupRecoveryRecord:
-        # The prompt is shared, not copied (it may be large); the lineage is copied.
-        return dataclasses.replace(record, siblings=copy.deepcopy(record.siblings))
 
 
 class RolloutRecoveryLedgerWithRetirements(RolloutRecoveryLedger):
