@@ -24,6 +24,7 @@ from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.storage.checkpoint_folder import environment_dir
 from nemo_ckpt.testing.nemo_rl import (
     DataPlaneCheckpointBarrier,
+    RecoveryGranularity,
     RecoveryTargetLevel,
     RolloutAttemptStatus,
     RolloutRecoveryLedger,
@@ -52,13 +53,15 @@ class Job:
             owners=OWNERS)
 
     async def dispatch(self, group: str, owner: str, generations: int = 2,
-                       level: RecoveryTargetLevel = RecoveryTargetLevel.TURN) -> list[Ep]:
+                       level: RecoveryTargetLevel = RecoveryTargetLevel.TURN,
+                       granularity: RecoveryGranularity = RecoveryGranularity.SIBLING
+                       ) -> list[Ep]:
         async with self.barrier.mutation() as cut:
             prompt = len(self.ledger) + 1
             record = self.ledger.reserve_group(
                 cut, group_id=group, prompt_id=str(prompt), prompt_payload={"idx": prompt},
                 expected_generations=generations, target_step=1, start_weight_version=0,
-                restore_level=level)
+                recovery_granularity=granularity, restore_level=level)
             self.ledger.mark_group_dispatched(cut, group, gym_instance_id=owner)
         client = await self.world.client(OWNERS[owner])
         eps = [Ep(*record.gym_episode(i)) for i in range(generations)]
