@@ -1,14 +1,19 @@
-"""States NeMo RL's own ledger produces that the integration does not hold on yet (issue
-52), shown on the rewritten double (``nemo_ckpt.testing.nemo_rl``), which now produces
-them as NeMo RL's ledger does. Each is a strict xfail naming its point of the issue: it
-fails today the way NeMo RL's ledger makes the integration fail, and passes once the
-integration holds."""
+"""States NeMo RL's own ledger produces that the integration does not hold on yet
+(issue 52, points 1 to 3), shown on the rewritten double (``nemo_ckpt.testing.nemo_rl``),
+which now produces them as NeMo RL's ledger does. Each is a strict xfail naming its point
+of the issue: it fails today the way NeMo RL's ledger makes the integration fail, and
+passes once the integration holds."""
 
 from __future__ import annotations
 
 import pytest
 
-from nemo_ckpt.testing.nemo_rl import RecoveryGranularity, RolloutAttemptStatus
+from nemo_ckpt.testing.nemo_rl import (
+    PublishedGroups,
+    RecoveryGranularity,
+    RolloutAttemptStatus,
+    publish_group,
+)
 from tests.harness import World
 from tests.integrations.test_nemo_rl import Job
 
@@ -65,3 +70,27 @@ def test_retire_dropped_retires_an_abandoned_groups_sessions_with_a_schema_4_led
         assert await (await world.client("holder-0")).sessions() == []
 
     world.run(scenario())
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "issue 52 point 3: a published group has left the ledger (discard_group) while its "
+    "staging rows stay until trained; the check reports them as orphans"))
+def test_a_published_groups_staging_rows_are_not_orphans_at_a_snapshot(world: World) -> None:
+    job = Job(world)
+    published = PublishedGroups()
+
+    async def scenario() -> dict[str, object]:
+        await world.ckpt.ensure_holders()
+        eps = await job.dispatch("g1", "tools/replica-0")
+        running = await job.dispatch("g2", "tools/replica-0", generations=1)
+        await job.turn("tools/replica-0", running[0], 0)
+        for index, ep in enumerate(eps):
+            await job.turn("tools/replica-0", ep, 0)
+            await job.seal("tools/replica-0", "g1", index, ep)
+        async with job.barrier.mutation() as cut:
+            publish_group(cut, job.ledger, published, "g1")
+        return await job.snapshot(world.path("step-1"))
+
+    metrics = world.run(scenario())
+    assert published.staging_keys() <= set(job.staging.rows)  # still to be trained
+    assert metrics["orphan_staging_rows"] == 0
