@@ -4,10 +4,11 @@
 The controller dispatches prompt groups ahead of the trainer (turn-level groups and
 sibling-level ones, mixed) to Gym replicas; each sibling's rollout runs its turns in a
 nemo-ckpt session on its replica's holder, writing one token-capture staging row per
-turn; a finished sibling is sealed in NeMo RL's ``RolloutRecoveryLedger``, and a trainer
-step trains the groups of its prompts once every sibling is sealed. Rollout snapshots
-come between trainer checkpoints through ``RolloutCheckpointManager`` (an interval
-counted in turns) and, anchored, just before each trainer checkpoint; the ledger,
+turn; a finished sibling is sealed in NeMo RL's ``RolloutRecoveryLedger``; a group whose
+siblings are all sealed is published as NeMo RL's controller does (it leaves the ledger,
+its rows stay staged), and a trainer step trains its prompts' published groups. Rollout
+snapshots come between trainer checkpoints through ``RolloutCheckpointManager`` (an
+interval counted in turns) and, anchored, just before each trainer checkpoint; the ledger,
 ``DataPlaneCheckpointBarrier`` and staging partition are NeMo RL's test double
 (``nemo_ckpt.testing.nemo_rl``), plugged in by ``NemoRlEnvironmentCheckpoint``.
 
@@ -52,12 +53,13 @@ from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.testing.nemo_rl import (
-    AttemptStatus,
     DataPlaneCheckpointBarrier,
     DataPlaneMutationCut,
-    GroupStatus,
     NemoRlState,
-    RestoreLevel,
+    PromptGroupStatus,
+    RecoveryTargetLevel,
+    RolloutAttemptStatus,
+    publish_group,
 )
 
 CRASH_POINTS = ("during-snapshot", "between-snapshot-and-trainer-checkpoint",
@@ -80,8 +82,13 @@ def turns_of(prompt: int) -> int:
     return 3 + prompt % 4
 
 
-def level_of(prompt: int) -> RestoreLevel:
-    return RestoreLevel.TURN if prompt % 3 else RestoreLevel.SIBLING
+def level_of(prompt: int) -> RecoveryTargetLevel:
+    return RecoveryTargetLevel.TURN if prompt % 3 else RecoveryTargetLevel.SIBLING
+
+
+def prompt_payload(prompt: int) -> dict[str, Any]:
+    """The dataset's sample: the ledger saves only its index, as NeMo RL's does."""
+    return {"idx": prompt, "message_log": [{"role": "user", "content": f"prompt {prompt}"}]}
 
 
 def next_token(state: bytes, prompt: int, generation: int, turn: int) -> bytes:
@@ -113,6 +120,11 @@ class Controller(NemoRlState):
         await super().restore(path, restored)
         raw = await self._blocking(folder_at(path).read, CONTROLLER_FILE)
         self.next_prompt = int(json.loads(raw)["next_prompt"])
+        # The loaded ledger names its prompts only: bind them again from the dataset.
+        async with self.barrier.mutation("recovery_restore") as cut:
+            for record in self.ledger.groups():
+                self.ledger.bind_runtime_prompt(cut, record.group_id,
+                                                prompt_payload(int(record.prompt_id)))
 
     async def remove(self, path: str) -> None:
         self.on_remove(path)
@@ -220,9 +232,11 @@ class Life:
             prompt = self.rl.next_prompt
             group = f"p{prompt:03d}"
             async with self.barrier.mutation() as cut:
-                self.rl.ledger.reserve_group(cut, group_id=group,
-                                             expected_generations=GENERATIONS,
-                                             restore_level=level_of(prompt))
+                self.rl.ledger.reserve_group(
+                    cut, group_id=group, prompt_id=str(prompt),
+                    prompt_payload=prompt_payload(prompt), expected_generations=GENERATIONS,
+                    target_step=prompt // GROUPS_PER_STEP + 1,
+                    start_weight_version=self.step, restore_level=level_of(prompt))
                 self.rl.next_prompt += 1
             for gen in range(GENERATIONS):
                 await self._dispatch(group, gen)
@@ -271,28 +285,31 @@ class Life:
             self.rl.ledger.mark_sibling_sealed(
                 cut, group, generation_index=gen, gate_rollout_id=gate,
                 receipt={"rollout_id": gate,
-                         "manifest": [{"staging_key": k} for k in keys]})
+                         "manifest": [{"staging_key": k} for k in keys]},
+                reward=1.0, mask_sample=False)
+            # The group's last sibling: published for training, it leaves the ledger;
+            # its rows stay staged until the train step.
+            if self.rl.ledger.get_group(group).status is PromptGroupStatus.READY_TO_FINALIZE:
+                publish_group(cut, self.rl.ledger, self.rl.published, group)
 
     async def _wait_for_step(self, step: int) -> None:
         groups = [f"p{p:03d}" for p in range((step - 1) * GROUPS_PER_STEP,
                                              step * GROUPS_PER_STEP)]
-        while not all(self.rl.ledger.get_group(g).status is GroupStatus.READY_TO_FINALIZE
-                      for g in groups):
+        while not all(g in self.rl.published.groups for g in groups):
             await self.manager.maybe_snapshot()
             await asyncio.sleep(0.02)
 
     async def _train(self, step: int) -> None:
         for prompt in range((step - 1) * GROUPS_PER_STEP, step * GROUPS_PER_STEP):
             group = f"p{prompt:03d}"
-            record = self.rl.ledger.get_group(group)
             async with self.barrier.mutation() as cut:
-                for sibling in record.siblings:
-                    keys = sibling.current_attempt.staging_keys
+                rows = self.rl.published.take(cut, group)
+                for generation_index, keys in enumerate(rows):
                     tokens = [self.rl.staging.rows[k].hex() for k in keys]
                     self.weights = hashlib.sha256(
                         self.weights + "".join(tokens).encode()).digest()
-                    self.trained.append((group, sibling.generation_index, tokens))
-                self.rl.staging.clear(cut, self.rl.ledger.mark_group_trained(cut, group))
+                    self.trained.append((group, generation_index, tokens))
+                    self.rl.staging.clear(cut, keys)
         self.step = step
 
     async def _trainer_checkpoint(self) -> None:
@@ -317,15 +334,16 @@ class Life:
         assert chosen is not None
         continued = 0
         for record in self.rl.ledger.groups():
-            if record.status is not GroupStatus.GENERATING:
+            if record.status is not PromptGroupStatus.GENERATING:
                 continue
-            if any(s.current_attempt.status in (AttemptStatus.ABANDONED, AttemptStatus.FAILED)
+            if any(s.current_attempt.status in (RolloutAttemptStatus.ABANDONED,
+                                                RolloutAttemptStatus.FAILED)
                    for s in record.siblings):
                 async with self.barrier.mutation() as cut:
                     record = self.rl.ledger.prepare_incomplete_retry(cut, record.group_id)
             for sibling in record.siblings:
                 attempt = sibling.current_attempt
-                if attempt.status is AttemptStatus.RESERVED:
+                if attempt.status is RolloutAttemptStatus.RESERVED:
                     continued += attempt.gym_attempt > 0
                     await self._dispatch(record.group_id, sibling.generation_index)
         return chosen.path, continued

@@ -47,7 +47,11 @@ from nemo_ckpt import (
 )
 from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
-from nemo_ckpt.testing.nemo_rl import DataPlaneCheckpointBarrier, NemoRlState
+from nemo_ckpt.testing.nemo_rl import (
+    DataPlaneCheckpointBarrier,
+    NemoRlState,
+    RecoveryTargetLevel,
+)
 
 PROGRESS = "progress.jsonl"
 SIGTERM_STATUS = 128 + signal.SIGTERM
@@ -111,7 +115,11 @@ class Job:
 
     async def open(self, group: str, owner: str) -> EnvironmentEpisode:
         async with self.barrier.mutation() as cut:
-            record = self.rl.ledger.reserve_group(cut, group_id=group, expected_generations=1)
+            prompt = int(group[1:])  # groups are g0, g1, ...: the dataset's sample index
+            record = self.rl.ledger.reserve_group(
+                cut, group_id=group, prompt_id=str(prompt), prompt_payload={"idx": prompt},
+                expected_generations=1, target_step=1, start_weight_version=0,
+                restore_level=RecoveryTargetLevel.TURN)
             self.rl.ledger.mark_group_dispatched(cut, group, gym_instance_id=owner)
         ep = EnvironmentEpisode(*record.gym_episode(0))
         await (await self.client(owner)).open(ep, b"")

@@ -23,10 +23,12 @@ from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.storage.checkpoint_folder import environment_dir
 from nemo_ckpt.testing.nemo_rl import (
-    AttemptStatus,
     DataPlaneCheckpointBarrier,
-    RestoreLevel,
+    RecoveryGranularity,
+    RecoveryTargetLevel,
+    RolloutAttemptStatus,
     RolloutRecoveryLedger,
+    RolloutRecoveryLedgerWithRetirements,
     StagingPartition,
 )
 from tests.harness import World
@@ -41,9 +43,9 @@ class Job:
     """A NeMo RL job on the in-process world: its ledger, barrier and staging
     partition, and Gym's workers turning rollouts on their owners' holders."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, ledger: RolloutRecoveryLedger | None = None) -> None:
         self.world = world
-        self.ledger = RolloutRecoveryLedger()
+        self.ledger = RolloutRecoveryLedger() if ledger is None else ledger
         self.barrier = DataPlaneCheckpointBarrier()
         self.staging = StagingPartition()
         self.env = NemoRlEnvironmentCheckpoint(
@@ -51,11 +53,15 @@ class Job:
             owners=OWNERS)
 
     async def dispatch(self, group: str, owner: str, generations: int = 2,
-                       level: RestoreLevel = RestoreLevel.TURN) -> list[Ep]:
+                       level: RecoveryTargetLevel = RecoveryTargetLevel.TURN,
+                       granularity: RecoveryGranularity = RecoveryGranularity.SIBLING
+                       ) -> list[Ep]:
         async with self.barrier.mutation() as cut:
-            record = self.ledger.reserve_group(cut, group_id=group,
-                                               expected_generations=generations,
-                                               restore_level=level)
+            prompt = len(self.ledger) + 1
+            record = self.ledger.reserve_group(
+                cut, group_id=group, prompt_id=str(prompt), prompt_payload={"idx": prompt},
+                expected_generations=generations, target_step=1, start_weight_version=0,
+                recovery_granularity=granularity, restore_level=level)
             self.ledger.mark_group_dispatched(cut, group, gym_instance_id=owner)
         client = await self.world.client(OWNERS[owner])
         eps = [Ep(*record.gym_episode(i)) for i in range(generations)]
@@ -82,7 +88,21 @@ class Job:
             self.ledger.mark_sibling_sealed(
                 cut, group, generation_index=index, gate_rollout_id=gate,
                 receipt={"rollout_id": gate,
-                         "manifest": [{"staging_key": k} for k in keys]})
+                         "manifest": [{"staging_key": k} for k in keys]},
+                reward=1.0, mask_sample=False)
+
+    async def load(self) -> None:
+        """The job restarted: RL's ledger and staging as last saved, each group's prompt
+        bound again from the dataset, as NeMo RL's controller does after a load."""
+        ledger_state, staging_state = self.saved
+        self.ledger = type(self.ledger)()
+        self.staging = StagingPartition()
+        self.staging.rows = dict(staging_state)
+        async with self.barrier.mutation("recovery_restore") as cut:
+            self.ledger.load_state_dict(cut, ledger_state)
+            for record in self.ledger.groups():
+                prompt = int(record.prompt_id)
+                self.ledger.bind_runtime_prompt(cut, record.group_id, {"idx": prompt})
 
     async def snapshot(self, path: Path, **kwargs: Any) -> dict[str, Any]:
         """The seed's call order, verbatim, with NeMo RL's cut; RL's half saved too."""
@@ -90,7 +110,7 @@ class Job:
             async with self.barrier.checkpoint() as cut:
                 if snapshot is not None:
                     await snapshot.check_against_cut(cut)
-                self.saved = (self.ledger.state_dict(), self.staging.state_dict())
+                self.saved = (self.ledger.state_dict(), dict(self.staging.rows))
         assert snapshot is not None
         return snapshot.metrics(0.0)
 
@@ -103,7 +123,7 @@ def test_a_snapshot_with_rollouts_mid_turn_sealed_and_of_other_groups_commits(
     async def scenario() -> dict[str, Any]:
         await world.ckpt.ensure_holders()
         turn_level = await job.dispatch("g1", "tools/replica-0")
-        other = await job.dispatch("g2", "tools/replica-1", level=RestoreLevel.SIBLING)
+        other = await job.dispatch("g2", "tools/replica-1", level=RecoveryTargetLevel.SIBLING)
         for n in range(2):
             for ep in turn_level:
                 await job.turn("tools/replica-0", ep, n)
@@ -149,7 +169,7 @@ def test_a_restore_continues_turn_level_rollouts_on_their_owners_and_drops_the_r
         await world.ckpt.ensure_holders()
         g1 = await job.dispatch("g1", "tools/replica-0")
         g3 = await job.dispatch("g3", "tools/replica-2", generations=1)
-        other = await job.dispatch("g2", "tools/replica-1", level=RestoreLevel.SIBLING)
+        other = await job.dispatch("g2", "tools/replica-1", level=RecoveryTargetLevel.SIBLING)
         for n in range(2):
             for ep in g1:
                 await job.turn("tools/replica-0", ep, n)
@@ -160,9 +180,7 @@ def test_a_restore_continues_turn_level_rollouts_on_their_owners_and_drops_the_r
         # The job crashes; a new one loads RL's ledger and staging, then restores.
         world.ckpt.shutdown()
         await world.ckpt.ensure_holders()
-        ledger_state, staging_state = job.saved
-        job.ledger = RolloutRecoveryLedger.from_state_dict(ledger_state)
-        job.staging = StagingPartition.from_state_dict(staging_state)
+        await job.load()
         async with job.env.restored(path) as restored:
             async with job.barrier.checkpoint() as cut:
                 plan = await job.env.prepare_for_restart(cut, restored)
@@ -182,7 +200,7 @@ def test_a_restore_continues_turn_level_rollouts_on_their_owners_and_drops_the_r
         assert cleared == {f"{other[0].capture_key}/row{n}" for n in range(2)}
         # The ledger continues g1's open sibling as Gym's next attempt, on its owner.
         sibling = job.ledger.get_group("g1").siblings[0].current_attempt
-        assert (sibling.status, sibling.gym_attempt) == (AttemptStatus.RESERVED, 1)
+        assert (sibling.status, sibling.gym_attempt) == (RolloutAttemptStatus.RESERVED, 1)
         async with job.barrier.mutation() as cut:
             job.ledger.mark_group_dispatched(cut, "g1", generation_indices=[0],
                                              gym_instance_id="tools/replica-0")
@@ -214,9 +232,7 @@ def test_a_restore_onto_one_replica_fewer_starts_the_vanished_owners_rollouts_ov
         # The job crashes; the new one runs one Gym replica fewer: tools/replica-2 is gone.
         world.ckpt.shutdown()
         await world.ckpt.ensure_holders()
-        ledger_state, staging_state = job.saved
-        job.ledger = RolloutRecoveryLedger.from_state_dict(ledger_state)
-        job.staging = StagingPartition.from_state_dict(staging_state)
+        await job.load()
         fewer = {o: i for o, i in OWNERS.items() if o != "tools/replica-2"}
         env = NemoRlEnvironmentCheckpoint(world.ckpt, ledger=lambda: job.ledger,
                                           staging=job.staging.list_keys, owners=fewer)
@@ -236,7 +252,7 @@ def test_a_restore_onto_one_replica_fewer_starts_the_vanished_owners_rollouts_ov
         assert cleared == {f"{g3[0].capture_key}/row{n}" for n in range(2)}
         # RL's ledger starts it over (abandoned; a fresh attempt goes to a live owner)...
         g3_attempt = job.ledger.get_group("g3").siblings[0].current_attempt
-        assert g3_attempt.status is AttemptStatus.ABANDONED
+        assert g3_attempt.status is RolloutAttemptStatus.ABANDONED
         # ... and its restored session was retired once the restore went live.
         assert await (await world.client("holder-1")).sessions() == []
         async with job.barrier.mutation() as cut:
@@ -272,7 +288,7 @@ def test_a_snapshot_and_a_restore_with_a_deadline_log_no_tracing_context_error(
         await job.snapshot(path, timeout_s=30.0)
         world.ckpt.shutdown()
         await world.ckpt.ensure_holders()
-        job.ledger = RolloutRecoveryLedger.from_state_dict(job.saved[0])
+        await job.load()
         async with job.env.restored(path, timeout_s=30.0) as restored:
             async with job.barrier.checkpoint() as cut:
                 await job.env.prepare_for_restart(cut, restored)
@@ -287,7 +303,10 @@ def test_a_snapshot_and_a_restore_with_a_deadline_log_no_tracing_context_error(
 
 def test_dropped_episodes_are_named_at_a_snapshot_and_retired_by_retire_dropped(
         world: World, caplog: pytest.LogCaptureFixture) -> None:
-    job = Job(world)
+    # A ledger newer than schema 4's first: it queues the Gym episodes it drops.
+    job = Job(world, RolloutRecoveryLedgerWithRetirements())
+    ledger = job.ledger
+    assert isinstance(ledger, RolloutRecoveryLedgerWithRetirements)
 
     async def scenario() -> frozenset[tuple[str, str, int]]:
         await world.ckpt.ensure_holders()
@@ -298,7 +317,10 @@ def test_dropped_episodes_are_named_at_a_snapshot_and_retired_by_retire_dropped(
             metrics = await job.snapshot(world.path("step-1"))
         assert metrics["outside_scope_rollouts"] == 2
         retired = await job.env.retire_dropped()
-        job.ledger.acknowledge_gym_retirements(retired)
+        sent: dict[str, list[tuple[str, int]]] = {}
+        for owner, rollout_id, attempt in retired:
+            sent.setdefault(owner, []).append((rollout_id, attempt))
+        ledger.mark_gym_retired(sent)
         assert await (await world.client("holder-0")).sessions() == []
         assert {r for _, r, _ in retired} == {ep.rollout_id for ep in eps}
         return retired
@@ -306,7 +328,7 @@ def test_dropped_episodes_are_named_at_a_snapshot_and_retired_by_retire_dropped(
     retired = world.run(scenario())
     assert {o for o, _, _ in retired} == {"tools/replica-0"}
     assert "of episodes RL dropped are not retired yet" in caplog.text
-    assert job.ledger.gym_checkpoint_retirements({"tools/replica-0"}) == {
+    assert ledger.gym_checkpoint_retirements({"tools/replica-0"}) == {
         "tools/replica-0": ()}
 
 

@@ -25,7 +25,12 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
-from nemo_ckpt.testing.nemo_rl import STATE_FILE, DataPlaneCheckpointBarrier, NemoRlState
+from nemo_ckpt.testing.nemo_rl import (
+    STATE_FILE,
+    DataPlaneCheckpointBarrier,
+    NemoRlState,
+    RecoveryTargetLevel,
+)
 from tests.harness import World
 
 pytestmark = pytest.mark.timeout(90)
@@ -44,6 +49,8 @@ class Clock:
 class Job:
     def __init__(self, world: World, root: Path, **overrides: Any) -> None:
         self.world = world
+        self.root = root
+        self.overrides = dict(overrides)
         self.clock = Clock()
         self.barrier = DataPlaneCheckpointBarrier()
         self.env = NemoRlEnvironmentCheckpoint(
@@ -59,7 +66,11 @@ class Job:
 
     async def rollout(self, group: str, owner: str, turns: int) -> Ep:
         async with self.barrier.mutation() as cut:
-            record = self.rl.ledger.reserve_group(cut, group_id=group, expected_generations=1)
+            prompt = int(group[1:])
+            record = self.rl.ledger.reserve_group(
+                cut, group_id=group, prompt_id=str(prompt), prompt_payload={"idx": prompt},
+                expected_generations=1, target_step=1, start_weight_version=0,
+                restore_level=RecoveryTargetLevel.TURN)
             self.rl.ledger.mark_group_dispatched(cut, group, gym_instance_id=owner)
         ep = Ep(*record.gym_episode(0))
         client = await self.world.client(OWNERS[owner])
@@ -67,6 +78,10 @@ class Job:
         for n in range(turns):
             await self.turn(owner, ep, n)
         return ep
+
+    def restarted(self) -> Job:
+        """The job after a crash: a new process, its ledger and staging empty."""
+        return Job(self.world, self.root, **self.overrides)
 
     async def turn(self, owner: str, ep: Ep, n: int) -> None:
         client = await self.world.client(OWNERS[owner])
@@ -170,17 +185,19 @@ def test_restore_by_trainer_step_continues_the_anchored_rollouts(rooted_world: W
         await job.manager.snapshot()  # newer, but not the trainer's
         rooted_world.ckpt.shutdown()
         await rooted_world.ckpt.ensure_holders()
+        restarted = job.restarted()
         with pytest.raises(SnapshotNotFoundError, match=r"anchored steps: \[4\]"):
-            await job.manager.restore(trainer_step=5)
-        chosen = await job.manager.restore(trainer_step=4)
+            await restarted.manager.restore(trainer_step=5)
+        chosen = await restarted.manager.restore(trainer_step=4)
         assert chosen is not None and chosen.anchor_step == 4
-        attempt = job.rl.ledger.get_group("g1").siblings[0].current_attempt
+        attempt = restarted.rl.ledger.get_group("g1").siblings[0].current_attempt
         assert attempt.gym_attempt == 1
         record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
         assert record.turns == (b"t0", b"t1")  # as the anchored snapshot held it
         # RL's half is the anchored snapshot's too: its rows, all kept.
-        assert set(job.rl.staging.rows) == {f"{ep.capture_key}/row{n}" for n in range(2)}
-        assert job.rl.cleared == frozenset()
+        assert set(restarted.rl.staging.rows) == {
+            f"{ep.capture_key}/row{n}" for n in range(2)}
+        assert restarted.rl.cleared == frozenset()
 
     rooted_world.run(scenario())
 
@@ -237,7 +254,7 @@ def test_restore_latest_skips_a_damaged_snapshot_and_a_fresh_root_restores_nothi
         shard.write_bytes(b"\0" * shard.stat().st_size)
         rooted_world.ckpt.shutdown()
         await rooted_world.ckpt.ensure_holders()
-        chosen = await job.manager.restore()
+        chosen = await job.restarted().manager.restore()
         assert chosen is not None and chosen.path == older.path
         record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
         assert record.turns == (b"t0",)
@@ -317,6 +334,7 @@ def test_a_second_managers_sweep_leaves_a_snapshot_inside_its_barrier_which_rest
     a.manager.barrier = SweptInside(a.barrier, sweep)
 
     async def scenario() -> Any:
+        nonlocal a
         await rooted_world.ckpt.ensure_holders()
         ep = await a.rollout("g1", "replica-0", 2)
         taken = await a.manager.snapshot()
@@ -324,6 +342,7 @@ def test_a_second_managers_sweep_leaves_a_snapshot_inside_its_barrier_which_rest
         assert [s.path for s in await a.manager.snapshots()] == [taken.path]
         rooted_world.ckpt.shutdown()
         await rooted_world.ckpt.ensure_holders()
+        a = a.restarted()
         chosen = await a.manager.restore()
         record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
         return ep, taken, chosen, record
@@ -414,7 +433,7 @@ def test_a_record_nested_100000_deep_is_passed_over_by_snapshot_and_restore(
         plant(rooted_world, Path(later.path) / "rollout_checkpoint.json", planted)
         rooted_world.ckpt.shutdown()
         await rooted_world.ckpt.ensure_holders()
-        chosen = await job.manager.restore()
+        chosen = await job.restarted().manager.restore()
         record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
         return older, later, chosen, record
 
