@@ -318,6 +318,12 @@ class StagingListingTimeoutError(StagingListingError):
     retriable = True
 
 
+class UnmappedOwnerError(NemoCkptError):
+    """RL's ledger gives a live rollout to a Gym owner that ``owners=`` of
+    ``NemoRlEnvironmentCheckpoint`` does not map to an instance: a configuration
+    mistake, nothing changed."""
+
+
 class FingerprintMismatchError(NemoCkptError):
     """A snapshot was taken under another job configuration than the restoring job's,
     in fields recovery depends on; ``changed`` maps each field to (saved, now). Nothing

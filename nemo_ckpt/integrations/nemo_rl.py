@@ -10,7 +10,9 @@ staging partition of its data plane. ``NemoRlEnvironmentCheckpoint`` wraps a
     env_checkpoint = NemoRlEnvironmentCheckpoint(
         RayEnvironmentCheckpoint(config), ledger=ledger,
         staging=data_plane.list_staging_keys,      # async, returns the staging row keys
-        owners={"tools/replica-0": "holder-0", ...})   # RL's owner id -> our instance
+        owners={"tools/replica-0": "holder-0", ...},   # RL's owner id -> our instance
+        retained=controller.retained_staging_keys,  # rows RL keeps beyond the ledger's
+        drain=controller.drain_finished_replies)    # seal what Gym finished, pre-cut
     async with env_checkpoint.snapshot(path, timeout_s=control_timeout_s) as snapshot:
         async with barrier.checkpoint() as cut:
             if snapshot is not None:
@@ -26,17 +28,27 @@ behaviour):
   attempt)`` of every turn-level group's attempt that is dispatched, or reserved after a
   restore. A captured session of any other rollout (another group's, a sealed or dropped
   attempt's) is outside the check: RL starts it over, and a restore drops it. Sessions
-  of dropped episodes not retired yet (``ledger.gym_checkpoint_retirements``, when the
-  ledger has it) are named in the log; ``retire_dropped()`` before a snapshot retires
-  them.
+  of dropped episodes not retired yet are named in the log; ``retire_dropped()``
+  before a snapshot retires them. What was dropped is the ledger's retirement queue
+  (``ledger.gym_checkpoint_retirements``, acknowledged with ``mark_gym_retired``) when
+  it has one, and in any case what its records show (``groups()``: attempts abandoned,
+  failed or replaced) and the rollouts seen in its inventory whose group has left it:
+  schema 4 has no queue.
 - **Staging rows** are the staging partition's listing, awaited under the cut. Sealed
-  attempts' rows (``ledger.expected_staging_keys()``) stay in staging until their
-  group is trained: they are never orphans.
+  attempts' rows (``ledger.expected_staging_keys()``) and the rows of ``retained``
+  (the caller's: NeMo RL's controller keeps published groups' rows until trained, and
+  its route plans' cleanup keys) are never orphans, and a restore keeps them.
 - **Owners map to instances both ways**: ``owners`` maps each RL owner id to the
-  instance (holder) that keeps its sessions; several owners may share one. Back from a
-  restore, a continued session is handed to RL under its owner only when its rollout's
-  owner in the restored ledger maps to the instance it was restored on; any other is
-  dropped (it starts over), so ``prepare_for_restart`` never meets a triple it cannot use.
+  instance (holder) that keeps its sessions; several owners may share one. A live
+  rollout given to an owner ``owners=`` does not name is ``UnmappedOwnerError`` at a
+  snapshot, before the ledger's own ``RuntimeError``. Back from a restore, a continued
+  session is handed to RL under its owner only when its rollout's owner in the
+  restored ledger maps to the instance it was restored on, and its group is not one the
+  ledger abandons whole (PROMPT_GROUP granularity); any other is dropped (it starts
+  over). Should the ledger still refuse a triple it was given (a state not foreseen
+  here), the changes it made stand and the refused sessions are dropped the same way:
+  a restore never fails whole on it. Those of abandoned groups are named in a log line
+  and in ``RestartPlan.abandoned``; every dropped session is retired.
 - **The restore's hand-over**: ``restored()`` yields ``continued_attempts`` in owner ids
   (load RL's ledger before entering it), and ``prepare_for_restart(cut, restored)`` calls
   the ledger's with them and returns the staging rows RL keeps: the restored sessions'
@@ -51,6 +63,11 @@ behaviour):
   ``control_timeout_s``) for the pause or the restore's preparation, and the staging
   listing gets what is left of it; a deadline missed is ``BackendUnavailableError`` or
   ``StagingListingTimeoutError``, both ``is_unavailable`` (nothing changed: retry).
+- **Finished, not sealed**: a rollout Gym finished whose reply RL has not sealed at the
+  cut would be abandoned by a restore and run again. ``drain`` (NeMo RL's controller
+  drains its on-wire Gym replies before its cut) is awaited once the holders are
+  paused, when no rollout can finish any more, and before the snapshot is handed to the
+  caller for its cut, within the snapshot's deadline.
 - **Finished rollouts**: NeMo RL seals a finished rollout's result itself and never
   calls ``acknowledge``, so its environment workers end a session with
   ``SessionClient.close`` (never ``finish``, whose results would pile up in the holders);
@@ -61,9 +78,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -74,7 +92,9 @@ from nemo_ckpt.errors import (
     NemoCkptError,
     StagingListingError,
     StagingListingTimeoutError,
+    UnmappedOwnerError,
 )
+from nemo_ckpt.integrations import nemo_rl_ledger as nrl
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 
 __all__ = [
@@ -83,6 +103,7 @@ __all__ = [
     "NemoRlEnvironmentCheckpoint",
     "NemoRlSnapshot",
     "RestartPlan",
+    "RetainedKeys",
     "StagingListing",
 ]
 
@@ -96,8 +117,11 @@ _CHECKPOINT_METHODS = ("snapshot", "restored", "is_unavailable", "check_startup"
 # The staging partition's listing: awaited under the cut, it returns the row keys.
 StagingListing = Callable[[], Awaitable[Iterable[str]]]
 
-# What one owner's inventory may hold before it is refused: a claim to bound, as any.
-_MAX_INVENTORY = 10_000_000
+# The rows RL keeps beyond the ledger's (published groups' still to be trained, route
+# plans' cleanup keys): read under the cut, sync or async.
+RetainedKeys = Callable[[], "Iterable[str] | Awaitable[Iterable[str]]"]
+
+Triple = tuple[str, str, int]
 
 
 def _missing(obj: object, methods: Iterable[str]) -> list[str]:
@@ -159,12 +183,26 @@ class RestartPlan:
         vanished: ``(owner_id, rollout_id, attempt)`` of the turn-level rollouts the
             restored ledger gives to owners ``owners=`` no longer names (a Gym replica
             fewer, or renamed): not handed over, they start over.
+        abandoned: ``(owner_id, rollout_id, attempt)`` of restored sessions the ledger
+            abandons (a group of PROMPT_GROUP granularity is abandoned whole, or a
+            triple it refused): not handed over (or refused, its other changes kept),
+            retired, they start over. Also in ``dropped``, by instance.
     """
 
-    restored_gym_episodes: frozenset[tuple[str, str, int]]
+    restored_gym_episodes: frozenset[Triple]
     keep_staging_keys: frozenset[str]
-    dropped: frozenset[tuple[str, str, int]]
-    vanished: frozenset[tuple[str, str, int]] = frozenset()
+    dropped: frozenset[Triple]
+    vanished: frozenset[Triple] = frozenset()
+    abandoned: frozenset[Triple] = frozenset()
+
+
+@dataclass(frozen=True)
+class _HandOver:
+    """What a restore hands RL, and the restored sessions it does not hand over."""
+
+    restored: RestoredEnvironmentRollouts
+    dropped: frozenset[Triple]
+    abandoned: frozenset[Triple]
 
 
 class NemoRlSnapshot:
@@ -237,13 +275,21 @@ class NemoRlEnvironmentCheckpoint:
             keeps its sessions.
         timeout_s: The default deadline of ``snapshot`` and ``restored``; None for the
             backend's own (``CheckpointConfig``).
+        retained: A callable (sync or async) returning the staging rows RL keeps beyond
+            the ledger's sealed attempts (published groups' rows still to be trained,
+            route plans' cleanup keys), read under the cut: never orphans, always kept.
+        drain: An async callable that seals the rollouts Gym finished whose replies RL
+            has not sealed yet (NeMo RL's drain of on-wire Gym replies); awaited at each
+            snapshot once the holders are paused, before the caller's cut.
 
     Raises:
-        TypeError: naming every method a given object lacks, or a malformed ``owners``.
+        TypeError: naming every method a given object lacks, or a malformed argument.
     """
 
     def __init__(self, checkpoint: Any, *, ledger: Any, staging: StagingListing,
-                 owners: Mapping[str, str], timeout_s: float | None = None) -> None:
+                 owners: Mapping[str, str], timeout_s: float | None = None,
+                 retained: RetainedKeys | None = None,
+                 drain: Callable[[], Awaitable[Any]] | None = None) -> None:
         missing = _missing(checkpoint, _CHECKPOINT_METHODS)
         if missing:
             raise TypeError(
@@ -260,6 +306,9 @@ class NemoRlEnvironmentCheckpoint:
             raise TypeError(
                 f"staging= must be an async callable returning the staging partition's "
                 f"row keys, not {type(staging).__name__}")
+        for name, given in (("retained", retained), ("drain", drain)):
+            if given is not None and not callable(given):
+                raise TypeError(f"{name}= must be a callable, not {type(given).__name__}")
         if not isinstance(owners, Mapping) or not owners or not all(
                 isinstance(o, str) and o and isinstance(i, str) and i
                 for o, i in owners.items()):
@@ -270,12 +319,15 @@ class NemoRlEnvironmentCheckpoint:
             raise ValueError(f"timeout_s must be positive, not {timeout_s}")
         self.checkpoint = checkpoint
         self._staging = staging
+        self._retained = retained
+        self._drain = drain
         self.owners: Mapping[str, str] = dict(owners)
         self.timeout_s = timeout_s
         self._retirements: frozenset[tuple[str, int]] = frozenset()
-        self._to_drop: frozenset[tuple[str, str, int]] = frozenset()
+        self._dropped_episodes = nrl.DroppedEpisodes()
+        self._to_drop: frozenset[Triple] = frozenset()
         # The rollouts of owners gone since the snapshot, as last warned of (once each).
-        self._vanished: frozenset[tuple[str, str, int]] = frozenset()
+        self._vanished: frozenset[Triple] = frozenset()
         self._inner_restored: RestoredEnvironmentRollouts | None = None
         self._restored_path: Path | str = ""
 
@@ -297,9 +349,9 @@ class NemoRlEnvironmentCheckpoint:
     @contextlib.asynccontextmanager
     async def snapshot(self, checkpoint_path: Path, *, timeout_s: float | None = None
                        ) -> AsyncIterator[Optional[NemoRlSnapshot]]:
-        """``RayEnvironmentCheckpoint.snapshot``, with the pause and capture held to
-        ``timeout_s`` (or the constructor's): past it the snapshot is aborted on every
-        holder and ``BackendUnavailableError`` raised."""
+        """``RayEnvironmentCheckpoint.snapshot``, with the pause and capture (and
+        ``drain``) held to ``timeout_s`` (or the constructor's): past it the snapshot is
+        aborted on every holder and ``BackendUnavailableError`` raised."""
         async with self._snapshot(self.checkpoint.snapshot(checkpoint_path),
                                   checkpoint_path, timeout_s) as snap:
             yield snap
@@ -326,9 +378,16 @@ class NemoRlEnvironmentCheckpoint:
         limit = timeout_s if timeout_s is not None else self.timeout_s
         loop = asyncio.get_running_loop()
         deadline = None if limit is None else loop.time() + limit
-        inner = await _enter(manager, limit, f"the snapshot into {checkpoint_path}")
+        inner = await _bounded(manager.__aenter__(), limit,
+                               f"the snapshot into {checkpoint_path} did not get past its "
+                               f"preparation")
         snap = None if inner is None else NemoRlSnapshot(inner, self, deadline)
         async with _entered(manager):
+            if self._drain is not None:  # the holders are paused: nothing finishes now
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                await _bounded(_call(self._drain), left,
+                               f"RL's drain of finished rollouts before the cut of "
+                               f"{checkpoint_path} did not end", limit)
             yield snap
 
     @contextlib.asynccontextmanager
@@ -339,30 +398,20 @@ class NemoRlEnvironmentCheckpoint:
         docstring); sessions it cannot hand over are retired once the restore is live."""
         limit = timeout_s if timeout_s is not None else self.timeout_s
         manager = self.checkpoint.restored(checkpoint_path)
-        inner = await _enter(manager, limit, f"the restore from {checkpoint_path}")
+        inner = await _bounded(manager.__aenter__(), limit,
+                               f"the restore from {checkpoint_path} did not get past its "
+                               f"preparation")
         self._vanished = frozenset()
         async with _entered(manager):
-            handed, self._to_drop = await self._hand_over(inner, checkpoint_path)
+            hand = await self._hand_over(inner, checkpoint_path)
+            self._to_drop = hand.dropped
             self._inner_restored = inner
             self._restored_path = checkpoint_path
             try:
-                yield handed
+                yield hand.restored
             finally:
                 self._inner_restored = None
-        dropped = self._to_drop
-        if dropped:
-            # Normal for groups RL restarts whole (not turn-level): said, not warned.
-            log.info("restore from %s: %d restored session(s) RL's ledger does not "
-                     "continue on their instance (another group's, or their owner now "
-                     "maps elsewhere); retired, they start over", checkpoint_path,
-                     len(dropped))
-            episodes = [EnvironmentEpisode(rid, att).next_attempt() for _, rid, att in dropped]
-            try:
-                await self.checkpoint.retire(episodes)
-            except NemoCkptError as exc:  # they would idle; never fail a live restore
-                log.warning("restore from %s: %d restored session(s) RL does not continue "
-                            "could not be retired (%s); retire them by hand",
-                            checkpoint_path, len(dropped), exc)
+        await self._retire_restored(checkpoint_path)
 
     # --- NeMo RL's side ------------------------------------------------------------------
 
@@ -370,33 +419,64 @@ class NemoRlEnvironmentCheckpoint:
                                   ) -> RestartPlan:
         """Inside ``restored()``'s block, under a live cut: the ledger's
         ``prepare_for_restart(cut, restored_gym_episodes=...)`` with the attempts
-        ``restored`` continues, and the staging rows RL keeps."""
+        ``restored`` continues, and the staging rows RL keeps. Never fails on a restored
+        episode the ledger will not continue: it is retired and named instead."""
         cut.require_live()
         ledger = self._current_ledger()
+        abandoned: frozenset[Triple] = frozenset()
         if self._inner_restored is not None:  # the ledger as loaded now decides
-            restored, self._to_drop = await self._hand_over(self._inner_restored,
-                                                            self._restored_path)
+            hand = await self._hand_over(self._inner_restored, self._restored_path)
+            restored, self._to_drop, abandoned = hand.restored, hand.dropped, hand.abandoned
         episodes = set(restored.continued_attempts)
-        ledger.prepare_for_restart(cut, restored_gym_episodes=episodes)
-        keep = frozenset(restored.staging_keys) | _keys(ledger.expected_staging_keys(),
-                                                        "expected_staging_keys")
-        return RestartPlan(frozenset(episodes), keep, self._to_drop, self._vanished)
+        keys = frozenset(restored.staging_keys)
+        try:
+            ledger.prepare_for_restart(cut, restored_gym_episodes=episodes)
+        except ValueError as exc:
+            refused = nrl.unowned_episodes(exc)
+            if refused is None or not refused <= episodes:
+                raise
+            # Its changes are made; these start over as an abandoned group's do.
+            episodes -= refused
+            abandoned |= refused
+            gone = {(self.owners[o], rid, att) for o, rid, att in refused}
+            self._to_drop |= gone
+            if self._restored_path:
+                kept = {(self.owners[o], rid, att) for o, rid, att in episodes}
+                keys -= await self._blocking(_rows_of_dropped, self._restored_path,
+                                             kept, gone)
+        if abandoned:
+            named = sorted(f"{rid}@{att}" for _, rid, att in abandoned)
+            log.info("restore: RL's ledger abandons %d restored rollout(s) (their group "
+                     "starts over whole, or the ledger refused them); their sessions "
+                     "are retired: %s", len(abandoned), ", ".join(named))
+        keep = keys | nrl.keys(ledger.expected_staging_keys(), "expected_staging_keys") \
+            | await self._retained_keys()
+        return RestartPlan(frozenset(episodes), keep, self._to_drop, self._vanished,
+                           abandoned)
 
-    async def retire_dropped(self) -> frozenset[tuple[str, str, int]]:
-        """Retire in the backend every episode RL dropped and lists in
-        ``ledger.gym_checkpoint_retirements`` (outside a snapshot). Returns the
-        ``(owner_id, rollout_id, attempt)`` retired, for RL to record."""
+    async def retire_dropped(self) -> frozenset[Triple]:
+        """Retire in the backend every episode RL dropped while Gym may hold its session
+        (outside a snapshot): the ledger's retirement queue when it has one
+        (acknowledged with its ``mark_gym_retired``), and what its records show
+        (schema 4 has no queue). Returns the ``(owner_id, rollout_id, attempt)``
+        retired now."""
         ledger = self._current_ledger()
-        method = getattr(ledger, "gym_checkpoint_retirements", None)
-        if method is None:
-            return frozenset()
-        listed = _inventory(method(frozenset(self.owners)), "gym_checkpoint_retirements")
-        triples = frozenset((owner, rid, att) for owner, eps in listed.items()
-                            for rid, att in eps)
-        if triples:
+        queued = self._queued(ledger)
+        _, live = self._ledger_inventory(restoring=True)
+        dropped = self._dropped_episodes.now(ledger, live, queued)
+        self._dropped_episodes.saw(live)
+        from_queue = frozenset((o, rid, att) for o, pairs in queued.items()
+                               for rid, att in pairs)
+        send = frozenset(t for t in self._dropped_episodes.to_send(dropped, from_queue)
+                         if t[0] in self.owners)
+        if send:
             await self.checkpoint.retire([EnvironmentEpisode(rid, att)
-                                          for _, rid, att in triples])
-        return triples
+                                          for _, rid, att in send])
+        self._dropped_episodes.sent(ledger, dropped, send)
+        acknowledge = getattr(ledger, "mark_gym_retired", None)
+        if from_queue and callable(acknowledge):
+            acknowledge({o: tuple(pairs) for o, pairs in queued.items() if pairs})
+        return send
 
     def __getattr__(self, name: str) -> Any:
         # retire, forget, acknowledge, holders, shutdown, metrics: the backend's own.
@@ -417,42 +497,57 @@ class NemoRlEnvironmentCheckpoint:
         _check_ledger(ledger)
         return ledger
 
-    def _ledger_inventory(self, also_named: bool = False
+    def _queued(self, ledger: Any) -> dict[str, tuple[tuple[str, int], ...]]:
+        method = getattr(ledger, "gym_checkpoint_retirements", None)
+        return {} if method is None else nrl.inventory(method(frozenset(self.owners)),
+                                                       "gym_checkpoint_retirements")
+
+    async def _retained_keys(self) -> frozenset[str]:
+        if self._retained is None:
+            return frozenset()
+        found = self._retained()
+        if inspect.isawaitable(found):
+            found = await found
+        return nrl.keys(found, "retained=")
+
+    def _ledger_inventory(self, restoring: bool = False
                           ) -> tuple[Any, dict[str, tuple[tuple[str, int], ...]]]:
-        """The current ledger, and its inventory of this backend's owners, checked; with
-        ``also_named``, of every owner the ledger names too (a restored ledger's owners
-        may be gone: ``_owners_named``)."""
+        """The current ledger, and its inventory of every owner ``owners=`` or the
+        ledger names (it raises for an owner it is not asked about), checked. Unless
+        ``restoring`` (a restored ledger's owners may be gone), a live rollout of an
+        owner ``owners=`` does not map is ``UnmappedOwnerError``."""
         ledger = self._current_ledger()
-        owners = frozenset(self.owners)
-        if also_named:
-            owners |= _owners_named(ledger)
-        return ledger, _inventory(ledger.gym_checkpoint_inventory(owners),
-                                  "gym_checkpoint_inventory")
+        owners = frozenset(self.owners) | nrl.owners_named(ledger)
+        try:
+            listed = nrl.inventory(ledger.gym_checkpoint_inventory(owners),
+                                   "gym_checkpoint_inventory")
+        except RuntimeError as exc:  # a ledger without groups(): its words, our fix
+            if restoring or "Gym instance" not in str(exc):
+                raise
+            raise UnmappedOwnerError(_unmapped_message(["(named by the ledger)"], exc)
+                                     ) from exc
+        unmapped = sorted(o for o, pairs in listed.items() if pairs and o not in self.owners)
+        if unmapped and not restoring:
+            raise UnmappedOwnerError(_unmapped_message(unmapped, None))
+        return ledger, listed
 
     async def _cut_view(self, cut: Any, deadline: float | None) -> NemoRlCut:
         ledger, inventory = self._ledger_inventory()
         expected: dict[str, set[EnvironmentEpisode]] = {}
         for owner, pairs in inventory.items():
-            instance = self._instance_of(owner)
-            expected.setdefault(instance, set()).update(
+            expected.setdefault(self.owners[owner], set()).update(
                 EnvironmentEpisode(rid, att) for rid, att in pairs)
-        method = getattr(ledger, "gym_checkpoint_retirements", None)
-        retiring = {} if method is None else _inventory(
-            method(frozenset(self.owners)), "gym_checkpoint_retirements")
-        self._retirements = frozenset(p for pairs in retiring.values() for p in pairs)
+        dropped = self._dropped_episodes.now(ledger, inventory, self._queued(ledger))
+        self._dropped_episodes.saw(inventory)
+        self._retirements = frozenset((rid, att) for _, rid, att in dropped)
         staging = await self._list_staging(deadline)
         cut.require_live()  # the listing awaited: the cut must still hold what it says
-        retained = _keys(ledger.expected_staging_keys(), "expected_staging_keys")
+        retained = nrl.keys(ledger.expected_staging_keys(), "expected_staging_keys") \
+            | await self._retained_keys()
+        cut.require_live()
         return NemoRlCut(
             cut, {inst: frozenset(eps) for inst, eps in expected.items()}, staging,
             frozenset(rid for pairs in inventory.values() for rid, _ in pairs), retained)
-
-    def _instance_of(self, owner: str) -> str:
-        try:
-            return self.owners[owner]
-        except KeyError:
-            raise TypeError(f"RL's ledger names owner {owner!r}, which owners= does not "
-                            f"map to an instance; add it") from None
 
     async def _list_staging(self, deadline: float | None) -> frozenset[str]:
         loop = asyncio.get_running_loop()
@@ -469,61 +564,80 @@ class NemoRlEnvironmentCheckpoint:
             raise StagingListingError(
                 f"listing the staging partition under the cut failed: {exc!r}; the "
                 f"snapshot does not commit") from exc
-        return _keys(listed, "the staging listing")
+        return nrl.keys(listed, "the staging listing")
 
     async def _hand_over(self, inner: RestoredEnvironmentRollouts, path: Path | str
-                         ) -> tuple[RestoredEnvironmentRollouts,
-                                    frozenset[tuple[str, str, int]]]:
+                         ) -> _HandOver:
         """The restored attempts in owner ids that the loaded ledger continues with the
-        rows they reference, and the restored sessions it does not (dropped). The
-        rollouts of owners gone since the snapshot are warned of once (``_vanished``)."""
-        _, inventory = self._ledger_inventory(also_named=True)
+        rows they reference; the restored sessions it does not (dropped), and of those,
+        the ones of groups it abandons whole (abandoned). The rollouts of owners gone
+        since the snapshot are warned of once (``_vanished``)."""
+        ledger, inventory = self._ledger_inventory(restoring=True)
+        self._dropped_episodes.saw({o: p for o, p in inventory.items() if o in self.owners})
+        whole = nrl.abandoned_whole(ledger)
         owner_of = {(rid, att): owner for owner, pairs in inventory.items()
                     for rid, att in pairs}
-        vanished = frozenset((owner, rid, att) for owner, pairs in inventory.items()
-                             if owner not in self.owners for rid, att in pairs)
-        if vanished and vanished != self._vanished:
-            self._vanished = vanished
-            gone = sorted({owner for owner, _, _ in vanished})
-            named = sorted(f"{rid}@{att}" for _, rid, att in vanished)
-            log.warning(
-                "restore from %s: RL's ledger gives %d turn-level rollout(s) to Gym "
-                "owner(s) %s, which owners= no longer names; they start over: %s%s",
-                path, len(vanished), ", ".join(gone), ", ".join(named[:20]),
-                "" if len(named) <= 20 else f" (and {len(named) - 20} more: "
-                                            f"RestartPlan.vanished)")
-        handed: set[tuple[str, str, int]] = set()
-        dropped: set[tuple[str, str, int]] = set()
+        self._warn_vanished(inventory, path)
+        handed: set[Triple] = set()
+        dropped: set[Triple] = set()
+        abandoned: set[Triple] = set()
         for instance, rid, att in inner.continued_attempts:
             owner = owner_of.get((rid, att))
-            if owner is not None and self.owners.get(owner) == instance:
+            if owner is not None and self.owners.get(owner) == instance \
+                    and (rid, att) not in whole:
                 handed.add((owner, rid, att))
-            else:
-                dropped.add((instance, rid, att))
+                continue
+            dropped.add((instance, rid, att))
+            if owner is not None and (rid, att) in whole:
+                abandoned.add((owner, rid, att))
         keys = frozenset(inner.staging_keys) if handed else frozenset()
         if dropped and handed:  # their rows are RL's to clear: the shards' indexes say which
             keys -= await self._blocking(_rows_of_dropped, path, handed, dropped)
-        return (RestoredEnvironmentRollouts(continued_attempts=frozenset(handed),
-                                            staging_keys=keys),
-                frozenset(dropped))
+        return _HandOver(RestoredEnvironmentRollouts(continued_attempts=frozenset(handed),
+                                                     staging_keys=keys),
+                         frozenset(dropped), frozenset(abandoned))
+
+    def _warn_vanished(self, inventory: Mapping[str, Iterable[tuple[str, int]]],
+                       path: Path | str) -> None:
+        vanished = frozenset((owner, rid, att) for owner, pairs in inventory.items()
+                             if owner not in self.owners for rid, att in pairs)
+        if not vanished or vanished == self._vanished:
+            return
+        self._vanished = vanished
+        gone = sorted({owner for owner, _, _ in vanished})
+        named = sorted(f"{rid}@{att}" for _, rid, att in vanished)
+        log.warning(
+            "restore from %s: RL's ledger gives %d turn-level rollout(s) to Gym "
+            "owner(s) %s, which owners= no longer names; they start over: %s%s",
+            path, len(vanished), ", ".join(gone), ", ".join(named[:20]),
+            "" if len(named) <= 20 else f" (and {len(named) - 20} more: "
+                                        f"RestartPlan.vanished)")
+
+    async def _retire_restored(self, path: Path | str) -> None:
+        """Once the restore is live: retire the restored sessions RL does not continue."""
+        dropped = self._to_drop
+        if not dropped:
+            return
+        # Normal for groups RL restarts whole (not turn-level): said, not warned.
+        log.info("restore from %s: %d restored session(s) RL's ledger does not "
+                 "continue on their instance (another group's, an abandoned group's, or "
+                 "their owner now maps elsewhere); retired, they start over", path,
+                 len(dropped))
+        episodes = [EnvironmentEpisode(rid, att).next_attempt() for _, rid, att in dropped]
+        try:
+            await self.checkpoint.retire(episodes)
+        except NemoCkptError as exc:  # they would idle; never fail a live restore
+            log.warning("restore from %s: %d restored session(s) RL does not continue "
+                        "could not be retired (%s); retire them by hand", path,
+                        len(dropped), exc)
 
 
-def _owners_named(ledger: Any) -> frozenset[str]:
-    """Every Gym owner the current attempts of the ledger's groups name (NeMo RL's
-    ``groups()``, each attempt's ``gym_instance_id``); none when it has no ``groups``.
-    The inventory raises for an owner it is not asked about, and a restored ledger may
-    name owners this job no longer has."""
-    groups = getattr(ledger, "groups", None)
-    if not callable(groups):
-        return frozenset()
-    named: set[str] = set()
-    for record in groups():
-        for sibling in getattr(record, "siblings", ()):
-            for attempt in list(getattr(sibling, "attempts", ()))[-1:]:
-                owner = getattr(attempt, "gym_instance_id", None)
-                if isinstance(owner, str) and owner:
-                    named.add(owner)
-    return frozenset(named)
+def _unmapped_message(owners: list[str], cause: BaseException | None) -> str:
+    said = "" if cause is None else f" (the ledger: {cause})"
+    return (f"RL's ledger gives live rollouts to Gym owner(s) {', '.join(owners)}, which "
+            f"owners= of NemoRlEnvironmentCheckpoint does not map to an instance{said}: "
+            f"add each RL owner id to owners= with the instance id of the holder that "
+            f"keeps its sessions; nothing changed")
 
 
 def _rows_of_dropped(path: Path | str, handed: set[tuple[str, str, int]],
@@ -542,21 +656,24 @@ def _rows_of_dropped(path: Path | str, handed: set[tuple[str, str, int]],
     return frozenset(gone - kept)
 
 
-async def _call(listing: StagingListing) -> Iterable[str]:
-    return await listing()
+async def _call(fn: Callable[[], Awaitable[Any]]) -> Any:
+    return await fn()
 
 
-async def _enter(manager: Any, limit: float | None, what: str) -> Any:
-    """Enter ``manager`` within ``limit`` seconds; a missed deadline cancels the entry
-    (which aborts the operation on every holder) and is ``BackendUnavailableError``.
+async def _bounded(step: Awaitable[Any], limit: float | None, what: str,
+                   deadline_s: float | None = None) -> Any:
+    """Await ``step`` within ``limit`` seconds; a missed deadline cancels it (a
+    snapshot's or restore's entry aborts the operation on every holder) and is
+    ``BackendUnavailableError`` starting with ``what`` and naming the caller's deadline
+    (``deadline_s``, or ``limit``).
 
-    The entry runs in the caller's task, not in one of ``asyncio.wait_for``'s (before
-    Python 3.12 it runs the entry in a task of its own): ``_entered`` exits it in the
-    caller's, and what the entry set in its context (the operation's tracing span)
-    must be reset in the same context, or OpenTelemetry logs "Failed to detach
+    ``step`` runs in the caller's task, not in one of ``asyncio.wait_for``'s (before
+    Python 3.12 it runs the awaitable in a task of its own): ``_entered`` exits an entry
+    in the caller's, and what the entry set in its context (the operation's tracing
+    span) must be reset in the same context, or OpenTelemetry logs "Failed to detach
     context" at every snapshot and restore with a deadline."""
     if limit is None:
-        return await manager.__aenter__()
+        return await step
     task = asyncio.current_task()
     assert task is not None  # an ``async`` method runs in a task
     expired = False
@@ -568,13 +685,14 @@ async def _enter(manager: Any, limit: float | None, what: str) -> Any:
 
     timer = asyncio.get_running_loop().call_later(max(0.0, limit), expire)
     try:
-        return await manager.__aenter__()
+        return await step
     except asyncio.CancelledError:
         if not expired:
             raise  # the caller's own cancellation
         raise BackendUnavailableError(
-            f"{what} did not get past its preparation within the caller's deadline of "
-            f"{limit}s; it was aborted on every holder and nothing changed: retry") from None
+            f"{what} within the caller's deadline of {deadline_s or limit}s; it was "
+            f"aborted on every "
+            f"holder and nothing changed: retry") from None
     finally:
         timer.cancel()
         if expired and sys.version_info >= (3, 11):
@@ -591,35 +709,3 @@ async def _entered(manager: Any) -> AsyncIterator[None]:
             raise
     else:
         await manager.__aexit__(None, None, None)
-
-
-def _keys(found: object, what: str) -> frozenset[str]:
-    if isinstance(found, (str, bytes)) or not isinstance(found, Collection | Iterable):
-        raise TypeError(f"{what} returned {type(found).__name__}, not a set of staging "
-                        f"row keys (str)")
-    keys = frozenset(found)
-    if any(not isinstance(k, str) for k in keys):
-        raise TypeError(f"{what} returned a key that is not a str")
-    return keys
-
-
-def _inventory(found: object, what: str) -> dict[str, tuple[tuple[str, int], ...]]:
-    """A ledger's per-owner ``(rollout_id, attempt)`` listing, checked."""
-    if not isinstance(found, Mapping):
-        raise TypeError(f"the ledger's {what}() returned {type(found).__name__}, not a "
-                        f"mapping of owner id -> ((rollout_id, attempt), ...)")
-    checked: dict[str, tuple[tuple[str, int], ...]] = {}
-    for owner, pairs in found.items():
-        if not isinstance(owner, str) or not isinstance(pairs, Iterable):
-            raise TypeError(f"the ledger's {what}() holds {owner!r}: {pairs!r}")
-        items = tuple(pairs)
-        if len(items) > _MAX_INVENTORY:
-            raise TypeError(f"the ledger's {what}() lists {len(items)} episodes for "
-                            f"{owner!r}, more than {_MAX_INVENTORY}")
-        for item in items:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], int) and not isinstance(item[1], bool)):
-                raise TypeError(f"the ledger's {what}() lists {item!r} for {owner!r}, not "
-                                f"a (rollout_id, attempt) pair")
-        checked[owner] = items
-    return checked
