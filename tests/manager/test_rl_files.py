@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from nemo_ckpt.manager.rl_files import RlFiles
+from nemo_ckpt import RlFiles
 from nemo_ckpt.errors import CheckpointPathError, RlFileInvalidError, RlFileNotFoundError
 
 pytestmark = pytest.mark.timeout(60)
