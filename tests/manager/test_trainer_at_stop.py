@@ -20,6 +20,7 @@ import pytest
 from nemo_ckpt import ManagedSnapshot, TrainerCheckpoint
 from nemo_ckpt.errors import SnapshotNotFoundError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
+from nemo_ckpt.manager.stop_anchor import anchor_at_stop, hook_budget_s
 from tests.harness import World
 from tests.manager.test_restore_handover import plan_returning
 from tests.manager.test_rollout_manager import Job
@@ -160,3 +161,25 @@ def test_a_stop_without_a_trainer_checkpoint_restores_the_newest_anchor_and_name
     warned = [r for r in caplog.records if r.getMessage() == handover.dropped]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
     assert [c.turns for c in handover.continued] == [2]  # as trainer step 4 had them
+
+
+def test_a_hook_whose_share_of_the_deadline_has_passed_is_not_called(
+        caplog: pytest.LogCaptureFixture) -> None:
+    called: list[float] = []
+
+    async def save_trainer(within_s: float) -> int:
+        called.append(within_s)
+        return 5
+
+    # A final snapshot of 8 s begun 7 s ago: its hook's share (6 s) passed 1 s ago.
+    budget = hook_budget_s(8.0, started=100.0, now=107.0)
+    with caplog.at_level(logging.ERROR, logger="nemo_ckpt"):
+        anchor = asyncio.run(anchor_at_stop(save_trainer, budget))
+    assert called == [] and (anchor.step, anchor.path) == (None, None)
+    assert anchor.unanchored_why == ("save_trainer_checkpoint was not called: the final "
+                                     "snapshot's share for it had passed (1s ago) before "
+                                     "RL's half was saved")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"final snapshot: no trainer checkpoint anchors it: {anchor.unanchored_why}. It "
+        f"commits all the same; restore_mode='trainer_checkpoint' restores the snapshot "
+        f"anchored to the newest trainer checkpoint saved, and drops this one's rollouts"]
