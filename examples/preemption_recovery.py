@@ -45,7 +45,7 @@ from nemo_ckpt import (
     RolloutCheckpointManager,
     SessionClient,
 )
-from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
+from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint, RestartPlan
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
 from nemo_ckpt.testing.nemo_rl import (
     DataPlaneCheckpointBarrier,
@@ -62,25 +62,32 @@ def turn_record(group: str, n: int, state: bytes) -> bytes:
     return hashlib.sha256(f"{group}:{n}:".encode() + state).hexdigest()[:16].encode()
 
 
+class _PlanKept:
+    """The integration as RL's half calls it, keeping the plan ``prepare_for_restart``
+    returns (the test double's ``NemoRlState.restore`` does not return it yet)."""
+
+    def __init__(self, env: NemoRlEnvironmentCheckpoint) -> None:
+        self.env = env
+        self.plan: RestartPlan | None = None
+
+    async def prepare_for_restart(self, cut: Any, restored: RestoredEnvironmentRollouts
+                                  ) -> RestartPlan:
+        self.plan = await self.env.prepare_for_restart(cut, restored)
+        return self.plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+
 class _RlHalf(NemoRlState):
-    """NeMo RL's test double, keeping what its last restore continued: the attempts
-    its ledger, as loaded, continues (``RestartPlan.restored_gym_episodes``)."""
+    """NeMo RL's half (the test double's), whose restore returns the plan its ledger
+    made, as ``RlHalf.restore`` says: the manager hands it over (``RestoreHandover``)."""
 
-    continued: frozenset[tuple[str, str, int]] | None = None
-
-    async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> None:
-        prepare = self.integration.prepare_for_restart
-
-        async def keep(cut: Any, handed: RestoredEnvironmentRollouts) -> Any:
-            plan = await prepare(cut, handed)
-            self.continued = plan.restored_gym_episodes
-            return plan
-
-        self.integration.prepare_for_restart = keep
-        try:
-            await super().restore(path, restored)
-        finally:
-            del self.integration.prepare_for_restart
+    # The double's restore is typed to return None: it does not return its plan yet.
+    async def restore(self, path: str, restored: RestoredEnvironmentRollouts  # type: ignore[override]
+                      ) -> RestartPlan | None:
+        await super().restore(path, restored)
+        return self.integration.plan
 
 
 class Job:
@@ -97,7 +104,7 @@ class Job:
         self.env = NemoRlEnvironmentCheckpoint(
             self.ckpt, ledger=lambda: self.rl.ledger,
             staging=lambda: self.rl.staging.list_keys(), owners=self.owners)
-        self.rl: _RlHalf = _RlHalf(self.env, self.barrier)
+        self.rl: _RlHalf = _RlHalf(_PlanKept(self.env), self.barrier)
         self.manager = RolloutCheckpointManager(
             self.env, self.barrier, self.rl,
             RolloutCheckpointConfig(root=str(root), snapshot_attempt_interval_s=interval_s,
@@ -279,21 +286,21 @@ async def restore_and_finish(run: Path, args: argparse.Namespace,
     end, the turns each had when restored, and the snapshot's path."""
     job = Job(run / "ckpt", "preempted-job", instances=2 if args.drain else 1)
     await job.start()
-    latest = await job.manager.restore()
-    assert latest is not None and job.rl.continued is not None, "no snapshot to restore"
-    continued = {rid: (inst, att) for inst, rid, att in job.rl.continued}
+    handover = await job.manager.restore()
+    assert handover is not None, "no snapshot to restore"
+    continued = handover.continued_by_id()  # each rollout's episode, owner, turns
     out: dict[str, list[bytes]] = {}
     restored_turns: dict[str, int] = {}
     for group, (_owner, rollout_id) in sorted(rollouts.items()):
-        inst, att = continued[rollout_id]
-        ep = EnvironmentEpisode(rollout_id, att + 1)
-        client = await job.client(inst)
-        restored_turns[group] = len((await client.get(ep)).turns)
-        while len((await client.get(ep)).turns) < args.turns:
-            await job.turn(group, inst, ep, 0.0)
-        out[group] = list((await client.get(ep)).turns)
+        kept = continued[rollout_id]
+        client = await job.client(kept.owner)
+        restored_turns[group] = len((await client.get(kept.episode)).turns)
+        assert restored_turns[group] == kept.turns, (group, kept)
+        while len((await client.get(kept.episode)).turns) < args.turns:
+            await job.turn(group, kept.owner, kept.episode, 0.0)
+        out[group] = list((await client.get(kept.episode)).turns)
     await job.ckpt.shutdown(wait=True)
-    return out, restored_turns, latest.path
+    return out, restored_turns, handover.path
 
 
 async def crash_free(run: Path, args: argparse.Namespace) -> dict[str, list[bytes]]:
