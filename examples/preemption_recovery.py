@@ -45,8 +45,8 @@ from nemo_ckpt import (
     RolloutCheckpointManager,
     SessionClient,
 )
-from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint, RestartPlan
-from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
+from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
+from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.testing.nemo_rl import (
     DataPlaneCheckpointBarrier,
     NemoRlState,
@@ -60,34 +60,6 @@ SIGTERM_STATUS = 128 + signal.SIGTERM
 def turn_record(group: str, n: int, state: bytes) -> bytes:
     """Turn ``n`` of ``group``'s rollout: a pure function of what came before."""
     return hashlib.sha256(f"{group}:{n}:".encode() + state).hexdigest()[:16].encode()
-
-
-class _PlanKept:
-    """The integration as RL's half calls it, keeping the plan ``prepare_for_restart``
-    returns (the test double's ``NemoRlState.restore`` does not return it yet)."""
-
-    def __init__(self, env: NemoRlEnvironmentCheckpoint) -> None:
-        self.env = env
-        self.plan: RestartPlan | None = None
-
-    async def prepare_for_restart(self, cut: Any, restored: RestoredEnvironmentRollouts
-                                  ) -> RestartPlan:
-        self.plan = await self.env.prepare_for_restart(cut, restored)
-        return self.plan
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.env, name)
-
-
-class _RlHalf(NemoRlState):
-    """NeMo RL's half (the test double's), whose restore returns the plan its ledger
-    made, as ``RlHalf.restore`` says: the manager hands it over (``RestoreHandover``)."""
-
-    # The double's restore is typed to return None: it does not return its plan yet.
-    async def restore(self, path: str, restored: RestoredEnvironmentRollouts  # type: ignore[override]
-                      ) -> RestartPlan | None:
-        await super().restore(path, restored)
-        return self.integration.plan
 
 
 class Job:
@@ -104,7 +76,7 @@ class Job:
         self.env = NemoRlEnvironmentCheckpoint(
             self.ckpt, ledger=lambda: self.rl.ledger,
             staging=lambda: self.rl.staging.list_keys(), owners=self.owners)
-        self.rl: _RlHalf = _RlHalf(_PlanKept(self.env), self.barrier)
+        self.rl: NemoRlState = NemoRlState(self.env, self.barrier)
         self.manager = RolloutCheckpointManager(
             self.env, self.barrier, self.rl,
             RolloutCheckpointConfig(root=str(root), snapshot_attempt_interval_s=interval_s,

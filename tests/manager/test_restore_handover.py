@@ -21,48 +21,16 @@ from nemo_ckpt import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.manager.restoring import hand_over
 from nemo_ckpt.storage.shards import RolloutIndexEntry
-from nemo_ckpt.testing.nemo_rl import NemoRlState
 from tests.harness import World
 from tests.manager.test_rollout_manager import Job
 
 pytestmark = pytest.mark.timeout(90)
 
 
-class PlanKeeping:
-    """The integration as RL's half sees it, keeping each plan its
-    ``prepare_for_restart`` returns (the test double's ``NemoRlState`` returns none)."""
-
-    def __init__(self, env: Any) -> None:
-        self.env = env
-        self.plans: list[Any] = []
-
-    async def prepare_for_restart(self, cut: Any, restored: Any) -> Any:
-        plan = await self.env.prepare_for_restart(cut, restored)
-        self.plans.append(plan)
-        return plan
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.env, name)
-
-
-class PlanReturning(NemoRlState):
-    """RL's half whose ``restore`` returns its ledger's plan, as ``RlHalf`` says."""
-
-    async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> Any:
-        await super().restore(path, restored)
-        return self.integration.plans[-1]
-
-
-def plan_returning(job: Job) -> Job:
-    job.rl = PlanReturning(PlanKeeping(job.env), job.barrier)
-    job.manager.rl = job.rl
-    return job
-
-
 def test_restore_returns_each_continued_rollouts_episode_owner_instance_and_turns(
         rooted_world: World) -> None:
     root = rooted_world.root / "ckpt"
-    job = plan_returning(Job(rooted_world, root))
+    job = Job(rooted_world, root)
 
     async def scenario() -> tuple[Any, dict[str, Ep], Any]:
         await rooted_world.ckpt.ensure_holders()
@@ -71,7 +39,7 @@ def test_restore_returns_each_continued_rollouts_episode_owner_instance_and_turn
         taken = await job.manager.snapshot()
         rooted_world.ckpt.shutdown()
         await rooted_world.ckpt.ensure_holders()
-        fresh = plan_returning(Job(rooted_world, root))
+        fresh = Job(rooted_world, root)
         handover = await fresh.manager.restore()
         assert handover is not None
         # The worker takes its next turn on the episode handed over, where it says.
@@ -97,7 +65,7 @@ def test_restore_returns_each_continued_rollouts_episode_owner_instance_and_turn
 def test_latest_passes_over_a_damaged_newer_snapshot_and_the_hand_over_names_it(
         rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
     root = rooted_world.root / "ckpt"
-    job = plan_returning(Job(rooted_world, root))
+    job = Job(rooted_world, root)
 
     async def scenario() -> tuple[Any, Any, Any]:
         await rooted_world.ckpt.ensure_holders()
@@ -111,7 +79,7 @@ def test_latest_passes_over_a_damaged_newer_snapshot_and_the_hand_over_names_it(
         shard.write_bytes(b"\0" * shard.stat().st_size)  # it no longer verifies
         rooted_world.ckpt.shutdown()
         await rooted_world.ckpt.ensure_holders()
-        return older, newer, await job.manager.restore()
+        return older, newer, await job.restarted().manager.restore()
 
     with caplog.at_level(logging.INFO, logger="nemo_ckpt"):
         older, newer, handover = rooted_world.run(scenario())

@@ -22,7 +22,6 @@ from nemo_ckpt.errors import SnapshotNotFoundError
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.manager.stop_anchor import anchor_at_stop, hook_budget_s
 from tests.harness import World
-from tests.manager.test_restore_handover import plan_returning
 from tests.manager.test_rollout_manager import Job
 
 pytestmark = pytest.mark.timeout(90)
@@ -33,7 +32,7 @@ BY_STEP = {"restore_mode": "trainer_checkpoint"}
 def test_a_stop_with_save_trainer_checkpoint_restores_to_the_stops_anchor(
         rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
     root = rooted_world.root / "ckpt"
-    job = plan_returning(Job(rooted_world, root, settings=BY_STEP))
+    job = Job(rooted_world, root, settings=BY_STEP)
     given: list[float] = []
     turns: dict[Ep, int] = {}
 
@@ -69,7 +68,7 @@ def test_a_stop_with_save_trainer_checkpoint_restores_to_the_stops_anchor(
 
     async def after() -> tuple[ManagedSnapshot, Any, Any]:
         final = (await job.manager.snapshots())[0]
-        fresh = plan_returning(Job(rooted_world, root, settings=BY_STEP))
+        fresh = Job(rooted_world, root, settings=BY_STEP)
         handover = await fresh.manager.restore(trainer_step=5)
         live = await (await rooted_world.client("holder-0")).get(next(iter(turns)).next_attempt())
         return final, handover, live
@@ -95,7 +94,7 @@ def stop_scenario(world: World, job: Job, hook: Any) -> Any:
         periodic = await job.manager.snapshot()
         await job.turn("replica-0", ep, 3)
         final = await job.manager.final_snapshot(20.0, save_trainer_checkpoint=hook)
-        fresh = plan_returning(Job(world, job.manager.config.root, settings=BY_STEP))
+        fresh = Job(world, job.manager.config.root, settings=BY_STEP)
         with pytest.raises(SnapshotNotFoundError) as refused:
             await fresh.manager.restore(trainer_step=5)
         handover = await fresh.manager.restore(trainer_step=4)
