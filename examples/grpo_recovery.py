@@ -14,7 +14,9 @@ interval counted in turns) and, anchored, just before each trainer checkpoint; t
 
 The job crashes at the point asked (``--crash-at``): during a snapshot, between an
 anchored snapshot and its trainer checkpoint, during retention, or after a snapshot's
-folder was renamed; or at one of them picked by ``--seed``. Every actor of the job is
+folder was renamed; or it is preempted between two trainer checkpoints, its final
+snapshot anchored to the trainer checkpoint it saves at the stop
+(``save_trainer_checkpoint``); or at one of them picked by ``--seed``. Every actor of the job is
 killed and every in-memory object dropped; the restarted job loads its newest trainer
 checkpoint and restores the rollout snapshot anchored to it
 (``restore_mode="trainer_checkpoint"``), continues the turn-level rollouts from their
@@ -48,6 +50,7 @@ from nemo_ckpt import (
     RolloutCheckpointConfig,
     RolloutCheckpointManager,
     SessionClient,
+    TrainerCheckpoint,
 )
 from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
@@ -63,7 +66,7 @@ from nemo_ckpt.testing.nemo_rl import (
 )
 
 CRASH_POINTS = ("during-snapshot", "between-snapshot-and-trainer-checkpoint",
-                "during-retention", "after-rename")
+                "during-retention", "after-rename", "preempted")
 PROMPTS = 16
 GROUPS_PER_STEP = 2
 GENERATIONS = 2
@@ -218,6 +221,8 @@ class Life:
                 await self._train(self.step + 1)
                 if self.step % CHECKPOINT_EVERY == 0:
                     await self._trainer_checkpoint()
+                elif self.crash_at == "preempted" and self.step == 3:
+                    await self._preempted()
         finally:
             for task in self.tasks:
                 task.cancel()
@@ -316,12 +321,33 @@ class Life:
         await self.manager.snapshot_at_trainer_checkpoint(self.step)
         if self.crash_at == "between-snapshot-and-trainer-checkpoint" and self.step == 4:
             raise Crash("between the anchored snapshot and the trainer checkpoint")
+        self._write_trainer()
+        await self.manager.trainer_checkpoint_saved(self.step)
+
+    def _write_trainer(self) -> str:
         folder = folder_at(self.root / "trainer")
         folder.prepare()
-        folder.write_bytes(f"step-{self.step:04d}.json", json.dumps({
+        name = f"step-{self.step:04d}.json"
+        folder.write_bytes(name, json.dumps({
             "step": self.step, "weights": self.weights.hex(),
             "trained": self.trained}).encode())
-        await self.manager.trainer_checkpoint_saved(self.step)
+        return folder.describe(name)
+
+    async def _preempted(self) -> None:
+        """Told to stop between two trainer checkpoints (``manager.preemption()`` runs
+        this final snapshot on SIGTERM): the trainer's checkpoint is saved inside it, and
+        anchors it, so the restart restores trainer and rollouts in step."""
+
+        async def save_trainer(within_s: float) -> TrainerCheckpoint:
+            return TrainerCheckpoint(self.step, self._write_trainer())
+
+        running = list(self.tasks)  # their turns meet the stop (JobStoppedError)
+        final = await self.manager.final_snapshot(20.0, save_trainer_checkpoint=save_trainer)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)  # as the job goes
+        raise Crash(f"preempted at trainer step {self.step}: the final snapshot "
+                    f"{Path(final.path).name} anchored to trainer step {final.anchor_step}")
 
     async def _restore(self) -> tuple[str | None, int]:
         """The newest trainer checkpoint, and the rollout snapshot anchored to it."""

@@ -46,7 +46,7 @@ from nemo_ckpt import (
     SessionClient,
 )
 from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
-from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
+from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.testing.nemo_rl import (
     DataPlaneCheckpointBarrier,
     NemoRlState,
@@ -60,27 +60,6 @@ SIGTERM_STATUS = 128 + signal.SIGTERM
 def turn_record(group: str, n: int, state: bytes) -> bytes:
     """Turn ``n`` of ``group``'s rollout: a pure function of what came before."""
     return hashlib.sha256(f"{group}:{n}:".encode() + state).hexdigest()[:16].encode()
-
-
-class _RlHalf(NemoRlState):
-    """NeMo RL's test double, keeping what its last restore continued: the attempts
-    its ledger, as loaded, continues (``RestartPlan.restored_gym_episodes``)."""
-
-    continued: frozenset[tuple[str, str, int]] | None = None
-
-    async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> None:
-        prepare = self.integration.prepare_for_restart
-
-        async def keep(cut: Any, handed: RestoredEnvironmentRollouts) -> Any:
-            plan = await prepare(cut, handed)
-            self.continued = plan.restored_gym_episodes
-            return plan
-
-        self.integration.prepare_for_restart = keep
-        try:
-            await super().restore(path, restored)
-        finally:
-            del self.integration.prepare_for_restart
 
 
 class Job:
@@ -97,7 +76,7 @@ class Job:
         self.env = NemoRlEnvironmentCheckpoint(
             self.ckpt, ledger=lambda: self.rl.ledger,
             staging=lambda: self.rl.staging.list_keys(), owners=self.owners)
-        self.rl: _RlHalf = _RlHalf(self.env, self.barrier)
+        self.rl: NemoRlState = NemoRlState(self.env, self.barrier)
         self.manager = RolloutCheckpointManager(
             self.env, self.barrier, self.rl,
             RolloutCheckpointConfig(root=str(root), snapshot_attempt_interval_s=interval_s,
@@ -279,21 +258,21 @@ async def restore_and_finish(run: Path, args: argparse.Namespace,
     end, the turns each had when restored, and the snapshot's path."""
     job = Job(run / "ckpt", "preempted-job", instances=2 if args.drain else 1)
     await job.start()
-    latest = await job.manager.restore()
-    assert latest is not None and job.rl.continued is not None, "no snapshot to restore"
-    continued = {rid: (inst, att) for inst, rid, att in job.rl.continued}
+    handover = await job.manager.restore()
+    assert handover is not None, "no snapshot to restore"
+    continued = handover.continued_by_id()  # each rollout's episode, owner, turns
     out: dict[str, list[bytes]] = {}
     restored_turns: dict[str, int] = {}
     for group, (_owner, rollout_id) in sorted(rollouts.items()):
-        inst, att = continued[rollout_id]
-        ep = EnvironmentEpisode(rollout_id, att + 1)
-        client = await job.client(inst)
-        restored_turns[group] = len((await client.get(ep)).turns)
-        while len((await client.get(ep)).turns) < args.turns:
-            await job.turn(group, inst, ep, 0.0)
-        out[group] = list((await client.get(ep)).turns)
+        kept = continued[rollout_id]
+        client = await job.client(kept.owner)
+        restored_turns[group] = len((await client.get(kept.episode)).turns)
+        assert restored_turns[group] == kept.turns, (group, kept)
+        while len((await client.get(kept.episode)).turns) < args.turns:
+            await job.turn(group, kept.owner, kept.episode, 0.0)
+        out[group] = list((await client.get(kept.episode)).turns)
     await job.ckpt.shutdown(wait=True)
-    return out, restored_turns, latest.path
+    return out, restored_turns, handover.path
 
 
 async def crash_free(run: Path, args: argparse.Namespace) -> dict[str, list[bytes]]:

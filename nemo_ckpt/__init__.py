@@ -9,9 +9,11 @@ Snapshots on disk are listed, found, kept and removed with ``list_snapshots``,
 ``_async`` forms (``list_snapshots_async``, ...) run the same work in a worker thread;
 the long ones report ``CatalogProgress`` to a ``progress`` callback.
 ``RolloutCheckpointManager`` takes snapshots on an interval and at trainer checkpoints,
-keeps the newest, and restores one under a checked configuration fingerprint; its
-``preemption()`` (a ``Preemption``) turns SIGTERM, SIGINT or a node's drain into a final
-snapshot within the grace period and an exit.
+keeps the newest, and restores one under a checked configuration fingerprint, returning
+a ``RestoreHandover``; its ``preemption()`` (a ``Preemption``) turns SIGTERM, SIGINT or a
+node's drain into a final snapshot within the grace period (anchored to the trainer
+checkpoint ``save_trainer_checkpoint`` saves, a ``TrainerCheckpoint``) and an exit.
+``RlFiles`` writes and reads RL's own files in a checkpoint path, folder or bucket.
 """
 
 from nemo_ckpt.catalog.async_catalog import (
@@ -48,7 +50,10 @@ from nemo_ckpt.interfaces import (
 )
 from nemo_ckpt.manager.config import RolloutCheckpointConfig
 from nemo_ckpt.manager.contract import ManagedSnapshot, RlHalf
+from nemo_ckpt.manager.handover import ContinuedRollout, RestartedRollout, RestoreHandover
+from nemo_ckpt.manager.rl_files import RlFiles
 from nemo_ckpt.manager.rollout_manager import RolloutCheckpointManager
+from nemo_ckpt.manager.stop_anchor import TrainerCheckpoint
 from nemo_ckpt.progress import CatalogProgress, ProgressCallback
 from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.session_record import EnvironmentClass, SessionHead, SessionRecord
@@ -60,6 +65,7 @@ __all__ = [
     "CheckpointConfig",
     "CollectionReport",
     "ContainerRef",
+    "ContinuedRollout",
     "DataPlaneMutationCut",
     "EnvironmentCheckpoint",
     "EnvironmentClass",
@@ -72,8 +78,11 @@ __all__ = [
     "RayEnvironmentCheckpoint",
     "RaySnapshot",
     "RemovalReport",
+    "RestartedRollout",
     "RestoredEnvironmentRollouts",
+    "RestoreHandover",
     "RetentionReport",
+    "RlFiles",
     "RlHalf",
     "RolloutCheckpointConfig",
     "RolloutCheckpointManager",
@@ -85,6 +94,7 @@ __all__ = [
     "SnapshotDiff",
     "SnapshotInfo",
     "SnapshotSummary",
+    "TrainerCheckpoint",
     "Turn",
     "VerifyReport",
     "collect_blobs",

@@ -337,6 +337,15 @@ class RolloutCheckpointFailedError(NemoCkptError):
     would otherwise run on without a recoverable snapshot."""
 
 
+class RlFileNotFoundError(SnapshotReadError):
+    """RL's own file (``nemo_ckpt.manager.rl_files``) is not in the checkpoint path."""
+
+
+class RlFileInvalidError(SnapshotReadError):
+    """RL's own file does not read within its reader's bounds: larger than the
+    ``max_bytes`` given, or (read as JSON) not UTF-8, not JSON, or nested too deeply."""
+
+
 # --- sandbox directories ---------------------------------------------------------------
 
 

@@ -15,7 +15,10 @@ conventional status, ``128 + signal`` (143 for SIGTERM, 130 for SIGINT; a drain 
 SIGTERM would). A final snapshot that fails or misses its deadline is aborted, which
 leaves the last committed snapshot untouched, and one line says so. The body runs on
 meanwhile: its turns end at the snapshot's pause, and a stop commit then refuses them
-(``JobStoppedError``) as the job goes.
+(``JobStoppedError``) as the job goes. The manager's final snapshot saves the trainer's
+checkpoint too, when given ``save_trainer_checkpoint``, and is anchored to its step; the
+line that says it committed names its anchor, or why it has none
+(``nemo_ckpt.manager.stop_anchor``).
 
 Where the seconds go (``StopBudget``): the final snapshot gets the deadline less the exit
 margin, a measured figure (``EXIT_MARGIN_S``) for what the process does after it (Ray's
@@ -161,6 +164,7 @@ class Preemption:
         self.status: int | None = None  # the exit status it calls for
         self.committed: bool | None = None  # whether the final snapshot committed
         self.budget: StopBudget | None = None  # how the stop's seconds go, once stopped
+        self.snapshot: Any = None  # what the final snapshot returned, once it committed
         self.requested = asyncio.Event()
         self._body: asyncio.Task[Any] | None = None
         self._stopping: asyncio.Task[None] | None = None
@@ -233,8 +237,10 @@ class Preemption:
         why = _why_not_committed(final) if done else "missed its deadline"
         self.committed = why is None
         if why is None:
-            log.warning("preemption: %s: the final snapshot committed in %.2fs; exiting "
-                        "with status %s", self.reason, loop.time() - since, self.status)
+            self.snapshot = final.result()
+            log.warning("preemption: %s: the final snapshot committed in %.2fs%s; exiting "
+                        "with status %s", self.reason, loop.time() - since,
+                        _anchor_said(self.snapshot), self.status)
         else:
             log.error("preemption: %s: the final snapshot %s within %.3gs and was aborted%s; "
                       "the last committed snapshot is untouched and the job restores from "
@@ -278,6 +284,16 @@ class Preemption:
             return False  # never told to stop: the body's own outcome
         await asyncio.shield(self._stopping)  # a body that ended first waits for it
         raise SystemExit(self.status)  # our own cancellation of the body ends here
+
+
+def _anchor_said(taken: Any) -> str:
+    """What a manager's final snapshot says of its trainer anchor (nothing for another
+    final's result)."""
+    step = getattr(taken, "anchor_step", None)
+    if step is not None:
+        return f", anchored to trainer step {step}"
+    why = getattr(taken, "unanchored_why", None)
+    return f", anchored to no trainer checkpoint ({why})" if why else ""
 
 
 def _why_not_committed(final: asyncio.Future[Any]) -> str | None:

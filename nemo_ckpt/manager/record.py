@@ -4,6 +4,7 @@ a committed snapshot always has it), read on a budget like any stored data."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -22,19 +23,27 @@ _MAX_BYTES = 256 * 1024
 
 class ManagedRecord(BaseModel):
     """One managed snapshot's facts: the trainer step it anchors to (None for a periodic
-    one) and the fingerprint of the job that took it."""
+    one) and the fingerprint of the job that took it; for one taken at a stop, that it
+    was, and its trainer checkpoint or why it has none. Written without the fields at
+    their defaults, so a periodic snapshot's record reads as before."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     format: Literal[1] = 1
     anchor_step: int | None = Field(default=None, ge=0)
     fingerprint: dict[str, JsonValue]
+    final: bool = False
+    trainer_checkpoint: str | None = Field(default=None, max_length=4096)
+    unanchored_why: str | None = Field(default=None, max_length=4096)
 
 
 def write_record(checkpoint_path: str, record: ManagedRecord) -> None:
     folder = folder_at(checkpoint_path)
     folder.prepare()
-    folder.write_bytes(RECORD_FILE, record.model_dump_json().encode())
+    # The format always; the rest without defaults (an older reader forbids new fields).
+    fields = {"format": record.format, **record.model_dump(mode="json",
+                                                            exclude_defaults=True)}
+    folder.write_bytes(RECORD_FILE, json.dumps(fields).encode())
 
 
 def read_record(checkpoint_path: str | Path) -> ManagedRecord | None:

@@ -40,19 +40,26 @@ from nemo_ckpt.catalog.listing import (
     SnapshotInfo,
     list_snapshots,
 )
-from nemo_ckpt.catalog.verification import verify_snapshot
+from nemo_ckpt.catalog.snapshot_diff import snapshot_index
 from nemo_ckpt.driver.preemption import EXIT_MARGIN_S, Preemption
 from nemo_ckpt.errors import (
     CheckpointPathBusyError,
     NemoCkptError,
     RolloutCheckpointFailedError,
-    SnapshotNotFoundError,
 )
 from nemo_ckpt.manager.config import RolloutCheckpointConfig
 from nemo_ckpt.manager.contract import ManagedSnapshot, RlHalf
 from nemo_ckpt.manager.fingerprint import refuse_changes
+from nemo_ckpt.manager.handover import RestoreHandover
 from nemo_ckpt.manager.record import RECORD_FILE, ManagedRecord, read_record, write_record
 from nemo_ckpt.manager.removals import SNAPSHOT_PREFIX, ManagedRemovals
+from nemo_ckpt.manager.restoring import choose, hand_over, passed_over_line
+from nemo_ckpt.manager.stop_anchor import (
+    SaveTrainerCheckpoint,
+    StopPlan,
+    anchor_at_stop,
+    hook_budget_s,
+)
 from nemo_ckpt.storage.location import LocalLocation, join_location, parse_location
 from nemo_ckpt.storage.manifest import FORMAT_VERSION
 from nemo_ckpt.storage.snapshot_files import read_manifest
@@ -81,9 +88,12 @@ class RolloutCheckpointManager:
         clock: The monotonic clock the interval is measured on.
         on_event: Called with ``(event, path)`` as a snapshot is ``committed`` and
             ``renamed`` to its final name, and as retention is ``removing`` one (for
-            logs, traces and crash drills).
+            logs, traces and crash drills; docs/MANAGER.md lists them).
         names: Names each new snapshot's folder (must begin with ``rollout-``);
             default: the UTC time and a random suffix.
+        save_trainer_checkpoint: Saves the trainer's checkpoint at a stop, given the
+            seconds it may use, and returns the step saved (``stop_anchor``): the final
+            snapshot is then anchored to it. None: a final snapshot is anchored to none.
     """
 
     def __init__(self, checkpoint: Any, barrier: Any, rl: RlHalf,
@@ -91,7 +101,8 @@ class RolloutCheckpointManager:
                  fingerprint: Mapping[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  on_event: Callable[[str, str], None] | None = None,
-                 names: Callable[[], str] | None = None) -> None:
+                 names: Callable[[], str] | None = None,
+                 save_trainer_checkpoint: SaveTrainerCheckpoint | None = None) -> None:
         for obj, what, methods in ((checkpoint, "checkpoint", ("snapshot", "restored",
                                                                "is_unavailable")),
                                    (barrier, "barrier", ("checkpoint",)),
@@ -112,6 +123,7 @@ class RolloutCheckpointManager:
         self.last_failure: BaseException | None = None
         self._on_event = on_event or (lambda event, path: None)
         self._names = names or _default_name
+        self.save_trainer_checkpoint = save_trainer_checkpoint
         # One snapshot, retention or restore at a time: the sweep takes any folder of
         # the manager's without a committed manifest for a leftover.
         self._lock = asyncio.Lock()
@@ -159,37 +171,55 @@ class RolloutCheckpointManager:
         async with self._lock:
             return await self._snapshot_now(anchor_step)
 
-    async def final_snapshot(self, within_s: float) -> ManagedSnapshot:
+    async def final_snapshot(self, within_s: float, *,
+                             save_trainer_checkpoint: SaveTrainerCheckpoint | None = None
+                             ) -> ManagedSnapshot:
         """The job was told to stop: a snapshot as ``snapshot`` takes it (RL's half
         saved by the same ``RlHalf.save``), whose commit parks every session
         (``RayEnvironmentCheckpoint.final_snapshot``), with the wait for turns in
         flight shortened to a quarter of ``within_s``: a session whose turn still runs
         then is captured as of its last committed turn, and that turn runs again after
         the restore (a final snapshot never holds less of a running rollout than the one
-        before it). Waits for a snapshot under way
-        first. No retention runs, and no failure budget: any failure raises, and the
-        last committed snapshot stands (``Preemption`` holds this to its deadline)."""
+        before it). Inside its barrier section, after RL's half, the trainer's
+        checkpoint is saved by ``save_trainer_checkpoint`` (the manager's when not
+        given), by three quarters of ``within_s``, and the snapshot is anchored to the
+        step it returns; one that is absent, raises or runs over anchors it to none,
+        and its record says why (``nemo_ckpt.manager.stop_anchor``). Waits for a
+        snapshot under way first. No retention runs, and no failure budget: any failure
+        raises, and the last committed snapshot stands (``Preemption`` holds this to
+        its deadline)."""
+        stop = StopPlan(max(0.0, within_s / 4), within_s,
+                        asyncio.get_running_loop().time(),
+                        save_trainer_checkpoint or self.save_trainer_checkpoint)
         async with self._lock:
-            taken = await self._snapshot_now(None, final_drain_s=max(0.0, within_s / 4))
+            taken = await self._snapshot_now(None, stop)
         assert taken is not None  # a final snapshot raises rather than returning None
         return taken
 
     def preemption(self, deadline_s: float = 25.0, *, watch_drains: bool = True,
                    signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
                    drain_poll_s: float = 1.0, exit_margin_s: float = EXIT_MARGIN_S,
-                   exit_by_deadline: bool = True) -> Preemption:
-        """A ``Preemption`` whose final snapshot is ``final_snapshot``: wrap the job's
-        main body in ``async with manager.preemption():``. With ``watch_drains`` it
-        also stops once a node hosting a holder drains (the checkpoint's
-        ``draining_holders``, when it has them), by that drain's deadline if sooner.
-        ``exit_margin_s`` and ``exit_by_deadline``: ``Preemption``'s."""
+                   exit_by_deadline: bool = True,
+                   save_trainer_checkpoint: SaveTrainerCheckpoint | None = None
+                   ) -> Preemption:
+        """A ``Preemption`` whose final snapshot is ``final_snapshot`` (anchored to the
+        trainer checkpoint ``save_trainer_checkpoint`` saves, the manager's when not
+        given): wrap the job's main body in ``async with manager.preemption():``. With
+        ``watch_drains`` it also stops once a node hosting a holder drains (the
+        checkpoint's ``draining_holders``, when it has them), by that drain's deadline
+        if sooner. ``exit_margin_s`` and ``exit_by_deadline``: ``Preemption``'s."""
         drains = getattr(self.checkpoint, "draining_holders", None) if watch_drains else None
-        return Preemption(self.final_snapshot, deadline_s=deadline_s, signals=signals,
+
+        async def final(within_s: float) -> ManagedSnapshot:
+            return await self.final_snapshot(
+                within_s, save_trainer_checkpoint=save_trainer_checkpoint)
+
+        return Preemption(final, deadline_s=deadline_s, signals=signals,
                           drains=drains, drain_poll_s=drain_poll_s,
                           exit_margin_s=exit_margin_s, exit_by_deadline=exit_by_deadline)
 
     async def _snapshot_now(self, anchor_step: int | None,
-                            final_drain_s: float | None = None) -> ManagedSnapshot | None:
+                            stop: StopPlan | None = None) -> ManagedSnapshot | None:
         self._last_attempt = self._clock()
         path = join_location(self.config.root, self._names())
         # On a folder, as NeMo RL does: taken under a partial name, renamed once the
@@ -198,15 +228,17 @@ class RolloutCheckpointManager:
         try:
             record = ManagedRecord(anchor_step=anchor_step,
                                    fingerprint=await self.fingerprint())
-            async with self._snapshot(taking, final_drain_s) as snap:
+            async with self._snapshot(taking, stop) as snap:
                 async with self.barrier.checkpoint() as cut:
                     if snap is not None:
                         await snap.check_against_cut(cut)
                     await self.rl.save(cut, taking)
+                    if stop is not None:  # the trainer's checkpoint, in the same cut
+                        record = await self._stop_record(record, stop)
                     await self._blocking(write_record, taking, record)
         except Exception as exc:
             await self._removals.tidy(taking)
-            if final_drain_s is not None:
+            if stop is not None:
                 raise
             self._failed(exc, taking)
             return None
@@ -236,14 +268,18 @@ class RolloutCheckpointManager:
                 f"of an older release, or by hand), so it cannot be listed or restored "
                 f"and is not reported as taken; give each job its own root, or run "
                 f"managers of this release only")
-            if final_drain_s is not None:
+            if stop is not None:
                 raise lost
             self._failed(lost, path)
             return None
-        taken = ManagedSnapshot(number, path, anchor_step, created)
+        taken = ManagedSnapshot(number, path, record.anchor_step, created, record.final,
+                                record.trainer_checkpoint, record.unanchored_why)
         log.info("rollout snapshot %s committed as number %s%s", path, taken.number,
-                 "" if anchor_step is None else f", anchored to trainer step {anchor_step}")
-        if final_drain_s is not None:  # the job is stopping: retention waits for the next
+                 "" if taken.anchor_step is None
+                 else f", anchored to trainer step {taken.anchor_step}")
+        if stop is not None:  # the job is stopping: retention waits for the next
+            if taken.anchor_step is not None:  # its trainer checkpoint is durable
+                self.trainer_step = max(taken.anchor_step, self.trainer_step or 0)
             return taken
         try:
             await self._removals.retain(await self.snapshots(), self.trainer_step)
@@ -273,23 +309,28 @@ class RolloutCheckpointManager:
 
     # --- restore --------------------------------------------------------------------------
 
-    async def restore(self, trainer_step: int | None = None) -> ManagedSnapshot | None:
+    async def restore(self, trainer_step: int | None = None) -> RestoreHandover | None:
         """Restore per ``restore_mode``: the newest snapshot that verifies, or the one
         anchored to ``trainer_step`` (required then). None when ``latest`` finds no
         snapshot (a fresh start). Before anything is restored, the snapshot's fingerprint
         is compared with the job's: a change outside ``allow_changed`` raises
-        ``FingerprintMismatchError`` and modifies nothing."""
+        ``FingerprintMismatchError`` and modifies nothing. Returns the hand-over
+        (``RestoreHandover``): the rollouts that continue, those that start over and
+        why, the rows kept, and the newer snapshots passed over (said in one line too)."""
         async with self._lock:
             return await self._restore(trainer_step)
 
-    async def _restore(self, trainer_step: int | None) -> ManagedSnapshot | None:
-        chosen = await self._blocking(self._choose, trainer_step)
+    async def _restore(self, trainer_step: int | None) -> RestoreHandover | None:
+        found = await self.snapshots()
+        chosen = await self._blocking(choose, found, self.config.restore_mode,
+                                      trainer_step, self.config.root)
         if chosen is None:
             return None
         record = await self._blocking(read_record, chosen.path)
-        assert record is not None  # _choose lists only managed snapshots
+        assert record is not None  # choose takes only managed snapshots
         allowed = refuse_changes(chosen.path, record.fingerprint, await self.fingerprint(),
                                  self.config.allow_changed)
+        _, captured = await self._blocking(snapshot_index, chosen.path)
         if chosen.anchor_step is not None and trainer_step is not None:
             self.trainer_step = trainer_step
         for field, (saved, now) in allowed.items():
@@ -297,8 +338,15 @@ class RolloutCheckpointManager:
                         field, saved, now)
         async with self.checkpoint.restored(Path(chosen.path) if _is_local(chosen.path)
                                             else chosen.path) as restored:
-            await self.rl.restore(chosen.path, restored)
-        return chosen
+            plan = await self.rl.restore(chosen.path, restored)
+        passed = tuple(found[:found.index(chosen)])
+        dropped = passed_over_line(chosen, passed)
+        if dropped is not None:
+            log.log(logging.WARNING if any(s.final for s in passed) else logging.INFO,
+                    "%s", dropped)
+        owners = getattr(self.checkpoint, "owners", None)
+        return hand_over(chosen, restored, plan, captured,
+                         owners if isinstance(owners, Mapping) else None, passed, dropped)
 
     async def fingerprint(self) -> dict[str, Any]:
         """What recovery depends on, as this job runs: the formats, the sandbox root, the
@@ -320,16 +368,26 @@ class RolloutCheckpointManager:
 
     # --- internals ------------------------------------------------------------------------
 
-    def _snapshot(self, path: str, final_drain_s: float | None) -> Any:
+    async def _stop_record(self, record: ManagedRecord, stop: StopPlan) -> ManagedRecord:
+        """A final snapshot's record: anchored to the trainer checkpoint the stop's hook
+        saved within its share of the deadline (inside the barrier), or saying why not."""
+        loop = asyncio.get_running_loop()
+        anchor = await anchor_at_stop(stop.hook, hook_budget_s(stop.within_s, stop.started,
+                                                                loop.time()))
+        return record.model_copy(update={
+            "anchor_step": anchor.step, "final": True, "trainer_checkpoint": anchor.path,
+            "unanchored_why": anchor.unanchored_why})
+
+    def _snapshot(self, path: str, stop: StopPlan | None) -> Any:
         timeout = self.config.snapshot_timeout_s
         target: Any = Path(path) if _is_local(path) else path
-        if final_drain_s is not None:
+        if stop is not None:
             final = getattr(self.checkpoint, "final_snapshot", None)
             if final is None:
                 raise TypeError(f"{type(self.checkpoint).__name__} has no final_snapshot, so "
                                 f"a stop cannot park its sessions; use "
                                 f"RayEnvironmentCheckpoint or NemoRlEnvironmentCheckpoint")
-            return final(target, drain_timeout_s=final_drain_s)
+            return final(target, drain_timeout_s=stop.drain_s)
         if timeout is not None and "timeout_s" in inspect.signature(
                 self.checkpoint.snapshot).parameters:
             return self.checkpoint.snapshot(target, timeout_s=timeout)
@@ -363,38 +421,10 @@ class RolloutCheckpointManager:
                 continue
             if record is not None:
                 found.append(ManagedSnapshot(info.sequence, info.path, record.anchor_step,
-                                             info.created_at))
+                                             info.created_at, record.final,
+                                             record.trainer_checkpoint,
+                                             record.unanchored_why))
         return found  # list_snapshots' order: newest first by commit number
-
-    def _choose(self, trainer_step: int | None) -> ManagedSnapshot | None:
-        found = self._managed()
-        if self.config.restore_mode == "trainer_checkpoint":
-            if trainer_step is None:
-                raise ValueError("restore_mode='trainer_checkpoint' restores the snapshot "
-                                 "anchored to the trainer step being restored: pass "
-                                 "restore(trainer_step=...)")
-            anchored = [s for s in found if s.anchor_step == trainer_step]
-            if not anchored:
-                steps = sorted({s.anchor_step for s in found if s.anchor_step is not None})
-                raise SnapshotNotFoundError(
-                    self.config.root, f"no rollout snapshot under {self.config.root} is "
-                                      f"anchored to trainer step {trainer_step} (anchored "
-                                      f"steps: {steps or 'none'}); restore another trainer "
-                                      f"checkpoint, or use restore_mode='latest'")
-            report = verify_snapshot(anchored[0].path)
-            if not report.ok:
-                raise SnapshotNotFoundError(
-                    anchored[0].path, f"the rollout snapshot anchored to trainer step "
-                                      f"{trainer_step}, {anchored[0].path}, does not verify: "
-                                      f"{'; '.join(report.problems[:3])}")
-            return anchored[0]
-        for snap in found:
-            report = verify_snapshot(snap.path)
-            if report.ok:
-                return snap
-            log.warning("rollout snapshot %s does not verify (%s); trying an older one",
-                        snap.path, "; ".join(report.problems[:3]))
-        return None
 
 
 def _default_name() -> str:

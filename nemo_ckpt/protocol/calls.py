@@ -68,35 +68,46 @@ def _parameters(method: Callable[..., Any]) -> tuple[inspect.Parameter, ...]:
     return tuple(inspect.signature(method).parameters.values())[1:]  # without self
 
 
+@functools.cache
+def _shape(method: Callable[..., Any]) -> tuple[tuple[str, ...], tuple[Any, ...], int]:
+    """``method``'s parameter names, their defaults (``_EMPTY`` for none), and how many
+    have none: worked out once per method, as every call travels through here."""
+    params = _parameters(method)
+    return (tuple(p.name for p in params),
+            tuple(_EMPTY if p.default is inspect.Parameter.empty else p.default
+                  for p in params),
+            sum(1 for p in params if p.default is inspect.Parameter.empty))
+
+
+_EMPTY = object()
+
+
 def wire_args(method: Callable[..., Any], args: tuple[Any, ...],
               kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
     """``args`` and ``kwargs`` of ``method`` as positional arguments, without the
     trailing ones equal to their defaults; a wrong name or count is a ``TypeError`` here,
     at the caller, not in another process."""
-    params = _parameters(method)
-    if len(args) > len(params):
-        raise TypeError(f"{method.__name__}() takes {len(params)} arguments, "
+    names, defaults, required = _shape(method)
+    if len(args) > len(names):
+        raise TypeError(f"{method.__name__}() takes {len(names)} arguments, "
                         f"{len(args)} given")
     values = list(args)
-    for param in params[len(args):]:
-        if param.name in kwargs:
-            values.append(kwargs[param.name])
-        elif param.default is inspect.Parameter.empty:
-            raise TypeError(f"{method.__name__}() is missing its argument {param.name!r}")
+    for index in range(len(args), len(names)):
+        if names[index] in kwargs:
+            values.append(kwargs[names[index]])
+        elif defaults[index] is _EMPTY:
+            raise TypeError(f"{method.__name__}() is missing its argument "
+                            f"{names[index]!r}")
         else:
-            values.append(param.default)
-    unknown = set(kwargs) - {p.name for p in params[len(args):]}
-    if unknown:
-        raise TypeError(f"{method.__name__}() got unexpected or repeated arguments "
-                        f"{sorted(unknown)}")
-    while values and len(values) > _required(params) and _is_default(
-            values[-1], params[len(values) - 1].default):
+            values.append(defaults[index])
+    if kwargs:
+        unknown = set(kwargs) - set(names[len(args):])
+        if unknown:
+            raise TypeError(f"{method.__name__}() got unexpected or repeated arguments "
+                            f"{sorted(unknown)}")
+    while len(values) > required and _is_default(values[-1], defaults[len(values) - 1]):
         values.pop()
     return tuple(values)
-
-
-def _required(params: tuple[inspect.Parameter, ...]) -> int:
-    return sum(1 for p in params if p.default is inspect.Parameter.empty)
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -141,18 +152,20 @@ class Proxy:
         if declared is None:
             raise AttributeError(f"{name!r} is not a call of this interface")
         is_message = bool(getattr(declared, _ONE_WAY, False))
+        invoke, send = self._invoke, self._send
 
         def make(*args: Any, **kwargs: Any) -> Awaitable[Any]:
             made: Call[Any] = Call(name, wire_args(declared, args, kwargs), is_message)
             if not is_message:
-                return self._invoke(made)
-            if self._send is None:
+                return invoke(made)
+            if send is None:
                 raise TypeError(f"{name} is a message, and this proxy was made without a "
                                 f"way to send one")
-            self._send(made)
+            send(made)
             return _Sent()
 
         make.__name__ = name
+        setattr(self, name, make)  # made once: the next call finds it without this
         return make
 
 

@@ -1225,7 +1225,10 @@ class NemoRlState:
         await self._blocking(folder.prepare)
         await self._blocking(folder.write_bytes, STATE_FILE, data.encode())
 
-    async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> None:
+    async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> Any:
+        """Load RL's half into this ledger and staging, hand the environment's restore
+        over to the ledger, and return the ledger's plan (the manager's hand-over is made
+        from it)."""
         folder = folder_at(path)
         raw = load_stored_json(
             await self._blocking(folder.read, STATE_FILE, _MAX_STATE_BYTES + 1),
@@ -1241,6 +1244,7 @@ class NemoRlState:
             # groups' (still to be trained).
             keep = frozenset(plan.keep_staging_keys) | self.published.staging_keys()
             self.cleared = self.staging.keep_only(cut, keep)
+        return plan
 
     async def remove(self, path: str) -> None:
         folder = folder_at(path)

@@ -77,7 +77,7 @@ def test_a_stop_takes_a_final_snapshot_that_keeps_every_committed_turn_and_exits
             await client.open(Ep("after-the-stop", 0), b"")
         # RL's half was saved by the same hook: the restore continues every rollout at
         # the turn it had committed when the signal came, nothing lost.
-        restored = await job.manager.restore()
+        restored = await job.restarted().manager.restore()
         assert restored is not None and restored.path == latest.path
         live = {r.episode.rollout_id: r for h in rooted_world.holders().values()
                 for r in await h.sessions()}
@@ -135,7 +135,7 @@ def test_a_stop_while_every_rollout_is_mid_turn_keeps_each_ones_committed_turns(
     async def after() -> None:
         latest = await job.manager.latest()
         assert latest is not None
-        restored = await job.manager.restore()
+        restored = await job.restarted().manager.restore()
         assert restored is not None and restored.path == latest.path  # the final one
         live = {r.episode.rollout_id: r for h in rooted_world.holders().values()
                 for r in await h.sessions()}

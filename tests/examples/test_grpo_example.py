@@ -51,7 +51,9 @@ def test_the_example_starts_a_ray_of_its_own_where_another_runs(cluster: Any) ->
     running ("When connecting to an existing cluster, num_cpus and num_gpus must not be
     provided"). The test cluster runs, and ``RAY_ADDRESS`` names it, as inside a job."""
     script = textwrap.dedent(f"""
-                import sys
+        import importlib.util
+        import sys
+
         import ray
         spec = importlib.util.spec_from_file_location(
             "grpo_recovery", {str(ROOT / "examples" / "grpo_recovery.py")!r})

@@ -37,7 +37,7 @@ CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
 # The reference pages the README links: its long tables live there.
 CONFIG = (ROOT / CONFIG_PAGE).read_text()
 METRICS = (ROOT / "docs" / "METRICS.md").read_text()
-REFERENCE_PAGES = [CONFIG_PAGE, "docs/CLI.md", "docs/METRICS.md"]
+REFERENCE_PAGES = [CONFIG_PAGE, "docs/CLI.md", "docs/METRICS.md", "docs/MANAGER.md"]
 EXAMPLES = [ROOT / "examples" / "minimal_driver.py", ROOT / "examples" / "minimal_worker.py",
             ROOT / "examples" / "adapter_recovery.py",
             ROOT / "examples" / "container_recovery.py"]

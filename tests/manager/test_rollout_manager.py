@@ -66,7 +66,8 @@ class Job:
 
     async def rollout(self, group: str, owner: str, turns: int) -> Ep:
         async with self.barrier.mutation() as cut:
-            prompt = int(group[1:])
+            # The dataset's index of the group's prompt: any stable integer per group.
+            prompt = int(hashlib.sha256(group.encode()).hexdigest()[:8], 16)
             record = self.rl.ledger.reserve_group(
                 cut, group_id=group, prompt_id=str(prompt), prompt_payload={"idx": prompt},
                 expected_generations=1, target_step=1, start_weight_version=0,
