@@ -460,10 +460,9 @@ class NemoRlEnvironmentCheckpoint:
         (acknowledged with its ``mark_gym_retired``), and what its records show
         (schema 4 has no queue). Returns the ``(owner_id, rollout_id, attempt)``
         retired now."""
-        ledger = self._current_ledger()
+        ledger, live, groups = self._ledger_inventory(restoring=True)
         queued = self._queued(ledger)
-        _, live = self._ledger_inventory(restoring=True)
-        dropped = self._dropped_episodes.now(ledger, live, queued)
+        dropped = self._dropped_episodes.now(groups, live, queued)
         self._dropped_episodes.saw(live)
         from_queue = frozenset((o, rid, att) for o, pairs in queued.items()
                                for rid, att in pairs)
@@ -472,7 +471,7 @@ class NemoRlEnvironmentCheckpoint:
         if send:
             await self.checkpoint.retire([EnvironmentEpisode(rid, att)
                                           for _, rid, att in send])
-        self._dropped_episodes.sent(ledger, dropped, send)
+        self._dropped_episodes.sent(dropped, send)
         acknowledge = getattr(ledger, "mark_gym_retired", None)
         if from_queue and callable(acknowledge):
             acknowledge({o: tuple(pairs) for o, pairs in queued.items() if pairs})
@@ -510,14 +509,16 @@ class NemoRlEnvironmentCheckpoint:
             found = await found
         return nrl.keys(found, "retained=")
 
-    def _ledger_inventory(self, restoring: bool = False
-                          ) -> tuple[Any, dict[str, tuple[tuple[str, int], ...]]]:
+    def _ledger_inventory(self, restoring: bool = False) -> tuple[
+            Any, dict[str, tuple[tuple[str, int], ...]], list[Any] | None]:
         """The current ledger, and its inventory of every owner ``owners=`` or the
         ledger names (it raises for an owner it is not asked about), checked. Unless
         ``restoring`` (a restored ledger's owners may be gone), a live rollout of an
-        owner ``owners=`` does not map is ``UnmappedOwnerError``."""
+        owner ``owners=`` does not map is ``UnmappedOwnerError``. Also its group records
+        (``nemo_rl_ledger.records``), read once."""
         ledger = self._current_ledger()
-        owners = frozenset(self.owners) | nrl.owners_named(ledger)
+        groups = nrl.records(ledger)
+        owners = frozenset(self.owners) | nrl.owners_named(groups)
         try:
             listed = nrl.inventory(ledger.gym_checkpoint_inventory(owners),
                                    "gym_checkpoint_inventory")
@@ -529,15 +530,15 @@ class NemoRlEnvironmentCheckpoint:
         unmapped = sorted(o for o, pairs in listed.items() if pairs and o not in self.owners)
         if unmapped and not restoring:
             raise UnmappedOwnerError(_unmapped_message(unmapped, None))
-        return ledger, listed
+        return ledger, listed, groups
 
     async def _cut_view(self, cut: Any, deadline: float | None) -> NemoRlCut:
-        ledger, inventory = self._ledger_inventory()
+        ledger, inventory, groups = self._ledger_inventory()
         expected: dict[str, set[EnvironmentEpisode]] = {}
         for owner, pairs in inventory.items():
             expected.setdefault(self.owners[owner], set()).update(
                 EnvironmentEpisode(rid, att) for rid, att in pairs)
-        dropped = self._dropped_episodes.now(ledger, inventory, self._queued(ledger))
+        dropped = self._dropped_episodes.now(groups, inventory, self._queued(ledger))
         self._dropped_episodes.saw(inventory)
         self._retirements = frozenset((rid, att) for _, rid, att in dropped)
         staging = await self._list_staging(deadline)
@@ -572,9 +573,9 @@ class NemoRlEnvironmentCheckpoint:
         rows they reference; the restored sessions it does not (dropped), and of those,
         the ones of groups it abandons whole (abandoned). The rollouts of owners gone
         since the snapshot are warned of once (``_vanished``)."""
-        ledger, inventory = self._ledger_inventory(restoring=True)
+        _, inventory, groups = self._ledger_inventory(restoring=True)
         self._dropped_episodes.saw({o: p for o, p in inventory.items() if o in self.owners})
-        whole = nrl.abandoned_whole(ledger)
+        whole = nrl.abandoned_whole(groups)
         owner_of = {(rid, att): owner for owner, pairs in inventory.items()
                     for rid, att in pairs}
         self._warn_vanished(inventory, path)

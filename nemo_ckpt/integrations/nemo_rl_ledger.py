@@ -17,8 +17,8 @@ import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["abandoned_whole", "dropped_attempts", "inventory", "keys", "known_rollouts",
-           "owners_named", "unowned_episodes"]
+__all__ = ["DroppedEpisodes", "abandoned_whole", "dropped_attempts", "inventory", "keys",
+           "known_rollouts", "owners_named", "records", "unowned_episodes"]
 
 # What one owner's inventory may hold before it is refused: a claim to bound, as any.
 _MAX_INVENTORY = 10_000_000
@@ -35,9 +35,11 @@ def _value(field: object) -> object:
     return getattr(field, "value", field)
 
 
-def _groups(ledger: Any) -> list[Any]:
+def records(ledger: Any) -> list[Any] | None:
+    """The ledger's group records (``groups()``, read once per use: it copies them), or
+    None when it has no ``groups``."""
     method = getattr(ledger, "groups", None)
-    return list(method()) if callable(method) else []
+    return list(method()) if callable(method) else None
 
 
 def _episodes(record: Any) -> Iterator[tuple[Any, bool, str, int]]:
@@ -57,12 +59,12 @@ def _episodes(record: Any) -> Iterator[tuple[Any, bool, str, int]]:
             yield attempt, current, str(rollout_id), int(gym_attempt)
 
 
-def abandoned_whole(ledger: Any) -> frozenset[tuple[str, int]]:
+def abandoned_whole(groups: list[Any] | None) -> frozenset[tuple[str, int]]:
     """The ``(rollout_id, attempt)`` of the current attempts of every generating group
     of PROMPT_GROUP granularity: ``prepare_for_restart`` abandons such a group whole,
     whatever its level, and refuses every restored episode of it (issue 52, point 1)."""
     found: set[tuple[str, int]] = set()
-    for record in _groups(ledger):
+    for record in groups or ():
         try:
             if (_value(record.status) != "generating"
                     or _value(record.recovery_granularity) != "prompt_group"):
@@ -74,13 +76,13 @@ def abandoned_whole(ledger: Any) -> frozenset[tuple[str, int]]:
     return frozenset(found)
 
 
-def dropped_attempts(ledger: Any) -> frozenset[Triple]:
+def dropped_attempts(groups: list[Any] | None) -> frozenset[Triple]:
     """``(owner, rollout_id, attempt)`` of every attempt the ledger's records show
     dropped that had a Gym owner: a current attempt abandoned or failed, or one a
     retry replaced. Whether its session reached Gym is not recorded at schema 4:
     retiring one that did not only refuses its late turns (issue 52, point 2)."""
     found: set[Triple] = set()
-    for record in _groups(ledger):
+    for record in groups or ():
         try:
             for attempt, current, rid, att in _episodes(record):
                 owner = attempt.gym_instance_id
@@ -92,13 +94,13 @@ def dropped_attempts(ledger: Any) -> frozenset[Triple]:
     return frozenset(found)
 
 
-def known_rollouts(ledger: Any) -> frozenset[str] | None:
+def known_rollouts(groups: list[Any] | None) -> frozenset[str] | None:
     """Every Gym rollout id the ledger's groups still hold (any attempt), or None when
     it cannot say (no ``groups()``, or a record it cannot read)."""
-    if not callable(getattr(ledger, "groups", None)):
+    if groups is None:
         return None
     found: set[str] = set()
-    for record in _groups(ledger):
+    for record in groups or ():
         try:
             found.update(rid for _, _, rid, _ in _episodes(record))
         except (AttributeError, TypeError, ValueError, RuntimeError):
@@ -106,13 +108,13 @@ def known_rollouts(ledger: Any) -> frozenset[str] | None:
     return frozenset(found)
 
 
-def owners_named(ledger: Any) -> frozenset[str]:
+def owners_named(groups: list[Any] | None) -> frozenset[str]:
     """Every Gym owner the current attempts of the ledger's groups name (NeMo RL's
     ``groups()``, each attempt's ``gym_instance_id``); none when it has no ``groups``.
     The inventory raises for an owner it is not asked about, and a ledger may name
     owners ``owners=`` does not (a restored one, or a mistake)."""
     named: set[str] = set()
-    for record in _groups(ledger):
+    for record in groups or ():
         for sibling in getattr(record, "siblings", ()):
             for attempt in list(getattr(sibling, "attempts", ()))[-1:]:
                 owner = getattr(attempt, "gym_instance_id", None)
@@ -192,12 +194,12 @@ class DroppedEpisodes:
             for pair in pairs:
                 self._seen[pair] = owner
 
-    def now(self, ledger: Any, live: Mapping[str, Iterable[tuple[str, int]]],
+    def now(self, groups: list[Any] | None, live: Mapping[str, Iterable[tuple[str, int]]],
             queued: Mapping[str, Iterable[tuple[str, int]]]) -> frozenset[Triple]:
         """Everything dropped now (never what ``live``, the inventory, lists)."""
         found = {(owner, rid, att) for owner, pairs in queued.items() for rid, att in pairs}
-        found |= dropped_attempts(ledger)
-        known = known_rollouts(ledger)
+        found |= dropped_attempts(groups)
+        known = known_rollouts(groups)
         if known is not None:
             found |= {(owner, rid, att) for (rid, att), owner in self._seen.items()
                       if rid not in known}
@@ -209,8 +211,7 @@ class DroppedEpisodes:
         """What to retire: the queue's, and what was not sent already."""
         return (dropped - self._sent) | queued
 
-    def sent(self, ledger: Any, dropped: frozenset[Triple], sent: frozenset[Triple]
-             ) -> None:
+    def sent(self, dropped: frozenset[Triple], sent: frozenset[Triple]) -> None:
         """``sent`` was retired: remember it while the ledger shows it dropped, and
         forget what was seen of groups that have left the ledger."""
         self._sent = (self._sent | sent) & dropped
