@@ -51,8 +51,8 @@ behaviour):
   and in ``RestartPlan.abandoned``; every dropped session is retired.
 - **The restore's hand-over**: ``restored()`` yields ``continued_attempts`` in owner ids
   (load RL's ledger before entering it), and ``prepare_for_restart(cut, restored)`` calls
-  the ledger's with them and returns the staging rows RL keeps: the restored sessions'
-  and the sealed attempts'.
+  the ledger's with them and returns the staging rows RL keeps: the restored sessions',
+  the sealed attempts' and ``retained``'s.
 - **Owners may change between a snapshot and its restore** (fewer Gym replicas, or
   others): the restore asks the inventory about every owner the restored ledger names
   (its groups' current attempts, ``ledger.groups()``), not only those of ``owners=``,
@@ -66,8 +66,10 @@ behaviour):
 - **Finished, not sealed**: a rollout Gym finished whose reply RL has not sealed at the
   cut would be abandoned by a restore and run again. ``drain`` (NeMo RL's controller
   drains its on-wire Gym replies before its cut) is awaited once the holders are
-  paused, when no rollout can finish any more, and before the snapshot is handed to the
-  caller for its cut, within the snapshot's deadline.
+  paused and have captured every open session, and before the snapshot is handed to the
+  caller for its cut, within the snapshot's deadline: a rollout whose session closed
+  before the capture is sealed by then, and one that closes later was captured (it
+  continues from its last turn).
 - **Finished rollouts**: NeMo RL seals a finished rollout's result itself and never
   calls ``acknowledge``, so its environment workers end a session with
   ``SessionClient.close`` (never ``finish``, whose results would pile up in the holders);
@@ -109,8 +111,8 @@ __all__ = [
 
 log = logging.getLogger("nemo_ckpt")
 
-# What the integration calls on NeMo RL's ledger; ``gym_checkpoint_retirements`` is used
-# when the ledger has it (the ledgers before it retired nothing).
+# What the integration calls on NeMo RL's ledger; ``groups()``,
+# ``gym_checkpoint_retirements`` and ``mark_gym_retired`` are used when the ledger has them.
 LEDGER_METHODS = ("gym_checkpoint_inventory", "expected_staging_keys", "prepare_for_restart")
 _CHECKPOINT_METHODS = ("snapshot", "restored", "is_unavailable", "check_startup", "retire")
 
