@@ -405,8 +405,9 @@ async def _unknown_owner(job: _Job) -> None:
 
 
 async def _second_crash_before_resend(job: _Job) -> None:
-    """A restore continues a rollout (reserved, Gym's next attempt); the job crashes
-    again before RL sends it on: the next restore continues it from the same turns."""
+    """A restore continues a rollout (reserved, Gym's next attempt; ``retire_dropped``
+    leaves it alone); the job crashes again before RL sends it on: the next restore
+    continues it from the same turns."""
     r0 = _REPLICAS[0]
     eps = await job.dispatch("g1", r0, generations=1)
     for n in range(2):
@@ -414,6 +415,9 @@ async def _second_crash_before_resend(job: _Job) -> None:
     await job.snapshot(job.backend.path("first"))
     await job.crash_and_load()
     await job.restore(job.backend.path("first"))
+    retired = await job.env.retire_dropped()  # a continued rollout is never dropped
+    _check(not any(rid == eps[0].rollout_id for _, rid, _ in retired),
+           f"retire_dropped retired the continued rollout: {sorted(retired)}")
     await job.snapshot(job.backend.path("second"))  # before the re-send
     await job.crash_and_load()
     plan, _ = await job.restore(job.backend.path("second"))
