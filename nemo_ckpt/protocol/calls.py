@@ -116,6 +116,11 @@ def _is_default(value: Any, default: Any) -> bool:
 
 def methods(*protocols: type) -> dict[str, Callable[..., Any]]:
     """The calls the Protocols declare, by name (their own and inherited ones)."""
+    return dict(_methods(protocols))
+
+
+@functools.cache
+def _methods(protocols: tuple[type, ...]) -> dict[str, Callable[..., Any]]:
     found: dict[str, Callable[..., Any]] = {}
     for protocol in protocols:
         for klass in reversed(protocol.__mro__):
@@ -143,7 +148,7 @@ class Proxy:
     def __init__(self, protocols: tuple[type, ...],
                  invoke: Callable[[Call[Any]], Awaitable[Any]],
                  send: Callable[[Call[Any]], None] | None = None) -> None:
-        self._methods = methods(*protocols)
+        self._methods = _methods(protocols)  # shared: never changed
         self._invoke = invoke
         self._send = send
 
