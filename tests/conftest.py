@@ -31,7 +31,8 @@ PODMAN_MODULES = {"test_containers.py", "test_containers_ray.py", "test_containe
 # start first, so that no worker is left with a long one while the other is idle (xdist
 # would otherwise start the modules with the most tests first, and test_chaos.py last).
 SLOWEST_MODULES = ("podman", "test_faults.py", "test_chaos.py", "test_demo.py",
-                   "test_preemption_demo.py", "test_ray_runtime.py", "test_adapters.py")
+                   "test_preemption_demo.py", "test_grpo_example.py", "test_ray_runtime.py",
+                   "test_adapters.py", "test_gym_workers_example.py")
 
 
 def _module_group(name: str) -> str:
