@@ -583,7 +583,8 @@ class Workload(Part):
         if fresh and self.s.nemo is not None:  # a group per rollout of a node
             self._restart = []
             self._homes = sorted(info.instance_id for info in infos)
-            await self.s.nemo.reserve(len(self._homes))
+            if self._homes:  # none found (all dying at the start): RL reserves nothing
+                await self.s.nemo.reserve(len(self._homes))
             for instance, ep in self.s.nemo.to_run(self._homes)[0]:
                 self._spawn_rollout(instance, ep, 0, True)
             return
