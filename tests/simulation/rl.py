@@ -206,7 +206,7 @@ class NemoRL:
     async def bind_prompts(self) -> None:
         """A loaded ledger's prompts, bound again from the dataset (before its next save)."""
         async with self.barrier.mutation("recovery_restore") as cut:
-            for record in self.ledger.groups():
+            for record in self._records():
                 self.ledger.bind_runtime_prompt(cut, record.group_id,
                                                 {"idx": int(record.prompt_id)})
 
@@ -214,7 +214,7 @@ class NemoRL:
         """Fresh attempts for every generating group's abandoned or failed siblings."""
         async with self.barrier.mutation("recovery_retries") as cut:
             with self._seeded_ids():
-                for record in self.ledger.groups():
+                for record in self._records():
                     if record.status is PromptGroupStatus.GENERATING and any(
                             s.current_attempt.status in (RolloutAttemptStatus.ABANDONED,
                                                          RolloutAttemptStatus.FAILED)
@@ -226,7 +226,7 @@ class NemoRL:
         to start (on their sibling's home instance) and those a restore continues (on
         their owner's)."""
         fresh, continued = [], []
-        for record in self.ledger.groups():
+        for record in self._records():
             if record.status is not PromptGroupStatus.GENERATING:
                 continue
             for sibling in record.siblings:
@@ -335,9 +335,9 @@ class NemoRL:
                 "manifest": [{"staging_key": k} for k in self.replies[rid].keys]}
 
     def _publish(self, cut: DataPlaneMutationCut, group_id: str) -> None:
-        k = int(self.ledger.get_group(group_id).prompt_id)
+        k = int(self._record(group_id).prompt_id)
         after = self.plan.nemo_groups[k].train_after
-        if after is None or self.ledger.get_group(group_id).status \
+        if after is None or self._record(group_id).status \
                 is not PromptGroupStatus.READY_TO_FINALIZE:
             return
         publish_group(cut, self.ledger, self.published, group_id)
@@ -400,7 +400,7 @@ class NemoRL:
         """``(rollout_id, attempt)`` of every Gym episode the ledger dropped (abandoned,
         failed, or replaced by a retry) that had an owner."""
         found = set()
-        for record in self.ledger.groups():
+        for record in self._records():
             for sibling in record.siblings:
                 for position, attempt in enumerate(sibling.attempts):
                     current = position == len(sibling.attempts) - 1
@@ -418,7 +418,7 @@ class NemoRL:
         group_id, index, attempt_id = logical
         if group_id not in self.ledger:
             return True
-        attempt = self.ledger.get_group(group_id).siblings[index].current_attempt
+        attempt = self._record(group_id).siblings[index].current_attempt
         return attempt.attempt_id == attempt_id \
             and attempt.status is RolloutAttemptStatus.SEALED
 
@@ -426,18 +426,27 @@ class NemoRL:
         """``(rollout_id, attempt)`` of the current attempts of generating prompt-group
         groups (a restore abandons such a group whole)."""
         return frozenset(record.gym_episode(s.generation_index)
-                         for record in self.ledger.groups()
+                         for record in self._records()
                          if record.recovery_granularity is RecoveryGranularity.PROMPT_GROUP
                          and record.status is PromptGroupStatus.GENERATING
                          for s in record.siblings)
 
     def prompt_groups(self) -> frozenset[str]:
         """The generating groups of prompt-group granularity."""
-        return frozenset(r.group_id for r in self.ledger.groups()
+        return frozenset(r.group_id for r in self._records()
                          if r.recovery_granularity is RecoveryGranularity.PROMPT_GROUP
                          and r.status is PromptGroupStatus.GENERATING)
 
     # --- internals --------------------------------------------------------------------
+
+    def _records(self) -> list[PromptGroupRecoveryRecord]:
+        """The ledger's group records, read only: not the copies ``groups()`` makes (the
+        simulation reads them at every dispatch and seal; the integration calls
+        ``groups()`` itself)."""
+        return list(self.ledger._groups.values())
+
+    def _record(self, group_id: str) -> PromptGroupRecoveryRecord:
+        return self.ledger._groups[group_id]
 
     def _locate(self, rollout_id: str) -> tuple[PromptGroupRecoveryRecord, int] | None:
         """The group and sibling whose current attempt Gym runs as ``rollout_id``."""
@@ -445,7 +454,7 @@ class NemoRL:
         group_id, _, index = logical.rpartition("_g")
         if group_id not in self.ledger or not index.isdigit():
             return None
-        record = self.ledger.get_group(group_id)
+        record = self._record(group_id)
         if int(index) >= len(record.siblings) \
                 or record.gym_episode(int(index))[0] != rollout_id:
             return None
