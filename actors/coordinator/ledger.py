@@ -51,4 +51,11 @@ class Ledger:
             self._require_registered(made.method)
             await holders.ensure_holders()
             dropped = await holders.fan(holders.handles, made)
+        # A holder the last discovery listed but did not hear from (its answer lost on
+        # the way back) may be alive with sessions: it gets the call too, as far as it
+        # answers; else a retired attempt's session would stay there and take its late
+        # turns (simulation seeds 915 and 800749).
+        silent = {i: h for i, h in holders.registered.items() if i not in holders.handles}
+        if silent:
+            dropped.update(await holders.fan(silent, made, tolerate_failures=True))
         return sorted(k for keys in dropped.values() for k in keys)

@@ -37,12 +37,24 @@ invariants: no zombie's clean-up tears a newer snapshot (case 29.1), no abort or
 call fails only because it met the dead coordinator's name (29.2), no control call waits
 behind turns (29.3), no driver with another config commits.
 
-NeMo RL as the caller (issue 36; ``Plan.nemo_rl``, a quarter of the schedules): the driver's
-snapshots and restores run through ``nemo_ckpt.integrations.nemo_rl`` with RL's side shown
-as NeMo RL shows it (a ledger's inventory and a staging listing, a cut with only
-``require_live``; ``rl.NemoRlView``), and a restore's hand-over to ``prepare_for_restart``
-is checked; in half of those (``Plan.manager``) every snapshot is a
-``RolloutCheckpointManager``'s, with its names, rename and retention.
+NeMo RL as the caller (issue 36, then 52; ``Plan.nemo_rl``, a quarter of the schedules): RL
+is ``nemo_ckpt.testing.nemo_rl``'s recovery ledger, barrier, staging and published groups
+(``rl.NemoRL``), driven through ``nemo_ckpt.integrations.nemo_rl`` with its ``retained=``
+and ``drain=``, RL's half saved with ``NemoRlState``. The plan draws, apart, a prompt group
+per rollout of a node (a sibling per instance) with its granularity (SIBLING or
+PROMPT_GROUP), restore level (TURN or SIBLING) and publication (sealed groups published,
+their rows staged until a later train step, or kept sealed in the ledger), the ledger's
+revision (schema 4, or with its retirement queue), and how long a finished rollout's
+reply travels before RL seals it. Workers close their sessions, as NeMo Gym's do; a
+rollout that fails live has its group's unsealed work abandoned and retried, and
+``retire_dropped()`` run. Its invariants (issue 52): a restore never fails whole for a
+prompt-group group nor hands its sessions over; after ``retire_dropped()`` no session of
+a dropped rollout held before it is held still; no published group's or sealed
+attempt's row is reported as an orphan or left out of a restore's keep set; no rollout
+finished in the environment before a committed snapshot began is unsealed at its cut,
+and what its drain sealed is sealed after a restore (never run again). In half of those
+(``Plan.manager``) every snapshot is a ``RolloutCheckpointManager``'s, with its names,
+rename and retention.
 
 Hostile files in the root (issue 50; ``Plan.planted``, a quarter of the schedules): a FIFO
 planted as a folder's manifest, or a link there to a FIFO, which every read of the root

@@ -15,6 +15,7 @@ import re
 import shutil
 import stat
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -438,9 +439,11 @@ class Checkers(Part):
                      f"{self.zombie_work(0.0)}")
 
     async def check_restored(self, restored: Any, loaded: Any,
-                             results: tuple[FinishedRollout, ...]) -> None:
+                             results: tuple[FinishedRollout, ...],
+                             retired: frozenset[tuple[str, str, int]] = frozenset()) -> None:
         """Restored sessions equal what was captured, each as its next attempt, and a
-        finished one as it was, its result handed back instead of continued."""
+        finished one as it was, its result handed back instead of continued; those of
+        ``retired`` (instance, rollout, attempt captured: RL starts them over) aside."""
         sessions = await self.s.live_sessions()
         for instance, records in loaded.sessions.items():
             if instance not in sessions:
@@ -448,6 +451,8 @@ class Checkers(Part):
             live = {s.episode: s for s in sessions.get(instance, [])}
             for record in records:
                 want = record if record.finished else record.continued()
+                if (instance, record.episode.rollout_id, record.episode.attempt) in retired:
+                    continue  # retired once the restore went live (or left, if that failed)
                 got = live.get(want.episode)
                 if got is not None and self.sandbox_root is not None \
                         and not record.finished:  # a finished one's directory is the worker's
@@ -466,6 +471,70 @@ class Checkers(Part):
         if {(r.instance_id, r.episode, r.result) for r in results} != want_results:
             self.violate("restored_results differ from the snapshot's finished sessions")
         self._check_one_live_session_per_rollout(sessions)
+
+    # --- NeMo RL's recovery states (issue 52) ----------------------------------------------
+
+    def check_drained(self, record: OpRecord, saved: Any) -> None:
+        """A committed snapshot's cut met no rollout Gym had finished before the snapshot
+        began whose reply RL could seal and had not: the integration's ``drain=`` sealed
+        it, or a restore would run it again."""
+        if saved.unsealed:
+            self.violate(f"{record.op_id} committed with {len(saved.unsealed)} rollout(s) "
+                         f"finished in the environment before it began, not sealed at its "
+                         f"cut (a restore runs them again): {list(saved.unsealed)[:3]}")
+
+    def check_rows_needed(self, nemo: Any, snap: Any, record: OpRecord) -> None:
+        """No staging row RL still needs (a published group's, still to be trained, or a
+        sealed attempt's) is reported as an orphan by the check under NeMo RL's cut."""
+        result = getattr(snap, "check_result", None)
+        if result is None:
+            return
+        needed = nemo.published.staging_keys() | nemo.ledger.expected_staging_keys()
+        wrong = sorted(result.orphan_staging_keys & needed)
+        if wrong:
+            self.violate(f"{record.op_id}'s check reports {len(wrong)} staging row(s) RL "
+                         f"still needs (published or sealed) as orphans: {wrong[:3]}")
+
+    def check_hand_over(self, nemo: Any, saved: Any, plan: Any) -> None:
+        """After a NeMo RL restore: the keep set holds every published group's rows and
+        every sealed attempt's (none cleared before training), a prompt-group group's
+        restored sessions are not handed over, and what the drain sealed before the cut
+        is sealed still (never run again)."""
+        keep = plan.keep_staging_keys
+        lost = sorted((nemo.published.staging_keys() | nemo.ledger.expected_staging_keys())
+                      - keep)
+        if lost:
+            self.violate(f"the restore from {saved.snapshot_id} leaves {len(lost)} staging "
+                         f"row(s) RL still needs (published or sealed) out of its keep set: "
+                         f"they are cleared before training: {lost[:3]}")
+        whole = {rid for rid, _ in nemo.abandoned_whole()}
+        handed = sorted(f"{rid}@{att}" for _, rid, att in plan.restored_gym_episodes
+                        if rid in whole)
+        if handed:
+            self.violate(f"the restore from {saved.snapshot_id} handed over rollouts of "
+                         f"prompt-group groups, which the ledger abandons whole: {handed}")
+        redone = sorted(f"{g}_g{i}_a{a}" for g, i, a in saved.drained if not nemo.sealed(
+            (g, i, a)))
+        if redone:
+            self.violate(f"the restore from {saved.snapshot_id} runs again rollouts "
+                         f"finished in the environment and sealed by the drain before its "
+                         f"cut: {redone[:3]}")
+
+    def check_retired(self, dropped: frozenset[tuple[str, int]],
+                      before: dict[str, list[SessionRecord]],
+                      after: dict[str, list[SessionRecord]],
+                      exempt: Callable[[str, str, int], bool]) -> None:
+        """After ``retire_dropped()`` no session of a rollout RL dropped (abandoned,
+        failed or replaced) that a holder held before it is held still, unless
+        ``exempt(instance, rollout, attempt)``."""
+        held = {(inst, s.episode) for inst, records in before.items() for s in records}
+        left = sorted(f"{inst}/{s.episode.capture_key}" for inst, records in after.items()
+                      for s in records if (inst, s.episode) in held
+                      and (s.episode.rollout_id, s.episode.attempt) in dropped
+                      and not exempt(inst, s.episode.rollout_id, s.episode.attempt))
+        if left:
+            self.violate(f"after retire_dropped() {len(left)} session(s) of rollouts RL "
+                         f"dropped are still on their holders: {left[:3]}")
 
     def _check_restored_directory(self, session: SessionRecord) -> None:
         if session.directory is None:
@@ -1062,6 +1131,13 @@ CASES = [
     ("5 restore left half-live", ("not all or nothing", "the retry of a failed restore")),
     ("6 restore lost its lease during a long read", ("during a long read",)),
     ("7 late begin paused a holder after its abort", ("a late call paused it again",)),
+    ("52.1 a restore failed whole for a prompt-group group",
+     ("the restore failed whole on RL's ledger", "rollouts of prompt-group groups")),
+    ("52.2 a dropped rollout's session left on a holder", ("after retire_dropped()",)),
+    ("52.3 rows RL still needs reported as orphans or cleared",
+     ("RL still needs (published or sealed)",)),
+    ("52.4 a finished-unsealed rollout run again",
+     ("finished in the environment",)),
     ("10 refused snapshot committed", ("check against the cut failed", "whose check failed",
                                        "although its check failed")),
 ]

@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,17 @@ class DiskFaults:
                              ("read", "read"), ("read_chunks", "read"),
                              ("names", "read")):
             setattr(LocalFolder, method, cls._wrap(getattr(LocalFolder, method), kind))
+
+    @classmethod
+    @contextlib.contextmanager
+    def off(cls) -> Iterator[None]:
+        """No disk faults for the calls made inside (RL's own disk: its half of a rollout
+        snapshot, which the simulation's RL writes as it did before issue 52)."""
+        active, cls.active = cls.active, None
+        try:
+            yield
+        finally:
+            cls.active = active
 
     @staticmethod
     def _as_raised(method: str, target: str, error: OSError) -> Exception:
@@ -514,6 +526,15 @@ class Faults(Part):
         self.log("fault: the cut does not match the capture")
         return StaticCut(expected, rows)
 
+    def corrupt_listing(self, keys: frozenset[str]) -> frozenset[str]:
+        """NeMo RL's staging listing as RL could not have taken it with this capture: a
+        row missing, or one no session wrote (``Plan.bad_cut`` in the nemo_rl schedules)."""
+        self.s.faults += 1
+        self.log("fault: the staging listing does not match the capture")
+        if keys and self.rng.random() < 0.5:
+            return keys - {sorted(keys)[self.rng.randrange(len(keys))]}
+        return keys | {"a-row-no-session-wrote"}
+
     # --- the world outside the protocol (issue 23): other processes and hosts -------------
 
     def outside_actors(self) -> list[Any]:
@@ -577,7 +598,7 @@ class Faults(Part):
             self.retired.add(path)
             self.s.removed[path] = self.now()
             self.s.committed.pop(path)
-            self.s.rl.saves.pop(path, None)
+            self.s.saves.pop(path, None)
             return
 
     async def _second_job(self, at: float, k: int) -> None:

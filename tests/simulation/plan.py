@@ -36,6 +36,18 @@ TRIGGERS = {
 SPARSE_BYTES = 32 << 20
 
 
+@dataclass(frozen=True)
+class NemoGroup:
+    """One prompt group of a NeMo RL schedule (``Plan.nemo_groups``): a sibling per
+    instance, as ``nemo_ckpt.testing.nemo_rl``'s ledger records it."""
+
+    granularity: str  # RecoveryGranularity: "sibling" or "prompt_group"
+    level: str  # RecoveryTargetLevel: "turn" or "sibling"
+    # Sealed, the group is published for training (it leaves the ledger; its rows stay
+    # staged) and trained this many seconds later; None: it stays sealed in the ledger.
+    train_after: float | None
+
+
 @dataclass
 class Plan:
     """What a seed draws: the workload, then the faults."""
@@ -113,6 +125,14 @@ class Plan:
     # The live coordinator stops answering for a long while, never declared dead (a
     # loaded machine; issue 56, case 2): (when, seconds), drawn apart; None: it does not.
     hang: tuple[float, float] | None = None
+    # NeMo RL's recovery objects (issue 52), in the nemo_rl schedules, drawn apart: a
+    # prompt group per rollout of a node (its granularity, restore level, publication),
+    # the ledger's revision (schema 4 alone, or with its retirement queue), and how long
+    # a finished rollout's reply travels to RL before RL seals it (a cut meets some
+    # finished in the environment, not sealed: the integration's drain= seals them).
+    nemo_groups: list[NemoGroup] = field(default_factory=list)
+    retirement_queue: bool = False
+    seal_delay: float = 0.0
 
     @classmethod
     def make(cls, seed: int) -> Plan:
@@ -169,7 +189,20 @@ class Plan:
         if plan.turn_limit is not None:  # more turns waiting at a gate than slots
             plan.rollouts_per_node = max(plan.rollouts_per_node, plan.turn_limit
                                          + random.Random(f"turns-{seed}").randint(1, 3))
+        if plan.nemo_rl:
+            plan.nemo_groups, plan.retirement_queue, plan.seal_delay = _nemo_rl_plan(
+                seed, plan.rollouts_per_node)
         return plan
+
+
+def _nemo_rl_plan(seed: int, groups: int) -> tuple[list[NemoGroup], bool, float]:
+    """NeMo RL's recovery states a schedule's RL goes through (issue 52), drawn apart."""
+    rng = random.Random(f"nemo-rl-ledger-{seed}")
+    made = [NemoGroup(granularity=rng.choice(["sibling", "sibling", "prompt_group"]),
+                      level=rng.choice(["turn", "turn", "turn", "sibling"]),
+                      train_after=rng.choice([None, round(rng.uniform(0.2, 8.0), 3)]))
+            for _ in range(groups)]
+    return made, rng.random() < 0.5, rng.choice([0.0, 0.5, 2.0, 6.0])
 
 
 def _world_plan(seed: int) -> dict[str, Any]:

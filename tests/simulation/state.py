@@ -21,7 +21,7 @@ from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 
 from .plan import CONFIG, Plan
-from .rl import SimRL
+from .rl import NemoRL, SimRL
 
 SECRET = b"the-secret-outside-every-sandbox"
 
@@ -109,6 +109,11 @@ class State:
         if self.relays:
             self.config = self.config.model_copy(update={"relay_min_holders": 2})
         self.rl = SimRL()
+        # RL's side as NeMo RL's objects are, in the nemo_rl schedules (the workload's).
+        self.nemo: NemoRL | None = None
+        # RL's saves, committed with the environment's snapshot: path -> ``rl.Saved`` (or
+        # ``rl.NemoSaved``); a restore starts a new RL process, which has none yet.
+        self.saves: dict[str, Any] = {}
         self.tracing = tracing
         self.trace: list[str] = []
         self.violations: list[str] = []

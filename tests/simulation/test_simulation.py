@@ -21,6 +21,9 @@ from nemo_ckpt.config import HOLDER_NAME_PREFIX
 from nemo_ckpt.driver import RaySnapshot
 from nemo_ckpt.driver.snapshot_operation import SnapshotOperation
 from nemo_ckpt.errors import BackendUnavailableError
+from nemo_ckpt.integrations import nemo_rl_ledger
+from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
+from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.manager import removals
 from nemo_ckpt.storage import local_folder
 from nemo_ckpt.transport import HOLDER, Actor
@@ -341,3 +344,105 @@ def test_control_calls_behind_turns_are_found_unless_they_have_a_group_of_their_
     assert "29.3 control calls queued behind waiting turns" not in cases()
     monkeypatch.setattr(delivery, "method_group", lambda kind, method: "default")
     assert "29.3 control calls queued behind waiting turns" in cases()
+
+
+# --- NeMo RL's recovery states (issue 52) ---------------------------------------------------
+
+
+def _nemo_rl_seeds(count: int, *, restore: bool = False, first: int = 0) -> list[int]:
+    return [s for s in range(first, first + 2_000) if simulation.Plan.make(s).nemo_rl
+            and (not restore or "restore" in simulation.Plan.make(s).ops)][:count]
+
+
+def test_the_nemo_rl_schedules_drive_the_double_through_its_recovery_states() -> None:
+    """Issue 52: the NeMo RL schedules run ``nemo_ckpt.testing.nemo_rl``'s ledger (schema
+    4 and with its retirement queue) through the integration: groups of prompt-group
+    granularity abandoned whole at a restore, groups published and trained, finished
+    rollouts sealed by the integration's drain before a cut, live failures retired by
+    ``retire_dropped()``; with no violation."""
+    plans = [simulation.Plan.make(s) for s in _nemo_rl_seeds(40, restore=True)]
+    assert {p.retirement_queue for p in plans} == {False, True}
+    assert {g.granularity for p in plans for g in p.nemo_groups} == {"sibling",
+                                                                      "prompt_group"}
+    assert {g.level for p in plans for g in p.nemo_groups} == {"turn", "sibling"}
+    seen: set[str] = set()
+    for plan in plans:
+        result = simulation.run_one(plan.seed, tracing=True)
+        assert not result.violations, (plan.seed, result.violations)
+        text = "\n".join(result.trace)
+        for mark, pattern in (("abandoned", r"drops \d+ \([1-9]\d* of abandoned groups\)"),
+                              ("published", r"RL publishes group"),
+                              ("trained", r"RL trains on group"),
+                              ("drained", r"RL's drain sealed [1-9]"),
+                              ("retired", r"retire_dropped retired [1-9]")):
+            if re.search(pattern, text):
+                seen.add(mark)
+    assert seen == {"abandoned", "published", "trained", "drained", "retired"}
+
+
+def _case_shown(case: str, seeds: list[int]) -> bool:
+    return any(case in {simulation.case_of(v) for v in simulation.run_one(s).violations}
+               for s in seeds)
+
+
+def test_an_integration_without_the_drain_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52, point 4: without ``drain=`` a rollout Gym finished whose reply RL had
+    not sealed is unsealed at the cut, and a restore runs it again."""
+    real = NemoRlEnvironmentCheckpoint.__init__
+
+    def without_drain(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["drain"] = None
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NemoRlEnvironmentCheckpoint, "__init__", without_drain)
+    seeds = [s for s in _nemo_rl_seeds(80) if simulation.Plan.make(s).seal_delay > 0]
+    assert _case_shown("52.4 a finished-unsealed rollout run again", seeds)
+
+
+def test_an_integration_blind_to_published_rows_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52, point 3: a published group's rows, still to be trained, are in no
+    ledger record; without ``retained=`` they are orphans, and a restore clears them."""
+    real = NemoRlEnvironmentCheckpoint.__init__
+
+    def without_retained(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["retained"] = None
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NemoRlEnvironmentCheckpoint, "__init__", without_retained)
+    seeds = [s for s in _nemo_rl_seeds(80) if any(
+        g.train_after is not None for g in simulation.Plan.make(s).nemo_groups)]
+    assert _case_shown("52.3 rows RL still needs reported as orphans or cleared", seeds)
+
+
+def test_a_retire_dropped_that_leaves_sessions_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52, point 2: a ``retire_dropped()`` that retires only what a retirement
+    queue lists leaves the sessions of rollouts a schema-4 ledger dropped on holders."""
+    async def queue_only(self: Any) -> frozenset[tuple[str, str, int]]:
+        ledger = self._current_ledger()
+        method = getattr(ledger, "gym_checkpoint_retirements", None)
+        if method is None:
+            return frozenset()
+        queued = method(frozenset(self.owners))
+        sent = frozenset((o, rid, att) for o, pairs in queued.items() for rid, att in pairs)
+        if sent:
+            await self.checkpoint.retire([Ep(rid, att) for _, rid, att in sent])
+        return sent
+
+    monkeypatch.setattr(NemoRlEnvironmentCheckpoint, "retire_dropped", queue_only)
+    seeds = [s for s in _nemo_rl_seeds(200)
+             if not simulation.Plan.make(s).retirement_queue]
+    assert _case_shown("52.2 a dropped rollout's session left on a holder", seeds)
+
+
+def test_a_restore_that_hands_over_a_prompt_group_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52, point 1: handing a prompt-group group's restored sessions to the ledger,
+    which abandons such a group whole and refuses them, fails the restore whole."""
+    monkeypatch.setattr(nemo_rl_ledger, "abandoned_whole", lambda groups: frozenset())
+    monkeypatch.setattr(nemo_rl_ledger, "unowned_episodes", lambda exc: None)
+    seeds = [s for s in _nemo_rl_seeds(80, restore=True) if any(
+        g.granularity == "prompt_group" and g.level == "turn"
+        for g in simulation.Plan.make(s).nemo_groups)]
+    assert _case_shown("52.1 a restore failed whole for a prompt-group group", seeds)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import random
 import shutil
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,23 +35,41 @@ from nemo_ckpt.manager.rollout_manager import PARTIAL_SUFFIX, RolloutCheckpointM
 from nemo_ckpt.receipts import FinishedRollout
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.storage.snapshot_files import read_manifest, read_snapshot
-from nemo_ckpt.testing.data_plane import StaticCut
+from nemo_ckpt.testing.nemo_rl import STATE_FILE, NemoRlState
 from nemo_ckpt.transport import COORDINATOR, HOLDER
 
 from .checkers import Checkers
-from .faults import Faults
+from .faults import DiskFaults, Faults
 from .plan import CONFIG, SPARSE_BYTES
-from .rl import LiveOnly, NemoRlView, Saved, SimRL
+from .rl import NemoRL, NemoSaved, Saved, SimRL
 from .state import RL_HALF, Driver, OpRecord, Part, State, remove_rl_half, short
 from .text_env import CounterFramework, policy, reference
 
 T = TypeVar("T")
 
 
-def nemo_rl_checkpoint(ckpt: Any, view: NemoRlView) -> NemoRlEnvironmentCheckpoint:
-    """``ckpt`` as NeMo RL's controller drives it (``Plan.nemo_rl``)."""
-    return NemoRlEnvironmentCheckpoint(ckpt, ledger=view, staging=view.list_staging,
-                                       owners=NemoRlView.OWNERS)
+@dataclass(frozen=True)
+class NemoRestore:
+    """A NeMo RL restore, as the checkers compare it with the snapshot: every restored
+    session (instance, rollout, attempt), and those the integration retired."""
+
+    continued_attempts: frozenset[tuple[str, str, int]]
+    retired: frozenset[tuple[str, str, int]]
+
+
+class RlHalf(NemoRlState):
+    """``NemoRlState`` on RL's own disk: the faults of the checkpoint's disk
+    (``DiskFaults``) do not reach its files, as they did not reach the simulation's RL
+    half before issue 52."""
+
+    def __init__(self, integration: NemoRlEnvironmentCheckpoint, nemo: NemoRL) -> None:
+        super().__init__(integration, nemo.barrier, nemo.ledger, nemo.staging,
+                         nemo.published)
+
+    async def _blocking(self, fn: Any, *args: Any) -> Any:
+        await asyncio.sleep(0)
+        with DiskFaults.off():
+            return fn(*args)
 
 
 class InjectedError(Exception):
@@ -63,6 +83,16 @@ class Workload(Part):
         self.stop = False
         self._restart: list[tuple[str, Ep]] = []
         self._record_bombed = False  # Plan.record_bomb: done once
+        # NeMo RL's side (Plan.nemo_rl): the attempts a restore continues, each sibling's
+        # home instance, and the attempt ids (the double's, drawn from the seed).
+        self._continue: list[tuple[str, Ep]] = []
+        self._homes: list[str] = []
+        self._ids = random.Random(f"nemo-rl-ids-{s.seed}")
+        self._retries = 12  # live failures RL retries (a rollout failing always: no churn)
+        # Each episode retire_dropped() sent, with the holders live when it first did.
+        self._retired_to: dict[tuple[str, int], frozenset[SimActor]] = {}
+        if self.plan.nemo_rl:
+            s.nemo = self._new_nemo()
 
     def on_send(self, caller: SimActor, callee: SimActor, method: str,
                 args: tuple[Any, ...]) -> None:
@@ -111,6 +141,8 @@ class Workload(Part):
         return self.s.driver
 
     async def _snapshot(self, driver: Driver, path: str, checked: bool) -> None:
+        if self.s.nemo is not None and checked:  # NeMo RL's controller, before a snapshot
+            await self._retire_dropped(self.s.nemo)
         if self.plan.manager and checked:
             await self._managed_snapshot(driver)
             return
@@ -119,33 +151,26 @@ class Workload(Part):
         driver.record = record
         ckpt = driver.ckpt
         bad = checked and self.rng.random() < self.plan.bad_cut
-        saved = None
+        saved: Saved | NemoSaved | None = None
         held = False  # a snapshot of nothing yields None, which needs no check
-        view = NemoRlView() if self.plan.nemo_rl and checked else None
-        env: Any = ckpt if view is None else nemo_rl_checkpoint(ckpt, view)
+        nemo = self.s.nemo if checked else None
+        env: Any = ckpt if nemo is None else nemo.integration(ckpt)
         try:
             record.entered = self.now()
             async with env.snapshot(Path(path)) as snap:
                 record.begun = self.now()
                 held = snap is not None
-                if checked:
+                if nemo is not None:  # NeMo RL's: its barrier, ledger and staging say
+                    saved = await self._nemo_cut(nemo, env, snap, record, bad)
+                elif checked:
                     async with self.s.rl.checkpoint() as cut:
                         if snap is not None:
                             if bad:
                                 cut = self.inject.corrupt(cut)
-                            given: Any = cut
-                            if view is not None:  # NeMo RL's: the ledger says, not the cut
-                                view.cut, given = cut, LiveOnly(cut)
                             try:
-                                await snap.check_against_cut(given)
+                                await snap.check_against_cut(cut)
                             except SnapshotMismatchError:
-                                record.check_failed = True
-                                assert record.op_id is not None
-                                self.s.failed_checks.add(record.op_id)
-                                self.log(f"check of {record.op_id} failed (caught: "
-                                         f"{self.plan.catch_mismatch and bad})")
-                                if not (self.plan.catch_mismatch and bad):
-                                    raise
+                                self._check_failed(record, bad)
                         saved = self.s.rl.state(record.op_id or "?")
                 await asyncio.sleep(  # RL saves its half
                     CONFIG.lease_s * self.rng.uniform(1.2, 2.0) if self.plan.long_save
@@ -155,7 +180,9 @@ class Workload(Part):
             record.outcome = "committed"
             self.check.check_unchecked_commit(driver, record, held and not checked)
             if saved is not None:
-                self.s.rl.saves[path] = saved
+                self.s.saves[path] = saved
+            if isinstance(saved, NemoSaved):
+                self.check.check_drained(record, saved)
             self.s.committed[path].append(record.op_id or "?")
             self.log(f"{record.op_id} committed")
             self.check.check_commit(record)
@@ -176,6 +203,38 @@ class Workload(Part):
             driver.record = None
             self.check.check_deadlines(record, driver.config)
 
+    def _check_failed(self, record: OpRecord, bad: bool) -> None:
+        """The check of ``record`` under RL's cut raised ``SnapshotMismatchError``: noted,
+        and raised on unless RL catches it (a bad cut, in some schedules)."""
+        record.check_failed = True
+        assert record.op_id is not None
+        self.s.failed_checks.add(record.op_id)
+        self.log(f"check of {record.op_id} failed (caught: {self.plan.catch_mismatch and bad})")
+        if not (self.plan.catch_mismatch and bad):
+            raise
+
+    async def _nemo_cut(self, nemo: NemoRL, env: NemoRlEnvironmentCheckpoint, snap: Any,
+                        record: OpRecord, bad: bool) -> NemoSaved:
+        """NeMo RL's cut of a snapshot: its barrier's checkpoint, the check through the
+        integration (``bad``: a staging listing RL could not have taken), and RL's half
+        saved with ``NemoRlState`` (beside the store: ``rl-halves/<op id>``)."""
+        async with nemo.barrier.checkpoint() as cut:
+            unsealed = nemo.finished_unsealed(record.entered or 0.0)
+            if snap is not None:
+                nemo.corrupt = self.inject.corrupt_listing if bad else None
+                try:
+                    await snap.check_against_cut(cut)
+                except SnapshotMismatchError:
+                    self._check_failed(record, bad)
+                finally:
+                    nemo.corrupt = None
+                if not bad:
+                    self.check.check_rows_needed(nemo, snap, record)
+            half = str(self.root / "rl-halves" / (record.op_id or "none"))
+            await RlHalf(env, nemo).save(cut, half)
+            return NemoSaved(record.op_id or "?", half, frozenset(nemo.drained),
+                             tuple(unsealed))
+
     async def _managed_snapshot(self, driver: Driver) -> None:
         """A snapshot through the driver's ``RolloutCheckpointManager`` (``Plan.manager``):
         its folder name, its check under RL's cut (NeMo RL's shape), RL's save as its
@@ -186,23 +245,27 @@ class Workload(Part):
         self.s.ops.append(record)
         driver.record = record
         bad = self.rng.random() < self.plan.bad_cut
-        view = NemoRlView()
-        saved: list[Saved] = []
+        nemo = self.s.nemo
+        assert nemo is not None  # Plan.manager only in the nemo_rl schedules
+        env = nemo.integration(driver.ckpt)
+        saved: list[NemoSaved] = []
+        unsealed: list[str] = []
         workload = self
 
         class Barrier:
             @contextlib.asynccontextmanager
             async def checkpoint(self) -> Any:
                 record.begun = workload.now()
-                async with workload.s.rl.checkpoint() as cut:
-                    view.cut = workload.inject.corrupt(cut) if bad else cut
-                    yield LiveOnly(cut)
+                async with nemo.barrier.checkpoint() as cut:
+                    unsealed[:] = nemo.finished_unsealed(record.entered or 0.0)
+                    yield cut
 
         class Half:
             async def save(self, cut: Any, path: str) -> None:
-                saved.append(workload.s.rl.state(record.op_id or "?"))
                 # RL's half on disk as it begins (a sweep must leave it), then its time.
-                Path(path).mkdir(parents=True, exist_ok=True)
+                await RlHalf(env, nemo).save(cut, path)
+                saved.append(NemoSaved(record.op_id or "?", path, frozenset(nemo.drained),
+                                       tuple(unsealed)))
                 (Path(path) / RL_HALF).write_bytes(b"RL's half")
                 await asyncio.sleep(workload.rng.uniform(0.0, 1.5))
                 workload.check.check_paused_through_block(record)
@@ -213,20 +276,21 @@ class Workload(Part):
 
             async def remove(self, path: str) -> None:
                 remove_rl_half(path)
+                (Path(path) / STATE_FILE).unlink(missing_ok=True)
                 workload.log(f"RL's half of {Path(path).name} removed (managed)")
 
         if driver.manager is None:
             driver.manager = RolloutCheckpointManager(
-                nemo_rl_checkpoint(driver.ckpt, view), Barrier(), Half(),
+                env, Barrier(), Half(),
                 RolloutCheckpointConfig(root=str(self.root), snapshot_attempt_interval_s=1.0,
                                         keep_latest_k=2, max_consecutive_failures=100),
                 names=lambda: self.s.next_managed_name, on_event=self.managed_event,
                 clock=self.world.runtime(driver.actor).clock.monotonic)
         manager = driver.manager
         self.s.next_managed_name = name
-        # This operation's barrier and RL half; its integration reads this view.
-        manager.barrier, manager.rl = Barrier(), Half()
-        manager.checkpoint = nemo_rl_checkpoint(driver.ckpt, view)
+        # This operation's barrier, RL half and integration (a restore made a new RL).
+        manager.barrier, manager.rl, manager.checkpoint = Barrier(), Half(), env
+        nemo.corrupt = self.inject.corrupt_listing if bad else None
         error: BaseException | None = None
         try:
             record.entered = self.now()
@@ -242,6 +306,7 @@ class Workload(Part):
         else:
             error = manager.last_failure if taken is None else None
         finally:
+            nemo.corrupt = None
             record.end = self.now()
             driver.record = None
             self.check.check_deadlines(record, driver.config)
@@ -263,7 +328,8 @@ class Workload(Part):
                     + b"]" * 100_000 + b"}}")
                 self.log(f"fault: {Path(taken.path).name}'s record nested 100,000 deep")
             record.path, record.outcome = taken.path, "committed"
-            self.s.rl.saves[taken.path] = saved[-1]
+            self.s.saves[taken.path] = dataclasses.replace(saved[-1], half=taken.path)
+            self.check.check_drained(record, saved[-1])
             self.s.committed[taken.path].append(record.op_id or "?")
             self.log(f"{record.op_id} committed (managed, {Path(taken.path).name})")
             self.check.check_commit(record)
@@ -284,7 +350,7 @@ class Workload(Part):
         self.s.managed_removing.add(path)
         gone = Path(path).resolve()
         for key in [k for k in self.s.committed if Path(k).resolve() == gone]:
-            self.s.rl.saves.pop(key, None)
+            self.s.saves.pop(key, None)
             self.s.committed.pop(key, None)
         self.log(f"retention removes {Path(path).name} (managed)")
 
@@ -304,14 +370,14 @@ class Workload(Part):
 
     async def _crash_and_restore(self) -> None:
         candidates = []
-        for path, saved in sorted(self.s.rl.saves.items()):
+        for path, saved in sorted(self.s.saves.items()):
             with contextlib.suppress(Exception):
                 if read_manifest(path).snapshot_id == saved.snapshot_id:
                     candidates.append(path)
         if not candidates:
             return
         path = self.rng.choice(candidates)
-        saved = self.s.rl.saves[path]
+        saved = self.s.saves[path]
         self.log(f"CRASH; restore from {Path(path).name} ({saved.snapshot_id})")
         for worker in list(self.s.workers.values()):
             self.world.kill(worker)
@@ -328,6 +394,9 @@ class Workload(Part):
         # RL's half, restored inside restored(): every unfinished rollout of the cut either
         # continues (captured) or starts over as its next attempt.
         self.s.rl = SimRL()
+        self.s.saves = {}  # RL's process restarts: the saves it knows of are made anew
+        if self.s.nemo is not None:  # each attempt loads RL's half into a new one
+            self.s.nemo = self._new_nemo()
         driver = Driver(self.s, f"driver-{len(self.world.actors)}")
         self.s.driver = driver
         record = OpRecord(driver.name, "restore", path, self.now())
@@ -352,6 +421,7 @@ class Workload(Part):
                 await self.check.check_failed_restore(record, loaded)
             if not (is_retriable(exc) or isinstance(exc, InjectedError)) \
                     or not driver.actor.alive:
+                self._restore_given_up()
                 return
             # RL retries, as is_unavailable says, a few times with a pause between.
             again: BaseException | None = exc
@@ -371,6 +441,7 @@ class Workload(Part):
                 break
             if again is not None:
                 self.check.check_failed_retry(record, again)
+                self._restore_given_up()
                 return
         finally:
             record.end = self.now()
@@ -378,6 +449,11 @@ class Workload(Part):
             driver.record = None
         record.outcome = "committed"
         results = driver.ckpt.restored_results
+        if isinstance(restored, NemoRestore):
+            await self.check.check_restored(restored, loaded, results, restored.retired)
+            await self._apply_nemo_restore()
+            await self.start_workers(fresh=False, restored=restored)
+            return
         await self.check.check_restored(restored, loaded, results)
         self._apply_restore(saved, restored, results)
         if results:  # RL recorded them above: the backend lets go
@@ -401,24 +477,54 @@ class Workload(Part):
                 raise InjectedError("RL's own restore failed")
             return restored
 
-    async def _nemo_rl_restore(self, driver: Driver, saved: Saved, path: str,
-                               raise_inside: bool) -> Any:
-        view = NemoRlView()
-        view.cut = StaticCut(saved.expected, saved.rows)
-        env = nemo_rl_checkpoint(driver.ckpt, view)
+    async def _nemo_rl_restore(self, driver: Driver, saved: NemoSaved, path: str,
+                               raise_inside: bool) -> NemoRestore:
+        """NeMo RL's restore: a new RL process (ledger, barrier, staging), the
+        environment's ``restored()``, inside it RL's half loaded with ``NemoRlState``
+        and handed over (``prepare_for_restart``), then what it kept checked."""
+        nemo = self.s.nemo = self._new_nemo()
+        env = nemo.integration(driver.ckpt)
         async with env.restored(Path(path)) as restored:
             if raise_inside:
                 self.s.faults += 1
                 self.log("fault: RL's restore raises inside restored()")
                 raise InjectedError("RL's own restore failed")
-            plan = await env.prepare_for_restart(LiveOnly(view.cut), restored)
-            if plan.dropped:
-                self.check.violate(f"the hand-over dropped {sorted(plan.dropped)}, which "
-                                   f"RL's saved ledger expects on their instances")
-            if view.restarted != set(restored.continued_attempts):
-                self.check.violate("prepare_for_restart was not given the continued "
-                                   "attempts")
-            return restored
+            try:
+                plan = await RlHalf(env, nemo).restore(saved.half, restored)
+            except (ValueError, RuntimeError, TypeError) as exc:
+                self.check.violate(f"the restore failed whole on RL's ledger "
+                                   f"({type(exc).__name__}: {short(exc)}), prompt-group "
+                                   f"groups {sorted(nemo.prompt_groups())}")
+                raise
+        self.log(f"the hand-over continues {len(plan.restored_gym_episodes)} rollout(s), "
+                 f"drops {len(plan.dropped)} ({len(plan.abandoned)} of abandoned groups)")
+        self.check.check_hand_over(nemo, saved, plan)
+        # What the checkers compare with the snapshot: every restored session, handed
+        # over or retired (the owners are the instances).
+        return NemoRestore(frozenset(plan.restored_gym_episodes | plan.dropped),
+                           frozenset(plan.dropped))
+
+    def _restore_given_up(self) -> None:
+        """RL gave its restore up: a NeMo RL job starts again with nothing (not a ledger
+        a failed attempt half loaded)."""
+        if self.s.nemo is not None:
+            self.s.nemo = self._new_nemo()
+
+    def _new_nemo(self) -> NemoRL:
+        return NemoRL(self.plan, self._ids, self.now, self.log)
+
+    async def _apply_nemo_restore(self) -> None:
+        """RL after its restore: the loaded groups' prompts bound again, the published
+        groups trained in time, fresh attempts for the dropped siblings; then which
+        attempts start and which continue."""
+        nemo = self.s.nemo
+        assert nemo is not None
+        await nemo.bind_prompts()
+        for group_id in sorted(nemo.published.groups):
+            after = self.plan.nemo_groups[NemoRL.plan_index(group_id)].train_after
+            nemo.train_later(group_id, after or 0.0)
+        await nemo.retry_dropped()
+        self._restart, self._continue = nemo.to_run(self._homes)
 
     def _apply_restore(self, saved: Saved, restored: Any,
                        results: tuple[FinishedRollout, ...]) -> None:
@@ -474,6 +580,14 @@ class Workload(Part):
             worker = self.world.new_actor("worker", f"worker-{info.instance_id}",
                                           info.node_id)
             self.s.workers[info.instance_id] = worker
+        if fresh and self.s.nemo is not None:  # a group per rollout of a node
+            self._restart = []
+            self._homes = sorted(info.instance_id for info in infos)
+            if self._homes:  # none found (all dying at the start): RL reserves nothing
+                await self.s.nemo.reserve(len(self._homes))
+            for instance, ep in self.s.nemo.to_run(self._homes)[0]:
+                self._spawn_rollout(instance, ep, 0, True)
+            return
         if fresh:
             self._restart = []
             for info in infos:
@@ -483,8 +597,11 @@ class Workload(Part):
             return
         assert restored is not None
         sessions = await self.s.live_sessions()
-        for instance, rollout_id, attempt in sorted(restored.continued_attempts):
-            ep = Ep(rollout_id, attempt + 1)
+        continued = self._continue if self.s.nemo is not None else [
+            (instance, Ep(rollout_id, attempt + 1))
+            for instance, rollout_id, attempt in sorted(restored.continued_attempts)]
+        self._continue = []
+        for instance, ep in continued:
             turns = next((len(s.turns) for s in sessions.get(instance, [])
                           if s.episode == ep), 0)
             self._spawn_rollout(instance, ep, turns, False)
@@ -518,15 +635,21 @@ class Workload(Part):
             if handle is None:
                 return
             client = SessionClient(handle, transport)
+            nemo = self.s.nemo
+            if nemo is not None and not await nemo.dispatch(instance, ep):
+                self.log(f"rollout {ep.capture_key}: RL's ledger moved on from it")
+                return
             if self.plan.adapted:
                 await self._adapted_rollout(client, instance, ep, fresh)
                 return
-            if fresh:
+            if fresh and nemo is None:
                 await self.s.rl.dispatch(instance, ep)
+            if fresh:
                 directory = None
                 if self.sandbox_root is not None:
                     # A worker's own name for it: a long id is not a file name here.
-                    directory = self.sandbox_root / "work" / ep.capture_key[:64]
+                    directory = self.sandbox_root / "work" / (
+                        ep.capture_key[:64] if nemo is None else ep.capture_key[-64:])
                     shutil.rmtree(directory, ignore_errors=True)
                     directory.mkdir(parents=True)
                     (directory / "state").write_bytes(f"{ep.rollout_id}:0".encode())
@@ -538,6 +661,9 @@ class Workload(Part):
                 await self._retried(f"turn {t} of {ep.capture_key}",
                                     functools.partial(self._turn, client, ep, t))
                 await asyncio.sleep(self.rng.uniform(0.0, 0.2))
+            if nemo is not None:
+                await self._closed(nemo, client, instance, ep)
+                return
             final = await self._retried(f"finish of {ep.capture_key}", lambda: client.finish(
                 ep, f"{ep.rollout_id}:done".encode()))  # the receipt
             self.check.check_turns_once(final, "as handed in")
@@ -545,6 +671,73 @@ class Workload(Part):
         except Exception as exc:
             self.log(f"rollout {ep.capture_key} gives up: {type(exc).__name__}: {short(exc)}")
             self.check.check_error_kind(exc, f"a session call of {ep.capture_key}")
+            if self.s.nemo is not None and not self.stop:
+                await self._nemo_failed(self.s.nemo, ep)
+
+    async def _closed(self, nemo: NemoRL, client: SessionClient, instance: str, ep: Ep
+                      ) -> None:
+        """NeMo Gym's end of a rollout: its session closed (NeMo RL never acknowledges
+        a result), its reply on its way to RL, which seals it later (or its drain, before
+        a cut). Closed once: a close whose answer was lost is a failed rollout."""
+        final = await client.close(ep)
+        self.check.check_turns_once(final, "as closed")
+        nemo.deliver(instance, ep, tuple(sorted(final.staging_keys)),
+                     self.rng.uniform(0.0, self.plan.seal_delay))
+
+    async def _nemo_failed(self, nemo: NemoRL, ep: Ep) -> None:
+        """RL's answer to a rollout that failed live: its group's unsealed work abandoned
+        as its granularity says and retried; the dropped sessions retired
+        (``retire_dropped``), then the fresh attempts started."""
+        if self._retries <= 0 or not await nemo.fail(ep):
+            return
+        self._retries -= 1
+        self.log(f"RL abandons the unsealed work of {ep.capture_key}'s group, retries it")
+        await self._retire_dropped(nemo)
+        if self.stop or self.s.nemo is not nemo:
+            return
+        for instance, fresh in nemo.to_run(self._homes)[0]:
+            if fresh.capture_key not in self.s.rollout_tasks:
+                self._spawn_rollout(instance, fresh, 0, True)
+
+    async def _retire_dropped(self, nemo: NemoRL) -> None:
+        """The integration's ``retire_dropped()`` from the live driver; the sessions of
+        dropped rollouts held before it must be gone after it."""
+        driver = self.s.driver
+        if driver is None or not driver.actor.alive:
+            return
+        env = nemo.integration(driver.ckpt)
+        dropped = nemo.dropped()
+        try:
+            before = await self.s.live_sessions()
+        except Exception:  # a holder died as it was asked: nothing to compare with
+            return
+        holders = frozenset(self.world.live(HOLDER))
+        try:
+            sent = await self.world.spawn(driver.actor, env.retire_dropped())
+        except Exception as exc:
+            self.log(f"retire_dropped failed: {type(exc).__name__}: {short(exc)}")
+            self.check.check_error_kind(exc, "retire_dropped")
+            return
+        self.log(f"retire_dropped retired {len(sent)} episode(s)")
+        for _, rid, att in sent:
+            self._retired_to.setdefault((rid, att), holders)
+        try:
+            after = await self.s.live_sessions()
+        except Exception:
+            return
+        # A holder started after an episode was first retired never got that retirement
+        # (the backend's retire does not reach a successor; the report of issue 52's
+        # simulation names it): its late-opened session is not the integration's miss.
+        live = {a.name: a for a in self.world.live(HOLDER)}
+        self.check.check_retired(dropped, before, after, lambda instance, rid, att: (
+            (rid, att) in self._retired_to and instance in live
+            and live[instance] not in self._retired_to[(rid, att)]))
+
+    async def _write_row(self, key: str) -> None:
+        if self.s.nemo is not None:
+            await self.s.nemo.write_row(key)
+        else:
+            await self.s.rl.write_row(key)
 
     async def _retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """``call()``, run again as a worker following the docs does while its error's
@@ -567,7 +760,7 @@ class Workload(Part):
         async with client.turn(ep) as turn:
             await asyncio.sleep(self.rng.uniform(0.05, 0.6))
             key = f"{ep.capture_key}/row{t}"
-            await self.s.rl.write_row(key)
+            await self._write_row(key)
             state = f"{ep.rollout_id}:{t + 1}".encode()
             if turn.directory is not None:
                 # A retry after an aborted turn: the environment undoes what that turn
@@ -587,11 +780,12 @@ class Workload(Part):
         async def staging(turn: int) -> list[str]:
             await asyncio.sleep(self.rng.uniform(0.05, 0.6))  # the model's time, in the turn
             key = f"{ep.capture_key}/row{turn}"
-            await self.s.rl.write_row(key)
+            await self._write_row(key)
             return [key]
 
         if fresh:
-            await self.s.rl.dispatch(instance, ep)
+            if self.s.nemo is None:
+                await self.s.rl.dispatch(instance, ep)
             rollout = await AdaptedRollout.start(client, ep, framework, framework.prompt,
                                                  staging=staging)
         else:
@@ -610,6 +804,10 @@ class Workload(Part):
             await rollout.step(policy(ep.rollout_id, len(rollout.records)), staging)
             await asyncio.sleep(self.rng.uniform(0.0, 0.2))
         self.check.check_adapted_rollout(ep, rollout, reference(framework), "finished")
+        if self.s.nemo is not None:
+            rollout.close()
+            await self._closed(self.s.nemo, client, instance, ep)
+            return
         await rollout.finish()  # the receipt
         await self._finish(instance, ep)
 
