@@ -185,6 +185,15 @@ class Faults(Part):
         self._install_reply_loss()
         self._install_slow_open()
 
+    def withdraw(self) -> None:
+        """The process-wide hooks (``DiskFaults``, ``HostileSandbox``) off at the schedule's
+        end: the wrappers stay installed, but act for no one until the next schedule, so a
+        test that runs after schedules in the same process scans and writes for real."""
+        if DiskFaults.active is self:
+            DiskFaults.active = None
+        if HostileSandbox.active is self:
+            HostileSandbox.active = None
+
     # --- at a message or a file operation (the world's hooks): the planned triggers -------
 
     def on_deliver(self, target: SimActor, method: str, args: tuple[Any, ...]) -> None:

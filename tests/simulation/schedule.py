@@ -60,6 +60,7 @@ class Schedule:
             with contextlib.suppress(Exception):
                 loop.run_until_complete(asyncio.sleep(0))
             loop.close()
+            self.inject.withdraw()
             for actor in s.world.actors:  # their finished tasks: free them now
                 actor.tasks.clear()
                 actor.inbox.clear()

@@ -446,3 +446,27 @@ def test_a_restore_that_hands_over_a_prompt_group_is_caught(
         g.granularity == "prompt_group" and g.level == "turn"
         for g in simulation.Plan.make(s).nemo_groups)]
     assert _case_shown("52.1 a restore failed whole for a prompt-group group", seeds)
+
+
+def test_a_scan_after_a_hostile_schedule_in_the_same_process_reads_every_file_as_it_is(
+        tmp_path: Path) -> None:
+    """A schedule's hostile sandbox process and faulty disk act inside that schedule
+    alone: a scan that a later test makes in the same pytest worker sees its files
+    unswapped (they once turned into FIFOs and links in tests/trees/)."""
+    from nemo_ckpt.trees.node_cache import BlobCache
+    from nemo_ckpt.trees.scan import scan
+    from tests.simulation.plan import Plan
+
+    seed = next(s for s in range(1000) if Plan.make(s).hostile and Plan.make(s).sandboxes)
+    simulation.run_one(seed)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for i in range(60):  # each would be swapped with chance Plan.hostile (a tenth)
+        (tree / f"f{i}.txt").write_text(f"file {i}\n")
+    cache = BlobCache(tmp_path / "cache")
+    recorded = scan(tree, None, cache.store).tree()
+    assert sorted(recorded) == sorted(f"f{i}.txt" for i in range(60))
+    assert [cache.read(recorded[f"f{i}.txt"].data) for i in range(60)] == [
+        f"file {i}\n".encode() for i in range(60)]
+    assert all(not p.is_symlink() and p.read_text() == f"file {p.stem[1:]}\n"
+               for p in tree.iterdir())
