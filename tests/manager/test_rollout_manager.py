@@ -29,6 +29,7 @@ from nemo_ckpt.testing.nemo_rl import (
     STATE_FILE,
     DataPlaneCheckpointBarrier,
     NemoRlState,
+    RecoveryGranularity,
     RecoveryTargetLevel,
 )
 from tests.harness import World
@@ -64,14 +65,15 @@ class Job:
             self.env, self.barrier, self.rl, RolloutCheckpointConfig(**settings),
             clock=self.clock, **overrides)
 
-    async def rollout(self, group: str, owner: str, turns: int) -> Ep:
+    async def rollout(self, group: str, owner: str, turns: int,
+                      granularity: RecoveryGranularity = RecoveryGranularity.SIBLING) -> Ep:
         async with self.barrier.mutation() as cut:
             # The dataset's index of the group's prompt: any stable integer per group.
             prompt = int(hashlib.sha256(group.encode()).hexdigest()[:8], 16)
             record = self.rl.ledger.reserve_group(
                 cut, group_id=group, prompt_id=str(prompt), prompt_payload={"idx": prompt},
                 expected_generations=1, target_step=1, start_weight_version=0,
-                restore_level=RecoveryTargetLevel.TURN)
+                recovery_granularity=granularity, restore_level=RecoveryTargetLevel.TURN)
             self.rl.ledger.mark_group_dispatched(cut, group, gym_instance_id=owner)
         ep = Ep(*record.gym_episode(0))
         client = await self.world.client(OWNERS[owner])
