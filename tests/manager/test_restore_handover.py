@@ -23,7 +23,7 @@ from nemo_ckpt.manager.restoring import hand_over
 from nemo_ckpt.storage.shards import RolloutIndexEntry
 from nemo_ckpt.testing.nemo_rl import RecoveryGranularity
 from tests.harness import World
-from tests.manager.test_rollout_manager import Job
+from tests.manager.test_rollout_manager import Job, damage_a_shard
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -38,10 +38,7 @@ def test_restore_returns_each_continued_rollouts_episode_owner_instance_and_turn
         eps = {"g0": await job.rollout("g0", "replica-0", 2),
                "g1": await job.rollout("g1", "replica-1", 3)}
         taken = await job.manager.snapshot()
-        rooted_world.ckpt.shutdown()
-        await rooted_world.ckpt.ensure_holders()
-        fresh = Job(rooted_world, root)
-        handover = await fresh.manager.restore()
+        handover = await (await job.crashed()).manager.restore()
         assert handover is not None
         # The worker takes its next turn on the episode handed over, where it says.
         first = handover.continued_by_id()[eps["g1"].rollout_id]
@@ -77,9 +74,7 @@ def test_a_prompt_group_groups_rollout_starts_over_as_abandoned_with_its_group(
                "g1": await job.rollout("g1", "replica-1", 1,
                                        RecoveryGranularity.PROMPT_GROUP)}
         await job.manager.snapshot()
-        rooted_world.ckpt.shutdown()
-        await rooted_world.ckpt.ensure_holders()
-        handover = await job.restarted().manager.restore()
+        handover = await (await job.crashed()).manager.restore()
         held = await (await rooted_world.client("holder-1")).sessions()
         return eps, handover, held
 
@@ -101,17 +96,9 @@ def test_latest_passes_over_a_damaged_newer_snapshot_and_the_hand_over_names_it(
 
     async def scenario() -> tuple[Any, Any, Any]:
         await rooted_world.ckpt.ensure_holders()
-        ep = await job.rollout("g0", "replica-0", 1)
-        older = await job.manager.snapshot()
-        await job.turn("replica-0", ep, 1)
-        newer = await job.manager.snapshot()
-        assert older is not None and newer is not None
-        shard = next(p for p in (Path(newer.path) / "environment").iterdir()
-                     if p.name != "manifest.json")
-        shard.write_bytes(b"\0" * shard.stat().st_size)  # it no longer verifies
-        rooted_world.ckpt.shutdown()
-        await rooted_world.ckpt.ensure_holders()
-        return older, newer, await job.restarted().manager.restore()
+        _, older, newer = await job.two_snapshots("g0")
+        damage_a_shard(newer)
+        return older, newer, await (await job.crashed()).manager.restore()
 
     with caplog.at_level(logging.INFO, logger="nemo_ckpt"):
         older, newer, handover = rooted_world.run(scenario())
