@@ -7,7 +7,9 @@ attempt RL had retired (simulation seed 800362). So the coordinator records each
 ``retire`` and ``forget`` here, under the same rule and bound as a holder's
 (``CheckpointConfig.max_retired_marks``, the oldest going first), and starts each holder
 with them (``actors.coordinator.holders.HolderRegistry.create``): a successor refuses
-what its predecessor would have.
+what its predecessor would have. Like the rest of the coordinator's state they live as
+long as the coordinator: one that replaces a dead coordinator starts with none (the
+holders alive keep theirs).
 """
 
 from __future__ import annotations
