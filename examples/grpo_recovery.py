@@ -47,6 +47,7 @@ from typing import Any
 from nemo_ckpt import (
     CheckpointConfig,
     RayEnvironmentCheckpoint,
+    RlFiles,
     RolloutCheckpointConfig,
     RolloutCheckpointManager,
     SessionClient,
@@ -54,7 +55,6 @@ from nemo_ckpt import (
 )
 from nemo_ckpt.integrations.nemo_rl import NemoRlEnvironmentCheckpoint
 from nemo_ckpt.interfaces import EnvironmentEpisode, RestoredEnvironmentRollouts
-from nemo_ckpt.storage.checkpoint_folder import folder_at
 from nemo_ckpt.testing.nemo_rl import (
     DataPlaneCheckpointBarrier,
     DataPlaneMutationCut,
@@ -75,6 +75,7 @@ CHECKPOINT_EVERY = 2  # trainer steps
 AHEAD = 2  # trainer steps of prompts dispatched ahead of the trainer
 REPLICAS = ("tools/replica-0", "tools/replica-1")
 CONTROLLER_FILE = "controller.json"
+CONTROLLER_MAX_BYTES = 4096  # {"next_prompt": n}: anything larger is not the controller's
 
 
 class Crash(BaseException):
@@ -113,16 +114,22 @@ class Controller(NemoRlState):
         self.on_save: Callable[[], None] = lambda: None
         self.on_remove: Callable[[str], None] = lambda path: None
 
+    def files(self, path: str) -> RlFiles:
+        """The controller's own files in a snapshot's path (a folder or a bucket),
+        written and read as the job's checkpoint runs file work."""
+        return RlFiles(path, run_blocking=self.integration.run_blocking)
+
     async def save(self, cut: DataPlaneMutationCut, path: str) -> None:
         self.on_save()
         await super().save(cut, path)
-        data = json.dumps({"next_prompt": self.next_prompt}).encode()
-        await self._blocking(folder_at(path).write_bytes, CONTROLLER_FILE, data)
+        await self.files(path).write_json_async(CONTROLLER_FILE,
+                                                {"next_prompt": self.next_prompt})
 
     async def restore(self, path: str, restored: RestoredEnvironmentRollouts) -> None:
         await super().restore(path, restored)
-        raw = await self._blocking(folder_at(path).read, CONTROLLER_FILE)
-        self.next_prompt = int(json.loads(raw)["next_prompt"])
+        saved = await self.files(path).read_json_async(CONTROLLER_FILE,
+                                                       max_bytes=CONTROLLER_MAX_BYTES)
+        self.next_prompt = int(saved["next_prompt"])
         # The loaded ledger names its prompts only: bind them again from the dataset.
         async with self.barrier.mutation("recovery_restore") as cut:
             for record in self.ledger.groups():
@@ -132,9 +139,7 @@ class Controller(NemoRlState):
     async def remove(self, path: str) -> None:
         self.on_remove(path)
         await super().remove(path)
-        folder = folder_at(path)
-        if CONTROLLER_FILE in await self._blocking(folder.names):
-            await self._blocking(folder.remove, [CONTROLLER_FILE])
+        await self.files(path).remove_async([CONTROLLER_FILE])  # none there: no error
 
 
 @dataclass
@@ -325,12 +330,10 @@ class Life:
         await self.manager.trainer_checkpoint_saved(self.step)
 
     def _write_trainer(self) -> str:
-        folder = folder_at(self.root / "trainer")
-        folder.prepare()
+        folder = RlFiles(self.root / "trainer")
         name = f"step-{self.step:04d}.json"
-        folder.write_bytes(name, json.dumps({
-            "step": self.step, "weights": self.weights.hex(),
-            "trained": self.trained}).encode())
+        folder.write_json(name, {"step": self.step, "weights": self.weights.hex(),
+                                 "trained": self.trained})
         return folder.describe(name)
 
     async def _preempted(self) -> None:

@@ -185,8 +185,9 @@ class CheckpointConfig(BaseModel):
     max_retired_marks: int = Field(
         100_000, gt=0,
         description="Retire marks a holder keeps (one per retired rollout, until RL "
-                    "forgets it); beyond this the oldest go, and a zombie worker of that "
-                    "rollout could open it again.")
+                    "forgets it), and the coordinator for the holders it starts; beyond "
+                    "this the oldest go, and a zombie worker of that rollout could open "
+                    "it again.")
 
     @model_validator(mode="after")
     def _roots_are_absolute(self) -> CheckpointConfig:

@@ -42,6 +42,7 @@ from actors.coordinator.lifecycle import OperationLifecycle
 from actors.coordinator.operation_table import OperationTable
 from actors.coordinator.parts import CoordinatorParts
 from actors.coordinator.restore import RestoreHolds, Restores
+from actors.coordinator.retire_marks import RetireMarks
 from actors.coordinator.snapshot import SnapshotHolds, Snapshots
 from nemo_ckpt import tracing
 from nemo_ckpt.config import (
@@ -127,7 +128,8 @@ class CheckpointCoordinator:
             config=config, transport=transport, operations=operations,
             holders=HolderRegistry(transport, lambda: self._config.phase_timeout_s,
                                    lambda: holder_options(self._config),
-                                   lambda: self._config.relay_min_holders),
+                                   lambda: self._config.relay_min_holders,
+                                   RetireMarks(lambda: self._config.max_retired_marks)),
             folders=ClaimedFolders(self._runtime, self._owner, self._incarnation,
                                    claim_watch, lambda: self._parts.claim_ttl),
             blobs=BlobCollector(

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from actors.coordinator.restore_plan import place_instances
+from actors.coordinator.retire_marks import RetireMarks
 from nemo_ckpt.errors import BackendUnavailableError, aggregate
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
 from nemo_ckpt.protocol.calls import Call
@@ -83,7 +84,8 @@ class HolderRegistry:
 
     def __init__(self, transport: Transport, timeout: Callable[[], float],
                  options: Callable[[], dict[str, Any]],
-                 relay_min: Callable[[], int] = lambda: 128) -> None:
+                 relay_min: Callable[[], int] = lambda: 128,
+                 marks: RetireMarks | None = None) -> None:
         self._transport = transport
         self._clock = transport.runtime.clock
         self._timeout = timeout  # a control call's timeout (the config may be adopted)
@@ -94,6 +96,8 @@ class HolderRegistry:
         self.lock = asyncio.Lock()  # placement: one discovery or creation at a time
         self._relay_min = relay_min  # holders from which fan and send go through relays
         self._relays: dict[str, Actor] = {}  # node id -> the relay made there
+        # RL's retire marks (``Ledger`` records them): every holder made starts with them.
+        self.marks = marks if marks is not None else RetireMarks(lambda: 100_000)
 
     @property
     def handles(self) -> dict[str, Actor]:
@@ -291,8 +295,27 @@ class HolderRegistry:
                                     return_exceptions=True)
 
     async def create(self, instance_id: str, node_id: str) -> HolderInfo:
-        handle = self._transport.create_holder(instance_id, node_id, self._options())
-        info = await holder_calls(self._transport, handle, self._timeout()).info()
+        """Start the holder of ``instance_id`` on ``node_id`` with RL's retire marks (a
+        worker's open retried across its predecessor's death must find the attempts RL
+        retired refused), and know it once it holds every mark recorded meanwhile."""
+        given = self.marks.now()
+        handle = self._transport.create_holder(instance_id, node_id,
+                                               {**self._options(), "retired": given})
+        calls = holder_calls(self._transport, handle, self._timeout())
+        info = await calls.info()
+        # A retire or forget while it started went to the holders known then, not to
+        # it: it gets them now, until none came meanwhile; known from then on (no await
+        # between the last look and ``_holders``), it gets every later one.
+        while True:
+            now = self.marks.now()
+            retire, forget = RetireMarks.since(given, now)
+            if not retire and not forget:
+                break
+            if retire:
+                await calls.retire(retire)
+            if forget:
+                await calls.forget(forget)
+            given = now
         self._holders[instance_id] = handle
         self._nodes[instance_id] = info.node_id
         log.info("created holder %s on node %s", instance_id, node_id)

@@ -22,11 +22,15 @@ class Ledger:
         self._holders = holders
 
     async def retire(self, episodes: list[EnvironmentEpisode]) -> list[str]:
-        """Retire these attempts on every holder; returns the capture keys dropped."""
+        """Retire these attempts on every holder, and on every holder started later
+        (the marks are kept: ``RetireMarks``); returns the capture keys dropped."""
+        self._holders.marks.retire(episodes)  # first: a holder started from now has them
         return await self._on_every_holder(call(HolderControl.retire, episodes))
 
     async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
-        """Forget these attempts on every holder; returns the capture keys dropped."""
+        """Forget these attempts on every holder, and for every holder started later;
+        returns the capture keys dropped."""
+        self._holders.marks.forget(episodes)
         return await self._on_every_holder(call(HolderControl.forget, episodes))
 
     def _require_registered(self, what: str) -> None:

@@ -108,7 +108,10 @@ class SessionHolder:
         tree_budget: TreeBudget | None = None,
         container_env: dict[str, str] | None = None,
         trace_file: str | None = None,
+        retired: dict[str, int] | None = None,
     ) -> None:
+        # ``retired``: RL's retire marks so far (rollout id -> highest attempt retired),
+        # from the coordinator that starts this holder; not an option of the job's.
         self.instance_id = instance_id
         self.node_id = node_id
         self._options: dict[str, Any] = {
@@ -134,7 +137,8 @@ class SessionHolder:
         self._sessions_published: int | None = None  # what the gauge says now
         self._parts = HolderParts(
             instance_id=instance_id, runtime=runtime,
-            table=SessionTable(instance_id), gate=TurnGate(instance_id, max_retired_marks),
+            table=SessionTable(instance_id),
+            gate=TurnGate(instance_id, max_retired_marks, retired=retired),
             sandboxes=Sandboxes(instance_id, sandbox_root, blob_root, namespace,
                                 sandbox_limits, sandbox_restore_setid, tree_budget,
                                 container_env),

@@ -33,7 +33,8 @@ class TurnGate:
     """Turns in flight, keyed by capture key, behind one gate."""
 
     def __init__(self, instance_id: str, max_retired_marks: int,
-                 max_aborted_tokens: int = ABORTED_TOKENS) -> None:
+                 max_aborted_tokens: int = ABORTED_TOKENS,
+                 retired: dict[str, int] | None = None) -> None:
         self.instance_id = instance_id
         self._open = asyncio.Event()
         self._open.set()
@@ -44,9 +45,11 @@ class TurnGate:
         self._timed_out: OrderedDict[str, float] = OrderedDict()  # token -> timeout
         self._max_aborted = max_aborted_tokens
         # Monotone as NeMo Gym's: rollout id -> the highest attempt retired; every
-        # attempt up to it is refused until RL forgets it.
-        self._retired: OrderedDict[str, int] = OrderedDict()
+        # attempt up to it is refused until RL forgets it. A holder started after
+        # others starts with the coordinator's copy (``retired``, oldest first).
+        self._retired: OrderedDict[str, int] = OrderedDict(retired or {})
         self._max_retired = max_retired_marks
+        self.bound_marks()
 
     # --- the gate ----------------------------------------------------------------------
 

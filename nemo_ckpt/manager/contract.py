@@ -44,8 +44,8 @@ class RlPlan(Protocol):
     """What RL's ledger made of a restore's hand-over, as ``RlHalf.restore`` may return
     it (``nemo_ckpt.integrations.nemo_rl.RestartPlan`` is one); the manager's
     ``RestoreHandover`` is made from it. ``dropped`` (``(instance_id, rollout_id,
-    attempt)``) and ``vanished`` (``(owner_id, rollout_id, attempt)``) are read when the
-    plan has them."""
+    attempt)``), ``vanished`` and ``abandoned`` (``(owner_id, rollout_id, attempt)``) are
+    read when the plan has them."""
 
     @property
     def restored_gym_episodes(self) -> frozenset[tuple[str, str, int]]:

@@ -16,13 +16,17 @@ from nemo_ckpt.manager.contract import ManagedSnapshot
 __all__ = ["RESTART_REASONS", "ContinuedRollout", "RestartReason", "RestartedRollout",
            "RestoreHandover"]
 
-RestartReason = Literal["not_continued_by_rl", "owner_gone"]
+RestartReason = Literal["not_continued_by_rl", "abandoned_by_rl_group", "owner_gone"]
 
 # Each reason a rollout starts over, in words a log line uses.
 RESTART_REASONS: dict[RestartReason, str] = {
     "not_continued_by_rl": "captured, but RL's ledger does not continue it on its "
-                           "instance (a group RL restarts whole, a sealed or dropped "
-                           "attempt, or its owner now maps to another instance)",
+                           "instance (a group RL does not restore turn by turn, a sealed "
+                           "or dropped attempt, or its owner now maps to another "
+                           "instance)",
+    "abandoned_by_rl_group": "captured, but RL's ledger abandons its whole group at the "
+                             "restore (PROMPT_GROUP granularity): the group starts over "
+                             "and this session was retired",
     "owner_gone": "RL's ledger gives it to an owner this job no longer has (owners=)",
 }
 

@@ -13,7 +13,12 @@ from nemo_ckpt.catalog.verification import verify_snapshot
 from nemo_ckpt.errors import SnapshotNotFoundError
 from nemo_ckpt.interfaces import RestoredEnvironmentRollouts
 from nemo_ckpt.manager.contract import ManagedSnapshot, RlPlan
-from nemo_ckpt.manager.handover import ContinuedRollout, RestartedRollout, RestoreHandover
+from nemo_ckpt.manager.handover import (
+    ContinuedRollout,
+    RestartedRollout,
+    RestartReason,
+    RestoreHandover,
+)
 from nemo_ckpt.storage.shards import RolloutIndexEntry
 
 __all__ = ["choose", "hand_over", "passed_over_line"]
@@ -93,19 +98,22 @@ def hand_over(chosen: ManagedSnapshot, restored: RestoredEnvironmentRollouts,
               dropped: str | None) -> RestoreHandover:
     """The hand-over of a restore of ``chosen``: the rollouts RL's ``plan`` continues
     (``restored`` as given when RL returned none), with their turns from the snapshot's
-    index (``captured``) and their instance by ``owners``; those the plan drops or
-    finds without an owner; the rows kept."""
+    index (``captured``) and their instance by ``owners``; those the plan drops (its
+    ``abandoned``: with their group) or finds without an owner; the rows kept."""
     entries = {(e.rollout_id, e.attempt): e for e in captured}
     if plan is None:
         triples = frozenset(restored.continued_attempts)
         kept = frozenset(restored.staging_keys)
         not_continued: frozenset[tuple[str, str, int]] = frozenset()
         vanished: frozenset[tuple[str, str, int]] = frozenset()
+        abandoned: frozenset[tuple[str, int]] = frozenset()
     else:
         triples = frozenset(plan.restored_gym_episodes)
         kept = frozenset(plan.keep_staging_keys)
         not_continued = frozenset(getattr(plan, "dropped", ()) or ())
         vanished = frozenset(getattr(plan, "vanished", ()) or ())
+        abandoned = frozenset((rid, att) for _, rid, att in
+                              getattr(plan, "abandoned", ()) or ())
     continued = []
     for owner, rid, att in sorted(triples):
         entry = entries.get((rid, att))
@@ -116,8 +124,9 @@ def hand_over(chosen: ManagedSnapshot, restored: RestoredEnvironmentRollouts,
     for owner, rid, att in sorted(vanished):
         restarted[(rid, att)] = RestartedRollout(rid, att, owner, "owner_gone")
     for instance, rid, att in sorted(not_continued):
-        restarted.setdefault((rid, att), RestartedRollout(rid, att, instance,
-                                                          "not_continued_by_rl"))
+        reason: RestartReason = "abandoned_by_rl_group" if (rid, att) in abandoned \
+            else "not_continued_by_rl"
+        restarted.setdefault((rid, att), RestartedRollout(rid, att, instance, reason))
     return RestoreHandover(chosen, tuple(continued),
                            tuple(sorted(restarted.values(), key=lambda r: r.rollout_id)),
                            kept, passed_over, dropped)

@@ -5,6 +5,7 @@ and its command line starts a Ray instance of its own beside another one."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -23,6 +24,28 @@ EXAMPLE = load_example("grpo_recovery")
 
 
 REFERENCE: list[Any] = []  # the crash-free run, made once for every crash point
+
+# What a NeMo RL job may import of nemo-ckpt: the package's public names, the
+# integration, the contract's types, and the double that stands in for NeMo RL here.
+PUBLIC_MODULES = {"nemo_ckpt", "nemo_ckpt.integrations.nemo_rl", "nemo_ckpt.interfaces",
+                  "nemo_ckpt.testing.nemo_rl"}
+
+
+def test_the_example_keeps_rls_files_through_public_names_only() -> None:
+    """A user copies the example's controller: it writes and reads RL's own files in a
+    snapshot's path with ``RlFiles``, not nemo-ckpt's internal folders
+    (``nemo_ckpt.storage``) or a base class's private helper (``_blocking``)."""
+    tree = ast.parse((ROOT / "examples" / "grpo_recovery.py").read_text())
+    imported = {node.module for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module
+                and node.module.split(".")[0] == "nemo_ckpt"}
+    assert imported <= PUBLIC_MODULES, sorted(imported - PUBLIC_MODULES)
+    inherited = sorted({node.attr for node in ast.walk(tree)
+                        if isinstance(node, ast.Attribute) and node.attr == "_blocking"})
+    assert inherited == []
+    assert "RlFiles" in {alias.name for node in ast.walk(tree)
+                         if isinstance(node, ast.ImportFrom) and node.module == "nemo_ckpt"
+                         for alias in node.names}
 
 
 @pytest.mark.timeout(240)

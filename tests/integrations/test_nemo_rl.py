@@ -104,6 +104,13 @@ class Job:
                 prompt = int(record.prompt_id)
                 self.ledger.bind_runtime_prompt(cut, record.group_id, {"idx": prompt})
 
+    async def restart(self) -> None:
+        """The job crashes (its actors with it); a new one starts holders and loads RL's
+        ledger and staging as last saved (``load``)."""
+        self.world.ckpt.shutdown()
+        await self.world.ckpt.ensure_holders()
+        await self.load()
+
     async def snapshot(self, path: Path, **kwargs: Any) -> dict[str, Any]:
         """The seed's call order, verbatim, with NeMo RL's cut; RL's half saved too."""
         async with self.env.snapshot(path, **kwargs) as snapshot:
@@ -178,9 +185,7 @@ def test_a_restore_continues_turn_level_rollouts_on_their_owners_and_drops_the_r
         await job.seal("tools/replica-0", "g1", 1, g1[1])
         await job.snapshot(path)
         # The job crashes; a new one loads RL's ledger and staging, then restores.
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
-        await job.load()
+        await job.restart()
         async with job.env.restored(path) as restored:
             async with job.barrier.checkpoint() as cut:
                 plan = await job.env.prepare_for_restart(cut, restored)
@@ -230,9 +235,7 @@ def test_a_restore_onto_one_replica_fewer_starts_the_vanished_owners_rollouts_ov
             await job.turn("tools/replica-2", g3[0], n)
         await job.snapshot(path)
         # The job crashes; the new one runs one Gym replica fewer: tools/replica-2 is gone.
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
-        await job.load()
+        await job.restart()
         fewer = {o: i for o, i in OWNERS.items() if o != "tools/replica-2"}
         env = NemoRlEnvironmentCheckpoint(world.ckpt, ledger=lambda: job.ledger,
                                           staging=job.staging.list_keys, owners=fewer)
@@ -286,9 +289,7 @@ def test_a_snapshot_and_a_restore_with_a_deadline_log_no_tracing_context_error(
         eps = await job.dispatch("g1", "tools/replica-0", generations=1)
         await job.turn("tools/replica-0", eps[0], 0)
         await job.snapshot(path, timeout_s=30.0)
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
-        await job.load()
+        await job.restart()
         async with job.env.restored(path, timeout_s=30.0) as restored:
             async with job.barrier.checkpoint() as cut:
                 await job.env.prepare_for_restart(cut, restored)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,6 +52,21 @@ async def _held(world: World, instance: str) -> set[str]:
     return {r.episode.rollout_id for r in await (await world.client(instance)).sessions()}
 
 
+async def _prompt_group_beside_a_sibling_group(job: Job, path: Path
+                                               ) -> tuple[list[Ep], list[Ep]]:
+    """A turn each of g1 (two siblings, PROMPT_GROUP granularity) and g2 (one), both
+    on tools/replica-0 at TURN level, snapshotted at ``path``; then the job restarts."""
+    await job.world.ckpt.ensure_holders()
+    whole = await job.dispatch("g1", "tools/replica-0",
+                               granularity=RecoveryGranularity.PROMPT_GROUP)
+    single = await job.dispatch("g2", "tools/replica-0", generations=1)
+    for ep in (*whole, *single):
+        await job.turn("tools/replica-0", ep, 0)
+    await job.snapshot(path)
+    await job.restart()
+    return whole, single
+
+
 def test_a_restore_with_a_prompt_group_granularity_turn_level_group_succeeds_and_retires_it(
         world: World, caplog: pytest.LogCaptureFixture) -> None:
     """Point 1: the ledger abandons such a group whole and refused its sessions: the
@@ -59,16 +75,7 @@ def test_a_restore_with_a_prompt_group_granularity_turn_level_group_succeeds_and
     path = world.path("step-1")
 
     async def scenario() -> None:
-        await world.ckpt.ensure_holders()
-        whole = await job.dispatch("g1", "tools/replica-0",
-                                   granularity=RecoveryGranularity.PROMPT_GROUP)
-        single = await job.dispatch("g2", "tools/replica-0", generations=1)
-        for ep in (*whole, *single):
-            await job.turn("tools/replica-0", ep, 0)
-        await job.snapshot(path)
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
-        await job.load()
+        whole, single = await _prompt_group_beside_a_sibling_group(job, path)
         with caplog.at_level(logging.INFO, logger="nemo_ckpt"):
             async with job.env.restored(path) as restored:
                 async with job.barrier.checkpoint() as cut:
@@ -94,16 +101,7 @@ def test_a_restored_episode_the_ledger_refuses_is_retired_and_named_and_the_rest
     path = world.path("step-1")
 
     async def scenario() -> None:
-        await world.ckpt.ensure_holders()
-        whole = await job.dispatch("g1", "tools/replica-0",
-                                   granularity=RecoveryGranularity.PROMPT_GROUP)
-        single = await job.dispatch("g2", "tools/replica-0", generations=1)
-        for ep in (*whole, *single):
-            await job.turn("tools/replica-0", ep, 0)
-        await job.snapshot(path)
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
-        await job.load()
+        whole, single = await _prompt_group_beside_a_sibling_group(job, path)
         env = _env(job, ledger=lambda: _WithoutGroups(job.ledger))
         async with env.restored(path) as restored:
             async with job.barrier.checkpoint() as cut:
@@ -235,9 +233,7 @@ def test_a_restore_keeps_a_published_groups_staging_rows(world: World) -> None:
         await job.turn("tools/replica-0", running[0], 0)
         await _publish_g1(job, published)
         await job.snapshot(path)
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
-        await job.load()
+        await job.restart()
         async with job.env.restored(path) as restored:
             async with job.barrier.checkpoint() as cut:
                 plan = await job.env.prepare_for_restart(cut, restored)
@@ -292,9 +288,7 @@ def test_a_rollout_finished_but_not_sealed_at_the_snapshot_is_not_run_again(
             await job.turn("tools/replica-0", ep, 0)
         await wire.finish("g1", 0, eps[0])
         await job.snapshot(path)
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
-        await job.load()
+        await job.restart()
         async with job.env.restored(path) as restored:
             async with job.barrier.checkpoint() as cut:
                 plan = await job.env.prepare_for_restart(cut, restored)
@@ -343,9 +337,7 @@ def test_a_restore_past_its_deadline_logs_no_tracing_context_error(
         eps = await job.dispatch("g1", "tools/replica-0", generations=1)
         await job.turn("tools/replica-0", eps[0], 0)
         await job.snapshot(path, timeout_s=30.0)
-        world.ckpt.shutdown()
-        await world.ckpt.ensure_holders()
-        await job.load()
+        await job.restart()
         for delays in world.holder_delays().values():
             delays.set("prepare_restore", 5.0)
         async with job.env.restored(path, timeout_s=1.0):

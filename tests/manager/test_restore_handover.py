@@ -21,8 +21,9 @@ from nemo_ckpt import (
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.manager.restoring import hand_over
 from nemo_ckpt.storage.shards import RolloutIndexEntry
+from nemo_ckpt.testing.nemo_rl import RecoveryGranularity
 from tests.harness import World
-from tests.manager.test_rollout_manager import Job
+from tests.manager.test_rollout_manager import Job, damage_a_shard
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -37,10 +38,7 @@ def test_restore_returns_each_continued_rollouts_episode_owner_instance_and_turn
         eps = {"g0": await job.rollout("g0", "replica-0", 2),
                "g1": await job.rollout("g1", "replica-1", 3)}
         taken = await job.manager.snapshot()
-        rooted_world.ckpt.shutdown()
-        await rooted_world.ckpt.ensure_holders()
-        fresh = Job(rooted_world, root)
-        handover = await fresh.manager.restore()
+        handover = await (await job.crashed()).manager.restore()
         assert handover is not None
         # The worker takes its next turn on the episode handed over, where it says.
         first = handover.continued_by_id()[eps["g1"].rollout_id]
@@ -62,6 +60,35 @@ def test_restore_returns_each_continued_rollouts_episode_owner_instance_and_turn
         handover.continued = ()  # type: ignore[misc]
 
 
+def test_a_prompt_group_groups_rollout_starts_over_as_abandoned_with_its_group(
+        rooted_world: World) -> None:
+    """NeMo RL's ledger abandons a PROMPT_GROUP-granularity group whole at a restore: its
+    captured rollout is handed over as starting over for that reason, not as one RL
+    merely did not continue, and its session is retired."""
+    root = rooted_world.root / "ckpt"
+    job = Job(rooted_world, root)
+
+    async def scenario() -> tuple[dict[str, Ep], Any, list[Any]]:
+        await rooted_world.ckpt.ensure_holders()
+        eps = {"g0": await job.rollout("g0", "replica-0", 2),
+               "g1": await job.rollout("g1", "replica-1", 1,
+                                       RecoveryGranularity.PROMPT_GROUP)}
+        await job.manager.snapshot()
+        handover = await (await job.crashed()).manager.restore()
+        held = await (await rooted_world.client("holder-1")).sessions()
+        return eps, handover, held
+
+    eps, handover, held = rooted_world.run(scenario())
+    abandoned = eps["g1"]
+    assert [c.rollout_id for c in handover.continued] == [eps["g0"].rollout_id]
+    assert handover.restarted == (
+        RestartedRollout(abandoned.rollout_id, 0, "holder-1", "abandoned_by_rl_group"),)
+    assert handover.restarted[0].why == (
+        "captured, but RL's ledger abandons its whole group at the restore (PROMPT_GROUP "
+        "granularity): the group starts over and this session was retired")
+    assert held == []
+
+
 def test_latest_passes_over_a_damaged_newer_snapshot_and_the_hand_over_names_it(
         rooted_world: World, caplog: pytest.LogCaptureFixture) -> None:
     root = rooted_world.root / "ckpt"
@@ -69,17 +96,9 @@ def test_latest_passes_over_a_damaged_newer_snapshot_and_the_hand_over_names_it(
 
     async def scenario() -> tuple[Any, Any, Any]:
         await rooted_world.ckpt.ensure_holders()
-        ep = await job.rollout("g0", "replica-0", 1)
-        older = await job.manager.snapshot()
-        await job.turn("replica-0", ep, 1)
-        newer = await job.manager.snapshot()
-        assert older is not None and newer is not None
-        shard = next(p for p in (Path(newer.path) / "environment").iterdir()
-                     if p.name != "manifest.json")
-        shard.write_bytes(b"\0" * shard.stat().st_size)  # it no longer verifies
-        rooted_world.ckpt.shutdown()
-        await rooted_world.ckpt.ensure_holders()
-        return older, newer, await job.restarted().manager.restore()
+        _, older, newer = await job.two_snapshots("g0")
+        damage_a_shard(newer)
+        return older, newer, await (await job.crashed()).manager.restore()
 
     with caplog.at_level(logging.INFO, logger="nemo_ckpt"):
         older, newer, handover = rooted_world.run(scenario())
@@ -105,20 +124,24 @@ class Plan:
     keep_staging_keys: frozenset[str]
     dropped: frozenset[tuple[str, str, int]] = frozenset()
     vanished: frozenset[tuple[str, str, int]] = frozenset()
+    abandoned: frozenset[tuple[str, str, int]] = frozenset()
 
 
 def test_the_hand_over_names_why_each_other_rollout_starts_over() -> None:
     captured = [entry("holder-0", "r-kept", 0, 4), entry("holder-0", "r-dropped", 1, 2),
-                entry("holder-1", "r-gone", 0, 5)]
+                entry("holder-1", "r-gone", 0, 5), entry("holder-0", "r-group", 0, 3)]
     plan = Plan(frozenset({("tools/0", "r-kept", 0)}), frozenset({"r-kept/row0"}),
-                dropped=frozenset({("holder-0", "r-dropped", 1), ("holder-1", "r-gone", 0)}),
-                vanished=frozenset({("tools/9", "r-gone", 0)}))
+                dropped=frozenset({("holder-0", "r-dropped", 1), ("holder-1", "r-gone", 0),
+                                   ("holder-0", "r-group", 0)}),
+                vanished=frozenset({("tools/9", "r-gone", 0)}),
+                abandoned=frozenset({("tools/0", "r-group", 0)}))
     handover = hand_over(SNAP, RestoredEnvironmentRollouts(), plan, captured,
                          {"tools/0": "holder-0"}, (), None)
     assert handover.continued == (ContinuedRollout("r-kept", 1, "tools/0", "holder-0", 4),)
     assert handover.restarted == (
         RestartedRollout("r-dropped", 1, "holder-0", "not_continued_by_rl"),
-        RestartedRollout("r-gone", 0, "tools/9", "owner_gone"))
+        RestartedRollout("r-gone", 0, "tools/9", "owner_gone"),
+        RestartedRollout("r-group", 0, "holder-0", "abandoned_by_rl_group"))
     assert handover.restarted[1].why == ("RL's ledger gives it to an owner this job no "
                                          "longer has (owners=)")
     assert handover.kept_staging_keys == {"r-kept/row0"}

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from nemo_ckpt import RolloutCheckpointConfig, RolloutCheckpointManager
+from nemo_ckpt import ManagedSnapshot, RolloutCheckpointConfig, RolloutCheckpointManager
 from nemo_ckpt.errors import (
     BackendUnavailableError,
     CheckpointPathBusyError,
@@ -29,6 +29,7 @@ from nemo_ckpt.testing.nemo_rl import (
     STATE_FILE,
     DataPlaneCheckpointBarrier,
     NemoRlState,
+    RecoveryGranularity,
     RecoveryTargetLevel,
 )
 from tests.harness import World
@@ -64,14 +65,15 @@ class Job:
             self.env, self.barrier, self.rl, RolloutCheckpointConfig(**settings),
             clock=self.clock, **overrides)
 
-    async def rollout(self, group: str, owner: str, turns: int) -> Ep:
+    async def rollout(self, group: str, owner: str, turns: int,
+                      granularity: RecoveryGranularity = RecoveryGranularity.SIBLING) -> Ep:
         async with self.barrier.mutation() as cut:
             # The dataset's index of the group's prompt: any stable integer per group.
             prompt = int(hashlib.sha256(group.encode()).hexdigest()[:8], 16)
             record = self.rl.ledger.reserve_group(
                 cut, group_id=group, prompt_id=str(prompt), prompt_payload={"idx": prompt},
                 expected_generations=1, target_step=1, start_weight_version=0,
-                restore_level=RecoveryTargetLevel.TURN)
+                recovery_granularity=granularity, restore_level=RecoveryTargetLevel.TURN)
             self.rl.ledger.mark_group_dispatched(cut, group, gym_instance_id=owner)
         ep = Ep(*record.gym_episode(0))
         client = await self.world.client(OWNERS[owner])
@@ -84,6 +86,23 @@ class Job:
         """The job after a crash: a new process, its ledger and staging empty."""
         return Job(self.world, self.root, **self.overrides)
 
+    async def crashed(self) -> Job:
+        """The job crashes, its actors with it: holders start again, and the job after
+        it (``restarted``) is returned."""
+        self.world.ckpt.shutdown()
+        await self.world.ckpt.ensure_holders()
+        return self.restarted()
+
+    async def two_snapshots(self, group: str) -> tuple[Ep, ManagedSnapshot, ManagedSnapshot]:
+        """A rollout of ``group`` on replica-0 snapshotted after its first turn (older)
+        and its second (newer)."""
+        ep = await self.rollout(group, "replica-0", 1)
+        older = await self.manager.snapshot()
+        await self.turn("replica-0", ep, 1)
+        newer = await self.manager.snapshot()
+        assert older is not None and newer is not None
+        return ep, older, newer
+
     async def turn(self, owner: str, ep: Ep, n: int) -> None:
         client = await self.world.client(OWNERS[owner])
         async with client.turn(ep) as turn:
@@ -91,6 +110,13 @@ class Job:
             async with self.barrier.mutation() as cut:
                 self.rl.staging.put(cut, key, b"tokens")
             turn.complete(f"t{n}".encode(), f"s{n + 1}".encode(), [key])
+
+
+def damage_a_shard(snapshot: ManagedSnapshot) -> None:
+    """Zero one shard of ``snapshot``'s environment half: it no longer verifies."""
+    shard = next(p for p in (Path(snapshot.path) / "environment").iterdir()
+                 if p.name != "manifest.json")
+    shard.write_bytes(b"\0" * shard.stat().st_size)
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -184,9 +210,7 @@ def test_restore_by_trainer_step_continues_the_anchored_rollouts(rooted_world: W
         await job.manager.snapshot_at_trainer_checkpoint(4)
         await job.turn("replica-0", ep, 2)
         await job.manager.snapshot()  # newer, but not the trainer's
-        rooted_world.ckpt.shutdown()
-        await rooted_world.ckpt.ensure_holders()
-        restarted = job.restarted()
+        restarted = await job.crashed()
         with pytest.raises(SnapshotNotFoundError, match=r"anchored steps: \[4\]"):
             await restarted.manager.restore(trainer_step=5)
         chosen = await restarted.manager.restore(trainer_step=4)
@@ -245,17 +269,9 @@ def test_restore_latest_skips_a_damaged_snapshot_and_a_fresh_root_restores_nothi
     async def scenario() -> None:
         assert await job.manager.restore() is None  # nothing yet: a fresh start
         await rooted_world.ckpt.ensure_holders()
-        ep = await job.rollout("g1", "replica-0", 1)
-        older = await job.manager.snapshot()
-        await job.turn("replica-0", ep, 1)
-        newer = await job.manager.snapshot()
-        assert older is not None and newer is not None
-        shard = next(p for p in (Path(newer.path) / "environment").iterdir()
-                     if p.name != "manifest.json")
-        shard.write_bytes(b"\0" * shard.stat().st_size)
-        rooted_world.ckpt.shutdown()
-        await rooted_world.ckpt.ensure_holders()
-        chosen = await job.restarted().manager.restore()
+        ep, older, newer = await job.two_snapshots("g1")
+        damage_a_shard(newer)
+        chosen = await (await job.crashed()).manager.restore()
         assert chosen is not None and chosen.path == older.path
         record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
         assert record.turns == (b"t0",)
@@ -292,7 +308,6 @@ def test_retention_keeps_the_saved_trainer_checkpoints_anchor_until_a_newer_one_
 
 
 def test_retention_keeps_the_newest_k_the_saved_steps_anchor_and_every_newer_anchor() -> None:
-    from nemo_ckpt.manager.contract import ManagedSnapshot
     from nemo_ckpt.manager.retention import retained
 
     def snap(path: str, step: int | None) -> ManagedSnapshot:
@@ -341,9 +356,7 @@ def test_a_second_managers_sweep_leaves_a_snapshot_inside_its_barrier_which_rest
         taken = await a.manager.snapshot()
         assert taken is not None
         assert [s.path for s in await a.manager.snapshots()] == [taken.path]
-        rooted_world.ckpt.shutdown()
-        await rooted_world.ckpt.ensure_holders()
-        a = a.restarted()
+        a = await a.crashed()
         chosen = await a.manager.restore()
         record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
         return ep, taken, chosen, record
@@ -422,19 +435,13 @@ def test_a_record_nested_100000_deep_is_passed_over_by_snapshot_and_restore(
 
     async def scenario() -> tuple[Any, Any, Any, Any]:
         await rooted_world.ckpt.ensure_holders()
-        ep = await job.rollout("g1", "replica-0", 1)
-        older = await job.manager.snapshot()
-        await job.turn("replica-0", ep, 1)
-        newer = await job.manager.snapshot()
-        assert older is not None and newer is not None
+        ep, older, newer = await job.two_snapshots("g1")
         plant(rooted_world, Path(newer.path) / "rollout_checkpoint.json", planted)
         later = await job.manager.snapshot()  # raised RecursionError after its commit
         assert later is not None
         assert [s.path for s in await job.manager.snapshots()] == [later.path, older.path]
         plant(rooted_world, Path(later.path) / "rollout_checkpoint.json", planted)
-        rooted_world.ckpt.shutdown()
-        await rooted_world.ckpt.ensure_holders()
-        chosen = await job.restarted().manager.restore()
+        chosen = await (await job.crashed()).manager.restore()
         record = await (await rooted_world.client("holder-0")).get(ep.next_attempt())
         return older, later, chosen, record
 

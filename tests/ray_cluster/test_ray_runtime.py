@@ -468,6 +468,28 @@ async def test_retire_drops_sessions_and_refuses_late_turns_forget_clears(ckpt: 
     await c.open(ep)  # forgotten: it may run again
 
 
+async def test_a_holder_started_after_a_retire_refuses_the_retired_attempt(ckpt: Any) -> None:
+    """On Ray too, the coordinator starts a dead holder's successor with RL's retire
+    marks: a worker's open of a retired attempt, retried across the death, is refused
+    there (simulation seed 800362)."""
+    c = await client(ckpt, "holder-1")
+    ep = Ep("r-retired", 0)
+    await c.open(ep)
+    assert await ckpt.retire([ep]) == ["r-retired"]
+    dead = ray.get_actor(HOLDER_NAME_PREFIX + "holder-1", namespace=ckpt.config.namespace)
+    ray.kill(dead)
+    with pytest.raises(ray.exceptions.RayActorError):  # dead: a holder-1 from now is new
+        await dead.info.remote()
+    deadline = asyncio.get_running_loop().time() + 60
+    while "holder-1" not in {h.instance_id for h in await ckpt.ensure_holders()}:
+        assert asyncio.get_running_loop().time() < deadline, "no successor of holder-1"
+        await asyncio.sleep(0.5)  # until Ray has released the dead one's name
+    successor = await client(ckpt, "holder-1")
+    with pytest.raises(RetiredAttemptError, match="attempt r-retired was retired by RL"):
+        await successor.open(ep)
+    await successor.open(ep.next_attempt())
+
+
 async def test_check_startup_passes_on_a_shared_writable_root(ckpt: Any, tmp_path: Path) -> None:
     await ckpt.check_startup()
     assert not (tmp_path / ".nemo_ckpt_probe").exists(), "probe files were left behind"

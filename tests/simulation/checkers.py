@@ -15,7 +15,6 @@ import re
 import shutil
 import stat
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -522,16 +521,13 @@ class Checkers(Part):
 
     def check_retired(self, dropped: frozenset[tuple[str, int]],
                       before: dict[str, list[SessionRecord]],
-                      after: dict[str, list[SessionRecord]],
-                      exempt: Callable[[str, str, int], bool]) -> None:
+                      after: dict[str, list[SessionRecord]]) -> None:
         """After ``retire_dropped()`` no session of a rollout RL dropped (abandoned,
-        failed or replaced) that a holder held before it is held still, unless
-        ``exempt(instance, rollout, attempt)``."""
+        failed or replaced) that a holder held before it is held still."""
         held = {(inst, s.episode) for inst, records in before.items() for s in records}
         left = sorted(f"{inst}/{s.episode.capture_key}" for inst, records in after.items()
                       for s in records if (inst, s.episode) in held
-                      and (s.episode.rollout_id, s.episode.attempt) in dropped
-                      and not exempt(inst, s.episode.rollout_id, s.episode.attempt))
+                      and (s.episode.rollout_id, s.episode.attempt) in dropped)
         if left:
             self.violate(f"after retire_dropped() {len(left)} session(s) of rollouts RL "
                          f"dropped are still on their holders: {left[:3]}")
