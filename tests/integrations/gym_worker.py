@@ -70,6 +70,12 @@ async def start(args: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:
         seen["without_rollout"] = _error(exc)
     episode, instance = Ep(args["rollout_id"], 0), args["instance_id"]
+    try:
+        await AsyncSandbox(provider, SandboxSpec(
+            workdir="/tmp", metadata=ours.sandbox_metadata(episode, instance)),
+            owns_provider=False).start()
+    except Exception as exc:
+        seen["with_workdir"] = _error(exc)
     spec = SandboxSpec(metadata=ours.sandbox_metadata(episode, instance),
                        files={"README.md": "the task\n"})
     box = await AsyncSandbox(provider, spec, owns_provider=False).start()
@@ -109,6 +115,16 @@ async def resume(args: dict[str, Any]) -> dict[str, Any]:
                 turns=len(record.turns), state=record.state.decode(),
                 files=await _files(box), downloaded=downloaded,
                 running=(await box.status()).value)
+    refused = {}
+    for what, call in (("cwd", lambda: box.exec("pwd", cwd="/tmp")),
+                       ("upload", lambda: box.upload(Path(__file__), "../escaped.py")),
+                       ("foreign", lambda: AsyncSandbox.connect({"sandbox_id": "nemo-gym-x"},
+                                                                provider=provider))):
+        try:
+            await call()
+        except Exception as exc:
+            refused[what] = _error(exc)
+    seen["refused"] = refused
     await box.pause()
     seen["paused"] = (await box.status()).value
     try:

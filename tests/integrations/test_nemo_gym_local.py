@@ -153,6 +153,22 @@ def test_the_provider_is_selected_by_name_through_gyms_registry_and_declares_fil
     assert "names no rollout attempt" in message and "sandbox_metadata(episode)" in message
 
 
+def test_what_would_leave_the_captured_directory_is_refused_in_one_line(
+        gym: dict[str, Any]) -> None:
+    before, after = gym["before"], gym["after"]
+    kind, message = before["with_workdir"]
+    assert kind == "SandboxError" and "SandboxSpec.workdir (/tmp) is not supported" in message
+    # Refused before anything was made: the same rollout's sandbox was made next.
+    assert before["directory"] == str(gym["sandbox_root"] / ROLLOUT)
+    refused = after["refused"]
+    for what in ("cwd", "upload"):
+        kind, message = refused[what]
+        assert kind == "SandboxError" and "only its directory is captured" in message, what
+    assert not (gym["sandbox_root"] / "escaped.py").exists()
+    kind, message = refused["foreign"]
+    assert kind == "SandboxError" and "was not made by nemo_ckpt_local" in message
+
+
 def test_a_paused_sandbox_says_so_and_refuses_commands_until_resumed(
         gym: dict[str, Any]) -> None:
     after = gym["after"]
