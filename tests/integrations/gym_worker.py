@@ -66,6 +66,10 @@ async def start(args: dict[str, Any]) -> dict[str, Any]:
         "nemo_ckpt_from": str(Path(nemo_ckpt.__file__).parent.parent),
     }
     try:
+        create_provider({ours.PROVIDER_NAME: {"sandbox_root": ""}})
+    except Exception as exc:
+        seen["without_root"] = _error(exc)
+    try:
         await AsyncSandbox(provider, SandboxSpec(), owns_provider=False).start()
     except Exception as exc:
         seen["without_rollout"] = _error(exc)
@@ -119,7 +123,9 @@ async def resume(args: dict[str, Any]) -> dict[str, Any]:
     for what, call in (("cwd", lambda: box.exec("pwd", cwd="/tmp")),
                        ("upload", lambda: box.upload(Path(__file__), "../escaped.py")),
                        ("foreign", lambda: AsyncSandbox.connect({"sandbox_id": "nemo-gym-x"},
-                                                                provider=provider))):
+                                                                provider=provider)),
+                       ("attempt", lambda: provider.connect({**descriptor, "attempt": True})),
+                       ("instance", lambda: provider.connect({**descriptor, "instance_id": 7}))):
         try:
             await call()
         except Exception as exc:

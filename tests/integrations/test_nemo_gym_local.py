@@ -167,6 +167,13 @@ def test_what_would_leave_the_captured_directory_is_refused_in_one_line(
     assert not (gym["sandbox_root"] / "escaped.py").exists()
     kind, message = refused["foreign"]
     assert kind == "SandboxError" and "was not made by nemo_ckpt_local" in message
+    kind, message = refused["attempt"]
+    assert kind == "SandboxError" and "names no rollout attempt" in message
+    assert "attempt=True" in message and "sandbox_descriptor(episode, instance_id)" in message
+    kind, message = refused["instance"]
+    assert kind == "SandboxError" and "instance_id must be a string, not 7" in message
+    kind, message = before["without_root"]
+    assert kind == "SandboxError" and "give sandbox_root" in message
 
 
 def test_a_paused_sandbox_says_so_and_refuses_commands_until_resumed(
