@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import os
 import shutil
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from nemo_ckpt.errors import SandboxError, SessionNotFoundError
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.storage.names import safe_name_part
 
@@ -52,9 +54,9 @@ if TYPE_CHECKING:
         SandboxStatus,
     )
 
-__all__ = ["NemoCkptLocalProvider", "SandboxRecovery", "sandbox_descriptor",
-           "sandbox_metadata", "PROVIDER_NAME", "ROLLOUT_KEY", "ATTEMPT_KEY",
-           "INSTANCE_KEY"]
+__all__ = ["NemoCkptLocalProvider", "RolloutSandboxProvider", "SandboxRecovery",
+           "sandbox_descriptor", "sandbox_metadata", "PROVIDER_NAME", "ROLLOUT_KEY",
+           "ATTEMPT_KEY", "INSTANCE_KEY"]
 
 PROVIDER_NAME = "nemo_ckpt_local"
 # The keys of SandboxSpec.metadata that name a sandbox's rollout (Gym's metadata values
@@ -86,28 +88,106 @@ def sandbox_metadata(episode: EnvironmentEpisode, instance_id: str | None = None
     return meta
 
 
-def sandbox_descriptor(episode: EnvironmentEpisode, instance_id: str) -> dict[str, Any]:
+def sandbox_descriptor(episode: EnvironmentEpisode, instance_id: str,
+                       provider: str = PROVIDER_NAME) -> dict[str, Any]:
     """What ``AsyncSandbox.connect`` takes to reach the sandbox of ``episode``'s session
-    on ``instance_id``: after a restore, the continued attempt's
-    (``RestoredEnvironmentRollouts.continued_attempts`` names the instance)."""
-    return {"provider": PROVIDER_NAME, "rollout_id": episode.rollout_id,
+    on ``instance_id`` (made by ``provider``, ours by that name): after a restore, the
+    continued attempt's (``RestoredEnvironmentRollouts.continued_attempts`` names the
+    instance)."""
+    return {"provider": provider, "rollout_id": episode.rollout_id,
             "attempt": episode.attempt, "instance_id": instance_id}
 
 
 @dataclass
 class _Box:
-    """Our side of a Gym handle (``SandboxHandle.raw``): the rollout, where its
-    directory is, Gym's ``local`` handle on it, and whether it is paused or closed."""
+    """Our side of a Gym handle (``SandboxHandle.raw``): the rollout, Gym's own provider's
+    handle on its sandbox (and its directory, for ``local``), what of it a crash keeps, and
+    whether it is paused or closed."""
 
     episode: EnvironmentEpisode
     instance_id: str
-    directory: Path
-    inner: Any  # the local provider's SandboxHandle
+    inner: Any  # the wrapped Gym provider's SandboxHandle
+    recovery: SandboxRecovery
+    directory: Path | None = None
     paused: bool = False
     closed: bool = False
 
 
-class NemoCkptLocalProvider:
+class RolloutSandboxProvider(ABC):
+    """What the providers of this package share: each sandbox belongs to a rollout's
+    session on a holder, found through that session again by ``connect``."""
+
+    name: str
+    recovery: SandboxRecovery  # the most any of its sandboxes keeps (``recovery_of``)
+
+    def __init__(self, namespace: str, instance_id: str | None) -> None:
+        self.namespace = namespace
+        self.instance_id = instance_id
+        self._clients: dict[str | None, SessionClient] = {}
+
+    async def _client(self, instance_id: str | None) -> SessionClient:
+        """The session client of ``instance_id``'s holder (None: the provider's, else
+        this node's), connected once."""
+        instance_id = instance_id or self.instance_id
+        client = self._clients.get(instance_id)
+        if client is None:
+            client = await SessionClient.connect(instance_id, namespace=self.namespace)
+            self._clients[instance_id] = self._clients[client.instance_id] = client
+        return client
+
+    def recovery_of(self, handle: SandboxHandle) -> SandboxRecovery:
+        """What a crash keeps of this sandbox, as its session was opened."""
+        box: _Box = handle.raw
+        return box.recovery
+
+    def _handle(self, box: _Box) -> SandboxHandle:
+        from nemo_gym.sandbox.providers.base import SandboxHandle
+
+        return SandboxHandle(sandbox_id=f"{box.instance_id}/{box.episode.capture_key}",
+                             provider_name=self.name, raw=box)
+
+    def _live(self, handle: SandboxHandle, doing: str) -> _Box:
+        box: _Box = handle.raw
+        if box.closed:
+            raise SandboxError(f"{self.name}: cannot {doing} sandbox {handle.sandbox_id}: "
+                               f"it is closed")
+        if box.paused:
+            raise SandboxError(f"{self.name}: cannot {doing} sandbox {handle.sandbox_id}: "
+                               f"it is paused; resume() it first")
+        return box
+
+    async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None
+                               ) -> dict[str, Any]:
+        """Its rollout and instance (``sandbox_descriptor``); ``scope`` is not used."""
+        box: _Box = handle.raw
+        return sandbox_descriptor(box.episode, box.instance_id, self.name)
+
+    async def connect(self, descriptor: Mapping[str, Any]) -> SandboxHandle:
+        """A handle on the sandbox of the live session ``descriptor`` names: after a
+        restore, the one the restore made."""
+        episode, instance_id = _episode_of(descriptor, self.name)
+        client = await self._client(instance_id)
+        try:
+            record = await client.get(episode)
+        except SessionNotFoundError as exc:
+            later = [s.episode for s in await client.sessions()
+                     if s.episode.rollout_id == episode.rollout_id]
+            if later:
+                raise SessionNotFoundError(
+                    f"{self.name}: {episode.capture_key} is not live on "
+                    f"{client.instance_id}: its rollout continues as attempt "
+                    f"{later[0].attempt}; connect with sandbox_descriptor("
+                    f"EnvironmentEpisode({episode.rollout_id!r}, {later[0].attempt}), "
+                    f"{client.instance_id!r})") from exc
+            raise
+        return self._handle(await self._adopt(record, client.instance_id))
+
+    @abstractmethod
+    async def _adopt(self, record: SessionRecord, instance_id: str) -> _Box:
+        """Gym's own handle on the sandbox of the live session ``record``."""
+
+
+class NemoCkptLocalProvider(RolloutSandboxProvider):
     """Gym's ``local`` provider, each sandbox a session's recorded directory (the module
     docstring says how; ``recovery`` what survives a crash)."""
 
@@ -122,34 +202,16 @@ class NemoCkptLocalProvider:
         if not sandbox_root:
             raise SandboxError(f"{PROVIDER_NAME}: give sandbox_root, the job's "
                                f"CheckpointConfig.sandbox_root")
+        super().__init__(namespace, instance_id)
         self.sandbox_root = Path(sandbox_root).expanduser()
-        self.namespace = namespace
-        self.instance_id = instance_id
         self._local = LocalProvider(workspace_root=str(self.sandbox_root), shell=shell,
                                     default_timeout_s=default_timeout_s,
                                     concurrency=concurrency)
-        self._clients: dict[str | None, SessionClient] = {}
-
-    async def _client(self, instance_id: str | None) -> SessionClient:
-        """The session client of ``instance_id``'s holder (None: the provider's, else
-        this node's), connected once."""
-        instance_id = instance_id or self.instance_id
-        client = self._clients.get(instance_id)
-        if client is None:
-            client = await SessionClient.connect(instance_id, namespace=self.namespace)
-            self._clients[instance_id] = self._clients[client.instance_id] = client
-        return client
-
-    def _handle(self, box: _Box) -> SandboxHandle:
-        from nemo_gym.sandbox.providers.base import SandboxHandle
-
-        return SandboxHandle(sandbox_id=f"{box.instance_id}/{box.episode.capture_key}",
-                             provider_name=self.name, raw=box)
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         """Make the sandbox of the rollout ``spec.metadata`` names and open its session
         with it (empty state): recorded now, and at each of its turns' commits."""
-        episode, instance_id = _episode_of(spec.metadata)
+        episode, instance_id = _episode_of(spec.metadata, self.name, descriptor=False)
         if spec.workdir:
             raise SandboxError(
                 f"{PROVIDER_NAME}: SandboxSpec.workdir ({spec.workdir}) is not supported: "
@@ -174,21 +236,13 @@ class NemoCkptLocalProvider:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        return self._handle(_Box(episode, client.instance_id, directory, inner))
-
-    def _live(self, handle: SandboxHandle, doing: str) -> _Box:
-        box: _Box = handle.raw
-        if box.closed:
-            raise SandboxError(f"{PROVIDER_NAME}: cannot {doing} sandbox {handle.sandbox_id}: "
-                               f"it is closed")
-        if box.paused:
-            raise SandboxError(f"{PROVIDER_NAME}: cannot {doing} sandbox {handle.sandbox_id}: "
-                               f"it is paused; resume() it first")
-        return box
+        return self._handle(_Box(episode, client.instance_id, inner, self.recovery,
+                                 directory))
 
     def _inside(self, box: _Box, path: str | Path, handle: SandboxHandle) -> Path:
         """``path`` (relative to the sandbox, or absolute) inside its directory: only
         that is captured."""
+        assert box.directory is not None
         full = Path(os.path.realpath(box.directory / path))
         top = Path(os.path.realpath(box.directory))
         if full != top and top not in full.parents:
@@ -248,61 +302,40 @@ class NemoCkptLocalProvider:
         if box.closed:
             return
         box.closed = True
+        assert box.directory is not None
         await asyncio.to_thread(shutil.rmtree, box.directory, ignore_errors=True)
         await self._local.close(box.inner)
 
     async def aclose(self) -> None:
         await self._local.aclose()
 
-    async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None
-                               ) -> dict[str, Any]:
-        """Its rollout and instance (``sandbox_descriptor``); ``scope`` is not used."""
-        box: _Box = handle.raw
-        return sandbox_descriptor(box.episode, box.instance_id)
-
-    async def connect(self, descriptor: Mapping[str, Any]) -> SandboxHandle:
-        """A handle on the sandbox of the live session ``descriptor`` names, on this
-        node: after a restore, the directory the restore made."""
-        episode, instance_id = _episode_of(descriptor, descriptor=True)
-        client = await self._client(instance_id)
-        try:
-            record = await client.get(episode)
-        except SessionNotFoundError as exc:
-            later = [s.episode for s in await client.sessions()
-                     if s.episode.rollout_id == episode.rollout_id]
-            if later:
-                raise SessionNotFoundError(
-                    f"{PROVIDER_NAME}: {episode.capture_key} is not live on "
-                    f"{client.instance_id}: its rollout continues as attempt "
-                    f"{later[0].attempt}; connect with sandbox_descriptor("
-                    f"EnvironmentEpisode({episode.rollout_id!r}, {later[0].attempt}), "
-                    f"{client.instance_id!r})") from exc
-            raise
+    async def _adopt(self, record: SessionRecord, instance_id: str) -> _Box:
+        """The restored directory, on this node."""
+        key = record.episode.capture_key
         if record.directory is None:
-            raise SandboxError(f"{PROVIDER_NAME}: the session of {episode.capture_key} on "
-                               f"{client.instance_id} owns no sandbox directory (finished, "
-                               f"or opened without one)")
+            raise SandboxError(f"{PROVIDER_NAME}: the session of {key} on {instance_id} "
+                               f"owns no sandbox directory (finished, or opened without one)")
         directory = Path(record.directory)
         if not directory.is_dir():
             raise SandboxError(
-                f"{PROVIDER_NAME}: the sandbox of {episode.capture_key}, {directory}, is "
-                f"not on this node: connect from a worker on the node of "
-                f"{client.instance_id}")
+                f"{PROVIDER_NAME}: the sandbox of {key}, {directory}, is not on this node: "
+                f"connect from a worker on the node of {instance_id}")
         from nemo_gym.sandbox.providers.base import SandboxSpec
 
         inner = await self._local.create(SandboxSpec(workdir=str(directory)))
-        return self._handle(_Box(episode, client.instance_id, directory, inner))
+        return _Box(record.episode, instance_id, inner, self.recovery, directory)
 
 
-def _episode_of(fields: Mapping[str, Any], descriptor: bool = False
+def _episode_of(fields: Mapping[str, Any], provider: str, descriptor: bool = True
                 ) -> tuple[EnvironmentEpisode, str | None]:
-    """The rollout attempt and instance a spec's metadata (or a descriptor) names."""
+    """The rollout attempt and instance a descriptor of ``provider`` (or a spec's
+    metadata) names."""
     keys = ("rollout_id", "attempt", "instance_id") if descriptor else \
         (ROLLOUT_KEY, ATTEMPT_KEY, INSTANCE_KEY)
     what = "the descriptor" if descriptor else "SandboxSpec.metadata"
-    if descriptor and fields.get("provider") != PROVIDER_NAME:
-        raise SandboxError(f"{PROVIDER_NAME}: {what} {dict(fields)!r} was not made by "
-                           f"{PROVIDER_NAME}; use sandbox_descriptor(episode, instance_id)")
+    if descriptor and fields.get("provider") != provider:
+        raise SandboxError(f"{provider}: {what} {dict(fields)!r} was not made by "
+                           f"{provider}; use sandbox_descriptor(episode, instance_id)")
     rollout, attempt, instance = (fields.get(k) for k in keys)
     try:
         if isinstance(attempt, bool):
@@ -312,10 +345,10 @@ def _episode_of(fields: Mapping[str, Any], descriptor: bool = False
         help_ = ("sandbox_descriptor(episode, instance_id)" if descriptor
                  else "sandbox_metadata(episode)")
         raise SandboxError(
-            f"{PROVIDER_NAME}: {what} names no rollout attempt ({keys[0]}={rollout!r}, "
+            f"{provider}: {what} names no rollout attempt ({keys[0]}={rollout!r}, "
             f"{keys[1]}={attempt!r}): every sandbox belongs to a rollout's session; give "
             f"{help_}") from None
     if instance is not None and not isinstance(instance, str):
-        raise SandboxError(f"{PROVIDER_NAME}: {what}'s {keys[2]} must be a string, not "
+        raise SandboxError(f"{provider}: {what}'s {keys[2]} must be a string, not "
                            f"{instance!r}")
     return episode, instance

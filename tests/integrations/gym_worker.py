@@ -28,6 +28,13 @@ from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt import SessionClient
 from nemo_ckpt.connect import connect
 from nemo_ckpt.integrations import nemo_gym as ours
+from nemo_ckpt.integrations.nemo_gym_docker import DOCKER_PROVIDER_NAME as DOCKER
+
+# A counter kept in a shell's memory only: each request on the FIFO /tmp/req is answered
+# with the next count on /tmp/rep.
+SERVER = ("mkfifo /tmp/req /tmp/rep; n=0; "
+          "while true; do read cmd < /tmp/req; n=$((n+1)); echo $n > /tmp/rep; done")
+ASK = "echo go > /tmp/req; cat /tmp/rep"
 
 
 def _error(exc: BaseException) -> list[str]:
@@ -161,10 +168,89 @@ async def resume(args: dict[str, Any]) -> dict[str, Any]:
     return seen
 
 
+async def docker_start(args: dict[str, Any]) -> dict[str, Any]:
+    from nemo_gym.sandbox import AsyncSandbox, SandboxSpec, create_provider
+
+    seen: dict[str, Any] = {}
+    try:  # Gym's defaults: --init
+        create_provider({DOCKER: {"namespace": args["namespace"]}})
+    except Exception as exc:
+        seen["with_init"] = _error(exc)
+    provider = create_provider({DOCKER: {"namespace": args["namespace"], "memory": "required",
+                                         "create": {"use_init": False}}})
+    episode, instance = Ep(args["rollout_id"], 0), args["instance_id"]
+    meta = ours.sandbox_metadata(episode, instance)
+    try:
+        await AsyncSandbox(provider, SandboxSpec(
+            image=args["image"], metadata=meta, provider_options={"volumes": ["/tmp:/host"]}),
+            owns_provider=False).start()
+    except Exception as exc:
+        seen["with_volume"] = _error(exc)
+    # The counter is the container's own process (CRIU restores a process tree, not a
+    # process a `docker exec` left behind in a session of its own).
+    box = await AsyncSandbox(provider, SandboxSpec(
+        image=args["image"], metadata=meta, entrypoint=["sh", "-c", SERVER]),
+        owns_provider=False).start()
+    client = await SessionClient.connect(instance, namespace=args["namespace"])
+    counts = []
+    for t in range(2):
+        async with client.turn(episode) as turn:
+            counts.append((await box.exec(ASK)).stdout.strip())
+            await box.exec(f"echo turn-{t} >> /work/log.txt")
+            turn.complete(f"t{t}".encode(), f"s{t + 1}".encode())
+    record = await client.get(episode)
+    seen.update(counts=counts, container=record.container, descriptor=await box.serialize(),
+                recovery=provider.recovery_of(box._handle).value,
+                declared=provider.recovery.value)
+    return seen
+
+
+async def docker_resume(args: dict[str, Any]) -> dict[str, Any]:
+    from nemo_gym.sandbox import AsyncSandbox, create_provider
+
+    provider = create_provider({DOCKER: {"namespace": args["namespace"],
+                                         "create": {"use_init": False}}})
+    continued, instance = Ep(args["rollout_id"], 1), args["instance_id"]
+    descriptor = ours.sandbox_descriptor(continued, instance, DOCKER)
+    box = await AsyncSandbox.connect(descriptor, provider=provider, owns_provider=False)
+    client = await SessionClient.connect(instance, namespace=args["namespace"])
+    record = await client.get(continued)
+    seen: dict[str, Any] = {"container": record.container, "descriptor": await box.serialize(),
+                            "log": (await box.exec("cat /work/log.txt")).stdout,
+                            "running": (await box.status()).value}
+    async with client.turn(continued) as turn:
+        seen["count"] = (await box.exec(ASK)).stdout.strip()
+        turn.complete(b"t2", b"s3")
+    await box.pause()
+    seen["paused"] = (await box.status()).value
+    try:
+        await box.exec(ASK)
+    except Exception as exc:
+        seen["exec_while_paused"] = _error(exc)
+    await box.resume()
+    seen["resumed"] = (await box.status()).value
+    seen["count_after_resume"] = (await box.exec(ASK)).stdout.strip()
+    other = await provider.connect(descriptor)
+    await client.finish(continued, b"done")
+    handle = box._handle
+    await box.stop()
+    await box.stop()
+    closes = []
+    for each in (handle, other, other):
+        try:
+            await provider.close(each)
+            closes.append("ok")
+        except Exception as exc:
+            closes.append(repr(exc))
+    seen["provider_closes"] = closes
+    return seen
+
+
 def main() -> int:
     phase, args = sys.argv[1], json.loads(sys.argv[2])
     connect(args["address"], log_to_driver=False, logging_level="ERROR")
-    seen = asyncio.run({"start": start, "resume": resume}[phase](args))
+    seen = asyncio.run({"start": start, "resume": resume, "docker-start": docker_start,
+                        "docker-resume": docker_resume}[phase](args))
     sys.stdout.write("RESULT " + json.dumps(seen) + "\n")
     return 0
 

@@ -33,29 +33,30 @@ GROUP = "nemo_gym.sandbox_providers"
 ROLLOUT = "gym-r0"
 
 
-def _entry_point_folder(tmp: Path) -> list[str]:
-    """A folder for the workers' path declaring this checkout's provider entry point, when
-    the installed nemo-ckpt does not (a venv installed before pyproject.toml named it;
+def entry_point_folder(tmp: Path) -> list[str]:
+    """A folder for the workers' path declaring this checkout's provider entry points that
+    the installed nemo-ckpt does not (a venv installed before pyproject.toml named them;
     ``make install`` reinstalls on its change): Gym finds providers only through installed
     metadata."""
-    if entry_points(group=GROUP, name=PROVIDER_NAME):
-        return []
     table = tomllib.loads((ROOT / "pyproject.toml").read_text())
     declared = table["project"]["entry-points"][GROUP]
+    missing = {k: v for k, v in declared.items() if not entry_points(group=GROUP, name=k)}
+    if not missing:
+        return []
     dist = tmp / "nemo_ckpt_checkout-0.dist-info"
-    dist.mkdir()
+    dist.mkdir(exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: nemo-ckpt-checkout\n"
                                    "Version: 0\n")
     (dist / "entry_points.txt").write_text(
-        f"[{GROUP}]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items()))
+        f"[{GROUP}]\n" + "".join(f"{k} = {v}\n" for k, v in missing.items()))
     return [str(tmp)]
 
 
-def _run_worker(phase: str, args: dict[str, Any], cwd: Path, path: list[str]
-                ) -> dict[str, Any]:
-    """``tests/integrations/gym_worker.py``'s ``phase`` in a process of its own: what it
-    printed as its result."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *path])}
+def run_worker(phase: str, args: dict[str, Any], cwd: Path, path: list[str],
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``tests/integrations/gym_worker.py``'s ``phase`` in a process of its own (with
+    ``env`` added to this one's): what it printed as its result."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), *path])}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.integrations.gym_worker", phase, json.dumps(args)],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
@@ -68,14 +69,14 @@ def _run_worker(phase: str, args: dict[str, Any], cwd: Path, path: list[str]
 async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path
                              ) -> dict[str, Any]:
     path = tmp / "ckpt" / "step-1"
-    workers = _entry_point_folder(tmp)
+    workers = entry_point_folder(tmp)
     ckpt = RayEnvironmentCheckpoint(config)
     try:
         await ckpt.ensure_holders()
         instance = sorted(h.instance_id for h in await ckpt.holders())[1]
         args = {"address": address, "namespace": config.namespace, "rollout_id": ROLLOUT,
                 "sandbox_root": str(config.sandbox_root), "instance_id": instance}
-        before = await asyncio.to_thread(_run_worker, "start", args, tmp, workers)
+        before = await asyncio.to_thread(run_worker, "start", args, tmp, workers)
         async with ckpt.snapshot(path):
             pass
     finally:
@@ -86,7 +87,7 @@ async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path
         async with fresh.restored(path) as restored:
             continued = set(restored.continued_attempts)
         after = await asyncio.to_thread(
-            _run_worker, "resume", {**args, "old_descriptor": before["descriptor"]}, tmp,
+            run_worker, "resume", {**args, "old_descriptor": before["descriptor"]}, tmp,
             workers)
     finally:
         fresh.shutdown()
@@ -142,7 +143,8 @@ def test_the_provider_is_selected_by_name_through_gyms_registry_and_declares_fil
         gym: dict[str, Any]) -> None:
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert declared["project"]["entry-points"][GROUP] == {
-        PROVIDER_NAME: "nemo_ckpt.integrations.nemo_gym:NemoCkptLocalProvider"}
+        PROVIDER_NAME: "nemo_ckpt.integrations.nemo_gym:NemoCkptLocalProvider",
+        "nemo_ckpt_docker": "nemo_ckpt.integrations.nemo_gym_docker:NemoCkptDockerProvider"}
     before = gym["before"]
     assert before["nemo_ckpt_from"] == str(ROOT)  # this checkout's code, not another
     assert before["listed"] and before["class_by_name"]
@@ -194,11 +196,12 @@ def test_closing_an_already_closed_sandbox_is_a_no_op(gym: dict[str, Any]) -> No
 
 
 def test_importing_the_integration_imports_no_part_of_nemo_gym(tmp_path: Path) -> None:
-    code = ("import sys, nemo_ckpt, nemo_ckpt.integrations.nemo_gym as m; "
+    code = ("import sys, nemo_ckpt, nemo_ckpt.integrations.nemo_gym as m, "
+            "nemo_ckpt.integrations.nemo_gym_docker as d; "
             "print(sorted(n for n in sys.modules if n.split('.')[0] == 'nemo_gym'), "
-            "m.NemoCkptLocalProvider.recovery.value)")
+            "m.NemoCkptLocalProvider.recovery.value, d.NemoCkptDockerProvider.recovery.value)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["[]", "files_only"]
+    assert proc.stdout.split() == ["[]", "files_only", "snapshot_with_memory"]
