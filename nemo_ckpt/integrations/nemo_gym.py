@@ -25,6 +25,10 @@ What is captured is the directory's files (``SandboxRecovery.FILES_ONLY``): a pr
 command left running is not, and ``SandboxSpec.env`` is not stored (give it again per
 command). Importing this module imports no part of NeMo Gym: Gym's import changes
 ``sys.path``, ``print`` and ``HF_HOME``, so it happens at the provider's first use only.
+
+``RolloutSandboxProvider`` is what this provider and the one over Gym's ``docker``
+(``nemo_ckpt.integrations.nemo_gym_docker``) share: the descriptor, and ``connect``
+through the rollout's live session.
 """
 
 from __future__ import annotations
