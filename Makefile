@@ -7,6 +7,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Reinstall only when pyproject.toml changed since the last install.
 STAMP := $(VENV)/.installed
+# NeMo Gym, installed beside it (below) for the tests against the real package.
+NEMO_GYM_VERSION := 0.7.0
+GYM_STAMP := $(VENV)/.nemo-gym-$(NEMO_GYM_VERSION)
 # Extra options for the demo, e.g. `make demo DEMO_ARGS='--nodes 4 --json demo.json'`.
 DEMO_ARGS ?=
 
@@ -18,10 +21,22 @@ SIM_SCHEDULES ?= 5500
 
 .PHONY: test install demo demo-s3 demo-containers demo-preemption container-runtime
 
-install: $(STAMP)
+install: $(STAMP) $(GYM_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
+
+# NeMo Gym 0.7.0 itself, for the tests of nemo_ckpt/integrations/nemo_gym.py: one pip
+# call (seconds; once, stamped). --no-deps and --ignore-requires-python: it declares
+# Python >= 3.13 and a large set of dependencies, but its sandbox code runs on 3.11 with
+# what the venv has, and orjson.
+$(GYM_STAMP): | $(PY)
+	@echo "make install: installing nemo-gym $(NEMO_GYM_VERSION) (without its dependencies) for the NeMo Gym tests"
+	@$(PY) -m pip install --progress-bar off --no-deps --ignore-requires-python \
+		nemo-gym==$(NEMO_GYM_VERSION) orjson 2>&1 \
+		| grep -v -e '^WARNING: Location ' -e '^Requirement already satisfied' -e '^Looking in' ; \
+		exit $${PIPESTATUS[0]}
+	@touch $(GYM_STAMP)
 
 # Azurite, the Azure Blob emulator the az:// tests run against, comes from npm.
 AZURITE_VERSION := 3.35.0
@@ -41,7 +56,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 # pytest on two workers (pytest-xdist): the Ray tests mostly wait, so two of them share 2
 # cores well; each worker runs whole modules (tests/conftest.py groups them) on a Ray
 # cluster of its own.
-test: $(STAMP)
+test: $(STAMP) $(GYM_STAMP)
 	$(VENV)/bin/ruff check nemo_ckpt actors tests examples benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m tests.container_runtime

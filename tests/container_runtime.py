@@ -13,7 +13,10 @@ What it sets up (Debian 12, as root):
 - a project-local containers configuration (runc, the cgroupfs manager, the file events
   logger, the ulimits podman needs here), in ``.venv/containers/containers.conf``;
 - a busybox image, ``localhost/nemo-ckpt-busybox:1``, imported from a rootfs tar made of
-  busybox-static's binary and its links (no registry is reachable here).
+  busybox-static's binary and its links (no registry is reachable here);
+- a ``docker`` command that runs ``podman "$@"``, in ``.venv/containers/bin`` (on the
+  runtime's ``PATH``, nowhere else), for NeMo Gym's ``docker`` sandbox provider, which
+  drives the ``docker`` command line.
 
 As a command: ``python -m tests.container_runtime [--json]`` installs what is missing and
 prints the setup; ``python -m tests.container_runtime -- COMMAND ...`` then runs COMMAND
@@ -39,6 +42,11 @@ from nemo_ckpt.containers.podman import criu_check_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / ".venv" / "containers"
+SHIM_DIR = CONF_DIR / "bin"
+_DOCKER_SHIM = """#!/bin/sh
+# Written by tests/container_runtime.py: NeMo Gym's docker provider drives podman.
+exec podman "$@"
+"""
 IMAGE = "localhost/nemo-ckpt-busybox:1"
 CRIU_VERSION = "4.1.1"
 CRIU_DIR = Path("/usr/local/lib/nemo-ckpt") / f"criu-{CRIU_VERSION}"
@@ -219,11 +227,24 @@ def _busybox_image(env: dict[str, str], podman: str, steps: list[str]) -> None:
     steps.append(f"imported {IMAGE}")
 
 
+def docker_shim() -> Path:
+    """The project's ``docker`` command, which runs ``podman "$@"``: written (again) when
+    missing or changed. Returns its path."""
+    shim = SHIM_DIR / "docker"
+    if not shim.is_file() or shim.read_text() != _DOCKER_SHIM:
+        SHIM_DIR.mkdir(parents=True, exist_ok=True)
+        shim.write_text(_DOCKER_SHIM)
+    shim.chmod(0o755)
+    return shim
+
+
 def runtime_env(criu: str | None) -> dict[str, str]:
-    """The environment variables podman runs with here (beside the process's own)."""
+    """The environment variables podman runs with here (beside the process's own): the
+    project's ``docker`` first on ``PATH``, and CRIU's folder (runc runs ``criu`` from
+    ``PATH``)."""
     env = {"CONTAINERS_CONF": str(CONF_DIR / "containers.conf")}
-    if criu is not None:  # runc runs `criu` from PATH
-        env["PATH"] = f"{Path(criu).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    path = [str(SHIM_DIR)] + ([] if criu is None else [str(Path(criu).parent)])
+    env["PATH"] = ":".join([*path, os.environ.get("PATH", "/usr/bin:/bin")])
     return env
 
 
@@ -237,6 +258,7 @@ def ensure() -> Setup:
         conf.write_text(_CONF)
         steps.append(f"wrote {conf}")
     criu, problem = _find_criu(steps)
+    docker_shim()
     extra = runtime_env(criu)
     env = {**os.environ, **extra}
     podman = shutil.which("podman") or "/usr/bin/podman"

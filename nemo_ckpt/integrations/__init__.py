@@ -1,2 +1,3 @@
-"""Plug-ins for RL frameworks' own ledgers and barriers: ``nemo_rl`` for NeMo RL. Each
-is duck-typed, so importing it needs none of the framework."""
+"""Plug-ins for RL frameworks' own ledgers and barriers: ``nemo_rl`` for NeMo RL; and
+NeMo Gym's sandbox providers, ``nemo_gym`` (``local``) and ``nemo_gym_docker``. Importing
+any of them imports none of the framework."""

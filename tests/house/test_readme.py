@@ -95,6 +95,14 @@ def test_every_snippet_of_the_nemo_rl_guide_is_cut_from_the_grpo_example() -> No
         assert cut_from(snippet, source), snippet
 
 
+def test_every_snippet_of_the_nemo_gym_section_is_cut_from_the_gym_worker() -> None:
+    snippets = code_blocks(section("With NeMo Gym's sandboxes"))
+    assert len(snippets) >= 1
+    source = lines((ROOT / "tests" / "integrations" / "gym_worker.py").read_text())
+    for snippet in snippets:
+        assert cut_from(snippet, source), snippet
+
+
 def test_the_call_order_is_the_contracts_own() -> None:
     snippets = code_blocks(section("The call order a driver uses"))
     assert len(snippets) == 2
