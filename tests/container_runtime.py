@@ -4,6 +4,8 @@ installed by the project itself, once per machine and idempotently (``ensure``).
 What it sets up (Debian 12, as root):
 
 - podman, runc and conmon from apt; crun is not used (it fails on hybrid cgroups);
+  catatonit, the init process ``podman run --init`` (NeMo Gym's default) runs, which
+  Debian 12's podman does not pull in;
 - CRIU 4.x for process checkpoints: the system's ``criu`` when ``criu check`` passes,
   else CRIU 4.1.1 built from Debian trixie's source package (fetched through a temporary
   apt configuration that leaves the system's sources alone, its hash checked against the
@@ -50,16 +52,22 @@ exec podman "$@"
 IMAGE = "localhost/nemo-ckpt-busybox:1"
 CRIU_VERSION = "4.1.1"
 CRIU_DIR = Path("/usr/local/lib/nemo-ckpt") / f"criu-{CRIU_VERSION}"
-_APT_PACKAGES = ("podman", "runc", "conmon", "busybox-static", "iptables")
+_APT_PACKAGES = ("podman", "runc", "conmon", "catatonit", "busybox-static", "iptables")
+# The binary podman's --init mounts: catatonit itself, not podman's default path, which
+# Debian makes a link to it (CRIU cannot restore a bind mount of a link).
+INIT_PATH = "/usr/bin/catatonit"
 _CRIU_BUILD_DEPS = ("build-essential", "pkgconf", "libbsd-dev", "libcap-dev",
                     "libgnutls28-dev", "libnet1-dev", "libnl-3-dev", "libnftables-dev",
                     "libprotobuf-c-dev", "libprotobuf-dev", "protobuf-c-compiler",
                     "protobuf-compiler", "uuid-dev", "xz-utils")
-_CONF = """\
+_CONF = f"""\
 # Written by tests/container_runtime.py for nemo-ckpt's tests and demo.
 [containers]
 # podman's defaults exceed this host's limits.
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+# `--init`'s binary: the file, not podman's default path (a link: CRIU's restore
+# cannot bind-mount it).
+init_path = "{INIT_PATH}"
 
 [engine]
 # crun fails on this host's hybrid cgroups; runc with the cgroupfs manager works.

@@ -15,7 +15,10 @@ The dumps are still read and checked, as a sign of an archive that podman's chec
 did not write or that was changed: only the members podman writes, regular files and
 folders only, within bounds; the container unprivileged, created from the record's
 image, with the default capabilities, no namespace joined from elsewhere, and no mount
-but podman's own. A refusal names the member or field.
+but podman's own: its storage's files, and for a container made with ``--init`` the init
+binary at ``/run/podman-init`` from exactly the path the restoring node's podman mounted
+into the container it set up (its configuration's ``init_path``), never a path the
+archive names. A refusal names the member or field.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from nemo_ckpt.errors import ContainerRuntimeError
 from nemo_ckpt.storage.stored_json import load_stored_json
 from nemo_ckpt.trees.container_record import check_relative_path
 
-__all__ = ["check_archive", "place_checkpoint"]
+__all__ = ["check_archive", "place_checkpoint", "INIT_MOUNT"]
 
 MAX_MEMBERS = 20_000
 MAX_DUMP_BYTES = 16 << 20  # config.dump, spec.dump
@@ -43,6 +46,7 @@ _PLAIN = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
 _PODMAN_NETNS = re.compile(r"^/run/netns/netns-[0-9a-f-]{1,64}$")
 _MOUNT_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "bind"}
 _STORAGE_PREFIXES = ("/run/containers/storage/", "/var/lib/containers/storage/")
+INIT_MOUNT = "/run/podman-init"  # where podman's --init mounts its init binary
 # podman's default capabilities (containers.conf `default_capabilities`).
 _DEFAULT_CAPS = frozenset({
     "CAP_AUDIT_WRITE", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID",
@@ -50,9 +54,12 @@ _DEFAULT_CAPS = frozenset({
     "CAP_SETGID", "CAP_SETPCAP", "CAP_SETUID", "CAP_SYS_CHROOT"})
 
 
-def check_archive(data: bytes, image_id: str, where: str) -> list[tarfile.TarInfo]:
+def check_archive(data: bytes, image_id: str, where: str, init_path: str | None = None
+                  ) -> list[tarfile.TarInfo]:
     """The archive's members, once checked (see the module docstring); raises
-    ``ContainerRuntimeError`` naming ``where`` and what is refused."""
+    ``ContainerRuntimeError`` naming ``where`` and what is refused. ``init_path``: the
+    init binary podman mounted into the container the restore made (None: it has no
+    ``--init``)."""
 
     def refuse(why: str) -> ContainerRuntimeError:
         return ContainerRuntimeError(f"the checkpoint archive of {where} {why}; it was "
@@ -98,7 +105,7 @@ def check_archive(data: bytes, image_id: str, where: str) -> list[tarfile.TarInf
         spec = load_stored_json(dumps["spec.dump"], "spec.dump", MAX_DUMP_BYTES)
     except ValueError as exc:
         raise refuse(f"holds a dump that does not read ({exc})") from None
-    problem = _config_problem(config, image_id) or _spec_problem(spec)
+    problem = _config_problem(config, image_id) or _spec_problem(spec, init_path)
     if problem is not None:
         raise refuse(problem)
     return members
@@ -119,7 +126,7 @@ def _config_problem(config: Any, image_id: str) -> str | None:
     return None
 
 
-def _spec_problem(spec: Any) -> str | None:
+def _spec_problem(spec: Any, init_path: str | None) -> str | None:
     if not isinstance(spec, dict):
         return "holds a spec.dump that is not an object"
     mounts = spec.get("mounts") or []
@@ -131,8 +138,12 @@ def _spec_problem(spec: Any) -> str | None:
         kind, source = m.get("type"), str(m.get("source", ""))
         if kind not in _MOUNT_TYPES:
             return f"asks for a mount of type {str(kind)[:40]!r}"
+        if kind == "bind" and init_path is not None and source == init_path \
+                and m.get("destination") == INIT_MOUNT:
+            continue  # podman's own init binary, where podman mounts it here
         if kind == "bind" and (not source.startswith(_STORAGE_PREFIXES) or ".." in source):
-            return f"asks to mount {source[:200]!r} from the host"
+            return (f"asks to mount {source[:200]!r} from the host (at "
+                    f"{str(m.get('destination', ''))[:200]!r})")
     process = spec.get("process") or {}
     caps = process.get("capabilities") or {} if isinstance(process, dict) else {}
     if not isinstance(caps, dict):

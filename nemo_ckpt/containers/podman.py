@@ -121,8 +121,10 @@ class Podman:
 
     def create(self, name: str, image: str, command: Sequence[str],
                entrypoint: Sequence[str] | None, env: Sequence[str], workdir: str,
-               user: str, labels: Mapping[str, str]) -> str:
+               user: str, labels: Mapping[str, str], init: bool = False) -> str:
         args = ["create", "--name", name, "--workdir", workdir or "/"]
+        if init:  # podman's configured init binary (containers.conf `init_path`)
+            args.append("--init")
         if user:
             args += ["--user", user]
         if entrypoint is not None:

@@ -26,17 +26,17 @@ following links (issue 50, case 3).
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
-import tarfile
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_ckpt.containers.archive import check_archive, place_checkpoint
+from nemo_ckpt.containers.archive import INIT_MOUNT, check_archive, place_checkpoint
 from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
 from nemo_ckpt.trees.container_record import ContainerConfig, ContainerRecord
@@ -155,7 +155,8 @@ class ContainerSandboxes:
             entrypoint=None if not entry else tuple(entry),
             env=tuple(config.get("Env") or ()),
             workdir=str(config.get("WorkingDir") or "/"),
-            user=str(config.get("User") or ""))
+            user=str(config.get("User") or ""),
+            init=(info.get("HostConfig") or {}).get("Init") is True)
         state = info.get("State") or {}
         running = bool(state.get("Running"))
         if memory and not running and state.get("Checkpointed"):
@@ -261,26 +262,29 @@ class ContainerSandboxes:
             memory = record.memory is not None and self.memory \
                 and self.criu_problem() is None
             data: bytes | None = None
-            members: list[tarfile.TarInfo] = []
             if memory:
                 assert record.memory is not None
                 data = bytes(fetch(record.memory, record.memory_size))
-                members = check_archive(data, config.image, where)
             try:
                 # Created from the record's own fields whether or not memory comes
                 # back: no stored configuration reaches podman (archive.py).
                 self.podman.create(name, config.image, config.command,
                                    config.entrypoint, config.env, config.workdir,
-                                   config.user, {LABEL: capture_key})
+                                   config.user, {LABEL: capture_key}, init=config.init)
                 if data is not None:
                     # Set up (podman's own files in its folder), never run: the CRIU
                     # images restore into it below.
                     self.podman.init(name)
                     self.podman.stop(name)
+                    folder = self._folder(name)
+                    # Checked once podman has set the container up: its init binary
+                    # is the one podman mounted into it (its configuration's path).
+                    members = check_archive(data, config.image, where,
+                                            _init_path(folder) if config.init else None)
                 self.podman.copy_in(str(rootfs), name)
                 self._delete(name, deleted)  # by descriptor, before anything runs
                 if data is not None:
-                    place_checkpoint(data, members, self._folder(name), where)
+                    place_checkpoint(data, members, folder, where)
                     del data
                     self.podman.restore_prepared(name)
                 else:
@@ -338,6 +342,23 @@ class ContainerSandboxes:
     def discard(self, name: str) -> None:
         """Remove the container ``name`` (stopped at once) if it exists."""
         self.podman.remove(name)
+
+
+def _init_path(folder: Path) -> str | None:
+    """The host path of the init binary podman mounted at ``INIT_MOUNT`` in the container
+    it set up in ``folder`` (its own ``config.json``, from its configuration's
+    ``init_path``); None when it mounted none."""
+    try:
+        spec = json.loads((folder / "config.json").read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ContainerRuntimeError(f"cannot read podman's config.json in {folder}: "
+                                    f"{exc}") from None
+    mounts = spec.get("mounts") if isinstance(spec, dict) else None
+    for m in mounts if isinstance(mounts, list) else []:
+        if isinstance(m, dict) and m.get("destination") == INIT_MOUNT \
+                and m.get("type") == "bind" and isinstance(m.get("source"), str):
+            return str(m["source"])
+    return None
 
 
 def _open_parent(root: str, path: str) -> tuple[int, str] | None:

@@ -2,7 +2,8 @@
 may come from anyone: every field is bounded and checked when it is read).
 
 A container is its image (named by id, the digest of its configuration) and how it was
-created (command, entrypoint, environment, working directory, user), plus what it
+created (command, entrypoint, environment, working directory, user, whether podman ran
+its init process as PID 1: ``--init``), plus what it
 changed: its overlay upper directory as a sandbox tree (``nemo_ckpt.trees``: files,
 directories, links, in the shared blob store), the paths it deleted from the image
 (whiteouts), the image directories it replaced whole (opaque), and, where CRIU works,
@@ -10,8 +11,8 @@ its processes' memory (podman's checkpoint archive, without the filesystem, as o
 
 Stored as msgpack: ``{"v": 1, "image", "command", "entrypoint", "env", "workdir", "user",
 "tree", "tree_size", "whiteouts", "opaque", "fifos", "memory", "memory_size",
-"policy"}``; ``fifos`` is
-``[[path, mode], ...]``.
+"policy", "init"}``; ``fifos`` is
+``[[path, mode], ...]``; a record without ``init`` (older) was made without it.
 
 It lies below both backends: a snapshot's trees file carries it
 (``nemo_ckpt.trees.snapshot_trees``), and what reads stored snapshots (verification, the
@@ -53,6 +54,9 @@ class ContainerConfig:
     env: tuple[str, ...]
     workdir: str
     user: str
+    # Run under podman's own init process (``--init``): a flag only, never a path; the
+    # binary is the one the restoring node's podman is configured with.
+    init: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +85,7 @@ def encode_record(record: ContainerRecord) -> bytes:
         "whiteouts": list(record.whiteouts), "opaque": list(record.opaque),
         "fifos": [[p, m] for p, m in record.fifos],
         "memory": record.memory, "memory_size": record.memory_size,
-        "policy": record.policy,
+        "policy": record.policy, "init": c.init,
     }, use_bin_type=True)
 
 
@@ -153,8 +157,11 @@ def decode_record(data: bytes, where: str) -> ContainerRecord:
     policy = raw.get("policy")
     if policy not in ("required", "preferred", "off"):
         raise bad("policy", "is not required, preferred or off")
+    init = raw.get("init", False)
+    if not isinstance(init, bool):
+        raise bad("init", "is not true or false")
     return ContainerRecord(
-        ContainerConfig(image, command, entrypoint, env, workdir, user),
+        ContainerConfig(image, command, entrypoint, env, workdir, user, init),
         tree, tree_size, marks[0], marks[1], tuple(fifos), memory, memory_size, policy)
 
 

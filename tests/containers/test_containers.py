@@ -14,17 +14,18 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from nemo_ckpt.containers.archive import check_archive
+from nemo_ckpt.containers.archive import INIT_MOUNT, check_archive
 from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.containers.sandbox import ContainerSandboxes, RecordedContainer
 from nemo_ckpt.errors import ContainerRuntimeError
 from nemo_ckpt.trees.blob_store import digest_of
 from nemo_ckpt.trees.container_record import ContainerRecord, decode_record, encode_record
 from nemo_ckpt.trees.node_cache import BlobCache
-from tests.container_runtime import Setup, ensure
+from tests.container_runtime import INIT_PATH, Setup, ensure
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -112,6 +113,7 @@ def test_the_runtime_is_installed_with_criu_that_passes_its_check(runtime: Setup
     assert runtime.criu is not None, runtime.criu_problem
     assert podman.criu_problem() is None
     assert podman.storage().driver == "overlay"
+    assert os.access(INIT_PATH, os.X_OK)  # catatonit, for podman's --init
 
 
 def test_files_links_deletions_and_fifos_come_back_in_the_next_attempts_container(
@@ -212,15 +214,76 @@ def test_a_setuid_file_made_in_the_container_comes_back_without_its_setuid_bit(
     assert _sh(podman, name, "stat -c %a /work/su") == "755"
 
 
+@pytest.mark.parametrize("init", [[], ["--init"]], ids=["plain", "with-init"])
 def test_a_container_with_a_bind_mount_is_refused_saying_what_to_do(
-        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path,
+        init: list[str]) -> None:
     sandboxes = _sandboxes(podman, tmp_path)
     name = _name(names)
     (tmp_path / "host").mkdir()
-    podman.run("run", "-d", "--name", name, "-v", f"{tmp_path / 'host'}:/data",
+    podman.run("run", "-d", "--name", name, *init, "-v", f"{tmp_path / 'host'}:/data",
                runtime.image, "sleep", "1000")
     with pytest.raises(ContainerRuntimeError, match="has mounts .*/data.* without volumes"):
         sandboxes.record(name, None)
+
+
+def test_a_container_run_with_podmans_init_comes_back_under_it_from_its_memory(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path) -> None:
+    sandboxes = _sandboxes(podman, tmp_path)
+    first = _name(names)
+    podman.run("run", "-d", "--init", "--name", first, runtime.image, "/bin/sh", "-c",
+               SERVER)
+    assert [ask(podman, first) for _ in range(2)] == [1, 2]
+    recorded = sandboxes.record(first, None)
+    assert recorded.record.config.init is True and recorded.record.memory is not None
+    stored = decode_record(encode_record(recorded.record), "r")
+    assert stored.config.init is True
+    name = _name(names)
+    assert sandboxes.restore(stored, _fetch(sandboxes), name, "k", "r").running is True
+    assert ask(podman, name) == 3  # its memory came back, under podman's init
+    assert _sh(podman, name, "cat /proc/1/cmdline | tr '\\0' ' '").startswith(
+        f"{INIT_MOUNT} -- /bin/sh -c")
+    # Without memory (no CRIU on the node), it starts afresh, still under the init.
+    sandboxes.memory = False
+    fresh = _name(names)
+    assert sandboxes.restore(stored, _fetch(sandboxes), fresh, "k", "r").running is False
+    assert ask(podman, fresh) == 1
+    assert podman.inspect(fresh)["HostConfig"]["Init"] is True
+
+
+def _init_mount(spec: dict[str, Any]) -> dict[str, Any]:
+    (found,) = [m for m in spec["mounts"] if m["destination"] == INIT_MOUNT]
+    return found
+
+
+@pytest.mark.parametrize("change,refusal", [
+    (None, f"asks to mount '{INIT_PATH}' from the host \\(at '{INIT_MOUNT}'\\)"),
+    (lambda s: _init_mount(s).__setitem__("source", "/bin/sh"),
+     f"asks to mount '/bin/sh' from the host \\(at '{INIT_MOUNT}'\\)"),
+    (lambda s: _init_mount(s).__setitem__("destination", "/etc/passwd"),
+     f"asks to mount '{INIT_PATH}' from the host \\(at '/etc/passwd'\\)"),
+    (lambda s: s["mounts"].append({"type": "bind", "source": "/root", "destination": "/r"}),
+     "asks to mount '/root' from the host"),
+], ids=["init-not-asked", "other-binary", "elsewhere", "another-mount"])
+def test_an_archive_mounts_podmans_init_binary_only_from_its_own_path_and_place(
+        runtime: Setup, podman: Podman, names: list[str], tmp_path: Path,
+        change: Any, refusal: str) -> None:
+    sandboxes = _sandboxes(podman, tmp_path)
+    first = _name(names)
+    podman.run("run", "-d", "--init", "--name", first, runtime.image, "sleep", "1000")
+    recorded = sandboxes.record(first, None)
+    assert recorded.record.memory is not None
+    data = sandboxes.cache.read(recorded.record.memory, recorded.record.memory_size)
+    assert data is not None
+    image = recorded.record.config.image
+    check_archive(data, image, "r", init_path=INIT_PATH)  # podman's own passes
+    if change is None:  # the container the restore made has no --init
+        with pytest.raises(ContainerRuntimeError, match=refusal):
+            check_archive(data, image, "r")
+        return
+    with pytest.raises(ContainerRuntimeError, match=refusal):
+        check_archive(rewrite_dump(data, "spec.dump", change), image, "r",
+                      init_path=INIT_PATH)
 
 
 def _recorded(podman: Podman, runtime: Setup, names: list[str], tmp_path: Path
@@ -308,12 +371,15 @@ def test_a_stored_record_is_read_back_and_a_crafted_one_is_refused_naming_the_fi
         ("image", "busybox", "image is not an image id"),
         ("memory_size", 0, "memory_size does not match memory"),
         ("workdir", "relative", "workdir is not an absolute path"),
+        ("init", "/bin/sh", "init is not true or false"),
     ]:
         crafted = msgpack.packb({**raw, field: value}, use_bin_type=True)
         with pytest.raises(ContainerRuntimeError, match=expect):
             decode_record(crafted, "r")
     with pytest.raises(ContainerRuntimeError, match="more than"):
         decode_record(b"\x00" * (5 << 20), "r")
+    older = {k: v for k, v in raw.items() if k != "init"}  # before --init was recorded
+    assert decode_record(msgpack.packb(older, use_bin_type=True), "r") == record
 
 
 def test_restoring_onto_a_node_without_the_image_says_to_load_it(
