@@ -7,7 +7,6 @@ provider under a rollout's session, each sandbox the session's container
       nemo_ckpt_docker:
         namespace: my-job          # the job's CheckpointConfig.namespace (containers=True)
         memory: required           # or "off": its files only
-        create: {use_init: false}  # Gym's --init: not yet (issue 53)
 
 ``create`` runs Gym's ``docker run`` (on podman: the project's ``docker`` command runs
 ``podman "$@"``), then opens the session of the rollout ``SandboxSpec.metadata`` names
@@ -21,10 +20,11 @@ What a sandbox keeps is ``recovery_of(handle)``: ``snapshot_with_memory`` with `
 required`` where CRIU works on its node, ``restart_only`` there where it does not (the
 holder makes the session so, and says why in its log), ``files_only`` with ``memory:
 off``. ``SandboxSpec.env`` lives in the container, but Gym's ``exec`` sets it per command
-and a restored handle has none: give it again per command. Refused at ``create``, naming
-the option: volumes and ``run_args`` (a host mount is refused by a restore), and, at the
-provider's construction, Gym's default ``--init`` (podman mounts its init binary from the
-host).
+and a restored handle has none: give it again per command. Gym's default ``--init`` works:
+the record says so, and the restore creates the container under the init binary of its
+node's podman configuration (the only host file a restore mounts). Refused at
+``create``, naming the option: volumes and ``run_args`` (a host mount is refused by a
+restore).
 """
 
 from __future__ import annotations
@@ -75,11 +75,6 @@ class NemoCkptDockerProvider(RolloutSandboxProvider):
         if memory not in _MEMORY:
             raise SandboxError(f"{self.name}: memory must be one of {sorted(_MEMORY)}, not "
                                f"{memory!r}")
-        if dict(create or {}).get("use_init", True):
-            raise SandboxError(
-                f"{self.name}: Gym's default --init is not supported yet (podman mounts "
-                f"its init binary from the host, which a restore refuses); set create: "
-                f"{{use_init: false}}")
         super().__init__(namespace, instance_id)
         self.memory = memory
         self.recovery = _MEMORY[memory]

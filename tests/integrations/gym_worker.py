@@ -35,6 +35,7 @@ from nemo_ckpt.integrations.nemo_gym_docker import DOCKER_PROVIDER_NAME as DOCKE
 SERVER = ("mkfifo /tmp/req /tmp/rep; n=0; "
           "while true; do read cmd < /tmp/req; n=$((n+1)); echo $n > /tmp/rep; done")
 ASK = "echo go > /tmp/req; cat /tmp/rep"
+PID1 = "tr '\\0' ' ' < /proc/1/cmdline"  # what runs as the container's first process
 
 
 def _error(exc: BaseException) -> list[str]:
@@ -172,12 +173,8 @@ async def docker_start(args: dict[str, Any]) -> dict[str, Any]:
     from nemo_gym.sandbox import AsyncSandbox, SandboxSpec, create_provider
 
     seen: dict[str, Any] = {}
-    try:  # Gym's defaults: --init
-        create_provider({DOCKER: {"namespace": args["namespace"]}})
-    except Exception as exc:
-        seen["with_init"] = _error(exc)
-    provider = create_provider({DOCKER: {"namespace": args["namespace"], "memory": "required",
-                                         "create": {"use_init": False}}})
+    # Gym's defaults (its --init among them)
+    provider = create_provider({DOCKER: {"namespace": args["namespace"], "memory": "required"}})
     episode, instance = Ep(args["rollout_id"], 0), args["instance_id"]
     meta = ours.sandbox_metadata(episode, instance)
     try:
@@ -200,6 +197,7 @@ async def docker_start(args: dict[str, Any]) -> dict[str, Any]:
             turn.complete(f"t{t}".encode(), f"s{t + 1}".encode())
     record = await client.get(episode)
     seen.update(counts=counts, container=record.container, descriptor=await box.serialize(),
+                pid1=(await box.exec(PID1)).stdout.strip(),
                 recovery=provider.recovery_of(box._handle).value,
                 declared=provider.recovery.value)
     return seen
@@ -208,8 +206,7 @@ async def docker_start(args: dict[str, Any]) -> dict[str, Any]:
 async def docker_resume(args: dict[str, Any]) -> dict[str, Any]:
     from nemo_gym.sandbox import AsyncSandbox, create_provider
 
-    provider = create_provider({DOCKER: {"namespace": args["namespace"],
-                                         "create": {"use_init": False}}})
+    provider = create_provider({DOCKER: {"namespace": args["namespace"]}})
     continued, instance = Ep(args["rollout_id"], 1), args["instance_id"]
     descriptor = ours.sandbox_descriptor(continued, instance, DOCKER)
     box = await AsyncSandbox.connect(descriptor, provider=provider, owns_provider=False)
@@ -217,7 +214,8 @@ async def docker_resume(args: dict[str, Any]) -> dict[str, Any]:
     record = await client.get(continued)
     seen: dict[str, Any] = {"container": record.container, "descriptor": await box.serialize(),
                             "log": (await box.exec("cat /work/log.txt")).stdout,
-                            "running": (await box.status()).value}
+                            "running": (await box.status()).value,
+                            "pid1": (await box.exec(PID1)).stdout.strip()}
     async with client.turn(continued) as turn:
         seen["count"] = (await box.exec(ASK)).stdout.strip()
         turn.complete(b"t2", b"s3")

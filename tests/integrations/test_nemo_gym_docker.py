@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GYM_PREFIX = "nemo-gym-"  # Gym's docker provider names its containers so
 ROLLOUT = "gym-c0"
 
-# Gym's docker provider with its defaults but --init: podman's --init needs catatonit,
-# which Debian 12's podman does not ship (the wrapping provider's part of issue 53).
+# Gym's docker provider with its defaults, --init among them (podman's needs catatonit,
+# which the runtime's setup installs).
 SCRIPT = """
 import asyncio, json, sys
 from pathlib import Path
@@ -44,7 +44,7 @@ from nemo_gym.sandbox import AsyncSandbox, SandboxSpec
 
 async def main():
     image, tmp = sys.argv[1], Path(sys.argv[2])
-    config = {"docker": {"create": {"use_init": False}}}
+    config = {"docker": {}}
     spec = SandboxSpec(image=image, env={"GREETING": "hi"}, files={"/work/task.txt": "the task"})
     async with await AsyncSandbox(config, spec).start() as box:
         ran = await box.exec("echo $GREETING; cat /work/task.txt; echo made > /work/out.txt")
@@ -161,6 +161,9 @@ def test_a_gym_container_comes_back_running_with_its_memory_and_files_after_a_cr
     assert after["container"] == f"nemo-ckpt-{gym['namespace']}-{ROLLOUT}-a1"
     assert after["count"] == "3"  # the counter went on from its memory
     assert after["log"] == "turn-0\nturn-1\n"
+    # Gym's default --init: podman's init ran the sandbox, and runs the restored one.
+    assert before["pid1"].startswith("/run/podman-init -- sh -c mkfifo")
+    assert after["pid1"] == before["pid1"]
     assert before["descriptor"] == {**sandbox_descriptor(Ep(ROLLOUT, 0), instance, DOCKER),
                                     "workdir": None}
     assert after["descriptor"] == {**sandbox_descriptor(Ep(ROLLOUT, 1), instance, DOCKER),
@@ -172,9 +175,6 @@ def test_the_docker_provider_declares_memory_and_refuses_what_a_restore_cannot_m
     before = gym["before"]
     assert (before["declared"], before["recovery"]) == ("snapshot_with_memory",
                                                         "snapshot_with_memory")
-    kind, message = before["with_init"]
-    assert kind == "SandboxError" and "--init is not supported yet" in message
-    assert "create: {use_init: false}" in message
     kind, message = before["with_volume"]
     assert kind == "SandboxError" and "provider_options['volumes'] is not supported" in message
 
