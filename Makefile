@@ -19,7 +19,7 @@ DEMO_ARGS ?=
 # seed and the command that replays it.
 SIM_SCHEDULES ?= 5500
 
-.PHONY: test install demo demo-s3 demo-containers demo-preemption container-runtime
+.PHONY: test install demo demo-s3 demo-containers demo-gym demo-preemption container-runtime
 
 install: $(STAMP) $(GYM_STAMP)
 
@@ -75,6 +75,12 @@ container-runtime: $(STAMP)
 # crash-free run; on the runtime `make container-runtime` installs.
 demo-containers: $(STAMP)
 	$(PY) -m tests.container_runtime -- $(PY) examples/container_recovery.py $(DEMO_ARGS)
+
+# NeMo Gym's sandboxes on nemo-ckpt's providers (examples/gym_sandboxes.py): rollouts'
+# tools through Gym's AsyncSandbox, the job killed hard, a restore, VERIFIED against a
+# crash-free run; on the local provider, then the docker one (podman, the runtime above).
+demo-gym: $(STAMP) $(GYM_STAMP)
+	$(PY) -m tests.container_runtime -- $(PY) examples/gym_sandboxes.py $(DEMO_ARGS)
 
 # The end-to-end turn-level recovery run on an embedded local Ray cluster.
 demo: $(STAMP)

@@ -24,7 +24,7 @@ WORKER_NODES = 2
 # Here and below, modules by file name, wherever under tests/ they live
 # (tests/house/test_layout.py checks that each names one module).
 PODMAN_MODULES = {"test_containers.py", "test_containers_ray.py", "test_container_sessions.py",
-                  "test_container_demo.py", "test_nemo_gym_docker.py"}
+                  "test_container_demo.py", "test_nemo_gym_docker.py", "test_gym_demo.py"}
 
 
 # The modules that take longest (minutes each on 2 cores), longest first: under xdist they
