@@ -10,7 +10,8 @@ podman, with Gym's defaults, ``--init`` among them) or ``nemo_ckpt_local`` (Gym'
 digest) and the turn writes the answer to the sandbox's disk; with ``local`` the answer
 is a digest of the sandbox's log file, which the turn extends.
 
-The job runs as a child process with a Ray instance of its own. It snapshots mid-run,
+The job (with each provider's sandboxes, by default) runs as a child process with a
+Ray instance of its own. It snapshots mid-run,
 runs one more turn per rollout, and is then killed (SIGKILL, its Ray with it); the node
 goes too (its sandboxes removed). A fresh job restores: each sandbox comes back with its
 files and, for ``docker`` where CRIU works, its processes' memory, and Gym's
@@ -140,10 +141,11 @@ class Job:
         await self.client.finish(episode, b"done")
 
 
-async def first_life(args: argparse.Namespace) -> None:
-    """Open the sandboxes, run ``snapshot_at`` turns, snapshot, run one more, say so,
-    and wait to be killed."""
-    job = Job(args.provider, args.root, args.namespace)
+async def first_life(args: argparse.Namespace, provider: str) -> dict[str, Any]:
+    """Open ``provider``'s sandboxes, run ``snapshot_at`` turns, snapshot, run one more:
+    what the crash must clean up and what its sandboxes declared."""
+    root = args.root / provider
+    job = Job(provider, root, f"{args.namespace}-{provider}")
     await job.start()
     rollouts = [f"r{k}" for k in range(args.rollouts)]
     answers: dict[str, list[str]] = {r: [] for r in rollouts}
@@ -153,24 +155,30 @@ async def first_life(args: argparse.Namespace) -> None:
         for r in rollouts:
             await job.turn(r, Ep(r, 0), answers[r])
     live = {job.instance: {Ep(r, 0) for r in rollouts}}
-    async with job.ckpt.snapshot(args.root / "ckpt" / "step-1") as snap:
+    async with job.ckpt.snapshot(root / "ckpt" / "step-1") as snap:
         if snap is not None:
             await snap.check_against_cut(StaticCut(live, set()))
     for r in rollouts:  # after the snapshot: lost in the crash
         await job.turn(r, Ep(r, 0), answers[r])
     names = [job.boxes[r]._handle.raw.inner.sandbox_id for r in rollouts]
-    (args.root / READY).write_text(json.dumps({
-        "containers": names if args.provider == "docker" else [],
-        "recovery": [job.provider.recovery_of(job.boxes[r]._handle).value
-                     for r in rollouts]}))
+    return {"containers": names if provider == "docker" else [],
+            "recovery": [job.provider.recovery_of(job.boxes[r]._handle).value
+                         for r in rollouts]}
+
+
+async def first_lives(args: argparse.Namespace) -> None:
+    """Each provider's first life, in one job; then say so and wait to be killed."""
+    note = {p: await first_life(args, p) for p in args.providers}
+    (args.root / READY).write_text(json.dumps(note))
     await asyncio.sleep(3600)  # killed here
 
 
-async def second_life(args: argparse.Namespace) -> dict[str, Any]:
+async def second_life(args: argparse.Namespace, provider: str) -> dict[str, Any]:
     """Restore, run every rollout to its end; then a crash-free run to compare with."""
-    job = Job(args.provider, args.root, args.namespace)
+    root, namespace = args.root / provider, f"{args.namespace}-{provider}"
+    job = Job(provider, root, namespace)
     await job.start()
-    async with job.ckpt.restored(args.root / "ckpt" / "step-1") as restored:
+    async with job.ckpt.restored(root / "ckpt" / "step-1") as restored:
         continued = {rid: (inst, att) for inst, rid, att in restored.continued_attempts}
     out: dict[str, Any] = {"crashed": {}, "clean": {}, "continued": 0, "restarted": 0}
     for k in range(args.rollouts):
@@ -190,7 +198,7 @@ async def second_life(args: argparse.Namespace) -> dict[str, Any]:
         await job.close(r, episode)
     await job.ckpt.shutdown(wait=True)
 
-    clean = Job(args.provider, args.root / "clean", f"{args.namespace}-clean")
+    clean = Job(provider, root / "clean", f"{namespace}-clean")
     await clean.start()
     for k in range(args.rollouts):
         r = f"r{k}"
@@ -204,6 +212,10 @@ async def second_life(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+async def second_lives(args: argparse.Namespace) -> dict[str, Any]:
+    return {p: await second_life(args, p) for p in args.providers}
+
+
 def job_main(args: argparse.Namespace) -> int:
     import ray
 
@@ -212,9 +224,9 @@ def job_main(args: argparse.Namespace) -> int:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         if args.job == "first":
-            asyncio.run(first_life(args))
+            asyncio.run(first_lives(args))
             return 1  # never reached: killed while waiting
-        result = asyncio.run(second_life(args))
+        result = asyncio.run(second_lives(args))
         sys.stdout.write("RESULT " + json.dumps(result) + "\n")
         return 0
     finally:
@@ -231,67 +243,77 @@ def _job(args: argparse.Namespace, phase: str, root: Path, namespace: str) -> li
             "--snapshot-at", str(args.snapshot_at)]
 
 
-def run_provider(args: argparse.Namespace, podman: Podman) -> bool:
-    say = f"gym demo ({args.provider})"
+def _crash(args: argparse.Namespace, root: Path, namespace: str) -> dict[str, Any] | None:
+    """The job's first life, killed (SIGKILL) once it has run past its snapshot: what
+    it noted, or None (its log printed) when it did not get there."""
+    log = root / "job.log"
+    with log.open("w") as out:
+        # Its own session: the kill below takes its Ray processes too.
+        child = subprocess.Popen(_job(args, "first", root, namespace), stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + args.timeout
+        while not (root / READY).exists() and child.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(child.pid, signal.SIGKILL)  # the crash
+        child.wait()
+    if not (root / READY).exists():
+        print(f"gym demo: the job did not reach its crash point:\n{log.read_text()[-3000:]}")
+        return None
+    note: dict[str, Any] = json.loads((root / READY).read_text())
+    return note
+
+
+def run(args: argparse.Namespace, providers: list[str], podman: Podman) -> bool:
     namespace = f"demo-gym-{uuid.uuid4().hex[:6]}"
     root = Path(tempfile.mkdtemp(prefix="gym-sandboxes-"))
-    log = root / "job.log"
     try:
-        with log.open("w") as out:
-            # Its own session: the kill below takes its Ray processes too.
-            child = subprocess.Popen(_job(args, "first", root, namespace), stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-            deadline = time.monotonic() + args.timeout
-            while not (root / READY).exists() and child.poll() is None \
-                    and time.monotonic() < deadline:
-                time.sleep(0.2)
-            ready = (root / READY).exists()
-            os.killpg(child.pid, signal.SIGKILL)  # the crash
-            child.wait()
-        if not ready:
-            print(f"{say}: the job did not reach its crash point:\n"
-                  f"{log.read_text()[-3000:]}")
+        note = _crash(args, root, namespace)
+        if note is None:
             return False
-        note = json.loads((root / READY).read_text())
-        # The node went with the job: its sandboxes too.
-        for name in note["containers"]:
-            podman.remove(name)
-        shutil.rmtree(root / "sandboxes", ignore_errors=True)
-        print(f"{say}: killed the job after turn {args.snapshot_at + 1} of {args.turns} "
-              f"(snapshot at turn {args.snapshot_at}); its sandboxes declared "
-              f"{sorted(set(note['recovery']))}")
+        for p in providers:  # the node went with the job: its sandboxes too
+            for name in note[p]["containers"]:
+                podman.remove(name)
+            shutil.rmtree(root / p / "sandboxes", ignore_errors=True)
+            print(f"gym demo ({p}): killed the job after turn {args.snapshot_at + 1} of "
+                  f"{args.turns} (snapshot at turn {args.snapshot_at}); its sandboxes "
+                  f"declared {sorted(set(note[p]['recovery']))}")
         done = subprocess.run(_job(args, "second", root, namespace), capture_output=True,
                               text=True, timeout=args.timeout)
         lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
         if done.returncode != 0 or len(lines) != 1:
-            print(f"{say}: the restarted job failed:\n{done.stdout[-2000:]}"
+            print(f"gym demo: the restarted job failed:\n{done.stdout[-2000:]}"
                   f"{done.stderr[-3000:]}")
             return False
-        result = json.loads(lines[0].removeprefix("RESULT "))
-        print(f"{say}: restored; {result['continued']} rollout(s) continued from their "
-              f"saved turn through Gym's AsyncSandbox.connect, {result['restarted']} "
-              f"started over")
-        crashed, clean = result["crashed"], result["clean"]
-        for r in sorted(clean):
-            if crashed.get(r) != clean[r]:
-                print(f"  {r}: {crashed.get(r)} != {clean[r]}")
-        same = crashed == clean
-        memory = " (from its server's memory)" if args.provider == "docker" else ""
-        print(f"{say}: {'VERIFIED' if same else 'DIFFERENT'}: every rollout's answers"
-              f"{memory} and its sandbox's files equal a crash-free run's")
-        return same
+        results = json.loads(lines[0].removeprefix("RESULT "))
+        ok = True
+        for p in providers:
+            result = results[p]
+            print(f"gym demo ({p}): restored; {result['continued']} rollout(s) continued "
+                  f"from their saved turn through Gym's AsyncSandbox.connect, "
+                  f"{result['restarted']} started over")
+            crashed, clean = result["crashed"], result["clean"]
+            for r in sorted(clean):
+                if crashed.get(r) != clean[r]:
+                    print(f"  {r}: {crashed.get(r)} != {clean[r]}")
+            same = crashed == clean
+            memory = " (from its server's memory)" if p == "docker" else ""
+            print(f"gym demo ({p}): {'VERIFIED' if same else 'DIFFERENT'}: every rollout's "
+                  f"answers{memory} and its sandbox's files equal a crash-free run's")
+            ok = ok and same
+        return ok
     finally:
-        if args.provider == "docker" and podman.available() is None:
-            for prefix in (f"nemo-ckpt-{namespace}",):
-                for name in podman.text("ps", "-a", "--filter", f"name=^{prefix}",
-                                        "--format", "{{.Names}}").split():
-                    podman.remove(name)
+        if "docker" in providers and podman.available() is None:
+            for name in podman.text("ps", "-a", "--filter", f"name=^nemo-ckpt-{namespace}",
+                                    "--format", "{{.Names}}").split():
+                podman.remove(name)
         shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--provider", choices=["docker", "local", "both"], default="both")
+    p.add_argument("--provider", choices=["docker", "local", "both"], default="both",
+                   help="both: each provider's sandboxes in the same job")
     p.add_argument("--rollouts", type=int, default=3)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--snapshot-at", type=int, default=3, help="turns before the snapshot")
@@ -302,21 +324,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.snapshot_at < args.turns or args.rollouts < 1:
         p.error("need --rollouts >= 1 and 0 < --snapshot-at < --turns")
+    args.providers = ["local", "docker"] if args.provider == "both" else [args.provider]
     if args.job:
         return job_main(args)
     env = {k: os.environ[k] for k in ("CONTAINERS_CONF", "PATH") if k in os.environ}
     podman = Podman(env=env)
-    ok = True
-    for provider in (["local", "docker"] if args.provider == "both" else [args.provider]):
-        if provider == "docker":
-            problem = podman.available() or (None if shutil.which("docker") else
-                                             "no `docker` command on PATH")
-            if problem is not None:
-                print(f"gym demo (docker): {problem} (make demo-gym installs the runtime)")
-                return 1
-        ok = run_provider(argparse.Namespace(**{**vars(args), "provider": provider}),
-                          podman) and ok
-    return 0 if ok else 1
+    if "docker" in args.providers:
+        problem = podman.available() or (None if shutil.which("docker") else
+                                         "no `docker` command on PATH")
+        if problem is not None:
+            print(f"gym demo (docker): {problem} (make demo-gym installs the runtime)")
+            return 1
+    return 0 if run(args, args.providers, podman) else 1
 
 
 if __name__ == "__main__":
