@@ -78,7 +78,8 @@ demo-containers: $(STAMP)
 
 # NeMo Gym's sandboxes on nemo-ckpt's providers (examples/gym_sandboxes.py): rollouts'
 # tools through Gym's AsyncSandbox, the job killed hard, a restore, VERIFIED against a
-# crash-free run; on the local provider, then the docker one (podman, the runtime above).
+# crash-free run; both providers' sandboxes in one job (DEMO_ARGS='--provider docker' for
+# one), the docker one's on podman (the runtime above).
 demo-gym: $(STAMP) $(GYM_STAMP)
 	$(PY) -m tests.container_runtime -- $(PY) examples/gym_sandboxes.py $(DEMO_ARGS)
 
