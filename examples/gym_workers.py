@@ -281,7 +281,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     from ray.cluster_utils import Cluster  # one machine, one raylet per "node"
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
     for _ in range(args.nodes - 1):
         cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)

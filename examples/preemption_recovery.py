@@ -166,7 +166,8 @@ def child_main(args: argparse.Namespace) -> int:
     if args.drain:  # two nodes, so that a holder's node can drain while the job runs
         from ray.cluster_utils import Cluster
 
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": 1, "include_dashboard": False})
         drain_node = cluster.add_node(num_cpus=1).node_id
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         cluster.wait_for_nodes()

@@ -3,8 +3,9 @@ the ``Turn`` it hands out. The session's data is ``nemo_ckpt.session_record``.
 
 The client reaches its holder through a ``Transport``. The core does not import the Ray
 side: without a ``transport``, ``connect`` uses the one registered with
-``register_default_transport``, which ``nemo_ckpt.driver`` does on import
-(``import nemo_ckpt`` imports it), so a worker gets Ray's.
+``register_default_transport`` (``nemo_ckpt.driver`` registers Ray's on import), else the
+installed runtime's (``nemo_ckpt.transport.runtime_transport``: Ray's), so a worker that
+imports only ``SessionClient`` gets Ray's too.
 """
 
 from __future__ import annotations
@@ -38,13 +39,22 @@ _RESOLVE_RETRY_S = 0.5
 _default_transport: Callable[[str], Transport] | None = None
 
 
-def register_default_transport(factory: Callable[[str], Transport]
+def register_default_transport(factory: Callable[[str], Transport] | None
                                ) -> Callable[[str], Transport] | None:
     """Make ``factory(namespace)`` the transport of ``SessionClient.connect`` calls that
-    pass none (``nemo_ckpt.driver`` registers Ray's); returns the one it replaces."""
+    pass none (``nemo_ckpt.driver`` registers Ray's; None: the installed runtime's);
+    returns the one it replaces."""
     global _default_transport
     previous, _default_transport = _default_transport, factory
     return previous
+
+
+def _installed_transport(namespace: str) -> Transport:
+    """The installed runtime's transport (Ray's, by its entry point) for ``namespace``."""
+    from nemo_ckpt.config import CheckpointConfig
+    from nemo_ckpt.transport import runtime_transport
+
+    return runtime_transport(CheckpointConfig(namespace=namespace))
 
 
 class Turn:
@@ -156,11 +166,7 @@ class SessionClient:
 
         ``transport`` defaults to the registered one (Ray's), for ``namespace``."""
         if transport is None:
-            if _default_transport is None:
-                raise BackendUnavailableError(
-                    "SessionClient.connect() was given no transport and none is "
-                    "registered: import nemo_ckpt (it registers Ray's), or pass transport=")
-            transport = _default_transport(namespace)
+            transport = (_default_transport or _installed_transport)(namespace)
         namespace = transport.namespace
         if instance_id is not None:
             handle = transport.holder(instance_id)

@@ -172,8 +172,30 @@ def test_a_client_connected_without_a_transport_reaches_its_holder_through_the_r
 
         instance, episodes = world.run(open_one(), world.worker)
     finally:
-        assert ray_side is not None
         register_default_transport(ray_side)
     assert asked == [CONFIG.namespace]
     assert episodes == [Ep("r", 0)]
     assert [a.node for a in world.sim.live(HOLDER) if a.name == instance] == [world.worker.node]
+
+
+def test_importing_the_package_loads_a_public_name_and_what_it_needs_only_when_used() -> None:
+    """An actor's process imports the few submodules it runs: ``import nemo_ckpt`` loads
+    none, and a worker's ``SessionClient`` none of the driver's, manager's or catalog's."""
+    import subprocess
+    import sys
+
+    script = ("import sys, nemo_ckpt\n"
+              "def loaded(): return sorted(m for m in sys.modules if m.startswith('nemo_ckpt.'))\n"
+              "print(loaded())\n"
+              "from nemo_ckpt import SessionClient\n"
+              "print([m for m in loaded() if m.startswith(('nemo_ckpt.driver', "
+              "'nemo_ckpt.manager', 'nemo_ckpt.catalog'))])\n"
+              "print(nemo_ckpt.RayEnvironmentCheckpoint.__module__, "
+              "'keep_last' in dir(nemo_ckpt))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.splitlines()
+    assert out == ["[]", "[]", "nemo_ckpt.driver.checkpoint True"]
+    with pytest.raises(AttributeError, match="module 'nemo_ckpt' has no attribute 'Nope'"):
+        import nemo_ckpt
+
+        nemo_ckpt.Nope  # noqa: B018
