@@ -26,6 +26,7 @@ from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.integrations.nemo_gym import sandbox_descriptor
 from nemo_ckpt.integrations.nemo_gym_docker import DOCKER_PROVIDER_NAME as DOCKER
+from nemo_ckpt.sandboxes.provided import provided_label
 from tests.container_runtime import SHIM_DIR, Setup, docker_shim, ensure
 from tests.integrations.test_nemo_gym_local import entry_point_folder, run_worker
 
@@ -117,9 +118,12 @@ async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path,
     finally:
         ckpt.shutdown()  # the crash: every holder killed, the worker long gone
     try:
-        podman.remove(before["container"])  # its node went with it
         fresh = RayEnvironmentCheckpoint(config)
         try:
+            # The dead incarnation's container: removed as its instance's next holder
+            # starts, which says so.
+            removed = sum(h.sandboxes_removed_at_start for h in await fresh.ensure_holders())
+            old_left = podman.exists(before["container"])
             async with fresh.restored(path) as restored:
                 continued = set(restored.continued_attempts)
             after = await asyncio.to_thread(run_worker, "docker-resume", args, tmp, workers,
@@ -133,7 +137,7 @@ async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path,
         for name in left:
             podman.remove(name)
     return {"before": before, "after": after, "continued": continued,
-            "instance": instance, "left": left}
+            "instance": instance, "left": left, "removed": removed, "old_left": old_left}
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +164,7 @@ def test_a_gym_container_comes_back_running_with_its_memory_and_files_after_a_cr
     assert gym["continued"] == {(instance, ROLLOUT, 0)}
     assert after["container"] == f"nemo-ckpt-{gym['namespace']}-{ROLLOUT}-a1"
     assert after["count"] == "3"  # the counter went on from its memory
+    assert (gym["removed"], gym["old_left"]) == (1, False)  # the dead one's, removed
     assert after["log"] == "turn-0\nturn-1\n"
     assert before["descriptor"] == {**sandbox_descriptor(Ep(ROLLOUT, 0), instance, DOCKER),
                                     "workdir": None}
@@ -189,3 +194,26 @@ def test_a_paused_gym_container_says_paused_and_a_second_close_is_a_no_op(
     assert after["count_after_resume"] == "4"  # the refused command never reached it
     assert after["provider_closes"] == ["ok", "ok", "ok"]
     assert gym["left"] == []  # Gym's close removed the restored container
+
+
+def test_a_labelled_container_its_provider_never_marked_is_removed_by_the_next_holder(
+        runtime: Setup, tmp_path: Path) -> None:
+    # The provider died between `docker run` and its mark: the container's label still
+    # names its job and holder.
+    from actors.holder.sandboxes import Sandboxes
+
+    podman = Podman(env=runtime.env)
+    name = f"{GYM_PREFIX}{uuid.uuid4().hex}"
+    podman.run("run", "-d", "--name", name, "--label", provided_label("job", "holder-0"),
+               runtime.image, "sleep", "600")
+    other = f"{GYM_PREFIX}{uuid.uuid4().hex}"  # another job's, on the same node
+    podman.run("run", "-d", "--name", other, "--label", provided_label("job2", "holder-0"),
+               runtime.image, "sleep", "600")
+    try:
+        boxes = Sandboxes("holder-0", str(tmp_path), None, "job",
+                          container_env=runtime.env)
+        assert boxes.removed_at_start == 1
+        assert (podman.exists(name), podman.exists(other)) == (False, True)
+    finally:
+        podman.remove(name)
+        podman.remove(other)
