@@ -13,7 +13,8 @@ one line ``RESULT <json>`` of what it saw.
 - ``lost``: creates whose open's answer is lost, never arrives, or cannot be learned,
   each retried; ``kill-start`` and ``kill-resume``: a job killed mid-rollout with
   sandboxes on every holder, and its continued rollouts after the restore
-  (tests/integrations/test_nemo_gym_release.py).
+  (tests/integrations/test_nemo_gym_release.py); ``stage``: Gym's token capture stages
+  rows (tests/integrations/test_nemo_gym_staging.py; no cluster).
 """
 
 from __future__ import annotations
@@ -373,12 +374,51 @@ async def kill_resume(args: dict[str, Any]) -> dict[str, Any]:
     return seen
 
 
+async def stage(args: dict[str, Any]) -> dict[str, Any]:
+    """Gym's own ``RolloutTokenCapture`` stages one model call per ``(rollout id, call
+    id)`` of ``args["calls"]`` through a ``StagingSink`` (the data plane's side, here a
+    dict), and a ``StagingSource`` fetches them back by the keys it returned."""
+    from nemo_gym.token_id_capture.staging import capture as gym_capture
+    from nemo_gym.token_id_capture.staging import protocols, records
+
+    stored: dict[str, Any] = {}
+
+    class Sink:
+        def stage(self, record: Any, *, attachments: Any = None) -> Any:
+            key = records.staging_key(record.rollout_id, record.model_call_id)
+            stored[key] = record
+            return records.StageResult(ok=True, staging_key=key)
+
+    class Source:
+        def fetch(self, staging_keys: list[str]) -> list[Any]:
+            return [stored[k] for k in staging_keys]
+
+    sink, source = Sink(), Source()
+    capture = gym_capture.RolloutTokenCapture(sink=sink, weight_version_fn=lambda: 3)
+    keys = []
+    for rollout_id, call_id in args["calls"]:
+        call = capture.begin_call(records.CaptureAdmission(
+            rollout_id=rollout_id, model_call_id=call_id, mode="text"))
+        coords = capture.complete_call(call, prompt_token_ids=[1, 2, 3],
+                                       generated_token_ids=[4, 5],
+                                       generated_logprobs=[-0.5, -0.25])
+        keys.append(coords.staging_key)
+    fetched = source.fetch(keys)
+    return {"keys": keys,
+            "protocols": [isinstance(sink, protocols.StagingSink),
+                          isinstance(source, protocols.StagingSource)],
+            "rows": {k: stored[k].model_dump_json() for k in keys},
+            "fetched": [[f.rollout_id, f.model_call_id, f.weight_version] for f in fetched]}
+
+
 def main() -> int:
     phase, args = sys.argv[1], json.loads(sys.argv[2])
-    connect(args["address"], log_to_driver=False, logging_level="ERROR")
+    if phase != "stage":  # the only phase that needs no cluster
+        connect(args["address"], log_to_driver=False, logging_level="ERROR")
     seen = asyncio.run({"start": start, "resume": resume, "docker-start": docker_start,
                         "docker-resume": docker_resume, "lost": lost,
-                        "kill-start": kill_start, "kill-resume": kill_resume}[phase](args))
+                        "kill-start": kill_start, "kill-resume": kill_resume,
+                        "stage": stage}[phase](args))
     sys.stdout.write("RESULT " + json.dumps(seen) + "\n")
     return 0
 
