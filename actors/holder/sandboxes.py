@@ -208,6 +208,9 @@ class Sandboxes:
         # before any session of this one (blocking, at the holder's start).
         self.provided = None if self.root is None else \
             ProvidedSandboxes(self.root, namespace, instance_id)
+        # The rollouts whose sandboxes the earlier holder had marked: a restore that
+        # continues one marks the continued attempt's sandbox in turn.
+        self.provided_rollouts: set[str] = set()
         self.removed_at_start = 0 if self.provided is None else self._remove_left()
 
     def _remove_left(self) -> int:
@@ -217,6 +220,7 @@ class Sandboxes:
         removed = 0
         try:
             if self.provided.marked():
+                self.provided_rollouts = self.provided.rollouts()
                 removed += self.provided.remove_left(self._container_remover())
             if self.container_env is not None:
                 podman = Podman(env=self.container_env)
@@ -251,6 +255,23 @@ class Sandboxes:
         if self.provided is None:
             return []
         return [k for k in capture_keys if (self.provided.folder / safe_name_part(k)).exists()]
+
+    def mark_restored(self, restored: Iterable[tuple[str, str, SandboxLocation]]) -> None:
+        """Mark the sandboxes a restore made for ``(rollout id, capture key, where)`` of
+        rollouts whose sandboxes were marked (blocking): released as theirs were."""
+        assert self.provided is not None
+        for rollout_id, key, where in restored:
+            if rollout_id not in self.provided_rollouts:
+                continue
+            try:  # the restore is live already: a mark not written is only logged
+                if isinstance(where, ContainerRef):
+                    self.provided.mark(key, container=where.name, rollout_id=rollout_id)
+                else:
+                    self.provided.mark(key, directory=where, rollout_id=rollout_id)
+            except OSError as exc:
+                log.warning("%s: the sandbox %s restored for %s is not marked (%s): it is "
+                            "removed only once Gym's provider connects to it",
+                            self.instance_id, where, key, exc)
 
     def release_provided(self, capture_keys: Iterable[str]) -> int:
         """Remove the provided sandboxes of these sessions, which left for good

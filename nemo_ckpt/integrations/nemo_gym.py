@@ -280,7 +280,8 @@ class NemoCkptLocalProvider(RolloutSandboxProvider):
                     f"of {key} was made before; close it, or remove it")
             # Ours, left by a create that could not learn whether its session opened.
             await asyncio.to_thread(shutil.rmtree, directory, True)
-        await asyncio.to_thread(ledger.mark, key, directory=directory)
+        await asyncio.to_thread(ledger.mark, key, directory=directory,
+                                rollout_id=episode.rollout_id)
         try:
             directory.mkdir()
         except OSError as exc:
@@ -397,7 +398,8 @@ class NemoCkptLocalProvider(RolloutSandboxProvider):
         inner = await self._local.create(SandboxSpec(workdir=str(directory)))
         # A restore made it: released with its session from now on, as one made here.
         ledger = await self._ledger(await self._client(instance_id))
-        await asyncio.to_thread(ledger.mark, record.episode.capture_key, directory=directory)
+        await asyncio.to_thread(ledger.mark, record.episode.capture_key, directory=directory,
+                                rollout_id=record.episode.rollout_id)
         return _Box(record.episode, instance_id, inner, self.recovery, directory)
 
 

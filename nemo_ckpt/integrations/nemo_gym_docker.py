@@ -112,7 +112,8 @@ class NemoCkptDockerProvider(RolloutSandboxProvider):
         label = provided_label(self.namespace, client.instance_id)
         inner = await self._docker.create(dataclasses.replace(spec, provider_options={
             **spec.provider_options, "run_args": ["--label", label]}))
-        await asyncio.to_thread(ledger.mark, key, container=inner.sandbox_id)
+        await asyncio.to_thread(ledger.mark, key, container=inner.sandbox_id,
+                                rollout_id=episode.rollout_id)
         try:
             record = await client.open(episode, b"", container=ContainerRef(
                 inner.sandbox_id, memory="off" if self.memory == "off" else "required"))
@@ -145,7 +146,8 @@ class NemoCkptDockerProvider(RolloutSandboxProvider):
         # A restore made it: released with its session from now on, as one made here.
         ledger = await self._ledger(await self._client(instance_id))
         await asyncio.to_thread(ledger.mark, record.episode.capture_key,
-                                container=record.container)
+                                container=record.container,
+                                rollout_id=record.episode.rollout_id)
         return _Box(record.episode, instance_id, inner, _recovery(record, self.recovery))
 
     async def exec(self, handle: SandboxHandle, command: str, *, cwd: str | None = None,

@@ -7,11 +7,13 @@ A provider marks a sandbox before it makes it and unmarks it after it removed it
 (RL retires or forgets it, or its worker closes it): it removes the sandbox and its mark.
 A new holder of the instance removes every sandbox still marked (``remove_left``): they
 belonged to sessions of a dead incarnation (a restore makes each continued attempt's
-sandbox anew, under another name). Removing what is gone already is a no-op, so a
-removal that ran twice (a provider's close and the holder's release) is harmless.
+sandbox anew, under another name, and marks it when the rollout's was). Removing what
+is gone already is a no-op, so a removal that ran twice (a provider's close and the
+holder's release) is harmless.
 
     <sandbox_root>/.nemo-ckpt/<namespace>/.provided/<instance>/<capture key>
-        {"directory": "<sandbox_root>/<name>"}  or  {"container": "<name>"}
+        {"directory": "<sandbox_root>/<name>"}  or  {"container": "<name>"},
+        with "rollout": its rollout id
 
 A mark is read as hostile input: only a directory directly inside ``sandbox_root`` (not
 a link, not nemo-ckpt's own folder) or a plain container name is removed.
@@ -57,10 +59,12 @@ class ProvidedSandboxes:
         return self.folder / safe_name_part(capture_key)
 
     def mark(self, capture_key: str, *, directory: str | os.PathLike[str] | None = None,
-             container: str | None = None) -> None:
-        """Mark the sandbox of ``capture_key``'s session, before it is made."""
-        what = {"directory": os.fspath(directory)} if directory is not None \
-            else {"container": container}
+             container: str | None = None, rollout_id: str | None = None) -> None:
+        """Mark the sandbox of ``capture_key``'s session (of ``rollout_id``), before it
+        is made."""
+        what: dict[str, str | None] = {"directory": os.fspath(directory)} \
+            if directory is not None else {"container": container}
+        what["rollout"] = rollout_id
         self.folder.mkdir(parents=True, exist_ok=True)
         mark = self._mark_of(capture_key)
         tmp = mark.with_name(f".{mark.name}.{os.getpid()}.tmp")
@@ -75,6 +79,20 @@ class ProvidedSandboxes:
         if not self.folder.is_dir():
             return []
         return sorted(p.name for p in self.folder.iterdir() if not p.name.startswith("."))
+
+    def rollouts(self) -> set[str]:
+        """The rollouts whose sandboxes are marked (a restore continuing one marks its
+        sandbox in turn)."""
+        found = set()
+        for name in self.marked():
+            try:
+                what = json.loads((self.folder / name).read_bytes()[:_MAX_MARK_BYTES])
+            except (OSError, ValueError):
+                continue
+            rollout = what.get("rollout") if isinstance(what, dict) else None
+            if isinstance(rollout, str):
+                found.add(rollout)
+        return found
 
     def release(self, capture_key: str, remove_container: Callable[[str], None] | None
                 ) -> bool:
