@@ -28,7 +28,7 @@ from nemo_ckpt.integrations.nemo_gym import sandbox_descriptor
 from nemo_ckpt.integrations.nemo_gym_docker import DOCKER_PROVIDER_NAME as DOCKER
 from nemo_ckpt.sandboxes.provided import provided_label
 from tests.container_runtime import SHIM_DIR, Setup, docker_shim, ensure
-from tests.integrations.test_nemo_gym_local import entry_point_folder, run_worker
+from tests.integrations.test_nemo_gym_local import run_worker
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -103,7 +103,6 @@ def test_gyms_docker_provider_runs_a_sandbox_on_podman_and_removes_it(
 async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path,
                              runtime: Setup) -> dict[str, Any]:
     path = tmp / "ckpt" / "step-1"
-    workers = entry_point_folder(tmp)
     podman = Podman(env=runtime.env)
     ckpt = RayEnvironmentCheckpoint(config)
     try:
@@ -111,7 +110,7 @@ async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path,
         instance = sorted(h.instance_id for h in await ckpt.holders())[0]
         args = {"address": address, "namespace": config.namespace, "rollout_id": ROLLOUT,
                 "instance_id": instance, "image": runtime.image}
-        before = await asyncio.to_thread(run_worker, "docker-start", args, tmp, workers,
+        before = await asyncio.to_thread(run_worker, "docker-start", args, tmp,
                                          runtime.env)
         async with ckpt.snapshot(path):
             pass
@@ -126,7 +125,7 @@ async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path,
             old_left = podman.exists(before["container"])
             async with fresh.restored(path) as restored:
                 continued = set(restored.continued_attempts)
-            after = await asyncio.to_thread(run_worker, "docker-resume", args, tmp, workers,
+            after = await asyncio.to_thread(run_worker, "docker-resume", args, tmp,
                                             runtime.env)
         finally:
             fresh.shutdown()

@@ -20,7 +20,7 @@ import pytest
 from nemo_ckpt import CheckpointConfig, RayEnvironmentCheckpoint
 from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt.sandboxes.provided import ProvidedSandboxes
-from tests.integrations.test_nemo_gym_local import ROOT, entry_point_folder, run_worker
+from tests.integrations.test_nemo_gym_local import ROOT, run_worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,10 +30,10 @@ def on_disk(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name != ".nemo-ckpt")
 
 
-def start_killable(args: dict[str, Any], cwd: Path, path: list[str]
+def start_killable(args: dict[str, Any], cwd: Path
                    ) -> tuple[subprocess.Popen[str], dict[str, str]]:
     """The ``kill-start`` worker, running mid-rollout once it printed ``READY``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *path])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.integrations.gym_worker", "kill-start",
          json.dumps(args)], cwd=cwd, env=env, stdout=subprocess.PIPE, text=True)
@@ -49,7 +49,6 @@ def start_killable(args: dict[str, Any], cwd: Path, path: list[str]
 async def _run(address: str, config: CheckpointConfig, tmp: Path) -> dict[str, Any]:
     root = Path(str(config.sandbox_root))
     path = tmp / "ckpt" / "step-1"
-    workers = entry_point_folder(tmp)
     seen: dict[str, Any] = {}
     ckpt = RayEnvironmentCheckpoint(config)
     try:
@@ -58,8 +57,8 @@ async def _run(address: str, config: CheckpointConfig, tmp: Path) -> dict[str, A
         args = {"address": address, "namespace": config.namespace,
                 "sandbox_root": str(root), "instance_id": instances[0],
                 "instances": instances}
-        seen["lost"] = await asyncio.to_thread(run_worker, "lost", args, tmp, workers)
-        proc, made = await asyncio.to_thread(start_killable, args, tmp, workers)
+        seen["lost"] = await asyncio.to_thread(run_worker, "lost", args, tmp)
+        proc, made = await asyncio.to_thread(start_killable, args, tmp)
         try:
             seen["made"] = made
             seen["before_rl"] = on_disk(root)
@@ -87,7 +86,7 @@ async def _run(address: str, config: CheckpointConfig, tmp: Path) -> dict[str, A
         seen["after_restore"] = on_disk(root)
         # Gym reconnects to all but the last holder's; RL then drops every one.
         seen["resumed"] = await asyncio.to_thread(
-            run_worker, "kill-resume", {**args, "continued": continued[:-1]}, tmp, workers)
+            run_worker, "kill-resume", {**args, "continued": continued[:-1]}, tmp)
         await fresh.forget([Ep(rollout, 1) for rollout, _ in continued])  # RL drops them
         seen["after_forget"] = on_disk(root)
         seen["marked"] = [m for i in instances for m in ProvidedSandboxes(

@@ -27,7 +27,7 @@ OWNER = "tools/replica-0"
 
 def gym_stage(calls: list[tuple[str, str]], tmp: Path) -> dict[str, Any]:
     """What Gym's capture staged for each ``(rollout id, model call id)``."""
-    return run_worker("stage", {"calls": calls}, tmp, [])
+    return run_worker("stage", {"calls": calls}, tmp)
 
 
 def test_rows_gyms_token_capture_staged_pass_the_cut_check_and_a_lost_one_is_named(
