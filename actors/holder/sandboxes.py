@@ -254,7 +254,7 @@ class Sandboxes:
         the event loop, so that a holder with none never waits for a thread)."""
         if self.provided is None:
             return []
-        return [k for k in capture_keys if (self.provided.folder / safe_name_part(k)).exists()]
+        return [k for k in capture_keys if self.provided.is_marked(k)]
 
     def mark_restored(self, restored: Iterable[tuple[str, str, SandboxLocation]]) -> None:
         """Mark the sandboxes a restore made for ``(rollout id, capture key, where)`` of

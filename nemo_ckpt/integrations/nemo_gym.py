@@ -273,7 +273,7 @@ class NemoCkptLocalProvider(RolloutSandboxProvider):
             if opened:  # a create repeated after its answer was lost: the same sandbox
                 return self._handle(await self._adopt(await client.get(episode),
                                                       client.instance_id))
-            if opened is None or safe_name_part(key) not in ledger.marked():
+            if opened is None or not ledger.is_marked(key):
                 raise SandboxError(
                     f"{PROVIDER_NAME}: {directory} already exists"
                     f"{'' if opened is None else ', no live session its own'}: a sandbox "

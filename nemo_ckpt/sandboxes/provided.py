@@ -74,6 +74,9 @@ class ProvidedSandboxes:
     def unmark(self, capture_key: str) -> None:
         self._mark_of(capture_key).unlink(missing_ok=True)
 
+    def is_marked(self, capture_key: str) -> bool:
+        return self._mark_of(capture_key).exists()
+
     def marked(self) -> list[str]:
         """The names of the marks (safe capture keys), sorted."""
         if not self.folder.is_dir():
@@ -97,15 +100,14 @@ class ProvidedSandboxes:
     def release(self, capture_key: str, remove_container: Callable[[str], None] | None
                 ) -> bool:
         """Remove the sandbox marked for ``capture_key`` and its mark; False if none is
-        marked. ``remove_container`` removes a container (None: containers are not this
-        node's to remove, the mark stays)."""
+        marked, or it was gone already. ``remove_container`` removes a container
+        (None: containers are not this node's to remove, the mark stays)."""
         mark = self._mark_of(capture_key)
         try:
             raw = mark.read_bytes()[:_MAX_MARK_BYTES + 1]
         except FileNotFoundError:
             return False
-        self._remove(mark.name, raw, remove_container)
-        return True
+        return self._remove(mark.name, raw, remove_container)
 
     def remove_left(self, remove_container: Callable[[str], None] | None) -> int:
         """Remove every sandbox still marked (a dead incarnation's); returns how many."""
@@ -137,7 +139,10 @@ class ProvidedSandboxes:
                             "as it is", self.folder, name, directory, self.root)
                 mark.unlink(missing_ok=True)
                 return False
+            gone = not path.exists()  # removed already (a close that died unmarking)
             shutil.rmtree(path, ignore_errors=True)
+            mark.unlink(missing_ok=True)
+            return not gone
         elif isinstance(container, str) and _CONTAINER.fullmatch(container):
             if remove_container is None:
                 return False

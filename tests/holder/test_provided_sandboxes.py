@@ -15,6 +15,8 @@ import pytest
 from actors.holder.actor import SessionHolder
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.sandboxes.provided import ProvidedSandboxes
+from nemo_ckpt.testing.data_plane import StaticCut
+from tests.sandboxes.test_sandbox_sessions import sandbox_job
 from tests.virtual_time import on_virtual_time, virtual_runtime
 
 pytestmark = pytest.mark.timeout(30)
@@ -124,3 +126,47 @@ async def test_the_sandboxes_gauge_counts_the_live_sessions_sandboxes(tmp_path: 
     await h.forget([Ep("a", 0)])
     await h._publish_sessions(0.0)
     assert gauges.values == {"sessions": 2.0, "sandboxes": 1.0}
+
+
+def test_a_stop_snapshot_removes_provided_sandboxes_and_a_restore_here_marks_the_new_ones(
+        tmp_path: Path) -> None:
+    job = sandbox_job(tmp_path)
+    path = tmp_path / "ckpt" / "final"
+    namespace = job.config.namespace
+    try:
+        async def run() -> dict[str, list[str]]:
+            await job.ckpt.ensure_holders()
+            live: dict[str, set[Ep]] = {}
+            for instance in sorted(job.holders()):
+                client = await job.client(instance)
+                ep = Ep(f"{instance}-r", 0)
+                directory = job.sandboxes / ep.capture_key
+                ProvidedSandboxes(job.sandboxes, namespace, instance).mark(
+                    ep.capture_key, directory=directory, rollout_id=ep.rollout_id)
+                directory.mkdir()
+                await client.open(ep, b"s0", directory=directory)
+                async with client.turn(ep) as turn:
+                    (directory / "a.txt").write_text(instance)
+                    turn.complete(b"t0", b"s1")
+                live[instance] = {ep}
+            seen = {"before": left(job.sandboxes)}
+            async with job.ckpt.final_snapshot(path) as snap:
+                assert snap is not None
+                await snap.check_against_cut(StaticCut(live, set()))
+            seen["parked"] = left(job.sandboxes)
+            async with job.ckpt.restored(path):
+                pass
+            seen["restored"] = left(job.sandboxes)
+            for instance in sorted(job.holders()):
+                await (await job.client(instance)).close(Ep(f"{instance}-r", 1))
+            seen["closed"] = left(job.sandboxes)
+            return seen
+
+        seen = job.run(run())
+    finally:
+        job.close()
+    instances = sorted(f"{i}-r" for i in job.holders())
+    assert seen["before"] == instances
+    assert seen["parked"] == []  # the stopped job's sandboxes: removed with the park
+    assert seen["restored"] == [f"{r}-a1" for r in instances]
+    assert seen["closed"] == []  # marked by the restore: released with the session
