@@ -49,7 +49,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nemo_ckpt.errors import SandboxError, SessionNotFoundError
+from nemo_ckpt.errors import BackendUnavailableError, SandboxError, SessionNotFoundError
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.sandboxes.provided import ProvidedSandboxes
 from nemo_ckpt.session_record import SessionRecord
@@ -178,8 +178,10 @@ class RolloutSandboxProvider(ABC):
     async def _unmark(self, box: _Box) -> None:
         """The sandbox of ``box`` is removed: its mark goes (after it, so that a crash
         in between leaves it marked, for the next holder to remove again)."""
-        client = await self._client(box.instance_id)
-        ledger = await self._ledger(client)
+        try:
+            ledger = await self._ledger(await self._client(box.instance_id))
+        except (BackendUnavailableError, SessionNotFoundError):
+            return  # its holder is gone: the next one's start drops the mark
         await asyncio.to_thread(ledger.unmark, box.episode.capture_key)
 
     def recovery_of(self, handle: SandboxHandle) -> SandboxRecovery:
