@@ -204,6 +204,9 @@ async def docker_start(args: dict[str, Any]) -> dict[str, Any]:
             await box.exec(f"echo turn-{t} >> /work/log.txt")
             turn.complete(f"t{t}".encode(), f"s{t + 1}".encode())
     record = await client.get(episode)
+    # The same create again, as after a lost answer: the live session's container.
+    again = await provider.create(SandboxSpec(image=args["image"], metadata=meta))
+    seen["retried"] = [again.raw.inner.sandbox_id, (await provider.exec(again, ASK)).stdout]
     seen.update(counts=counts, container=record.container, descriptor=await box.serialize(),
                 recovery=provider.recovery_of(box._handle).value,
                 declared=provider.recovery.value)

@@ -160,9 +160,11 @@ def test_a_gym_container_comes_back_running_with_its_memory_and_files_after_a_cr
         gym: dict[str, Any]) -> None:
     before, after, instance = gym["before"], gym["after"], gym["instance"]
     assert before["counts"] == ["1", "2"]
+    # A create repeated for the same attempt adopts its container, counter and all.
+    assert before["retried"] == [before["container"], "3\n"]
     assert gym["continued"] == {(instance, ROLLOUT, 0)}
     assert after["container"] == f"nemo-ckpt-{gym['namespace']}-{ROLLOUT}-a1"
-    assert after["count"] == "3"  # the counter went on from its memory
+    assert after["count"] == "3"  # the counter went on from its memory (as committed)
     assert (gym["removed"], gym["old_left"]) == (1, False)  # the dead one's, removed
     assert after["log"] == "turn-0\nturn-1\n"
     assert before["descriptor"] == {**sandbox_descriptor(Ep(ROLLOUT, 0), instance, DOCKER),
