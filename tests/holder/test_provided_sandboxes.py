@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from actors.holder.actor import SessionHolder
+from nemo_ckpt.driver.startup import Findings, holder_findings
 from nemo_ckpt.interfaces import EnvironmentEpisode as Ep
 from nemo_ckpt.sandboxes.provided import ProvidedSandboxes
 from nemo_ckpt.testing.data_plane import StaticCut
@@ -170,3 +171,16 @@ def test_a_stop_snapshot_removes_provided_sandboxes_and_a_restore_here_marks_the
     assert seen["parked"] == []  # the stopped job's sandboxes: removed with the park
     assert seen["restored"] == [f"{r}-a1" for r in instances]
     assert seen["closed"] == []  # marked by the restore: released with the session
+
+
+@on_virtual_time
+async def test_check_startup_says_how_many_sandboxes_a_dead_incarnation_left(
+        tmp_path: Path) -> None:
+    await holder(tmp_path).open_session(Ep("a", 0), b"", str(provided(tmp_path, "a")))
+    info = await holder(tmp_path).info()  # the successor, on the same node
+    found = Findings()
+    holder_findings(found, [info], {"node-a"})
+    assert found.warnings == [
+        f"{INSTANCE} removed 1 sandboxes an earlier holder of its instance left (its "
+        f"sessions died with it; their rollouts continue from the last snapshot, or start "
+        f"over)"]
