@@ -62,6 +62,10 @@ def _metrics() -> dict[str, Any]:
         "sessions": Gauge(
             "nemo_ckpt_holder_sessions",
             description="Live sessions on a holder.", tag_keys=(JOB_LABEL, "instance")),
+        "sandboxes": Gauge(
+            "nemo_ckpt_holder_sandboxes",
+            description="Live sessions' sandboxes (directories, containers) on a holder.",
+            tag_keys=(JOB_LABEL, "instance")),
     }
 
 

@@ -66,6 +66,10 @@ class HolderInfo:
     # When its node drains with a deadline, that deadline in seconds since the epoch, as
     # the cluster gives it (``RayEnvironmentCheckpoint.draining_holders``); else None.
     drain_deadline: float | None = None
+    # Sandboxes a provider made for an earlier holder of its instance (a dead
+    # incarnation's sessions), removed as this one started
+    # (``nemo_ckpt.sandboxes.provided``).
+    sandboxes_removed_at_start: int = 0
 
 
 @dataclass(frozen=True)

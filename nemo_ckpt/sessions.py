@@ -24,7 +24,7 @@ from nemo_ckpt.errors import (
     TurnOutcomeUnknownError,
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
-from nemo_ckpt.phases import instance_sort_key
+from nemo_ckpt.phases import HolderInfo, instance_sort_key
 from nemo_ckpt.protocol.holder_api import holder_calls, session_calls
 from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord, check_staging_keys
@@ -382,6 +382,11 @@ class SessionClient:
     async def sessions(self) -> list[SessionRecord]:
         """Every live session of this instance."""
         return await self._holder_calls.sessions()
+
+    async def holder_info(self) -> HolderInfo:
+        """Its holder's identity, state and options (``sandbox_root`` among them)."""
+        info: HolderInfo = await self._call("info")
+        return info
 
     async def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> int:
         """Report that ``episode``'s continued rollout starts over because replaying its

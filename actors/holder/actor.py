@@ -135,6 +135,7 @@ class SessionHolder:
             Check("sessions gauge", self._publish_sessions),
         ])
         self._sessions_published: int | None = None  # what the gauge says now
+        self._sandboxes_published: int | None = None
         self._parts = HolderParts(
             instance_id=instance_id, runtime=runtime,
             table=SessionTable(instance_id),
@@ -187,6 +188,11 @@ class SessionHolder:
             self._parts.runtime.metrics.set_gauge("sessions", float(count),
                                                   {"instance": self.instance_id})
             self._sessions_published = count
+        boxes = self._parts.sandboxes.count()  # nemo_ckpt_holder_sandboxes
+        if boxes != self._sandboxes_published:
+            self._parts.runtime.metrics.set_gauge("sandboxes", float(boxes),
+                                                  {"instance": self.instance_id})
+            self._sandboxes_published = boxes
 
     def _state_value(self) -> HolderState:
         current = self._parts.ops.current
@@ -210,6 +216,7 @@ class SessionHolder:
             sessions=len(self._parts.table), turns_in_flight=len(self._parts.gate),
             last_snapshot_id=self._parts.last_snapshot_id, options=dict(self._options),
             trace_problem=self._trace_problem,
+            sandboxes_removed_at_start=self._parts.sandboxes.removed_at_start,
         )
 
     @property

@@ -248,4 +248,9 @@ class RestorePhases:
         parts.set_state(restore_id, RestoreLive(tuple(h.rollout_id for h in op.pending),
                                                 tuple(b.target for b in op.sandboxes)))
         parts.heap.request()
+        if parts.sandboxes.provided_rollouts and op.sandboxes:  # a provider's, before
+            keys = {h.rollout_id: h.capture_key for h in op.pending}
+            await self._runtime.run_blocking(parts.sandboxes.mark_restored, [
+                (b.rollout_id, keys[b.rollout_id], b.target) for b in op.sandboxes
+                if b.rollout_id in keys])
         return len(op.pending)

@@ -47,6 +47,7 @@ from typing import Protocol
 
 from actors.holder.sandbox_restores import SandboxRestores
 from nemo_ckpt.containers.backend import ContainerBackend
+from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
 from nemo_ckpt.phases import TreesRef
 from nemo_ckpt.sandbox_backend import (
@@ -56,6 +57,7 @@ from nemo_ckpt.sandbox_backend import (
     SandboxLocation,
 )
 from nemo_ckpt.sandboxes.directories import PRIVATE_DIR, DirectoryBackend
+from nemo_ckpt.sandboxes.provided import ProvidedSandboxes, provided_label
 from nemo_ckpt.shard_refs import trees_ref
 from nemo_ckpt.storage.claims import ClaimWatch
 from nemo_ckpt.storage.folder import Folder
@@ -201,6 +203,83 @@ class Sandboxes:
         self._collection_watch: ClaimWatch | None = None
         # A restore's sandboxes: made in staging, placed, undone (its own part).
         self.restores = SandboxRestores(self)
+        # Sandboxes a provider made for this instance's sessions (NeMo Gym's): released
+        # with their session; what an earlier holder of the instance left is removed now,
+        # before any session of this one (blocking, at the holder's start).
+        self.provided = None if self.root is None else \
+            ProvidedSandboxes(self.root, namespace, instance_id)
+        # The rollouts whose sandboxes the earlier holder had marked: a restore that
+        # continues one marks the continued attempt's sandbox in turn.
+        self.provided_rollouts: set[str] = set()
+        self.removed_at_start = 0 if self.provided is None else self._remove_left()
+
+    def _remove_left(self) -> int:
+        """Remove the provided sandboxes an earlier holder of this instance left (marked,
+        or containers labelled for it), and say how many."""
+        assert self.provided is not None
+        removed = 0
+        try:
+            if self.provided.marked():
+                self.provided_rollouts = self.provided.rollouts()
+                removed += self.provided.remove_left(self._container_remover())
+            if self.container_env is not None:
+                podman = Podman(env=self.container_env)
+                for name in podman.text(
+                        "ps", "-a", "--filter",
+                        f"label={provided_label(self.namespace, self.instance_id)}",
+                        "--format", "{{.Names}}").split():
+                    podman.remove(name)
+                    removed += 1
+        except (OSError, ContainerRuntimeError) as exc:
+            log.warning("%s: could not remove every sandbox an earlier holder of this "
+                        "instance left: %s", self.instance_id, exc)
+        if removed:
+            log.warning("%s: removed %d sandboxes left by an earlier holder of this "
+                        "instance (their sessions died with it)", self.instance_id, removed)
+        return removed
+
+    def _container_remover(self) -> Callable[[str], None] | None:
+        if self.container_env is None:
+            return None
+        return Podman(env=self.container_env).remove
+
+    def count(self) -> int:
+        """Live sessions' sandboxes on this holder: recorded, or restart-only (the
+        ``sandboxes`` gauge)."""
+        return len(self._by_rollout) + sum(
+            1 for where in self.restart_only.values() if where is not None)
+
+    def marked(self, capture_keys: Iterable[str]) -> list[str]:
+        """Which of these sessions' sandboxes a provider marked (a stat each: called on
+        the event loop, so that a holder with none never waits for a thread)."""
+        if self.provided is None:
+            return []
+        return [k for k in capture_keys if self.provided.is_marked(k)]
+
+    def mark_restored(self, restored: Iterable[tuple[str, str, SandboxLocation]]) -> None:
+        """Mark the sandboxes a restore made for ``(rollout id, capture key, where)`` of
+        rollouts whose sandboxes were marked (blocking): released as theirs were."""
+        assert self.provided is not None
+        for rollout_id, key, where in restored:
+            if rollout_id not in self.provided_rollouts:
+                continue
+            try:  # the restore is live already: a mark not written is only logged
+                if isinstance(where, ContainerRef):
+                    self.provided.mark(key, container=where.name, rollout_id=rollout_id)
+                else:
+                    self.provided.mark(key, directory=where, rollout_id=rollout_id)
+            except OSError as exc:
+                log.warning("%s: the sandbox %s restored for %s is not marked (%s): it is "
+                            "removed only once Gym's provider connects to it",
+                            self.instance_id, where, key, exc)
+
+    def release_provided(self, capture_keys: Iterable[str]) -> int:
+        """Remove the provided sandboxes of these sessions, which left for good
+        (blocking); returns how many were removed."""
+        if self.provided is None:
+            return 0
+        remover = self._container_remover()
+        return sum(self.provided.release(k, remover) for k in capture_keys)
 
     def __len__(self) -> int:
         return len(self._by_rollout)

@@ -218,6 +218,7 @@ class Sessions:
         record = self._parts.record(held)
         self._table.drop(held.rollout_id)
         self._sandboxes.drop(held.rollout_id)
+        await self._release([held.capture_key])
         return record
 
     async def finish_session(self, episode: EnvironmentEpisode, result: bytes
@@ -264,6 +265,7 @@ class Sessions:
                 dropped.append(held.capture_key)
         self._gate.bound_marks()
         await self._gate.notify()
+        await self._release(dropped)
         return dropped
 
     async def forget(self, episodes: list[EnvironmentEpisode]) -> list[str]:
@@ -280,7 +282,16 @@ class Sessions:
                 self._sandboxes.drop(ep.rollout_id)
                 dropped.append(ep.capture_key)
         await self._gate.notify()
+        await self._release([ep.capture_key for ep in episodes])  # live or not
         return dropped
+
+    async def _release(self, capture_keys: list[str]) -> None:
+        """Remove the sandboxes a provider made for these sessions, gone for good
+        (``nemo_ckpt.sandboxes.provided``): none is left behind a rollout RL retired or
+        dropped, or its worker closed."""
+        marked = self._sandboxes.marked(capture_keys)
+        if marked:
+            await self._runtime.run_blocking(self._sandboxes.release_provided, marked)
 
     # --- the checks (``Turns`` makes them too) -----------------------------------------
 

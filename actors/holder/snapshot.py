@@ -200,11 +200,13 @@ class SnapshotPhases:
         no-op."""
         if self._parts.ops.snapshot(snapshot_id) is not None:
             if stop:  # parked before the gate opens: no turn begins in between
+                keys = {r: h.capture_key for r in self._parts.table.rollouts()
+                        if (h := self._parts.table.of_rollout(r)) is not None}
                 rollouts, containers = self._park(snapshot_id)
             self._parts.set_state(snapshot_id, Ended(Outcome.COMMITTED))
             self._parts.heap.request()
             if stop:
-                await self._free(snapshot_id, rollouts, containers)
+                await self._free(snapshot_id, rollouts, containers, keys)
 
     def _park(self, snapshot_id: str) -> tuple[list[str], list[ContainerRef]]:
         """A stop snapshot is durable: drop every session (captured in it, or mid-turn
@@ -221,13 +223,19 @@ class SnapshotPhases:
         return rollouts, parts.sandboxes.park(rollouts)
 
     async def _free(self, snapshot_id: str, rollouts: list[str],
-                    containers: list[ContainerRef]) -> None:
+                    containers: list[ContainerRef], keys: dict[str, str]) -> None:
         """Free the parked sessions' sandboxes: their containers removed (awaited, so
         that a job that exits after its stop commit leaves none), their blobs swept from
-        the node cache. A sandbox directory stays: its worker's files."""
+        the node cache. A sandbox directory stays (its worker's files), but for one a
+        provider made (``keys``: rollout id -> capture key): removed, and a restore here
+        marks the continued attempt's in turn."""
         parts = self._parts
         if containers:
             await self._runtime.run_blocking(parts.sandboxes.remove_containers, containers)
+        provided = parts.sandboxes.marked(keys.values())
+        if provided:
+            parts.sandboxes.provided_rollouts |= {r for r, k in keys.items() if k in provided}
+            await self._runtime.run_blocking(parts.sandboxes.release_provided, provided)
         if not parts.ops.released() and parts.ops.current is None:
             parts.sandboxes.sweep()
         await parts.gate.notify()

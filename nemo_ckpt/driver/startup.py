@@ -35,6 +35,11 @@ def holder_findings(found: Findings, holders: list[HolderInfo], alive: set[str])
         found.problems.append(f"node {node} has no session holder that answers; its "
                               f"environment workers' sessions could not be saved")
     for h in holders:
+        if h.sandboxes_removed_at_start:
+            found.warnings.append(
+                f"{h.instance_id} removed {h.sandboxes_removed_at_start} sandboxes an earlier "
+                f"holder of its instance left (its sessions died with it; their rollouts "
+                f"continue from the last snapshot, or start over)")
         if h.state is HolderState.STOPPED:
             found.warnings.append(f"{h.instance_id} is stopped: a stop snapshot parked its "
                                   f"sessions; restore from that snapshot to continue them")

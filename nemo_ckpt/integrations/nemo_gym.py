@@ -27,8 +27,13 @@ command). Importing this module imports no part of NeMo Gym: Gym's import change
 ``sys.path``, ``print`` and ``HF_HOME``, so it happens at the provider's first use only.
 
 ``RolloutSandboxProvider`` is what this provider and the one over Gym's ``docker``
-(``nemo_ckpt.integrations.nemo_gym_docker``) share: the descriptor, and ``connect``
-through the rollout's live session.
+(``nemo_ckpt.integrations.nemo_gym_docker``) share: the descriptor, ``connect``
+through the rollout's live session, and the clean-up: each sandbox is marked on its
+node before it is made (``nemo_ckpt.sandboxes.provided``), so it is removed once
+whatever happens: by ``close``, by its holder when RL retires or forgets its rollout or
+its worker closes the session, or, after a crash, by the next holder of its instance as
+it starts. A ``create`` whose open's answer was lost asks the holder whether the
+session opened, and keeps the sandbox (or, retried, adopts it) if it did.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nemo_ckpt.errors import SandboxError, SessionNotFoundError
+from nemo_ckpt.errors import BackendUnavailableError, SandboxError, SessionNotFoundError
 from nemo_ckpt.interfaces import EnvironmentEpisode
+from nemo_ckpt.sandboxes.provided import ProvidedSandboxes
 from nemo_ckpt.session_record import SessionRecord
 from nemo_ckpt.sessions import SessionClient
 from nemo_ckpt.storage.names import safe_name_part
@@ -68,6 +74,7 @@ PROVIDER_NAME = "nemo_ckpt_local"
 ROLLOUT_KEY = "nemo_ckpt.rollout_id"
 ATTEMPT_KEY = "nemo_ckpt.attempt"
 INSTANCE_KEY = "nemo_ckpt.instance_id"
+_ASK_S = 30.0  # how long a create whose open's answer was lost asks whether it opened
 
 
 class SandboxRecovery(str, Enum):
@@ -128,6 +135,7 @@ class RolloutSandboxProvider(ABC):
         self.namespace = namespace
         self.instance_id = instance_id
         self._clients: dict[str | None, SessionClient] = {}
+        self._ledgers: dict[str, ProvidedSandboxes] = {}
 
     async def _client(self, instance_id: str | None) -> SessionClient:
         """The session client of ``instance_id``'s holder (None: the provider's, else
@@ -138,6 +146,43 @@ class RolloutSandboxProvider(ABC):
             client = await SessionClient.connect(instance_id, namespace=self.namespace)
             self._clients[instance_id] = self._clients[client.instance_id] = client
         return client
+
+    async def _ledger(self, client: SessionClient) -> ProvidedSandboxes:
+        """The marks of the sandboxes made for sessions on ``client``'s holder, under
+        the holder's own ``sandbox_root``."""
+        ledger = self._ledgers.get(client.instance_id)
+        if ledger is None:
+            root = (await client.holder_info()).options.get("sandbox_root")
+            if not root:
+                raise SandboxError(
+                    f"{self.name}: holder {client.instance_id} has no sandbox_root, where "
+                    f"the sandboxes it releases are marked; set CheckpointConfig."
+                    f"sandbox_root")
+            ledger = self._ledgers[client.instance_id] = ProvidedSandboxes(
+                root, self.namespace, client.instance_id)
+        return ledger
+
+    async def _opened(self, client: SessionClient, episode: EnvironmentEpisode,
+                      sandbox: str) -> bool | None:
+        """Whether ``episode``'s session is live on ``client``'s holder with ``sandbox``
+        (its directory or container), asked after an open failed (its answer may have
+        been lost, the open done): None when the holder cannot be asked."""
+        try:
+            record = await asyncio.wait_for(client.get(episode), _ASK_S)
+        except SessionNotFoundError:
+            return False
+        except Exception:  # the holder is unreachable: never guess
+            return None
+        return sandbox in (record.directory, record.container)
+
+    async def _unmark(self, box: _Box) -> None:
+        """The sandbox of ``box`` is removed: its mark goes (after it, so that a crash
+        in between leaves it marked, for the next holder to remove again)."""
+        try:
+            ledger = await self._ledger(await self._client(box.instance_id))
+        except (BackendUnavailableError, SessionNotFoundError):
+            return  # its holder is gone: the next one's start drops the mark
+        await asyncio.to_thread(ledger.unmark, box.episode.capture_key)
 
     def recovery_of(self, handle: SandboxHandle) -> SandboxRecovery:
         """What a crash keeps of this sandbox, as its session was opened."""
@@ -222,23 +267,48 @@ class NemoCkptLocalProvider(RolloutSandboxProvider):
                 f"the sandbox of {episode.capture_key} is a directory the provider makes "
                 f"under sandbox_root; leave workdir unset")
         client = await self._client(instance_id)
-        directory = self.sandbox_root / safe_name_part(episode.capture_key)
+        ledger = await self._ledger(client)
+        key = episode.capture_key
+        directory = self.sandbox_root / safe_name_part(key)
+        if os.path.lexists(directory):
+            opened = await self._opened(client, episode, str(directory))
+            if opened:  # a create repeated after its answer was lost: the same sandbox
+                return self._handle(await self._adopt(await client.get(episode),
+                                                      client.instance_id))
+            if opened is None or not ledger.is_marked(key):
+                raise SandboxError(
+                    f"{PROVIDER_NAME}: {directory} already exists"
+                    f"{'' if opened is None else ', no live session its own'}: a sandbox "
+                    f"of {key} was made before; close it, or remove it")
+            # Ours, left by a create that could not learn whether its session opened.
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+        await asyncio.to_thread(ledger.mark, key, directory=directory,
+                                rollout_id=episode.rollout_id)
         try:
             directory.mkdir()
-        except FileExistsError:
-            raise SandboxError(
-                f"{PROVIDER_NAME}: {directory} already exists: a sandbox of "
-                f"{episode.capture_key} was made before; close it, or remove it") from None
         except OSError as exc:
+            ledger.unmark(key)
             raise SandboxError(
-                f"{PROVIDER_NAME}: cannot make the sandbox of {episode.capture_key} in "
+                f"{PROVIDER_NAME}: cannot make the sandbox of {key} in "
                 f"sandbox_root {self.sandbox_root}: {exc.strerror or exc}; it must be the "
                 f"job's CheckpointConfig.sandbox_root, made") from None
         try:
             inner = await self._local.create(dataclasses.replace(spec, workdir=str(directory)))
             await client.open(episode, b"", directory=directory)
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
+        except BaseException as exc:
+            opened = await self._opened(client, episode, str(directory))
+            if opened and isinstance(exc, Exception):  # only the answer was lost
+                return self._handle(_Box(episode, client.instance_id, inner,
+                                         self.recovery, directory))
+            if opened is False:
+                await asyncio.to_thread(shutil.rmtree, directory, True)
+                ledger.unmark(key)
+            elif opened is None:
+                raise SandboxError(
+                    f"{PROVIDER_NAME}: the session of {key} may or may not have opened "
+                    f"({type(exc).__name__}: {exc}), and its holder {client.instance_id} "
+                    f"cannot be asked: its sandbox {directory} stays, for a retried create "
+                    f"to adopt, or for the holder's next start to remove") from exc
             raise
         return self._handle(_Box(episode, client.instance_id, inner, self.recovery,
                                  directory))
@@ -309,6 +379,7 @@ class NemoCkptLocalProvider(RolloutSandboxProvider):
         assert box.directory is not None
         await asyncio.to_thread(shutil.rmtree, box.directory, ignore_errors=True)
         await self._local.close(box.inner)
+        await self._unmark(box)
 
     async def aclose(self) -> None:
         await self._local.aclose()
@@ -327,6 +398,10 @@ class NemoCkptLocalProvider(RolloutSandboxProvider):
         from nemo_gym.sandbox.providers.base import SandboxSpec
 
         inner = await self._local.create(SandboxSpec(workdir=str(directory)))
+        # A restore made it: released with its session from now on, as one made here.
+        ledger = await self._ledger(await self._client(instance_id))
+        await asyncio.to_thread(ledger.mark, record.episode.capture_key, directory=directory,
+                                rollout_id=record.episode.rollout_id)
         return _Box(record.episode, instance_id, inner, self.recovery, directory)
 
 

@@ -30,11 +30,12 @@ restore).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nemo_ckpt.errors import ContainerRuntimeError, SandboxError
+from nemo_ckpt.errors import ContainerRuntimeError, SandboxError, SessionNotFoundError
 from nemo_ckpt.integrations.nemo_gym import (
     RolloutSandboxProvider,
     SandboxRecovery,
@@ -42,6 +43,7 @@ from nemo_ckpt.integrations.nemo_gym import (
     _episode_of,
 )
 from nemo_ckpt.sandbox_backend import ContainerRef
+from nemo_ckpt.sandboxes.provided import provided_label
 from nemo_ckpt.session_record import SessionRecord
 
 if TYPE_CHECKING:
@@ -92,12 +94,39 @@ class NemoCkptDockerProvider(RolloutSandboxProvider):
                     f"supported: a restore refuses a host mount, and extra run flags may "
                     f"make one; copy inputs in with files= or upload()")
         client = await self._client(instance_id)
-        inner = await self._docker.create(spec)
+        ledger = await self._ledger(client)
+        key = episode.capture_key
+        try:
+            live: SessionRecord | None = await client.get(episode)
+        except SessionNotFoundError:
+            live = None
+        if live is not None and live.container is not None:  # repeated after its answer
+            return self._handle(await self._adopt(live, client.instance_id))  # was lost
+        # Labelled with its holder: should this process die before it is marked, the
+        # next holder of the instance still finds it (nemo_ckpt.sandboxes.provided).
+        label = provided_label(self.namespace, client.instance_id)
+        inner = await self._docker.create(dataclasses.replace(spec, provider_options={
+            **spec.provider_options, "run_args": ["--label", label]}))
+        await asyncio.to_thread(ledger.mark, key, container=inner.sandbox_id,
+                                rollout_id=episode.rollout_id)
         try:
             record = await client.open(episode, b"", container=ContainerRef(
                 inner.sandbox_id, memory="off" if self.memory == "off" else "required"))
-        except BaseException:
-            await self._docker.close(inner)
+        except BaseException as exc:
+            opened = await self._opened(client, episode, inner.sandbox_id)
+            if opened and isinstance(exc, Exception):  # only the answer was lost
+                return self._handle(await self._adopt(await client.get(episode),
+                                                      client.instance_id))
+            if opened is False:
+                await self._docker.close(inner)
+                ledger.unmark(key)
+            elif opened is None:
+                raise SandboxError(
+                    f"{self.name}: the session of {key} may or may not have opened "
+                    f"({type(exc).__name__}: {exc}), and its holder {client.instance_id} "
+                    f"cannot be asked: its container {inner.sandbox_id} stays, for a "
+                    f"retried create to adopt, or for the holder's next start to "
+                    f"remove") from exc
             raise
         return self._handle(_Box(episode, client.instance_id, inner, _recovery(record,
                                                                            self.recovery)))
@@ -109,6 +138,11 @@ class NemoCkptDockerProvider(RolloutSandboxProvider):
                                f"{instance_id} owns no container (finished, or opened "
                                f"without one)")
         inner = await self._docker.connect({"sandbox_id": record.container})
+        # A restore made it: released with its session from now on, as one made here.
+        ledger = await self._ledger(await self._client(instance_id))
+        await asyncio.to_thread(ledger.mark, record.episode.capture_key,
+                                container=record.container,
+                                rollout_id=record.episode.rollout_id)
         return _Box(record.episode, instance_id, inner, _recovery(record, self.recovery))
 
     async def exec(self, handle: SandboxHandle, command: str, *, cwd: str | None = None,
@@ -169,6 +203,7 @@ class NemoCkptDockerProvider(RolloutSandboxProvider):
             return
         box.closed = True
         await self._docker.close(box.inner)
+        await self._unmark(box)
 
     async def aclose(self) -> None:
         await self._docker.aclose()

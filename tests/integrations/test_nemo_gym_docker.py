@@ -26,8 +26,9 @@ from nemo_ckpt import EnvironmentEpisode as Ep
 from nemo_ckpt.containers.podman import Podman
 from nemo_ckpt.integrations.nemo_gym import sandbox_descriptor
 from nemo_ckpt.integrations.nemo_gym_docker import DOCKER_PROVIDER_NAME as DOCKER
+from nemo_ckpt.sandboxes.provided import provided_label
 from tests.container_runtime import SHIM_DIR, Setup, docker_shim, ensure
-from tests.integrations.test_nemo_gym_local import entry_point_folder, run_worker
+from tests.integrations.test_nemo_gym_local import run_worker
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -102,7 +103,6 @@ def test_gyms_docker_provider_runs_a_sandbox_on_podman_and_removes_it(
 async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path,
                              runtime: Setup) -> dict[str, Any]:
     path = tmp / "ckpt" / "step-1"
-    workers = entry_point_folder(tmp)
     podman = Podman(env=runtime.env)
     ckpt = RayEnvironmentCheckpoint(config)
     try:
@@ -110,19 +110,22 @@ async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path,
         instance = sorted(h.instance_id for h in await ckpt.holders())[0]
         args = {"address": address, "namespace": config.namespace, "rollout_id": ROLLOUT,
                 "instance_id": instance, "image": runtime.image}
-        before = await asyncio.to_thread(run_worker, "docker-start", args, tmp, workers,
+        before = await asyncio.to_thread(run_worker, "docker-start", args, tmp,
                                          runtime.env)
         async with ckpt.snapshot(path):
             pass
     finally:
         ckpt.shutdown()  # the crash: every holder killed, the worker long gone
     try:
-        podman.remove(before["container"])  # its node went with it
         fresh = RayEnvironmentCheckpoint(config)
         try:
+            # The dead incarnation's container: removed as its instance's next holder
+            # starts, which says so.
+            removed = sum(h.sandboxes_removed_at_start for h in await fresh.ensure_holders())
+            old_left = podman.exists(before["container"])
             async with fresh.restored(path) as restored:
                 continued = set(restored.continued_attempts)
-            after = await asyncio.to_thread(run_worker, "docker-resume", args, tmp, workers,
+            after = await asyncio.to_thread(run_worker, "docker-resume", args, tmp,
                                             runtime.env)
         finally:
             fresh.shutdown()
@@ -133,7 +136,7 @@ async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path,
         for name in left:
             podman.remove(name)
     return {"before": before, "after": after, "continued": continued,
-            "instance": instance, "left": left}
+            "instance": instance, "left": left, "removed": removed, "old_left": old_left}
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +160,12 @@ def test_a_gym_container_comes_back_running_with_its_memory_and_files_after_a_cr
         gym: dict[str, Any]) -> None:
     before, after, instance = gym["before"], gym["after"], gym["instance"]
     assert before["counts"] == ["1", "2"]
+    # A create repeated for the same attempt adopts its container, counter and all.
+    assert before["retried"] == [before["container"], "3\n"]
     assert gym["continued"] == {(instance, ROLLOUT, 0)}
     assert after["container"] == f"nemo-ckpt-{gym['namespace']}-{ROLLOUT}-a1"
-    assert after["count"] == "3"  # the counter went on from its memory
+    assert after["count"] == "3"  # the counter went on from its memory (as committed)
+    assert (gym["removed"], gym["old_left"]) == (1, False)  # the dead one's, removed
     assert after["log"] == "turn-0\nturn-1\n"
     # Gym's default --init: podman's init ran the sandbox, and runs the restored one.
     assert before["pid1"].startswith("/run/podman-init -- sh -c mkfifo")
@@ -189,3 +195,26 @@ def test_a_paused_gym_container_says_paused_and_a_second_close_is_a_no_op(
     assert after["count_after_resume"] == "4"  # the refused command never reached it
     assert after["provider_closes"] == ["ok", "ok", "ok"]
     assert gym["left"] == []  # Gym's close removed the restored container
+
+
+def test_a_labelled_container_its_provider_never_marked_is_removed_by_the_next_holder(
+        runtime: Setup, tmp_path: Path) -> None:
+    # The provider died between `docker run` and its mark: the container's label still
+    # names its job and holder.
+    from actors.holder.sandboxes import Sandboxes
+
+    podman = Podman(env=runtime.env)
+    name = f"{GYM_PREFIX}{uuid.uuid4().hex}"
+    podman.run("run", "-d", "--name", name, "--label", provided_label("job", "holder-0"),
+               runtime.image, "sleep", "600")
+    other = f"{GYM_PREFIX}{uuid.uuid4().hex}"  # another job's, on the same node
+    podman.run("run", "-d", "--name", other, "--label", provided_label("job2", "holder-0"),
+               runtime.image, "sleep", "600")
+    try:
+        boxes = Sandboxes("holder-0", str(tmp_path), None, "job",
+                          container_env=runtime.env)
+        assert boxes.removed_at_start == 1
+        assert (podman.exists(name), podman.exists(other)) == (False, True)
+    finally:
+        podman.remove(name)
+        podman.remove(other)

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import uuid
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -33,30 +32,13 @@ GROUP = "nemo_gym.sandbox_providers"
 ROLLOUT = "gym-r0"
 
 
-def entry_point_folder(tmp: Path) -> list[str]:
-    """A folder for the workers' path declaring this checkout's provider entry points that
-    the installed nemo-ckpt does not (a venv installed before pyproject.toml named them;
-    ``make install`` reinstalls on its change): Gym finds providers only through installed
-    metadata."""
-    table = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    declared = table["project"]["entry-points"][GROUP]
-    missing = {k: v for k, v in declared.items() if not entry_points(group=GROUP, name=k)}
-    if not missing:
-        return []
-    dist = tmp / "nemo_ckpt_checkout-0.dist-info"
-    dist.mkdir(exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: nemo-ckpt-checkout\n"
-                                   "Version: 0\n")
-    (dist / "entry_points.txt").write_text(
-        f"[{GROUP}]\n" + "".join(f"{k} = {v}\n" for k, v in missing.items()))
-    return [str(tmp)]
-
-
-def run_worker(phase: str, args: dict[str, Any], cwd: Path, path: list[str],
+def run_worker(phase: str, args: dict[str, Any], cwd: Path,
                env: dict[str, str] | None = None) -> dict[str, Any]:
     """``tests/integrations/gym_worker.py``'s ``phase`` in a process of its own (with
-    ``env`` added to this one's): what it printed as its result."""
-    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), *path])}
+    ``env`` added to this one's; this checkout first on its path, so Gym's entry points,
+    which the installed package declares, load this checkout's providers): what it
+    printed as its result."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.integrations.gym_worker", phase, json.dumps(args)],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
@@ -69,14 +51,13 @@ def run_worker(phase: str, args: dict[str, Any], cwd: Path, path: list[str],
 async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path
                              ) -> dict[str, Any]:
     path = tmp / "ckpt" / "step-1"
-    workers = entry_point_folder(tmp)
     ckpt = RayEnvironmentCheckpoint(config)
     try:
         await ckpt.ensure_holders()
         instance = sorted(h.instance_id for h in await ckpt.holders())[1]
         args = {"address": address, "namespace": config.namespace, "rollout_id": ROLLOUT,
                 "sandbox_root": str(config.sandbox_root), "instance_id": instance}
-        before = await asyncio.to_thread(run_worker, "start", args, tmp, workers)
+        before = await asyncio.to_thread(run_worker, "start", args, tmp)
         async with ckpt.snapshot(path):
             pass
     finally:
@@ -87,8 +68,7 @@ async def _crash_and_restore(address: str, config: CheckpointConfig, tmp: Path
         async with fresh.restored(path) as restored:
             continued = set(restored.continued_attempts)
         after = await asyncio.to_thread(
-            run_worker, "resume", {**args, "old_descriptor": before["descriptor"]}, tmp,
-            workers)
+            run_worker, "resume", {**args, "old_descriptor": before["descriptor"]}, tmp)
     finally:
         fresh.shutdown()
     return {"before": before, "after": after, "continued": continued,

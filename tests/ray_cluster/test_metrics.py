@@ -116,15 +116,20 @@ async def test_a_jobs_failure_counters_and_holder_sessions_are_exported_from_its
     want_failures = {(("kind", ""), ("operation", "snapshot")): 0.0,
                      (("kind", ""), ("operation", "restore")): 0.0}
     want_sessions = {(("instance", i),): 2.0 if i == "holder-0" else 0.0 for i in holders}
+    want_sandboxes = {(("instance", i),): 0.0 for i in holders}  # sessions without one
     failures: dict[tuple[str, ...], float] = {}
     sessions: dict[tuple[str, ...], float] = {}
+    sandboxes: dict[tuple[str, ...], float] = {}
     for _ in range(60):  # no snapshot, no failure: only the job's start and two opens
         samples = scrape()
         failures = ours(samples, "ray_nemo_ckpt_failures_total")
         sessions = ours(samples, "ray_nemo_ckpt_holder_sessions")
-        if failures == want_failures and sessions == want_sessions:
+        sandboxes = ours(samples, "ray_nemo_ckpt_holder_sandboxes")
+        if (failures, sessions, sandboxes) == (want_failures, want_sessions,
+                                               want_sandboxes):
             break
         await asyncio.sleep(1)
     assert failures == want_failures
     assert sessions == want_sessions
+    assert sandboxes == want_sandboxes
     assert ours(samples, "ray_nemo_ckpt_captured_rollouts_total") == {(): 0.0}
