@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import os
 import re
 from collections.abc import Iterable
@@ -108,9 +109,11 @@ def test_a_removal_that_ignores_claims_is_caught(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(catalog, "_claim_alone", lambda *args, **kwargs: None)
     monkeypatch.setattr(simulation_faults, "remove_snapshot", careless)
-    # The race is rare (a few schedules per thousand): only schedules whose plan has a
-    # retention script run, until one shows it.
-    shown = (seed for seed in range(2_000) if simulation.Plan.make(seed).retention
+    # The race is rare (one schedule of the first 2,000 shows it): only schedules whose
+    # plan has a retention script run, from the one that shows it today (785) and then
+    # round the range, so that a change of the plans costs time, not the case.
+    seeds = itertools.chain(range(785, 2_000), range(785))
+    shown = (seed for seed in seeds if simulation.Plan.make(seed).retention
              and "1 committed snapshot lost" in {
                  simulation.case_of(v) for v in simulation.run_one(seed).violations})
     assert next(shown, None) is not None
