@@ -132,6 +132,11 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
     if asks_for_a_bucket(request.session.items):
         request.getfixturevalue("s3_server")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # The node stats Ray's dashboard shows, gathered by each node's agent every 5 s by
+    # default (a scan of every process): no test reads them, and on 2 cores a gathering
+    # per minute leaves their CPU to the tests. The metrics our actors export go another
+    # way (tests/ray_cluster/test_metrics.py).
+    os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
     c = Cluster(
         initialize_head=True,
         head_node_args={
