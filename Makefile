@@ -13,6 +13,14 @@ GYM_STAMP := $(VENV)/.nemo-gym-$(NEMO_GYM_VERSION)
 # Extra options for the demo, e.g. `make demo DEMO_ARGS='--nodes 4 --json demo.json'`.
 DEMO_ARGS ?=
 
+# Every process the tests and demos start (each Ray actor is a new Python process, hundreds
+# per `make test`) imports nemo_ckpt from source: with PYTHONDONTWRITEBYTECODE set, as on
+# machines that set it for everyone, each would compile every module of ours again as it
+# starts (benchmarks/README.md, "Actor start-up"). So the recipes below run with it
+# unset, and `make test` compiles the sources once up front.
+unexport PYTHONDONTWRITEBYTECODE
+COMPILE := $(PY) -m compileall -q nemo_ckpt actors tests examples benchmarks
+
 # The deterministic simulation's schedules per `make test` (tests/simulation/): 5,500,
 # about 2 minutes here, to keep `make test` under 20 minutes on 2 cores with the
 # container tests; `python -m tests.simulation` alone runs 10,000. A violation prints its
@@ -59,6 +67,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 test: $(STAMP) $(GYM_STAMP)
 	$(VENV)/bin/ruff check nemo_ckpt actors tests examples benchmarks
 	$(VENV)/bin/mypy
+	$(COMPILE)
 	$(PY) -m tests.container_runtime
 	$(PY) -m tests.simulation --schedules $(SIM_SCHEDULES)
 	$(PY) -m pytest -n 2 --dist loadfile
