@@ -105,29 +105,41 @@ class CoordinatorLink:
         attempt that found it dead, not from the call: that attempt may itself have waited
         for Ray to notice the death (simulation seed 30646). A commit is not sent again:
         its outcome is learned from the abort (``RayEnvironmentCheckpoint``'s commit).
-        Each attempt, its attach included, ends by ``deadline_s(method)``; one that
-        missed it is not sent again (it may still run)."""
+        The whole call, each attempt and its attach included, ends by
+        ``deadline_s(method)`` from its start; an attempt that missed it is not sent
+        again (it may still run)."""
         transport = self._transport()
         clock = transport.runtime.clock
         timeout = self.deadline_s(method, *args)
+        # The whole call, every attempt and its attach, ends by ``timeout`` from here:
+        # the deadline already holds the margin for a death and the successor
+        # (``deadline_s``). An attempt after a death given a whole deadline of its own
+        # let a begin that met a hung successor take 31.5 s with its abort, past the
+        # 25 s its deadlines allow (simulation seed 1100396).
+        ends = None if timeout is None else clock.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if ends is None else ends - clock.monotonic()
+
         deadline: float | None = None
         while True:
             try:
-                began = clock.monotonic()
+                remaining = left()
+                if remaining is not None and remaining <= 0:  # spent by earlier attempts
+                    raise unavailable_error(transport.coordinator(), method, timeout=timeout)
                 if not self._attached and method != "abort":
                     # Within the call's own deadline. An abort is sent at once, attached
                     # or not (a coordinator it makes is made with this config): it must
                     # not wait behind an attach to a coordinator that does not answer.
-                    await direct_coordinator_calls(transport, timeout).attach(self.config)
+                    # (Simulation seed 700400: an attach and a begin_snapshot each took
+                    # their whole deadline.)
+                    await direct_coordinator_calls(transport, remaining).attach(self.config)
                     self._attached = True
-                # The attach spent part of this attempt's deadline, not a deadline of
-                # its own (simulation seed 700400: an attach and a begin_snapshot each
-                # took their whole deadline).
-                left = None if timeout is None else timeout - (clock.monotonic() - began)
+                remaining = left()
                 coordinator = transport.coordinator()
-                if left is not None and left <= 0:
+                if remaining is not None and remaining <= 0:
                     raise unavailable_error(coordinator, method, timeout=timeout)
-                return await transport.call(coordinator, method, *args, timeout=left)
+                return await transport.call(coordinator, method, *args, timeout=remaining)
             except BackendUnavailableError as exc:
                 if not exc.timed_out:  # another coordinator may answer next: attach to it
                     self._attached = False

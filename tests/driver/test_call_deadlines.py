@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import pytest
 
@@ -107,6 +108,41 @@ def test_an_attach_that_answers_late_leaves_its_call_only_what_is_left_of_the_de
             async with fresh.snapshot(path) as snap:
                 if snap is not None:
                     await snap.check_against_cut(cut_of(live))
+        assert world.sim.loop.time() - began <= BEGIN_S + ABORT_S + 0.5
+        assert not (environment_dir(path) / "manifest.json").exists()
+
+    world.run(scenario())
+
+
+def test_a_begin_whose_coordinator_dies_and_whose_successor_hangs_ends_by_its_deadline(
+        world: World) -> None:
+    """The attempt that goes on to a dead coordinator's successor has what is left of
+    the call's deadline, not a whole one: the deadline holds the margin for a death
+    already. Given a new one, a begin whose coordinator was declared dead mid-call and
+    whose successor then never answered took 31.5 s with its abort, against 25
+    (simulation seed 1100396)."""
+    path = world.path("ckpt")
+    seen: list[str] = []
+
+    async def scenario() -> None:
+        live = await world.populate()
+        first = world.sim.live(COORDINATOR)
+
+        def hook(target: Any, method: str, args: tuple[Any, ...]) -> None:
+            if target.kind != COORDINATOR or method not in ("begin_snapshot", "attach"):
+                return
+            if method == "begin_snapshot" and not seen:
+                seen.append("death")  # declared dead 3.5 s in, as Ray does a stalled one
+                world.sim.stall([target], 5.7, 3.5)
+            elif method == "attach" and target not in first and "hang" not in seen:
+                seen.append("hang")  # the successor takes the attach, never answers
+                hang_coordinator(world, 120.0)
+
+        world.sim.on_deliver = hook
+        began = world.sim.loop.time()
+        with pytest.raises(BackendUnavailableError, match="did not finish attach"):
+            await world.snapshot(path, live)
+        assert seen == ["death", "hang"]
         assert world.sim.loop.time() - began <= BEGIN_S + ABORT_S + 0.5
         assert not (environment_dir(path) / "manifest.json").exists()
 
