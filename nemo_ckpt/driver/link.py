@@ -119,27 +119,27 @@ class CoordinatorLink:
         ends = None if timeout is None else clock.monotonic() + timeout
 
         def left() -> float | None:
-            return None if ends is None else ends - clock.monotonic()
+            """What is left of the call's deadline; unavailable once it is spent."""
+            if ends is None:
+                return None
+            remaining = ends - clock.monotonic()
+            if remaining <= 0:
+                raise unavailable_error(transport.coordinator(), method, timeout=timeout)
+            return remaining
 
         deadline: float | None = None
         while True:
             try:
-                remaining = left()
-                if remaining is not None and remaining <= 0:  # spent by earlier attempts
-                    raise unavailable_error(transport.coordinator(), method, timeout=timeout)
                 if not self._attached and method != "abort":
                     # Within the call's own deadline. An abort is sent at once, attached
                     # or not (a coordinator it makes is made with this config): it must
                     # not wait behind an attach to a coordinator that does not answer.
                     # (Simulation seed 700400: an attach and a begin_snapshot each took
                     # their whole deadline.)
-                    await direct_coordinator_calls(transport, remaining).attach(self.config)
+                    await direct_coordinator_calls(transport, left()).attach(self.config)
                     self._attached = True
-                remaining = left()
-                coordinator = transport.coordinator()
-                if remaining is not None and remaining <= 0:
-                    raise unavailable_error(coordinator, method, timeout=timeout)
-                return await transport.call(coordinator, method, *args, timeout=remaining)
+                return await transport.call(transport.coordinator(), method, *args,
+                                            timeout=left())
             except BackendUnavailableError as exc:
                 if not exc.timed_out:  # another coordinator may answer next: attach to it
                     self._attached = False
