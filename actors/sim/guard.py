@@ -7,8 +7,11 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+from actors.sim.actor import SimActor
 from actors.sim.view import WorldView
 
 __all__ = ["GUARD", "GUARD_S", "Guard"]
@@ -76,13 +79,16 @@ class Guard:
             if stage == 1:
                 world.thread_skip = world.call_deadline_s
                 continue
-            where, running, name = self._where(), world.running, world.running_name
+            running, name = world.running, world.running_name
             world.thread_skip = 10 * 3600.0
-            fifos = world.unblock()
             if stage == 2 and world.on_blocked is not None and running is not None:
-                if fifos:
-                    where += f", opening a FIFO ({fifos} opened for writing to free it)"
-                world.on_blocked(running, name, where)
+                # Reported before the call is freed: reported after, the call could
+                # return first and its schedule end without the violation (a loaded
+                # machine did so).
+                world.unblock(partial(_report, world.on_blocked, running, name,
+                                      self._where()))
+            else:
+                world.unblock()
 
     def _where(self) -> str:
         """The innermost function of the project that the blocked call is in."""
@@ -94,6 +100,13 @@ class Guard:
                 return f"{frame.f_code.co_name} ({module}:{frame.f_lineno})"
             frame = frame.f_back
         return "?"
+
+
+def _report(on_blocked: Callable[[SimActor, str, str], None], running: SimActor,
+            name: str, where: str, fifos: int) -> None:
+    if fifos:
+        where += f", opening a FIFO ({fifos} opened for writing to free it)"
+    on_blocked(running, name, where)
 
 
 # One per process: one thread runs blocking calls, the one the loop runs on.

@@ -147,16 +147,22 @@ class BlockingRunner:
                   exc: BaseException | None = None) -> None:
         self._world.loop.call_later(rest, settle, done, value, exc, context=NO_ACTOR)
 
-    def unblock(self) -> int:
+    def unblock(self, first: Callable[[int], None] | None = None) -> int:
         """Let a blocked call go on: a FIFO's open returns once a writer opened it (and
-        a read then sees its end); a wait on a clock sees ``thread_skip``. Returns how
-        many FIFOs had a reader waiting."""
-        freed = 0
-        for path in self._world.fifos:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:
-                continue  # no reader waits on it, or it is gone
-            os.close(fd)
-            freed += 1
-        return freed
+        a read then sees its end, when the writer closes); a wait on a clock sees
+        ``thread_skip``. ``first(freed)`` runs between the two, so that what it records
+        comes before the blocked call returns, however the threads are scheduled.
+        Returns how many FIFOs had a reader waiting."""
+        writers: list[int] = []
+        try:
+            for path in self._world.fifos:
+                try:
+                    writers.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    continue  # no reader waits on it, or it is gone
+            if first is not None:
+                first(len(writers))
+        finally:
+            for fd in writers:
+                os.close(fd)
+        return len(writers)

@@ -149,9 +149,10 @@ class SimWorld:
         (``actors.sim.delivery``)."""
         return self._delivery.deliver(caller, target, method, args)
 
-    def unblock(self) -> int:
-        """Let the blocked call go on; how many FIFOs had a reader waiting."""
-        return self._blocking.unblock()
+    def unblock(self, first: Callable[[int], None] | None = None) -> int:
+        """Let the blocked call go on, ``first`` told how many FIFOs had a reader
+        waiting before it does (``SimRuntime.unblock``); returns that count."""
+        return self._blocking.unblock(first)
 
     def live(self, kind: str) -> list[SimActor]:
         """The actors of ``kind`` alive that Ray has not declared dead (no zombies)."""

@@ -9,6 +9,7 @@ import io
 import itertools
 import os
 import re
+import time
 from collections.abc import Iterable
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -218,7 +219,14 @@ def test_a_call_that_blocks_for_ever_is_reported_and_unblocked(tmp_path: Path) -
     os.mkfifo(fifo)
     world.fifos.append(str(fifo))
     reports: list[tuple[str, str, str]] = []
-    world.on_blocked = lambda a, name, where: reports.append((a.name, name, where))
+
+    def on_blocked(a: SimActor, name: str, where: str) -> None:
+        # Slow, as a report is on a loaded machine: the call must not return before it
+        # (it did, and its schedule could end without the violation).
+        time.sleep(0.3)
+        reports.append((a.name, name, where))
+
+    world.on_blocked = on_blocked
 
     def read_all(path: Path) -> bytes:
         return path.read_bytes()  # opening a FIFO with no writer waits for one
