@@ -257,11 +257,13 @@ def test_the_demo_prints_its_namespace_and_status_finds_its_holders(
         assert command[1:4] == ["status", "--address", head.address]
         namespace = command[command.index("--namespace") + 1]
         # The command as printed, run by a user in another shell while the demo runs.
-        # (Retried: for a moment around the crash the namespace has no holders.)
-        for _ in range(5):
+        # (Retried: for a moment around the crash the namespace has no holders, or its
+        # holders and no coordinator.)
+        for _ in range(10):
             done, _ = run([str(BIN / "nemo-ckpt"), *command[1:]], env, timeout=60)
-            if done.returncode == 0:
+            if done.returncode == 0 and "coordinator running" in done.stdout:
                 break
+            time.sleep(0.5)
         assert done.returncode == 0, done.stderr
         first = done.stdout.splitlines()[0]
         assert first.startswith(f"namespace {namespace}: 1 holders, coordinator running")
