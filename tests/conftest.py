@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``make test`` runs ``pytest -n 2 --dist loadfile`` (pytest-xdist): a module's tests
+    """``make test`` runs ``pytest -n 3 --dist loadfile`` (pytest-xdist): a module's tests
     on one worker, so its module-scoped fixtures start once, and the podman modules on the
     same worker, one after another, in the order the workers collected them (the slowest
     first). Each worker has its own session fixtures (a Ray cluster, S3 servers) on ports
@@ -142,6 +142,10 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
         head_node_args={
             "num_cpus": 2,
             "include_dashboard": False,
+            # The log monitor tails every worker's log files to stream them to drivers
+            # that ask (`log_to_driver`); none here does, and with hundreds of workers
+            # per run it was a few percent of the suite's CPU on 2 cores.
+            "include_log_monitor": False,
             # Detect a removed node in ~5 s instead of ~15 s; tighter than this, a node
             # of a loaded 2-core machine was seen declared dead while alive.
             "_system_config": {"health_check_period_ms": 1000,

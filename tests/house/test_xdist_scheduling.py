@@ -1,4 +1,5 @@
-"""``make test``'s ``pytest -n 2 --dist loadfile`` (tests/conftest.py): the podman modules
+"""``make test``'s ``pytest -n 3 --dist loadfile`` (tests/conftest.py), here on two workers
+(the grouping does not depend on their number): the podman modules
 share one worker, every module stays on one worker, and the slowest modules start first."""
 
 from __future__ import annotations
