@@ -51,14 +51,18 @@ $(GYM_STAMP): | $(PY)
 AZURITE_VERSION := 3.35.0
 
 # pip takes a minute or two on a fresh venv (Ray is large): say so, and let it name
-# each package it installs; its warnings about absent mirror folders are noise.
+# each package it installs; its warnings about absent mirror folders are noise. npm runs
+# beside it (its ~25 s are mostly waiting on the registry), and each one's failure fails
+# the install.
 $(STAMP): pyproject.toml Makefile | $(PY)
-	@echo "make install: installing nemo-ckpt and its test tools into $(VENV) (pip; a fresh venv takes a minute or two)"
-	@$(PY) -m pip install --progress-bar off -e '.[test]' 2>&1 \
+	@echo "make install: installing nemo-ckpt and its test tools into $(VENV) (pip; a fresh venv takes a minute or two), and Azurite $(AZURITE_VERSION) (npm) for the az:// tests beside it"
+	@npm install --prefix $(VENV)/npm --no-audit --no-fund --silent azurite@$(AZURITE_VERSION) & \
+		npm_pid=$$!; \
+		$(PY) -m pip install --progress-bar off -e '.[test]' 2>&1 \
 		| grep -v -e '^WARNING: Location ' -e '^Requirement already satisfied' -e '^Looking in' ; \
-		exit $${PIPESTATUS[0]}
-	@echo "make install: installing Azurite $(AZURITE_VERSION) (npm) for the az:// tests"
-	@npm install --prefix $(VENV)/npm --no-audit --no-fund --silent azurite@$(AZURITE_VERSION)
+		pip_status=$${PIPESTATUS[0]}; \
+		if ! wait $$npm_pid; then echo "make install: npm could not install Azurite $(AZURITE_VERSION)" >&2; exit 1; fi; \
+		exit $$pip_status
 	@touch $(STAMP)
 	@echo "make install: done; the tools are in $(VENV)/bin"
 
