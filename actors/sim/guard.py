@@ -81,14 +81,13 @@ class Guard:
                 continue
             running, name = world.running, world.running_name
             world.thread_skip = 10 * 3600.0
+            report = None
             if stage == 2 and world.on_blocked is not None and running is not None:
                 # Reported before the call is freed: reported after, the call could
                 # return first and its schedule end without the violation (a loaded
                 # machine did so).
-                world.unblock(partial(_report, world.on_blocked, running, name,
-                                      self._where()))
-            else:
-                world.unblock()
+                report = partial(_report, world.on_blocked, running, name, self._where())
+            world.unblock(report)
 
     def _where(self) -> str:
         """The innermost function of the project that the blocked call is in."""

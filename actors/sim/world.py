@@ -151,7 +151,7 @@ class SimWorld:
 
     def unblock(self, first: Callable[[int], None] | None = None) -> int:
         """Let the blocked call go on, ``first`` told how many FIFOs had a reader
-        waiting before it does (``SimRuntime.unblock``); returns that count."""
+        waiting before it does (``BlockingRunner.unblock``); returns that count."""
         return self._blocking.unblock(first)
 
     def live(self, kind: str) -> list[SimActor]:
