@@ -52,7 +52,10 @@ from nemo_ckpt.testing.toy_env import (
 from tests.conftest import remove_node_and_wait
 
 SEED = 20261129
-IN_FLIGHT = 12  # rollouts running at once; new ones start until the faults are done
+# Rollouts running at once (two a holder); new ones start until the faults are done. Every
+# fault strikes rollouts in flight; more at once ran more rollouts for the same faults, at
+# a CPU cost the rest of `make test` shares on 2 cores.
+IN_FLIGHT = 6
 TURNS = 8
 FAULTS = 50
 NODE_FAULTS = 4  # node removals and additions are slow (seconds each): a few of them
