@@ -1,6 +1,12 @@
 # Set-up commands: `make test` and `make demo` bootstrap .venv by themselves
 # (`make install` only bootstraps it). The contract check is tests/core/test_contract.py.
-PYTHON ?= python3
+# The interpreter .venv is made from (`make PYTHON=...` picks another): the system's own
+# /usr/bin/python3 where it is 3.10 or newer and can make a venv, else the python3 on the
+# path. Distributions build theirs with profile-guided and link-time optimization, which a
+# Python built from source by default (pyenv's) lacks; every Ray worker, the simulation
+# and pytest run on it (docs/DESIGN.md, "Tests on one machine").
+PYTHON ?= $(shell /usr/bin/python3 -c 'import sys, ensurepip, venv; \
+	sys.exit(sys.version_info < (3, 10))' 2>/dev/null && echo /usr/bin/python3 || echo python3)
 # PIPESTATUS: pip's own exit status through the filter below.
 SHELL := /bin/bash
 VENV := .venv
