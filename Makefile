@@ -28,7 +28,7 @@ unexport PYTHONDONTWRITEBYTECODE
 COMPILE := $(PY) -m compileall -q nemo_ckpt actors tests examples benchmarks
 
 # The deterministic simulation's schedules per `make test` (tests/simulation/): 5,200,
-# about 4 minutes here, to keep `make test` under 20 minutes on 2 cores with the
+# about 3 to 4 minutes here, to keep `make test` under 20 minutes on 2 cores with the
 # container tests; seeds 0 to 5,199, so every seed that found a defect below that is
 # replayed (the highest, 5,193: docs/FAILURES.md). `python -m tests.simulation` alone
 # runs 10,000. A violation prints its seed and the command that replays it.
