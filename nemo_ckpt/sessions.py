@@ -25,7 +25,7 @@ from nemo_ckpt.errors import (
 )
 from nemo_ckpt.interfaces import EnvironmentEpisode
 from nemo_ckpt.phases import HolderInfo, instance_sort_key
-from nemo_ckpt.protocol.holder_api import holder_calls, session_calls
+from nemo_ckpt.protocol.holder_api import holder_calls, probe_calls, session_calls
 from nemo_ckpt.sandbox_backend import ContainerRef
 from nemo_ckpt.session_record import SessionHead, SessionRecord, check_staging_keys
 from nemo_ckpt.transport import Actor, Transport
@@ -156,6 +156,7 @@ class SessionClient:
         # the abort of its last one.
         self._aborting: dict[str, asyncio.Future[Any]] = {}
         self._holder_calls = session_calls(self._call)
+        self._probe_calls = probe_calls(self._call)
 
     @classmethod
     async def connect(
@@ -385,8 +386,7 @@ class SessionClient:
 
     async def holder_info(self) -> HolderInfo:
         """Its holder's identity, state and options (``sandbox_root`` among them)."""
-        info: HolderInfo = await self._call("info")
-        return info
+        return await self._probe_calls.info()
 
     async def replay_diverged(self, episode: EnvironmentEpisode, detail: str) -> int:
         """Report that ``episode``'s continued rollout starts over because replaying its

@@ -43,6 +43,7 @@ __all__ = [
     "OpeningSessions",
     "concurrency_group",
     "holder_calls",
+    "probe_calls",
     "session_calls",
 ]
 
@@ -241,3 +242,10 @@ def session_calls(invoke: Callable[..., Awaitable[Any]]) -> HolderSessions:
     death) and returns its answer."""
     return cast(HolderSessions, Proxy(
         (HolderSessions,), lambda made: invoke(made.method, *made.args)))
+
+
+def probe_calls(invoke: Callable[..., Awaitable[Any]]) -> HolderProbeCalls:
+    """``HolderProbeCalls``' calls through ``invoke`` as ``session_calls``: a worker
+    asks its holder who it is (``SessionClient.holder_info``)."""
+    return cast(HolderProbeCalls, Proxy(
+        (HolderProbeCalls,), lambda made: invoke(made.method, *made.args)))

@@ -38,6 +38,26 @@ def test_a_client_whose_holder_was_killed_reaches_its_successor_once_it_runs(
     world.run(scenario())
 
 
+def test_a_clients_holder_info_names_its_holder_and_then_the_successor(world: World) -> None:
+    """``holder_info`` goes the way of the client's session calls: typed, and to the
+    instance's current holder once a successor runs."""
+    async def scenario() -> None:
+        await world.ckpt.ensure_holders()
+        client = await world.client("holder-1")
+        await client.open(Ep("r", 0), b"s")
+        info = await client.holder_info()
+        assert (info.instance_id, info.state, info.sessions) == (
+            "holder-1", HolderState.RUNNING, 1)
+        world.sim.kill(next(a for a in world.sim.live(HOLDER) if a.name == "holder-1"))
+        with pytest.raises(BackendUnavailableError, match="holder holder-1"):
+            await client.holder_info()
+        await world.ckpt.check_startup()
+        info = await client.holder_info()
+        assert (info.instance_id, info.sessions) == ("holder-1", 0)
+
+    world.run(scenario())
+
+
 def test_an_abort_while_the_coordinators_name_points_at_the_dead_reaches_its_successor(
         world: World) -> None:
     """Case 2: the coordinator's node is lost inside a snapshot's block, and until Ray
