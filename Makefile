@@ -49,6 +49,8 @@ $(PY):
 # npm runs beside it, and each one's failure fails the install.
 UV_VERSION := 0.13.10
 UV := $(VENV)/bin/uv
+# uv's wait for a slow registry, as long as the one pip is given here (PIP_DEFAULT_TIMEOUT).
+export UV_HTTP_TIMEOUT ?= 180
 $(UV): | $(PY)
 	@$(PY) -m pip install --progress-bar off -q uv==$(UV_VERSION) 2>&1 \
 		| grep -v -e '^WARNING: Location ' -e '^Looking in' ; \
