@@ -22,9 +22,10 @@ import argparse
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
+
+from benchmarks.common import format_table, git_state, median
 
 ASYNCIO = """
 import asyncio
@@ -109,14 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, code in WORKLOADS.items():
             for python in pythons:
                 samples.setdefault((name, python), []).append(_cpu_s(python, code))
-    labels = {p: f"{p} ({versions[p]})" for p in pythons}
-    width = max(map(len, labels.values()))
-    print(f"{'workload':<9} {'interpreter':<{width}} {'cpu_s':>7} {'x_base':>7}")
+    rows = []
     for name in WORKLOADS:
-        base = statistics.median(samples[(name, pythons[0])])
+        base = median(samples[(name, pythons[0])])
         for python in pythons:
-            cpu = statistics.median(samples[(name, python)])
-            print(f"{name:<9} {labels[python]:<{width}} {cpu:7.3f} {cpu / base:6.2f}x")
+            cpu = median(samples[(name, python)])
+            rows.append((name, f"{python} ({versions[python]})", f"{cpu:.3f}",
+                         f"{cpu / base:.2f}x"))
+    print(f"commit {git_state()['commit']}, load average {os.getloadavg()[0]:.2f}")
+    print("\n".join(format_table(("workload", "interpreter", "cpu_s", "x_base"), rows)))
     return 0
 
 

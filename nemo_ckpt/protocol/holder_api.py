@@ -240,12 +240,15 @@ def session_calls(invoke: Callable[..., Awaitable[Any]]) -> HolderSessions:
     """``HolderSessions``' calls through ``invoke(method, *args)``, which carries a call
     to the worker's holder (the client's, which looks the holder up again after its
     death) and returns its answer."""
-    return cast(HolderSessions, Proxy(
-        (HolderSessions,), lambda made: invoke(made.method, *made.args)))
+    return cast(HolderSessions, _carried(HolderSessions, invoke))
 
 
 def probe_calls(invoke: Callable[..., Awaitable[Any]]) -> HolderProbeCalls:
     """``HolderProbeCalls``' calls through ``invoke`` as ``session_calls``: a worker
     asks its holder who it is (``SessionClient.holder_info``)."""
-    return cast(HolderProbeCalls, Proxy(
-        (HolderProbeCalls,), lambda made: invoke(made.method, *made.args)))
+    return cast(HolderProbeCalls, _carried(HolderProbeCalls, invoke))
+
+
+def _carried(protocol: type, invoke: Callable[..., Awaitable[Any]]) -> Proxy:
+    """``protocol``'s calls, each handed to ``invoke`` as its method's name and args."""
+    return Proxy((protocol,), lambda made: invoke(made.method, *made.args))
